@@ -1,0 +1,261 @@
+"""The switch's data plane, sans-IO: datagrams in, datagrams out.
+
+It keeps to what switch hardware can do.  All state is allocated when it is
+built: a pool of slots, two sets per slot (the shadow copy), and per slot and set
+a worker bitmap, a contribution counter, a max exponent, the message number it
+aggregates and the ids it echoes in results.  Values are added as 32-bit
+integers with wrap-around.  Nothing grows with tensor size or job length.
+
+Per slot and set ``v = msg & 1``, for a contribution from rank ``w``:
+
+* a message newer than the one the set holds starts a fresh aggregation: its
+  values overwrite the set (the shadow copy of two messages ago is no longer
+  needed by anyone, because no worker can send message m+2 before every worker
+  has received the result of message m);
+* the same message from a rank not yet in the bitmap is added; the n-th
+  contribution sends the result to every worker of the job;
+* the same message from a rank already in the bitmap is a retransmission: if the
+  set is complete its stored result goes back to that rank alone, otherwise it is
+  dropped (counted as a duplicate).  Nothing is ever added twice;
+* an older message is stale and dropped.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import wire
+from ..quant import EXP_ZERO
+
+HEADER_WORDS = wire.HEADER_SIZE // wire.VALUE_SIZE
+
+#: Most workers in one job: the contribution bitmap is 32 bits wide, as on Tofino.
+MAX_WORKERS = 32
+#: How many ended jobs keep their counters for ``stats()``.
+ENDED_JOBS_KEPT = 16
+
+
+class SlotPoolExhausted(Exception):
+    """No contiguous range of free slots is large enough for a new job."""
+
+
+@dataclass
+class Job:
+    """A job installed in the pipeline, as the controller's table entries would be."""
+
+    name: str
+    session: int
+    world_size: int
+    slot_base: int
+    slot_count: int
+    members: list  # data address of each rank, by rank
+    counters: Counter = field(default_factory=Counter)
+
+    def summary(self) -> dict:
+        return {
+            "session": self.session,
+            "world_size": self.world_size,
+            "slot_base": self.slot_base,
+            "slot_count": self.slot_count,
+            "counters": dict(self.counters),
+        }
+
+
+class Pipeline:
+    """Slot pool plus streaming aggregation; see the module docstring for the rules."""
+
+    def __init__(self, slots: int = 256, packet_elements: int = 8192, *,
+                 drop_rate: float = 0.0, egress_drop_rate: float | None = None,
+                 seed: int | None = None):
+        if not 1 <= slots <= 0xFFFF:
+            raise ValueError(f"slots must be in 1..65535, got {slots}")
+        if not 1 <= packet_elements <= wire.MAX_PACKET_ELEMENTS:
+            raise ValueError(
+                f"packet_elements must be in 1..{wire.MAX_PACKET_ELEMENTS} "
+                f"(one UDP datagram), got {packet_elements}")
+        self.slots = slots
+        self.packet_elements = packet_elements
+        self.ingress_drop_rate = float(drop_rate)
+        self.egress_drop_rate = float(drop_rate if egress_drop_rate is None else egress_drop_rate)
+        self._rng = random.Random(seed)
+
+        # Each row is a whole result datagram: header words, then the values.
+        self._rows = np.zeros((2, slots, HEADER_WORDS + packet_elements), dtype=np.int32)
+        self._values = self._rows[:, :, HEADER_WORDS:]
+        # Per slot and set registers.  Python lists: scalar access is the hot path.
+        self._valid = [[False] * slots for _ in range(2)]
+        self._msg = [[0] * slots for _ in range(2)]
+        self._bitmap = [[0] * slots for _ in range(2)]
+        self._count = [[0] * slots for _ in range(2)]
+        self._exponent = [[EXP_ZERO] * slots for _ in range(2)]
+        self._ids = [[(0, 0, 0, 0)] * slots for _ in range(2)]  # seq, pkt_id, dtype, count
+        self._owner = [0] * slots  # session owning each slot, 0 = free
+
+        self.jobs: dict[int, Job] = {}
+        self.ended_jobs: dict[str, dict] = {}
+        self._members: dict[tuple, tuple[Job, int]] = {}
+        self.counters: Counter = Counter()  # drops not attributable to a job
+
+    # ------------------------------------------------------------------ control
+    def free_slots(self) -> int:
+        return self._owner.count(0)
+
+    def allocate(self, count: int) -> int:
+        """First-fit a contiguous range of ``count`` free slots; return its base."""
+        run = 0
+        for i, owner in enumerate(self._owner):
+            run = run + 1 if owner == 0 else 0
+            if run == count:
+                return i - count + 1
+        raise SlotPoolExhausted(
+            f"no {count} contiguous free slots (pool {self.slots}, free {self.free_slots()})")
+
+    def install_job(self, name: str, session: int, members: list, slot_base: int,
+                    slot_count: int) -> Job:
+        """Admit data from ``members`` (rank -> address) on slots [base, base+count)."""
+        world = len(members)
+        if not 1 <= world <= MAX_WORKERS:
+            raise ValueError(f"a job has 1..{MAX_WORKERS} workers, got {world}")
+        if session in self.jobs or session == 0:
+            raise ValueError(f"session {session} is taken or invalid")
+        for s in range(slot_base, slot_base + slot_count):
+            if self._owner[s] != 0:
+                raise ValueError(f"slot {s} belongs to session {self._owner[s]}")
+        for addr in members:
+            if addr in self._members:
+                raise ValueError(f"address {addr} already belongs to a job")
+        job = Job(name, session, world, slot_base, slot_count, list(members))
+        for s in range(slot_base, slot_base + slot_count):
+            self._owner[s] = session
+            for v in (0, 1):
+                self._valid[v][s] = False
+                self._bitmap[v][s] = 0
+                self._count[v][s] = 0
+        for rank, addr in enumerate(members):
+            self._members[addr] = (job, rank)
+        self.jobs[session] = job
+        return job
+
+    def remove_job(self, session: int) -> Job | None:
+        """Free a job's slots and forget its addresses; keep its counters for stats."""
+        job = self.jobs.pop(session, None)
+        if job is None:
+            return None
+        for s in range(job.slot_base, job.slot_base + job.slot_count):
+            self._owner[s] = 0
+        for addr in job.members:
+            self._members.pop(addr, None)
+        self.ended_jobs[job.name] = job.summary()
+        while len(self.ended_jobs) > ENDED_JOBS_KEPT:
+            self.ended_jobs.pop(next(iter(self.ended_jobs)))
+        return job
+
+    def slot_state(self, slot: int, msg: int) -> tuple[bool, int]:
+        """(holds message ``msg``, contributor bitmap) of the set ``msg`` maps to."""
+        v = msg & 1
+        holds = self._valid[v][slot] and self._msg[v][slot] == msg
+        return holds, self._bitmap[v][slot] if holds else 0
+
+    def stats(self) -> dict:
+        return {
+            "slots": self.slots,
+            "packet_elements": self.packet_elements,
+            "free_slots": self.free_slots(),
+            "drop_rate": {"ingress": self.ingress_drop_rate, "egress": self.egress_drop_rate},
+            "counters": dict(self.counters),
+            "jobs": {job.name: job.summary() for job in self.jobs.values()},
+            "ended_jobs": dict(self.ended_jobs),
+        }
+
+    # ------------------------------------------------------------------ data
+    def receive_datagram(self, data, addr) -> list:
+        """Process one datagram from ``addr``; return [(datagram, address), ...] to send.
+
+        Returned datagrams are views of switch memory, valid until the next call.
+        Never raises on bad input: it is dropped and counted by reason.
+        """
+        if self.ingress_drop_rate and self._rng.random() < self.ingress_drop_rate:
+            self.counters["dropped_ingress_simulated"] += 1
+            return []
+        member = self._members.get(addr)
+        if member is None:
+            self.counters["dropped_unknown_source"] += 1
+            return []
+        job, rank = member
+        counters = job.counters
+        try:
+            h = wire.decode_header(data)
+        except wire.MalformedPacket as exc:
+            counters["dropped_" + exc.reason] += 1
+            return []
+        if h.kind != wire.KIND_CONTRIBUTION:
+            counters["dropped_bad_kind"] += 1
+            return []
+        if h.session != job.session:
+            counters["dropped_wrong_session"] += 1
+            return []
+        slot = h.slot
+        if not job.slot_base <= slot < job.slot_base + job.slot_count:
+            counters["dropped_slot_out_of_range"] += 1
+            return []
+        if h.count > self.packet_elements:
+            counters["dropped_too_many_values"] += 1
+            return []
+        counters["packets_in"] += 1
+
+        msg = h.msg
+        v = msg & 1
+        bit = 1 << rank
+        ids = (h.seq, h.pkt_id, h.dtype, h.count)
+        payload = np.frombuffer(data, dtype=np.int32, count=h.count, offset=wire.HEADER_SIZE)
+        if not self._valid[v][slot] or wire.msg_newer(msg, self._msg[v][slot]):
+            self._values[v, slot, : h.count] = payload
+            self._valid[v][slot] = True
+            self._msg[v][slot] = msg
+            self._ids[v][slot] = ids
+            self._exponent[v][slot] = h.exponent
+            self._bitmap[v][slot] = bit
+            self._count[v][slot] = 1
+        elif msg == self._msg[v][slot]:
+            if self._bitmap[v][slot] & bit:
+                if self._count[v][slot] == job.world_size:
+                    counters["retransmissions_answered"] += 1
+                    return self._emit(job, v, slot, [job.members[rank]])
+                counters["duplicates"] += 1
+                return []
+            if ids != self._ids[v][slot]:
+                counters["dropped_mismatch"] += 1
+                return []
+            row = self._values[v, slot, : h.count]
+            np.add(row, payload, out=row)
+            if h.exponent > self._exponent[v][slot]:
+                self._exponent[v][slot] = h.exponent
+            self._bitmap[v][slot] |= bit
+            self._count[v][slot] += 1
+        else:
+            counters["dropped_stale"] += 1
+            return []
+
+        if self._count[v][slot] < job.world_size:
+            return []
+        seq, pkt_id, dtype, count = ids
+        wire.encode_header(self._rows[v, slot], wire.KIND_RESULT, dtype, slot, job.session,
+                           msg, seq, pkt_id, self._exponent[v][slot], count)
+        counters["results_completed"] += 1
+        return self._emit(job, v, slot, job.members)
+
+    def _emit(self, job: Job, v: int, slot: int, destinations: list) -> list:
+        count = self._ids[v][slot][3]
+        datagram = memoryview(self._rows[v, slot, : HEADER_WORDS + count]).cast("B")
+        out = []
+        for addr in destinations:
+            if self.egress_drop_rate and self._rng.random() < self.egress_drop_rate:
+                job.counters["dropped_egress_simulated"] += 1
+                continue
+            out.append((datagram, addr))
+        job.counters["results_out"] += len(out)
+        return out
