@@ -1,0 +1,16 @@
+"""switchml: in-network allreduce through a software switch (SwitchML, OmniReduce).
+
+    with switchml.Switch() as sw:              # or: switchml switch --port 7300
+        ...
+    with switchml.Worker("127.0.0.1:7300", rank, world_size) as w:
+        total = w.allreduce(np.ones(1000, np.float32))
+"""
+
+from .errors import (JoinRefusedError, SwitchMLError, SwitchMLTimeoutError,
+                     SwitchUnreachableError)
+from .switch.server import Switch
+from .worker.client import AllreduceHandle, Worker
+
+__all__ = ["Switch", "Worker", "AllreduceHandle", "SwitchMLError", "SwitchMLTimeoutError",
+           "JoinRefusedError", "SwitchUnreachableError"]
+__version__ = "0.1.0"

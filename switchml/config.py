@@ -1,0 +1,48 @@
+"""Settings from SWITCHML_* environment variables, as NCCL_* configure NCCL.
+
+=========================  =====================================  ==========
+variable                   meaning                                default
+=========================  =====================================  ==========
+SWITCHML_SWITCH            switch control address, host:port      (none)
+SWITCHML_TIMEOUT           seconds without progress before error  30
+SWITCHML_JOB               job name shared by a job's workers     default
+SWITCHML_HOST              ``switchml switch`` bind address       127.0.0.1
+SWITCHML_PORT              ``switchml switch`` port               7300
+SWITCHML_SLOTS             slots in the switch's pool             256
+SWITCHML_PACKET_ELEMENTS   int32 values per packet                8192
+SWITCHML_SLOTS_PER_JOB     slots a job gets (its window)          32
+SWITCHML_DROP_RATE         simulated drop probability             0
+=========================  =====================================  ==========
+"""
+
+from __future__ import annotations
+
+import os
+
+DEFAULT_PORT = 7300
+DEFAULT_SLOTS = 256
+DEFAULT_PACKET_ELEMENTS = 8192
+DEFAULT_SLOTS_PER_JOB = 32
+DEFAULT_TIMEOUT = 30.0
+
+
+def env(name: str, default, cast=str):
+    """Value of SWITCHML_<name>, cast, or ``default`` when unset or empty."""
+    raw = os.environ.get("SWITCHML_" + name, "")
+    if raw == "":
+        return default
+    try:
+        return cast(raw)
+    except ValueError:
+        raise ValueError(f"SWITCHML_{name}={raw!r} is not a valid {cast.__name__}") from None
+
+
+def parse_address(address) -> tuple[str, int]:
+    """'host:port' or (host, port) to a (host, port) tuple, with a clear error."""
+    if isinstance(address, (tuple, list)) and len(address) == 2:
+        return str(address[0]), int(address[1])
+    if isinstance(address, str) and ":" in address:
+        host, _, port = address.rpartition(":")
+        if port.isdigit() and host:
+            return host.strip("[]"), int(port)
+    raise ValueError(f"switch address must be 'host:port' or (host, port), got {address!r}")

@@ -1,0 +1,27 @@
+"""Exceptions raised by switchml; every failure a user can see is one of these."""
+
+from __future__ import annotations
+
+
+class SwitchMLError(Exception):
+    """Base class of every switchml error."""
+
+
+class SwitchMLTimeoutError(SwitchMLError, TimeoutError):
+    """Ranks of the job did not contribute (or join) in time, or left it.
+
+    ``missing_ranks`` lists the ranks that did not contribute; it may be empty when
+    the switch could not tell (for instance because it is unreachable).
+    """
+
+    def __init__(self, message: str, missing_ranks=()):
+        super().__init__(message)
+        self.missing_ranks = sorted(missing_ranks)
+
+
+class JoinRefusedError(SwitchMLError):
+    """The switch refused to admit this worker to the job; the message says why."""
+
+
+class SwitchUnreachableError(SwitchMLError, ConnectionError):
+    """The switch could not be reached, or closed its connection during the job."""

@@ -1,0 +1,49 @@
+"""Small socket helpers shared by the switch and the workers."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+#: Socket buffer we ask for: a window of 64 KiB datagrams from many workers must fit.
+SOCKET_BUFFER = 32 * 1024 * 1024
+#: Longest control message accepted, in bytes.
+MAX_CONTROL_LINE = 1 << 20
+
+
+def enlarge_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> None:
+    """Ask for large kernel buffers; beyond net.core.*mem_max only root gets them."""
+    for force, plain in ((getattr(socket, "SO_RCVBUFFORCE", None), socket.SO_RCVBUF),
+                         (getattr(socket, "SO_SNDBUFFORCE", None), socket.SO_SNDBUF)):
+        try:
+            if force is None:
+                raise PermissionError
+            sock.setsockopt(socket.SOL_SOCKET, force, size)
+        except PermissionError:
+            sock.setsockopt(socket.SOL_SOCKET, plain, size)
+
+
+def encode_line(message: dict) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+
+
+class LineReader:
+    """Splits a TCP byte stream into JSON messages, one per line."""
+
+    def __init__(self):
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list:
+        """Messages completed by ``data``; raises ValueError on an oversized or bad line."""
+        self._buf += data
+        out = []
+        while True:
+            end = self._buf.find(b"\n")
+            if end < 0:
+                if len(self._buf) > MAX_CONTROL_LINE:
+                    raise ValueError("control line too long")
+                return out
+            line = bytes(self._buf[:end])
+            del self._buf[: end + 1]
+            if line.strip():
+                out.append(json.loads(line))

@@ -1,0 +1,347 @@
+"""The worker library behind real sockets: ``Worker(switch, rank, world_size)``.
+
+A worker joins its job over the switch's TCP control port, then one background
+thread serves its allreduces in call order: it feeds the sans-IO engine with
+datagrams and timer events, and watches the control connection for the failure
+of another rank or of the switch.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import selectors
+import socket
+import threading
+import time
+from concurrent.futures import Future
+
+import numpy as np
+
+from ..config import DEFAULT_TIMEOUT, env, parse_address
+from ..errors import (JoinRefusedError, SwitchMLError, SwitchMLTimeoutError,
+                      SwitchUnreachableError)
+from ..netutil import LineReader, encode_line, enlarge_buffers
+from .engine import SUPPORTED_DTYPES, Session
+
+log = logging.getLogger("switchml.worker")
+
+#: Datagrams handled between two looks at the timers and the control connection.
+DRAIN_BATCH = 64
+#: Seconds to wait for the switch's answer to a status query while diagnosing.
+STATUS_TIMEOUT = 2.0
+
+
+class AllreduceHandle:
+    """What ``allreduce_async`` returns: ``wait()`` gives the result or raises."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        return self._future.result(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+
+class Worker:
+    """One rank of a job aggregating through a switch.
+
+    ``switch`` is "host:port" or (host, port); None reads ``SWITCHML_SWITCH``.
+    ``timeout`` bounds, in seconds, the wait for the other ranks to join and any
+    stretch of an allreduce without progress; past it the call raises
+    ``SwitchMLTimeoutError`` naming the ranks that did not contribute.
+    """
+
+    def __init__(self, switch=None, rank: int = 0, world_size: int = 1, job: str | None = None,
+                 timeout: float | None = None, *, slots: int | None = None):
+        if switch is None:
+            switch = env("SWITCH", None)
+            if switch is None:
+                raise SwitchMLError("no switch address: pass one or set SWITCHML_SWITCH=host:port")
+        self.switch_address = parse_address(switch)
+        self.rank = rank
+        self.world_size = world_size
+        self.job = job if job is not None else env("JOB", "default")
+        self.timeout = float(timeout if timeout is not None else env("TIMEOUT", DEFAULT_TIMEOUT, float))
+        self._queue: queue.Queue = queue.Queue()
+        self._closed = False
+        self._failure: SwitchMLError | None = None
+        self._control, self._udp, ready = self._join(slots)
+        self.session = Session(session=ready["session"], rank=rank, world_size=world_size,
+                               slot_base=ready["slot_base"], slot_count=ready["slot_count"],
+                               packet_elements=ready["packet_elements"],
+                               progress_timeout=self.timeout)
+        self._data_address = (self.switch_address[0], int(ready["data_port"]))
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._thread = threading.Thread(target=self._serve, name=f"switchml-worker-{rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -------------------------------------------------------------- public API
+    def allreduce(self, array, out=None) -> np.ndarray:
+        """Sum ``array`` over all ranks; return the sum (in ``out`` if given)."""
+        return self.allreduce_async(array, out).wait()
+
+    def allreduce_async(self, array, out=None) -> AllreduceHandle:
+        """Queue an allreduce; do not touch ``array`` or ``out`` before ``wait()``."""
+        src = np.ascontiguousarray(array)
+        if src.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"switchml sums float32 and int32 arrays, not {src.dtype}")
+        if out is None:
+            out = np.empty_like(src)
+        elif (not isinstance(out, np.ndarray) or out.shape != src.shape or out.dtype != src.dtype
+              or not out.flags.c_contiguous):
+            raise ValueError("out must be a C-contiguous array of the input's shape and dtype")
+        future: Future = Future()
+        if self._closed:
+            raise SwitchMLError("this worker is closed")
+        self._queue.put((src, out, future))
+        self._wake()
+        return AllreduceHandle(future)
+
+    def close(self) -> None:
+        """Leave the job (after queued allreduces finish) and release the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._wake()
+        self._thread.join()
+        for s in (self._control, self._udp, self._wake_r, self._wake_w):
+            s.close()
+
+    def __enter__(self) -> "Worker":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def counters(self) -> dict:
+        return dict(self.session.counters)
+
+    # -------------------------------------------------------------- joining
+    def _join(self, slots):
+        host, port = self.switch_address
+        where = f"switch at {host}:{port}"
+        try:
+            control = socket.create_connection((host, port), timeout=min(self.timeout, 10.0))
+        except OSError as exc:
+            raise SwitchUnreachableError(f"cannot reach the {where}: {exc}") from None
+        control.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            # The address the switch sees us from is the one routing picks toward it.
+            udp.connect((host, port))
+            local_ip = udp.getsockname()[0]
+            udp.close()
+            udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            udp.bind((local_ip, 0))
+            enlarge_buffers(udp)
+            udp.setblocking(False)
+            control.sendall(encode_line({
+                "op": "join", "version": 1, "job": self.job, "rank": self.rank,
+                "world_size": self.world_size, "data_addr": list(udp.getsockname()),
+                "slots": slots}))
+            ready = self._await_ready(control, where)
+        except BaseException:
+            control.close()
+            udp.close()
+            raise
+        control.setblocking(False)
+        return control, udp, ready
+
+    def _await_ready(self, control, where) -> dict:
+        reader = LineReader()
+        deadline = time.monotonic() + self.timeout
+        present = [self.rank]
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(range(self.world_size)) - set(present))
+                raise SwitchMLTimeoutError(
+                    f"job '{self.job}': ranks {missing} did not join within {self.timeout:g}s",
+                    missing)
+            control.settimeout(left)
+            try:
+                data = control.recv(65536)
+            except socket.timeout:
+                continue
+            except OSError as exc:
+                raise SwitchUnreachableError(f"lost the {where} while joining: {exc}") from None
+            if not data:
+                raise SwitchUnreachableError(f"the {where} closed the connection while joining")
+            for msg in reader.feed(data):
+                event = msg.get("event")
+                if event == "ready":
+                    return msg
+                if event == "joined":
+                    present = msg["present"]
+                elif event == "error":
+                    raise JoinRefusedError(msg["message"])
+
+    # -------------------------------------------------------------- the I/O thread
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def _serve(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._udp, selectors.EVENT_READ)
+        sel.register(self._control, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        self._reader = LineReader()
+        self._sel = sel
+        try:
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    try:
+                        self._idle(sel)
+                    except SwitchMLError:
+                        pass  # recorded in self._failure; the next call raises it
+                    continue
+                if item is None:
+                    break
+                src, out, future = item
+                if self._failure is not None:
+                    future.set_exception(self._failure)
+                    continue
+                try:
+                    self._run(src, out)
+                except SwitchMLError as exc:
+                    self._failure = self._failure or exc
+                    future.set_exception(exc)
+                except BaseException as exc:  # a bug: surface it to the caller
+                    future.set_exception(exc)
+                else:
+                    future.set_result(out)
+            if self._failure is None:
+                try:
+                    self._control.setblocking(True)
+                    self._control.sendall(encode_line({"op": "leave"}))
+                except OSError:
+                    pass
+        finally:
+            sel.close()
+
+    def _idle(self, sel) -> None:
+        for key, _ in sel.select(1.0):
+            if key.fileobj is self._wake_r:
+                self._wake_r.recv(4096)
+            elif key.fileobj is self._control:
+                self._read_control()
+            else:
+                self._drain_stray()
+
+    def _drain_stray(self) -> None:
+        """Results arriving between calls (late retransmissions): count and drop."""
+        while True:
+            try:
+                self._udp.recv(65536)
+            except BlockingIOError:
+                return
+            self.session.counters["dropped_stale"] += 1
+
+    def _read_control(self) -> list:
+        """Read control events; a failure event or a closed connection raises."""
+        host, port = self.switch_address
+        try:
+            data = self._control.recv(65536)
+        except BlockingIOError:
+            return []
+        except OSError as exc:
+            data = b""
+            log.debug("control connection error: %s", exc)
+        if not data:
+            self._sel.unregister(self._control)
+            self._failure = SwitchUnreachableError(
+                f"the switch at {host}:{port} closed the control connection "
+                f"(switch stopped or crashed?)")
+            raise self._failure
+        events = self._reader.feed(data)
+        for msg in events:
+            if msg.get("event") == "failed":
+                self._sel.unregister(self._control)
+                self._failure = SwitchMLTimeoutError(
+                    f"job '{self.job}' failed: {msg.get('reason')}", msg.get("missing", []))
+                raise self._failure
+        return events
+
+    def _run(self, src: np.ndarray, out: np.ndarray) -> None:
+        udp = self._udp
+        dst = self._data_address
+        buf = bytearray(65536)
+        view = memoryview(buf)
+        op = self.session.allreduce(src, out, time.monotonic())
+        for d in op.datagrams_to_send():
+            udp.sendto(d, dst)
+        while not op.done:
+            received = 0
+            for _ in range(DRAIN_BATCH):
+                try:
+                    n = udp.recv_into(buf)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    continue  # ICMP unreachable: the switch went away; control tells us
+                received += 1
+                op.receive_datagram(view[:n], time.monotonic())
+                for d in op.datagrams_to_send():
+                    udp.sendto(d, dst)
+                if op.done:
+                    return
+            now = time.monotonic()
+            timer = op.get_timer()
+            if timer is not None and now >= timer:
+                op.handle_timer(now)
+                if op.error:
+                    raise self._diagnose(op)
+                for d in op.datagrams_to_send():
+                    udp.sendto(d, dst)
+                timer = op.get_timer()
+            if received < DRAIN_BATCH:
+                wait = max(0.0, timer - time.monotonic()) if timer is not None else 1.0
+                for key, _ in self._sel.select(wait):
+                    if key.fileobj is self._control:
+                        self._read_control()
+                    elif key.fileobj is self._wake_r:
+                        self._wake_r.recv(4096)
+
+    def _diagnose(self, op) -> SwitchMLError:
+        """Ask the switch which ranks are missing from the stalled slots."""
+        pending = op.pending()
+        try:
+            self._control.sendall(encode_line({"op": "status", "slots": pending}))
+            deadline = time.monotonic() + STATUS_TIMEOUT
+            while time.monotonic() < deadline:
+                if not self._sel.select(deadline - time.monotonic()):
+                    continue
+                for msg in self._read_control():
+                    if msg.get("event") == "status":
+                        return self._stalled_error(msg["slots"])
+        except SwitchMLError as exc:
+            return exc
+        except OSError as exc:
+            return SwitchUnreachableError(f"switch did not answer a status query: {exc}")
+        return SwitchMLTimeoutError(
+            f"job '{self.job}': no progress for {self.timeout:g}s and the switch at "
+            f"{self.switch_address[0]}:{self.switch_address[1]} did not answer within "
+            f"{STATUS_TIMEOUT:g}s")
+
+    def _stalled_error(self, rows) -> SwitchMLTimeoutError:
+        everyone = set(range(self.world_size))
+        missing = set()
+        for _slot, _msg, holds, bitmap in rows:
+            if holds:
+                missing |= {r for r in everyone if not bitmap >> r & 1}
+        if not missing:
+            missing = everyone
+        return SwitchMLTimeoutError(
+            f"job '{self.job}': no progress for {self.timeout:g}s; ranks {sorted(missing)} "
+            f"did not contribute", missing)
