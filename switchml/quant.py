@@ -89,3 +89,22 @@ def dequantize_into(src: np.ndarray, exponent: int, bits: int, dst: np.ndarray) 
         return
     # int32 * float64 is exact; the cast to float32 is the single rounding.
     np.multiply(src, 2.0 ** (exponent - bits), out=dst, casting="unsafe")
+
+
+def error_bound(inputs: list, chunk: int) -> np.ndarray:
+    """Per-element bound on |allreduce result - exact sum| for float32 ``inputs``.
+
+    ``inputs`` are every rank's flat arrays; ``chunk`` is the packet size in values.
+    Non-finite chunks get an infinite bound (their result is NaN by design).
+    """
+    n = len(inputs)
+    bits = scale_bits(n)
+    exps = np.max([chunk_exponents(np.asarray(a, np.float32).reshape(-1), chunk)
+                   for a in inputs], axis=0) if inputs[0].size else np.zeros(0, np.int16)
+    exact = np.sum([np.asarray(a, np.float64).reshape(-1) for a in inputs], axis=0)
+    per_chunk = np.where(exps == EXP_NONFINITE, np.inf,
+                         np.where(exps == EXP_ZERO, 0.0,
+                                  n * np.ldexp(1.0, exps.astype(np.int64) - bits - 1)))
+    quantisation = np.repeat(per_chunk, chunk)[: exact.size]
+    rounding = np.spacing(np.abs(exact + quantisation).astype(np.float32)).astype(np.float64) / 2
+    return quantisation + rounding

@@ -39,8 +39,10 @@ class JobEntry:
 class Controller:
     """Admits workers to jobs and installs/removes them in the pipeline."""
 
-    def __init__(self, pipeline: Pipeline, *, data_port: int, slots_per_job: int = 32):
+    def __init__(self, pipeline: Pipeline, *, data_port: int, slots_per_job: int = 32,
+                 stats=None):
         self.pipeline = pipeline
+        self._stats = stats or pipeline.stats
         self.data_port = data_port
         self.slots_per_job = slots_per_job
         self.jobs: dict[str, JobEntry] = {}
@@ -55,7 +57,7 @@ class Controller:
         if op == "status":
             return self._status(conn, msg)
         if op == "stats":
-            return [(conn, {"event": "stats", "stats": self.pipeline.stats()})]
+            return [(conn, {"event": "stats", "stats": self._stats()})]
         self.pipeline.counters["control_bad_message"] += 1
         return [(conn, {"event": "error", "message": f"unknown control message {op!r}"})]
 

@@ -14,6 +14,7 @@ import logging
 import selectors
 import socket
 import threading
+import time
 
 from ..config import DEFAULT_PACKET_ELEMENTS, DEFAULT_SLOTS, DEFAULT_SLOTS_PER_JOB
 from ..netutil import LineReader, encode_line, enlarge_buffers
@@ -45,11 +46,13 @@ class Switch:
         self._host = host
         self._port = port
         self._slots_per_job = slots_per_job
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._running = False
         self._tcp = self._udp = None
         self.address: tuple[str, int] | None = None
+        self._started_at = 0.0
+        self._cpu_seconds = 0.0
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> "Switch":
@@ -58,9 +61,10 @@ class Switch:
         self._tcp, self._udp = _bind_pair(self._host, self._port)
         self.address = (self._host, self._tcp.getsockname()[1])
         self.controller = Controller(self.pipeline, data_port=self.address[1],
-                                     slots_per_job=self._slots_per_job)
+                                     slots_per_job=self._slots_per_job, stats=self.stats)
         self._wake_r, self._wake_w = socket.socketpair()
         self._running = True
+        self._started_at = time.monotonic()
         self._thread = threading.Thread(target=self._serve, name="switchml-switch", daemon=True)
         self._thread.start()
         log.info("switch listening on %s:%d (slots=%d, packet_elements=%d)", *self.address,
@@ -84,8 +88,12 @@ class Switch:
         self.stop()
 
     def stats(self) -> dict:
+        """Counters of the pool, of every job and of drops, plus the switch's CPU time."""
         with self._lock:
-            return json.loads(json.dumps(self.pipeline.stats()))
+            stats = json.loads(json.dumps(self.pipeline.stats()))
+        stats["uptime_s"] = time.monotonic() - self._started_at if self._thread else 0.0
+        stats["cpu_s"] = self._cpu_seconds
+        return stats
 
     def serve_forever(self) -> None:
         """Run until KeyboardInterrupt (for the CLI)."""
@@ -126,6 +134,7 @@ class Switch:
                                 pipeline.counters["send_errors"] += 1
                     else:
                         busy = True
+                self._cpu_seconds = time.thread_time()
                 for key, _ in sel.select(0 if busy else 1.0):
                     if key.data == "accept":
                         conn, _ = self._tcp.accept()
