@@ -1,0 +1,191 @@
+"""Real sockets on loopback: a running switch and worker threads."""
+
+import os
+import socket
+
+import numpy as np
+import pytest
+
+import switchml
+from switchml.quant import error_bound
+
+from conftest import run_ranks
+
+K = 1024  # packet_elements of the test switch
+SIZES = [0, 1, K - 1, K + 1, 16 * K * 3 + 5]
+
+
+def inputs(world, size, dtype, seed=0):
+    rng = np.random.default_rng([seed, world, size])
+    if dtype == np.int32:
+        return [rng.integers(-(2**24), 2**24, size, dtype=np.int32) for _ in range(world)]
+    return [(rng.standard_normal(size) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
+            for _ in range(world)]
+
+
+def check(results, data, dtype):
+    for r in results[1:]:
+        assert r.tobytes() == results[0].tobytes(), "ranks disagree"
+    if dtype == np.int32:
+        assert np.array_equal(results[0], np.sum(data, axis=0, dtype=np.int32))
+    elif data[0].size:
+        err = np.abs(results[0].astype(np.float64) - np.sum(np.array(data, np.float64), axis=0))
+        assert np.all(err <= error_bound(data, K))
+
+
+@pytest.mark.parametrize("drop_rate", [0.0, 0.05])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_sums_over_sockets(world, drop_rate):
+    with switchml.Switch(packet_elements=K, slots=64, slots_per_job=16, drop_rate=drop_rate,
+                         seed=world) as sw:
+        cases = [(size, dtype) for size in SIZES for dtype in (np.float32, np.int32)]
+        data = {case: inputs(world, *case) for case in cases}
+
+        def body(rank):
+            with switchml.Worker(sw.address, rank, world, timeout=20) as w:
+                return {case: w.allreduce(data[case][rank]) for case in cases}
+
+        results = run_ranks(world, body)
+        for case in cases:
+            check([res[case] for res in results], data[case], case[1])
+        counters = sw.stats()["ended_jobs"]["default"]["counters"]
+        if drop_rate:
+            simulated = (counters.get("dropped_ingress_simulated", 0)
+                         + counters.get("dropped_egress_simulated", 0))
+            assert simulated > 0 and counters["retransmissions_answered"] > 0
+        assert sw.stats()["free_slots"] == 64
+
+
+def test_hundreds_of_megabytes():
+    size = 64 * 2**20  # 256 MiB of float32 per worker
+    with switchml.Switch() as sw:
+        base = np.arange(size, dtype=np.float32) % 4096
+
+        def body(rank):
+            with switchml.Worker(sw.address, rank, 2, timeout=60) as w:
+                return w.allreduce(base * (rank + 1))
+
+        a, b = run_ranks(2, body, timeout=300)
+        assert a.tobytes() == b.tobytes()
+        # integer-valued floats within the block's bits come back exactly
+        assert np.array_equal(a, base * 3)
+
+
+def test_int32_sums_wrap_around(switch):
+    big = np.full(10, 2**31 - 1, dtype=np.int32)
+
+    def body(rank):
+        with switchml.Worker(switch.address, rank, 2) as w:
+            return w.allreduce(big)
+
+    a, b = run_ranks(2, body)
+    assert np.array_equal(a, np.full(10, -2, dtype=np.int32))  # two's complement wrap
+
+
+def test_non_finite_inputs_stay_non_finite(switch):
+    size = 3 * K
+
+    def body(rank):
+        x = np.ones(size, dtype=np.float32)
+        if rank == 1:
+            x[5] = np.inf
+            x[2 * K + 7] = np.nan
+        with switchml.Worker(switch.address, rank, 3) as w:
+            return w.allreduce(x)
+
+    results = run_ranks(3, body)
+    for r in results:
+        assert not np.isfinite(r[:K]).any()
+        assert np.array_equal(r[K:2 * K], np.full(K, 3, np.float32))
+        assert not np.isfinite(r[2 * K:]).any()
+        assert r.tobytes() == results[0].tobytes()
+
+
+def test_async_calls_are_served_in_call_order(switch):
+    arrays = [np.full(5000 + i, i, dtype=np.int32) for i in range(6)]
+
+    def body(rank):
+        with switchml.Worker(switch.address, rank, 2) as w:
+            handles = [w.allreduce_async(a) for a in arrays]
+            return [h.wait() for h in reversed(handles)][::-1]
+
+    for results in run_ranks(2, body):
+        for i, r in enumerate(results):
+            assert np.array_equal(r, np.full(5000 + i, 2 * i, dtype=np.int32))
+
+
+def test_out_argument_and_in_place(switch):
+    def body(rank):
+        x = np.arange(3000, dtype=np.float32)
+        with switchml.Worker(switch.address, rank, 2) as w:
+            out = w.allreduce(x, out=x)
+            assert out is x
+            return x
+
+    for r in run_ranks(2, body):
+        assert np.array_equal(r, 2 * np.arange(3000, dtype=np.float32))
+
+
+def test_bad_arguments_raise(switch):
+    with switchml.Worker(switch.address, 0, 1) as w:
+        with pytest.raises(TypeError):
+            w.allreduce(np.ones(3, dtype=np.float64))
+        with pytest.raises(ValueError):
+            w.allreduce(np.ones(3, np.float32), out=np.ones(4, np.float32))
+
+
+def test_switch_address_from_environment(switch, monkeypatch):
+    host, port = switch.address
+    monkeypatch.setenv("SWITCHML_SWITCH", f"{host}:{port}")
+    with switchml.Worker(None, 0, 1) as w:
+        assert np.array_equal(w.allreduce(np.arange(7, dtype=np.int32)), np.arange(7))
+
+
+def test_garbage_during_a_job_changes_no_sum(switch):
+    """Junk at the switch and at a worker, from a stranger, while a job runs."""
+    rng = np.random.default_rng(3)
+    stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    data = inputs(2, 40 * K, np.float32)
+    worker_addrs = []
+
+    def spray(targets, count=300):
+        from switchml import wire
+        for i in range(count):
+            kind = i % 4
+            if kind == 0:
+                junk = rng.bytes(int(rng.integers(0, 2000)))
+            elif kind == 1:
+                junk = wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, 0, 1234, 0, 0, 0, 0,
+                                   np.ones(K, np.int32))[:40]
+            elif kind == 2:
+                junk = wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, 0, 1234, 0, 0, 0, 0,
+                                   np.full(K, 7, np.int32))
+            else:
+                junk = wire.encode(wire.KIND_RESULT, wire.DTYPE_FLOAT32, 0, 99, 0, 0, 0, 0,
+                                   np.full(K, 7, np.int32))
+            for t in targets:
+                stranger.sendto(junk, t)
+
+    def body(rank):
+        with switchml.Worker(switch.address, rank, 2, timeout=20) as w:
+            worker_addrs.append(w._udp.getsockname())
+            out = []
+            for i in range(5):
+                if rank == 0 and len(worker_addrs) == 2:
+                    spray([switch.address] + worker_addrs)
+                out.append(w.allreduce(data[rank]))
+            return out, w.counters
+
+    results = run_ranks(2, body)
+    reference = None
+    for outs, counters in results:
+        for o in outs:
+            reference = reference if reference is not None else o
+            assert o.tobytes() == reference.tobytes()
+    check([results[0][0][0], results[1][0][0]], data, np.float32)
+    stats = switch.stats()
+    assert stats["counters"]["dropped_unknown_source"] >= 300
+    dropped = sum(v for k, v in results[0][1].items() if k.startswith("dropped"))
+    dropped += sum(v for k, v in results[1][1].items() if k.startswith("dropped"))
+    assert dropped >= 300
+    stranger.close()
