@@ -87,8 +87,15 @@ def dequantize_into(src: np.ndarray, exponent: int, bits: int, dst: np.ndarray) 
     if exponent == EXP_ZERO:
         dst[:] = 0
         return
-    # int32 * float64 is exact; the cast to float32 is the single rounding.
-    np.multiply(src, 2.0 ** (exponent - bits), out=dst, casting="unsafe")
+    shift = exponent - bits
+    if -126 <= shift <= 96:
+        # int32 -> float32 is the single rounding; a power of two that keeps the
+        # result normal and finite multiplies exactly.
+        np.copyto(dst, src, casting="unsafe")
+        np.multiply(dst, np.float32(2.0**shift), out=dst)
+    else:
+        # int32 * float64 is exact; the cast to float32 is the single rounding.
+        np.multiply(src, 2.0**shift, out=dst, casting="unsafe")
 
 
 def error_bound(inputs: list, chunk: int) -> np.ndarray:

@@ -26,7 +26,7 @@ the switch knows it from the source address that joined the job.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 MAGIC = 0x4D53
 VERSION = 1
@@ -54,8 +54,7 @@ class MalformedPacket(ValueError):
         self.reason = reason
 
 
-@dataclass(frozen=True)
-class Header:
+class Header(NamedTuple):
     kind: int
     dtype: int
     slot: int

@@ -6,7 +6,7 @@ from __future__ import annotations
 class RttEstimator:
     """Smoothed RTT and the retransmission timeout derived from it."""
 
-    def __init__(self, initial_rto: float = 0.05, min_rto: float = 0.005, max_rto: float = 1.0):
+    def __init__(self, initial_rto: float = 0.05, min_rto: float = 0.01, max_rto: float = 1.0):
         self.min_rto = min_rto
         self.max_rto = max_rto
         self.srtt: float | None = None

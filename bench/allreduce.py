@@ -1,0 +1,239 @@
+"""Allreduce benchmark on loopback: n worker processes and a switch process.
+
+    python bench/allreduce.py --workers 2 4 8 --mib 64 --repeats 5 [--gloo] [--profile]
+
+For every worker count it reports, per allreduce, the median, min and max time
+(the slowest rank of each iteration), goodput per worker (tensor bytes / time),
+the switch's packets/s and MB/s (in + out) over the timed iterations, and CPU
+seconds per packet of the switch and of a worker.  With ``--gloo`` it also runs
+torch.distributed's gloo allreduce on the same tensors in the same invocation
+(needs the torch extra).  ``--profile`` runs cProfile in the switch and in rank
+0 and prints where the time goes per packet.  Results go to JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import multiprocessing as mp
+import os
+import platform
+import pstats
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import switchml  # noqa: E402
+from switchml.cli import fetch_stats  # noqa: E402
+
+
+def _profiled(enabled, fn):
+    if not enabled:
+        return fn(), None
+    prof = cProfile.Profile()
+    result = prof.runcall(fn)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+    return result, out.getvalue()
+
+
+def _switch_main(options, address_q, stop_ev, profile, report_q):
+    sw = switchml.Switch(**options)
+    prof = cProfile.Profile() if profile else None
+    if prof is not None:
+        serve = sw._serve  # profile the switch's own loop thread
+        sw._serve = lambda: prof.runcall(serve)
+    sw.start()
+    address_q.put(sw.address)
+    stop_ev.wait()
+    sw.stop()
+    if prof is not None:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+        report_q.put(("switch-profile", out.getvalue()))
+
+
+def _worker_main(address, rank, world, elements, dtype, warmup, repeats, profile, report_q):
+    rng = np.random.default_rng(rank)
+    if dtype == "float32":
+        data = rng.standard_normal(elements).astype(np.float32)
+    else:
+        data = rng.integers(-1000, 1000, elements, dtype=np.int32)
+    out = np.empty_like(data)
+    with switchml.Worker(address, rank, world, job=f"bench-{world}", timeout=60) as w:
+        for _ in range(warmup):
+            w.allreduce(data, out=out)
+        c0 = dict(w.counters)
+        cpu0 = time.process_time()
+
+        def timed():
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                w.allreduce(data, out=out)
+                times.append(time.perf_counter() - start)
+            return times
+
+        times, prof = _profiled(profile and rank == 0, timed)
+        cpu = time.process_time() - cpu0
+        c1 = w.counters
+        sent = (c1["results_in"] - c0["results_in"]) + (c1["retransmissions"] - c0["retransmissions"])
+        received = c1["results_in"] - c0["results_in"]
+        report_q.put(("worker", rank, times, cpu, sent, received, prof))
+
+
+def _gloo_main(port, rank, world, elements, warmup, repeats, report_q):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rng = np.random.default_rng(rank)
+    t = torch.from_numpy(rng.standard_normal(elements).astype(np.float32))
+    for _ in range(warmup):
+        dist.all_reduce(t.clone())
+    times = []
+    for _ in range(repeats):
+        x = t.clone()
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - start)
+    report_q.put(("gloo", rank, times))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _summary(per_rank_times, nbytes):
+    per_iter = np.max(np.array(per_rank_times), axis=0)  # the slowest rank finishes it
+    median = float(statistics.median(per_iter))
+    return {"median_s": median, "min_s": float(per_iter.min()), "max_s": float(per_iter.max()),
+            "goodput_GBps_per_worker": nbytes / median / 1e9}
+
+
+def run_switchml(ctx, world, elements, dtype, args):
+    report_q, address_q, stop_ev = ctx.Queue(), ctx.Queue(), ctx.Event()
+    options = dict(slots=args.slots, packet_elements=args.packet_elements,
+                   slots_per_job=args.slots_per_job)
+    switch_proc = ctx.Process(target=_switch_main,
+                              args=(options, address_q, stop_ev, args.profile, report_q))
+    switch_proc.start()
+    address = address_q.get(timeout=60)
+    procs = [ctx.Process(target=_worker_main,
+                         args=(address, r, world, elements, dtype, args.warmup, args.repeats,
+                               args.profile, report_q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    reports = []
+    while len(reports) < world:
+        item = report_q.get(timeout=600)
+        if item[0] == "worker":
+            reports.append(item)
+    stats = fetch_stats(address)
+    for p in procs:
+        p.join()
+    stop_ev.set()
+    switch_profile = None
+    if args.profile:
+        item = report_q.get(timeout=60)
+        switch_profile = item[1]
+    switch_proc.join()
+    job = stats["ended_jobs"][f"bench-{world}"]["counters"]
+    iterations = args.warmup + args.repeats
+    packets = job.get("packets_in", 0) + job.get("results_out", 0)
+    nbytes = elements * 4
+    reports.sort(key=lambda r: r[1])
+    result = _summary([r[2] for r in reports], nbytes)
+    total_time = sum(max(r[2][i] for r in reports) for i in range(args.repeats))
+    # The switch counters cover warm-up too; scale them to the timed iterations.
+    timed_packets = packets * args.repeats / iterations
+    payload = (wire_bytes := nbytes * world * 2) * args.repeats
+    result.update({
+        "switch_packets_per_s": timed_packets / total_time,
+        "switch_MBps_in_plus_out": payload / total_time / 1e6,
+        "switch_cpu_s_per_packet": stats["cpu_s"] / packets if packets else None,
+        "worker_cpu_s_per_packet": reports[0][3] / max(1, reports[0][4] + reports[0][5]),
+        "switch_counters": job,
+        "bytes_on_wire_per_worker_per_allreduce": wire_bytes // world,
+    })
+    if args.profile:
+        result["profile_switch"] = switch_profile
+        result["profile_worker0"] = reports[0][6]
+    return result
+
+
+def run_gloo(ctx, world, elements, args):
+    report_q = ctx.Queue()
+    port = 29500 + (os.getpid() % 1000)
+    procs = [ctx.Process(target=_gloo_main,
+                         args=(port, r, world, elements, args.warmup, args.repeats, report_q))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    reports = sorted((report_q.get(timeout=600) for _ in range(world)), key=lambda r: r[1])
+    for p in procs:
+        p.join()
+    return _summary([r[2] for r in reports], elements * 4)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--mib", type=float, default=64.0, help="tensor size in MiB")
+    parser.add_argument("--dtype", choices=["float32", "int32"], default="float32")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--slots", type=int, default=256)
+    parser.add_argument("--packet-elements", type=int, default=8192)
+    parser.add_argument("--slots-per-job", type=int, default=32)
+    parser.add_argument("--gloo", action="store_true", help="also run torch gloo allreduce")
+    parser.add_argument("--profile", action="store_true", help="cProfile switch and rank 0")
+    parser.add_argument("--out", default=None, help="JSON file (default bench/results/...)")
+    args = parser.parse_args(argv)
+
+    elements = int(args.mib * 2**20) // 4
+    ctx = mp.get_context("spawn")
+    results = {"command": "python bench/allreduce.py " + " ".join(sys.argv[1:] if argv is None else argv),
+               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                           "python": platform.python_version()},
+               "elements": elements, "dtype": args.dtype, "runs": []}
+    print(f"{'n':>3} {'system':>9} {'median s':>9} {'min s':>8} {'max s':>8} "
+          f"{'GB/s/worker':>12} {'switch pkt/s':>13} {'switch MB/s':>12} "
+          f"{'sw us/pkt':>10} {'wk us/pkt':>10}")
+    for world in args.workers:
+        r = run_switchml(ctx, world, elements, args.dtype, args)
+        r.update(workers=world, system="switchml")
+        results["runs"].append(r)
+        print(f"{world:>3} {'switchml':>9} {r['median_s']:>9.3f} {r['min_s']:>8.3f} "
+              f"{r['max_s']:>8.3f} {r['goodput_GBps_per_worker']:>12.3f} "
+              f"{r['switch_packets_per_s']:>13.0f} {r['switch_MBps_in_plus_out']:>12.0f} "
+              f"{r['switch_cpu_s_per_packet'] * 1e6:>10.1f} "
+              f"{r['worker_cpu_s_per_packet'] * 1e6:>10.1f}", flush=True)
+        if args.gloo:
+            g = run_gloo(ctx, world, elements, args)
+            g.update(workers=world, system="gloo", ratio_switchml_over_gloo=g["median_s"] / r["median_s"])
+            results["runs"].append(g)
+            print(f"{world:>3} {'gloo':>9} {g['median_s']:>9.3f} {g['min_s']:>8.3f} "
+                  f"{g['max_s']:>8.3f} {g['goodput_GBps_per_worker']:>12.3f}   "
+                  f"(switchml speedup {g['ratio_switchml_over_gloo']:.2f}x)", flush=True)
+        if args.profile:
+            print("--- switch profile (tottime) ---\n" + r["profile_switch"])
+            print("--- worker rank 0 profile (tottime) ---\n" + (r["profile_worker0"] or ""))
+    out = args.out or os.path.join(os.path.dirname(__file__), "results",
+                                   f"allreduce-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
