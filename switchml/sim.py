@@ -68,7 +68,11 @@ class Simulation:
             self.datagrams += 1
 
     def allreduce(self, arrays: list[np.ndarray], max_time: float = 600.0) -> list[np.ndarray]:
-        """Run one allreduce of ``arrays[r]`` on every rank r; return each rank's result."""
+        """Run one allreduce of ``arrays[r]`` on every rank r; return each rank's result.
+
+        Raises StalledSimulation when it takes more than ``max_time`` virtual seconds.
+        """
+        give_up = self.now + max_time
         outs = [np.empty_like(a) for a in arrays]
         ops = [s.allreduce(a, o, self.now) for s, a, o in zip(self.sessions, arrays, outs)]
         addrs = self.job.members
@@ -81,8 +85,8 @@ class Simulation:
             timers = [t for t in (op.get_timer() for op in ops) if t is not None]
             next_timer = min(timers, default=float("inf"))
             next_packet = self._queue[0][0] if self._queue else float("inf")
-            if min(next_timer, next_packet) > max_time:
-                raise StalledSimulation(f"no progress by t={max_time}")
+            if min(next_timer, next_packet) > give_up:
+                raise StalledSimulation(f"not finished after {max_time} virtual seconds")
             if next_packet <= next_timer:
                 self.now, _, src, dst, data = heapq.heappop(self._queue)
                 if dst == SWITCH:

@@ -106,6 +106,8 @@ class Pipeline:
 
     def allocate(self, count: int) -> int:
         """First-fit a contiguous range of ``count`` free slots; return its base."""
+        if count < 1:
+            raise ValueError(f"a job needs at least one slot, asked for {count}")
         run = 0
         for i, owner in enumerate(self._owner):
             run = run + 1 if owner == 0 else 0
@@ -120,6 +122,9 @@ class Pipeline:
         world = len(members)
         if not 1 <= world <= MAX_WORKERS:
             raise ValueError(f"a job has 1..{MAX_WORKERS} workers, got {world}")
+        if slot_count < 1 or slot_base < 0 or slot_base + slot_count > self.slots:
+            raise ValueError(f"slots {slot_base}..{slot_base + slot_count - 1} are not in the "
+                             f"pool 0..{self.slots - 1}")
         if session in self.jobs or session == 0:
             raise ValueError(f"session {session} is taken or invalid")
         for s in range(slot_base, slot_base + slot_count):

@@ -1,0 +1,478 @@
+"""The switch's data plane, driven directly with datagrams built by wire.encode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from switchml import wire
+from switchml.quant import EXP_NONFINITE, EXP_ZERO
+from switchml.switch.pipeline import Pipeline, SlotPoolExhausted
+
+K = 8  # packet_elements of the pipelines built here
+A = [("a", r) for r in range(4)]  # addresses of job A's ranks
+B = [("b", r) for r in range(4)]  # addresses of job B's ranks
+SA, SB = 0xA11CE, 0xB0B
+
+
+def contrib(slot, session, msg, values, *, seq=0, pkt_id=0, exponent=0,
+            dtype=wire.DTYPE_INT32, kind=wire.KIND_CONTRIBUTION) -> bytes:
+    return wire.encode(kind, dtype, slot, session, msg, seq, pkt_id, exponent,
+                       np.asarray(values, dtype=np.int32))
+
+
+def send(p, data, addr):
+    """Deliver one datagram; copy the replies out of switch memory at once."""
+    return [(bytes(d), a) for d, a in p.receive_datagram(data, addr)]
+
+
+def decode(datagram):
+    h = wire.decode_header(datagram)
+    values = np.frombuffer(datagram, dtype=np.int32, offset=wire.HEADER_SIZE).tolist()
+    return h, values
+
+
+def two_jobs(world_a=2, world_b=2, slots=8):
+    p = Pipeline(slots=slots, packet_elements=K)
+    ja = p.install_job("A", SA, A[:world_a], 0, slots // 2)
+    jb = p.install_job("B", SB, B[:world_b], slots // 2, slots - slots // 2)
+    return p, ja, jb
+
+
+def drop_keys(counter):
+    return {k: v for k, v in counter.items() if k.startswith("dropped_")}
+
+
+# ---------------------------------------------------------------- aggregation
+def test_nth_contribution_sends_result_to_every_member():
+    p = Pipeline(slots=4, packet_elements=K)
+    job = p.install_job("j", SA, A[:3], 0, 4)
+    assert send(p, contrib(2, SA, 0, [1, 2, 3], seq=7, pkt_id=5, exponent=-3), A[0]) == []
+    assert send(p, contrib(2, SA, 0, [10, 20, 30], seq=7, pkt_id=5, exponent=4), A[2]) == []
+    assert p.slot_state(2, 0) == (True, 0b101)
+    out = send(p, contrib(2, SA, 0, [100, 200, 300], seq=7, pkt_id=5, exponent=1), A[1])
+    assert [a for _, a in out] == A[:3]
+    for datagram, _ in out:
+        h, values = decode(datagram)
+        assert h == wire.Header(wire.KIND_RESULT, wire.DTYPE_INT32, 2, SA, 0, 7, 5, 4, 3)
+        assert values == [111, 222, 333]
+    assert job.counters["results_completed"] == 1
+    assert job.counters["results_out"] == 3
+    assert job.counters["packets_in"] == 3
+    assert p.slot_state(2, 0) == (True, 0b111)
+
+
+def test_result_echoes_dtype_and_count_of_the_message():
+    p = Pipeline(slots=2, packet_elements=K)
+    p.install_job("j", SA, A[:2], 0, 2)
+    send(p, contrib(1, SA, 4, [1] * K, seq=1, pkt_id=9, dtype=wire.DTYPE_FLOAT32,
+                    exponent=EXP_ZERO), A[1])
+    out = send(p, contrib(1, SA, 4, [2] * K, seq=1, pkt_id=9, dtype=wire.DTYPE_FLOAT32,
+                          exponent=-7), A[0])
+    assert len(out) == 2
+    h, values = decode(out[0][0])
+    assert (h.dtype, h.count, h.exponent, h.msg, h.seq, h.pkt_id) == \
+        (wire.DTYPE_FLOAT32, K, -7, 4, 1, 9)
+    assert values == [3] * K
+    # an empty message (exponent seed) completes with an empty result
+    send(p, contrib(0, SA, 0, [], exponent=EXP_NONFINITE), A[0])
+    out = send(p, contrib(0, SA, 0, [], exponent=3), A[1])
+    h, values = decode(out[0][0])
+    assert (h.count, h.exponent, values) == (0, EXP_NONFINITE, [])
+
+
+def test_world_of_one_completes_at_once():
+    p = Pipeline(slots=1, packet_elements=K)
+    p.install_job("solo", SA, A[:1], 0, 1)
+    out = send(p, contrib(0, SA, 0, [5, -6]), A[0])
+    assert len(out) == 1 and out[0][1] == A[0]
+    assert decode(out[0][0])[1] == [5, -6]
+
+
+def test_first_contribution_of_a_newer_message_overwrites():
+    p = Pipeline(slots=2, packet_elements=K)
+    p.install_job("j", SA, A[:2], 0, 2)
+    send(p, contrib(0, SA, 0, [5, 5, 5, 5]), A[0])
+    out = send(p, contrib(0, SA, 0, [7, 7, 7, 7]), A[1])
+    assert decode(out[0][0])[1] == [12, 12, 12, 12]
+    # msg 1 uses the other set; msg 2 reuses set 0 and must not add to 12
+    send(p, contrib(0, SA, 1, [1, 1, 1, 1]), A[1])
+    send(p, contrib(0, SA, 1, [1, 1, 1, 1]), A[0])
+    assert send(p, contrib(0, SA, 2, [1, 2, 3]), A[1]) == []
+    assert p.slot_state(0, 2) == (True, 0b10)
+    out = send(p, contrib(0, SA, 2, [10, 20, 30]), A[0])
+    h, values = decode(out[0][0])
+    assert (h.msg, h.count, values) == (2, 3, [11, 22, 33])
+
+
+def test_new_job_on_reused_slots_starts_fresh():
+    p = Pipeline(slots=2, packet_elements=K)
+    p.install_job("old", SA, A[:2], 0, 2)
+    send(p, contrib(0, SA, 0, [100, 100]), A[0])  # incomplete, left behind
+    send(p, contrib(1, SA, 0, [1, 1]), A[0])
+    send(p, contrib(1, SA, 0, [1, 1]), A[1])       # complete
+    p.remove_job(SA)
+    p.install_job("new", SB, B[:2], 0, 2)
+    # same slot and message number as the old job: still a fresh aggregation
+    assert send(p, contrib(0, SB, 0, [3, 4]), B[0]) == []
+    out = send(p, contrib(0, SB, 0, [5, 6]), B[1])
+    assert decode(out[0][0])[1] == [8, 10]
+    assert send(p, contrib(1, SB, 0, [3, 4]), B[1]) == []  # not a "retransmission"
+    out = send(p, contrib(1, SB, 0, [1, 1]), B[0])
+    assert decode(out[0][0])[1] == [4, 5]
+
+
+def test_duplicate_before_completion_is_never_added_twice():
+    p = Pipeline(slots=2, packet_elements=K)
+    job = p.install_job("j", SA, A[:3], 0, 2)
+    send(p, contrib(1, SA, 0, [1, 2]), A[0])
+    for _ in range(3):
+        assert send(p, contrib(1, SA, 0, [1, 2]), A[0]) == []
+    send(p, contrib(1, SA, 0, [10, 20]), A[1])
+    assert send(p, contrib(1, SA, 0, [10, 20]), A[1]) == []
+    assert job.counters["duplicates"] == 4
+    assert p.slot_state(1, 0) == (True, 0b011)
+    out = send(p, contrib(1, SA, 0, [100, 200]), A[2])
+    assert len(out) == 3
+    assert decode(out[0][0])[1] == [111, 222]
+
+
+def test_duplicate_after_completion_answers_that_rank_only():
+    p = Pipeline(slots=2, packet_elements=K)
+    job = p.install_job("j", SA, A[:3], 0, 2)
+    for r in range(3):
+        out = send(p, contrib(0, SA, 6, [r + 1, 10 * (r + 1)], seq=3, pkt_id=2), A[r])
+    first = out[0][0]
+    for r in (1, 0, 2, 1):
+        again = send(p, contrib(0, SA, 6, [r + 1, 10 * (r + 1)], seq=3, pkt_id=2), A[r])
+        assert len(again) == 1
+        assert again[0][1] == A[r]
+        assert again[0][0] == first  # the stored result, unchanged
+        assert decode(again[0][0])[1] == [6, 60]
+    assert job.counters["retransmissions_answered"] == 4
+    assert job.counters["results_completed"] == 1
+    assert job.counters["results_out"] == 3 + 4
+
+
+def test_stored_result_survives_use_of_the_other_set():
+    p = Pipeline(slots=1, packet_elements=K)
+    p.install_job("j", SA, A[:2], 0, 1)
+    send(p, contrib(0, SA, 0, [1]), A[0])
+    send(p, contrib(0, SA, 0, [2]), A[1])
+    send(p, contrib(0, SA, 1, [40]), A[0])  # rank 0 moved on, set 1
+    # rank 1 lost the result of msg 0 and retransmits it
+    out = send(p, contrib(0, SA, 0, [2]), A[1])
+    assert [(decode(d)[1], a) for d, a in out] == [([3], A[1])]
+    out = send(p, contrib(0, SA, 1, [2]), A[1])
+    assert [decode(d)[1] for d, _ in out] == [[42], [42]]
+
+
+def test_mismatched_ids_for_the_same_message_are_dropped():
+    p = Pipeline(slots=1, packet_elements=K)
+    job = p.install_job("j", SA, A[:2], 0, 1)
+    send(p, contrib(0, SA, 0, [1, 1], seq=1, pkt_id=0), A[0])
+    for bad in (contrib(0, SA, 0, [1, 1], seq=2, pkt_id=0),
+                contrib(0, SA, 0, [1, 1], seq=1, pkt_id=1),
+                contrib(0, SA, 0, [1, 1, 1], seq=1, pkt_id=0),
+                contrib(0, SA, 0, [1, 1], seq=1, pkt_id=0, dtype=wire.DTYPE_FLOAT32)):
+        assert send(p, bad, A[1]) == []
+    assert job.counters["dropped_mismatch"] == 4
+    assert p.slot_state(0, 0) == (True, 0b01)
+    out = send(p, contrib(0, SA, 0, [2, 3], seq=1, pkt_id=0), A[1])
+    assert decode(out[0][0])[1] == [3, 4]
+
+
+def test_exponent_is_the_max_over_contributions():
+    p = Pipeline(slots=1, packet_elements=K)
+    p.install_job("j", SA, A[:4], 0, 1)
+    exps = [EXP_ZERO, -20, 17, 3]
+    for r, e in enumerate(exps):
+        out = send(p, contrib(0, SA, 0, [1], exponent=e, dtype=wire.DTYPE_FLOAT32), A[r])
+    assert decode(out[0][0])[0].exponent == 17
+    for r, e in enumerate([5, EXP_NONFINITE, EXP_ZERO, -1]):
+        out = send(p, contrib(0, SA, 1, [1], exponent=e, dtype=wire.DTYPE_FLOAT32), A[r])
+    assert decode(out[0][0])[0].exponent == EXP_NONFINITE
+    for r in range(4):
+        out = send(p, contrib(0, SA, 2, [0], exponent=EXP_ZERO,
+                              dtype=wire.DTYPE_FLOAT32), A[r])
+    assert decode(out[0][0])[0].exponent == EXP_ZERO
+
+
+# ---------------------------------------------------------------- stale
+def test_stale_message_is_dropped_and_counted():
+    p = Pipeline(slots=1, packet_elements=K)
+    job = p.install_job("j", SA, A[:2], 0, 1)
+    for m in (0, 1):
+        send(p, contrib(0, SA, m, [1]), A[0])
+        send(p, contrib(0, SA, m, [1]), A[1])
+    send(p, contrib(0, SA, 2, [5]), A[0])
+    # msg 0 maps to the same set as msg 2 but is older
+    assert send(p, contrib(0, SA, 0, [1000]), A[1]) == []
+    assert send(p, contrib(0, SA, 0, [1000]), A[0]) == []
+    assert job.counters["dropped_stale"] == 2
+    assert p.slot_state(0, 2) == (True, 0b01)
+    out = send(p, contrib(0, SA, 2, [6]), A[1])
+    assert decode(out[0][0])[1] == [11]
+
+
+def test_message_numbers_wrap_around():
+    p = Pipeline(slots=1, packet_elements=K)
+    job = p.install_job("j", SA, A[:2], 0, 1)
+    top = 0xFFFFFFFF
+    for m, vals in ((top - 1, [1]), (top, [2]), (0, [3]), (1, [4]), (2, [5])):
+        send(p, contrib(0, SA, m, vals), A[0])
+        out = send(p, contrib(0, SA, m, [v * 10 for v in vals]), A[1])
+        h, values = decode(out[0][0])
+        assert (h.msg, values) == (m, [vals[0] * 11])
+    # 0xFFFFFFFF is older than 1 (same set) and 0 is older than 2
+    assert send(p, contrib(0, SA, top, [9]), A[0]) == []
+    assert send(p, contrib(0, SA, 0, [9]), A[1]) == []
+    assert job.counters["dropped_stale"] == 2
+    # message 1 (older, set 1) is still answered from the shadow copy
+    out = send(p, contrib(0, SA, 1, [4]), A[0])
+    assert [(decode(d)[1], a) for d, a in out] == [([44], A[0])]
+
+
+# ---------------------------------------------------------------- drops
+def _assert_bad_packet_dropped(p, data, addr, where, key):
+    before = dict(where)
+    assert send(p, data, addr) == []
+    after = dict(where)
+    assert after.get(key, 0) == before.get(key, 0) + 1, (key, before, after)
+    changed = {k for k in set(before) | set(after) if before.get(k) != after.get(k)}
+    assert changed == {key}
+
+
+def test_bad_packets_are_dropped_counted_and_leave_a_concurrent_job_alone():
+    p, ja, jb = two_jobs(world_a=2, world_b=3, slots=8)
+    slot = 5  # job B's
+    send(p, contrib(slot, SB, 3, [1, 2, 3], seq=4, pkt_id=1), B[0])
+    send(p, contrib(0, SA, 0, [1, 1, 1]), A[0])  # job A in progress too
+    state_b, state_a = p.slot_state(slot, 3), p.slot_state(0, 0)
+    good = contrib(slot, SB, 3, [10, 20, 30], seq=4, pkt_id=1)
+    attacks = [
+        # unknown source address, otherwise a perfect packet for job B
+        (good, ("mallory", 1), p.counters, "dropped_unknown_source"),
+        (good, B[3], p.counters, "dropped_unknown_source"),  # rank beyond job B's world
+        # job A's member writing into job B's slot: wrong session from its address...
+        (good, A[1], ja.counters, "dropped_wrong_session"),
+        # ...or with its own session: slot outside job A's range
+        (contrib(slot, SA, 3, [10, 20, 30], seq=4, pkt_id=1), A[1], ja.counters,
+         "dropped_slot_out_of_range"),
+        # job B's member with a wrong session
+        (contrib(slot, SB + 1, 3, [10, 20, 30], seq=4, pkt_id=1), B[1], jb.counters,
+         "dropped_wrong_session"),
+        # job B's member on a slot outside B's range (job A's slot, and past the pool)
+        (contrib(0, SB, 0, [5, 5, 5]), B[1], jb.counters, "dropped_slot_out_of_range"),
+        (contrib(3, SB, 0, [5, 5, 5]), B[1], jb.counters, "dropped_slot_out_of_range"),
+        (contrib(8, SB, 3, [5]), B[1], jb.counters, "dropped_slot_out_of_range"),
+        (contrib(0xFFFF, SB, 3, [5]), B[1], jb.counters, "dropped_slot_out_of_range"),
+        # more values than a slot holds
+        (contrib(slot, SB, 3, list(range(K + 1)), seq=4, pkt_id=1), B[1], jb.counters,
+         "dropped_too_many_values"),
+        # a result pretending to be a contribution
+        (contrib(slot, SB, 3, [10, 20, 30], seq=4, pkt_id=1, kind=wire.KIND_RESULT), B[1],
+         jb.counters, "dropped_bad_kind"),
+        # malformed bytes
+        (good[:20], B[1], jb.counters, "dropped_truncated"),
+        (b"", B[1], jb.counters, "dropped_truncated"),
+        (b"\x00" * 2 + good[2:], B[1], jb.counters, "dropped_bad_magic"),
+        (good[:2] + b"\x07" + good[3:], B[1], jb.counters, "dropped_bad_version"),
+        (good[:3] + b"\x09" + good[4:], B[1], jb.counters, "dropped_bad_kind"),
+        (good[:4] + b"\x05" + good[5:], B[1], jb.counters, "dropped_bad_dtype"),
+        (good[:-4], B[1], jb.counters, "dropped_bad_length"),
+        (good + b"\x00\x00\x00\x01", B[1], jb.counters, "dropped_bad_length"),
+        (good + b"\x01", B[1], jb.counters, "dropped_bad_length"),
+    ]
+    for data, addr, where, key in attacks:
+        _assert_bad_packet_dropped(p, data, addr, where, key)
+        assert p.slot_state(slot, 3) == state_b
+        assert p.slot_state(0, 0) == state_a
+    for key in ("dropped_unknown_source", "dropped_wrong_session",
+                "dropped_slot_out_of_range", "dropped_too_many_values", "dropped_bad_kind",
+                "dropped_truncated", "dropped_bad_length"):
+        assert drop_keys(p.counters).get(key, 0) + drop_keys(ja.counters).get(key, 0) + \
+            drop_keys(jb.counters).get(key, 0) > 0
+    assert "packets_in" not in jb.counters or jb.counters["packets_in"] == 1
+    # the valid job still sums exactly what its ranks sent, once
+    assert send(p, good, B[1]) == []
+    out = send(p, contrib(slot, SB, 3, [100, 200, 300], seq=4, pkt_id=1), B[2])
+    assert [a for _, a in out] == B[:3]
+    h, values = decode(out[0][0])
+    assert (h.session, h.slot, h.msg, h.seq, h.pkt_id) == (SB, slot, 3, 4, 1)
+    assert values == [111, 222, 333]
+    out = send(p, contrib(0, SA, 0, [2, 2, 2]), A[1])
+    assert [a for _, a in out] == A[:2]
+    assert decode(out[0][0])[1] == [3, 3, 3]
+    assert jb.counters["results_completed"] == 1 and ja.counters["results_completed"] == 1
+
+
+def test_receive_datagram_never_raises_on_garbage():
+    p, ja, jb = two_jobs()
+    rng = np.random.default_rng(1)
+    for i in range(300):
+        n = int(rng.integers(0, 80))
+        data = rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+        if i % 2 and n >= 2:
+            data = b"SM" + data[2:]
+        assert send(p, data, B[i % 2]) == []
+    assert sum(drop_keys(jb.counters).values()) == 300
+    assert not ja.counters
+    # and the pipeline still aggregates afterwards
+    send(p, contrib(4, SB, 0, [1]), B[0])
+    out = send(p, contrib(4, SB, 0, [2]), B[1])
+    assert decode(out[0][0])[1] == [3]
+
+
+def test_contribution_of_exactly_packet_elements_is_accepted():
+    p = Pipeline(slots=1, packet_elements=K)
+    p.install_job("j", SA, A[:1], 0, 1)
+    out = send(p, contrib(0, SA, 0, list(range(K))), A[0])
+    assert decode(out[0][0])[1] == list(range(K))
+
+
+# ---------------------------------------------------------------- int32 arithmetic
+def test_int32_sums_wrap_around():
+    p = Pipeline(slots=1, packet_elements=K)
+    p.install_job("j", SA, A[:3], 0, 1)
+    imax, imin = 2**31 - 1, -(2**31)
+    send(p, contrib(0, SA, 0, [imax, imin, imax, -1, 0]), A[0])
+    send(p, contrib(0, SA, 0, [1, -1, imax, imin, 0]), A[1])
+    out = send(p, contrib(0, SA, 0, [0, 0, 2, 0, imin]), A[2])
+    assert decode(out[0][0])[1] == [imin, imax, 0, imax, imin]
+
+
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(n=st.integers(1, 8), count=st.integers(0, K), data=st.data())
+def test_int32_sums_match_numpy_wrapping_sum(n, count, data):
+    p = Pipeline(slots=1, packet_elements=K)
+    members = [("w", r) for r in range(n)]
+    p.install_job("j", SA, members, 0, 1)
+    arrays = [data.draw(hnp.arrays(np.int32, count)) for _ in range(n)]
+    order = data.draw(st.permutations(range(n)))
+    for i, r in enumerate(order):
+        out = send(p, contrib(0, SA, 0, arrays[r]), members[r])
+        assert (out == []) == (i < n - 1)
+    expected = np.zeros(count, np.int32)
+    for a in arrays:
+        np.add(expected, a, out=expected)
+    wide = np.sum([a.astype(np.int64) for a in arrays], axis=0) if count else np.zeros(0)
+    assert expected.tolist() == [((int(v) + 2**31) % 2**32) - 2**31 for v in wide]
+    for datagram, _ in out:
+        assert decode(datagram)[1] == expected.tolist()
+
+
+# ---------------------------------------------------------------- slot pool
+def test_allocate_install_remove_frees_slots():
+    p = Pipeline(slots=8, packet_elements=K)
+    assert p.free_slots() == 8
+    base = p.allocate(8)
+    assert base == 0
+    p.install_job("j", SA, A[:2], base, 8)
+    assert p.free_slots() == 0
+    with pytest.raises(SlotPoolExhausted):
+        p.allocate(1)
+    removed = p.remove_job(SA)
+    assert removed is not None and removed.name == "j"
+    assert p.free_slots() == 8
+    assert p.remove_job(SA) is None
+    assert p.allocate(8) == 0
+    # the addresses are forgotten: their packets are now from unknown sources
+    assert send(p, contrib(0, SA, 0, [1]), A[0]) == []
+    assert p.counters["dropped_unknown_source"] == 1
+    # and may join a new job
+    p.install_job("again", SB, A[:2], 0, 8)
+
+
+def test_allocate_first_fit_contiguous():
+    p = Pipeline(slots=8, packet_elements=K)
+    sessions = [11, 12, 13]
+    ranges = []
+    for s, count in zip(sessions, (3, 2, 3)):
+        base = p.allocate(count)
+        p.install_job(f"j{s}", s, [("x", s)], base, count)
+        ranges.append(base)
+    assert ranges == [0, 3, 5]
+    with pytest.raises(SlotPoolExhausted):
+        p.allocate(1)
+    p.remove_job(12)
+    assert p.free_slots() == 2
+    with pytest.raises(SlotPoolExhausted):
+        p.allocate(3)
+    assert p.allocate(2) == 3
+    p.remove_job(11)
+    assert p.free_slots() == 5
+    assert p.allocate(5) == 0  # slots 0..4 are contiguous again
+    with pytest.raises(SlotPoolExhausted):
+        p.allocate(6)
+    with pytest.raises(SlotPoolExhausted):
+        p.allocate(9)
+    p.remove_job(13)
+    assert p.free_slots() == 8
+
+
+def test_install_job_rejects_taken_slots_sessions_and_addresses():
+    p = Pipeline(slots=8, packet_elements=K)
+    p.install_job("A", SA, A[:2], 0, 4)
+    with pytest.raises(ValueError):
+        p.install_job("X", SB, B[:2], 3, 2)  # slot 3 taken
+    with pytest.raises(ValueError):
+        p.install_job("X", SA, B[:2], 4, 2)  # session taken
+    with pytest.raises(ValueError):
+        p.install_job("X", SB, [A[1]], 4, 2)  # address taken
+    with pytest.raises(ValueError):
+        p.install_job("X", 0, B[:2], 4, 2)  # session 0 means free
+    with pytest.raises(ValueError):
+        p.install_job("X", SB, [], 4, 2)
+    with pytest.raises(ValueError):
+        p.install_job("X", SB, [("m", i) for i in range(33)], 4, 2)
+    assert p.free_slots() == 4
+    p.install_job("B", SB, [("m", i) for i in range(32)], 4, 4)
+    assert p.free_slots() == 0
+
+
+# ---------------------------------------------------------------- memory
+def test_switch_memory_does_not_grow():
+    p, ja, jb = two_jobs(world_a=3, world_b=2, slots=8)
+    rows = p._rows
+    nbytes = rows.nbytes
+    shape = rows.shape
+    sizes = {name: len(getattr(p, name)[0]) for name in
+             ("_valid", "_msg", "_bitmap", "_count", "_exponent", "_ids")}
+    rng = np.random.default_rng(0)
+    msgs = [0] * 8
+    expected_out = 0
+    for i in range(3000):
+        slot = i % 8
+        job, addrs, session = (ja, A[:3], SA) if slot < 4 else (jb, B[:2], SB)
+        count = int(rng.integers(0, K + 1))
+        arrays = rng.integers(-1000, 1000, (len(addrs), count), dtype=np.int32)
+        for r, addr in enumerate(addrs):
+            out = send(p, contrib(slot, session, msgs[slot], arrays[r], seq=i), addr)
+            if r == 0:  # a duplicate on the way, before completion
+                assert send(p, contrib(slot, session, msgs[slot], arrays[r], seq=i),
+                            addr) == []
+        assert decode(out[0][0])[1] == arrays.sum(axis=0).tolist()
+        msgs[slot] += 1
+        expected_out += len(addrs)
+    assert p._rows is rows
+    assert p._rows.nbytes == nbytes and p._rows.shape == shape
+    assert nbytes == 2 * 8 * (wire.HEADER_SIZE // 4 + K) * 4
+    for name, size in sizes.items():
+        assert [len(x) for x in getattr(p, name)] == [size, size]
+    assert len(p._owner) == 8
+    assert ja.counters["results_out"] + jb.counters["results_out"] == expected_out
+
+
+def test_constructor_limits():
+    with pytest.raises(ValueError):
+        Pipeline(slots=0)
+    with pytest.raises(ValueError):
+        Pipeline(slots=1, packet_elements=0)
+    with pytest.raises(ValueError):
+        Pipeline(slots=1, packet_elements=wire.MAX_PACKET_ELEMENTS + 1)
+    p = Pipeline(slots=1, packet_elements=wire.MAX_PACKET_ELEMENTS)
+    assert p._rows.shape == (2, 1, 8 + wire.MAX_PACKET_ELEMENTS)
