@@ -30,6 +30,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import switchml  # noqa: E402
+from switchml import config  # noqa: E402
 from switchml.cli import fetch_stats  # noqa: E402
 
 
@@ -135,9 +136,9 @@ def run_switchml(ctx, world, elements, dtype, args):
         item = report_q.get(timeout=600)
         if item[0] == "worker":
             reports.append(item)
-    stats = fetch_stats(address)
     for p in procs:
         p.join()
+    stats = fetch_stats(address)  # after every rank left: the job's counters are final
     stop_ev.set()
     switch_profile = None
     if args.profile:
@@ -190,9 +191,9 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=["float32", "int32"], default="float32")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--slots", type=int, default=256)
-    parser.add_argument("--packet-elements", type=int, default=8192)
-    parser.add_argument("--slots-per-job", type=int, default=32)
+    parser.add_argument("--slots", type=int, default=config.DEFAULT_SLOTS)
+    parser.add_argument("--packet-elements", type=int, default=config.DEFAULT_PACKET_ELEMENTS)
+    parser.add_argument("--slots-per-job", type=int, default=config.DEFAULT_SLOTS_PER_JOB)
     parser.add_argument("--gloo", action="store_true", help="also run torch gloo allreduce")
     parser.add_argument("--profile", action="store_true", help="cProfile switch and rank 0")
     parser.add_argument("--out", default=None, help="JSON file (default bench/results/...)")

@@ -11,8 +11,11 @@ SOCKET_BUFFER = 32 * 1024 * 1024
 MAX_CONTROL_LINE = 1 << 20
 
 
-def enlarge_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> None:
-    """Ask for large kernel buffers; beyond net.core.*mem_max only root gets them."""
+def enlarge_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> int:
+    """Ask for large kernel buffers; beyond net.core.*mem_max only root gets them.
+
+    Returns the receive buffer the kernel granted, in bytes.
+    """
     for force, plain in ((getattr(socket, "SO_RCVBUFFORCE", None), socket.SO_RCVBUF),
                          (getattr(socket, "SO_SNDBUFFORCE", None), socket.SO_SNDBUF)):
         try:
@@ -21,6 +24,12 @@ def enlarge_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> None:
             sock.setsockopt(socket.SOL_SOCKET, force, size)
         except PermissionError:
             sock.setsockopt(socket.SOL_SOCKET, plain, size)
+    return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+
+
+def datagrams_that_fit(rcvbuf: int, packet_bytes: int) -> int:
+    """How many datagrams of ``packet_bytes`` a receive buffer holds (kernel overhead included)."""
+    return rcvbuf // (packet_bytes + packet_bytes // 4 + 1024)
 
 
 def encode_line(message: dict) -> bytes:

@@ -18,6 +18,8 @@ import logging
 import secrets
 from dataclasses import dataclass, field
 
+from .. import wire
+from ..netutil import datagrams_that_fit
 from .pipeline import MAX_WORKERS, Pipeline, SlotPoolExhausted
 
 log = logging.getLogger("switchml.switch")
@@ -33,6 +35,7 @@ class JobEntry:
     conns: dict = field(default_factory=dict)     # rank -> connection id
     addrs: dict = field(default_factory=dict)     # rank -> data address
     left: set = field(default_factory=set)
+    rcvbufs: dict = field(default_factory=dict)   # rank -> its data socket's receive buffer
     session: int = 0                              # 0 while still gathering ranks
 
 
@@ -40,8 +43,9 @@ class Controller:
     """Admits workers to jobs and installs/removes them in the pipeline."""
 
     def __init__(self, pipeline: Pipeline, *, data_port: int, slots_per_job: int = 32,
-                 stats=None):
+                 stats=None, rcvbuf: int | None = None):
         self.pipeline = pipeline
+        self.rcvbuf = rcvbuf
         self._stats = stats or pipeline.stats
         self.data_port = data_port
         self.slots_per_job = slots_per_job
@@ -96,6 +100,7 @@ class Controller:
             host, port = msg["data_addr"]
             addr = (str(host), int(port))
             request = int(msg.get("slots") or self.slots_per_job)
+            rcvbuf = int(msg.get("rcvbuf") or 0)
         except (KeyError, TypeError, ValueError):
             return refuse("join needs job, rank, world_size and data_addr")
         if msg.get("version", PROTOCOL_VERSION) != PROTOCOL_VERSION:
@@ -124,6 +129,8 @@ class Controller:
             return refuse(f"data address {addr} is already used by another rank")
         job.conns[rank] = conn
         job.addrs[rank] = addr
+        if rcvbuf > 0:
+            job.rcvbufs[rank] = rcvbuf
         self._conn_job[conn] = (name, rank)
         log.info("job %s: rank %d/%d joined from %s:%d", name, rank, world, *addr)
         if len(job.conns) < world:
@@ -136,7 +143,7 @@ class Controller:
                 for c in job.conns.values()]
 
     def _start(self, job: JobEntry) -> list:
-        count = min(job.slot_request, self.pipeline.slots)
+        count = min(job.slot_request, self.pipeline.slots, self._window_limit(job))
         try:
             base = self.pipeline.allocate(count)
         except SlotPoolExhausted as exc:
@@ -157,10 +164,23 @@ class Controller:
                  "packet_elements": self.pipeline.packet_elements, "data_port": self.data_port}
         return [(c, ready) for c in job.conns.values()]
 
+    def _window_limit(self, job: JobEntry) -> int:
+        """Most slots whose bursts fit the receive buffers: beyond that, bursts drop."""
+        size = wire.packet_size(self.pipeline.packet_elements)
+        limits = [datagrams_that_fit(b, size) for b in job.rcvbufs.values()]
+        if self.rcvbuf:
+            limits.append(datagrams_that_fit(self.rcvbuf, size) // job.world_size)
+        limit = max(1, min(limits, default=job.slot_request))
+        if limit < job.slot_request:
+            log.warning("job %s: window cut from %d to %d slots because socket receive "
+                        "buffers are small; run as root or raise net.core.rmem_max",
+                        job.name, job.slot_request, limit)
+        return limit
+
     def _leave(self, conn) -> list:
         entry = self._conn_job.get(conn)
-        if entry is None:
-            return []
+        if entry is None:  # the job already ended or failed
+            return [(conn, {"event": "left"})]
         name, rank = entry
         job = self.jobs[name]
         if not job.session:
@@ -170,7 +190,7 @@ class Controller:
         if len(job.left) == job.world_size:
             self._end(job)
             log.info("job %s ended; its slots are free", name)
-        return []
+        return [(conn, {"event": "left"})]
 
     def _fail(self, job: JobEntry, missing: list, reason: str) -> list:
         self._end(job)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import wire
+from ..config import DEFAULT_PACKET_ELEMENTS, DEFAULT_SLOTS
 from ..quant import EXP_ZERO
 
 HEADER_WORDS = wire.HEADER_SIZE // wire.VALUE_SIZE
@@ -68,7 +69,7 @@ class Job:
 class Pipeline:
     """Slot pool plus streaming aggregation; see the module docstring for the rules."""
 
-    def __init__(self, slots: int = 256, packet_elements: int = 8192, *,
+    def __init__(self, slots: int = DEFAULT_SLOTS, packet_elements: int = DEFAULT_PACKET_ELEMENTS, *,
                  drop_rate: float = 0.0, egress_drop_rate: float | None = None,
                  seed: int | None = None):
         if not 1 <= slots <= 0xFFFF:

@@ -61,7 +61,9 @@ class Switch:
         self._tcp, self._udp = _bind_pair(self._host, self._port)
         self.address = (self._host, self._tcp.getsockname()[1])
         self.controller = Controller(self.pipeline, data_port=self.address[1],
-                                     slots_per_job=self._slots_per_job, stats=self.stats)
+                                     slots_per_job=self._slots_per_job, stats=self.stats,
+                                     rcvbuf=self._udp.getsockopt(socket.SOL_SOCKET,
+                                                                 socket.SO_RCVBUF))
         self._wake_r, self._wake_w = socket.socketpair()
         self._running = True
         self._started_at = time.monotonic()

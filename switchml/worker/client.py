@@ -139,12 +139,12 @@ class Worker:
             udp.close()
             udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             udp.bind((local_ip, 0))
-            enlarge_buffers(udp)
+            rcvbuf = enlarge_buffers(udp)
             udp.setblocking(False)
             control.sendall(encode_line({
                 "op": "join", "version": 1, "job": self.job, "rank": self.rank,
                 "world_size": self.world_size, "data_addr": list(udp.getsockname()),
-                "slots": slots}))
+                "slots": slots, "rcvbuf": rcvbuf}))
             ready = self._await_ready(control, where)
         except BaseException:
             control.close()
@@ -196,6 +196,7 @@ class Worker:
         sel.register(self._wake_r, selectors.EVENT_READ)
         self._reader = LineReader()
         self._sel = sel
+        self._control_open = True
         try:
             while True:
                 try:
@@ -221,23 +222,41 @@ class Worker:
                     future.set_exception(exc)
                 else:
                     future.set_result(out)
-            if self._failure is None:
-                try:
-                    self._control.setblocking(True)
-                    self._control.sendall(encode_line({"op": "leave"}))
-                except OSError:
-                    pass
+            if self._control_open:
+                # Also after a timeout: this rank is alive, and leaving rather than
+                # vanishing keeps the switch from blaming it for the others' stall.
+                self._leave()
         finally:
             sel.close()
 
+    def _leave(self) -> None:
+        """Tell the switch we are done and wait (briefly) until it has taken note."""
+        deadline = time.monotonic() + STATUS_TIMEOUT
+        try:
+            self._control.sendall(encode_line({"op": "leave"}))
+            while time.monotonic() < deadline:
+                if any(m.get("event") == "left" for m in self._wait(deadline - time.monotonic())):
+                    return
+        except (OSError, SwitchMLError) as exc:
+            log.debug("leaving the job: %s", exc)
+
     def _idle(self, sel) -> None:
-        for key, _ in sel.select(1.0):
+        self._wait(1.0)
+
+    def _wait(self, timeout: float, drain_udp: bool = True) -> list:
+        """Block until something happens; return control events (failures raise).
+
+        Datagrams that arrive while no allreduce runs are late duplicates: dropped.
+        """
+        events = []
+        for key, _ in self._sel.select(max(0.0, timeout)):
             if key.fileobj is self._wake_r:
                 self._wake_r.recv(4096)
             elif key.fileobj is self._control:
-                self._read_control()
-            else:
+                events += self._read_control()
+            elif drain_udp:
                 self._drain_stray()
+        return events
 
     def _drain_stray(self) -> None:
         """Results arriving between calls (late retransmissions): count and drop."""
@@ -260,6 +279,7 @@ class Worker:
             log.debug("control connection error: %s", exc)
         if not data:
             self._sel.unregister(self._control)
+            self._control_open = False
             self._failure = SwitchUnreachableError(
                 f"the switch at {host}:{port} closed the control connection "
                 f"(switch stopped or crashed?)")
@@ -268,6 +288,7 @@ class Worker:
         for msg in events:
             if msg.get("event") == "failed":
                 self._sel.unregister(self._control)
+                self._control_open = False
                 self._failure = SwitchMLTimeoutError(
                     f"job '{self.job}' failed: {msg.get('reason')}", msg.get("missing", []))
                 raise self._failure
@@ -306,12 +327,8 @@ class Worker:
                     udp.sendto(d, dst)
                 timer = op.get_timer()
             if received < DRAIN_BATCH:
-                wait = max(0.0, timer - time.monotonic()) if timer is not None else 1.0
-                for key, _ in self._sel.select(wait):
-                    if key.fileobj is self._control:
-                        self._read_control()
-                    elif key.fileobj is self._wake_r:
-                        self._wake_r.recv(4096)
+                wait = timer - time.monotonic() if timer is not None else 1.0
+                self._wait(wait, drain_udp=False)
 
     def _diagnose(self, op) -> SwitchMLError:
         """Ask the switch which ranks are missing from the stalled slots."""
@@ -320,9 +337,7 @@ class Worker:
             self._control.sendall(encode_line({"op": "status", "slots": pending}))
             deadline = time.monotonic() + STATUS_TIMEOUT
             while time.monotonic() < deadline:
-                if not self._sel.select(deadline - time.monotonic()):
-                    continue
-                for msg in self._read_control():
+                for msg in self._wait(deadline - time.monotonic()):
                     if msg.get("event") == "status":
                         return self._stalled_error(msg["slots"])
         except SwitchMLError as exc:
