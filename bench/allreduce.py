@@ -34,14 +34,10 @@ from switchml import config  # noqa: E402
 from switchml.cli import fetch_stats  # noqa: E402
 
 
-def _profiled(enabled, fn):
-    if not enabled:
-        return fn(), None
-    prof = cProfile.Profile()
-    result = prof.runcall(fn)
+def _profile_text(prof) -> str:
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
-    return result, out.getvalue()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
+    return out.getvalue()
 
 
 def _switch_main(options, address_q, stop_ev, profile, report_q):
@@ -55,9 +51,7 @@ def _switch_main(options, address_q, stop_ev, profile, report_q):
     stop_ev.wait()
     sw.stop()
     if prof is not None:
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
-        report_q.put(("switch-profile", out.getvalue()))
+        report_q.put(("switch-profile", _profile_text(prof)))
 
 
 def _worker_main(address, rank, world, elements, dtype, warmup, repeats, profile, report_q):
@@ -70,22 +64,22 @@ def _worker_main(address, rank, world, elements, dtype, warmup, repeats, profile
     with switchml.Worker(address, rank, world, job=f"bench-{world}", timeout=60) as w:
         for _ in range(warmup):
             w.allreduce(data, out=out)
+        prof = cProfile.Profile() if profile and rank == 0 else None
+        if prof is not None:
+            run = w._run  # profile the worker's I/O thread, where the work happens
+            w._run = lambda src, dst: prof.runcall(run, src, dst)
         c0 = dict(w.counters)
         cpu0 = time.process_time()
-
-        def timed():
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                w.allreduce(data, out=out)
-                times.append(time.perf_counter() - start)
-            return times
-
-        times, prof = _profiled(profile and rank == 0, timed)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            w.allreduce(data, out=out)
+            times.append(time.perf_counter() - start)
         cpu = time.process_time() - cpu0
         c1 = w.counters
         sent = (c1["results_in"] - c0["results_in"]) + (c1["retransmissions"] - c0["retransmissions"])
         received = c1["results_in"] - c0["results_in"]
+        prof = _profile_text(prof) if prof is not None else None
         report_q.put(("worker", rank, times, cpu, sent, received, prof))
 
 
