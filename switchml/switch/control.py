@@ -173,7 +173,7 @@ class Controller:
         limit = max(1, min(limits, default=job.slot_request))
         if limit < job.slot_request:
             log.warning("job %s: window cut from %d to %d slots because socket receive "
-                        "buffers are small; run as root or raise net.core.rmem_max",
+                        "buffers are small (raise net.core.rmem_max, or grant CAP_NET_ADMIN)",
                         job.name, job.slot_request, limit)
         return limit
 
