@@ -155,7 +155,7 @@ def run_switchml(ctx, world, elements, dtype, args):
         "switch_cpu_s_per_packet": stats["cpu_s"] / packets if packets else None,
         "worker_cpu_s_per_packet": reports[0][3] / max(1, reports[0][4] + reports[0][5]),
         "switch_counters": job,
-        "bytes_on_wire_per_worker_per_allreduce": wire_bytes // world,
+        "payload_bytes_up_plus_down_per_worker": wire_bytes // world,
     })
     if args.profile:
         result["profile_switch"] = switch_profile
@@ -213,11 +213,11 @@ def main(argv=None):
               f"{r['worker_cpu_s_per_packet'] * 1e6:>10.1f}", flush=True)
         if args.gloo:
             g = run_gloo(ctx, world, elements, args)
-            g.update(workers=world, system="gloo", ratio_switchml_over_gloo=g["median_s"] / r["median_s"])
+            g.update(workers=world, system="gloo", switchml_speedup_over_gloo=g["median_s"] / r["median_s"])
             results["runs"].append(g)
             print(f"{world:>3} {'gloo':>9} {g['median_s']:>9.3f} {g['min_s']:>8.3f} "
                   f"{g['max_s']:>8.3f} {g['goodput_GBps_per_worker']:>12.3f}   "
-                  f"(switchml speedup {g['ratio_switchml_over_gloo']:.2f}x)", flush=True)
+                  f"(switchml speedup {g['switchml_speedup_over_gloo']:.2f}x)", flush=True)
         if args.profile:
             print("--- switch profile (tottime) ---\n" + r["profile_switch"])
             print("--- worker rank 0 profile (tottime) ---\n" + (r["profile_worker0"] or ""))

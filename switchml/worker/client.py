@@ -8,6 +8,7 @@ of another rank or of the switch.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import selectors
@@ -78,6 +79,8 @@ class Worker:
         self._thread = threading.Thread(target=self._serve, name=f"switchml-worker-{rank}",
                                         daemon=True)
         self._thread.start()
+        # Leaving (rather than vanishing at exit) keeps the job from failing for the others.
+        atexit.register(self.close)
 
     # -------------------------------------------------------------- public API
     def allreduce(self, array, out=None) -> np.ndarray:
@@ -106,6 +109,7 @@ class Worker:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self.close)
         self._queue.put(None)
         self._wake()
         self._thread.join()
