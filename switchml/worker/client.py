@@ -253,7 +253,12 @@ class Worker:
         Datagrams that arrive while no allreduce runs are late duplicates: dropped.
         """
         events = []
-        for key, _ in self._sel.select(max(0.0, timeout)):
+        ready = self._sel.select(max(0.0, timeout))
+        if not drain_udp and any(key.fileobj is self._udp for key, _ in ready):
+            # Results first: a result that completes the call may sit behind news
+            # of the switch going away, and the call did complete.
+            return events
+        for key, _ in ready:
             if key.fileobj is self._wake_r:
                 self._wake_r.recv(4096)
             elif key.fileobj is self._control:
