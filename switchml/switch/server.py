@@ -129,7 +129,13 @@ class Switch:
                             pipeline.counters["socket_errors"] += 1
                             log.debug("udp receive error: %s", exc)
                             continue
-                        for datagram, dst in pipeline.receive_datagram(view[:n], addr):
+                        try:
+                            replies = pipeline.receive_datagram(view[:n], addr)
+                        except Exception:  # a bug must not take the switch down
+                            pipeline.counters["internal_errors"] += 1
+                            log.exception("pipeline failed on a datagram from %s", addr)
+                            continue
+                        for datagram, dst in replies:
                             try:
                                 udp.sendto(datagram, dst)
                             except OSError:

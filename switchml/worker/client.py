@@ -207,7 +207,7 @@ class Worker:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     try:
-                        self._idle(sel)
+                        self._wait(1.0)
                     except SwitchMLError:
                         pass  # recorded in self._failure; the next call raises it
                     continue
@@ -244,9 +244,6 @@ class Worker:
         except (OSError, SwitchMLError) as exc:
             log.debug("leaving the job: %s", exc)
 
-    def _idle(self, sel) -> None:
-        self._wait(1.0)
-
     def _wait(self, timeout: float, drain_udp: bool = True) -> list:
         """Block until something happens; return control events (failures raise).
 
@@ -274,6 +271,8 @@ class Worker:
                 self._udp.recv(65536)
             except BlockingIOError:
                 return
+            except OSError:  # an ICMP error queued on the socket
+                continue
             self.session.counters["dropped_stale"] += 1
 
     def _read_control(self) -> list:
@@ -286,14 +285,18 @@ class Worker:
         except OSError as exc:
             data = b""
             log.debug("control connection error: %s", exc)
-        if not data:
+        try:
+            events = self._reader.feed(data) if data else None
+        except ValueError:
+            events = None
+        if events is None:
             self._sel.unregister(self._control)
             self._control_open = False
             self._failure = SwitchUnreachableError(
                 f"the switch at {host}:{port} closed the control connection "
-                f"(switch stopped or crashed?)")
+                f"(switch stopped or crashed?)" if not data else
+                f"the switch at {host}:{port} sent a malformed control message")
             raise self._failure
-        events = self._reader.feed(data)
         for msg in events:
             if msg.get("event") == "failed":
                 self._sel.unregister(self._control)
