@@ -9,7 +9,8 @@ SWITCHML_JOB               job name shared by a job's workers     default
 SWITCHML_HOST              ``switchml switch`` bind address       127.0.0.1
 SWITCHML_PORT              ``switchml switch`` port               7300
 SWITCHML_SLOTS             slots in the switch's pool             256
-SWITCHML_PACKET_ELEMENTS   int32 values per packet                16368
+SWITCHML_PACKET_ELEMENTS   int32 values per packet                16128
+SWITCHML_BLOCK_ELEMENTS    values per block (exponent, sparsity)  256
 SWITCHML_SLOTS_PER_JOB     slots a job gets (its window)          32
 SWITCHML_DROP_RATE         simulated drop probability             0
 =========================  =====================================  ==========
@@ -21,7 +22,8 @@ import os
 
 DEFAULT_PORT = 7300
 DEFAULT_SLOTS = 256
-DEFAULT_PACKET_ELEMENTS = 16368  # the most one UDP datagram holds
+DEFAULT_PACKET_ELEMENTS = 16128  # 63 blocks of 256: the most one UDP datagram holds
+DEFAULT_BLOCK_ELEMENTS = 256
 DEFAULT_SLOTS_PER_JOB = 32
 DEFAULT_TIMEOUT = 30.0
 

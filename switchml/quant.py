@@ -1,8 +1,10 @@
-"""Block floating point: float32 chunks as int32 with one power-of-two scale per chunk.
+"""Block floating point: float32 blocks as int32 with one power-of-two scale per block.
 
-A worker computes for each chunk the smallest exponent ``e`` with ``2**e > max|x|``.
+Blocks are ``block_elements`` values (256 by default), the same blocks the sparse
+path skips or sends, so dense and sparse results are bit-identical.  A worker
+computes for each block the smallest exponent ``e`` with ``2**e > max|x|``.
 The switch takes the largest ``E`` over all workers, and every worker scales its
-chunk by ``2**(B - E)`` where ``B`` is the largest integer with
+block by ``2**(B - E)`` where ``B`` is the largest integer with
 ``n * 2**B <= 2**31 - 1``.  Then ``|q| <= 2**B`` for every worker's quantised value
 and the n contributions cannot overflow an int32 sum, whatever the inputs.
 
@@ -13,7 +15,7 @@ that per worker) and the final rounding of the exact integer sum to float32:
     |result - exact_sum| <= n * 2**(E - B - 1)  +  half an ulp of the float32 result
 
 Values that are multiples of ``2**(E - B)`` (for instance integers when
-``E <= B``) are summed exactly.  A chunk containing inf or NaN on any worker
+``E <= B``) are summed exactly.  A block containing inf or NaN on any worker
 carries the exponent ``EXP_NONFINITE`` and comes back as NaN on every worker.
 """
 
@@ -59,43 +61,74 @@ def exponents_of_peaks(peak: np.ndarray) -> np.ndarray:
     return out
 
 
-def quantize_into(src: np.ndarray, exponent: int, bits: int, dst: np.ndarray,
-                  scratch: np.ndarray) -> None:
-    """Write round(src * 2**(bits - exponent)) into int32 ``dst`` (same length).
+def _by_block(flat: np.ndarray, block: int):
+    """(full blocks as a 2-D view, the short tail or None) of a flat array."""
+    full = flat.size // block
+    body = flat[: full * block].reshape(full, block)
+    tail = flat[full * block:] if flat.size > full * block else None
+    return body, tail
 
-    ``scratch`` is a float32 buffer at least as long as ``src``.
+
+def quantize_blocks(src: np.ndarray, exponents: np.ndarray, bits: int, dst: np.ndarray,
+                    scratch: np.ndarray, block: int) -> None:
+    """int32 ``dst`` = round(src * 2**(bits - e)) with one exponent e per ``block`` values.
+
+    ``src`` is flat float32 (its last block may be short), ``exponents`` has one
+    entry per block, ``scratch`` is float32 at least as long as ``src``.
     """
-    if exponent in (EXP_ZERO, EXP_NONFINITE):
-        dst[:] = 0
+    n = src.size
+    if n == 0:
         return
-    tmp = scratch[: src.size]
-    shift = bits - exponent
-    if shift <= 127:
-        np.multiply(src, np.float32(2.0**shift), out=tmp)
-    else:
-        # 2**shift is not a float32; ldexp scales just as exactly.
-        np.ldexp(src, shift, out=tmp)
+    tmp = scratch[:n]
+    shifts = bits - exponents.astype(np.int32)
+    body, tail = _by_block(src, block)
+    tmp_body, tmp_tail = _by_block(tmp, block)
+    # ldexp scales by a power of two exactly, whatever the exponent's range.
+    np.ldexp(body, shifts[: len(body), None], out=tmp_body)
+    if tail is not None:
+        np.ldexp(tail, shifts[len(body)], out=tmp_tail)
     np.rint(tmp, out=tmp)
+    for b in np.flatnonzero(exponents == EXP_NONFINITE):
+        tmp[b * block:(b + 1) * block] = 0  # its inf/NaN must not reach the int cast
     np.copyto(dst, tmp, casting="unsafe")
 
 
+def dequantize_blocks(src: np.ndarray, exponents: np.ndarray, bits: int, dst: np.ndarray,
+                      block: int) -> None:
+    """float32 ``dst`` = int32 sums ``src`` scaled by 2**(e - bits), one e per block.
+
+    The int32 -> float32 conversion is the only rounding: the power-of-two scale
+    is exact, except where the result would be subnormal, and those blocks are
+    recomputed in float64.  A non-finite block becomes NaN, an all-zero one 0.
+    """
+    n = src.size
+    if n == 0:
+        return
+    np.copyto(dst, src, casting="unsafe")
+    shifts = exponents.astype(np.int32) - bits
+    body, tail = _by_block(dst, block)
+    np.ldexp(body, shifts[: len(body), None], out=body)
+    if tail is not None:
+        np.ldexp(tail, shifts[len(body)], out=tail)
+    for b in np.flatnonzero((shifts < -126) | (exponents == EXP_NONFINITE)):
+        piece = slice(b * block, min(n, (b + 1) * block))
+        if exponents[b] == EXP_NONFINITE:
+            dst[piece] = np.nan
+        elif exponents[b] == EXP_ZERO:
+            dst[piece] = 0
+        else:
+            np.multiply(src[piece], 2.0 ** int(shifts[b]), out=dst[piece], casting="unsafe")
+
+
+def quantize_into(src: np.ndarray, exponent: int, bits: int, dst: np.ndarray,
+                  scratch: np.ndarray) -> None:
+    """``quantize_blocks`` with one exponent for the whole of ``src``."""
+    quantize_blocks(src, np.array([exponent], np.int16), bits, dst, scratch, max(1, src.size))
+
+
 def dequantize_into(src: np.ndarray, exponent: int, bits: int, dst: np.ndarray) -> None:
-    """Write the float32 value of an int32 sum ``src`` scaled by 2**(exponent - bits)."""
-    if exponent == EXP_NONFINITE:
-        dst[:] = np.nan
-        return
-    if exponent == EXP_ZERO:
-        dst[:] = 0
-        return
-    shift = exponent - bits
-    if -126 <= shift <= 96:
-        # int32 -> float32 is the single rounding; a power of two that keeps the
-        # result normal and finite multiplies exactly.
-        np.copyto(dst, src, casting="unsafe")
-        np.multiply(dst, np.float32(2.0**shift), out=dst)
-    else:
-        # int32 * float64 is exact; the cast to float32 is the single rounding.
-        np.multiply(src, 2.0**shift, out=dst, casting="unsafe")
+    """``dequantize_blocks`` with one exponent for the whole of ``src``."""
+    dequantize_blocks(src, np.array([exponent], np.int16), bits, dst, max(1, src.size))
 
 
 def error_bound(inputs: list, chunk: int) -> np.ndarray:

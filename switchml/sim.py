@@ -37,10 +37,11 @@ class Simulation:
     def __init__(self, world_size: int, *, slots: int = 8, packet_elements: int = 64,
                  faults: Faults | None = None, seed: int = 0, pipeline: Pipeline | None = None,
                  session: int = 0x5EED, slot_base: int | None = None,
-                 progress_timeout: float = 60.0):
+                 progress_timeout: float = 60.0, block_elements: int | None = None):
         self.faults = faults or Faults()
         self.rng = random.Random(seed)
-        self.pipeline = pipeline or Pipeline(slots=slots, packet_elements=packet_elements)
+        self.pipeline = pipeline or Pipeline(slots=slots, packet_elements=packet_elements,
+                                             block_elements=block_elements)
         self.now = 0.0
         self._order = 0
         self._queue: list = []
@@ -50,6 +51,7 @@ class Simulation:
         self.sessions = [Session(session=session, rank=r, world_size=world_size,
                                  slot_base=base, slot_count=slots,
                                  packet_elements=self.pipeline.packet_elements,
+                                 block_elements=self.pipeline.block_elements,
                                  progress_timeout=progress_timeout)
                          for r in range(world_size)]
         self.datagrams = 0
@@ -67,14 +69,15 @@ class Simulation:
             heapq.heappush(self._queue, (self.now + delay, self._order, src, dst, data))
             self.datagrams += 1
 
-    def allreduce(self, arrays: list[np.ndarray], max_time: float = 600.0) -> list[np.ndarray]:
+    def allreduce(self, arrays: list[np.ndarray], max_time: float = 600.0,
+                  sparse: bool = False) -> list[np.ndarray]:
         """Run one allreduce of ``arrays[r]`` on every rank r; return each rank's result.
 
         Raises StalledSimulation when it takes more than ``max_time`` virtual seconds.
         """
         give_up = self.now + max_time
         outs = [np.empty_like(a) for a in arrays]
-        ops = [s.allreduce(a, o, self.now) for s, a, o in zip(self.sessions, arrays, outs)]
+        ops = [s.allreduce(a, o, self.now, sparse) for s, a, o in zip(self.sessions, arrays, outs)]
         addrs = self.job.members
         for addr, op in zip(addrs, ops):
             for d in op.datagrams_to_send():

@@ -1,26 +1,34 @@
 """Datagram layout of the data plane, and its validation.
 
-Every data-plane datagram is a fixed 32-byte header followed by ``count`` 32-bit
-integers, little-endian::
+Every data-plane datagram is a 32-byte header, a table of ``lanes`` 12-byte lane
+records, then ``count`` int32 values, all little-endian::
 
     offset size field
          0    2 magic      0x4D53 ("SM")
-         2    1 version    1
+         2    1 version    2
          3    1 kind       1 = contribution (worker -> switch), 2 = result (switch -> worker)
          4    1 dtype      0 = int32, 1 = float32 as block floating point
-         5    1 reserved   0
+         5    1 mode       bit 0: sparse (OmniReduce); bit 1: sparse seed round
          6    2 slot       absolute slot index in the switch's pool
          8    4 session    random id of the job, given at join
         12    4 msg        per-slot message number; the shadow-copy set is msg & 1
         16    4 seq        allreduce sequence number within the session
         20    4 pkt_id     packet index within the allreduce
-        24    2 exponent   int16: block exponent (see quant.py)
-        26    2 count      number of int32 values that follow
+        24    2 count      number of int32 values after the lane table
+        26    2 lanes      number of lane records (blocks per packet)
         28    4 reserved   0
-        32  4*c values
 
-The worker's rank is deliberately not in the packet: like a switch's table entry,
-the switch knows it from the source address that joined the job.
+A packet covers ``lanes`` blocks of ``block_elements`` values.  Lane record::
+
+    pos  u32  sparse: column position of the block this record is about
+    nxt  u32  sparse: the sender's next non-zero position (result: the minimum)
+    exp  i16  exponent of the block sent next (dense: this lane of the next chunk)
+    flag u16  bit 0: a block for this lane is in the values (result: present)
+
+Dense packets carry their values as they are (``count`` may end mid-block at the
+tensor's end); sparse packets carry one full block per flagged lane, in lane
+order.  The worker's rank is deliberately not in the packet: like a switch's
+table entry, the switch knows it from the source address that joined the job.
 """
 
 from __future__ import annotations
@@ -28,22 +36,30 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
+import numpy as np
+
 MAGIC = 0x4D53
-VERSION = 1
+VERSION = 2
 KIND_CONTRIBUTION = 1
 KIND_RESULT = 2
 DTYPE_INT32 = 0
 DTYPE_FLOAT32 = 1
+MODE_SPARSE = 1
+MODE_SEED = 2
+FLAG_BLOCK = 1
+#: Sparse position meaning "none": the lane's column is exhausted.
+POS_END = 0xFFFFFFFF
 
-HEADER = struct.Struct("<HBBBBHIIIIhHI")
+HEADER = struct.Struct("<HBBBBHIIIIHHI")
 HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 32
 VALUE_SIZE = 4
+LANE = np.dtype([("pos", "<u4"), ("nxt", "<u4"), ("exp", "<i2"), ("flag", "<u2")])
+LANE_SIZE = LANE.itemsize
+assert LANE_SIZE == 12
 
 #: Largest UDP payload over IPv4.
 MAX_DATAGRAM = 65507
-#: Most values one datagram can carry.
-MAX_PACKET_ELEMENTS = (MAX_DATAGRAM - HEADER_SIZE) // VALUE_SIZE
 
 
 class MalformedPacket(ValueError):
@@ -57,25 +73,35 @@ class MalformedPacket(ValueError):
 class Header(NamedTuple):
     kind: int
     dtype: int
+    mode: int
     slot: int
     session: int
     msg: int
     seq: int
     pkt_id: int
-    exponent: int
     count: int
+    lanes: int
+
+
+def packet_size(lanes: int, count: int) -> int:
+    return HEADER_SIZE + LANE_SIZE * lanes + VALUE_SIZE * count
+
+
+def max_packet_elements(block_elements: int) -> int:
+    """Most values (whole blocks) one datagram can carry with its lane table."""
+    return (MAX_DATAGRAM - HEADER_SIZE) // (LANE_SIZE + VALUE_SIZE * block_elements) * block_elements
 
 
 def decode_header(data) -> Header:
     """Parse and validate the header of ``data`` (bytes-like).
 
     Raises MalformedPacket when the datagram is too short, not ours, of another
-    version or kind, or its length disagrees with its value count.
+    version, kind, dtype or mode, or its length disagrees with its counts.
     """
     if len(data) < HEADER_SIZE:
         raise MalformedPacket("truncated")
-    (magic, version, kind, dtype, _r0, slot, session, msg, seq, pkt_id, exponent,
-     count, _r1) = HEADER.unpack_from(data)
+    (magic, version, kind, dtype, mode, slot, session, msg, seq, pkt_id, count, lanes,
+     _reserved) = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise MalformedPacket("bad_magic")
     if version != VERSION:
@@ -84,30 +110,41 @@ def decode_header(data) -> Header:
         raise MalformedPacket("bad_kind")
     if dtype not in (DTYPE_INT32, DTYPE_FLOAT32):
         raise MalformedPacket("bad_dtype")
-    if len(data) != HEADER_SIZE + VALUE_SIZE * count:
+    if mode not in (0, MODE_SPARSE, MODE_SPARSE | MODE_SEED):
+        raise MalformedPacket("bad_mode")
+    if len(data) != packet_size(lanes, count):
         raise MalformedPacket("bad_length")
-    return Header(kind, dtype, slot, session, msg, seq, pkt_id, exponent, count)
+    return Header(kind, dtype, mode, slot, session, msg, seq, pkt_id, count, lanes)
 
 
-def encode_header(buf, kind: int, dtype: int, slot: int, session: int, msg: int,
-                  seq: int, pkt_id: int, exponent: int, count: int, offset: int = 0) -> None:
-    """Write a header into ``buf`` at ``offset``; the values follow it."""
-    HEADER.pack_into(buf, offset, MAGIC, VERSION, kind, dtype, 0, slot, session,
-                     msg & 0xFFFFFFFF, seq & 0xFFFFFFFF, pkt_id, exponent, count, 0)
+def lane_table(data, lanes: int) -> np.ndarray:
+    """The lane records of a datagram, as a structured array viewing its bytes."""
+    return np.frombuffer(data, dtype=LANE, count=lanes, offset=HEADER_SIZE)
 
 
-def packet_size(count: int) -> int:
-    return HEADER_SIZE + VALUE_SIZE * count
+def values(data, lanes: int, count: int) -> np.ndarray:
+    """The int32 values of a datagram, as an array viewing its bytes."""
+    return np.frombuffer(data, dtype=np.int32, count=count,
+                         offset=HEADER_SIZE + LANE_SIZE * lanes)
 
 
-def encode(kind: int, dtype: int, slot: int, session: int, msg: int, seq: int,
-           pkt_id: int, exponent: int, values=b"") -> bytes:
-    """Build a whole datagram; ``values`` is bytes-like of int32 (tests and tools)."""
-    payload = memoryview(values).cast("B")
+def encode_header(buf, kind: int, dtype: int, mode: int, slot: int, session: int, msg: int,
+                  seq: int, pkt_id: int, count: int, lanes: int, offset: int = 0) -> None:
+    """Write a header into ``buf`` at ``offset``; the lane table and values follow it."""
+    HEADER.pack_into(buf, offset, MAGIC, VERSION, kind, dtype, mode, slot, session,
+                     msg & 0xFFFFFFFF, seq & 0xFFFFFFFF, pkt_id & 0xFFFFFFFF, count, lanes, 0)
+
+
+def encode(kind: int, dtype: int, slot: int, session: int, msg: int, seq: int, pkt_id: int,
+           lane_records=None, values=b"", mode: int = 0) -> bytes:
+    """Build a whole datagram (tests and tools). ``lane_records``: array of LANE or None."""
+    table = np.zeros(0, LANE) if lane_records is None else np.asarray(lane_records, LANE)
+    payload = memoryview(np.ascontiguousarray(values)).cast("B") if len(values) else b""
     count = len(payload) // VALUE_SIZE
-    buf = bytearray(HEADER_SIZE + len(payload))
-    encode_header(buf, kind, dtype, slot, session, msg, seq, pkt_id, exponent, count)
-    buf[HEADER_SIZE:] = payload
+    buf = bytearray(packet_size(len(table), count))
+    encode_header(buf, kind, dtype, mode, slot, session, msg, seq, pkt_id, count, len(table))
+    buf[HEADER_SIZE:HEADER_SIZE + LANE_SIZE * len(table)] = table.tobytes()
+    buf[HEADER_SIZE + LANE_SIZE * len(table):] = payload
     return bytes(buf)
 
 

@@ -1,5 +1,6 @@
 """The control plane, sans-IO: joins, refusals, leaves, failures, window sizing."""
 
+import numpy as np
 import pytest
 
 from switchml import wire
@@ -79,7 +80,7 @@ def test_slots_freed_only_after_every_rank_left(ctl):
 
 def test_window_fits_the_smallest_receive_buffer():
     pipeline = Pipeline(slots=64, packet_elements=1024)
-    size = wire.packet_size(1024)
+    size = wire.packet_size(pipeline.lanes, 1024)
     per_packet = size + size // 4 + 1024
     ctl = Controller(pipeline, data_port=9, slots_per_job=32, rcvbuf=100 * per_packet)
     join(ctl, 1, 0, 2, rcvbuf=50 * per_packet)
@@ -96,8 +97,9 @@ def test_status_reports_bitmaps_of_own_slots_only(ctl):
     join(ctl, 1, 0, 2)
     [(_, ready), _] = join(ctl, 2, 1, 2)
     base, session = ready["slot_base"], ready["session"]
-    pkt = wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, base, session, 5, 0, 0, 0,
-                      b"\0" * 8)
+    lanes = np.zeros(ctl.pipeline.lanes, wire.LANE)
+    pkt = wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, base, session, 5, 0, 0, lanes,
+                      np.zeros(2, np.int32))
     ctl.pipeline.receive_datagram(pkt, ("10.0.0.1", 1100))  # rank 0, joined on conn 1
     [(_, reply)] = ctl.handle_message(1, {"op": "status", "slots": [[base, 5], [15, 0]]})
     assert reply == {"event": "status", "slots": [[base, 5, True, 0b01]]}

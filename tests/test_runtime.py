@@ -82,8 +82,10 @@ def test_int32_sums_wrap_around(switch):
     assert np.array_equal(a, np.full(10, -2, dtype=np.int32))  # two's complement wrap
 
 
-def test_non_finite_inputs_stay_non_finite(switch):
-    size = 3 * K
+@pytest.mark.parametrize("sparse", [False, True])
+def test_non_finite_inputs_stay_non_finite(switch, sparse):
+    """inf or NaN anywhere makes its 256-value block NaN on every rank, and only it."""
+    size, block = 3 * K, 256
 
     def body(rank):
         x = np.ones(size, dtype=np.float32)
@@ -91,13 +93,15 @@ def test_non_finite_inputs_stay_non_finite(switch):
             x[5] = np.inf
             x[2 * K + 7] = np.nan
         with switchml.Worker(switch.address, rank, 3) as w:
-            return w.allreduce(x)
+            return w.allreduce(x, sparse=sparse)
 
     results = run_ranks(3, body)
+    expected = np.full(size, 3, np.float32)
+    bad = np.zeros(size, bool)
+    bad[:block] = bad[2 * K: 2 * K + block] = True
     for r in results:
-        assert not np.isfinite(r[:K]).any()
-        assert np.array_equal(r[K:2 * K], np.full(K, 3, np.float32))
-        assert not np.isfinite(r[2 * K:]).any()
+        assert not np.isfinite(r[bad]).any()
+        assert np.array_equal(r[~bad], expected[~bad])
         assert r.tobytes() == results[0].tobytes()
 
 
@@ -150,19 +154,20 @@ def test_garbage_during_a_job_changes_no_sum(switch):
 
     def spray(targets, count=300):
         from switchml import wire
+        lanes = np.zeros(K // 256, wire.LANE)
         for i in range(count):
             kind = i % 4
             if kind == 0:
                 junk = rng.bytes(int(rng.integers(0, 2000)))
             elif kind == 1:
-                junk = wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, 0, 1234, 0, 0, 0, 0,
-                                   np.ones(K, np.int32))[:40]
+                junk = wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, 0, 1234, 0, 0, 0,
+                                   lanes, np.ones(K, np.int32))[:40]
             elif kind == 2:
-                junk = wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, 0, 1234, 0, 0, 0, 0,
-                                   np.full(K, 7, np.int32))
+                junk = wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, 0, 1234, 0, 0, 0,
+                                   lanes, np.full(K, 7, np.int32))
             else:
-                junk = wire.encode(wire.KIND_RESULT, wire.DTYPE_FLOAT32, 0, 99, 0, 0, 0, 0,
-                                   np.full(K, 7, np.int32))
+                junk = wire.encode(wire.KIND_RESULT, wire.DTYPE_FLOAT32, 0, 99, 0, 0, 0,
+                                   lanes, np.full(K, 7, np.int32))
             for t in targets:
                 stranger.sendto(junk, t)
 

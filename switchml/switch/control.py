@@ -161,12 +161,13 @@ class Controller:
         log.info("job %s started: session %08x, slots %d..%d", job.name, session, base,
                  base + count - 1)
         ready = {"event": "ready", "session": session, "slot_base": base, "slot_count": count,
-                 "packet_elements": self.pipeline.packet_elements, "data_port": self.data_port}
+                 "packet_elements": self.pipeline.packet_elements,
+                 "block_elements": self.pipeline.block_elements, "data_port": self.data_port}
         return [(c, ready) for c in job.conns.values()]
 
     def _window_limit(self, job: JobEntry) -> int:
         """Most slots whose bursts fit the receive buffers: beyond that, bursts drop."""
-        size = wire.packet_size(self.pipeline.packet_elements)
+        size = wire.packet_size(self.pipeline.lanes, self.pipeline.packet_elements)
         limits = [datagrams_that_fit(b, size) for b in job.rcvbufs.values()]
         if self.rcvbuf:
             limits.append(datagrams_that_fit(self.rcvbuf, size) // job.world_size)

@@ -29,10 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import wire
-from ..config import DEFAULT_PACKET_ELEMENTS, DEFAULT_SLOTS
-from ..quant import EXP_ZERO
-
-HEADER_WORDS = wire.HEADER_SIZE // wire.VALUE_SIZE
+from ..config import DEFAULT_BLOCK_ELEMENTS, DEFAULT_PACKET_ELEMENTS, DEFAULT_SLOTS
 
 #: Most workers in one job: the contribution bitmap is 32 bits wide, as on Tofino.
 MAX_WORKERS = 32
@@ -69,31 +66,46 @@ class Job:
 class Pipeline:
     """Slot pool plus streaming aggregation; see the module docstring for the rules."""
 
-    def __init__(self, slots: int = DEFAULT_SLOTS, packet_elements: int = DEFAULT_PACKET_ELEMENTS, *,
-                 drop_rate: float = 0.0, egress_drop_rate: float | None = None,
-                 seed: int | None = None):
+    def __init__(self, slots: int = DEFAULT_SLOTS, packet_elements: int = DEFAULT_PACKET_ELEMENTS,
+                 *, block_elements: int | None = None, drop_rate: float = 0.0,
+                 egress_drop_rate: float | None = None, seed: int | None = None):
+        if block_elements is None:
+            block_elements = DEFAULT_BLOCK_ELEMENTS
+            if packet_elements % block_elements:
+                block_elements = packet_elements  # one block (one exponent) per packet
         if not 1 <= slots <= 0xFFFF:
             raise ValueError(f"slots must be in 1..65535, got {slots}")
-        if not 1 <= packet_elements <= wire.MAX_PACKET_ELEMENTS:
+        if block_elements < 1 or packet_elements < 1 or packet_elements % block_elements:
+            raise ValueError(f"packet_elements ({packet_elements}) must be a positive multiple "
+                             f"of block_elements ({block_elements})")
+        if packet_elements > wire.max_packet_elements(block_elements):
             raise ValueError(
-                f"packet_elements must be in 1..{wire.MAX_PACKET_ELEMENTS} "
-                f"(one UDP datagram), got {packet_elements}")
+                f"packet_elements must be at most {wire.max_packet_elements(block_elements)} "
+                f"with {block_elements}-value blocks (one UDP datagram), got {packet_elements}")
         self.slots = slots
         self.packet_elements = packet_elements
+        self.block_elements = block_elements
+        self.lanes = packet_elements // block_elements
         self.ingress_drop_rate = float(drop_rate)
         self.egress_drop_rate = float(drop_rate if egress_drop_rate is None else egress_drop_rate)
         self._rng = random.Random(seed)
 
-        # Each row is a whole result datagram: header words, then the values.
-        self._rows = np.zeros((2, slots, HEADER_WORDS + packet_elements), dtype=np.int32)
-        self._values = self._rows[:, :, HEADER_WORDS:]
+        # Each row is a whole result datagram: header, lane table, values.
+        row = wire.packet_size(self.lanes, packet_elements)
+        self._rows = np.zeros((2, slots, row), dtype=np.uint8)
+        strides = (slots * row, row)
+        self._lane_regs = np.ndarray((2, slots, self.lanes), wire.LANE, self._rows,
+                                     wire.HEADER_SIZE, strides + (wire.LANE_SIZE,))
+        self._values = np.ndarray((2, slots, packet_elements), np.int32, self._rows,
+                                  wire.HEADER_SIZE + wire.LANE_SIZE * self.lanes,
+                                  strides + (wire.VALUE_SIZE,))
         # Per slot and set registers.  Python lists: scalar access is the hot path.
         self._valid = [[False] * slots for _ in range(2)]
         self._msg = [[0] * slots for _ in range(2)]
         self._bitmap = [[0] * slots for _ in range(2)]
         self._count = [[0] * slots for _ in range(2)]
-        self._exponent = [[EXP_ZERO] * slots for _ in range(2)]
-        self._ids = [[(0, 0, 0, 0)] * slots for _ in range(2)]  # seq, pkt_id, dtype, count
+        self._blocks = [[0] * slots for _ in range(2)]  # sparse blocks received this round
+        self._ids = [[(0, 0, 0, 0, 0)] * slots for _ in range(2)]  # seq, pkt_id, dtype, mode, count
         self._owner = [0] * slots  # session owning each slot, 0 = free
 
         self.jobs: dict[int, Job] = {}
@@ -170,6 +182,7 @@ class Pipeline:
         return {
             "slots": self.slots,
             "packet_elements": self.packet_elements,
+            "block_elements": self.block_elements,
             "free_slots": self.free_slots(),
             "drop_rate": {"ingress": self.ingress_drop_rate, "egress": self.egress_drop_rate},
             "counters": dict(self.counters),
@@ -208,24 +221,39 @@ class Pipeline:
         if not job.slot_base <= slot < job.slot_base + job.slot_count:
             counters["dropped_slot_out_of_range"] += 1
             return []
+        if h.lanes != self.lanes:
+            counters["dropped_bad_lanes"] += 1
+            return []
         if h.count > self.packet_elements:
             counters["dropped_too_many_values"] += 1
             return []
+        sparse = h.mode & wire.MODE_SPARSE
+        lanes = wire.lane_table(data, h.lanes)
+        payload = wire.values(data, h.lanes, h.count)
+        if sparse:
+            flagged = np.flatnonzero(lanes["flag"] & wire.FLAG_BLOCK)
+            if h.count != len(flagged) * self.block_elements:
+                counters["dropped_bad_block_count"] += 1
+                return []
         counters["packets_in"] += 1
 
         msg = h.msg
         v = msg & 1
         bit = 1 << rank
-        ids = (h.seq, h.pkt_id, h.dtype, h.count)
-        payload = np.frombuffer(data, dtype=np.int32, count=h.count, offset=wire.HEADER_SIZE)
+        # Sparse contributions carry different blocks, hence different counts.
+        ids = (h.seq, h.pkt_id, h.dtype, h.mode, 0 if sparse else h.count)
+        regs = self._lane_regs[v, slot]
         if not self._valid[v][slot] or wire.msg_newer(msg, self._msg[v][slot]):
-            self._values[v, slot, : h.count] = payload
             self._valid[v][slot] = True
             self._msg[v][slot] = msg
             self._ids[v][slot] = ids
-            self._exponent[v][slot] = h.exponent
             self._bitmap[v][slot] = bit
             self._count[v][slot] = 1
+            regs[:] = lanes
+            if sparse:
+                self._start_sparse(v, slot, regs, flagged, payload)
+            else:
+                self._values[v, slot, : h.count] = payload
         elif msg == self._msg[v][slot]:
             if self._bitmap[v][slot] & bit:
                 if self._count[v][slot] == job.world_size:
@@ -233,13 +261,16 @@ class Pipeline:
                     return self._emit(job, v, slot, [job.members[rank]])
                 counters["duplicates"] += 1
                 return []
-            if ids != self._ids[v][slot]:
+            if ids != self._ids[v][slot] or (sparse and not np.array_equal(lanes["pos"],
+                                                                            regs["pos"])):
                 counters["dropped_mismatch"] += 1
                 return []
-            row = self._values[v, slot, : h.count]
-            np.add(row, payload, out=row)
-            if h.exponent > self._exponent[v][slot]:
-                self._exponent[v][slot] = h.exponent
+            if sparse:
+                self._add_sparse(v, slot, regs, lanes, flagged, payload)
+            else:
+                row = self._values[v, slot, : h.count]
+                np.add(row, payload, out=row)
+                np.maximum(regs["exp"], lanes["exp"], out=regs["exp"])
             self._bitmap[v][slot] |= bit
             self._count[v][slot] += 1
         else:
@@ -248,15 +279,60 @@ class Pipeline:
 
         if self._count[v][slot] < job.world_size:
             return []
-        seq, pkt_id, dtype, count = ids
-        wire.encode_header(self._rows[v, slot], wire.KIND_RESULT, dtype, slot, job.session,
-                           msg, seq, pkt_id, self._exponent[v][slot], count)
+        count = self._finish_sparse(job, v, slot, regs, h.mode) if sparse else h.count
+        seq, pkt_id, dtype, mode, _ = ids
+        self._ids[v][slot] = (seq, pkt_id, dtype, mode, count)
+        wire.encode_header(self._rows[v, slot], wire.KIND_RESULT, dtype, mode, slot,
+                           job.session, msg, seq, pkt_id, count, self.lanes)
         counters["results_completed"] += 1
         return self._emit(job, v, slot, job.members)
 
+    # ------------------------------------------------------------------ sparse lanes
+    def _start_sparse(self, v, slot, regs, flagged, payload) -> None:
+        blocks = self._values[v, slot].reshape(self.lanes, self.block_elements)
+        blocks[:] = 0
+        blocks[flagged] = payload.reshape(-1, self.block_elements)
+        regs["flag"] &= wire.FLAG_BLOCK
+        self._blocks[v][slot] = len(flagged)
+
+    def _add_sparse(self, v, slot, regs, lanes, flagged, payload) -> None:
+        """Add blocks; keep per lane the least next position and, among the workers
+        that named it, the largest exponent (the exponent of the next block)."""
+        blocks = self._values[v, slot].reshape(self.lanes, self.block_elements)
+        blocks[flagged] += payload.reshape(-1, self.block_elements)
+        new_nxt, cur_nxt = lanes["nxt"], regs["nxt"]
+        regs["exp"] = np.where(new_nxt < cur_nxt, lanes["exp"],
+                               np.where(new_nxt == cur_nxt,
+                                        np.maximum(regs["exp"], lanes["exp"]), regs["exp"]))
+        np.minimum(cur_nxt, new_nxt, out=cur_nxt)
+        regs["flag"] |= lanes["flag"] & wire.FLAG_BLOCK
+        self._blocks[v][slot] += len(flagged)
+
+    def _finish_sparse(self, job: Job, v, slot, regs, mode) -> int:
+        """Compact the present blocks to the front; count blocks seen and skipped."""
+        n = job.world_size
+        present = np.flatnonzero(regs["flag"])
+        if len(present) < self.lanes:
+            blocks = self._values[v, slot].reshape(self.lanes, self.block_elements)
+            blocks[: len(present)] = blocks[present]
+        nxt = regs["nxt"].astype(np.int64)
+        if mode & wire.MODE_SEED:
+            skipped = n * int(nxt.sum())  # positions before every lane's first block
+        else:
+            pos = regs["pos"].astype(np.int64)
+            active = nxt > pos  # an exhausted lane reports its column length again
+            skipped = (n * int(active.sum()) - self._blocks[v][slot]
+                       + n * int((nxt - pos - 1)[active].sum()))
+        c = job.counters
+        c["sparse_blocks_in"] += self._blocks[v][slot]
+        c["sparse_blocks_skipped"] += skipped
+        c["sparse_bytes_saved"] += skipped * self.block_elements * wire.VALUE_SIZE
+        c["sparse_blocks_out"] += len(present) * n
+        return len(present) * self.block_elements
+
     def _emit(self, job: Job, v: int, slot: int, destinations: list) -> list:
-        count = self._ids[v][slot][3]
-        datagram = memoryview(self._rows[v, slot, : HEADER_WORDS + count]).cast("B")
+        count = self._ids[v][slot][4]
+        datagram = memoryview(self._rows[v, slot, : wire.packet_size(self.lanes, count)])
         out = []
         for addr in destinations:
             if self.egress_drop_rate and self._rng.random() < self.egress_drop_rate:

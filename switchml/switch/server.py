@@ -31,17 +31,19 @@ class Switch:
     """A software switch: ``with Switch() as sw: ...`` or ``start()`` / ``stop()``.
 
     Options: ``slots`` (pool size), ``packet_elements`` (int32 values per packet),
+    ``block_elements`` (values per block: exponent granularity and sparse unit),
     ``slots_per_job`` (window a job gets), ``egress_drop_rate`` (defaults to
     ``drop_rate``), ``seed`` (of the drop simulator).
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, drop_rate: float = 0.0,
                  slots: int = DEFAULT_SLOTS, packet_elements: int = DEFAULT_PACKET_ELEMENTS,
-                 slots_per_job: int = DEFAULT_SLOTS_PER_JOB,
+                 block_elements: int | None = None, slots_per_job: int = DEFAULT_SLOTS_PER_JOB,
                  egress_drop_rate: float | None = None, seed: int | None = None):
         if not 0.0 <= drop_rate < 1.0:
             raise ValueError(f"drop_rate must be in [0, 1), got {drop_rate}")
-        self.pipeline = Pipeline(slots, packet_elements, drop_rate=drop_rate,
+        self.pipeline = Pipeline(slots, packet_elements, block_elements=block_elements,
+                                 drop_rate=drop_rate,
                                  egress_drop_rate=egress_drop_rate, seed=seed)
         self._host = host
         self._port = port

@@ -24,6 +24,7 @@ from ..errors import (JoinRefusedError, SwitchMLError, SwitchMLTimeoutError,
                       SwitchUnreachableError)
 from ..netutil import LineReader, encode_line, enlarge_buffers
 from .engine import SUPPORTED_DTYPES, Session
+from .sparse import nonzero_blocks
 
 log = logging.getLogger("switchml.worker")
 
@@ -73,6 +74,7 @@ class Worker:
         self.session = Session(session=ready["session"], rank=rank, world_size=world_size,
                                slot_base=ready["slot_base"], slot_count=ready["slot_count"],
                                packet_elements=ready["packet_elements"],
+                               block_elements=ready["block_elements"],
                                progress_timeout=self.timeout)
         self._data_address = (self.switch_address[0], int(ready["data_port"]))
         self._wake_r, self._wake_w = socket.socketpair()
@@ -83,12 +85,20 @@ class Worker:
         atexit.register(self.close)
 
     # -------------------------------------------------------------- public API
-    def allreduce(self, array, out=None) -> np.ndarray:
-        """Sum ``array`` over all ranks; return the sum (in ``out`` if given)."""
-        return self.allreduce_async(array, out).wait()
+    def allreduce(self, array, out=None, sparse=False) -> np.ndarray:
+        """Sum ``array`` over all ranks; return the sum (in ``out`` if given).
 
-    def allreduce_async(self, array, out=None) -> AllreduceHandle:
+        ``sparse``: False streams every block (SwitchML); True sends only non-zero
+        blocks (OmniReduce); "auto" measures the block density over all ranks and
+        takes the path that moves fewer bytes.  Results are bit-identical either way.
+        Every rank must pass the same ``sparse`` for the same call.
+        """
+        return self.allreduce_async(array, out, sparse).wait()
+
+    def allreduce_async(self, array, out=None, sparse=False) -> AllreduceHandle:
         """Queue an allreduce; do not touch ``array`` or ``out`` before ``wait()``."""
+        if sparse not in (False, True, "auto"):
+            raise ValueError(f"sparse must be False, True or 'auto', not {sparse!r}")
         src = np.ascontiguousarray(array)
         if src.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"switchml sums float32 and int32 arrays, not {src.dtype}")
@@ -100,7 +110,7 @@ class Worker:
         future: Future = Future()
         if self._closed:
             raise SwitchMLError("this worker is closed")
-        self._queue.put((src, out, future))
+        self._queue.put((src, out, sparse, future))
         self._wake()
         return AllreduceHandle(future)
 
@@ -213,12 +223,14 @@ class Worker:
                     continue
                 if item is None:
                     break
-                src, out, future = item
+                src, out, sparse, future = item
                 if self._failure is not None:
                     future.set_exception(self._failure)
                     continue
                 try:
-                    self._run(src, out)
+                    if sparse == "auto":
+                        sparse = self._sparse_pays(src)
+                    self._run(src, out, sparse)
                 except SwitchMLError as exc:
                     self._failure = self._failure or exc
                     future.set_exception(exc)
@@ -306,12 +318,30 @@ class Worker:
                 raise self._failure
         return events
 
-    def _run(self, src: np.ndarray, out: np.ndarray) -> None:
+    def _sparse_pays(self, src: np.ndarray) -> bool:
+        """Whether the sparse path moves fewer bytes, decided alike on every rank.
+
+        One tiny allreduce sums the ranks' non-zero block counts; assuming blocks
+        placed independently, the union that comes back down is estimated from
+        that.  Sparse: own blocks up, union down; dense: everything both ways.
+        """
+        b = self.session.block_elements
+        blocks = -(-src.size // b)
+        if blocks == 0:
+            return False
+        counts = np.array([nonzero_blocks(src.reshape(-1), b).sum()], dtype=np.int32)
+        total = int(self._run(counts, np.empty_like(counts), False)[0])
+        n = self.world_size
+        density = total / (n * blocks)
+        union = blocks * (1.0 - (1.0 - min(1.0, density)) ** n)
+        return total / n + union < 2 * blocks
+
+    def _run(self, src: np.ndarray, out: np.ndarray, sparse: bool = False) -> np.ndarray:
         udp = self._udp
         dst = self._data_address
         buf = bytearray(65536)
         view = memoryview(buf)
-        op = self.session.allreduce(src, out, time.monotonic())
+        op = self.session.allreduce(src, out, time.monotonic(), sparse)
         for d in op.datagrams_to_send():
             udp.sendto(d, dst)
         while not op.done:
@@ -328,7 +358,7 @@ class Worker:
                 for d in op.datagrams_to_send():
                     udp.sendto(d, dst)
                 if op.done:
-                    return
+                    return out
             now = time.monotonic()
             timer = op.get_timer()
             if timer is not None and now >= timer:
@@ -341,6 +371,7 @@ class Worker:
             if received < DRAIN_BATCH:
                 wait = timer - time.monotonic() if timer is not None else 1.0
                 self._wait(wait, drain_udp=False)
+        return out
 
     def _diagnose(self, op) -> SwitchMLError:
         """Ask the switch which ranks are missing from the stalled slots."""

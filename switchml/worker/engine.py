@@ -1,19 +1,20 @@
 """The worker's streaming engine, sans-IO: results in, contributions out.
 
 A ``Session`` is a worker's membership of one job (session id, slot range,
-packet size, world size); it persists the per-slot message numbers across
-allreduces, so that consecutive allreduces keep alternating the shadow-copy sets.
-``Session.allreduce`` makes an ``Allreduce``, the state machine of one call:
+packet and block sizes, world size); it persists the per-slot message numbers
+across allreduces, so that consecutive allreduces keep alternating the
+shadow-copy sets.  ``Session.allreduce`` makes the state machine of one call: a
+``DenseAllreduce`` (SwitchML) here, or a ``SparseAllreduce`` (OmniReduce, in
+``sparse.py``).  Both share ``Stream``: one message in flight per slot, the
+result of a message clocks out the next one (self-clocking), a retransmission
+deadline per outstanding message with back-off, and no result for
+``progress_timeout`` seconds makes the call fail as stalled.
 
-* tensor chunk ``c`` (``packet_elements`` values) goes through local slot
-  ``c mod W``, where W = min(slots, chunks); each slot has one message in flight;
-* int32: message m of slot j carries chunk ``j + m*W``;
-* float32: message m carries the values of chunk ``j + (m-1)*W``, quantised with
-  the exponent the switch returned with message m-1, and the local exponent of
-  chunk ``j + m*W`` (message 0 seeds the exponents and carries no values);
-* the result of a message frees its slot for the next one (self-clocking);
-* each outstanding message has a retransmission deadline with back-off; no
-  result for ``progress_timeout`` seconds makes the call fail as stalled.
+Dense: tensor chunk ``c`` (``packet_elements`` values) goes through local slot
+``c mod W``, W = min(slots, chunks).  int32: message m of slot j carries chunk
+``j + m*W``.  float32: message m carries the values of chunk ``j + (m-1)*W``,
+quantised per block with the exponents the switch returned with message m-1,
+and the local block exponents of chunk ``j + m*W`` (message 0 only seeds them).
 
 The engine never reads a clock or touches a socket: callers pass ``now``.
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import wire
-from ..quant import EXP_ZERO, chunk_exponents, dequantize_into, quantize_into, scale_bits
+from ..quant import EXP_ZERO, chunk_exponents, dequantize_blocks, quantize_blocks, scale_bits
 from .recovery import RttEstimator
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.int32))
@@ -33,68 +34,72 @@ class Session:
     """One worker's membership of a job, shared by its allreduces in call order."""
 
     def __init__(self, *, session: int, rank: int, world_size: int, slot_base: int,
-                 slot_count: int, packet_elements: int, progress_timeout: float = 30.0,
-                 rtt: RttEstimator | None = None):
+                 slot_count: int, packet_elements: int, block_elements: int | None = None,
+                 progress_timeout: float = 30.0, rtt: RttEstimator | None = None):
         self.session = session
         self.rank = rank
         self.world_size = world_size
         self.slot_base = slot_base
         self.slot_count = slot_count
         self.packet_elements = packet_elements
+        self.block_elements = block_elements or packet_elements
+        self.lanes = packet_elements // self.block_elements
         self.progress_timeout = progress_timeout
         self.rtt = rtt or RttEstimator()
         self.bits = scale_bits(world_size)
         self.slot_msgs = [0] * slot_count
         self.next_seq = 0
-        size = wire.packet_size(packet_elements)
+        size = wire.packet_size(self.lanes, packet_elements)
         self._packets = bytearray(size * slot_count)
-        self._packet_views = [memoryview(self._packets)[j * size:(j + 1) * size]
-                              for j in range(slot_count)]
-        self._scratch = np.empty(packet_elements, dtype=np.float32)
+        self.packet_views = [memoryview(self._packets)[j * size:(j + 1) * size]
+                             for j in range(slot_count)]
+        self.lane_views = [wire.lane_table(v, self.lanes) for v in self.packet_views]
+        self.value_views = [wire.values(v, self.lanes, packet_elements) for v in self.packet_views]
+        self.scratch = np.empty(packet_elements, dtype=np.float32)
         self.counters = {"results_in": 0, "retransmissions": 0, "dropped_stale": 0,
-                         "dropped_malformed": 0, "dropped_foreign": 0}
+                         "dropped_malformed": 0, "dropped_foreign": 0,
+                         "sparse_blocks_sent": 0, "sparse_blocks_received": 0}
 
-    def allreduce(self, array: np.ndarray, out: np.ndarray, now: float) -> "Allreduce":
-        op = Allreduce(self, array, out, self.next_seq, now)
+    def allreduce(self, array: np.ndarray, out: np.ndarray, now: float, sparse: bool = False):
+        """Start an allreduce of ``array`` into ``out``; returns its state machine."""
+        if sparse:
+            from .sparse import SparseAllreduce
+            op = SparseAllreduce(self, array, out, self.next_seq, now)
+        else:
+            op = DenseAllreduce(self, array, out, self.next_seq, now)
         self.next_seq = (self.next_seq + 1) & 0xFFFFFFFF
         return op
 
 
-class Allreduce:
-    """State machine of one allreduce on one worker."""
+class Stream:
+    """What dense and sparse calls share: slots, timers, result matching."""
+
+    mode = 0
 
     def __init__(self, session: Session, array: np.ndarray, out: np.ndarray, seq: int,
-                 now: float):
+                 now: float, width: int):
         if array.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"switchml sums float32 and int32 arrays, not {array.dtype}")
         self.s = session
         self.seq = seq
         self.src = array.reshape(-1)
         self.out = out.reshape(-1)
+        if np.may_share_memory(self.src, self.out) and not (
+                self.src.ctypes.data == self.out.ctypes.data and self.src.size == self.out.size):
+            raise ValueError("out must be the input itself or not overlap it")
         self.is_float = array.dtype == np.float32
         self.dtype_code = wire.DTYPE_FLOAT32 if self.is_float else wire.DTYPE_INT32
-        k = session.packet_elements
         self.size = self.src.size
-        self.chunks = -(-self.size // k)
-        self.width = min(session.slot_count, self.chunks)
-        self.local_exp = chunk_exponents(self.src, k) if self.is_float else None
-        lag = 1 if self.is_float else 0
-        self._lag = lag
-        W = self.width
-        # Messages per local slot: its chunks, plus the exponent seed for floats.
-        self._messages = [(self.chunks - j + W - 1) // W + lag for j in range(W)]
-        self._next_m = [0] * W  # message number (within this call) in flight per slot
-        self._global_exp = [EXP_ZERO] * W  # exponent for the chunk to be sent next
-        self._inflight: list = [None] * W  # datagram of the outstanding message
-        self._sent_at = [0.0] * W
-        self._deadline = [float("inf")] * W
-        self._backoff = [0] * W
+        self.width = width
+        self._round = [0] * width  # message number (within this call) per slot
+        self._inflight: list = [None] * width
+        self._sent_at = [0.0] * width
+        self._deadline = [float("inf")] * width
+        self._backoff = [0] * width
         self._outbox: list = []
-        self.remaining = W
+        self.remaining = width
         self.last_progress = now
         self.error: str | None = None
-        for j in range(W):
-            self._send_message(j, now)
 
     # ------------------------------------------------------------ public API
     @property
@@ -145,66 +150,119 @@ class Allreduce:
         if h.kind != wire.KIND_RESULT or h.session != s.session or not 0 <= j < self.width:
             s.counters["dropped_foreign"] += 1
             return
-        m = self._next_m[j]
+        m = self._round[j]
         if (self._inflight[j] is None or h.seq != self.seq or h.msg != s.slot_msgs[j]
                 or h.pkt_id != m * self.width + j or h.dtype != self.dtype_code
-                or h.count != self._expected_count(j, m)):
+                or h.mode != self._mode(j) or h.lanes != s.lanes
+                or not self._result_fits(j, h, data)):
             s.counters["dropped_stale"] += 1
             return
         s.counters["results_in"] += 1
         if self._backoff[j] == 0:
             s.rtt.add_sample(now - self._sent_at[j])  # Karn: only unambiguous samples
         self.last_progress = now
-        values = np.frombuffer(data, dtype=np.int32, count=h.count, offset=wire.HEADER_SIZE)
-        c = j + (m - self._lag) * self.width
-        if h.count:
-            target = self.out[c * s.packet_elements: c * s.packet_elements + h.count]
-            if self.is_float:
-                dequantize_into(values, self._global_exp[j], s.bits, target)
-            else:
-                target[:] = values
-        self._global_exp[j] = h.exponent
+        self._absorb(j, m, h, data)
         s.slot_msgs[j] = (s.slot_msgs[j] + 1) & 0xFFFFFFFF
-        self._next_m[j] = m + 1
+        self._round[j] = m + 1
         self._inflight[j] = None
         self._deadline[j] = float("inf")
         self._backoff[j] = 0
-        if m + 1 < self._messages[j]:
-            self._send_message(j, now)
+        if self._has_message(j):
+            self._send(j, now)
         else:
             self.remaining -= 1
 
-    # ------------------------------------------------------------ internals
-    def _expected_count(self, j: int, m: int) -> int:
-        c = j + (m - self._lag) * self.width
-        if c < 0:
-            return 0
-        return min(self.s.packet_elements, self.size - c * self.s.packet_elements)
+    # ------------------------------------------------------------ for subclasses
+    def _mode(self, j: int) -> int:
+        return self.mode
 
-    def _send_message(self, j: int, now: float) -> None:
+    def _send(self, j: int, now: float) -> None:
         s = self.s
-        m = self._next_m[j]
-        W = self.width
-        k = s.packet_elements
-        count = self._expected_count(j, m)
-        exponent = EXP_ZERO
-        if self.is_float:
-            following = j + m * W
-            if following < self.chunks:
-                exponent = int(self.local_exp[following])
-        buf = s._packet_views[j]
-        wire.encode_header(buf, wire.KIND_CONTRIBUTION, self.dtype_code, s.slot_base + j,
-                           s.session, s.slot_msgs[j], self.seq, m * W + j, exponent, count)
-        if count:
-            c = j + (m - self._lag) * W
-            src = self.src[c * k: c * k + count]
-            dst = np.frombuffer(buf, dtype=np.int32, count=count, offset=wire.HEADER_SIZE)
-            if self.is_float:
-                quantize_into(src, self._global_exp[j], s.bits, dst, s._scratch)
-            else:
-                dst[:] = src
-        datagram = buf[: wire.packet_size(count)]
+        count = self._fill(j, self._round[j])
+        wire.encode_header(s.packet_views[j], wire.KIND_CONTRIBUTION, self.dtype_code,
+                           self._mode(j), s.slot_base + j, s.session, s.slot_msgs[j], self.seq,
+                           self._round[j] * self.width + j, count, s.lanes)
+        datagram = s.packet_views[j][: wire.packet_size(s.lanes, count)]
         self._inflight[j] = datagram
         self._sent_at[j] = now
         self._deadline[j] = now + s.rtt.rto(0)
         self._outbox.append(datagram)
+
+    def _fill(self, j: int, m: int) -> int:
+        """Write lane records and values of message m of slot j; return the value count."""
+        raise NotImplementedError
+
+    def _result_fits(self, j: int, h: wire.Header, data) -> bool:
+        raise NotImplementedError
+
+    def _absorb(self, j: int, m: int, h: wire.Header, data) -> None:
+        """Take the result of message m of slot j into the output."""
+        raise NotImplementedError
+
+    def _has_message(self, j: int) -> bool:
+        """Whether slot j has a message left to send (after its latest result)."""
+        raise NotImplementedError
+
+
+class DenseAllreduce(Stream):
+    """SwitchML streaming of every chunk of the tensor."""
+
+    def __init__(self, session: Session, array: np.ndarray, out: np.ndarray, seq: int,
+                 now: float):
+        k = session.packet_elements
+        self.chunks = -(-array.size // k)
+        super().__init__(session, array, out, seq, now, min(session.slot_count, self.chunks))
+        b = session.block_elements
+        self.local_exp = chunk_exponents(self.src, b) if self.is_float else None
+        self._lag = 1 if self.is_float else 0
+        W = self.width
+        # Messages per local slot: its chunks, plus the exponent seed for floats.
+        self._messages = [(self.chunks - j + W - 1) // W + self._lag for j in range(W)]
+        # Per slot: the exponents of the chunk it sends next, from the switch.
+        self._global_exp = np.full((W, session.lanes), EXP_ZERO, np.int16)
+        for j in range(W):
+            self._send(j, now)
+
+    def _chunk_count(self, c: int) -> int:
+        k = self.s.packet_elements
+        return 0 if c < 0 else min(k, self.size - c * k)
+
+    def _fill(self, j: int, m: int) -> int:
+        s = self.s
+        W, k, b = self.width, s.packet_elements, s.block_elements
+        lanes = s.lane_views[j]
+        lanes[:] = np.zeros(1, wire.LANE)
+        lanes["exp"] = EXP_ZERO
+        following = j + m * W
+        if self.is_float and following < self.chunks:
+            exps = self.local_exp[following * s.lanes:(following + 1) * s.lanes]
+            lanes["exp"][: len(exps)] = exps
+        c = j + (m - self._lag) * W
+        count = self._chunk_count(c)
+        if count:
+            src = self.src[c * k: c * k + count]
+            dst = s.value_views[j][:count]
+            if self.is_float:
+                quantize_blocks(src, self._global_exp[j], s.bits, dst, s.scratch, b)
+            else:
+                dst[:] = src
+        return count
+
+    def _result_fits(self, j: int, h: wire.Header, data) -> bool:
+        return h.count == self._chunk_count(j + (self._round[j] - self._lag) * self.width)
+
+    def _absorb(self, j: int, m: int, h: wire.Header, data) -> None:
+        s = self.s
+        k = s.packet_elements
+        c = j + (m - self._lag) * self.width
+        if h.count:
+            values = wire.values(data, h.lanes, h.count)
+            target = self.out[c * k: c * k + h.count]
+            if self.is_float:
+                dequantize_blocks(values, self._global_exp[j], s.bits, target, s.block_elements)
+            else:
+                target[:] = values
+        self._global_exp[j] = wire.lane_table(data, h.lanes)["exp"]
+
+    def _has_message(self, j: int) -> bool:
+        return self._round[j] < self._messages[j]

@@ -1,0 +1,182 @@
+"""Block-sparse allreduce (OmniReduce) on the switch's slots, sans-IO.
+
+The tensor is cut into blocks of ``block_elements``; a block is zero when all its
+values are.  There are G = W * lanes *lanes* (W slots, ``lanes`` blocks fused
+per packet); lane L owns the column of blocks L, L + G, L + 2G, ...; a block's
+*position* is its row in that column.  Each slot runs rounds, one message in
+flight, every worker sending every round so that the shadow-copy argument of the
+dense path holds unchanged:
+
+* round 0 (seed): each worker reports, per lane, the position of its first
+  non-zero block and that block's exponent;
+* the switch returns per lane the least reported position ``pos`` and, among
+  the workers that reported it, the largest exponent;
+* round r: a worker that has a non-zero block at ``pos`` sends it (quantised with
+  that exponent) and reports its next non-zero position after ``pos``; one that
+  has none there sends no values for the lane and reports its next one again.
+  The result carries the sum of the blocks sent, and the next ``pos``.
+
+A lane whose column is exhausted reports the column's length; blocks that are
+zero on every worker are never sent.  Results are written dense: the output
+starts as zeros (or is the input itself, whose zero blocks are the sum).  Block
+exponents are those of the dense path, so results are bit-identical to it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import wire
+from ..quant import EXP_ZERO, chunk_exponents, dequantize_blocks, quantize_blocks
+from .engine import Session, Stream
+
+
+def nonzero_blocks(values: np.ndarray, block: int) -> np.ndarray:
+    """Boolean mask of the blocks of a flat array holding any non-zero (NaN counts)."""
+    n = values.size
+    full = n // block
+    mask = np.empty(-(-n // block), dtype=bool)
+    if full:
+        np.any(values[: full * block].reshape(full, block) != 0, axis=1, out=mask[:full])
+    if full < len(mask):
+        mask[full] = bool(np.any(values[full * block:] != 0))
+    return mask
+
+
+class SparseAllreduce(Stream):
+    """OmniReduce rounds over ``W`` slots of ``lanes`` lanes each."""
+
+    mode = wire.MODE_SPARSE
+
+    def __init__(self, session: Session, array: np.ndarray, out: np.ndarray, seq: int,
+                 now: float):
+        b, F = session.block_elements, session.lanes
+        n = array.size
+        self.blocks = -(-n // b)
+        super().__init__(session, array, out, seq, now,
+                         min(session.slot_count, -(-self.blocks // F)))
+        G = self.width * F
+        self.stride = G
+        rows = -(-self.blocks // G) if G else 0
+        lane = np.arange(G)
+        self.column_length = np.maximum(0, -(-(self.blocks - lane) // G)).astype(np.int64)
+        mask = nonzero_blocks(self.src, b)
+        self.local_blocks = int(mask.sum())
+        grid = np.zeros((rows + 1) * G, dtype=bool)
+        grid[: self.blocks] = mask
+        grid = grid.reshape(rows + 1, G)
+        # next_nonzero[p, L]: first position >= p of lane L holding a local non-zero
+        # block, or the column length when none is left.
+        candidates = np.where(grid, np.arange(rows + 1)[:, None], self.column_length[None, :])
+        self.next_nonzero = np.minimum.accumulate(candidates[::-1], axis=0)[::-1]
+        self.grid = grid
+        self.block_exp = (chunk_exponents(self.src, b) if self.is_float
+                          else np.full(self.blocks, EXP_ZERO, np.int16))
+        self._lanes_of = [lane[j * F:(j + 1) * F] for j in range(self.width)]
+        self._pos = np.full((self.width, F), wire.POS_END, dtype=np.int64)
+        self._exp = np.full((self.width, F), EXP_ZERO, dtype=np.int16)
+        self._full_blocks = n // b
+        if not (np.may_share_memory(self.src, self.out)):
+            self.out[:] = 0
+        for j in range(self.width):
+            self._send(j, now)
+
+    def _mode(self, j: int) -> int:
+        return wire.MODE_SPARSE | (wire.MODE_SEED if self._round[j] == 0 else 0)
+
+    # ------------------------------------------------------------ blocks
+    def _block_exponents(self, lanes: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        inside = positions < self.column_length[lanes]
+        index = lanes + np.where(inside, positions, 0) * self.stride
+        return np.where(inside, self.block_exp[np.minimum(index, self.blocks - 1)], EXP_ZERO)
+
+    def _read_blocks(self, index: np.ndarray, dst: np.ndarray) -> None:
+        """Copy blocks ``index`` of the input into rows of ``dst`` (tail zero-padded)."""
+        b = self.s.block_elements
+        full = index < self._full_blocks
+        body = self.src[: self._full_blocks * b].reshape(-1, b)
+        dst[full] = body[index[full]]
+        for row in np.flatnonzero(~full):  # the short last block
+            tail = self.src[self._full_blocks * b:]
+            dst[row, : tail.size] = tail
+            dst[row, tail.size:] = 0
+
+    def _write_blocks(self, index: np.ndarray, blocks: np.ndarray) -> None:
+        b = self.s.block_elements
+        full = index < self._full_blocks
+        body = self.out[: self._full_blocks * b].reshape(-1, b)
+        body[index[full]] = blocks[full]
+        for row in np.flatnonzero(~full):
+            tail = self.out[self._full_blocks * b:]
+            tail[:] = blocks[row, : tail.size]
+
+    # ------------------------------------------------------------ messages
+    def _fill(self, j: int, m: int) -> int:
+        s = self.s
+        b = s.block_elements
+        lanes = self._lanes_of[j]
+        records = s.lane_views[j]
+        if m == 0:
+            records["pos"] = wire.POS_END
+            records["flag"] = 0
+            nxt = self.next_nonzero[0, lanes]
+            records["nxt"] = nxt
+            records["exp"] = self._block_exponents(lanes, nxt)
+            return 0
+        pos = self._pos[j]
+        active = pos < self.column_length[lanes]
+        at = np.minimum(pos, self.grid.shape[0] - 1)
+        has = active & self.grid[at, lanes]
+        nxt = np.where(has, self.next_nonzero[np.minimum(at + 1, self.grid.shape[0] - 1), lanes],
+                       self.next_nonzero[at, lanes])
+        records["pos"] = pos
+        records["nxt"] = nxt
+        records["exp"] = self._block_exponents(lanes, nxt)
+        records["flag"] = has
+        sending = np.flatnonzero(has)
+        count = len(sending) * b
+        if count:
+            index = lanes[sending] + pos[sending] * self.stride
+            dst = s.value_views[j][:count]
+            if self.is_float:
+                # Stage the floats in the packet itself; quantising in place is safe
+                # because quantize_blocks reads all of src before writing dst.
+                staged = dst.view(np.float32)
+                self._read_blocks(index, staged.reshape(-1, b))
+                quantize_blocks(staged, self._exp[j][sending], s.bits, dst, s.scratch, b)
+            else:
+                self._read_blocks(index, dst.reshape(-1, b))
+            s.counters["sparse_blocks_sent"] += len(sending)
+        return count
+
+    def _result_fits(self, j: int, h: wire.Header, data) -> bool:
+        records = wire.lane_table(data, h.lanes)
+        present = records["flag"] & wire.FLAG_BLOCK
+        if h.count != int(np.count_nonzero(present)) * self.s.block_elements:
+            return False
+        if self._round[j] == 0:
+            return h.count == 0
+        return bool(np.array_equal(records["pos"], self._pos[j].astype(np.uint32)))
+
+    def _absorb(self, j: int, m: int, h: wire.Header, data) -> None:
+        s = self.s
+        b = s.block_elements
+        records = wire.lane_table(data, h.lanes)
+        present = np.flatnonzero(records["flag"] & wire.FLAG_BLOCK)
+        if len(present):
+            lanes = self._lanes_of[j][present]
+            index = lanes + self._pos[j][present] * self.stride
+            sums = wire.values(data, h.lanes, h.count).reshape(-1, b)
+            if self.is_float:
+                blocks = np.empty((len(present), b), np.float32)
+                dequantize_blocks(sums.reshape(-1), self._exp[j][present], s.bits,
+                                  blocks.reshape(-1), b)
+            else:
+                blocks = sums
+            self._write_blocks(index, blocks)
+            s.counters["sparse_blocks_received"] += len(present)
+        self._pos[j] = records["nxt"]
+        self._exp[j] = records["exp"]
+
+    def _has_message(self, j: int) -> bool:
+        return bool(np.any(self._pos[j] < self.column_length[self._lanes_of[j]]))
