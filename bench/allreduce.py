@@ -1,6 +1,8 @@
 """Allreduce benchmark on loopback: n worker processes and a switch process.
 
     python bench/allreduce.py --workers 2 4 8 --mib 64 --repeats 5 [--gloo] [--profile]
+    python bench/allreduce.py --workers 4 --mib 100 --repeats 5 --no-dense \
+        --densities 1.0 0.5 0.2 0.1 0.05 0.01
 
 For every worker count it reports, per allreduce, the median, min and max time
 (the slowest rank of each iteration), goodput per worker (tensor bytes / time),
@@ -8,7 +10,10 @@ the switch's packets/s and MB/s (in + out) over the timed iterations, and CPU
 seconds per packet of the switch and of a worker.  With ``--gloo`` it also runs
 torch.distributed's gloo allreduce on the same tensors in the same invocation
 (needs the torch extra).  ``--profile`` runs cProfile in the switch and in rank
-0 and prints where the time goes per packet.  Results go to JSON (``--out``).
+0 and prints where the time goes per packet.  ``--densities`` runs OmniReduce's
+micro-benchmark: block-sparse tensors with non-zero blocks placed at random per
+rank, sparse and dense path on the same tensors, bytes sent and received per
+worker.  Results go to JSON (``--out``).
 """
 
 from __future__ import annotations
@@ -81,6 +86,37 @@ def _worker_main(address, rank, world, elements, dtype, warmup, repeats, profile
         received = c1["results_in"] - c0["results_in"]
         prof = _profile_text(prof) if prof is not None else None
         report_q.put(("worker", rank, times, cpu, sent, received, prof))
+
+
+def make_block_sparse(rank, elements, density, block, seed=0):
+    """OmniReduce's micro-benchmark input: non-zero blocks placed at random per rank."""
+    rng = np.random.default_rng([seed, rank])
+    data = rng.standard_normal(elements).astype(np.float32)
+    blocks = -(-elements // block)
+    keep = rng.random(blocks) < density
+    data[np.repeat(~keep, block)[:elements]] = 0
+    return data
+
+
+def _density_worker_main(address, rank, world, elements, densities, block, warmup, repeats,
+                         report_q):
+    with switchml.Worker(address, rank, world, job=f"bench-density-{world}", timeout=60) as w:
+        for density in densities:
+            data = make_block_sparse(rank, elements, density, block)
+            out = np.empty_like(data)
+            for sparse in (True, False):
+                for _ in range(warmup):
+                    w.allreduce(data, out=out, sparse=sparse)
+                c0 = w.counters
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    w.allreduce(data, out=out, sparse=sparse)
+                    times.append(time.perf_counter() - start)
+                c1 = w.counters
+                report_q.put(("density", rank, density, sparse, times,
+                              (c1["bytes_sent"] - c0["bytes_sent"]) / repeats,
+                              (c1["bytes_received"] - c0["bytes_received"]) / repeats))
 
 
 def _gloo_main(port, rank, world, elements, warmup, repeats, report_q):
@@ -163,6 +199,44 @@ def run_switchml(ctx, world, elements, dtype, args):
     return result
 
 
+def run_densities(ctx, world, elements, args):
+    """Sparse and dense on the same block-sparse tensors, per density (OmniReduce's method)."""
+    report_q, address_q, stop_ev = ctx.Queue(), ctx.Queue(), ctx.Event()
+    options = dict(slots=args.slots, packet_elements=args.packet_elements,
+                   slots_per_job=args.slots_per_job)
+    switch_proc = ctx.Process(target=_switch_main,
+                              args=(options, address_q, stop_ev, False, report_q))
+    switch_proc.start()
+    address = address_q.get(timeout=60)
+    block = fetch_stats(address)["block_elements"]
+    procs = [ctx.Process(target=_density_worker_main,
+                         args=(address, r, world, elements, args.densities, block, args.warmup,
+                               args.repeats, report_q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    items = [report_q.get(timeout=1200) for _ in range(world * len(args.densities) * 2)]
+    for p in procs:
+        p.join()
+    stop_ev.set()
+    switch_proc.join()
+    rows = []
+    nbytes = elements * 4
+    for density in args.densities:
+        row = {"density": density, "workers": world, "block_elements": block}
+        for sparse in (True, False):
+            mine = sorted((i for i in items if i[2] == density and i[3] == sparse),
+                          key=lambda i: i[1])
+            key = "sparse" if sparse else "dense"
+            row[key] = _summary([i[4] for i in mine], nbytes)
+            row[key]["bytes_sent_per_worker"] = float(np.mean([i[5] for i in mine]))
+            row[key]["bytes_received_per_worker"] = float(np.mean([i[6] for i in mine]))
+        row["sparse_speedup_over_dense"] = row["dense"]["median_s"] / row["sparse"]["median_s"]
+        row["sent_over_density_times_size"] = row["sparse"]["bytes_sent_per_worker"] / max(
+            1.0, density * nbytes)
+        rows.append(row)
+    return rows
+
+
 def run_gloo(ctx, world, elements, args):
     report_q = ctx.Queue()
     port = 29500 + (os.getpid() % 1000)
@@ -189,6 +263,11 @@ def main(argv=None):
     parser.add_argument("--packet-elements", type=int, default=config.DEFAULT_PACKET_ELEMENTS)
     parser.add_argument("--slots-per-job", type=int, default=config.DEFAULT_SLOTS_PER_JOB)
     parser.add_argument("--gloo", action="store_true", help="also run torch gloo allreduce")
+    parser.add_argument("--densities", type=float, nargs="*", default=[],
+                        help="also run sparse vs dense on block-sparse tensors of these "
+                             "block densities (random blocks per rank)")
+    parser.add_argument("--no-dense", action="store_true",
+                        help="skip the plain dense runs (with --densities)")
     parser.add_argument("--profile", action="store_true", help="cProfile switch and rank 0")
     parser.add_argument("--out", default=None, help="JSON file (default bench/results/...)")
     args = parser.parse_args(argv)
@@ -199,10 +278,24 @@ def main(argv=None):
                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                            "python": platform.python_version()},
                "elements": elements, "dtype": args.dtype, "runs": []}
-    print(f"{'n':>3} {'system':>9} {'median s':>9} {'min s':>8} {'max s':>8} "
-          f"{'GB/s/worker':>12} {'switch pkt/s':>13} {'switch MB/s':>12} "
-          f"{'sw us/pkt':>10} {'wk us/pkt':>10}")
+    if not args.no_dense:
+        print(f"{'n':>3} {'system':>9} {'median s':>9} {'min s':>8} {'max s':>8} "
+              f"{'GB/s/worker':>12} {'switch pkt/s':>13} {'switch MB/s':>12} "
+              f"{'sw us/pkt':>10} {'wk us/pkt':>10}")
     for world in args.workers:
+        if args.densities:
+            print(f"{'n':>3} {'density':>8} {'sparse s':>9} {'dense s':>8} {'speedup':>8} "
+                  f"{'sent MB':>8} {'recv MB':>8} {'sent/(d*S)':>10}")
+            for row in run_densities(ctx, world, elements, args):
+                results["runs"].append(dict(row, system="switchml-sparse-vs-dense"))
+                sp = row["sparse"]
+                print(f"{world:>3} {row['density']:>8.2f} {sp['median_s']:>9.3f} "
+                      f"{row['dense']['median_s']:>8.3f} {row['sparse_speedup_over_dense']:>7.2f}x "
+                      f"{sp['bytes_sent_per_worker'] / 1e6:>8.1f} "
+                      f"{sp['bytes_received_per_worker'] / 1e6:>8.1f} "
+                      f"{row['sent_over_density_times_size']:>10.3f}", flush=True)
+        if args.no_dense:
+            continue
         r = run_switchml(ctx, world, elements, args.dtype, args)
         r.update(workers=world, system="switchml")
         results["runs"].append(r)

@@ -17,9 +17,13 @@ def _switch(args) -> int:
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    switch = Switch(args.host, args.port, drop_rate=args.drop_rate, slots=args.slots,
-                    packet_elements=args.packet_elements, slots_per_job=args.slots_per_job,
-                    seed=args.seed)
+    try:
+        switch = Switch(args.host, args.port, drop_rate=args.drop_rate, slots=args.slots,
+                        packet_elements=args.packet_elements, block_elements=args.block_elements,
+                        slots_per_job=args.slots_per_job, seed=args.seed)
+    except ValueError as exc:
+        print(f"switchml switch: {exc}", file=sys.stderr)
+        return 2
     switch.start()
     host, port = switch.address
     print(f"switchml switch listening on {host}:{port} (TCP control, UDP data); "
@@ -89,7 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="slots in the pool (default %(default)s)")
     p.add_argument("--packet-elements", type=int,
                    default=config.env("PACKET_ELEMENTS", config.DEFAULT_PACKET_ELEMENTS, int),
-                   help="int32 values per packet (default %(default)s)")
+                   help="int32 values per packet, a multiple of --block-elements "
+                        "(default %(default)s)")
+    p.add_argument("--block-elements", type=int,
+                   default=config.env("BLOCK_ELEMENTS", config.DEFAULT_BLOCK_ELEMENTS, int),
+                   help="values per block: one exponent each, the sparse path's unit "
+                        "(default %(default)s)")
     p.add_argument("--slots-per-job", type=int,
                    default=config.env("SLOTS_PER_JOB", config.DEFAULT_SLOTS_PER_JOB, int),
                    help="slots each job gets: its window (default %(default)s)")

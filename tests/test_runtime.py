@@ -30,7 +30,7 @@ def check(results, data, dtype):
         assert np.array_equal(results[0], np.sum(data, axis=0, dtype=np.int32))
     elif data[0].size:
         err = np.abs(results[0].astype(np.float64) - np.sum(np.array(data, np.float64), axis=0))
-        assert np.all(err <= error_bound(data, K))
+        assert np.all(err <= error_bound(data, 256))
 
 
 @pytest.mark.parametrize("drop_rate", [0.0, 0.05])

@@ -339,11 +339,16 @@ class Worker:
     def _run(self, src: np.ndarray, out: np.ndarray, sparse: bool = False) -> np.ndarray:
         udp = self._udp
         dst = self._data_address
+        counters = self.session.counters
         buf = bytearray(65536)
         view = memoryview(buf)
         op = self.session.allreduce(src, out, time.monotonic(), sparse)
-        for d in op.datagrams_to_send():
-            udp.sendto(d, dst)
+
+        def flush():
+            for d in op.datagrams_to_send():
+                counters["bytes_sent"] += udp.sendto(d, dst)
+
+        flush()
         while not op.done:
             received = 0
             for _ in range(DRAIN_BATCH):
@@ -354,9 +359,9 @@ class Worker:
                 except OSError:
                     continue  # ICMP unreachable: the switch went away; control tells us
                 received += 1
+                counters["bytes_received"] += n
                 op.receive_datagram(view[:n], time.monotonic())
-                for d in op.datagrams_to_send():
-                    udp.sendto(d, dst)
+                flush()
                 if op.done:
                     return out
             now = time.monotonic()
@@ -365,8 +370,7 @@ class Worker:
                 op.handle_timer(now)
                 if op.error:
                     raise self._diagnose(op)
-                for d in op.datagrams_to_send():
-                    udp.sendto(d, dst)
+                flush()
                 timer = op.get_timer()
             if received < DRAIN_BATCH:
                 wait = timer - time.monotonic() if timer is not None else 1.0

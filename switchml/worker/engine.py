@@ -58,7 +58,8 @@ class Session:
         self.scratch = np.empty(packet_elements, dtype=np.float32)
         self.counters = {"results_in": 0, "retransmissions": 0, "dropped_stale": 0,
                          "dropped_malformed": 0, "dropped_foreign": 0,
-                         "sparse_blocks_sent": 0, "sparse_blocks_received": 0}
+                         "sparse_blocks_sent": 0, "sparse_blocks_received": 0,
+                         "bytes_sent": 0, "bytes_received": 0}
 
     def allreduce(self, array: np.ndarray, out: np.ndarray, now: float, sparse: bool = False):
         """Start an allreduce of ``array`` into ``out``; returns its state machine."""

@@ -1,0 +1,80 @@
+"""Block-sparse allreduce over real sockets: same sums as dense, fewer blocks sent."""
+
+import numpy as np
+import pytest
+
+import switchml
+
+from conftest import run_ranks
+
+K, BLOCK = 1024, 256  # the test switch's packet and block sizes
+
+
+def sparse_inputs(world, blocks, density, dtype, seed):
+    rng = np.random.default_rng([seed, world, blocks])
+    size = blocks * BLOCK - 17  # a short last block
+    out = []
+    for _ in range(world):
+        if dtype == np.int32:
+            x = rng.integers(-(2**20), 2**20, size, dtype=np.int32)
+        else:
+            x = rng.standard_normal(size).astype(np.float32)
+        keep = rng.random(blocks) < density
+        x[np.repeat(~keep, BLOCK)[:size]] = 0
+        out.append(x)
+    return out
+
+
+@pytest.mark.parametrize("drop_rate", [0.0, 0.05])
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+def test_sparse_equals_dense_over_sockets(world, drop_rate):
+    with switchml.Switch(packet_elements=K, slots=64, slots_per_job=8, drop_rate=drop_rate,
+                         seed=world) as sw:
+        cases = [(dtype, density) for dtype in (np.float32, np.int32)
+                 for density in (0.0, 0.05, 0.3, 1.0)]
+        data = {c: sparse_inputs(world, 150, c[1], c[0], seed=7) for c in cases}
+
+        def body(rank):
+            with switchml.Worker(sw.address, rank, world, timeout=20) as w:
+                got = {c: (w.allreduce(data[c][rank], sparse=True), w.allreduce(data[c][rank]))
+                       for c in cases}
+                return got, w.counters
+
+        results = run_ranks(world, body)
+        for c in cases:
+            sparse0, dense0 = results[0][0][c]
+            assert sparse0.tobytes() == dense0.tobytes()
+            for got, _ in results:
+                assert got[c][0].tobytes() == sparse0.tobytes()
+            if c[0] == np.int32:
+                assert np.array_equal(sparse0, np.sum(data[c], axis=0, dtype=np.int32))
+        counters = sw.stats()["ended_jobs"]["default"]["counters"]
+        assert counters["sparse_blocks_skipped"] > 0
+        expected_blocks = sum(
+            int(np.count_nonzero([np.any(x[i * BLOCK:(i + 1) * BLOCK]) for i in range(150)]))
+            for c in cases for x in data[c])
+        assert counters["sparse_blocks_in"] == expected_blocks  # zero blocks never sent
+
+
+def test_auto_picks_sparse_for_sparse_gradients_and_dense_for_dense(switch):
+    sparse_data = sparse_inputs(2, 100, 0.05, np.float32, seed=3)
+    dense_data = sparse_inputs(2, 100, 1.0, np.float32, seed=4)
+
+    def body(rank):
+        with switchml.Worker(switch.address, rank, 2) as w:
+            a = w.allreduce(sparse_data[rank], sparse="auto")
+            after_sparse = w.counters["sparse_blocks_sent"]
+            b = w.allreduce(dense_data[rank], sparse="auto")
+            after_dense = w.counters["sparse_blocks_sent"]
+            return a, b, after_sparse, after_dense
+
+    for a, b, after_sparse, after_dense in run_ranks(2, body):
+        assert after_sparse > 0 and after_dense == after_sparse
+        assert np.allclose(b, np.sum(np.array(dense_data, np.float64), axis=0), atol=1e-5)
+        assert np.allclose(a, np.sum(np.array(sparse_data, np.float64), axis=0), atol=1e-5)
+
+
+def test_sparse_argument_is_checked(switch):
+    with switchml.Worker(switch.address, 0, 1) as w:
+        with pytest.raises(ValueError, match="sparse"):
+            w.allreduce(np.ones(3, np.float32), sparse="maybe")
