@@ -107,9 +107,10 @@ def dequantize_blocks(src: np.ndarray, exponents: np.ndarray, bits: int, dst: np
     np.copyto(dst, src, casting="unsafe")
     shifts = exponents.astype(np.int32) - bits
     body, tail = _by_block(dst, block)
-    np.ldexp(body, shifts[: len(body), None], out=body)
-    if tail is not None:
-        np.ldexp(tail, shifts[len(body)], out=tail)
+    with np.errstate(over="ignore"):  # non-finite blocks are overwritten below
+        np.ldexp(body, shifts[: len(body), None], out=body)
+        if tail is not None:
+            np.ldexp(tail, shifts[len(body)], out=tail)
     for b in np.flatnonzero((shifts < -126) | (exponents == EXP_NONFINITE)):
         piece = slice(b * block, min(n, (b + 1) * block))
         if exponents[b] == EXP_NONFINITE:

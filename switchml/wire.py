@@ -139,7 +139,9 @@ def encode(kind: int, dtype: int, slot: int, session: int, msg: int, seq: int, p
            lane_records=None, values=b"", mode: int = 0) -> bytes:
     """Build a whole datagram (tests and tools). ``lane_records``: array of LANE or None."""
     table = np.zeros(0, LANE) if lane_records is None else np.asarray(lane_records, LANE)
-    payload = memoryview(np.ascontiguousarray(values)).cast("B") if len(values) else b""
+    if not isinstance(values, (bytes, bytearray, memoryview)):
+        values = np.ascontiguousarray(values, dtype=np.int32)
+    payload = memoryview(values).cast("B") if len(values) else b""
     count = len(payload) // VALUE_SIZE
     buf = bytearray(packet_size(len(table), count))
     encode_header(buf, kind, dtype, mode, slot, session, msg, seq, pkt_id, count, len(table))

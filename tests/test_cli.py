@@ -51,4 +51,5 @@ def test_demo_checks_its_sums():
                                    "--repeats", "1"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "demo passed" in result.stdout
-    assert result.stdout.count(" ok ") == 6
+    assert result.stdout.count(" ok ") == 8  # 3 sizes x 2 dtypes dense, 2 sparse
+    assert result.stdout.count("sparse (d=0.1)") == 2

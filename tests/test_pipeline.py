@@ -13,15 +13,38 @@ from switchml.quant import EXP_NONFINITE, EXP_ZERO
 from switchml.switch.pipeline import Pipeline, SlotPoolExhausted
 
 K = 8  # packet_elements of the pipelines built here
+BLK = 4  # block_elements: two lanes (two exponents) per packet
+LANES = K // BLK
 A = [("a", r) for r in range(4)]  # addresses of job A's ranks
 B = [("b", r) for r in range(4)]  # addresses of job B's ranks
 SA, SB = 0xA11CE, 0xB0B
 
 
-def contrib(slot, session, msg, values, *, seq=0, pkt_id=0, exponent=0,
-            dtype=wire.DTYPE_INT32, kind=wire.KIND_CONTRIBUTION) -> bytes:
-    return wire.encode(kind, dtype, slot, session, msg, seq, pkt_id, exponent,
-                       np.asarray(values, dtype=np.int32))
+def pipeline(slots, **kw):
+    return Pipeline(slots=slots, packet_elements=K, block_elements=BLK, **kw)
+
+
+def lanes_with(exps=None, lanes=LANES):
+    """Dense lane records: only ``exp`` matters (one per lane, 0 by default)."""
+    table = np.zeros(lanes, wire.LANE)
+    if exps is not None:
+        table["exp"] = exps
+    return table
+
+
+def contrib(slot, session, msg, values, *, seq=0, pkt_id=0, exps=None, lanes=LANES,
+            dtype=wire.DTYPE_INT32, kind=wire.KIND_CONTRIBUTION, mode=0) -> bytes:
+    return wire.encode(kind, dtype, slot, session, msg, seq, pkt_id, lanes_with(exps, lanes),
+                       np.asarray(values, dtype=np.int32), mode=mode)
+
+
+def sparse_contrib(slot, session, msg, flags, values, *, pos=0, nxt=1, seq=0, pkt_id=0,
+                   lanes=LANES, mode=wire.MODE_SPARSE) -> bytes:
+    """A sparse contribution: one block of values per flagged lane."""
+    table = np.zeros(lanes, wire.LANE)
+    table["pos"], table["nxt"], table["flag"] = pos, nxt, flags
+    return wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, slot, session, msg, seq,
+                       pkt_id, table, np.asarray(values, dtype=np.int32), mode=mode)
 
 
 def send(p, data, addr):
@@ -31,12 +54,16 @@ def send(p, data, addr):
 
 def decode(datagram):
     h = wire.decode_header(datagram)
-    values = np.frombuffer(datagram, dtype=np.int32, offset=wire.HEADER_SIZE).tolist()
-    return h, values
+    return h, wire.values(datagram, h.lanes, h.count).tolist()
+
+
+def exps_of(datagram):
+    h = wire.decode_header(datagram)
+    return wire.lane_table(datagram, h.lanes)["exp"].tolist()
 
 
 def two_jobs(world_a=2, world_b=2, slots=8):
-    p = Pipeline(slots=slots, packet_elements=K)
+    p = pipeline(slots)
     ja = p.install_job("A", SA, A[:world_a], 0, slots // 2)
     jb = p.install_job("B", SB, B[:world_b], slots // 2, slots - slots // 2)
     return p, ja, jb
@@ -48,17 +75,21 @@ def drop_keys(counter):
 
 # ---------------------------------------------------------------- aggregation
 def test_nth_contribution_sends_result_to_every_member():
-    p = Pipeline(slots=4, packet_elements=K)
+    p = pipeline(4)
     job = p.install_job("j", SA, A[:3], 0, 4)
-    assert send(p, contrib(2, SA, 0, [1, 2, 3], seq=7, pkt_id=5, exponent=-3), A[0]) == []
-    assert send(p, contrib(2, SA, 0, [10, 20, 30], seq=7, pkt_id=5, exponent=4), A[2]) == []
+    assert send(p, contrib(2, SA, 0, [1, 2, 3], seq=7, pkt_id=5, exps=[-3, 5]), A[0]) == []
+    assert send(p, contrib(2, SA, 0, [10, 20, 30], seq=7, pkt_id=5, exps=[4, -1]),
+                A[2]) == []
     assert p.slot_state(2, 0) == (True, 0b101)
-    out = send(p, contrib(2, SA, 0, [100, 200, 300], seq=7, pkt_id=5, exponent=1), A[1])
+    out = send(p, contrib(2, SA, 0, [100, 200, 300], seq=7, pkt_id=5, exps=[1, 2]), A[1])
     assert [a for _, a in out] == A[:3]
     for datagram, _ in out:
         h, values = decode(datagram)
-        assert h == wire.Header(wire.KIND_RESULT, wire.DTYPE_INT32, 2, SA, 0, 7, 5, 4, 3)
+        assert h == wire.Header(wire.KIND_RESULT, wire.DTYPE_INT32, 0, 2, SA, 0, 7, 5, 3,
+                                LANES)
+        assert len(datagram) == wire.packet_size(LANES, 3)
         assert values == [111, 222, 333]
+        assert exps_of(datagram) == [4, 5]  # the max per lane
     assert job.counters["results_completed"] == 1
     assert job.counters["results_out"] == 3
     assert job.counters["packets_in"] == 3
@@ -66,26 +97,28 @@ def test_nth_contribution_sends_result_to_every_member():
 
 
 def test_result_echoes_dtype_and_count_of_the_message():
-    p = Pipeline(slots=2, packet_elements=K)
+    p = pipeline(2)
     p.install_job("j", SA, A[:2], 0, 2)
     send(p, contrib(1, SA, 4, [1] * K, seq=1, pkt_id=9, dtype=wire.DTYPE_FLOAT32,
-                    exponent=EXP_ZERO), A[1])
+                    exps=[EXP_ZERO, 2]), A[1])
     out = send(p, contrib(1, SA, 4, [2] * K, seq=1, pkt_id=9, dtype=wire.DTYPE_FLOAT32,
-                          exponent=-7), A[0])
+                          exps=[-7, EXP_ZERO]), A[0])
     assert len(out) == 2
     h, values = decode(out[0][0])
-    assert (h.dtype, h.count, h.exponent, h.msg, h.seq, h.pkt_id) == \
-        (wire.DTYPE_FLOAT32, K, -7, 4, 1, 9)
+    assert (h.dtype, h.mode, h.count, h.lanes, h.msg, h.seq, h.pkt_id) == \
+        (wire.DTYPE_FLOAT32, 0, K, LANES, 4, 1, 9)
+    assert exps_of(out[0][0]) == [-7, 2]
     assert values == [3] * K
     # an empty message (exponent seed) completes with an empty result
-    send(p, contrib(0, SA, 0, [], exponent=EXP_NONFINITE), A[0])
-    out = send(p, contrib(0, SA, 0, [], exponent=3), A[1])
+    send(p, contrib(0, SA, 0, [], exps=[EXP_NONFINITE, EXP_ZERO]), A[0])
+    out = send(p, contrib(0, SA, 0, [], exps=[3, 7]), A[1])
     h, values = decode(out[0][0])
-    assert (h.count, h.exponent, values) == (0, EXP_NONFINITE, [])
+    assert (h.count, h.lanes, values) == (0, LANES, [])
+    assert exps_of(out[0][0]) == [EXP_NONFINITE, 7]
 
 
 def test_world_of_one_completes_at_once():
-    p = Pipeline(slots=1, packet_elements=K)
+    p = pipeline(1)
     p.install_job("solo", SA, A[:1], 0, 1)
     out = send(p, contrib(0, SA, 0, [5, -6]), A[0])
     assert len(out) == 1 and out[0][1] == A[0]
@@ -93,23 +126,25 @@ def test_world_of_one_completes_at_once():
 
 
 def test_first_contribution_of_a_newer_message_overwrites():
-    p = Pipeline(slots=2, packet_elements=K)
+    p = pipeline(2)
     p.install_job("j", SA, A[:2], 0, 2)
-    send(p, contrib(0, SA, 0, [5, 5, 5, 5]), A[0])
-    out = send(p, contrib(0, SA, 0, [7, 7, 7, 7]), A[1])
+    send(p, contrib(0, SA, 0, [5, 5, 5, 5], exps=[20, 20]), A[0])
+    out = send(p, contrib(0, SA, 0, [7, 7, 7, 7], exps=[20, 20]), A[1])
     assert decode(out[0][0])[1] == [12, 12, 12, 12]
     # msg 1 uses the other set; msg 2 reuses set 0 and must not add to 12
     send(p, contrib(0, SA, 1, [1, 1, 1, 1]), A[1])
     send(p, contrib(0, SA, 1, [1, 1, 1, 1]), A[0])
-    assert send(p, contrib(0, SA, 2, [1, 2, 3]), A[1]) == []
+    assert send(p, contrib(0, SA, 2, [1, 2, 3], exps=[1, EXP_ZERO]), A[1]) == []
     assert p.slot_state(0, 2) == (True, 0b10)
-    out = send(p, contrib(0, SA, 2, [10, 20, 30]), A[0])
+    out = send(p, contrib(0, SA, 2, [10, 20, 30], exps=[-5, 2]), A[0])
     h, values = decode(out[0][0])
     assert (h.msg, h.count, values) == (2, 3, [11, 22, 33])
+    # nor max its exponents with those of msg 0
+    assert exps_of(out[0][0]) == [1, 2]
 
 
 def test_new_job_on_reused_slots_starts_fresh():
-    p = Pipeline(slots=2, packet_elements=K)
+    p = pipeline(2)
     p.install_job("old", SA, A[:2], 0, 2)
     send(p, contrib(0, SA, 0, [100, 100]), A[0])  # incomplete, left behind
     send(p, contrib(1, SA, 0, [1, 1]), A[0])
@@ -126,7 +161,7 @@ def test_new_job_on_reused_slots_starts_fresh():
 
 
 def test_duplicate_before_completion_is_never_added_twice():
-    p = Pipeline(slots=2, packet_elements=K)
+    p = pipeline(2)
     job = p.install_job("j", SA, A[:3], 0, 2)
     send(p, contrib(1, SA, 0, [1, 2]), A[0])
     for _ in range(3):
@@ -141,7 +176,7 @@ def test_duplicate_before_completion_is_never_added_twice():
 
 
 def test_duplicate_after_completion_answers_that_rank_only():
-    p = Pipeline(slots=2, packet_elements=K)
+    p = pipeline(2)
     job = p.install_job("j", SA, A[:3], 0, 2)
     for r in range(3):
         out = send(p, contrib(0, SA, 6, [r + 1, 10 * (r + 1)], seq=3, pkt_id=2), A[r])
@@ -158,7 +193,7 @@ def test_duplicate_after_completion_answers_that_rank_only():
 
 
 def test_stored_result_survives_use_of_the_other_set():
-    p = Pipeline(slots=1, packet_elements=K)
+    p = pipeline(1)
     p.install_job("j", SA, A[:2], 0, 1)
     send(p, contrib(0, SA, 0, [1]), A[0])
     send(p, contrib(0, SA, 0, [2]), A[1])
@@ -171,39 +206,63 @@ def test_stored_result_survives_use_of_the_other_set():
 
 
 def test_mismatched_ids_for_the_same_message_are_dropped():
-    p = Pipeline(slots=1, packet_elements=K)
+    p = pipeline(1)
     job = p.install_job("j", SA, A[:2], 0, 1)
     send(p, contrib(0, SA, 0, [1, 1], seq=1, pkt_id=0), A[0])
     for bad in (contrib(0, SA, 0, [1, 1], seq=2, pkt_id=0),
                 contrib(0, SA, 0, [1, 1], seq=1, pkt_id=1),
                 contrib(0, SA, 0, [1, 1, 1], seq=1, pkt_id=0),
-                contrib(0, SA, 0, [1, 1], seq=1, pkt_id=0, dtype=wire.DTYPE_FLOAT32)):
+                contrib(0, SA, 0, [1, 1], seq=1, pkt_id=0, dtype=wire.DTYPE_FLOAT32),
+                # a sparse message where a dense one is aggregated
+                sparse_contrib(0, SA, 0, [1, 0], [1] * BLK, seq=1, pkt_id=0)):
         assert send(p, bad, A[1]) == []
-    assert job.counters["dropped_mismatch"] == 4
+    assert job.counters["dropped_mismatch"] == 5
     assert p.slot_state(0, 0) == (True, 0b01)
     out = send(p, contrib(0, SA, 0, [2, 3], seq=1, pkt_id=0), A[1])
     assert decode(out[0][0])[1] == [3, 4]
 
 
 def test_exponent_is_the_max_over_contributions():
-    p = Pipeline(slots=1, packet_elements=K)
+    p = pipeline(1)
     p.install_job("j", SA, A[:4], 0, 1)
-    exps = [EXP_ZERO, -20, 17, 3]
+    # one exponent per lane (block), maxed lane by lane, independently
+    exps = [[EXP_ZERO, 4], [-20, EXP_ZERO], [17, -3], [3, 5]]
     for r, e in enumerate(exps):
-        out = send(p, contrib(0, SA, 0, [1], exponent=e, dtype=wire.DTYPE_FLOAT32), A[r])
-    assert decode(out[0][0])[0].exponent == 17
-    for r, e in enumerate([5, EXP_NONFINITE, EXP_ZERO, -1]):
-        out = send(p, contrib(0, SA, 1, [1], exponent=e, dtype=wire.DTYPE_FLOAT32), A[r])
-    assert decode(out[0][0])[0].exponent == EXP_NONFINITE
+        out = send(p, contrib(0, SA, 0, [1], exps=e, dtype=wire.DTYPE_FLOAT32), A[r])
+    assert all(exps_of(d) == [17, 5] for d, _ in out)
+    exps = [[5, 1], [EXP_NONFINITE, 2], [EXP_ZERO, EXP_NONFINITE], [-1, -32767]]
+    for r, e in enumerate(exps):
+        out = send(p, contrib(0, SA, 1, [1] * K, exps=e, dtype=wire.DTYPE_FLOAT32), A[r])
+    assert exps_of(out[0][0]) == [EXP_NONFINITE, EXP_NONFINITE]
     for r in range(4):
-        out = send(p, contrib(0, SA, 2, [0], exponent=EXP_ZERO,
+        out = send(p, contrib(0, SA, 2, [0], exps=[EXP_ZERO, EXP_ZERO if r else 0],
                               dtype=wire.DTYPE_FLOAT32), A[r])
-    assert decode(out[0][0])[0].exponent == EXP_ZERO
+    assert exps_of(out[0][0]) == [EXP_ZERO, 0]
+    for r in range(4):
+        out = send(p, contrib(0, SA, 3, [0], exps=[EXP_ZERO, EXP_ZERO],
+                              dtype=wire.DTYPE_FLOAT32), A[r])
+    assert exps_of(out[0][0]) == [EXP_ZERO, EXP_ZERO]
+
+
+@settings(max_examples=40, derandomize=True, deadline=None)
+@given(n=st.integers(1, 8), data=st.data())
+def test_exponents_are_maxed_per_lane_in_any_order(n, data):
+    p = Pipeline(slots=1, packet_elements=12, block_elements=3)  # four lanes
+    members = [("w", r) for r in range(n)]
+    p.install_job("j", SA, members, 0, 1)
+    exps = [data.draw(st.lists(st.integers(-32768, 32767), min_size=4, max_size=4))
+            for _ in range(n)]
+    for r in data.draw(st.permutations(range(n))):
+        out = send(p, contrib(0, SA, 0, [r] * 12, exps=exps[r], lanes=4,
+                              dtype=wire.DTYPE_FLOAT32), members[r])
+    expected = np.max(np.array(exps), axis=0).tolist()
+    assert [exps_of(d) for d, _ in out] == [expected] * n
+    assert decode(out[0][0])[1] == [n * (n - 1) // 2] * 12
 
 
 # ---------------------------------------------------------------- stale
 def test_stale_message_is_dropped_and_counted():
-    p = Pipeline(slots=1, packet_elements=K)
+    p = pipeline(1)
     job = p.install_job("j", SA, A[:2], 0, 1)
     for m in (0, 1):
         send(p, contrib(0, SA, m, [1]), A[0])
@@ -219,7 +278,7 @@ def test_stale_message_is_dropped_and_counted():
 
 
 def test_message_numbers_wrap_around():
-    p = Pipeline(slots=1, packet_elements=K)
+    p = pipeline(1)
     job = p.install_job("j", SA, A[:2], 0, 1)
     top = 0xFFFFFFFF
     for m, vals in ((top - 1, [1]), (top, [2]), (0, [3]), (1, [4]), (2, [5])):
@@ -273,6 +332,24 @@ def test_bad_packets_are_dropped_counted_and_leave_a_concurrent_job_alone():
         # more values than a slot holds
         (contrib(slot, SB, 3, list(range(K + 1)), seq=4, pkt_id=1), B[1], jb.counters,
          "dropped_too_many_values"),
+        (contrib(slot, SB, 3, list(range(K + BLK)), seq=4, pkt_id=1), B[1], jb.counters,
+         "dropped_too_many_values"),
+        # a lane table of another pipeline's size
+        (contrib(slot, SB, 3, [10, 20, 30], seq=4, pkt_id=1, lanes=LANES - 1), B[1],
+         jb.counters, "dropped_bad_lanes"),
+        (contrib(slot, SB, 3, [10, 20, 30], seq=4, pkt_id=1, lanes=LANES + 1), B[1],
+         jb.counters, "dropped_bad_lanes"),
+        (contrib(slot, SB, 3, [10, 20, 30], seq=4, pkt_id=1, lanes=0), B[1],
+         jb.counters, "dropped_bad_lanes"),
+        # sparse: values that are not one whole block per flagged lane
+        (sparse_contrib(slot, SB, 3, [1, 0], [1] * (BLK - 1), seq=4, pkt_id=1), B[1],
+         jb.counters, "dropped_bad_block_count"),
+        (sparse_contrib(slot, SB, 3, [1, 1], [1] * BLK, seq=4, pkt_id=1), B[1],
+         jb.counters, "dropped_bad_block_count"),
+        (sparse_contrib(slot, SB, 3, [0, 0], [1] * BLK, seq=4, pkt_id=1), B[1],
+         jb.counters, "dropped_bad_block_count"),
+        (sparse_contrib(slot, SB, 3, [2, 0], [1] * BLK, seq=4, pkt_id=1), B[1],
+         jb.counters, "dropped_bad_block_count"),  # flag bit 1 is not "block present"
         # a result pretending to be a contribution
         (contrib(slot, SB, 3, [10, 20, 30], seq=4, pkt_id=1, kind=wire.KIND_RESULT), B[1],
          jb.counters, "dropped_bad_kind"),
@@ -283,6 +360,11 @@ def test_bad_packets_are_dropped_counted_and_leave_a_concurrent_job_alone():
         (good[:2] + b"\x07" + good[3:], B[1], jb.counters, "dropped_bad_version"),
         (good[:3] + b"\x09" + good[4:], B[1], jb.counters, "dropped_bad_kind"),
         (good[:4] + b"\x05" + good[5:], B[1], jb.counters, "dropped_bad_dtype"),
+        (good[:5] + b"\x04" + good[6:], B[1], jb.counters, "dropped_bad_mode"),
+        (good[:5] + bytes([wire.MODE_SEED]) + good[6:], B[1], jb.counters,
+         "dropped_bad_mode"),
+        (good[:26] + (LANES + 1).to_bytes(2, "little") + good[28:], B[1], jb.counters,
+         "dropped_bad_length"),
         (good[:-4], B[1], jb.counters, "dropped_bad_length"),
         (good + b"\x00\x00\x00\x01", B[1], jb.counters, "dropped_bad_length"),
         (good + b"\x01", B[1], jb.counters, "dropped_bad_length"),
@@ -293,7 +375,8 @@ def test_bad_packets_are_dropped_counted_and_leave_a_concurrent_job_alone():
         assert p.slot_state(0, 0) == state_a
     for key in ("dropped_unknown_source", "dropped_wrong_session",
                 "dropped_slot_out_of_range", "dropped_too_many_values", "dropped_bad_kind",
-                "dropped_truncated", "dropped_bad_length"):
+                "dropped_truncated", "dropped_bad_length", "dropped_bad_mode",
+                "dropped_bad_lanes", "dropped_bad_block_count"):
         assert drop_keys(p.counters).get(key, 0) + drop_keys(ja.counters).get(key, 0) + \
             drop_keys(jb.counters).get(key, 0) > 0
     assert "packets_in" not in jb.counters or jb.counters["packets_in"] == 1
@@ -328,7 +411,7 @@ def test_receive_datagram_never_raises_on_garbage():
 
 
 def test_contribution_of_exactly_packet_elements_is_accepted():
-    p = Pipeline(slots=1, packet_elements=K)
+    p = pipeline(1)
     p.install_job("j", SA, A[:1], 0, 1)
     out = send(p, contrib(0, SA, 0, list(range(K))), A[0])
     assert decode(out[0][0])[1] == list(range(K))
@@ -336,7 +419,7 @@ def test_contribution_of_exactly_packet_elements_is_accepted():
 
 # ---------------------------------------------------------------- int32 arithmetic
 def test_int32_sums_wrap_around():
-    p = Pipeline(slots=1, packet_elements=K)
+    p = pipeline(1)
     p.install_job("j", SA, A[:3], 0, 1)
     imax, imin = 2**31 - 1, -(2**31)
     send(p, contrib(0, SA, 0, [imax, imin, imax, -1, 0]), A[0])
@@ -348,7 +431,7 @@ def test_int32_sums_wrap_around():
 @settings(max_examples=60, derandomize=True, deadline=None)
 @given(n=st.integers(1, 8), count=st.integers(0, K), data=st.data())
 def test_int32_sums_match_numpy_wrapping_sum(n, count, data):
-    p = Pipeline(slots=1, packet_elements=K)
+    p = pipeline(1)
     members = [("w", r) for r in range(n)]
     p.install_job("j", SA, members, 0, 1)
     arrays = [data.draw(hnp.arrays(np.int32, count)) for _ in range(n)]
@@ -367,7 +450,7 @@ def test_int32_sums_match_numpy_wrapping_sum(n, count, data):
 
 # ---------------------------------------------------------------- slot pool
 def test_allocate_install_remove_frees_slots():
-    p = Pipeline(slots=8, packet_elements=K)
+    p = pipeline(8)
     assert p.free_slots() == 8
     base = p.allocate(8)
     assert base == 0
@@ -388,7 +471,7 @@ def test_allocate_install_remove_frees_slots():
 
 
 def test_allocate_first_fit_contiguous():
-    p = Pipeline(slots=8, packet_elements=K)
+    p = pipeline(8)
     sessions = [11, 12, 13]
     ranges = []
     for s, count in zip(sessions, (3, 2, 3)):
@@ -415,7 +498,7 @@ def test_allocate_first_fit_contiguous():
 
 
 def test_install_job_rejects_taken_slots_sessions_and_addresses():
-    p = Pipeline(slots=8, packet_elements=K)
+    p = pipeline(8)
     p.install_job("A", SA, A[:2], 0, 4)
     with pytest.raises(ValueError):
         p.install_job("X", SB, B[:2], 3, 2)  # slot 3 taken
@@ -441,7 +524,8 @@ def test_switch_memory_does_not_grow():
     nbytes = rows.nbytes
     shape = rows.shape
     sizes = {name: len(getattr(p, name)[0]) for name in
-             ("_valid", "_msg", "_bitmap", "_count", "_exponent", "_ids")}
+             ("_valid", "_msg", "_bitmap", "_count", "_blocks", "_ids")}
+    lane_regs, values = p._lane_regs, p._values
     rng = np.random.default_rng(0)
     msgs = [0] * 8
     expected_out = 0
@@ -460,7 +544,10 @@ def test_switch_memory_does_not_grow():
         expected_out += len(addrs)
     assert p._rows is rows
     assert p._rows.nbytes == nbytes and p._rows.shape == shape
-    assert nbytes == 2 * 8 * (wire.HEADER_SIZE // 4 + K) * 4
+    assert nbytes == 2 * 8 * wire.packet_size(LANES, K)
+    # the lane registers and values are the result datagrams' own bytes
+    assert p._lane_regs is lane_regs and p._values is values
+    assert np.shares_memory(lane_regs, rows) and np.shares_memory(values, rows)
     for name, size in sizes.items():
         assert [len(x) for x in getattr(p, name)] == [size, size]
     assert len(p._owner) == 8
@@ -471,8 +558,30 @@ def test_constructor_limits():
     with pytest.raises(ValueError):
         Pipeline(slots=0)
     with pytest.raises(ValueError):
+        Pipeline(slots=0x10000, packet_elements=K)
+    with pytest.raises(ValueError):
         Pipeline(slots=1, packet_elements=0)
     with pytest.raises(ValueError):
-        Pipeline(slots=1, packet_elements=wire.MAX_PACKET_ELEMENTS + 1)
-    p = Pipeline(slots=1, packet_elements=wire.MAX_PACKET_ELEMENTS)
-    assert p._rows.shape == (2, 1, 8 + wire.MAX_PACKET_ELEMENTS)
+        Pipeline(slots=1, packet_elements=K, block_elements=0)
+    with pytest.raises(ValueError):
+        Pipeline(slots=1, packet_elements=K, block_elements=3)  # not a multiple
+    with pytest.raises(ValueError):
+        Pipeline(slots=1, packet_elements=K, block_elements=2 * K)
+    with pytest.raises(ValueError):  # 64 blocks of 256 do not fit in a datagram
+        Pipeline(slots=1, packet_elements=16128 + 256, block_elements=256)
+    with pytest.raises(ValueError):  # nor does one block of 16366 values
+        Pipeline(slots=1, packet_elements=16366)
+    p = Pipeline(slots=1, packet_elements=16128, block_elements=256)
+    assert (p.lanes, p.block_elements) == (63, 256)
+    assert p._rows.shape == (2, 1, wire.packet_size(63, 16128))
+    assert p._rows.shape[2] <= wire.MAX_DATAGRAM
+    # the defaults: the most 256-value blocks one datagram holds
+    p = Pipeline(slots=2)
+    assert (p.packet_elements, p.block_elements, p.lanes) == (16128, 256, 63)
+    # a packet size that is not a multiple of 256 is one block
+    p = Pipeline(slots=1, packet_elements=100)
+    assert (p.block_elements, p.lanes) == (100, 1)
+    p = Pipeline(slots=1, packet_elements=16365)
+    assert (p.block_elements, p.lanes) == (16365, 1)
+    p = Pipeline(slots=1, packet_elements=K, block_elements=1)
+    assert p.lanes == K and p._rows.shape == (2, 1, wire.packet_size(K, K))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -196,12 +197,24 @@ def test_chunk_exponents_powers_of_two_boundaries():
 
 # ---------------------------------------------------------------- quantize / dequantize
 def test_quantize_special_exponents_write_zeros():
-    src = np.array([1.0, -2.0, 3.0], np.float32)
+    """Zeros go out for the two special exponents, within quantize's contract.
+
+    The exponent a block is quantised with is the max over workers, hence at least the
+    block's own: EXP_ZERO is only ever used for an all-zero block (the docstring's
+    round(src * 2**(bits - e)) is then 0), while EXP_NONFINITE blocks may hold anything,
+    inf and NaN included, and must send zeros (no NaN may reach the int cast).
+    """
     dst = np.full(3, 99, np.int32)
     scratch = np.empty(3, np.float32)
-    for e in (EXP_ZERO, EXP_NONFINITE):
+    for src in ([1.0, -2.0, 3.0], [np.inf, np.nan, 1.0], [-np.inf, 0.0, 2.0**100]):
         dst[:] = 99
-        quant.quantize_into(src, e, 30, dst, scratch)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # an inf/NaN cast to int32 would warn
+            quant.quantize_into(np.array(src, np.float32), EXP_NONFINITE, 30, dst, scratch)
+        assert dst.tolist() == [0, 0, 0]
+    for B in (25, 30):
+        dst[:] = 99
+        quant.quantize_into(np.array([0.0, -0.0, 0.0], np.float32), EXP_ZERO, B, dst, scratch)
         assert dst.tolist() == [0, 0, 0]
 
 
@@ -267,6 +280,75 @@ def test_quantize_subnormals_round_trip_exactly():
         out = np.empty(4, np.float32)
         quant.dequantize_into(q, e, B, out)
         assert out.tolist() == src.tolist()
+
+
+def _block_exponent_cases():
+    rng = np.random.default_rng(11)
+    for size, block in ((10, 3), (9, 3), (1, 4), (16, 16), (17, 16), (40, 7)):
+        src = (rng.standard_normal(size) * 2.0 ** rng.integers(-30, 30, size)).astype(np.float32)
+        blocks = -(-size // block)
+        exps = quant.chunk_exponents(src, block).astype(np.int32)
+        exps += rng.integers(0, 3, blocks)  # any exponent at least the block's own
+        zero = rng.integers(0, blocks)
+        src[zero * block:(zero + 1) * block] = 0
+        exps[zero] = EXP_ZERO
+        if blocks > 1:
+            bad = (zero + 1) % blocks
+            src[bad * block] = np.nan
+            exps[bad] = EXP_NONFINITE
+        yield src, exps.astype(np.int16), block
+
+
+@pytest.mark.parametrize("bits", [25, 29, 30])
+def test_quantize_blocks_uses_one_exponent_per_block(bits):
+    for src, exps, block in _block_exponent_cases():
+        dst = np.full(src.size, 99, np.int32)
+        quant.quantize_blocks(src, exps, bits, dst, np.empty(src.size + 5, np.float32), block)
+        for b, e in enumerate(exps.tolist()):
+            piece = slice(b * block, (b + 1) * block)
+            one = np.empty(src[piece].size, np.int32)
+            if e == EXP_NONFINITE:
+                assert dst[piece].tolist() == [0] * one.size
+                continue
+            # each block alone, and the documented formula
+            quant.quantize_into(src[piece], e, bits, one, np.empty(one.size, np.float32))
+            assert dst[piece].tolist() == one.tolist()
+            expected = [round(math.ldexp(float(v), bits - e)) for v in src[piece].tolist()] \
+                if e != EXP_ZERO else [0] * one.size
+            assert dst[piece].tolist() == expected, (b, e)
+
+
+@pytest.mark.parametrize("bits", [25, 29, 30])
+def test_dequantize_blocks_uses_one_exponent_per_block(bits):
+    rng = np.random.default_rng(bits)
+    for _, exps, block in _block_exponent_cases():
+        exps = exps.copy()
+        exps[-1] = -140  # a block in the subnormal range
+        size = (len(exps) - 1) * block + int(rng.integers(1, block + 1))
+        q = rng.integers(-2**31, 2**31, size, dtype=np.int64).astype(np.int32)
+        out = np.full(size, 7.0, np.float32)
+        with np.errstate(over="ignore"):
+            quant.dequantize_blocks(q, exps, bits, out, block)
+        for b, e in enumerate(exps.tolist()):
+            piece = slice(b * block, (b + 1) * block)
+            got = out[piece]
+            if e == EXP_NONFINITE:
+                assert np.isnan(got).all()
+            elif e == EXP_ZERO:
+                assert got.tolist() == [0.0] * got.size
+            else:
+                expected = np.array([math.ldexp(int(v), e - bits) for v in q[piece].tolist()]) \
+                    .astype(np.float32)
+                assert np.array_equal(got.view(np.uint32), expected.view(np.uint32)), (b, e)
+
+
+def test_quantize_blocks_empty_is_a_no_op():
+    dst = np.zeros(0, np.int32)
+    quant.quantize_blocks(np.zeros(0, np.float32), np.zeros(0, np.int16), 30, dst,
+                          np.empty(0, np.float32), 4)
+    out = np.zeros(0, np.float32)
+    quant.dequantize_blocks(np.zeros(0, np.int32), np.zeros(0, np.int16), 30, out, 4)
+    assert dst.size == 0 and out.size == 0
 
 
 # ---------------------------------------------------------------- sum bound

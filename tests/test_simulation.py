@@ -163,6 +163,34 @@ def test_multidimensional_arrays_keep_their_shape():
         assert same_bits(out.reshape(-1), flat)
 
 
+@pytest.mark.parametrize("faults", [None, FAULTS[1]], ids=["clean", "faulty"])
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+@pytest.mark.parametrize("block", [1, 4, 8])
+def test_several_blocks_per_packet_use_one_exponent_per_block(block, world, faults):
+    """With blocks smaller than a packet, each block gets its own (max) exponent."""
+    size = K * SLOTS * 2 + 7
+    rng = np.random.default_rng(block * 100 + world)
+    arrays = []
+    for _ in range(world):
+        a = rng.standard_normal(size).astype(np.float32)
+        a *= np.float32(2.0) ** rng.integers(-40, 40, size).astype(np.float32)
+        a[rng.random(size) < 0.2] = 0
+        arrays.append(a)
+    for a in arrays:  # a block zero everywhere
+        a[block:2 * block] = 0
+    sim = Simulation(world, slots=SLOTS, packet_elements=K, block_elements=block,
+                     faults=faults, seed=world)
+    assert sim.pipeline.lanes == K // block
+    outs = sim.allreduce(arrays, max_time=BIG_TIME)
+    expected = reference(arrays, chunk=block)
+    for out in outs:
+        assert same_bits(out, expected)
+    check_float_bound(arrays, outs[0], chunk=block)
+    if block < K and world > 1:
+        # one exponent per packet would lose the small blocks next to big ones
+        assert not same_bits(expected, reference(arrays, chunk=K))
+
+
 # ---------------------------------------------------------------- consecutive calls
 @pytest.mark.parametrize("world", [2, 3, 8])
 def test_consecutive_allreduces_of_varying_sizes(world):
@@ -206,7 +234,8 @@ def test_two_thousand_small_allreduces_with_faults():
     assert sum(s.counters["retransmissions"] for s in sim.sessions) > 0
     assert sim.job.counters["duplicates"] + sim.job.counters["retransmissions_answered"] > 0
     # the switch's memory stayed what it was built with
-    assert sim.pipeline._rows.shape == (2, 4, wire.HEADER_SIZE // 4 + 16)
+    assert sim.pipeline.lanes == 1
+    assert sim.pipeline._rows.shape == (2, 4, wire.packet_size(1, 16))
 
 
 def test_message_numbers_wrap_around_in_a_simulation():
@@ -371,36 +400,44 @@ def test_engine_drops_results_that_do_not_match_the_outstanding_message():
                         if a == ("w", 0)]
     (good,) = results
     h = wire.decode_header(good)
-    values = np.frombuffer(good, np.int32, offset=wire.HEADER_SIZE)
+    lanes = wire.lane_table(good, h.lanes).copy()
+    values = wire.values(good, h.lanes, h.count).copy()
+    assert wire.encode(wire.KIND_RESULT, h.dtype, h.slot, h.session, h.msg, h.seq, h.pkt_id,
+                       lanes, values, mode=h.mode) == good
     forged = [
         wire.encode(wire.KIND_RESULT, h.dtype, h.slot, h.session, h.msg, h.seq + 1,
-                    h.pkt_id, h.exponent, values),
+                    h.pkt_id, lanes, values),
         wire.encode(wire.KIND_RESULT, h.dtype, h.slot, h.session, h.msg + 1, h.seq,
-                    h.pkt_id, h.exponent, values),
+                    h.pkt_id, lanes, values),
         wire.encode(wire.KIND_RESULT, h.dtype, h.slot, h.session, h.msg, h.seq,
-                    h.pkt_id + 1, h.exponent, values),
+                    h.pkt_id + 1, lanes, values),
         wire.encode(wire.KIND_RESULT, wire.DTYPE_FLOAT32, h.slot, h.session, h.msg, h.seq,
-                    h.pkt_id, h.exponent, values),
+                    h.pkt_id, lanes, values),
         wire.encode(wire.KIND_RESULT, h.dtype, h.slot, h.session, h.msg, h.seq,
-                    h.pkt_id, h.exponent, values[:-1]),
+                    h.pkt_id, lanes, values[:-1]),
+        # a sparse result for a dense message, and a lane table of the wrong size
+        wire.encode(wire.KIND_RESULT, h.dtype, h.slot, h.session, h.msg, h.seq,
+                    h.pkt_id, lanes, values, mode=wire.MODE_SPARSE),
+        wire.encode(wire.KIND_RESULT, h.dtype, h.slot, h.session, h.msg, h.seq,
+                    h.pkt_id, np.concatenate([lanes, lanes]), values),
     ]
     foreign = [
         wire.encode(wire.KIND_RESULT, h.dtype, h.slot, h.session + 1, h.msg, h.seq,
-                    h.pkt_id, h.exponent, values),
+                    h.pkt_id, lanes, values),
         wire.encode(wire.KIND_CONTRIBUTION, h.dtype, h.slot, h.session, h.msg, h.seq,
-                    h.pkt_id, h.exponent, values),
+                    h.pkt_id, lanes, values),
         wire.encode(wire.KIND_RESULT, h.dtype, h.slot + 1, h.session, h.msg, h.seq,
-                    h.pkt_id, h.exponent, values),
+                    h.pkt_id, lanes, values),
     ]
     for d in forged + foreign + [good[:40], good[:-4]]:
         ops[0].receive_datagram(d, 0.1)
         assert not ops[0].done
     assert (outs[0] == 0).all()
     c = sessions[0].counters
-    assert (c["dropped_stale"], c["dropped_foreign"], c["dropped_malformed"]) == (5, 3, 2)
+    assert (c["dropped_stale"], c["dropped_foreign"], c["dropped_malformed"]) == (7, 3, 2)
     assert c["results_in"] == 0
     ops[0].receive_datagram(good, 0.2)
     assert ops[0].done and c["results_in"] == 1
     assert outs[0].tolist() == (3 * np.arange(K)).tolist()
     ops[0].receive_datagram(good, 0.3)  # a duplicate of the result changes nothing
-    assert c["dropped_stale"] == 6 and c["results_in"] == 1
+    assert c["dropped_stale"] == 8 and c["results_in"] == 1

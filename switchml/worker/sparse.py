@@ -76,7 +76,11 @@ class SparseAllreduce(Stream):
         self._pos = np.full((self.width, F), wire.POS_END, dtype=np.int64)
         self._exp = np.full((self.width, F), EXP_ZERO, dtype=np.int16)
         self._full_blocks = n // b
-        if not (np.may_share_memory(self.src, self.out)):
+        if np.may_share_memory(self.src, self.out):
+            # In place, local zero blocks stand for the sum unless someone sends one;
+            # write them as +0.0 as the dense path would (the input may hold -0.0).
+            self._write_blocks(np.flatnonzero(~mask), np.zeros((1, b), self.src.dtype))
+        else:
             self.out[:] = 0
         for j in range(self.width):
             self._send(j, now)
@@ -105,6 +109,11 @@ class SparseAllreduce(Stream):
         b = self.s.block_elements
         full = index < self._full_blocks
         body = self.out[: self._full_blocks * b].reshape(-1, b)
+        if len(blocks) == 1 and len(index) != 1:  # one block for all (broadcast)
+            body[index[full]] = blocks[0]
+            if not full.all():
+                self.out[self._full_blocks * b:] = blocks[0, : self.out.size - self._full_blocks * b]
+            return
         body[index[full]] = blocks[full]
         for row in np.flatnonzero(~full):
             tail = self.out[self._full_blocks * b:]
