@@ -1,8 +1,11 @@
 import threading
 
+import numpy as np
+
 import pytest
 
 import switchml
+from switchml import quant
 
 
 def run_ranks(world, body, timeout=60.0):
@@ -32,3 +35,31 @@ def run_ranks(world, body, timeout=60.0):
 def switch():
     with switchml.Switch(packet_elements=1024, slots=64, slots_per_job=16) as sw:
         yield sw
+
+
+def reference_sum(arrays, block):
+    """The dense result every rank must get, from the quantisation primitives."""
+    n = len(arrays)
+    size = arrays[0].size
+    if arrays[0].dtype == np.int32:
+        total = np.zeros(size, np.int32)
+        for a in arrays:
+            np.add(total, a, out=total)  # wraps modulo 2**32
+        return total
+    B = quant.scale_bits(n)
+    E = np.max([quant.chunk_exponents(a, block) for a in arrays], axis=0) if size \
+        else np.zeros(0, np.int16)
+    total = np.zeros(size, np.int32)
+    scratch = np.empty(block, np.float32)
+    for a in arrays:
+        q = np.empty(size, np.int32)
+        for c in range(E.size):
+            sl = slice(c * block, (c + 1) * block)
+            quant.quantize_into(a[sl], int(E[c]), B, q[sl], scratch)
+        np.add(total, q, out=total)
+    out = np.empty(size, np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        for c in range(E.size):
+            sl = slice(c * block, (c + 1) * block)
+            quant.dequantize_into(total[sl], int(E[c]), B, out[sl])
+    return out

@@ -10,6 +10,8 @@ from switchml import quant, wire
 from switchml.quant import EXP_NONFINITE, EXP_ZERO
 from switchml.sim import Faults, Simulation
 from switchml.switch.pipeline import Pipeline
+
+from conftest import reference_sum
 from switchml.worker.engine import Session
 from switchml.worker.recovery import RttEstimator
 
@@ -48,29 +50,7 @@ def make_inputs(world, size, dtype, seed):
 
 def reference(arrays, chunk=K):
     """The result every rank must get, computed with the quantisation primitives."""
-    n = len(arrays)
-    size = arrays[0].size
-    if arrays[0].dtype == np.int32:
-        total = np.zeros(size, np.int32)
-        for a in arrays:
-            np.add(total, a, out=total)  # wraps modulo 2**32
-        return total
-    B = quant.scale_bits(n)
-    E = np.max([quant.chunk_exponents(a, chunk) for a in arrays], axis=0) if size \
-        else np.zeros(0, np.int16)
-    total = np.zeros(size, np.int32)
-    scratch = np.empty(chunk, np.float32)
-    for a in arrays:
-        q = np.empty(size, np.int32)
-        for c in range(E.size):
-            sl = slice(c * chunk, (c + 1) * chunk)
-            quant.quantize_into(a[sl], int(E[c]), B, q[sl], scratch)
-        np.add(total, q, out=total)
-    out = np.empty(size, np.float32)
-    for c in range(E.size):
-        sl = slice(c * chunk, (c + 1) * chunk)
-        quant.dequantize_into(total[sl], int(E[c]), B, out[sl])
-    return out
+    return reference_sum(arrays, chunk)
 
 
 def exact_int32_sum(arrays):

@@ -15,6 +15,8 @@ from switchml.quant import EXP_NONFINITE, EXP_ZERO
 from switchml.sim import Faults, Simulation
 from switchml.switch.pipeline import Pipeline
 
+from conftest import reference_sum
+
 K = 64       # packet_elements
 BLK = 16     # block_elements: 4 lanes per packet
 LANES = K // BLK
@@ -49,31 +51,7 @@ def blocks_of(size, block=BLK):
 
 
 def reference(arrays, block=BLK):
-    """The dense result every rank must get, from the quantisation primitives."""
-    n = len(arrays)
-    size = arrays[0].size
-    if arrays[0].dtype == np.int32:
-        total = np.zeros(size, np.int32)
-        for a in arrays:
-            np.add(total, a, out=total)  # wraps modulo 2**32
-        return total
-    B = quant.scale_bits(n)
-    E = np.max([quant.chunk_exponents(a, block) for a in arrays], axis=0) if size \
-        else np.zeros(0, np.int16)
-    total = np.zeros(size, np.int32)
-    scratch = np.empty(block, np.float32)
-    for a in arrays:
-        q = np.empty(size, np.int32)
-        for c in range(E.size):
-            sl = slice(c * block, (c + 1) * block)
-            quant.quantize_into(a[sl], int(E[c]), B, q[sl], scratch)
-        np.add(total, q, out=total)
-    out = np.empty(size, np.float32)
-    with np.errstate(over="ignore", invalid="ignore"):
-        for c in range(E.size):
-            sl = slice(c * block, (c + 1) * block)
-            quant.dequantize_into(total[sl], int(E[c]), B, out[sl])
-    return out
+    return reference_sum(arrays, block)
 
 
 def random_block(rng, dtype, length):
