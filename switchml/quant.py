@@ -61,12 +61,33 @@ def exponents_of_peaks(peak: np.ndarray) -> np.ndarray:
     return out
 
 
-def _by_block(flat: np.ndarray, block: int):
-    """(full blocks as a 2-D view, the short tail or None) of a flat array."""
-    full = flat.size // block
-    body = flat[: full * block].reshape(full, block)
-    tail = flat[full * block:] if flat.size > full * block else None
-    return body, tail
+_POWER_TABLES: dict = {}
+
+
+def _powers(exponents: np.ndarray, bits: int, sign: int) -> np.ndarray:
+    """float32 2**(sign * (bits - e)) per exponent, clipped to float32's normal range.
+
+    A lookup in a table of all 65536 int16 exponents, made once per (bits, sign):
+    the per-packet cost is one ``take``.
+    """
+    table = _POWER_TABLES.get((bits, sign))
+    if table is None:
+        e = np.arange(65536, dtype=np.uint16).view(np.int16).astype(np.int64)
+        table = np.ldexp(np.float32(1), np.clip(sign * (bits - e), -126, 127)).astype(np.float32)
+        if sign < 0:
+            table[EXP_NONFINITE] = 0  # such a block becomes NaN anyway: no overflow on the way
+        _POWER_TABLES[(bits, sign)] = table
+    return table.take(exponents.view(np.uint16))
+
+
+def _scale_blocks(src: np.ndarray, powers: np.ndarray, block: int, out: np.ndarray) -> None:
+    """out = src * powers[b] for every block b."""
+    full = src.size // block
+    if full:
+        np.multiply(src[: full * block].reshape(full, block), powers[:full, None],
+                    out=out[: full * block].reshape(full, block))
+    if src.size > full * block:
+        np.multiply(src[full * block:], powers[full], out=out[full * block:])
 
 
 def quantize_blocks(src: np.ndarray, exponents: np.ndarray, bits: int, dst: np.ndarray,
@@ -80,16 +101,18 @@ def quantize_blocks(src: np.ndarray, exponents: np.ndarray, bits: int, dst: np.n
     if n == 0:
         return
     tmp = scratch[:n]
-    shifts = bits - exponents.astype(np.int32)
-    body, tail = _by_block(src, block)
-    tmp_body, tmp_tail = _by_block(tmp, block)
-    # ldexp scales by a power of two exactly, whatever the exponent's range.
-    np.ldexp(body, shifts[: len(body), None], out=tmp_body)
-    if tail is not None:
-        np.ldexp(tail, shifts[len(body)], out=tmp_tail)
+    exps = exponents[: -(-n // block)]
+    # A power of two scales exactly; an all-zero block's clipped factor meets zeros.
+    _scale_blocks(src, _powers(exps, bits, 1), block, tmp)
+    low, high = int(exps.min()), int(exps.max())
+    if low < bits - 127:  # blocks of tiny values: 2**(bits - e) is not a float32
+        for b in np.flatnonzero((exps < bits - 127) & (exps != EXP_ZERO)):
+            piece = slice(b * block, (b + 1) * block)
+            np.ldexp(src[piece], bits - int(exps[b]), out=tmp[piece])
     np.rint(tmp, out=tmp)
-    for b in np.flatnonzero(exponents == EXP_NONFINITE):
-        tmp[b * block:(b + 1) * block] = 0  # its inf/NaN must not reach the int cast
+    if high == EXP_NONFINITE:
+        for b in np.flatnonzero(exps == EXP_NONFINITE):
+            tmp[b * block:(b + 1) * block] = 0  # its inf/NaN must not reach the int cast
     np.copyto(dst, tmp, casting="unsafe")
 
 
@@ -97,28 +120,32 @@ def dequantize_blocks(src: np.ndarray, exponents: np.ndarray, bits: int, dst: np
                       block: int) -> None:
     """float32 ``dst`` = int32 sums ``src`` scaled by 2**(e - bits), one e per block.
 
-    The int32 -> float32 conversion is the only rounding: the power-of-two scale
-    is exact, except where the result would be subnormal, and those blocks are
-    recomputed in float64.  A non-finite block becomes NaN, an all-zero one 0.
+    The int32 -> float32 conversion is the only rounding: a non-zero sum is at
+    least 1, so a float32 power of two keeps the result normal and scales it
+    exactly; blocks whose 2**(e - bits) is below float32's range are computed in
+    float64.  A non-finite block becomes NaN, an all-zero one 0.
     """
     n = src.size
     if n == 0:
         return
+    exps = exponents[: -(-n // block)]
     np.copyto(dst, src, casting="unsafe")
-    shifts = exponents.astype(np.int32) - bits
-    body, tail = _by_block(dst, block)
-    with np.errstate(over="ignore"):  # non-finite blocks are overwritten below
-        np.ldexp(body, shifts[: len(body), None], out=body)
-        if tail is not None:
-            np.ldexp(tail, shifts[len(body)], out=tail)
-    for b in np.flatnonzero((shifts < -126) | (exponents == EXP_NONFINITE)):
-        piece = slice(b * block, min(n, (b + 1) * block))
-        if exponents[b] == EXP_NONFINITE:
+    _scale_blocks(dst, _powers(exps, bits, -1), block, dst)  # non-finite blocks' sums are 0
+    low, high = int(exps.min()), int(exps.max())
+    if low >= bits - 126 and high != EXP_NONFINITE:
+        return
+    zero = exps == EXP_ZERO
+    if zero.any():  # many in sparse data: one vectorised write, not a loop
+        full = n // block
+        dst[: full * block].reshape(full, block)[zero[:full]] = 0
+        if n > full * block and zero[full]:
+            dst[full * block:] = 0
+    for b in np.flatnonzero(((exps < bits - 126) & ~zero) | (exps == EXP_NONFINITE)):
+        piece = slice(b * block, (b + 1) * block)
+        if exps[b] == EXP_NONFINITE:
             dst[piece] = np.nan
-        elif exponents[b] == EXP_ZERO:
-            dst[piece] = 0
         else:
-            np.multiply(src[piece], 2.0 ** int(shifts[b]), out=dst[piece], casting="unsafe")
+            np.multiply(src[piece], 2.0 ** (int(exps[b]) - bits), out=dst[piece], casting="unsafe")
 
 
 def quantize_into(src: np.ndarray, exponent: int, bits: int, dst: np.ndarray,

@@ -56,6 +56,8 @@ class Session:
         self.lane_views = [wire.lane_table(v, self.lanes) for v in self.packet_views]
         self.value_views = [wire.values(v, self.lanes, packet_elements) for v in self.packet_views]
         self.scratch = np.empty(packet_elements, dtype=np.float32)
+        self.blank_lanes = np.zeros(self.lanes, dtype=wire.LANE)
+        self.blank_lanes["exp"] = EXP_ZERO
         self.counters = {"results_in": 0, "retransmissions": 0, "dropped_stale": 0,
                          "dropped_malformed": 0, "dropped_foreign": 0,
                          "sparse_blocks_sent": 0, "sparse_blocks_received": 0,
@@ -232,8 +234,7 @@ class DenseAllreduce(Stream):
         s = self.s
         W, k, b = self.width, s.packet_elements, s.block_elements
         lanes = s.lane_views[j]
-        lanes[:] = np.zeros(1, wire.LANE)
-        lanes["exp"] = EXP_ZERO
+        lanes[:] = s.blank_lanes
         following = j + m * W
         if self.is_float and following < self.chunks:
             exps = self.local_exp[following * s.lanes:(following + 1) * s.lanes]
