@@ -80,8 +80,12 @@ def _powers(exponents: np.ndarray, bits: int, sign: int) -> np.ndarray:
     return table.take(exponents.view(np.uint16))
 
 
-def _scale_blocks(src: np.ndarray, powers: np.ndarray, block: int, out: np.ndarray) -> None:
-    """out = src * powers[b] for every block b."""
+def _scale_blocks(src: np.ndarray, powers: np.ndarray, block: int, out: np.ndarray,
+                  uniform: bool) -> None:
+    """out = src * powers[b] for every block b (one scalar multiply when all are equal)."""
+    if uniform:
+        np.multiply(src, powers[0], out=out)
+        return
     full = src.size // block
     if full:
         np.multiply(src[: full * block].reshape(full, block), powers[:full, None],
@@ -102,9 +106,9 @@ def quantize_blocks(src: np.ndarray, exponents: np.ndarray, bits: int, dst: np.n
         return
     tmp = scratch[:n]
     exps = exponents[: -(-n // block)]
-    # A power of two scales exactly; an all-zero block's clipped factor meets zeros.
-    _scale_blocks(src, _powers(exps, bits, 1), block, tmp)
     low, high = int(exps.min()), int(exps.max())
+    # A power of two scales exactly; an all-zero block's clipped factor meets zeros.
+    _scale_blocks(src, _powers(exps, bits, 1), block, tmp, low == high)
     if low < bits - 127:  # blocks of tiny values: 2**(bits - e) is not a float32
         for b in np.flatnonzero((exps < bits - 127) & (exps != EXP_ZERO)):
             piece = slice(b * block, (b + 1) * block)
@@ -129,9 +133,10 @@ def dequantize_blocks(src: np.ndarray, exponents: np.ndarray, bits: int, dst: np
     if n == 0:
         return
     exps = exponents[: -(-n // block)]
-    np.copyto(dst, src, casting="unsafe")
-    _scale_blocks(dst, _powers(exps, bits, -1), block, dst)  # non-finite blocks' sums are 0
     low, high = int(exps.min()), int(exps.max())
+    np.copyto(dst, src, casting="unsafe")
+    # A non-finite block's sums are 0 and its factor 0: nothing overflows on the way.
+    _scale_blocks(dst, _powers(exps, bits, -1), block, dst, low == high)
     if low >= bits - 126 and high != EXP_NONFINITE:
         return
     zero = exps == EXP_ZERO
