@@ -72,7 +72,7 @@ def _worker_main(address, rank, world, elements, dtype, warmup, repeats, profile
         prof = cProfile.Profile() if profile and rank == 0 else None
         if prof is not None:
             run = w._run  # profile the worker's I/O thread, where the work happens
-            w._run = lambda src, dst: prof.runcall(run, src, dst)
+            w._run = lambda *args: prof.runcall(run, *args)
         c0 = dict(w.counters)
         cpu0 = time.process_time()
         times = []
