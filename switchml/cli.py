@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default %(default)s)")
     p.add_argument("--block-elements", type=int,
                    default=config.env("BLOCK_ELEMENTS", config.DEFAULT_BLOCK_ELEMENTS, int),
-                   help="values per block: one exponent each, the sparse path's unit "
+                   help="values per block: the sparse path's unit "
                         "(default %(default)s)")
     p.add_argument("--slots-per-job", type=int,
                    default=config.env("SLOTS_PER_JOB", config.DEFAULT_SLOTS_PER_JOB, int),

@@ -10,7 +10,7 @@ SWITCHML_HOST              ``switchml switch`` bind address       127.0.0.1
 SWITCHML_PORT              ``switchml switch`` port               7300
 SWITCHML_SLOTS             slots in the switch's pool             256
 SWITCHML_PACKET_ELEMENTS   int32 values per packet                16128
-SWITCHML_BLOCK_ELEMENTS    values per block (exponent, sparsity)  256
+SWITCHML_BLOCK_ELEMENTS    values per block of the sparse path    256
 SWITCHML_SLOTS_PER_JOB     slots a job gets (its window)          32
 SWITCHML_DROP_RATE         simulated drop probability             0
 =========================  =====================================  ==========

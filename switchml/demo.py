@@ -67,7 +67,7 @@ def _rank_main(address, rank, world, cases, repeats, seed, results, timeout):
                         ok &= bool(np.array_equal(out, exact))
                     elif size:
                         err = np.abs(out.astype(np.float64) - exact)
-                        ok &= bool(np.all(err <= error_bound(inputs, block)))
+                        ok &= bool(np.all(err <= error_bound(inputs, worker.session.packet_elements)))
                         worst = float(err.max())
                 results.put((rank, (size, dtype, sparse),
                              hashlib.sha256(out.tobytes()).hexdigest(), times, ok, worst))

@@ -1,10 +1,9 @@
-"""Block floating point: float32 blocks as int32 with one power-of-two scale per block.
+"""Block floating point: float32 as int32 with one power-of-two scale per chunk.
 
-Blocks are ``block_elements`` values (256 by default), the same blocks the sparse
-path skips or sends, so dense and sparse results are bit-identical.  A worker
-computes for each block the smallest exponent ``e`` with ``2**e > max|x|``.
+A chunk is one packet's worth of values (``packet_elements``).  A worker
+computes for each chunk the smallest exponent ``e`` with ``2**e > max|x|``.
 The switch takes the largest ``E`` over all workers, and every worker scales its
-block by ``2**(B - E)`` where ``B`` is the largest integer with
+chunk by ``2**(B - E)`` where ``B`` is the largest integer with
 ``n * 2**B <= 2**31 - 1``.  Then ``|q| <= 2**B`` for every worker's quantised value
 and the n contributions cannot overflow an int32 sum, whatever the inputs.
 
@@ -15,8 +14,12 @@ that per worker) and the final rounding of the exact integer sum to float32:
     |result - exact_sum| <= n * 2**(E - B - 1)  +  half an ulp of the float32 result
 
 Values that are multiples of ``2**(E - B)`` (for instance integers when
-``E <= B``) are summed exactly.  A block containing inf or NaN on any worker
+``E <= B``) are summed exactly.  A chunk containing inf or NaN on any worker
 carries the exponent ``EXP_NONFINITE`` and comes back as NaN on every worker.
+
+The sparse path sends single blocks, from many chunks in one packet; it scales
+each with its chunk's exponent through ``quantize_blocks``, whose arithmetic is
+that of ``quantize_into``, so sparse and dense results agree bit for bit.
 """
 
 from __future__ import annotations
@@ -155,13 +158,41 @@ def dequantize_blocks(src: np.ndarray, exponents: np.ndarray, bits: int, dst: np
 
 def quantize_into(src: np.ndarray, exponent: int, bits: int, dst: np.ndarray,
                   scratch: np.ndarray) -> None:
-    """``quantize_blocks`` with one exponent for the whole of ``src``."""
-    quantize_blocks(src, np.array([exponent], np.int16), bits, dst, scratch, max(1, src.size))
+    """int32 ``dst`` = round(src * 2**(bits - exponent)): one exponent for all of ``src``.
+
+    The same arithmetic as ``quantize_blocks``, so the two agree bit for bit.
+    """
+    if src.size == 0:
+        return
+    if exponent in (EXP_ZERO, EXP_NONFINITE):
+        dst[:] = 0
+        return
+    tmp = scratch[: src.size]
+    shift = bits - exponent
+    if shift <= 127:
+        np.multiply(src, np.float32(2.0**shift), out=tmp)
+    else:  # 2**shift is not a float32; ldexp scales just as exactly
+        np.ldexp(src, shift, out=tmp)
+    np.rint(tmp, out=tmp)
+    np.copyto(dst, tmp, casting="unsafe")
 
 
 def dequantize_into(src: np.ndarray, exponent: int, bits: int, dst: np.ndarray) -> None:
-    """``dequantize_blocks`` with one exponent for the whole of ``src``."""
-    dequantize_blocks(src, np.array([exponent], np.int16), bits, dst, max(1, src.size))
+    """float32 ``dst`` = int32 sums ``src`` * 2**(exponent - bits); see ``dequantize_blocks``."""
+    if src.size == 0:
+        return
+    if exponent == EXP_NONFINITE:
+        dst[:] = np.nan
+        return
+    if exponent == EXP_ZERO:
+        dst[:] = 0
+        return
+    shift = exponent - bits
+    if shift >= -126:
+        np.copyto(dst, src, casting="unsafe")
+        np.multiply(dst, np.float32(2.0**shift), out=dst)
+    else:
+        np.multiply(src, 2.0**shift, out=dst, casting="unsafe")
 
 
 def error_bound(inputs: list, chunk: int) -> np.ndarray:

@@ -22,7 +22,8 @@ A packet covers ``lanes`` blocks of ``block_elements`` values.  Lane record::
 
     pos  u32  sparse: column position of the block this record is about
     nxt  u32  sparse: the sender's next non-zero position (result: the minimum)
-    exp  i16  exponent of the block sent next (dense: this lane of the next chunk)
+    exp  i16  exponent (result: the max); dense: record 0 holds the exponent of
+              the chunk the slot sends next; sparse exponent rounds: one chunk each
     flag u16  bit 0: a block for this lane is in the values (result: present)
 
 Dense packets carry their values as they are (``count`` may end mid-block at the
@@ -126,6 +127,15 @@ def values(data, lanes: int, count: int) -> np.ndarray:
     """The int32 values of a datagram, as an array viewing its bytes."""
     return np.frombuffer(data, dtype=np.int32, count=count,
                          offset=HEADER_SIZE + LANE_SIZE * lanes)
+
+
+_FIRST_EXP = struct.Struct("<h")
+_FIRST_EXP_OFFSET = HEADER_SIZE + LANE.fields["exp"][1]
+
+
+def first_lane_exponent(data) -> int:
+    """The ``exp`` of the first lane record: a dense packet's chunk exponent."""
+    return _FIRST_EXP.unpack_from(data, _FIRST_EXP_OFFSET)[0]
 
 
 def encode_header(buf, kind: int, dtype: int, mode: int, slot: int, session: int, msg: int,

@@ -50,8 +50,9 @@ def blocks_of(size, block=BLK):
     return -(-size // block)
 
 
-def reference(arrays, block=BLK):
-    return reference_sum(arrays, block)
+def reference(arrays, chunk=K):
+    """The dense result: one exponent per packet-sized chunk."""
+    return reference_sum(arrays, chunk)
 
 
 def random_block(rng, dtype, length):
@@ -97,7 +98,7 @@ def dense_and_sparse(arrays, faults=None, seed=0, **kw):
 def check_sparse_matches_dense(arrays, faults=None, seed=0, **kw):
     copies = [a.copy() for a in arrays]
     dense, sparse, sim = dense_and_sparse(arrays, faults, seed, **kw)
-    expected = reference(arrays, kw.get("block_elements", BLK))
+    expected = reference(arrays, kw.get("packet_elements", K))
     for r in range(len(arrays)):
         assert same_bits(dense[r], expected), f"dense rank {r} differs from the reference"
         assert same_bits(sparse[r], dense[r]), f"sparse rank {r} differs from dense"
@@ -391,10 +392,16 @@ def test_all_zero_on_every_worker(world, dtype):
     outs = sim.allreduce(arrays, sparse=True)
     for out in outs:
         assert same_bits(out, np.zeros(size, dtype))
-    # only the seed round crosses the network, carrying no values
-    assert all(h.count == 0 and h.mode == wire.MODE_SPARSE | wire.MODE_SEED
-               for _, h, _, _ in log)
-    assert len(log) == world * SLOTS
+    # only the exponent rounds (floats: dense messages) and the seed round cross the
+    # network, carrying no values
+    assert all(h.count == 0 for _, h, _, _ in log)
+    seeds = [h for _, h, _, _ in log if h.mode & wire.MODE_SPARSE]
+    assert all(h.mode == wire.MODE_SPARSE | wire.MODE_SEED for h in seeds)
+    assert len(seeds) == world * SLOTS
+    exponent_rounds = [h for _, h, _, _ in log if not h.mode & wire.MODE_SPARSE]
+    chunks = -(-size // K)
+    assert len(exponent_rounds) == (world * SLOTS * -(-chunks // (SLOTS * LANES))
+                                    if dtype == np.float32 else 0)
     c = sim.job.counters
     assert c["sparse_blocks_in"] == 0
     assert c["sparse_blocks_skipped"] == world * blocks_of(size)
@@ -562,7 +569,9 @@ def test_zero_blocks_never_cross_the_network(world, dtype):
         G = W * LANES
         base = sim.job.slot_base
         for rank, h, lanes, values in log:
-            assert h.mode & wire.MODE_SPARSE
+            if not h.mode & wire.MODE_SPARSE:  # an exponent round: no values
+                assert h.count == 0
+                continue
             flagged = np.flatnonzero(lanes["flag"] & wire.FLAG_BLOCK)
             for k, lane in enumerate(flagged.tolist()):
                 b = (h.slot - base) * LANES + lane + int(lanes["pos"][lane]) * G
@@ -621,7 +630,7 @@ def test_sparse_sends_less_than_dense_at_low_density():
 # ---------------------------------------------------------------- non-finite values
 @pytest.mark.parametrize("faults", FAULT_CASES, ids=["clean", "faulty"])
 @pytest.mark.parametrize("world", WORLDS)
-def test_nonfinite_block_is_nan_on_every_rank_as_in_dense(world, faults):
+def test_nonfinite_value_makes_its_chunk_nan_on_every_rank_as_in_dense(world, faults):
     size = K * SLOTS * 2 + 5  # the last block is short
     nblocks = blocks_of(size)
     arrays = sparse_inputs(world, size, np.float32, 0.3, seed=world + 300)
@@ -640,14 +649,15 @@ def test_nonfinite_block_is_nan_on_every_rank_as_in_dense(world, faults):
     for b, (rank, offset, value) in cases.items():
         arrays[rank][b * BLK + offset] = value
     dense, sparse, sim = dense_and_sparse(arrays, faults, seed=world)
+    bad_chunks = {b * BLK // K for b in cases}  # a non-finite value spoils its packet's chunk
     for r in range(world):
         assert same_bits(sparse[r], dense[r]), r
-        for b in range(nblocks):
-            piece = sparse[r][b * BLK:(b + 1) * BLK]
-            if b in cases:
-                assert np.isnan(piece).all(), (r, b)
+        for c in range(-(-size // K)):
+            piece = sparse[r][c * K:(c + 1) * K]
+            if c in bad_chunks:
+                assert np.isnan(piece).all(), (r, c)
             else:
-                assert np.isfinite(piece).all(), (r, b)
+                assert np.isfinite(piece).all(), (r, c)
 
 
 def test_nonfinite_block_does_not_leak_into_the_next_sparse_allreduce():

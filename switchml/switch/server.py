@@ -31,7 +31,7 @@ class Switch:
     """A software switch: ``with Switch() as sw: ...`` or ``start()`` / ``stop()``.
 
     Options: ``slots`` (pool size), ``packet_elements`` (int32 values per packet),
-    ``block_elements`` (values per block: exponent granularity and sparse unit),
+    ``block_elements`` (values per block: the unit of the sparse path),
     ``slots_per_job`` (window a job gets), ``egress_drop_rate`` (defaults to
     ``drop_rate``), ``seed`` (of the drop simulator).
     """

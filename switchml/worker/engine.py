@@ -13,8 +13,9 @@ deadline per outstanding message with back-off, and no result for
 Dense: tensor chunk ``c`` (``packet_elements`` values) goes through local slot
 ``c mod W``, W = min(slots, chunks).  int32: message m of slot j carries chunk
 ``j + m*W``.  float32: message m carries the values of chunk ``j + (m-1)*W``,
-quantised per block with the exponents the switch returned with message m-1,
-and the local block exponents of chunk ``j + m*W`` (message 0 only seeds them).
+quantised with the exponent the switch returned with message m-1, and (in its
+first lane record) the local exponent of chunk ``j + m*W``; message 0 only
+seeds it.
 
 The engine never reads a clock or touches a socket: callers pass ``now``.
 """
@@ -24,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import wire
-from ..quant import EXP_ZERO, chunk_exponents, dequantize_blocks, quantize_blocks, scale_bits
+from ..quant import EXP_ZERO, chunk_exponents, dequantize_into, quantize_into, scale_bits
 from .recovery import RttEstimator
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.int32))
@@ -215,14 +216,13 @@ class DenseAllreduce(Stream):
         k = session.packet_elements
         self.chunks = -(-array.size // k)
         super().__init__(session, array, out, seq, now, min(session.slot_count, self.chunks))
-        b = session.block_elements
-        self.local_exp = chunk_exponents(self.src, b) if self.is_float else None
+        self.local_exp = chunk_exponents(self.src, k) if self.is_float else None
         self._lag = 1 if self.is_float else 0
         W = self.width
         # Messages per local slot: its chunks, plus the exponent seed for floats.
         self._messages = [(self.chunks - j + W - 1) // W + self._lag for j in range(W)]
-        # Per slot: the exponents of the chunk it sends next, from the switch.
-        self._global_exp = np.full((W, session.lanes), EXP_ZERO, np.int16)
+        # Per slot: the exponent of the chunk it sends next, from the switch.
+        self._global_exp = [EXP_ZERO] * W
         for j in range(W):
             self._send(j, now)
 
@@ -232,20 +232,19 @@ class DenseAllreduce(Stream):
 
     def _fill(self, j: int, m: int) -> int:
         s = self.s
-        W, k, b = self.width, s.packet_elements, s.block_elements
+        W, k = self.width, s.packet_elements
         lanes = s.lane_views[j]
         lanes[:] = s.blank_lanes
         following = j + m * W
         if self.is_float and following < self.chunks:
-            exps = self.local_exp[following * s.lanes:(following + 1) * s.lanes]
-            lanes["exp"][: len(exps)] = exps
+            lanes["exp"][0] = self.local_exp[following]
         c = j + (m - self._lag) * W
         count = self._chunk_count(c)
         if count:
             src = self.src[c * k: c * k + count]
             dst = s.value_views[j][:count]
             if self.is_float:
-                quantize_blocks(src, self._global_exp[j], s.bits, dst, s.scratch, b)
+                quantize_into(src, self._global_exp[j], s.bits, dst, s.scratch)
             else:
                 dst[:] = src
         return count
@@ -261,10 +260,10 @@ class DenseAllreduce(Stream):
             values = wire.values(data, h.lanes, h.count)
             target = self.out[c * k: c * k + h.count]
             if self.is_float:
-                dequantize_blocks(values, self._global_exp[j], s.bits, target, s.block_elements)
+                dequantize_into(values, self._global_exp[j], s.bits, target)
             else:
                 target[:] = values
-        self._global_exp[j] = wire.lane_table(data, h.lanes)["exp"]
+        self._global_exp[j] = wire.first_lane_exponent(data)
 
     def _has_message(self, j: int) -> bool:
         return self._round[j] < self._messages[j]

@@ -3,23 +3,25 @@
 The tensor is cut into blocks of ``block_elements``; a block is zero when all its
 values are.  There are G = W * lanes *lanes* (W slots, ``lanes`` blocks fused
 per packet); lane L owns the column of blocks L, L + G, L + 2G, ...; a block's
-*position* is its row in that column.  Each slot runs rounds, one message in
-flight, every worker sending every round so that the shadow-copy argument of the
-dense path holds unchanged:
+*position* is its row in that column.  Row p of slot j's lanes is exactly the
+dense path's chunk j + p*W.  Each slot runs rounds, one message in flight, every
+worker sending every round so that the shadow-copy argument of the dense path
+holds unchanged:
 
-* round 0 (seed): each worker reports, per lane, the position of its first
-  non-zero block and that block's exponent;
-* the switch returns per lane the least reported position ``pos`` and, among
-  the workers that reported it, the largest exponent;
+* float32 only, exponent rounds: the slot's chunk exponents, one per lane record,
+  maxed by the switch as in the dense path (a dense message without values);
+* the seed round: each worker reports, per lane, the position of its first
+  non-zero block; the switch returns the least position, ``pos``;
 * round r: a worker that has a non-zero block at ``pos`` sends it (quantised with
-  that exponent) and reports its next non-zero position after ``pos``; one that
-  has none there sends no values for the lane and reports its next one again.
-  The result carries the sum of the blocks sent, and the next ``pos``.
+  its chunk's exponent) and reports its next non-zero position after ``pos``;
+  one that has none there sends no values for the lane and reports its next one
+  again.  The result carries the sum of the blocks sent, and the next ``pos``.
 
 A lane whose column is exhausted reports the column's length; blocks that are
 zero on every worker are never sent.  Results are written dense: the output
-starts as zeros (or is the input itself, whose zero blocks are the sum).  Block
-exponents are those of the dense path, so results are bit-identical to it.
+starts as zeros (or is the input itself, whose zero blocks are the sum), and a
+chunk whose exponent says inf or NaN is NaN as a whole.  Scaling is the dense
+path's, chunk by chunk, so results are bit-identical to it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import wire
-from ..quant import EXP_ZERO, chunk_exponents, dequantize_blocks, quantize_blocks
+from ..quant import EXP_NONFINITE, EXP_ZERO, chunk_exponents, dequantize_blocks, quantize_blocks
 from .engine import Session, Stream
 
 
@@ -70,12 +72,17 @@ class SparseAllreduce(Stream):
         candidates = np.where(grid, np.arange(rows + 1)[:, None], self.column_length[None, :])
         self.next_nonzero = np.minimum.accumulate(candidates[::-1], axis=0)[::-1]
         self.grid = grid
-        self.block_exp = (chunk_exponents(self.src, b) if self.is_float
-                          else np.full(self.blocks, EXP_ZERO, np.int16))
         self._lanes_of = [lane[j * F:(j + 1) * F] for j in range(self.width)]
         self._pos = np.full((self.width, F), wire.POS_END, dtype=np.int64)
-        self._exp = np.full((self.width, F), EXP_ZERO, dtype=np.int16)
         self._full_blocks = n // b
+        # Row p of slot j's lanes is exactly dense chunk j + p*W: its exponent
+        # scales those blocks, as in the dense path.  Exponent rounds gather them.
+        k = session.packet_elements
+        self.chunks = -(-n // k)
+        self._local_chunk_exp = chunk_exponents(self.src, k) if self.is_float else None
+        self._slot_chunks = [len(range(j, self.chunks, self.width)) for j in range(self.width)]
+        self._exp_rounds = [-(-c // F) if self.is_float else 0 for c in self._slot_chunks]
+        self._slot_exp = [np.full(c, EXP_ZERO, np.int16) for c in self._slot_chunks]
         if np.may_share_memory(self.src, self.out):
             # In place, local zero blocks stand for the sum unless someone sends one;
             # write them as +0.0 as the dense path would (the input may hold -0.0).
@@ -86,13 +93,10 @@ class SparseAllreduce(Stream):
             self._send(j, now)
 
     def _mode(self, j: int) -> int:
-        return wire.MODE_SPARSE | (wire.MODE_SEED if self._round[j] == 0 else 0)
-
-    # ------------------------------------------------------------ blocks
-    def _block_exponents(self, lanes: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        inside = positions < self.column_length[lanes]
-        index = lanes + np.where(inside, positions, 0) * self.stride
-        return np.where(inside, self.block_exp[np.minimum(index, self.blocks - 1)], EXP_ZERO)
+        r, seed = self._round[j], self._exp_rounds[j]
+        if r < seed:
+            return 0  # an exponent round travels as a dense message without values
+        return wire.MODE_SPARSE | (wire.MODE_SEED if r == seed else 0)
 
     def _read_blocks(self, index: np.ndarray, dst: np.ndarray) -> None:
         """Copy blocks ``index`` of the input into rows of ``dst`` (tail zero-padded)."""
@@ -122,25 +126,27 @@ class SparseAllreduce(Stream):
     # ------------------------------------------------------------ messages
     def _fill(self, j: int, m: int) -> int:
         s = self.s
-        b = s.block_elements
+        b, F = s.block_elements, s.lanes
         lanes = self._lanes_of[j]
         records = s.lane_views[j]
-        if m == 0:
+        records[:] = s.blank_lanes
+        seed = self._exp_rounds[j]
+        if m < seed:  # local exponents of this slot's chunks m*F .. m*F+F-1
+            rows = np.arange(m * F, min((m + 1) * F, self._slot_chunks[j]))
+            records["exp"][: len(rows)] = self._local_chunk_exp[j + rows * self.width]
+            return 0
+        if m == seed:
             records["pos"] = wire.POS_END
-            records["flag"] = 0
-            nxt = self.next_nonzero[0, lanes]
-            records["nxt"] = nxt
-            records["exp"] = self._block_exponents(lanes, nxt)
+            records["nxt"] = self.next_nonzero[0, lanes]
             return 0
         pos = self._pos[j]
         active = pos < self.column_length[lanes]
-        at = np.minimum(pos, self.grid.shape[0] - 1)
+        last = self.grid.shape[0] - 1
+        at = np.minimum(pos, last)
         has = active & self.grid[at, lanes]
-        nxt = np.where(has, self.next_nonzero[np.minimum(at + 1, self.grid.shape[0] - 1), lanes],
-                       self.next_nonzero[at, lanes])
         records["pos"] = pos
-        records["nxt"] = nxt
-        records["exp"] = self._block_exponents(lanes, nxt)
+        records["nxt"] = np.where(has, self.next_nonzero[np.minimum(at + 1, last), lanes],
+                                  self.next_nonzero[at, lanes])
         records["flag"] = has
         sending = np.flatnonzero(has)
         count = len(sending) * b
@@ -152,7 +158,8 @@ class SparseAllreduce(Stream):
                 # because quantize_blocks reads all of src before writing dst.
                 staged = dst.view(np.float32)
                 self._read_blocks(index, staged.reshape(-1, b))
-                quantize_blocks(staged, self._exp[j][sending], s.bits, dst, s.scratch, b)
+                quantize_blocks(staged, self._slot_exp[j][pos[sending]], s.bits, dst,
+                                s.scratch, b)
             else:
                 self._read_blocks(index, dst.reshape(-1, b))
             s.counters["sparse_blocks_sent"] += len(sending)
@@ -163,29 +170,43 @@ class SparseAllreduce(Stream):
         present = records["flag"] & wire.FLAG_BLOCK
         if h.count != int(np.count_nonzero(present)) * self.s.block_elements:
             return False
-        if self._round[j] == 0:
+        if self._round[j] <= self._exp_rounds[j]:
             return h.count == 0
         return bool(np.array_equal(records["pos"], self._pos[j].astype(np.uint32)))
 
     def _absorb(self, j: int, m: int, h: wire.Header, data) -> None:
         s = self.s
-        b = s.block_elements
+        b, F = s.block_elements, s.lanes
         records = wire.lane_table(data, h.lanes)
+        seed = self._exp_rounds[j]
+        if m < seed:
+            rows = np.arange(m * F, min((m + 1) * F, self._slot_chunks[j]))
+            self._slot_exp[j][rows] = records["exp"][: len(rows)]
+            self._fill_nonfinite_chunks(j, rows)
+            return
         present = np.flatnonzero(records["flag"] & wire.FLAG_BLOCK)
         if len(present):
             lanes = self._lanes_of[j][present]
-            index = lanes + self._pos[j][present] * self.stride
+            pos = self._pos[j][present]
             sums = wire.values(data, h.lanes, h.count).reshape(-1, b)
             if self.is_float:
                 blocks = np.empty((len(present), b), np.float32)
-                dequantize_blocks(sums.reshape(-1), self._exp[j][present], s.bits,
+                dequantize_blocks(sums.reshape(-1), self._slot_exp[j][pos], s.bits,
                                   blocks.reshape(-1), b)
             else:
                 blocks = sums
-            self._write_blocks(index, blocks)
+            self._write_blocks(lanes + pos * self.stride, blocks)
             s.counters["sparse_blocks_received"] += len(present)
         self._pos[j] = records["nxt"]
-        self._exp[j] = records["exp"]
+
+    def _fill_nonfinite_chunks(self, j: int, rows: np.ndarray) -> None:
+        """A chunk with inf or NaN anywhere is NaN as a whole, as in the dense path."""
+        k = self.s.packet_elements
+        for row in rows[self._slot_exp[j][rows] == EXP_NONFINITE]:
+            c = j + int(row) * self.width
+            self.out[c * k:(c + 1) * k] = np.nan
 
     def _has_message(self, j: int) -> bool:
+        if self._round[j] <= self._exp_rounds[j]:
+            return True  # exponent rounds and the seed always run
         return bool(np.any(self._pos[j] < self.column_length[self._lanes_of[j]]))
