@@ -39,19 +39,27 @@ def scale_bits(world_size: int) -> int:
     return ((2**31 - 1) // world_size).bit_length() - 1
 
 
+def block_peaks(values: np.ndarray, block: int) -> np.ndarray:
+    """max|x| of every ``block``-sized piece of a flat float32 array (NaN propagates).
+
+    Two reductions (max and min) instead of abs(): no temporary the size of the array.
+    """
+    n = values.size
+    blocks = -(-n // block)
+    peak = np.empty(blocks, dtype=np.float32)
+    full = n // block
+    if full:
+        body = values[: full * block].reshape(full, block)
+        np.maximum(body.max(axis=1), -body.min(axis=1), out=peak[:full])
+    if full < blocks:
+        tail = values[full * block:]
+        peak[full] = max(tail.max(), -tail.min()) if not np.isnan(tail).any() else np.nan
+    return peak
+
+
 def chunk_exponents(values: np.ndarray, chunk: int) -> np.ndarray:
     """Exponent of every ``chunk``-sized piece of a flat float32 array (last may be short)."""
-    n = values.size
-    chunks = -(-n // chunk)
-    peak = np.empty(chunks, dtype=np.float32)
-    full = n // chunk
-    if full:
-        body = values[: full * chunk].reshape(full, chunk)
-        np.maximum(body.max(axis=1), -body.min(axis=1), out=peak[:full])
-    if full < chunks:
-        tail = values[full * chunk:]
-        peak[full] = max(tail.max(), -tail.min()) if not np.isnan(tail).any() else np.nan
-    return exponents_of_peaks(peak)
+    return exponents_of_peaks(block_peaks(values, chunk))
 
 
 def exponents_of_peaks(peak: np.ndarray) -> np.ndarray:

@@ -29,17 +29,24 @@ from __future__ import annotations
 import numpy as np
 
 from .. import wire
-from ..quant import EXP_NONFINITE, EXP_ZERO, chunk_exponents, dequantize_blocks, quantize_blocks
+from ..quant import (EXP_NONFINITE, EXP_ZERO, block_peaks, dequantize_blocks, exponents_of_peaks,
+                     quantize_blocks)
 from .engine import Session, Stream
 
 
 def nonzero_blocks(values: np.ndarray, block: int) -> np.ndarray:
-    """Boolean mask of the blocks of a flat array holding any non-zero (NaN counts)."""
+    """Boolean mask of the blocks of a flat array holding any non-zero (NaN counts).
+
+    Max and min per block: no temporary the size of the array.
+    """
+    if values.dtype == np.float32:
+        return block_peaks(values, block) != 0  # NaN != 0
     n = values.size
     full = n // block
     mask = np.empty(-(-n // block), dtype=bool)
     if full:
-        np.any(values[: full * block].reshape(full, block) != 0, axis=1, out=mask[:full])
+        body = values[: full * block].reshape(full, block)
+        np.logical_or(body.max(axis=1) != 0, body.min(axis=1) != 0, out=mask[:full])
     if full < len(mask):
         mask[full] = bool(np.any(values[full * block:] != 0))
     return mask
@@ -62,7 +69,14 @@ class SparseAllreduce(Stream):
         rows = -(-self.blocks // G) if G else 0
         lane = np.arange(G)
         self.column_length = np.maximum(0, -(-(self.blocks - lane) // G)).astype(np.int64)
-        mask = nonzero_blocks(self.src, b)
+        if self.is_float:  # one pass of block maxima: the non-zero mask and chunk exponents
+            peaks = block_peaks(self.src, b)
+            mask = peaks != 0
+            padded = np.zeros(-(-self.blocks // F) * F, np.float32)
+            padded[: self.blocks] = peaks
+            chunk_exp = exponents_of_peaks(padded.reshape(-1, F).max(axis=1))
+        else:
+            mask = nonzero_blocks(self.src, b)
         self.local_blocks = int(mask.sum())
         grid = np.zeros((rows + 1) * G, dtype=bool)
         grid[: self.blocks] = mask
@@ -79,7 +93,7 @@ class SparseAllreduce(Stream):
         # scales those blocks, as in the dense path.  Exponent rounds gather them.
         k = session.packet_elements
         self.chunks = -(-n // k)
-        self._local_chunk_exp = chunk_exponents(self.src, k) if self.is_float else None
+        self._local_chunk_exp = chunk_exp if self.is_float else None
         self._slot_chunks = [len(range(j, self.chunks, self.width)) for j in range(self.width)]
         self._exp_rounds = [-(-c // F) if self.is_float else 0 for c in self._slot_chunks]
         self._slot_exp = [np.full(c, EXP_ZERO, np.int16) for c in self._slot_chunks]
