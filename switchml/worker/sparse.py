@@ -77,7 +77,6 @@ class SparseAllreduce(Stream):
             chunk_exp = exponents_of_peaks(padded.reshape(-1, F).max(axis=1))
         else:
             mask = nonzero_blocks(self.src, b)
-        self.local_blocks = int(mask.sum())
         grid = np.zeros((rows + 1) * G, dtype=bool)
         grid[: self.blocks] = mask
         grid = grid.reshape(rows + 1, G)
