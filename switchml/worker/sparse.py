@@ -55,8 +55,6 @@ def nonzero_blocks(values: np.ndarray, block: int) -> np.ndarray:
 class SparseAllreduce(Stream):
     """OmniReduce rounds over ``W`` slots of ``lanes`` lanes each."""
 
-    mode = wire.MODE_SPARSE
-
     def __init__(self, session: Session, array: np.ndarray, out: np.ndarray, seq: int,
                  now: float):
         b, F = session.block_elements, session.lanes
@@ -99,7 +97,7 @@ class SparseAllreduce(Stream):
         if np.may_share_memory(self.src, self.out):
             # In place, local zero blocks stand for the sum unless someone sends one;
             # write them as +0.0 as the dense path would (the input may hold -0.0).
-            self._write_blocks(np.flatnonzero(~mask), np.zeros((1, b), self.src.dtype))
+            self._zero_blocks(np.flatnonzero(~mask))
         else:
             self.out[:] = 0
         for j in range(self.width):
@@ -122,15 +120,19 @@ class SparseAllreduce(Stream):
             dst[row, : tail.size] = tail
             dst[row, tail.size:] = 0
 
+    def _zero_blocks(self, index: np.ndarray) -> None:
+        """Write +0.0 (or 0) over blocks ``index`` of the output."""
+        b = self.s.block_elements
+        full = index < self._full_blocks
+        self.out[: self._full_blocks * b].reshape(-1, b)[index[full]] = 0
+        if not full.all():
+            self.out[self._full_blocks * b:] = 0
+
     def _write_blocks(self, index: np.ndarray, blocks: np.ndarray) -> None:
+        """Write rows of ``blocks`` over blocks ``index`` of the output (tail cut short)."""
         b = self.s.block_elements
         full = index < self._full_blocks
         body = self.out[: self._full_blocks * b].reshape(-1, b)
-        if len(blocks) == 1 and len(index) != 1:  # one block for all (broadcast)
-            body[index[full]] = blocks[0]
-            if not full.all():
-                self.out[self._full_blocks * b:] = blocks[0, : self.out.size - self._full_blocks * b]
-            return
         body[index[full]] = blocks[full]
         for row in np.flatnonzero(~full):
             tail = self.out[self._full_blocks * b:]
