@@ -9,48 +9,44 @@ import json
 import sys
 
 
+def markdown_table(header: list, rows: list) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
 def timing_table(data: dict) -> str:
-    rows = ["| n | system | median s | min s | max s | GB/s per worker | switchml speedup over gloo |",
-            "|---|---|---|---|---|---|---|"]
+    rows = []
     for r in data["runs"]:
-        if r["system"] not in ("switchml", "gloo"):
-            continue
-        speedup = r.get("switchml_speedup_over_gloo")
-        rows.append(f"| {r['workers']} | {r['system']} | {r['median_s']:.3f} | {r['min_s']:.3f} | "
-                    f"{r['max_s']:.3f} | {r['goodput_GBps_per_worker']:.3f} | "
-                    f"{f'{speedup:.2f}x' if speedup else ''} |")
-    return "\n".join(rows)
+        if r["system"] in ("switchml", "gloo"):
+            speedup = r.get("switchml_speedup_over_gloo")
+            rows.append([r["workers"], r["system"], f"{r['median_s']:.3f}", f"{r['min_s']:.3f}",
+                         f"{r['max_s']:.3f}", f"{r['goodput_GBps_per_worker']:.3f}",
+                         f"{speedup:.2f}x" if speedup else ""])
+    return markdown_table(["n", "system", "median s", "min s", "max s", "GB/s per worker",
+                           "switchml speedup over gloo"], rows)
 
 
 def switch_table(data: dict) -> str:
-    rows = ["| n | switch packets/s | switch MB/s (in + out) | switch CPU µs/datagram | "
-            "worker CPU µs/datagram | duplicates seen by the switch |",
-            "|---|---|---|---|---|---|"]
-    for r in data["runs"]:
-        if r["system"] != "switchml":
-            continue
-        rows.append(f"| {r['workers']} | {r['switch_packets_per_s']:.0f} | "
-                    f"{r['switch_MBps_in_plus_out']:.0f} | "
-                    f"{r['switch_cpu_s_per_packet'] * 1e6:.1f} | "
-                    f"{r['worker_cpu_s_per_packet'] * 1e6:.1f} | "
-                    f"{r['switch_counters'].get('duplicates', 0)} |")
-    return "\n".join(rows)
+    rows = [[r["workers"], f"{r['switch_packets_per_s']:.0f}", f"{r['switch_MBps_in_plus_out']:.0f}",
+             f"{r['switch_cpu_s_per_packet'] * 1e6:.1f}", f"{r['worker_cpu_s_per_packet'] * 1e6:.1f}",
+             r["switch_counters"].get("duplicates", 0)]
+            for r in data["runs"] if r["system"] == "switchml"]
+    return markdown_table(["n", "switch packets/s", "switch MB/s (in + out)",
+                           "switch CPU µs/datagram", "worker CPU µs/datagram",
+                           "duplicates seen by the switch"], rows)
 
 
 def density_table(data: dict) -> str:
-    rows = ["| n | block density | sparse median s | dense median s | sparse speedup | "
-            "sent MB/worker | received MB/worker | sent / (density × size) |",
-            "|---|---|---|---|---|---|---|---|"]
-    for r in data["runs"]:
-        if r["system"] != "switchml-sparse-vs-dense":
-            continue
-        sp = r["sparse"]
-        rows.append(f"| {r['workers']} | {r['density']:g} | {sp['median_s']:.3f} | "
-                    f"{r['dense']['median_s']:.3f} | {r['sparse_speedup_over_dense']:.2f}x | "
-                    f"{sp['bytes_sent_per_worker'] / 1e6:.1f} | "
-                    f"{sp['bytes_received_per_worker'] / 1e6:.1f} | "
-                    f"{r['sent_over_density_times_size']:.3f} |")
-    return "\n".join(rows)
+    rows = [[r["workers"], f"{r['density']:g}", f"{r['sparse']['median_s']:.3f}",
+             f"{r['dense']['median_s']:.3f}", f"{r['sparse_speedup_over_dense']:.2f}x",
+             f"{r['sparse']['bytes_sent_per_worker'] / 1e6:.1f}",
+             f"{r['sparse']['bytes_received_per_worker'] / 1e6:.1f}",
+             f"{r['sent_over_density_times_size']:.3f}"]
+            for r in data["runs"] if r["system"] == "switchml-sparse-vs-dense"]
+    return markdown_table(["n", "block density", "sparse median s", "dense median s",
+                           "sparse speedup", "sent MB/worker", "received MB/worker",
+                           "sent / (density × size)"], rows)
 
 
 def main(path: str) -> None:
