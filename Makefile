@@ -3,13 +3,15 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# torch==2.13.0 (the torch extra) installs its CPU build from a local wheel where there is one
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
 .PHONY: demo test install bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) -m pip install --quiet $(FIND_LINKS) -e '.[test,bench,torch]'
 	touch $(STAMP)
 
 install: $(STAMP)

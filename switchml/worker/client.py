@@ -46,6 +46,10 @@ class AllreduceHandle:
     def done(self) -> bool:
         return self._future.done()
 
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn(handle)`` when the allreduce finishes (on the worker's I/O thread)."""
+        self._future.add_done_callback(lambda _: fn(self))
+
 
 class Worker:
     """One rank of a job aggregating through a switch.

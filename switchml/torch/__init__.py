@@ -1,0 +1,181 @@
+"""PyTorch integration: ``import switchml.torch`` registers the "switchml" backend.
+
+    import switchml.torch
+    torch.distributed.init_process_group("switchml")      # torchrun's env:// as usual
+
+allreduce SUM and AVG of float32 (and SUM of int32) CPU tensors go through the
+switch; every other collective, op and dtype goes to an inner gloo group, which is
+registered as this group's CPU backend, so any torch code runs unchanged.  The
+switch is ``SWITCHML_SWITCH`` when set; otherwise rank 0 of each group starts an
+embedded switch and publishes its address through the store.  ``SWITCHML_SPARSE``
+(false, true or auto: the default) picks the dense or sparse path.
+
+``allreduce_hook`` is a DDP communication hook for users who keep their gloo or
+nccl group for everything else.
+"""
+
+import os
+import secrets
+
+import torch
+import torch.distributed as dist
+
+from ..config import env
+from ..errors import SwitchMLError
+from ..switch.server import Switch
+from ..worker.client import Worker
+
+__all__ = ["ProcessGroupSwitchML", "HookState", "allreduce_hook", "sparse_mode"]
+
+_SWITCHED_DTYPES = (torch.float32, torch.int32)
+
+
+def sparse_mode():
+    """The configured path: False, True or "auto" (``SWITCHML_SPARSE``)."""
+    value = env("SPARSE", "auto").lower()
+    if value in ("auto",):
+        return "auto"
+    if value in ("1", "true", "yes", "sparse"):
+        return True
+    if value in ("0", "false", "no", "dense"):
+        return False
+    raise SwitchMLError(f"SWITCHML_SPARSE={value!r}: use true, false or auto")
+
+
+def _connect(store, rank: int, size: int, timeout: float) -> tuple[Worker, Switch | None]:
+    """Join a job named through ``store``; rank 0 starts a switch when none is configured."""
+    embedded = None
+    if rank == 0:
+        address = env("SWITCH", None)
+        if address is None:
+            embedded = Switch(host=os.environ.get("SWITCHML_HOST", "127.0.0.1")).start()
+            address = "%s:%d" % embedded.address
+        store.set("switchml/address", address)
+        store.set("switchml/job", "torch-" + secrets.token_hex(6))
+    address = store.get("switchml/address").decode()
+    job = store.get("switchml/job").decode()
+    return Worker(address, rank, size, job=job, timeout=timeout), embedded
+
+
+def _work_from(handle, tensors, finish=None):
+    """A torch Work whose future completes when the switchml handle does."""
+    fut = torch.futures.Future()
+
+    def done(_):
+        try:
+            handle.wait()
+            if finish is not None:
+                finish()
+            fut.set_result(tensors)
+        except BaseException as exc:  # surfaces in wait() / the DDP reducer
+            fut.set_exception(exc)
+
+    handle.add_done_callback(done)
+    return torch._C._distributed_c10d._create_work_from_future(fut)
+
+
+class ProcessGroupSwitchML(dist.ProcessGroup):
+    """The "switchml" process group: allreduce through the switch, the rest via gloo."""
+
+    def __init__(self, store, rank: int, size: int, timeout):
+        super().__init__(rank, size)
+        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("switchml-gloo", store), rank, size,
+                                           timeout)
+        # Collectives this class does not override go to gloo through this entry.
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
+                               self._gloo)
+        self._worker, self._switch = _connect(dist.PrefixStore("switchml", store), rank, size,
+                                              seconds)
+        self._sparse = sparse_mode()
+
+    def getBackendName(self) -> str:
+        return "switchml"
+
+    def _switched(self, tensors, opts) -> bool:
+        if len(tensors) != 1:
+            return False
+        t = tensors[0]
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        return (t.device.type == "cpu" and t.dtype in _SWITCHED_DTYPES and t.is_contiguous()
+                and (op == dist.ReduceOp.SUM
+                     or (op == dist.ReduceOp.AVG and t.dtype == torch.float32)))
+
+    def allreduce(self, tensors, opts=None):
+        if opts is None:
+            opts = dist.AllreduceOptions()
+        if not self._switched(tensors, opts):
+            return self._gloo.allreduce(tensors, opts)
+        t = tensors[0]
+        array = t.detach().numpy()
+        handle = self._worker.allreduce_async(array, out=array, sparse=self._sparse)
+        finish = None
+        if opts.reduceOp == dist.ReduceOp.AVG:
+            def finish():
+                t.div_(self.size())
+        return _work_from(handle, tensors, finish)
+
+    def shutdown(self) -> None:
+        self._worker.close()
+        if self._switch is not None:
+            self._switch.stop()
+
+
+def _create(store, rank, size, timeout):
+    return ProcessGroupSwitchML(store, rank, size, timeout)
+
+
+dist.Backend.register_backend("switchml", _create, devices=["cpu"])
+
+
+class HookState:
+    """State of ``allreduce_hook``: a switchml worker joined alongside ``process_group``.
+
+    Uses ``SWITCHML_SWITCH`` when set, otherwise rank 0 starts an embedded switch;
+    the address travels over ``process_group`` (the default group if None).
+    """
+
+    def __init__(self, process_group=None, sparse="auto", timeout: float | None = None):
+        group = process_group
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.switch = None
+        address = env("SWITCH", None)
+        box = [None, None]
+        if rank == 0:
+            if address is None:
+                self.switch = Switch().start()
+                address = "%s:%d" % self.switch.address
+            box = [address, "ddp-hook-" + secrets.token_hex(6)]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0,
+                                   group=group)
+        self.worker = Worker(box[0], rank, size, job=box[1], timeout=timeout)
+        self.world_size = size
+        self.sparse = sparse
+
+    def close(self) -> None:
+        self.worker.close()
+        if self.switch is not None:
+            self.switch.stop()
+
+
+def allreduce_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: average the bucket through the switch (dense, sparse or auto)."""
+    buffer = bucket.buffer()
+    staged = buffer if buffer.device.type == "cpu" else buffer.cpu()
+    array = staged.detach().numpy()
+    handle = state.worker.allreduce_async(array, out=array, sparse=state.sparse)
+    fut = torch.futures.Future()
+
+    def done(_):
+        try:
+            handle.wait()
+            staged.div_(state.world_size)
+            if staged is not buffer:
+                buffer.copy_(staged)
+            fut.set_result(buffer)
+        except BaseException as exc:
+            fut.set_exception(exc)
+
+    handle.add_done_callback(done)
+    return fut
+

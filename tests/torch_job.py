@@ -1,0 +1,99 @@
+"""One rank of a torch.distributed job, for tests/test_torch.py (RANK etc. from env)."""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import switchml.torch  # noqa: F401  registers the "switchml" backend
+
+
+def ddp(backend: str, steps: int, hook: bool):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model)
+    state = None
+    if hook:
+        state = switchml.torch.HookState(sparse="auto")
+        ddp_model.register_comm_hook(state, switchml.torch.allreduce_hook)
+    opt = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    for _ in range(steps):
+        x = torch.randn(16, 20, generator=gen)
+        y = torch.randint(0, 4, (16,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp_model(x), y).backward()
+        opt.step()
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    worker = state.worker if state is not None else getattr(
+        dist.distributed_c10d._get_default_group(), "_worker", None)
+    results = worker.counters["results_in"] if worker is not None else 0
+    if state is not None:
+        state.close()
+    return {"params": params.tolist(), "switch_results": results}
+
+
+def collectives():
+    rank, size = dist.get_rank(), dist.get_world_size()
+    out = {}
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t)
+    out["allreduce_sum"] = t[0].item()
+    t = torch.full((10,), float(rank + 1))
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    out["allreduce_avg"] = t[0].item()
+    t = torch.full((10,), rank + 1, dtype=torch.int32)
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()
+    out["allreduce_int_async"] = t[0].item()
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # delegated to gloo
+    out["allreduce_max"] = t[0].item()
+    t = torch.full((4,), rank + 1, dtype=torch.float64)
+    dist.all_reduce(t)  # float64: delegated
+    out["allreduce_f64"] = t[0].item()
+    t = torch.tensor([float(rank)])
+    dist.broadcast(t, src=size - 1)
+    out["broadcast"] = t.item()
+    gathered = [torch.zeros(1) for _ in range(size)]
+    dist.all_gather(gathered, torch.tensor([float(rank)]))
+    out["all_gather"] = [g.item() for g in gathered]
+    chunks = [torch.full((1,), float(rank * 10 + i)) for i in range(size)]
+    result = torch.zeros(1)
+    dist.reduce_scatter(result, chunks)
+    out["reduce_scatter"] = result.item()
+    outs = [torch.zeros(1) for _ in range(size)]
+    dist.all_to_all(outs, [torch.tensor([float(rank * 10 + i)]) for i in range(size)])
+    out["all_to_all"] = [o.item() for o in outs]
+    objs = [None]
+    if rank == 0:
+        objs = [{"hello": 1}]
+    dist.broadcast_object_list(objs, src=0)
+    out["broadcast_object"] = objs[0]
+    dist.barrier()
+    sub = dist.new_group(list(range(size)))
+    t = torch.full((3,), 2.0)
+    dist.all_reduce(t, group=sub)
+    out["new_group"] = t[0].item()
+    return out
+
+
+def main():
+    scenario = sys.argv[1]
+    backend = sys.argv[2] if len(sys.argv) > 2 else "switchml"
+    dist.init_process_group(backend)
+    if scenario == "ddp":
+        result = ddp(backend, int(sys.argv[3]), hook=False)
+    elif scenario == "hook":
+        result = ddp("gloo", int(sys.argv[3]), hook=True)
+    else:
+        result = collectives()
+    print("RESULT " + json.dumps(result), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
