@@ -115,6 +115,47 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
                 t.div_(self.size())
         return _work_from(handle, tensors, finish)
 
+    # Everything else: gloo, called explicitly (torch's generic dispatch of some of
+    # these through a Python subclass was seen to hang now and then).
+    def barrier(self, opts=None):
+        return self._gloo.barrier(opts if opts is not None else dist.BarrierOptions())
+
+    def broadcast(self, tensors, opts=None):
+        return self._gloo.broadcast(tensors, opts if opts is not None else dist.BroadcastOptions())
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        return self._gloo.allgather(output_tensors, input_tensors,
+                                    opts if opts is not None else dist.AllgatherOptions())
+
+    def _allgather_base(self, output, input, opts=None):
+        return self._gloo._allgather_base(output, input,
+                                          opts if opts is not None else dist.AllgatherOptions())
+
+    def reduce(self, tensors, opts=None):
+        return self._gloo.reduce(tensors, opts if opts is not None else dist.ReduceOptions())
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        return self._gloo.reduce_scatter(output_tensors, input_tensors,
+                                         opts if opts is not None else dist.ReduceScatterOptions())
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        return self._gloo.alltoall(output_tensors, input_tensors,
+                                   opts if opts is not None else dist.AllToAllOptions())
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        return self._gloo.gather(output_tensors, input_tensors,
+                                 opts if opts is not None else dist.GatherOptions())
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        return self._gloo.scatter(output_tensors, input_tensors,
+                                  opts if opts is not None else dist.ScatterOptions())
+
+    def send(self, tensors, dst, tag=0):
+        return self._gloo.send(tensors, dst, tag)
+
+    def recv(self, tensors, src, tag=0):
+        return self._gloo.recv(tensors, src, tag)
+
     def shutdown(self) -> None:
         self._worker.close()
         if self._switch is not None:
