@@ -82,7 +82,7 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
         seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("switchml-gloo", store), rank, size,
                                            timeout)
-        # Collectives this class does not override go to gloo through this entry.
+        # C++ helpers (DDP's parameter check, for one) look the CPU backend up directly.
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
                                self._gloo)
         self._worker, self._switch = _connect(dist.PrefixStore("switchml", store), rank, size,
