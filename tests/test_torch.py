@@ -5,6 +5,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -19,23 +20,25 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(world, *args, timeout=120):
-    """Run tests/torch_job.py as ``world`` ranks; return each rank's RESULT."""
+def launch(world, *args, timeout=120, env=None):
+    """Run tests/torch_job.py as ``world`` ranks; return each rank's RESULT (if it printed one)."""
     port = free_port()
+    extra = env or {}
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=os.pathsep.join(
                        [os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")]))
         env.pop("SWITCHML_SWITCH", None)
+        env.update(extra)
         procs.append(subprocess.Popen([sys.executable, JOB, *map(str, args)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     for p in procs:
         out, err = p.communicate(timeout=timeout)
         assert p.returncode == 0, err[-3000:]
-        line = [l for l in out.splitlines() if l.startswith("RESULT ")][-1]
-        results.append(json.loads(line[len("RESULT "):]))
+        lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
+        results.append(json.loads(lines[-1][len("RESULT "):]) if lines else None)
     return results
 
 
@@ -75,3 +78,12 @@ def test_ddp_comm_hook_on_a_gloo_group_matches_gloo():
     assert torch.equal(torch.tensor(hooked[1]["params"]), a)
     assert torch.allclose(a, b, atol=1e-4)
     assert all(r["switch_results"] > 0 for r in hooked)
+
+
+def test_a_rank_that_exits_early_makes_the_others_fail_clearly():
+    start = time.monotonic()
+    results = launch(3, "early-exit", "switchml", timeout=60, env={"SWITCHML_TIMEOUT": "5"})
+    for out in results[:2]:
+        assert out["error"] is not None
+        assert "rank 2" in out["error"], out["error"]
+    assert time.monotonic() - start < 45

@@ -80,10 +80,28 @@ def collectives():
     return out
 
 
+def early_exit():
+    """The last rank leaves abruptly; the others' next allreduce must fail, not hang."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    t = torch.ones(1000)
+    dist.all_reduce(t)
+    if rank == size - 1:
+        os._exit(0)
+    try:
+        dist.all_reduce(torch.ones(100_000))
+    except Exception as exc:  # the training script sees a Python exception
+        print("RESULT " + json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+        os._exit(0)
+    print("RESULT " + json.dumps({"error": None}), flush=True)
+    os._exit(0)
+
+
 def main():
     scenario = sys.argv[1]
     backend = sys.argv[2] if len(sys.argv) > 2 else "switchml"
     dist.init_process_group(backend)
+    if scenario == "early-exit":
+        early_exit()
     if scenario == "ddp":
         result = ddp(backend, int(sys.argv[3]), hook=False)
     elif scenario == "hook":

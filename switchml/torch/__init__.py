@@ -57,7 +57,29 @@ def _connect(store, rank: int, size: int, timeout: float) -> tuple[Worker, Switc
     return Worker(address, rank, size, job=job, timeout=timeout), embedded
 
 
-def _work_from(handle, tensors, finish=None):
+class _SwitchWork(dist._Work):
+    """A torch Work over a switchml call: ``wait()`` raises what the call raised.
+
+    (A Work made by ``_create_work_from_future`` returns True from ``wait()`` even
+    when its future failed, which would hide a dead rank from the script.)
+    """
+
+    def __init__(self, future: torch.futures.Future):
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout=None) -> bool:
+        self._future.wait()  # raises the call's exception
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+def _work_from(handle, tensors, finish=None) -> _SwitchWork:
     """A torch Work whose future completes when the switchml handle does."""
     fut = torch.futures.Future()
 
@@ -71,7 +93,7 @@ def _work_from(handle, tensors, finish=None):
             fut.set_exception(exc)
 
     handle.add_done_callback(done)
-    return torch._C._distributed_c10d._create_work_from_future(fut)
+    return _SwitchWork(fut)
 
 
 class ProcessGroupSwitchML(dist.ProcessGroup):
