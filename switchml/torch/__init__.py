@@ -79,21 +79,19 @@ class _SwitchWork(dist._Work):
         return self._future
 
 
-def _work_from(handle, tensors, finish=None) -> _SwitchWork:
-    """A torch Work whose future completes when the switchml handle does."""
+def _future_from(handle, result) -> torch.futures.Future:
+    """A torch Future set to ``result()`` when the switchml call ends (or to its error)."""
     fut = torch.futures.Future()
 
     def done(_):
         try:
             handle.wait()
-            if finish is not None:
-                finish()
-            fut.set_result(tensors)
+            fut.set_result(result())
         except BaseException as exc:  # surfaces in wait() / the DDP reducer
             fut.set_exception(exc)
 
     handle.add_done_callback(done)
-    return _SwitchWork(fut)
+    return fut
 
 
 class ProcessGroupSwitchML(dist.ProcessGroup):
@@ -131,11 +129,14 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
         t = tensors[0]
         array = t.detach().numpy()
         handle = self._worker.allreduce_async(array, out=array, sparse=self._sparse)
-        finish = None
-        if opts.reduceOp == dist.ReduceOp.AVG:
-            def finish():
+        average = opts.reduceOp == dist.ReduceOp.AVG
+
+        def result():
+            if average:
                 t.div_(self.size())
-        return _work_from(handle, tensors, finish)
+            return tensors
+
+        return _SwitchWork(_future_from(handle, result))
 
     # Everything else: gloo, called explicitly (torch's generic dispatch of some of
     # these through a Python subclass was seen to hang now and then).
@@ -227,18 +228,11 @@ def allreduce_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tenso
     staged = buffer if buffer.device.type == "cpu" else buffer.cpu()
     array = staged.detach().numpy()
     handle = state.worker.allreduce_async(array, out=array, sparse=state.sparse)
-    fut = torch.futures.Future()
 
-    def done(_):
-        try:
-            handle.wait()
-            staged.div_(state.world_size)
-            if staged is not buffer:
-                buffer.copy_(staged)
-            fut.set_result(buffer)
-        except BaseException as exc:
-            fut.set_exception(exc)
+    def result():
+        staged.div_(state.world_size)
+        if staged is not buffer:
+            buffer.copy_(staged)
+        return buffer
 
-    handle.add_done_callback(done)
-    return fut
-
+    return _future_from(handle, result)
