@@ -19,6 +19,7 @@ import secrets
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
 
 from ..config import env
 from ..errors import SwitchMLError
@@ -94,6 +95,19 @@ def _future_from(handle, result) -> torch.futures.Future:
     return fut
 
 
+def _to_gloo(name: str, tensor_args: int, options):
+    """A collective that runs on the group's inner gloo, with default options if none."""
+
+    def collective(self, *args, opts=None):
+        tensors, rest = args[:tensor_args], args[tensor_args:]
+        if rest:
+            opts = rest[0]
+        return getattr(self._gloo, name)(*tensors, opts if opts is not None else options())
+
+    collective.__name__ = name
+    return collective
+
+
 class ProcessGroupSwitchML(dist.ProcessGroup):
     """The "switchml" process group: allreduce through the switch, the rest via gloo."""
 
@@ -140,38 +154,15 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
 
     # Everything else: gloo, called explicitly (torch's generic dispatch of some of
     # these through a Python subclass was seen to hang now and then).
-    def barrier(self, opts=None):
-        return self._gloo.barrier(opts if opts is not None else dist.BarrierOptions())
-
-    def broadcast(self, tensors, opts=None):
-        return self._gloo.broadcast(tensors, opts if opts is not None else dist.BroadcastOptions())
-
-    def allgather(self, output_tensors, input_tensors, opts=None):
-        return self._gloo.allgather(output_tensors, input_tensors,
-                                    opts if opts is not None else dist.AllgatherOptions())
-
-    def _allgather_base(self, output, input, opts=None):
-        return self._gloo._allgather_base(output, input,
-                                          opts if opts is not None else dist.AllgatherOptions())
-
-    def reduce(self, tensors, opts=None):
-        return self._gloo.reduce(tensors, opts if opts is not None else dist.ReduceOptions())
-
-    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        return self._gloo.reduce_scatter(output_tensors, input_tensors,
-                                         opts if opts is not None else dist.ReduceScatterOptions())
-
-    def alltoall(self, output_tensors, input_tensors, opts=None):
-        return self._gloo.alltoall(output_tensors, input_tensors,
-                                   opts if opts is not None else dist.AllToAllOptions())
-
-    def gather(self, output_tensors, input_tensors, opts=None):
-        return self._gloo.gather(output_tensors, input_tensors,
-                                 opts if opts is not None else dist.GatherOptions())
-
-    def scatter(self, output_tensors, input_tensors, opts=None):
-        return self._gloo.scatter(output_tensors, input_tensors,
-                                  opts if opts is not None else dist.ScatterOptions())
+    barrier = _to_gloo("barrier", 0, c10d.BarrierOptions)
+    broadcast = _to_gloo("broadcast", 1, c10d.BroadcastOptions)
+    allgather = _to_gloo("allgather", 2, c10d.AllgatherOptions)
+    _allgather_base = _to_gloo("_allgather_base", 2, c10d.AllgatherOptions)
+    reduce = _to_gloo("reduce", 1, c10d.ReduceOptions)
+    reduce_scatter = _to_gloo("reduce_scatter", 2, c10d.ReduceScatterOptions)
+    alltoall = _to_gloo("alltoall", 2, c10d.AllToAllOptions)
+    gather = _to_gloo("gather", 2, c10d.GatherOptions)
+    scatter = _to_gloo("scatter", 2, c10d.ScatterOptions)
 
     def send(self, tensors, dst, tag=0):
         return self._gloo.send(tensors, dst, tag)
