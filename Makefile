@@ -11,13 +11,16 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(FIND_LINKS) -e '.[test,bench,torch]'
+	$(PY) -m pip install --quiet $(FIND_LINKS) -e '.[test,bench,torch,examples]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/switchml demo
+	@echo "--- a short DDP training through the switchml backend (examples/train_ddp.py) ---"
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 4 \
+		examples/train_ddp.py --backend switchml --epochs 5
 
 test: $(STAMP)
 	$(PY) -m pytest -q

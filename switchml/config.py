@@ -13,6 +13,9 @@ SWITCHML_PACKET_ELEMENTS   int32 values per packet                16128
 SWITCHML_BLOCK_ELEMENTS    values per block of the sparse path    256
 SWITCHML_SLOTS_PER_JOB     slots a job gets (its window)          32
 SWITCHML_DROP_RATE         simulated drop probability             0
+SWITCHML_SPARSE_AUTO_UNION ``sparse="auto"`` takes the sparse path 0.5
+                           when the union of non-zero blocks is
+                           at most this share of the tensor
 =========================  =====================================  ==========
 """
 
@@ -26,6 +29,9 @@ DEFAULT_PACKET_ELEMENTS = 16128  # 63 blocks of 256: the most one UDP datagram h
 DEFAULT_BLOCK_ELEMENTS = 256
 DEFAULT_SLOTS_PER_JOB = 32
 DEFAULT_TIMEOUT = 30.0
+#: sparse="auto" goes sparse when the union of non-zero blocks (what every worker
+#: receives) is at most this share of all blocks; see Worker._sparse_pays.
+DEFAULT_SPARSE_AUTO_UNION = 0.5
 
 
 def env(name: str, default, cast=str):

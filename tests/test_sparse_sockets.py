@@ -59,12 +59,16 @@ def test_sparse_equals_dense_over_sockets(world, drop_rate):
 def test_auto_picks_sparse_for_sparse_gradients_and_dense_for_dense(switch):
     sparse_data = sparse_inputs(2, 100, 0.05, np.float32, seed=3)
     dense_data = sparse_inputs(2, 100, 1.0, np.float32, seed=4)
+    # half the blocks each: the union coming down is ~3/4 of the tensor, over the
+    # default margin, so dense although sparse would send fewer bytes up
+    half_data = sparse_inputs(2, 100, 0.5, np.float32, seed=5)
 
     def body(rank):
         with switchml.Worker(switch.address, rank, 2) as w:
             a = w.allreduce(sparse_data[rank], sparse="auto")
             after_sparse = w.counters["sparse_blocks_sent"]
             b = w.allreduce(dense_data[rank], sparse="auto")
+            w.allreduce(half_data[rank], sparse="auto")
             after_dense = w.counters["sparse_blocks_sent"]
             return a, b, after_sparse, after_dense
 

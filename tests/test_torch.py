@@ -87,3 +87,11 @@ def test_a_rank_that_exits_early_makes_the_others_fail_clearly():
         assert out["error"] is not None
         assert "rank 2" in out["error"], out["error"]
     assert time.monotonic() - start < 45
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_cuda_tensors_are_staged_through_host_memory():
+    for out in launch(2, "cuda", "switchml"):
+        assert out == {"sum": 3.0, "device": "cuda", "avg": 1.5,
+                       "switch_results": out["switch_results"]}
+        assert out["switch_results"] > 0

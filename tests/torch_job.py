@@ -80,6 +80,19 @@ def collectives():
     return out
 
 
+def cuda():
+    """allreduce of CUDA tensors: staged through host memory, results back on the device."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    t = torch.full((100_000,), float(rank + 1), device=device)
+    dist.all_reduce(t)
+    a = torch.full((10,), float(rank + 1), device=device)
+    dist.all_reduce(a, op=dist.ReduceOp.AVG)
+    return {"sum": t[0].item(), "device": t.device.type, "avg": a[0].item(),
+            "switch_results": dist.distributed_c10d._get_default_group()._worker.counters[
+                "results_in"]}
+
+
 def early_exit():
     """The last rank leaves abruptly; the others' next allreduce must fail, not hang."""
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -104,6 +117,8 @@ def main():
         early_exit()
     if scenario == "ddp":
         result = ddp(backend, int(sys.argv[3]), hook=False)
+    elif scenario == "cuda":
+        result = cuda()
     elif scenario == "hook":
         result = ddp("gloo", int(sys.argv[3]), hook=True)
     else:

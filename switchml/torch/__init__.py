@@ -3,8 +3,8 @@
     import switchml.torch
     torch.distributed.init_process_group("switchml")      # torchrun's env:// as usual
 
-allreduce SUM and AVG of float32 (and SUM of int32) CPU tensors go through the
-switch; every other collective, op and dtype goes to an inner gloo group, which is
+allreduce SUM and AVG of float32 (and SUM of int32) tensors go through the
+switch (CUDA tensors staged through host memory); every other collective, op and dtype goes to an inner gloo group, which is
 registered as this group's CPU backend, so any torch code runs unchanged.  The
 switch is ``SWITCHML_SWITCH`` when set; otherwise rank 0 of each group starts an
 embedded switch and publishes its address through the store.  ``SWITCHML_SPARSE``
@@ -14,7 +14,6 @@ embedded switch and publishes its address through the store.  ``SWITCHML_SPARSE`
 nccl group for everything else.
 """
 
-import os
 import secrets
 
 import torch
@@ -23,12 +22,21 @@ from torch._C import _distributed_c10d as c10d
 
 from ..config import env
 from ..errors import SwitchMLError
-from ..switch.server import Switch
+from ..switch.process import SwitchProcess
 from ..worker.client import Worker
 
 __all__ = ["ProcessGroupSwitchML", "HookState", "allreduce_hook", "sparse_mode"]
 
 _SWITCHED_DTYPES = (torch.float32, torch.int32)
+#: Devices whose tensors the group takes: CUDA ones are staged through host memory.
+_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when on the CPU, else a copy in host memory (the switch's input)."""
+    if tensor.device.type == "cpu":
+        return tensor
+    return tensor.to("cpu")  # synchronises with the tensor's stream: its values are final
 
 
 def sparse_mode():
@@ -43,13 +51,18 @@ def sparse_mode():
     raise SwitchMLError(f"SWITCHML_SPARSE={value!r}: use true, false or auto")
 
 
-def _connect(store, rank: int, size: int, timeout: float) -> tuple[Worker, Switch | None]:
+def _embedded_switch() -> SwitchProcess:
+    """A switch of this job's own, in a child process (not competing for our GIL)."""
+    return SwitchProcess(host=env("HOST", "127.0.0.1")).start()
+
+
+def _connect(store, rank: int, size: int, timeout: float) -> tuple[Worker, SwitchProcess | None]:
     """Join a job named through ``store``; rank 0 starts a switch when none is configured."""
     embedded = None
     if rank == 0:
         address = env("SWITCH", None)
         if address is None:
-            embedded = Switch(host=os.environ.get("SWITCHML_HOST", "127.0.0.1")).start()
+            embedded = _embedded_switch()
             address = "%s:%d" % embedded.address
         store.set("switchml/address", address)
         store.set("switchml/job", "torch-" + secrets.token_hex(6))
@@ -116,9 +129,11 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
         seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("switchml-gloo", store), rank, size,
                                            timeout)
-        # C++ helpers (DDP's parameter check, for one) look the CPU backend up directly.
-        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
-                               self._gloo)
+        # C++ helpers (DDP's parameter check, for one) look the backend of a device up
+        # directly; gloo also serves CUDA tensors for the collectives we delegate.
+        for device in _DEVICES:
+            self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.GLOO,
+                                   self._gloo)
         self._worker, self._switch = _connect(dist.PrefixStore("switchml", store), rank, size,
                                               seconds)
         self._sparse = sparse_mode()
@@ -131,7 +146,7 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
             return False
         t = tensors[0]
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        return (t.device.type == "cpu" and t.dtype in _SWITCHED_DTYPES and t.is_contiguous()
+        return (t.device.type in _DEVICES and t.dtype in _SWITCHED_DTYPES and t.is_contiguous()
                 and (op == dist.ReduceOp.SUM
                      or (op == dist.ReduceOp.AVG and t.dtype == torch.float32)))
 
@@ -141,13 +156,16 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
         if not self._switched(tensors, opts):
             return self._gloo.allreduce(tensors, opts)
         t = tensors[0]
-        array = t.detach().numpy()
+        staged = _to_host(t)
+        array = staged.detach().numpy()
         handle = self._worker.allreduce_async(array, out=array, sparse=self._sparse)
         average = opts.reduceOp == dist.ReduceOp.AVG
 
         def result():
             if average:
-                t.div_(self.size())
+                staged.div_(self.size())
+            if staged is not t:
+                t.copy_(staged)
             return tensors
 
         return _SwitchWork(_future_from(handle, result))
@@ -180,7 +198,7 @@ def _create(store, rank, size, timeout):
     return ProcessGroupSwitchML(store, rank, size, timeout)
 
 
-dist.Backend.register_backend("switchml", _create, devices=["cpu"])
+dist.Backend.register_backend("switchml", _create, devices=list(_DEVICES))
 
 
 class HookState:
@@ -198,7 +216,7 @@ class HookState:
         box = [None, None]
         if rank == 0:
             if address is None:
-                self.switch = Switch().start()
+                self.switch = _embedded_switch()
                 address = "%s:%d" % self.switch.address
             box = [address, "ddp-hook-" + secrets.token_hex(6)]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0,
@@ -216,7 +234,7 @@ class HookState:
 def allreduce_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average the bucket through the switch (dense, sparse or auto)."""
     buffer = bucket.buffer()
-    staged = buffer if buffer.device.type == "cpu" else buffer.cpu()
+    staged = _to_host(buffer)
     array = staged.detach().numpy()
     handle = state.worker.allreduce_async(array, out=array, sparse=state.sparse)
 

@@ -19,7 +19,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from ..config import DEFAULT_TIMEOUT, env, parse_address
+from ..config import DEFAULT_SPARSE_AUTO_UNION, DEFAULT_TIMEOUT, env, parse_address
 from ..errors import (JoinRefusedError, SwitchMLError, SwitchMLTimeoutError,
                       SwitchUnreachableError)
 from ..netutil import LineReader, encode_line, enlarge_buffers
@@ -71,6 +71,7 @@ class Worker:
         self.world_size = world_size
         self.job = job if job is not None else env("JOB", "default")
         self.timeout = float(timeout if timeout is not None else env("TIMEOUT", DEFAULT_TIMEOUT, float))
+        self._sparse_auto_union = env("SPARSE_AUTO_UNION", DEFAULT_SPARSE_AUTO_UNION, float)
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
         self._failure: SwitchMLError | None = None
@@ -323,11 +324,15 @@ class Worker:
         return events
 
     def _sparse_pays(self, src: np.ndarray) -> bool:
-        """Whether the sparse path moves fewer bytes, decided alike on every rank.
+        """Whether the sparse path clearly moves fewer bytes, decided alike on every rank.
 
         One tiny allreduce sums the ranks' non-zero block counts; assuming blocks
         placed independently, the union that comes back down is estimated from
-        that.  Sparse: own blocks up, union down; dense: everything both ways.
+        that.  Links are full duplex, so the busier direction counts: the union
+        down (never less than a rank's own blocks up) against the whole tensor.
+        Sparse must beat it by a margin (``SWITCHML_SPARSE_AUTO_UNION``, half by
+        default) because every round also costs lane tables and per-packet work
+        that a byte count does not show.
         """
         b = self.session.block_elements
         blocks = -(-src.size // b)
@@ -336,9 +341,9 @@ class Worker:
         counts = np.array([nonzero_blocks(src.reshape(-1), b).sum()], dtype=np.int32)
         total = int(self._run(counts, np.empty_like(counts), False)[0])
         n = self.world_size
-        density = total / (n * blocks)
-        union = blocks * (1.0 - (1.0 - min(1.0, density)) ** n)
-        return total / n + union < 2 * blocks
+        density = min(1.0, total / (n * blocks))
+        union = 1.0 - (1.0 - density) ** n
+        return union <= self._sparse_auto_union
 
     def _run(self, src: np.ndarray, out: np.ndarray, sparse: bool = False) -> np.ndarray:
         udp = self._udp

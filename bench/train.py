@@ -1,0 +1,110 @@
+"""samples/s of the two DDP examples on switchml and on gloo, launched by torchrun.
+
+    python bench/train.py --workers 2 4 --repeats 2 --out bench/results/train.json
+
+For every worker count it runs, one after the other on the same machine:
+examples/train_ddp.py (digits MLP) on gloo and on switchml (sparse "auto"), and
+examples/train_sparse.py (bag-of-words embedding table) on gloo and on switchml
+with the sparse path and with the dense path.  Each run reports samples/s over
+its training epochs, allreduce time per step (DDP buckets timed by a comm hook,
+the same hook on both backends), test accuracy and switchml bytes per step.
+The median run of ``--repeats`` is kept; the table prints ratios to gloo from
+the same invocation, since absolute numbers on shared machines are noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: (name, script, backend arguments); the script's own defaults otherwise.
+CONFIGS = [
+    ("digits gloo", "train_ddp.py", ["--backend", "gloo"]),
+    ("digits switchml", "train_ddp.py", ["--backend", "switchml", "--sparse", "auto"]),
+    ("bag-of-words gloo", "train_sparse.py", ["--backend", "gloo"]),
+    ("bag-of-words switchml sparse", "train_sparse.py",
+     ["--backend", "switchml", "--sparse", "true"]),
+    ("bag-of-words switchml dense", "train_sparse.py",
+     ["--backend", "switchml", "--sparse", "false"]),
+]
+
+
+def run_example(script: str, workers: int, args: list, extra: list) -> dict:
+    """One torchrun launch; rank 0's JSON summary."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "summary.json")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHML_")}
+        env["OMP_NUM_THREADS"] = "1"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={workers}", os.path.join(ROOT, "examples", script),
+               "--quiet", "--json", out, *args, *extra]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--repeats", type=int, default=2, help="runs per configuration (median kept)")
+    p.add_argument("--only", nargs="*", default=None, help="names of configurations to run")
+    p.add_argument("--digits-args", default="", help="extra arguments for train_ddp.py")
+    p.add_argument("--sparse-args", default="", help="extra arguments for train_sparse.py")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    extra = {"train_ddp.py": args.digits_args.split(), "train_sparse.py": args.sparse_args.split()}
+    runs = []
+    for workers in args.workers:
+        for name, script, backend_args in CONFIGS:
+            if args.only and name not in args.only:
+                continue
+            trials = [run_example(script, workers, backend_args, extra[script])
+                      for _ in range(args.repeats)]
+            rate = statistics.median(t["samples_per_s"] for t in trials)
+            best = min(trials, key=lambda t: abs(t["samples_per_s"] - rate))
+            runs.append(dict(best, name=name, script=script, samples_per_s_all=[
+                t["samples_per_s"] for t in trials]))
+            print(f"n={workers} {name:<30} {best['samples_per_s']:8.0f} samples/s  "
+                  f"allreduce {best['allreduce_ms_per_step']:7.1f} ms/step  "
+                  f"accuracy {100 * best['test_accuracy']:.2f}%", flush=True)
+    for r in runs:
+        gloo = next((g for g in runs if g["workers"] == r["workers"]
+                     and g["script"] == r["script"] and g["name"].endswith("gloo")), None)
+        r["speedup_over_gloo"] = r["samples_per_s"] / gloo["samples_per_s"] if gloo else None
+    print(table(runs))
+    result = {"command": "python bench/train.py " + " ".join(argv or sys.argv[1:]),
+              "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
+              "date": time.strftime("%Y-%m-%d %H:%M"), "runs": runs}
+    out = args.out or os.path.join(ROOT, "bench", "results",
+                                   f"train-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {out}")
+
+
+def table(runs: list) -> str:
+    """Markdown: one row per (workers, configuration)."""
+    lines = ["| n | example and backend | samples/s | vs gloo | allreduce ms/step | "
+             "switchml MB sent/step | test accuracy |", "|---|---|---|---|---|---|---|"]
+    for r in runs:
+        ratio = f"{r['speedup_over_gloo']:.2f}x" if r.get("speedup_over_gloo") else ""
+        sent = f"{r['switchml_mb_sent_per_step']:.2f}" if r["switchml_mb_sent_per_step"] else ""
+        lines.append(f"| {r['workers']} | {r['name']} | {r['samples_per_s']:.0f} | {ratio} | "
+                     f"{r['allreduce_ms_per_step']:.1f} | {sent} | "
+                     f"{100 * r['test_accuracy']:.2f}% |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+"""What both DDP examples share: arguments, process group set-up, the training loop.
+
+Launched by torchrun, one process per rank.  The backend is the only difference
+between runs: ``--backend switchml`` (allreduce through the switch), ``--backend
+gloo``, or ``--backend gloo --hook`` (a gloo group whose DDP gradients go through
+``switchml.torch.allreduce_hook``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def parser(description: str, *, epochs: int, batch_size: int, lr: float) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--backend", choices=["switchml", "gloo"], default="switchml")
+    p.add_argument("--hook", action="store_true",
+                   help="keep the gloo group; send DDP's gradients through "
+                        "switchml.torch.allreduce_hook")
+    p.add_argument("--sparse", choices=["auto", "true", "false"], default=None,
+                   help="switchml path for gradients (default: $SWITCHML_SPARSE or auto)")
+    p.add_argument("--epochs", type=int, default=epochs)
+    p.add_argument("--batch-size", type=int, default=batch_size, help="per rank")
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="rank 0 writes its summary here")
+    p.add_argument("--quiet", action="store_true", help="only the summary line")
+    return p
+
+
+def init(args) -> None:
+    """Join the torchrun job on the chosen backend (env:// rendezvous)."""
+    if args.sparse is not None:
+        os.environ["SWITCHML_SPARSE"] = args.sparse
+    if args.backend == "switchml" or args.hook:
+        import switchml.torch  # noqa: F401  registers the "switchml" backend
+    if args.hook and args.backend != "gloo":
+        raise SystemExit("--hook goes with --backend gloo (the hook replaces gloo's allreduce)")
+    dist.init_process_group(args.backend)
+
+
+def timed(hook, durations: list):
+    """A DDP comm hook that runs ``hook`` and records how long each bucket's allreduce took."""
+
+    def run(state, bucket):
+        start = time.perf_counter()
+
+        def stop(fut):
+            durations.append(time.perf_counter() - start)
+            return fut.value()
+
+        return hook(state, bucket).then(stop)
+
+    return run
+
+
+def wrap(model: torch.nn.Module, args, durations: list):
+    """DDP over ``model`` with the allreduce of every bucket timed (and the switchml hook if asked)."""
+    ddp = DDP(model)
+    if args.hook:
+        import switchml.torch
+
+        state = switchml.torch.HookState(sparse=_sparse_setting(args))
+        ddp.register_comm_hook(state, timed(switchml.torch.allreduce_hook, durations))
+    else:
+        state = None
+        # the same division and SUM that DDP's built-in allreduce does, timed
+        ddp.register_comm_hook(None, timed(default_hooks.allreduce_hook, durations))
+    return ddp, state
+
+
+def _sparse_setting(args):
+    value = (args.sparse or os.environ.get("SWITCHML_SPARSE", "auto")).lower()
+    return "auto" if value == "auto" else value in ("true", "1", "yes")
+
+
+def loader(dataset: TensorDataset, args) -> DataLoader:
+    sampler = DistributedSampler(dataset, shuffle=True, seed=args.seed, drop_last=True)
+    return DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+
+
+def train(model, ddp, state, opt, data: DataLoader, test: tuple, args, durations: list,
+          loss_fn) -> dict:
+    """The epochs: train, evaluate on the whole test set, and report on rank 0."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    samples = steps = 0
+    train_time = 0.0
+    history = []
+    for epoch in range(args.epochs):
+        data.sampler.set_epoch(epoch)
+        ddp.train()
+        loss_sum = torch.zeros(2, dtype=torch.float64)
+        start = time.perf_counter()
+        for x, y in data:
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(ddp(x), y)
+            loss.backward()
+            opt.step()
+            loss_sum += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
+            steps += 1
+            samples += len(y) * world
+        train_time += time.perf_counter() - start
+        dist.all_reduce(loss_sum)  # float64: exact, and delegated to gloo by switchml
+        accuracy = evaluate(model, *test)
+        history.append({"epoch": epoch + 1, "loss": (loss_sum[0] / loss_sum[1]).item(),
+                        "test_accuracy": accuracy})
+        if rank == 0 and not args.quiet:
+            print(f"epoch {epoch + 1:3d}  loss {history[-1]['loss']:.4f}  "
+                  f"test accuracy {100 * accuracy:.2f}%", flush=True)
+    counters = switchml_counters(state)
+    summary = {
+        "switchml_mb_sent_per_step": counters.get("bytes_sent", 0) / 1e6 / max(steps, 1),
+        "switchml_mb_received_per_step": counters.get("bytes_received", 0) / 1e6 / max(steps, 1),
+        "switchml_sparse_blocks_sent": counters.get("sparse_blocks_sent", 0),
+        "backend": args.backend + ("+switchml-hook" if args.hook else ""),
+        "sparse": _sparse_setting(args) if (args.backend == "switchml" or args.hook) else None,
+        "workers": world, "epochs": args.epochs, "batch_size_per_rank": args.batch_size,
+        "steps": steps, "samples_per_s": samples / train_time if train_time else 0.0,
+        "allreduce_ms_per_step": 1e3 * sum(durations) / steps if steps else 0.0,
+        "train_s": train_time, "loss": history[-1]["loss"] if history else None,
+        "test_accuracy": history[-1]["test_accuracy"] if history else None,
+        "history": history,
+    }
+    if rank == 0:
+        print(f"backend {summary['backend']}  workers {world}  epochs {args.epochs}  "
+              f"test accuracy {100 * summary['test_accuracy']:.2f}%  "
+              f"samples/s {summary['samples_per_s']:.0f}  "
+              f"allreduce {summary['allreduce_ms_per_step']:.2f} ms/step", flush=True)
+        if counters:
+            print(f"switchml per step and worker: {summary['switchml_mb_sent_per_step']:.2f} MB "
+                  f"sent, {summary['switchml_mb_received_per_step']:.2f} MB received", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(summary, f, indent=2)
+    return summary
+
+
+def switchml_counters(state) -> dict:
+    """This rank's switchml worker counters (empty on plain gloo)."""
+    worker = state.worker if state is not None else getattr(
+        dist.distributed_c10d._get_default_group(), "_worker", None)
+    return dict(worker.counters) if worker is not None else {}
+
+
+@torch.no_grad()
+def evaluate(model, x, y) -> float:
+    model.eval()
+    return (model(x).argmax(dim=1) == y).float().mean().item()
+
+
+def finish(state) -> None:
+    if state is not None:
+        state.close()
+    dist.barrier()  # the TCPStore lives on rank 0: leave together
+    dist.destroy_process_group()

@@ -1,0 +1,79 @@
+"""A switch in a child process: embedded in a job without sharing its interpreter.
+
+A switch thread inside a training process competes with training and with the
+rank's own worker thread for that process's GIL; in a child process it gets a
+core of its own.  The child stops when its stdin reaches end of file, which
+happens when the parent closes it or dies in any way (even SIGKILL), so an
+embedded switch never outlives its job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import sys
+
+from ..errors import SwitchMLError
+
+
+class SwitchProcess:
+    """``Switch(**options)`` run by ``python -m switchml.switch.process``; ``.address`` once started."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, **options):
+        self._options = dict(options, host=host, port=port)
+        self._proc: subprocess.Popen | None = None
+        self.address: tuple[str, int] | None = None
+
+    def start(self) -> "SwitchProcess":
+        if self._proc is not None:
+            return self
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "switchml.switch.process", json.dumps(self._options)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        line = self._proc.stdout.readline()
+        if not line:
+            code = self._proc.wait()
+            self._proc = None
+            raise SwitchMLError(f"the embedded switch process exited with status {code} "
+                                "before listening (its error is on stderr above)")
+        host, port = json.loads(line)["address"]
+        self.address = (host, int(port))
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self._proc is None:
+            return
+        proc, self._proc = self._proc, None
+        proc.stdin.close()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+    def __enter__(self) -> "SwitchProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main() -> None:
+    from .server import Switch
+
+    logging.basicConfig(level=logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Ctrl-C in a terminal reaches the whole process group: the parent decides,
+    # and its exit closes our stdin.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    switch = Switch(**json.loads(sys.argv[1])).start()
+    print(json.dumps({"address": list(switch.address)}), flush=True)
+    sys.stdin.buffer.read()  # until the parent closes the pipe or dies
+    switch.stop()
+
+
+if __name__ == "__main__":
+    main()

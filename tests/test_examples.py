@@ -1,0 +1,62 @@
+"""The DDP examples, launched by torchrun exactly as the README says, on both backends."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch", reason="the torch extra is not installed")
+pytest.importorskip("sklearn", reason="the examples extra (scikit-learn) is not installed")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def torchrun(tmp_path, script, workers, *args):
+    """Run examples/<script> under torchrun; return rank 0's JSON summary."""
+    out = tmp_path / f"{script}-{len(list(tmp_path.iterdir()))}.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHML_")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc-per-node={workers}", os.path.join(ROOT, "examples", script),
+         "--json", str(out), "--quiet", *map(str, args)],
+        env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_digits_on_switchml_reaches_gloo_accuracy(tmp_path):
+    ours = torchrun(tmp_path, "train_ddp.py", 2, "--backend", "switchml", "--epochs", 4,
+                    "--hidden", 256)
+    theirs = torchrun(tmp_path, "train_ddp.py", 2, "--backend", "gloo", "--epochs", 4,
+                      "--hidden", 256)
+    assert ours["workers"] == theirs["workers"] == 2, (ours, theirs)
+    assert ours["test_accuracy"] > 0.85  # it learned (20 epochs reach ~97%)
+    assert abs(ours["test_accuracy"] - theirs["test_accuracy"]) <= 0.005, (ours, theirs)
+    assert ours["switchml_mb_sent_per_step"] > 0  # the gradients went through the switch
+    assert theirs["switchml_mb_sent_per_step"] == 0
+
+
+def test_digits_with_the_comm_hook_on_a_gloo_group(tmp_path):
+    hooked = torchrun(tmp_path, "train_ddp.py", 2, "--backend", "gloo", "--hook",
+                      "--epochs", 2, "--hidden", 128)
+    assert hooked["backend"] == "gloo+switchml-hook"
+    assert hooked["switchml_mb_sent_per_step"] > 0
+    assert hooked["test_accuracy"] > 0.8
+
+
+def test_embedding_gradients_take_the_sparse_path(tmp_path):
+    vocab, dim = 50_000, 64
+    common = ["--epochs", 1, "--vocab", vocab, "--dim", dim, "--train-docs", 2048,
+              "--test-docs", 512]
+    sparse = torchrun(tmp_path, "train_sparse.py", 2, "--backend", "switchml", "--sparse",
+                      "true", *common)
+    gloo = torchrun(tmp_path, "train_sparse.py", 2, "--backend", "gloo", *common)
+    table_mb = vocab * dim * 4 / 1e6
+    assert sparse["switchml_sparse_blocks_sent"] > 0
+    # a batch touches a few percent of the table: far less than the table goes up
+    assert sparse["switchml_mb_sent_per_step"] < 0.2 * table_mb
+    assert abs(sparse["test_accuracy"] - gloo["test_accuracy"]) <= 0.005
+    assert sparse["test_accuracy"] > 1.5 / 8  # better than chance over 8 classes
