@@ -107,6 +107,8 @@ class Testbed:
     ``queue``: tbf bucket and queue limit in bytes.
     """
 
+    __test__ = False  # not a pytest test class, despite the name
+
     def __init__(self, hosts: int = 4, link="1gbit", *, mtu: int | None = None,
                  loss: float = 0.0, prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET,
                  burst=DEFAULT_BURST, queue=None, install_nft: bool = True):
