@@ -79,7 +79,7 @@ def speedup_vs_workers(plt, rows, link_bps, path):
     worlds = sorted({r["workers"] for r in rows})
     if link_bps and worlds:
         ax.plot(worlds, [2 * (n - 1) / n for n in worlds], "k--", linewidth=1,
-                label="bound 2(n-1)/n (links the bottleneck)")
+                label="2(n-1)/n: ratio of the link bounds")
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set(xlabel="workers n", ylabel="gloo time / switchml time",
            title="speedup over gloo ring allreduce", xticks=worlds)
@@ -110,8 +110,8 @@ def time_vs_density(plt, rows, link_bps, path):
                        linewidth=1, label="2(n-1)/n·S/B")
             ds = [d for d, _ in pts]
             ax.plot(ds, [lower_bound_s("switchml-sparse", n, size, link_bps, d) for d in ds],
-                    color="tab:green", linestyle="--", linewidth=1,
-                    label="union of blocks / B")
+                    color="tab:green", linestyle="--", linewidth=1, marker="x",
+                    label="union of blocks / B (sparse bound)")
         ax.set(xscale="log", yscale="log", xlabel="block density", ylabel="median time (s)",
                title=f"n = {n}, {size / 2**20:g} MiB")
         ax.legend(fontsize="small")
