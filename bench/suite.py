@@ -280,6 +280,9 @@ def main(args, argv_text: str = "") -> int:
     except BenchError as exc:
         print(f"switchml bench: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # processes and testbed are gone by now
+        print("switchml bench: interrupted", file=sys.stderr)
+        return 130
     link_bps = results["cluster"].get("link_bps")
     print(format_table(results["rows"], link_bps))
     if args.plots:

@@ -19,8 +19,13 @@ def _testbed_up(args) -> int:
     from .core import STATE_DIR, Testbed
     from .errors import TestbedError
 
-    tb = Testbed(args.hosts, None if args.link == "none" else args.link, mtu=args.mtu,
-                 loss=args.loss, prefix=args.prefix, subnet=args.subnet, burst=args.burst)
+    try:
+        tb = Testbed(args.hosts, None if args.link == "none" else args.link, mtu=args.mtu,
+                     loss=args.loss, prefix=args.prefix, subnet=args.subnet, burst=args.burst)
+    except ValueError as exc:
+        print(f"switchml testbed: {exc}", file=sys.stderr)
+        return 2
+    tb._catch_signals()  # TERM or HUP half way through up() cleans up like Ctrl-C
     try:
         # Not a ``with`` block: the testbed outlives this command.  up() removes what
         # it made if it fails or is interrupted half way.
@@ -34,7 +39,6 @@ def _testbed_up(args) -> int:
                                  stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True)
             if not _wait_for(log, "listening on", 15.0):
-                tb._up = True
                 tb.down()
                 print(f"switchml testbed: the switch did not start; its log:\n"
                       f"{open(log).read()}", file=sys.stderr)
@@ -45,6 +49,8 @@ def _testbed_up(args) -> int:
     except ValueError as exc:
         print(f"switchml testbed: {exc}", file=sys.stderr)
         return 2
+    finally:
+        tb._restore_signals()
     print(_describe(tb, running_switch=args.switch))
     return 0
 
@@ -138,7 +144,7 @@ def _testbed_down(args) -> int:
 
     try:
         removed = teardown(args.prefix)
-    except TestbedError as exc:
+    except (TestbedError, ValueError) as exc:
         print(f"switchml testbed down: {exc}", file=sys.stderr)
         return 2
     print(f"removed {', '.join(sorted(removed))}" if removed else "nothing to remove")
