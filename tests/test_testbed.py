@@ -61,6 +61,7 @@ def assert_gone(p):
     assert not [n for n in spaces if n.startswith(p + "-")]
     assert not [dev for dev in links if dev.startswith(p + "-")]
     assert not os.path.exists(f"/run/switchml-testbed/{p}.json")
+    assert not os.path.exists(f"/run/switchml-testbed/{p}-switch.log")
 
 
 # ---------------------------------------------------------------- anywhere

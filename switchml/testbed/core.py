@@ -79,10 +79,11 @@ def teardown(prefix: str = DEFAULT_PREFIX) -> list:
     # Hosts first, then the switch: a host's deletion takes its veth pair with it.
     for name in sorted(names, key=lambda n: n.endswith("-sw")):
         netns.delete_namespace(name)
-    try:
-        os.unlink(os.path.join(STATE_DIR, f"{prefix}.json"))
-    except FileNotFoundError:
-        pass
+    for record in (f"{prefix}.json", f"{prefix}-switch.log"):
+        try:
+            os.unlink(os.path.join(STATE_DIR, record))
+        except FileNotFoundError:
+            pass
     return names
 
 
