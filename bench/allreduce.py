@@ -26,7 +26,6 @@ import multiprocessing as mp
 import os
 import platform
 import pstats
-import statistics
 import sys
 import time
 
@@ -37,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import switchml  # noqa: E402
 from switchml import config  # noqa: E402
 from switchml.cli import fetch_stats  # noqa: E402
+from bench.common import make_block_sparse, summarize  # noqa: E402
 
 
 def _profile_text(prof) -> str:
@@ -88,16 +88,6 @@ def _worker_main(address, rank, world, elements, dtype, warmup, repeats, profile
         report_q.put(("worker", rank, times, cpu, sent, received, prof))
 
 
-def make_block_sparse(rank, elements, density, block, seed=0):
-    """OmniReduce's micro-benchmark input: non-zero blocks placed at random per rank."""
-    rng = np.random.default_rng([seed, rank])
-    data = rng.standard_normal(elements).astype(np.float32)
-    blocks = -(-elements // block)
-    keep = rng.random(blocks) < density
-    data[np.repeat(~keep, block)[:elements]] = 0
-    return data
-
-
 def _density_worker_main(address, rank, world, elements, densities, block, warmup, repeats,
                          report_q):
     with switchml.Worker(address, rank, world, job=f"bench-density-{world}", timeout=60) as w:
@@ -141,13 +131,6 @@ def _gloo_main(port, rank, world, elements, warmup, repeats, report_q):
     dist.destroy_process_group()
 
 
-def _summary(per_rank_times, nbytes):
-    per_iter = np.max(np.array(per_rank_times), axis=0)  # the slowest rank finishes it
-    median = float(statistics.median(per_iter))
-    return {"median_s": median, "min_s": float(per_iter.min()), "max_s": float(per_iter.max()),
-            "goodput_GBps_per_worker": nbytes / median / 1e9}
-
-
 def run_switchml(ctx, world, elements, dtype, args):
     report_q, address_q, stop_ev = ctx.Queue(), ctx.Queue(), ctx.Event()
     options = dict(slots=args.slots, packet_elements=args.packet_elements,
@@ -180,7 +163,7 @@ def run_switchml(ctx, world, elements, dtype, args):
     packets = job.get("packets_in", 0) + job.get("results_out", 0)
     nbytes = elements * 4
     reports.sort(key=lambda r: r[1])
-    result = _summary([r[2] for r in reports], nbytes)
+    result = summarize([r[2] for r in reports], nbytes)
     total_time = sum(max(r[2][i] for r in reports) for i in range(args.repeats))
     # The switch counters cover warm-up too; scale them to the timed iterations.
     timed_packets = packets * args.repeats / iterations
@@ -227,7 +210,7 @@ def run_densities(ctx, world, elements, args):
             mine = sorted((i for i in items if i[2] == density and i[3] == sparse),
                           key=lambda i: i[1])
             key = "sparse" if sparse else "dense"
-            row[key] = _summary([i[4] for i in mine], nbytes)
+            row[key] = summarize([i[4] for i in mine], nbytes)
             row[key]["bytes_sent_per_worker"] = float(np.mean([i[5] for i in mine]))
             row[key]["bytes_received_per_worker"] = float(np.mean([i[6] for i in mine]))
         row["sparse_speedup_over_dense"] = row["dense"]["median_s"] / row["sparse"]["median_s"]
@@ -248,7 +231,7 @@ def run_gloo(ctx, world, elements, args):
     reports = sorted((report_q.get(timeout=600) for _ in range(world)), key=lambda r: r[1])
     for p in procs:
         p.join()
-    return _summary([r[2] for r in reports], elements * 4)
+    return summarize([r[2] for r in reports], elements * 4)
 
 
 def main(argv=None):

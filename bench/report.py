@@ -1,11 +1,14 @@
-"""Print a benchmark JSON (from bench/allreduce.py) as Markdown tables.
+"""Print a benchmark JSON as tables: Markdown for bench/allreduce.py's, the
+``switchml bench`` table for results.json files of bench/suite.py.
 
     python bench/report.py bench/results/allreduce-64mib.json
+    python bench/report.py bench/results/smoke-testbed-200mbit/results.json
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -52,6 +55,13 @@ def density_table(data: dict) -> str:
 def main(path: str) -> None:
     with open(path) as f:
         data = json.load(f)
+    if "rows" in data:  # from `switchml bench` (bench/suite.py)
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+        from bench.suite import format_table
+
+        print(f"`{data['command']}` on {data['cluster']}\n")
+        print(format_table(data["rows"], data["cluster"].get("link_bps")))
+        return
     print(f"`{data['command']}` ({data['elements']} {data['dtype']} elements)\n")
     if any(r["system"] == "switchml-sparse-vs-dense" for r in data["runs"]):
         print(density_table(data) + "\n")

@@ -1,4 +1,4 @@
-"""The ``switchml`` command: ``switch``, ``stats`` and ``demo``."""
+"""The ``switchml`` command: ``switch``, ``stats``, ``demo``, ``testbed`` and ``bench``."""
 
 from __future__ import annotations
 
@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drop-rate", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=30.0)
     p.set_defaults(func=_demo)
+
+    from .testbed.cli import add_parsers  # testbed up|run|status|down, bench
+    add_parsers(sub)
     return parser
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 
 #: Socket buffer we ask for: a window of 64 KiB datagrams from many workers must fit.
 SOCKET_BUFFER = 32 * 1024 * 1024
@@ -11,13 +12,20 @@ SOCKET_BUFFER = 32 * 1024 * 1024
 MAX_CONTROL_LINE = 1 << 20
 
 
+#: Python's socket module has no SO_RCVBUFFORCE / SO_SNDBUFFORCE (3.11): Linux's
+#: values (asm-generic/socket.h), without which root got only net.core.*mem_max.
+_LINUX_FORCE = {"rcv": 33, "snd": 32} if sys.platform.startswith("linux") else {}
+
+
 def enlarge_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> int:
     """Ask for large kernel buffers; beyond net.core.*mem_max only root gets them.
 
     Returns the receive buffer the kernel granted, in bytes.
     """
-    for force, plain in ((getattr(socket, "SO_RCVBUFFORCE", None), socket.SO_RCVBUF),
-                         (getattr(socket, "SO_SNDBUFFORCE", None), socket.SO_SNDBUF)):
+    for force, plain in ((getattr(socket, "SO_RCVBUFFORCE", _LINUX_FORCE.get("rcv")),
+                          socket.SO_RCVBUF),
+                         (getattr(socket, "SO_SNDBUFFORCE", _LINUX_FORCE.get("snd")),
+                          socket.SO_SNDBUF)):
         try:
             if force is None:
                 raise PermissionError

@@ -1,0 +1,59 @@
+"""What the benchmarks share: the inputs every system gets, timing summaries, bounds."""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+
+def make_block_sparse(rank, elements, density, block, seed=0):
+    """OmniReduce's micro-benchmark input: non-zero blocks placed at random per rank."""
+    rng = np.random.default_rng([seed, rank])
+    data = rng.standard_normal(elements).astype(np.float32)
+    blocks = -(-elements // block)
+    keep = rng.random(blocks) < density
+    data[np.repeat(~keep, block)[:elements]] = 0
+    return data
+
+
+def make_tensor(rank, elements, density=None, block=256, seed=0):
+    """Rank ``rank``'s float32 input: dense normal values, or block-sparse at ``density``.
+
+    Every system of a run calls this with the same arguments, so they all sum the
+    same tensors; any rank can rebuild every other rank's input to check a result.
+    """
+    if density is None:
+        return np.random.default_rng([seed, rank]).standard_normal(elements).astype(np.float32)
+    return make_block_sparse(rank, elements, density, block, seed)
+
+
+def summarize(per_rank_times, nbytes):
+    """Median, min and max over iterations of the slowest rank's time, and goodput."""
+    per_iter = np.max(np.array(per_rank_times), axis=0)  # the slowest rank finishes it
+    median = float(statistics.median(per_iter))
+    return {"median_s": median, "min_s": float(per_iter.min()), "max_s": float(per_iter.max()),
+            "goodput_GBps_per_worker": nbytes / median / 1e9}
+
+
+def ring_bytes(world, nbytes):
+    """Bytes a ring allreduce sends (and receives) per worker: 2(n-1)/n * S."""
+    return 2 * (world - 1) / world * nbytes
+
+
+def union_density(density, world):
+    """Fraction of blocks non-zero on at least one of ``world`` ranks (independent blocks)."""
+    return 1.0 - (1.0 - density) ** world
+
+
+def lower_bound_s(system, world, nbytes, link_bps, density=None):
+    """The least time the links allow: bytes over the busier direction of a worker's link."""
+    if not link_bps:
+        return None
+    if system == "gloo":
+        busiest = ring_bytes(world, nbytes)
+    elif system == "switchml-sparse":
+        busiest = union_density(density, world) * nbytes  # the union comes back down
+    else:
+        busiest = nbytes  # in-network aggregation: S up and S down
+    return busiest * 8 / link_bps

@@ -1,0 +1,154 @@
+"""The processes of a benchmark run, one role each: ``python -m bench.roles ROLE SPEC``.
+
+Each runs where the launcher puts it (on loopback, or inside a testbed namespace
+through ``ip netns exec``), reads its settings from the JSON ``SPEC`` and reports
+on stdout, one JSON object per line:
+
+- ``switch``: a switchml ``Switch``; prints ``listening`` with its address, then on
+  a ``stop`` line (or end of input) prints its ``stats`` and exits.
+- ``switchml``: one ``Worker`` rank; runs every case (warm-up, then timed repeats)
+  and prints one ``case`` line per case: times, worker counters, link bytes.
+- ``gloo``: one torch.distributed gloo rank; same cases, same tensors.
+
+Rank 0 checks every result against the exact sum of all ranks' inputs, which it
+rebuilds from their seeds; every rank prints a digest so that the launcher can
+check they agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from bench.common import make_tensor  # noqa: E402
+
+
+def emit(**message) -> None:
+    print(json.dumps(message), flush=True)
+
+
+def link_bytes(ifname):
+    """(sent, received) bytes of ``ifname`` in this network namespace, or None."""
+    if not ifname:
+        return None
+    base = f"/sys/class/net/{ifname}/statistics/"
+    with open(base + "tx_bytes") as tx, open(base + "rx_bytes") as rx:
+        return int(tx.read()), int(rx.read())
+
+
+def inputs_of_all(spec, case, block):
+    return [make_tensor(r, case["elements"], case.get("density"), block, spec["seed"])
+            for r in range(spec["world"])]
+
+
+def switch_role(spec) -> None:
+    from switchml import Switch
+
+    with Switch(spec["host"], spec["port"], **spec.get("options", {})) as sw:
+        emit(event="listening", address=list(sw.address))
+        for line in sys.stdin:
+            if line.strip() == "stop":
+                break
+        emit(event="stats", stats=sw.stats())
+
+
+def _time(fn, warmup, repeats, before=None):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def switchml_role(spec) -> None:
+    import switchml
+    from switchml.quant import error_bound
+
+    rank, world = spec["rank"], spec["world"]
+    with switchml.Worker(spec["switch"], rank, world, job=spec["job"],
+                         timeout=spec.get("timeout", 60)) as w:
+        block = w.session.block_elements
+        for case in spec["cases"]:
+            data = make_tensor(rank, case["elements"], case.get("density"), block, spec["seed"])
+            out = np.empty_like(data)
+            sparse = case["sparse"]
+            for _ in range(spec["warmup"]):
+                w.allreduce(data, out=out, sparse=sparse)
+            c0, l0 = w.counters, link_bytes(spec.get("ifname"))
+            times = _time(lambda: w.allreduce(data, out=out, sparse=sparse), 0, spec["repeats"])
+            c1, l1 = w.counters, link_bytes(spec.get("ifname"))
+            ok = None
+            if spec.get("check") and rank == 0 and data.size:
+                inputs = inputs_of_all(spec, case, block)
+                exact = np.sum(np.array(inputs, np.float64), axis=0)
+                err = np.abs(out.astype(np.float64) - exact)
+                ok = bool(np.all(err <= error_bound(inputs, w.session.packet_elements)))
+            n = spec["repeats"]
+            emit(event="case", id=case["id"], rank=rank, times=times, ok=ok,
+                 digest=hashlib.sha256(out.tobytes()).hexdigest(),
+                 bytes_sent=(c1["bytes_sent"] - c0["bytes_sent"]) / n,
+                 bytes_received=(c1["bytes_received"] - c0["bytes_received"]) / n,
+                 retransmissions=(c1.get("retransmissions", 0) - c0.get("retransmissions", 0)) / n,
+                 link_tx=(l1[0] - l0[0]) / n if l0 else None,
+                 link_rx=(l1[1] - l0[1]) / n if l0 else None)
+    emit(event="done", rank=rank)
+
+
+def gloo_role(spec) -> None:
+    import torch
+    import torch.distributed as dist
+
+    rank, world = spec["rank"], spec["world"]
+    os.environ.update(MASTER_ADDR=spec["master_addr"], MASTER_PORT=str(spec["master_port"]))
+    if spec.get("ifname"):
+        os.environ["GLOO_SOCKET_IFNAME"] = spec["ifname"]
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    for case in spec["cases"]:
+        data = torch.from_numpy(make_tensor(rank, case["elements"], case.get("density"),
+                                            spec["block"], spec["seed"]))
+        holder = {}
+
+        def once():
+            holder["x"] = data.clone()
+            dist.all_reduce(holder["x"])
+
+        for _ in range(spec["warmup"]):
+            once()
+        l0 = link_bytes(spec.get("ifname"))
+        times = _time(once, 0, spec["repeats"], before=dist.barrier)
+        l1 = link_bytes(spec.get("ifname"))
+        out = holder["x"].numpy() if spec["repeats"] else data.numpy()
+        ok = None
+        if spec.get("check") and rank == 0 and out.size:
+            inputs = inputs_of_all(spec, case, spec["block"])
+            exact = np.sum(np.array(inputs, np.float64), axis=0)
+            # float32 additions in ring order: at most n-1 roundings of partial sums
+            tol = world * np.finfo(np.float32).eps * np.sum(np.abs(inputs), axis=0,
+                                                            dtype=np.float64)
+            ok = bool(np.all(np.abs(out.astype(np.float64) - exact) <= tol + 1e-30))
+        n = spec["repeats"]
+        emit(event="case", id=case["id"], rank=rank, times=times, ok=ok,
+             digest=hashlib.sha256(out.tobytes()).hexdigest(),
+             link_tx=(l1[0] - l0[0]) / n if l0 else None,
+             link_rx=(l1[1] - l0[1]) / n if l0 else None)
+    dist.barrier()
+    dist.destroy_process_group()
+    emit(event="done", rank=rank)
+
+
+ROLES = {"switch": switch_role, "switchml": switchml_role, "gloo": gloo_role}
+
+if __name__ == "__main__":
+    ROLES[sys.argv[1]](json.loads(sys.argv[2]))

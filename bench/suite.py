@@ -1,0 +1,312 @@
+"""``switchml bench``: switchml dense, switchml sparse and gloo side by side.
+
+    switchml bench --workers 2 4 --sizes 1 4 --densities 0.1 --repeats 3
+    switchml bench --testbed --link 1gbit --mtu 9000 --workers 4 --sizes 64 --densities 0.1
+
+For every worker count and tensor size, on the same float32 tensors (bench/common.py):
+switchml's dense path, switchml's sparse path at each block density (non-zero
+blocks placed at random per rank) and torch gloo's ring allreduce.  Each system
+does its warm-up, then timed repeats; a row reports the median, min and max of
+the slowest rank's time, goodput (tensor bytes / median time), and bytes per
+worker per allreduce: switchml from its worker counters (UDP payload), gloo from
+the ring formula 2(n-1)/n*S, and on the testbed both measured on the host's veth
+(frames, headers included).  With a link rate, the least time the links allow is
+given too: S/B for switchml dense, 2(n-1)/n*S/B for the ring.
+
+The dense systems stream every byte whatever the values are, so they run on the
+dense tensor of each size; the sparse path runs on the block-sparse tensors.
+Results: a table on stdout, results.json and PNG plots in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+
+from bench.common import lower_bound_s, ring_bytes, summarize
+from bench.launch import ROOT, BenchError, Loopback, OnTestbed, Roles
+from switchml.config import DEFAULT_BLOCK_ELEMENTS
+
+SYSTEMS = ("dense", "sparse", "gloo")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=int, nargs="+", default=[4], metavar="N",
+                   help="worker counts (default: 4)")
+    p.add_argument("--sizes", type=float, nargs="+", default=[4.0, 16.0, 64.0], metavar="MIB",
+                   help="tensor sizes in MiB of float32 (default: 4 16 64)")
+    p.add_argument("--densities", type=float, nargs="*", default=[], metavar="D",
+                   help="block densities for switchml's sparse path (default: none)")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
+                   help="what to run (default: all; sparse needs --densities)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--testbed", action="store_true",
+                   help="run on an emulated cluster (root): one worker per host namespace, "
+                        "the switch on the bridge")
+    p.add_argument("--link", default="1gbit", help="testbed link rate (default: 1gbit)")
+    p.add_argument("--mtu", type=int, default=None, help="testbed MTU (default: 1500)")
+    p.add_argument("--loss", type=float, default=0.0,
+                   help="testbed UDP loss probability per link (default: 0)")
+    p.add_argument("--prefix", default="smlbench", help="testbed name prefix (default: smlbench)")
+    p.add_argument("--packet-elements", type=int, default=None,
+                   help="switch: int32 values per packet (default: the switch's)")
+    p.add_argument("--slots-per-job", type=int, default=None,
+                   help="switch: window of a job (default: the switch's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs")
+    p.add_argument("--no-check", dest="check", action="store_false",
+                   help="skip checking sums against the exact sum (saves time at large sizes)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds without progress before giving up (default: 600)")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: bench/results/bench-<time>)")
+    p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNGs")
+
+
+def _cases(args, mib) -> list:
+    elements = int(mib * 2**20) // 4
+    cases = []
+    if "dense" in args.systems:
+        cases.append({"elements": elements, "density": None, "sparse": False})
+    if "sparse" in args.systems:
+        cases += [{"elements": elements, "density": d, "sparse": True} for d in args.densities]
+    return cases
+
+
+def run_switchml(cluster, world, cases, args, progress) -> tuple:
+    """One switch, ``world`` worker processes, every case; rows and the switch's job counters."""
+    options = {k: v for k, v in (("packet_elements", args.packet_elements),
+                                 ("slots_per_job", args.slots_per_job)) if v is not None}
+    host, port = cluster.switch_bind
+    job = f"bench-{world}"
+    with Roles(cluster, args.timeout) as roles:
+        switch = roles.start("switch", "switch", "switch",
+                             {"host": host, "port": port, "options": options}, stdin=True)
+        _, msg = roles.next()
+        address = "{}:{}".format(*msg["address"])
+        for rank in range(world):
+            roles.start(rank, rank, "switchml", {
+                "switch": address, "rank": rank, "world": world, "job": job,
+                "ifname": cluster.ifname(rank), "warmup": args.warmup, "repeats": args.repeats,
+                "check": args.check, "seed": args.seed, "timeout": min(args.timeout, 120),
+                "cases": [dict(c, id=i) for i, c in enumerate(cases)]})
+        reports: dict = {}
+        done = 0
+        while done < world:
+            name, msg = roles.next()
+            if msg["event"] == "case":
+                reports.setdefault(msg["id"], []).append(msg)
+                if len(reports[msg["id"]]) == world:
+                    progress(1)
+            elif msg["event"] == "done":
+                done += 1
+        switch.stdin.write("stop\n")
+        switch.stdin.flush()
+        while True:
+            name, msg = roles.next()
+            if name == "switch" and msg["event"] == "stats":
+                counters = msg["stats"]["ended_jobs"].get(job, {}).get("counters", {})
+                break
+    rows = []
+    for i, case in enumerate(cases):
+        items = sorted(reports[i], key=lambda m: m["rank"])
+        system = "switchml-sparse" if case["sparse"] else "switchml-dense"
+        rows.append(_row(system, world, case, items, cluster, args,
+                         sent=_mean(items, "bytes_sent"), received=_mean(items, "bytes_received"),
+                         retransmissions=_mean(items, "retransmissions")))
+    return rows, counters
+
+
+def run_gloo(cluster, world, sizes, args, progress) -> list:
+    """``world`` gloo ranks, the dense tensor of every size."""
+    addr, port = cluster.master()
+    cases = [{"id": i, "elements": int(mib * 2**20) // 4, "density": None}
+             for i, mib in enumerate(sizes)]
+    reports: dict = {}
+    with Roles(cluster, args.timeout) as roles:
+        for rank in range(world):
+            roles.start(rank, rank, "gloo", {
+                "master_addr": addr, "master_port": port, "rank": rank, "world": world,
+                "ifname": cluster.ifname(rank), "warmup": args.warmup, "repeats": args.repeats,
+                "check": args.check, "seed": args.seed, "block": DEFAULT_BLOCK_ELEMENTS,
+                "cases": cases})
+        done = 0
+        while done < world:
+            _, msg = roles.next()
+            if msg["event"] == "case":
+                reports.setdefault(msg["id"], []).append(msg)
+                if len(reports[msg["id"]]) == world:
+                    progress(1)
+            elif msg["event"] == "done":
+                done += 1
+    rows = []
+    for case in cases:
+        items = sorted(reports[case["id"]], key=lambda m: m["rank"])
+        ring = ring_bytes(world, case["elements"] * 4)
+        rows.append(_row("gloo", world, dict(case, sparse=False), items, cluster, args,
+                         sent=ring, received=ring, retransmissions=None))
+    return rows
+
+
+def _mean(items, key):
+    values = [m[key] for m in items if m.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _row(system, world, case, items, cluster, args, *, sent, received, retransmissions) -> dict:
+    nbytes = case["elements"] * 4
+    row = {"system": system, "workers": world, "size_bytes": nbytes,
+           "size_mib": nbytes / 2**20, "density": case.get("density")}
+    row.update(summarize([m["times"] for m in items], nbytes))
+    row["goodput_Gbps_per_worker"] = nbytes * 8 / row["median_s"] / 1e9
+    bound = lower_bound_s(system, world, nbytes, cluster.link_bps, case.get("density"))
+    row["bound_s"] = bound
+    row["goodput_over_link_rate"] = (row["goodput_Gbps_per_worker"] * 1e9 / cluster.link_bps
+                                     if cluster.link_bps else None)
+    row["bytes_sent_per_worker"] = sent
+    row["bytes_received_per_worker"] = received
+    row["bytes_counted_by"] = "ring formula" if system == "gloo" else "worker counters"
+    row["wire_tx_bytes_per_worker"] = _mean(items, "link_tx")
+    row["wire_rx_bytes_per_worker"] = _mean(items, "link_rx")
+    row["retransmissions_per_worker"] = retransmissions
+    row["checked"] = items[0].get("ok")
+    row["ranks_bit_identical"] = len({m["digest"] for m in items}) == 1 and len(items) == world
+    return row
+
+
+def _speedups(rows) -> None:
+    gloo = {(r["workers"], r["size_bytes"]): r["median_s"] for r in rows if r["system"] == "gloo"}
+    for r in rows:
+        g = gloo.get((r["workers"], r["size_bytes"]))
+        if g and r["system"] != "gloo":
+            r["speedup_over_gloo"] = g / r["median_s"]
+
+
+def format_table(rows, link_bps) -> str:
+    head = ["n", "MiB", "system", "density", "median s", "min s", "max s", "Gbit/s",
+            "of link", "sent MB", "recv MB", "wire tx MB", "wire rx MB", "retx", "bound s",
+            "vs gloo", "check"]
+    lines = []
+    for r in rows:
+        def mb(v):
+            return f"{v / 1e6:.2f}" if v is not None else "-"
+        check = {True: "ok", False: "FAIL", None: "-"}[r["checked"]]
+        if not r["ranks_bit_identical"]:
+            check += "/ranks differ"
+        lines.append([str(r["workers"]), f"{r['size_mib']:g}", r["system"],
+                      "-" if r["density"] is None else f"{r['density']:g}",
+                      f"{r['median_s']:.4f}", f"{r['min_s']:.4f}", f"{r['max_s']:.4f}",
+                      f"{r['goodput_Gbps_per_worker']:.3f}",
+                      f"{r['goodput_over_link_rate']:.0%}" if link_bps else "-",
+                      mb(r["bytes_sent_per_worker"]), mb(r["bytes_received_per_worker"]),
+                      mb(r["wire_tx_bytes_per_worker"]), mb(r["wire_rx_bytes_per_worker"]),
+                      "-" if r["retransmissions_per_worker"] is None
+                      else f"{r['retransmissions_per_worker']:.1f}",
+                      f"{r['bound_s']:.4f}" if r["bound_s"] else "-",
+                      f"{r['speedup_over_gloo']:.2f}x" if r.get("speedup_over_gloo") else "-",
+                      check])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
+              for i, h in enumerate(head)]
+    fmt = "  ".join("{:>%d}" % w for w in widths)
+    return "\n".join([fmt.format(*head)] + [fmt.format(*line) for line in lines])
+
+
+def _preflight(args) -> None:
+    if "gloo" in args.systems and importlib.util.find_spec("torch") is None:
+        raise SystemExit("switchml bench: gloo needs torch (pip install 'switchml[torch]'), "
+                         "or leave it out with --systems dense sparse")
+    if "sparse" in args.systems and not args.densities and args.systems == ["sparse"]:
+        raise SystemExit("switchml bench: --systems sparse needs --densities")
+    if args.testbed and not 0.0 <= args.loss < 1.0:
+        raise SystemExit("switchml bench: --loss must be in [0, 1)")
+
+
+def run(args, cluster) -> dict:
+    from tqdm import tqdm
+
+    per_world = sum(len(_cases(args, mib)) for mib in args.sizes)
+    per_world += len(args.sizes) if "gloo" in args.systems else 0
+    rows, counters = [], {}
+    with tqdm(total=per_world * len(args.workers), unit="case", file=sys.stderr,
+              desc="bench") as bar:
+        for world in args.workers:
+            cases = [c for mib in args.sizes for c in _cases(args, mib)]
+            if cases:
+                bar.set_postfix_str(f"n={world} switchml")
+                got, counters[world] = run_switchml(cluster, world, cases, args, bar.update)
+                rows += got
+            if "gloo" in args.systems:
+                bar.set_postfix_str(f"n={world} gloo")
+                rows += run_gloo(cluster, world, args.sizes, args, bar.update)
+    _speedups(rows)
+    order = {"switchml-dense": 0, "switchml-sparse": 1, "gloo": 2}
+    rows.sort(key=lambda r: (r["workers"], r["size_bytes"], order[r["system"]],
+                             r["density"] or 0))
+    return {"rows": rows, "switch_job_counters": counters}
+
+
+def main(args, argv_text: str = "") -> int:
+    _preflight(args)
+    out = args.out or os.path.join(ROOT, "bench", "results",
+                                   f"bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(out, exist_ok=True)
+    results = {"command": "switchml bench " + argv_text,
+               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                           "python": platform.python_version()},
+               "settings": {k: v for k, v in vars(args).items() if k != "func"}}
+    try:
+        if args.testbed:
+            from switchml.testbed import Testbed, TestbedError
+
+            try:
+                with Testbed(max(args.workers), args.link, mtu=args.mtu, loss=args.loss,
+                             prefix=args.prefix) as tb:
+                    cluster = OnTestbed(tb)
+                    results["cluster"] = cluster.describe()
+                    results.update(run(args, cluster))
+                    results["loss_drops"] = tb.loss_drops() if args.loss else None
+            except TestbedError as exc:
+                print(f"switchml bench: {exc}", file=sys.stderr)
+                return 2
+        else:
+            cluster = Loopback()
+            results["cluster"] = cluster.describe()
+            results.update(run(args, cluster))
+    except BenchError as exc:
+        print(f"switchml bench: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # processes and testbed are gone by now
+        print("switchml bench: interrupted", file=sys.stderr)
+        return 130
+    link_bps = results["cluster"].get("link_bps")
+    print(format_table(results["rows"], link_bps))
+    if args.plots:
+        from bench.plots import write_plots
+
+        results["plots"] = write_plots(results["rows"], link_bps, out)
+    path = os.path.join(out, "results.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {path}" + "".join(f"\nwrote {p}" for p in results.get("plots", [])))
+    failed = [r for r in results["rows"] if r["checked"] is False or not r["ranks_bit_identical"]]
+    if failed:
+        print(f"switchml bench: {len(failed)} result(s) FAILED their check", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cli(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="switchml bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    argv = sys.argv[1:] if argv is None else argv
+    return main(parser.parse_args(argv), " ".join(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,221 @@
+"""``switchml testbed up|run|status|down`` and ``switchml bench``: their argparse set-up.
+
+``switchml.cli.build_parser`` calls ``add_parsers``; nothing here is imported
+beyond argparse until a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+DEFAULT_PREFIX = "smltb"
+
+
+def _testbed_up(args) -> int:
+    from .core import STATE_DIR, Testbed
+    from .errors import TestbedError
+
+    try:
+        tb = Testbed(args.hosts, None if args.link == "none" else args.link, mtu=args.mtu,
+                     loss=args.loss, prefix=args.prefix, subnet=args.subnet, burst=args.burst)
+    except ValueError as exc:
+        print(f"switchml testbed: {exc}", file=sys.stderr)
+        return 2
+    tb._catch_signals()  # TERM or HUP half way through up() cleans up like Ctrl-C
+    try:
+        # Not a ``with`` block: the testbed outlives this command.  up() removes what
+        # it made if it fails or is interrupted half way.
+        tb.up()
+        if args.switch:
+            log = os.path.join(STATE_DIR, f"{args.prefix}-switch.log")
+            with open(log, "w") as f:
+                subprocess.Popen(tb.command("switch", [sys.executable, "-m", "switchml.cli",
+                                                       "switch", "--host", tb.switch_address,
+                                                       "--port", str(tb.switch.split(":")[1])]),
+                                 stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True)
+            if not _wait_for(log, "listening on", 15.0):
+                tb.down()
+                print(f"switchml testbed: the switch did not start; its log:\n"
+                      f"{open(log).read()}", file=sys.stderr)
+                return 1
+    except TestbedError as exc:
+        print(f"switchml testbed: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"switchml testbed: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        tb._restore_signals()
+    print(_describe(tb, running_switch=args.switch))
+    return 0
+
+
+def _wait_for(path, text, timeout) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(path) as f:
+            if text in f.read():
+                return True
+        time.sleep(0.1)
+    return False
+
+
+def _describe(tb, running_switch=False) -> str:
+    link = f"{tb.link} each way" if tb.link_bps else "unshaped"
+    lines = [f"testbed '{tb.prefix}': {tb.hosts} hosts, links {link}, mtu {tb.mtu or 1500}, "
+             f"UDP loss {tb.loss:g}",
+             f"  switch   namespace {tb.switch_namespace:<12} bridge {tb.bridge} "
+             f"{tb.switch_address}" + (f"  (switch running on {tb.switch})"
+                                        if running_switch else "")]
+    for h in range(tb.hosts):
+        lines.append(f"  host {h:<3} namespace {tb.namespace(h):<12} veth   {tb.ifname(h)} "
+                     f"{tb.address(h)}")
+    lines.append(f"run a command in a host:  switchml testbed run --prefix {tb.prefix} 0 -- CMD"
+                 f"  (SWITCHML_SWITCH={tb.switch}, GLOO_SOCKET_IFNAME set)")
+    if not running_switch:
+        lines.append(f"start the switch:         switchml testbed run --prefix {tb.prefix} "
+                     f"switch -- switchml switch")
+    lines.append(f"remove it:                switchml testbed down --prefix {tb.prefix}")
+    return "\n".join(lines)
+
+
+def _testbed_run(args) -> int:
+    from .core import Testbed
+    from .errors import TestbedError
+
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not command:
+        print("switchml testbed run: give a command after --", file=sys.stderr)
+        return 2
+    try:
+        tb = Testbed.from_state(args.prefix)
+        argv = tb.command(args.host, command)
+        env = {**os.environ, **tb.env(args.host)}
+    except (TestbedError, ValueError) as exc:
+        print(f"switchml testbed run: {exc}", file=sys.stderr)
+        return 2
+    os.execvpe(argv[0], argv, env)  # the command's exit status becomes ours
+
+
+def _testbed_status(args) -> int:
+    from . import netns
+    from .core import Testbed, find_testbeds, read_state
+    from .errors import TestbedError
+
+    try:
+        netns.require_root()
+        found = find_testbeds()
+    except TestbedError as exc:
+        print(f"switchml testbed status: {exc}", file=sys.stderr)
+        return 2
+    prefixes = [args.prefix] if args.prefix else sorted(found)
+    if not prefixes:
+        print("no testbed is up")
+    for prefix in prefixes:
+        if prefix not in found:
+            print(f"testbed '{prefix}': not up")
+            continue
+        if read_state(prefix) is None:
+            print(f"testbed '{prefix}': namespaces {', '.join(sorted(found[prefix]))} "
+                  f"(left over: no record; remove with `switchml testbed down --prefix "
+                  f"{prefix}`)")
+            continue
+        tb = Testbed.from_state(prefix)
+        print(_describe(tb).split("\nrun a command")[0])
+        for h in range(tb.hosts):
+            c = tb.link_counters(h)
+            pids = netns.namespace_pids(tb.namespace(h))
+            print(f"  host {h}: sent {c['tx_bytes']} B, received {c['rx_bytes']} B, "
+                  f"processes {pids or 'none'}")
+        print(f"  switch processes: {netns.namespace_pids(tb.switch_namespace) or 'none'}")
+        if tb.loss:
+            print(f"  datagrams dropped by the loss rules: {tb.loss_drops()}")
+    return 0
+
+
+def _testbed_down(args) -> int:
+    from .core import teardown
+    from .errors import TestbedError
+
+    try:
+        removed = teardown(args.prefix)
+    except (TestbedError, ValueError) as exc:
+        print(f"switchml testbed down: {exc}", file=sys.stderr)
+        return 2
+    print(f"removed {', '.join(sorted(removed))}" if removed else "nothing to remove")
+    return 0
+
+
+def _bench(args) -> int:
+    from bench.suite import main
+
+    return main(args, " ".join(sys.argv[2:]))
+
+
+def _bench_arguments(parser) -> None:
+    """The bench's own flags, from bench/suite.py in the source tree (not installed)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if not os.path.isfile(os.path.join(root, "bench", "suite.py")):
+        parser.set_defaults(func=lambda _: _no_bench(root))
+        return
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    import bench.suite
+
+    parser.description = bench.suite.__doc__
+    bench.suite.add_arguments(parser)
+    parser.set_defaults(func=_bench)
+
+
+def _no_bench(root) -> int:
+    print(f"switchml bench runs from a source checkout: no bench/suite.py next to the switchml "
+          f"package ({root})", file=sys.stderr)
+    return 2
+
+
+def add_parsers(sub) -> None:
+    """Add ``testbed`` (with up, run, status, down) and ``bench`` to ``switchml``'s commands."""
+    tb = sub.add_parser("testbed", help="an emulated cluster: network namespaces, shaped links "
+                                        "(root)")
+    tsub = tb.add_subparsers(dest="testbed_command", required=True)
+
+    def prefixed(p):
+        p.add_argument("--prefix", default=DEFAULT_PREFIX,
+                       help="start of every namespace and device name (default %(default)s)")
+        return p
+
+    p = prefixed(tsub.add_parser("up", help="create N host namespaces and a switch namespace"))
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--link", default="1gbit",
+                   help="rate of every link each way, tc style (1gbit, 200mbit) or 'none'")
+    p.add_argument("--mtu", type=int, default=None, help="MTU of the links (default 1500)")
+    p.add_argument("--loss", type=float, default=0.0,
+                   help="probability of dropping a UDP datagram on each link (needs nft)")
+    p.add_argument("--subnet", default="10.77.0.0/24")
+    p.add_argument("--burst", default="256kb", help="tbf bucket size (default %(default)s)")
+    p.add_argument("--switch", action="store_true",
+                   help="also start a switchml switch on the bridge (in the background)")
+    p.set_defaults(func=_testbed_up)
+
+    p = prefixed(tsub.add_parser("run", help="run a command in a host (0, 1, ...) or 'switch'"))
+    p.add_argument("host", help="host index (0, h0, ...) or 'switch'")
+    p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    p.set_defaults(func=_testbed_run)
+
+    p = tsub.add_parser("status", help="the testbeds that are up, their links and processes")
+    p.add_argument("--prefix", default=None, help="only this testbed")
+    p.set_defaults(func=_testbed_status)
+
+    p = prefixed(tsub.add_parser("down", help="end its processes, remove its namespaces "
+                                              "(also after a crash)"))
+    p.set_defaults(func=_testbed_down)
+
+    p = sub.add_parser("bench", help="switchml dense/sparse against gloo, on loopback or the "
+                                     "testbed; JSON, PNG plots, a table",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _bench_arguments(p)

@@ -1,0 +1,372 @@
+"""An emulated cluster on one machine: host namespaces, a switch namespace, shaped links.
+
+    with Testbed(hosts=4, link="1gbit", mtu=9000, loss=0.0) as tb:
+        sw = tb.popen("switch", ["switchml", "switch", "--host", tb.switch_address])
+        tb.run(0, ["python", "train.py"])           # inside host 0's namespace
+
+Layout, for prefix P (default ``smltb``):
+
+    namespace P-h<i>   device P-h<i>  (veth; address host_address(i); tbf = uplink)
+          |
+    namespace P-sw     device P-p<i>  (veth peer, bridge port; tbf = downlink)
+                       device P-br    (bridge; address switch_address: the switch)
+
+Nothing is created in the machine's own namespace, and every name starts with the
+prefix, so ``down`` finds leftovers of a crashed run and two testbeds with
+different prefixes coexist.  A worker's traffic leaves through its uplink, is
+switched (or received by the switch process on the bridge address) and reaches
+other hosts through their downlinks: the switch process itself is not behind a
+shaped link, as an aggregating switch is not.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+
+from . import netns
+from .errors import TestbedError, TestbedExistsError
+from .netns import parse_rate, parse_size, sh
+
+DEFAULT_PREFIX = "smltb"
+DEFAULT_SUBNET = "10.77.0.0/24"
+#: Port the switch uses inside the testbed (its namespace is private: no clash).
+SWITCH_PORT = 7300
+#: tbf bucket: enough for a few jumbo frames and a 64 KiB GSO segment at once.
+DEFAULT_BURST = 256 * 1024
+#: Smallest tbf queue: a job's window of 64 KiB datagrams (32 slots, 2 MiB) must fit,
+#: or the downlink drops results the way a too-small switch buffer would.
+MIN_QUEUE = 4 << 20
+#: Where ``up`` records a testbed's settings for ``status``, ``run`` and ``down``.
+STATE_DIR = "/run/switchml-testbed"
+SWITCH = "switch"
+
+
+def _check_prefix(prefix: str) -> str:
+    # Interface names hold 15 characters: prefix + "-h" + up to 3 digits.
+    if not re.fullmatch(r"[a-z][a-z0-9]{0,7}", prefix or ""):
+        raise ValueError(f"prefix must be 1-8 lowercase letters or digits, starting with a "
+                         f"letter, got {prefix!r}")
+    return prefix
+
+
+def find_testbeds() -> dict:
+    """Prefixes of testbeds whose namespaces exist, each with its namespace names."""
+    found: dict = {}
+    for name in netns.list_namespaces():
+        match = re.fullmatch(r"([a-z][a-z0-9]{0,7})-(sw|h\d+)", name)
+        if match:
+            found.setdefault(match.group(1), []).append(name)
+    return found
+
+
+def teardown(prefix: str = DEFAULT_PREFIX) -> list:
+    """Remove every namespace (and so every device) of testbed ``prefix``; return their names.
+
+    Works without the ``Testbed`` object, for instance after a crash: processes still
+    inside the namespaces are ended first, since they would keep the devices alive.
+    """
+    _check_prefix(prefix)
+    netns.require_root()
+    netns.require_tool("ip")
+    names = find_testbeds().get(prefix, [])
+    # Hosts first, then the switch: a host's deletion takes its veth pair with it.
+    for name in sorted(names, key=lambda n: n.endswith("-sw")):
+        netns.delete_namespace(name)
+    for record in (f"{prefix}.json", f"{prefix}-switch.log"):
+        try:
+            os.unlink(os.path.join(STATE_DIR, record))
+        except FileNotFoundError:
+            pass
+    return names
+
+
+def read_state(prefix: str = DEFAULT_PREFIX) -> dict | None:
+    """The settings ``up`` recorded for testbed ``prefix``, or None."""
+    try:
+        with open(os.path.join(STATE_DIR, f"{_check_prefix(prefix)}.json")) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+class Testbed:
+    """N host namespaces wired to a bridge in a switch namespace, links shaped with tbf.
+
+    ``hosts``: number of host namespaces.  ``link``: rate of every link in each
+    direction ('1gbit', '200mbit', bits/s; None: unshaped).  ``mtu``: of every veth
+    and the bridge (None: 1500).  ``loss``: probability that a UDP datagram is
+    dropped when it arrives in a namespace (hosts and switch; needs nft).
+    ``prefix``: start of every namespace and device name.  ``subnet``: hosts get
+    its first addresses, the switch (bridge) its last usable one.  ``burst`` and
+    ``queue``: tbf bucket and queue limit in bytes.
+    """
+
+    __test__ = False  # not a pytest test class, despite the name
+
+    def __init__(self, hosts: int = 4, link="1gbit", *, mtu: int | None = None,
+                 loss: float = 0.0, prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET,
+                 burst=DEFAULT_BURST, queue=None, install_nft: bool = True):
+        self.prefix = _check_prefix(prefix)
+        net = ipaddress.ip_network(subnet)
+        if not 1 <= hosts <= min(255, net.num_addresses - 3):
+            raise ValueError(f"hosts must be between 1 and {min(255, net.num_addresses - 3)} "
+                             f"for subnet {subnet}, got {hosts}")
+        if not 0.0 <= loss < 1.0:
+            raise ValueError(f"loss must be in [0, 1), got {loss}")
+        if mtu is not None and not 68 <= mtu <= 65535:
+            raise ValueError(f"mtu must be between 68 and 65535, got {mtu}")
+        self.hosts = hosts
+        self.link = link
+        self.link_bps = parse_rate(link) if link not in (None, "", "none") else None
+        self.mtu = mtu
+        self.loss = float(loss)
+        self.subnet = net
+        self.burst = parse_size(burst)
+        if queue is None:  # 50 ms at the link rate, at least a job's window
+            queue = max(MIN_QUEUE, int((self.link_bps or 0) / 8 * 0.05))
+        self.queue = self.burst + parse_size(queue)
+        self.install_nft = install_nft
+        self._procs: list = []
+        self._up = False
+        self._saved_handlers: dict = {}
+
+    # ------------------------------------------------------------------ names
+    @property
+    def switch_namespace(self) -> str:
+        return f"{self.prefix}-sw"
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.prefix}-br"
+
+    @property
+    def switch_address(self) -> str:
+        """The bridge's address, where the switch process listens."""
+        return str(self.subnet.network_address + self.subnet.num_addresses - 2)
+
+    @property
+    def switch(self) -> str:
+        """'host:port' of a switch started on the bridge with ``SWITCH_PORT``."""
+        return f"{self.switch_address}:{SWITCH_PORT}"
+
+    def _index(self, host) -> int:
+        if isinstance(host, str) and re.fullmatch(r"h?\d+", host):
+            host = int(host.lstrip("h"))
+        if not isinstance(host, int) or not 0 <= host < self.hosts:
+            raise ValueError(f"host must be 0..{self.hosts - 1} or 'switch', got {host!r}")
+        return host
+
+    def namespace(self, host) -> str:
+        """Namespace of host ``i`` (0-based), or of the switch for 'switch'."""
+        if host in (SWITCH, "sw"):
+            return self.switch_namespace
+        return f"{self.prefix}-h{self._index(host)}"
+
+    def address(self, host) -> str:
+        if host in (SWITCH, "sw"):
+            return self.switch_address
+        return str(self.subnet.network_address + 1 + self._index(host))
+
+    def ifname(self, host) -> str:
+        """Host ``i``'s veth inside its namespace (GLOO_SOCKET_IFNAME), or the bridge."""
+        if host in (SWITCH, "sw"):
+            return self.bridge
+        return f"{self.prefix}-h{self._index(host)}"
+
+    def port(self, host) -> str:
+        """The bridge port (in the switch namespace) of host ``i``'s link."""
+        return f"{self.prefix}-p{self._index(host)}"
+
+    def env(self, host) -> dict:
+        """Environment variables that point programs in ``host`` at the testbed."""
+        if host in (SWITCH, "sw"):
+            return {"SWITCHML_HOST": self.switch_address, "SWITCHML_PORT": str(SWITCH_PORT)}
+        return {"SWITCHML_SWITCH": self.switch, "GLOO_SOCKET_IFNAME": self.ifname(host),
+                "MASTER_ADDR": self.address(0)}
+
+    # ------------------------------------------------------------------ running
+    def command(self, host, argv) -> list:
+        """``argv`` wrapped to run inside ``host``'s namespace."""
+        return ["ip", "netns", "exec", self.namespace(host), *argv]
+
+    def popen(self, host, argv, *, env=None, **kwargs) -> subprocess.Popen:
+        """Start ``argv`` in ``host``'s namespace; ``down`` ends it if it still runs."""
+        proc = subprocess.Popen(self.command(host, argv), env=self._env(host, env), **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def run(self, host, argv, *, env=None, check=True, **kwargs) -> subprocess.CompletedProcess:
+        """Run ``argv`` in ``host``'s namespace to completion (subprocess.run's keywords)."""
+        return subprocess.run(self.command(host, argv), env=self._env(host, env), check=check,
+                              **kwargs)
+
+    def _env(self, host, extra) -> dict:
+        return {**os.environ, **self.env(host), **(extra or {})}
+
+    def link_counters(self, host) -> dict:
+        """Bytes and packets host ``i``'s veth sent (uplink) and received (downlink)."""
+        return netns.link_counters(self.namespace(host), self.ifname(host))
+
+    def loss_drops(self) -> dict:
+        """Datagrams the loss rules dropped so far, per namespace."""
+        names = [self.namespace(h) for h in range(self.hosts)] + [self.switch_namespace]
+        return {ns: netns.udp_loss_drops(ns, self._loss_table) for ns in names}
+
+    @property
+    def _loss_table(self) -> str:
+        return f"{self.prefix}_loss"
+
+    # ------------------------------------------------------------------ life cycle
+    def __enter__(self) -> "Testbed":
+        self._catch_signals()
+        try:
+            return self.up()
+        except BaseException:
+            self._restore_signals()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.down()
+        finally:
+            self._restore_signals()
+
+    def up(self) -> "Testbed":
+        """Create everything; on any failure (or Ctrl-C) remove what was made and raise."""
+        netns.require_root()
+        netns.require_tool("ip")
+        if self.link_bps is not None:
+            netns.require_tool("tc")
+        if self.loss > 0:
+            netns.ensure_nft(self.install_nft)
+        if self.prefix in find_testbeds():
+            raise TestbedExistsError(
+                f"a testbed with prefix '{self.prefix}' is already up (or left over from a "
+                f"crash): remove it with `switchml testbed down --prefix {self.prefix}` or "
+                f"choose another prefix")
+        self._up = True  # from here on, down() has something to remove
+        try:
+            self._create()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def down(self) -> None:
+        """End processes started in the testbed and remove its namespaces; idempotent."""
+        if not self._up:
+            return
+        # A second Ctrl-C or TERM must not cut the clean-up short.
+        blocked = self._ignore_signals()
+        try:
+            for proc in self._procs:
+                if proc.poll() is None:
+                    proc.terminate()
+            teardown(self.prefix)
+            for proc in self._procs:
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            self._procs.clear()
+            self._up = False
+        finally:
+            self._unignore_signals(blocked)
+
+    def _create(self) -> None:
+        sw = self.switch_namespace
+        prefix_len = self.subnet.prefixlen
+        for ns in [sw] + [self.namespace(h) for h in range(self.hosts)]:
+            sh(["ip", "netns", "add", ns])
+            # No IPv6: its router solicitations and MLD reports would add stray
+            # bytes to the link counters.
+            sh(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1"],
+               check=False)
+            sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+        sh(["ip", "-n", sw, "link", "add", self.bridge, "type", "bridge"])
+        for h in range(self.hosts):
+            ns, dev, port = self.namespace(h), self.ifname(h), self.port(h)
+            # Both ends are created inside their namespaces: the machine's own
+            # namespace never sees a testbed device.
+            sh(["ip", "-n", ns, "link", "add", dev, "type", "veth", "peer", "name", port,
+                "netns", sw])
+            if self.mtu:
+                sh(["ip", "-n", ns, "link", "set", dev, "mtu", str(self.mtu)])
+                sh(["ip", "-n", sw, "link", "set", port, "mtu", str(self.mtu)])
+            sh(["ip", "-n", sw, "link", "set", port, "master", self.bridge])
+            sh(["ip", "-n", ns, "addr", "add", f"{self.address(h)}/{prefix_len}", "dev", dev])
+            sh(["ip", "-n", sw, "link", "set", port, "up"])
+            sh(["ip", "-n", ns, "link", "set", dev, "up"])
+            if self.link_bps is not None:
+                netns.shape(ns, dev, self.link_bps, self.burst, self.queue)    # uplink
+                netns.shape(sw, port, self.link_bps, self.burst, self.queue)   # downlink
+            if self.loss > 0:
+                netns.add_udp_loss(ns, self._loss_table, self.loss)
+        if self.mtu:
+            sh(["ip", "-n", sw, "link", "set", self.bridge, "mtu", str(self.mtu)])
+        sh(["ip", "-n", sw, "addr", "add", f"{self.switch_address}/{prefix_len}",
+            "dev", self.bridge])
+        sh(["ip", "-n", sw, "link", "set", self.bridge, "up"])
+        if self.loss > 0:
+            netns.add_udp_loss(sw, self._loss_table, self.loss)
+        self._write_state()
+
+    def _write_state(self) -> None:
+        os.makedirs(STATE_DIR, exist_ok=True)
+        state = {"prefix": self.prefix, "hosts": self.hosts, "link": self.link,
+                 "link_bps": self.link_bps, "mtu": self.mtu, "loss": self.loss,
+                 "subnet": str(self.subnet), "burst": self.burst, "queue": self.queue,
+                 "switch": self.switch, "created": time.time()}
+        with open(os.path.join(STATE_DIR, f"{self.prefix}.json"), "w") as f:
+            json.dump(state, f, indent=2)
+
+    @classmethod
+    def from_state(cls, prefix: str = DEFAULT_PREFIX) -> "Testbed":
+        """A handle on a testbed that ``switchml testbed up`` left running (not owned:
+        leaving a ``with`` block does not remove it)."""
+        state = read_state(prefix)
+        if state is None or prefix not in find_testbeds():
+            raise TestbedError(f"no testbed with prefix '{prefix}' is up "
+                               f"(start one with `switchml testbed up`)")
+        return cls(state["hosts"], state["link"], mtu=state["mtu"], loss=state["loss"],
+                   prefix=prefix, subnet=state["subnet"], burst=state["burst"],
+                   queue=state["queue"] - state["burst"])
+
+    # ------------------------------------------------------------------ signals
+    def _catch_signals(self) -> None:
+        """TERM and HUP clean up like Ctrl-C does: they raise SystemExit in the main thread."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                self._saved_handlers[sig] = signal.signal(sig, _exit_on_signal)
+
+    def _restore_signals(self) -> None:
+        for sig, handler in self._saved_handlers.items():
+            signal.signal(sig, handler)
+        self._saved_handlers.clear()
+
+    @staticmethod
+    def _ignore_signals() -> dict:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {sig: signal.signal(sig, signal.SIG_IGN)
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+
+    @staticmethod
+    def _unignore_signals(saved: dict) -> None:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _exit_on_signal(signum, _frame):
+    raise SystemExit(128 + signum)

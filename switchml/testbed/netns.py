@@ -1,0 +1,188 @@
+"""Thin wrappers over ``ip``, ``tc`` and ``nft``: the commands the testbed runs.
+
+Every call goes through ``sh``, which turns a missing tool into ``ToolMissingError``
+and a failed command into ``CommandError`` carrying its stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+from .errors import CommandError, NotRootError, ToolMissingError
+
+#: Debian package of each tool, for the messages (and for installing nft).
+PACKAGES = {"ip": "iproute2", "tc": "iproute2", "nft": "nftables"}
+
+_RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
+
+
+def parse_rate(rate) -> float:
+    """A tc-style rate ('1gbit', '200mbit', '500kbit', or bits/s as a number) in bits/s."""
+    if isinstance(rate, (int, float)) and not isinstance(rate, bool):
+        value = float(rate)
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", str(rate).lower())
+        if not match or match.group(2) not in ("",) + tuple(_RATE_UNITS):
+            raise ValueError(f"link rate must look like 1gbit, 200mbit or 500kbit, got {rate!r}")
+        value = float(match.group(1)) * _RATE_UNITS.get(match.group(2) or "bit")
+    if value <= 0:
+        raise ValueError(f"link rate must be positive, got {rate!r}")
+    return value
+
+
+def parse_size(size) -> int:
+    """A size in bytes: a number, or with a unit k/kb/m/mb (KiB, MiB, as tc reads them)."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+)\s*(|b|k|kb|m|mb)\s*", str(size).lower())
+    if not match:
+        raise ValueError(f"size must look like 256kb or 4mb, got {size!r}")
+    return int(match.group(1)) * {"": 1, "b": 1, "k": 1024, "kb": 1024,
+                                  "m": 1 << 20, "mb": 1 << 20}[match.group(2)]
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        raise NotRootError("the testbed needs root: network namespaces, veths and tc qdiscs "
+                           "need CAP_NET_ADMIN and CAP_SYS_ADMIN (run it as root, e.g. with sudo)")
+
+
+def require_tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise ToolMissingError(f"`{name}` is not installed; the testbed needs it "
+                               f"(Debian package {PACKAGES.get(name, name)}: "
+                               f"apt-get install {PACKAGES.get(name, name)})")
+    return path
+
+
+def ensure_nft(install: bool = True) -> str:
+    """The path of ``nft``, installing Debian's nftables package first when allowed."""
+    path = shutil.which("nft")
+    if path is not None or not install or shutil.which("apt-get") is None:
+        return require_tool("nft")
+    print("switchml testbed: loss emulation needs nft; installing the Debian package "
+          "nftables with apt-get", file=sys.stderr, flush=True)
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    install_cmd = ["apt-get", "install", "-y", "--no-install-recommends", "nftables"]
+    done = subprocess.run(install_cmd, capture_output=True, text=True, env=env)
+    if done.returncode != 0:  # the package lists may be missing: fetch them once and retry
+        subprocess.run(["apt-get", "update"], capture_output=True, text=True, env=env)
+        done = subprocess.run(install_cmd, capture_output=True, text=True, env=env)
+    if shutil.which("nft") is None:
+        raise ToolMissingError("`nft` is not installed and `apt-get install nftables` failed: "
+                               + (done.stderr.strip().splitlines() or ["(no output)"])[-1])
+    return shutil.which("nft")
+
+
+def sh(argv, *, check: bool = True, input: str | None = None,
+       timeout: float = 30.0) -> subprocess.CompletedProcess:
+    """Run a command; a missing program raises ToolMissingError, a failure CommandError."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, input=input, timeout=timeout)
+    except FileNotFoundError:
+        require_tool(argv[0])
+        raise
+    if check and done.returncode != 0:
+        raise CommandError(argv, done.returncode, done.stderr)
+    return done
+
+
+def list_namespaces() -> list:
+    """Names of the named network namespaces (``ip netns list``)."""
+    out = sh(["ip", "netns", "list"]).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def namespace_pids(ns: str) -> list:
+    out = sh(["ip", "netns", "pids", ns], check=False).stdout
+    return [int(p) for p in out.split() if p.isdigit()]
+
+
+def kill_namespace_processes(ns: str, grace: float = 2.0) -> None:
+    """End every process inside ``ns`` (they keep its devices alive): TERM, then KILL."""
+    pids = namespace_pids(ns)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while pids and time.monotonic() < deadline:
+            time.sleep(0.05)
+            pids = [p for p in pids if _alive(p)]
+        if not pids:
+            return
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie child of ours: reap it
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:  # not our child: alive unless it is a zombie
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+
+def delete_namespace(ns: str) -> None:
+    kill_namespace_processes(ns)
+    sh(["ip", "netns", "delete", ns], check=False)
+
+
+def link_counters(ns: str, dev: str) -> dict:
+    """Bytes and packets a device sent and received (``ip -s -j link``)."""
+    out = sh(["ip", "-n", ns, "-s", "-j", "link", "show", "dev", dev]).stdout
+    stats = json.loads(out)[0]["stats64"]
+    return {"tx_bytes": stats["tx"]["bytes"], "tx_packets": stats["tx"]["packets"],
+            "rx_bytes": stats["rx"]["bytes"], "rx_packets": stats["rx"]["packets"],
+            "tx_dropped": stats["tx"]["dropped"], "rx_dropped": stats["rx"]["dropped"]}
+
+
+def qdisc(ns: str, dev: str) -> list:
+    """The qdiscs on a device, as ``tc -j`` reports them."""
+    return json.loads(sh(["tc", "-n", ns, "-j", "-s", "qdisc", "show", "dev", dev]).stdout or "[]")
+
+
+def shape(ns: str, dev: str, rate_bps: float, burst: int, limit: int) -> None:
+    """A token bucket on ``dev``'s egress: ``rate``, bucket ``burst`` bytes, queue ``limit``."""
+    sh(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
+        "rate", f"{int(rate_bps)}bit", "burst", str(burst), "limit", str(limit)])
+
+
+def add_udp_loss(ns: str, table: str, loss: float) -> None:
+    """Drop each incoming UDP datagram with probability ``loss`` (nftables numgen)."""
+    threshold = round(loss * 1_000_000)
+    ruleset = (f"table inet {table} {{\n"
+               f"  chain input {{\n"
+               f"    type filter hook input priority 0; policy accept;\n"
+               f"    meta l4proto udp numgen random mod 1000000 < {threshold} counter drop\n"
+               f"  }}\n}}\n")
+    sh(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=ruleset)
+
+
+def udp_loss_drops(ns: str, table: str) -> int:
+    """Datagrams the loss rule in ``ns`` dropped so far (0 if there is no rule)."""
+    done = sh(["ip", "netns", "exec", ns, "nft", "-j", "list", "table", "inet", table],
+              check=False)
+    if done.returncode != 0:
+        return 0
+    for item in json.loads(done.stdout).get("nftables", []):
+        for expr in item.get("rule", {}).get("expr", []):
+            if "counter" in expr:
+                return int(expr["counter"]["packets"])
+    return 0

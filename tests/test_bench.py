@@ -1,0 +1,110 @@
+"""`switchml bench` end to end with tiny settings: every system runs on the same tensors,
+results are checked, bytes are counted, and the JSON and PNG files appear."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.common import lower_bound_s, ring_bytes  # noqa: E402
+from bench.plots import write_plots  # noqa: E402
+
+CLI = [sys.executable, "-m", "switchml.cli", "bench"]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_bounds_are_the_network_arithmetic():
+    mib64 = 64 * 2**20
+    assert lower_bound_s("switchml-dense", 4, mib64, 1e9) == pytest.approx(mib64 * 8 / 1e9)
+    assert lower_bound_s("gloo", 4, mib64, 1e9) == pytest.approx(1.5 * mib64 * 8 / 1e9)
+    assert ring_bytes(8, 800) == 1400
+    # sparse at d = 0.1 on 4 ranks: the union (34%) comes back down
+    assert lower_bound_s("switchml-sparse", 4, mib64, 1e9, 0.1) == pytest.approx(
+        (1 - 0.9**4) * mib64 * 8 / 1e9)
+    assert lower_bound_s("gloo", 4, mib64, None) is None
+
+
+def test_plots_are_written_for_the_data_there_is(tmp_path):
+    rows = [{"system": s, "workers": n, "size_bytes": 2**20, "size_mib": 1.0, "density": d,
+             "median_s": t, "speedup_over_gloo": g}
+            for s, n, d, t, g in [("switchml-dense", 2, None, 0.010, 1.2),
+                                  ("gloo", 2, None, 0.012, None),
+                                  ("switchml-sparse", 2, 0.1, 0.004, 3.0),
+                                  ("switchml-sparse", 2, 0.5, 0.008, 1.5)]]
+    paths = write_plots(rows, 1e9, str(tmp_path))
+    assert sorted(os.path.basename(p) for p in paths) == [
+        "speedup_vs_workers.png", "time_vs_density.png", "time_vs_size.png"]
+    for p in paths:
+        assert open(p, "rb").read(8) == PNG
+    # no gloo, no densities: only the plot that has data
+    alone = [dict(rows[0], speedup_over_gloo=None)]
+    assert [os.path.basename(p) for p in write_plots(alone, None, str(tmp_path))] == [
+        "time_vs_size.png"]
+
+
+def check_results(out, systems):
+    data = json.load(open(os.path.join(out, "results.json")))
+    rows = data["rows"]
+    assert {r["system"] for r in rows} == systems
+    for r in rows:
+        assert r["checked"] is True and r["ranks_bit_identical"], r
+        assert r["min_s"] <= r["median_s"] <= r["max_s"]
+    by = {(r["system"], r["density"]): r for r in rows}
+    dense, sparse = by[("switchml-dense", None)], by[("switchml-sparse", 0.1)]
+    size = dense["size_bytes"]
+    # switchml sends the tensor once (plus headers); the sparse path about a tenth of it
+    assert size <= dense["bytes_sent_per_worker"] < 1.2 * size
+    assert sparse["bytes_sent_per_worker"] < 0.25 * size
+    if "gloo" in systems:
+        assert by[("gloo", None)]["bytes_sent_per_worker"] == ring_bytes(2, size)
+        assert dense["speedup_over_gloo"] > 0
+    for name in ("time_vs_size.png", "time_vs_density.png"):
+        assert open(os.path.join(out, name), "rb").read(8) == PNG
+    return data
+
+
+def test_bench_on_loopback(tmp_path):
+    systems = {"switchml-dense", "switchml-sparse"}
+    args = ["--workers", "2", "--sizes", "0.25", "--densities", "0.1", "--repeats", "2",
+            "--out", str(tmp_path)]
+    try:
+        import torch  # noqa: F401
+        systems.add("gloo")
+    except ImportError:
+        args += ["--systems", "dense", "sparse"]
+    done = subprocess.run(CLI + args, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = check_results(str(tmp_path), systems)
+    assert data["cluster"] == {"kind": "loopback"}
+    assert "switchml-sparse" in done.stdout and "median s" in done.stdout  # the table
+    assert all(r["wire_tx_bytes_per_worker"] is None for r in data["rows"])  # no own link
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None,
+                    reason="the testbed needs root and tc")
+def test_bench_on_the_testbed(tmp_path):
+    args = ["--testbed", "--link", "200mbit", "--workers", "2", "--sizes", "1",
+            "--densities", "0.1", "--repeats", "1", "--systems", "dense", "sparse",
+            # a window of 4 slots: the default 32 x 64 KiB sits ~80 ms in the tbf queue
+            # at 200 Mbit/s and outlasts the retransmission timeout (docs/testbed.md)
+            "--slots-per-job", "4",
+            "--prefix", f"b{os.getpid() % 100000}", "--out", str(tmp_path)]
+    done = subprocess.run(CLI + args, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = check_results(str(tmp_path), {"switchml-dense", "switchml-sparse"})
+    assert data["cluster"]["link_bps"] == 200e6
+    dense = next(r for r in data["rows"] if r["system"] == "switchml-dense")
+    # measured on the host's veth: at least the UDP payload the worker counted
+    assert dense["wire_tx_bytes_per_worker"] >= dense["bytes_sent_per_worker"]
+    assert dense["bound_s"] == pytest.approx(dense["size_bytes"] * 8 / 200e6)
+    # the link really is in the way (unshaped: a tenth of this); the tbf bucket
+    # (256 KiB) lets a quarter of the tensor through at once, hence 0.6
+    assert dense["median_s"] >= 0.6 * dense["bound_s"]
+    assert f"b{os.getpid() % 100000}-h0" not in subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -1,0 +1,25 @@
+"""Socket buffers: root gets what it asks for, beyond net.core.rmem_max."""
+
+import os
+import socket
+import sys
+
+import pytest
+
+from switchml.netutil import enlarge_buffers
+
+
+def rmem_max():
+    with open("/proc/sys/net/core/rmem_max") as f:
+        return int(f.read())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.geteuid() != 0,
+                    reason="SO_RCVBUFFORCE needs Linux and CAP_NET_ADMIN (root)")
+def test_root_gets_a_receive_buffer_beyond_rmem_max():
+    # Python 3.11 has no socket.SO_RCVBUFFORCE; without Linux's value the request
+    # fell back to SO_RCVBUF and was capped at rmem_max, window cuts and drops followed.
+    want = 4 * rmem_max()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        assert enlarge_buffers(s, want) >= want
+        assert s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= want

@@ -1,0 +1,331 @@
+"""The emulated cluster: namespaces come and go cleanly, links are shaped, loss drops,
+and switchml and gloo run across host namespaces through the switch namespace.
+
+Tests that build namespaces need root and ip/tc (nft for loss); elsewhere they skip.
+Each uses its own prefix, so they never touch a testbed someone else has up.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import reference_sum
+from switchml.testbed import (NotRootError, Testbed, TestbedExistsError, ToolMissingError,
+                              netns, parse_rate)
+
+HELPERS = os.path.join(os.path.dirname(__file__), "testbed_helpers.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CLI = [sys.executable, "-m", "switchml.cli"]
+PACKET = 1024
+
+_why_not = None
+if os.geteuid() != 0:
+    _why_not = "needs root: network namespaces, veths and tc qdiscs"
+elif shutil.which("ip") is None or shutil.which("tc") is None:
+    _why_not = "needs iproute2's ip and tc"
+needs_root = pytest.mark.skipif(_why_not is not None, reason=_why_not or "")
+needs_nft = pytest.mark.skipif(shutil.which("nft") is None,
+                               reason="needs nft for loss (apt-get install nftables)")
+
+
+def prefix(tag):
+    """A prefix of this test process alone: concurrent runs do not collide."""
+    return f"t{os.getpid() % 100000}{tag}"
+
+
+def machine_state():
+    """What a testbed must leave as it found it: namespaces, devices, state files."""
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    return (sorted(netns.list_namespaces()),
+            sorted(line.split(":")[1].strip() for line in links.splitlines()))
+
+
+def running(pid):
+    """Whether ``pid`` runs (a zombie awaiting its reaper does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def assert_gone(p):
+    spaces, links = machine_state()
+    assert not [n for n in spaces if n.startswith(p + "-")]
+    assert not [dev for dev in links if dev.startswith(p + "-")]
+    assert not os.path.exists(f"/run/switchml-testbed/{p}.json")
+    assert not os.path.exists(f"/run/switchml-testbed/{p}-switch.log")
+
+
+# ---------------------------------------------------------------- anywhere
+def test_rates_parse_as_tc_reads_them():
+    assert parse_rate("1gbit") == 1e9
+    assert parse_rate("200mbit") == 200e6
+    assert parse_rate("500kbit") == 500e3
+    assert parse_rate(123456) == 123456
+    for bad in ("fast", "1gbps", "-5mbit", 0):
+        with pytest.raises(ValueError):
+            parse_rate(bad)
+
+
+def test_names_fit_linux_interface_names_and_prefixes_are_checked():
+    tb = Testbed(hosts=250, prefix="abcdefgh", subnet="10.9.0.0/24")
+    assert max(len(tb.ifname(249)), len(tb.port(249)), len(tb.bridge)) <= 15  # IFNAMSIZ - 1
+    assert tb.address(0) == "10.9.0.1" and tb.address(249) == "10.9.0.250"
+    assert tb.switch_address == "10.9.0.254"
+    assert tb.env(3)["GLOO_SOCKET_IFNAME"] == "abcdefgh-h3"
+    assert tb.env(3)["SWITCHML_SWITCH"] == "10.9.0.254:7300"
+    for bad in ("Upper", "9lead", "toolongprefix", "has-dash", ""):
+        with pytest.raises(ValueError):
+            Testbed(prefix=bad)
+    with pytest.raises(ValueError):
+        Testbed(hosts=300)  # more hosts than a /24 has addresses
+
+
+def test_not_root_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(NotRootError, match="needs root"):
+        Testbed(hosts=2, prefix="zzroot").up()
+    from switchml.cli import main
+    assert main(["testbed", "up", "--prefix", "zzroot"]) == 2
+    assert "needs root" in capsys.readouterr().err
+
+
+def test_a_missing_tool_is_a_clear_error_before_anything_is_made(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    real = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name: None if name == "tc" else real(name))
+    with pytest.raises(ToolMissingError, match="iproute2"):
+        Testbed(hosts=2, link="1gbit", prefix="zztool").up()
+    monkeypatch.setattr(shutil, "which", lambda name: None if name == "nft" else real(name))
+    with pytest.raises(ToolMissingError, match="nftables"):
+        Testbed(hosts=2, loss=0.01, prefix="zztool", install_nft=False).up()
+
+
+# ---------------------------------------------------------------- root
+@needs_root
+def test_up_builds_the_layout_and_down_leaves_nothing_behind():
+    before = machine_state()
+    p, q = prefix("a"), prefix("b")
+    with Testbed(hosts=3, link="100mbit", mtu=9000, prefix=p) as tb:
+        assert set(netns.list_namespaces()) >= {f"{p}-sw", f"{p}-h0", f"{p}-h1", f"{p}-h2"}
+        # nothing in the machine's own namespace
+        assert not [dev for dev in machine_state()[1] if dev.startswith(p)]
+        addr = json.loads(tb.run(1, ["ip", "-j", "addr", "show", "dev", tb.ifname(1)],
+                                 capture_output=True, text=True).stdout)[0]
+        assert addr["mtu"] == 9000
+        assert addr["addr_info"][0]["local"] == tb.address(1)
+        for ns, dev in ((tb.namespace(1), tb.ifname(1)), (tb.switch_namespace, tb.port(1))):
+            (qd,) = netns.qdisc(ns, dev)
+            assert qd["kind"] == "tbf" and qd["options"]["rate"] == 100_000_000 // 8
+        with pytest.raises(TestbedExistsError):
+            Testbed(hosts=1, prefix=p).up()
+        with Testbed(hosts=1, link=None, prefix=q):  # a second testbed coexists
+            assert f"{q}-h0" in netns.list_namespaces()
+        assert_gone(q)
+        assert f"{p}-h0" in netns.list_namespaces()  # ... and removing it spared this one
+    assert_gone(p)
+    assert machine_state() == before
+
+
+@needs_root
+def test_an_error_inside_the_block_still_removes_everything():
+    p = prefix("c")
+    with pytest.raises(RuntimeError, match="boom"):
+        with Testbed(hosts=2, prefix=p) as tb:
+            tb.popen(0, ["sleep", "30"])  # a process inside keeps devices alive if not ended
+            raise RuntimeError("boom")
+    assert_gone(p)
+
+
+SCRIPT = """
+import sys, time
+sys.path.insert(0, {root!r})
+from switchml.testbed import Testbed
+with Testbed(hosts=2, prefix={p!r}) as tb:
+    tb.popen(0, ["sleep", "60"])
+    print("up", flush=True)
+    time.sleep(60)
+"""
+
+
+@needs_root
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
+def test_a_signal_removes_everything(sig):
+    p = prefix("s" if sig == signal.SIGTERM else "i")
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT.format(root=ROOT, p=p)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "up", proc.stderr.read()
+    assert f"{p}-h1" in netns.list_namespaces()
+    proc.send_signal(sig)
+    proc.wait(timeout=20)
+    assert proc.returncode != 0
+    assert_gone(p)
+
+
+@needs_root
+def test_down_removes_the_leftovers_of_a_crashed_run():
+    p = prefix("d")
+    crashed = subprocess.run([sys.executable, "-c", f"""
+import os, subprocess, sys
+sys.path.insert(0, {ROOT!r})
+from switchml.testbed import Testbed
+tb = Testbed(hosts=2, prefix={p!r}).up()
+print(tb.popen(1, ["sleep", "60"], stdout=subprocess.DEVNULL,
+               stderr=subprocess.DEVNULL).pid, flush=True)
+os._exit(3)   # no clean-up at all
+"""], capture_output=True, text=True, timeout=30)
+    try:
+        assert crashed.returncode == 3, crashed.stderr
+        orphan = int(crashed.stdout.split()[0])
+        assert {f"{p}-h0", f"{p}-h1", f"{p}-sw"} <= set(netns.list_namespaces())
+    finally:
+        down = subprocess.run(CLI + ["testbed", "down", "--prefix", p], capture_output=True,
+                              text=True, timeout=30)
+    assert down.returncode == 0, down.stderr
+    assert f"{p}-h1" in down.stdout
+    assert_gone(p)
+    assert not running(orphan)  # the process left inside was ended
+
+
+@needs_root
+def test_cli_up_run_status_down():
+    p = prefix("e")
+    try:
+        up = subprocess.run(CLI + ["testbed", "up", "--prefix", p, "--hosts", "2", "--link",
+                                   "100mbit", "--switch"], capture_output=True, text=True,
+                            timeout=60)
+        assert up.returncode == 0, up.stderr
+        assert "switch running on 10.77.0.254:7300" in up.stdout
+        # a worker started with `testbed run` finds the switch through SWITCHML_SWITCH
+        code = ("import numpy as np, switchml; "
+                "w = switchml.Worker(None, 0, 1, job='cli'); "
+                "print(int(w.allreduce(np.arange(5000, dtype=np.int32)).sum())); w.close()")
+        run = subprocess.run(CLI + ["testbed", "run", "--prefix", p, "1", "--",
+                                    sys.executable, "-c", code], capture_output=True,
+                             text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.strip() == str(sum(range(5000)))
+        status = subprocess.run(CLI + ["testbed", "status", "--prefix", p],
+                                capture_output=True, text=True, timeout=30)
+        assert f"namespace {p}-h1" in status.stdout and "100mbit" in status.stdout
+    finally:
+        down = subprocess.run(CLI + ["testbed", "down", "--prefix", p], capture_output=True,
+                              text=True, timeout=30)
+    assert down.returncode == 0, down.stderr
+    assert_gone(p)
+
+
+def start_switch(tb):
+    sw = tb.popen("switch", [sys.executable, "-m", "switchml.cli", "switch", "--host",
+                             tb.switch_address, "--port", "7300", "--packet-elements",
+                             str(PACKET), "--slots", "64", "--log-level", "warning"],
+                  stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert "listening on" in sw.stdout.readline()
+    return sw
+
+
+def run_workers(tb, world, size, dtype, tmp_path):
+    procs = [tb.popen(h, [sys.executable, HELPERS, "worker", tb.switch, str(h), str(world),
+                          str(size), dtype, str(tmp_path / f"{dtype}-{h}")],
+                      stderr=subprocess.PIPE, text=True) for h in range(world)]
+    for proc in procs:
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    results = [np.load(tmp_path / f"{dtype}-{h}.npy") for h in range(world)]
+    counters = [json.load(open(tmp_path / f"{dtype}-{h}.json")) for h in range(world)]
+    return results, counters
+
+
+def expected(world, size, dtype):
+    sys.path.insert(0, os.path.dirname(HELPERS))
+    from testbed_helpers import make_input
+    return reference_sum([make_input(r, size, dtype) for r in range(world)], PACKET)
+
+
+@needs_root
+def test_allreduce_across_four_host_namespaces_through_the_switch_namespace(tmp_path):
+    size = 100_003
+    with Testbed(hosts=4, link="500mbit", prefix=prefix("f")) as tb:
+        start_switch(tb)
+        before = [tb.link_counters(h) for h in range(4)]
+        for dtype in ("float32", "int32"):
+            results, _ = run_workers(tb, 4, size, dtype, tmp_path)
+            want = expected(4, size, dtype)
+            for got in results:
+                assert got.tobytes() == want.tobytes()
+        after = [tb.link_counters(h) for h in range(4)]
+    for b, a in zip(before, after):
+        # both tensors went up and came back down through each host's own link
+        assert a["tx_bytes"] - b["tx_bytes"] >= 2 * size * 4
+        assert a["rx_bytes"] - b["rx_bytes"] >= 2 * size * 4
+
+
+def transfer_rate(tb, server, client, nbytes):
+    """Bits/s of one TCP transfer from ``client`` to ``server`` (receiver's clock)."""
+    sink = tb.popen(server, [sys.executable, HELPERS, "sink", tb.address(server), "5201"],
+                    stdout=subprocess.PIPE, text=True)
+    assert sink.stdout.readline().strip() == "listening"
+    tb.run(client, [sys.executable, HELPERS, "source", tb.address(server), "5201",
+                    str(nbytes)], timeout=60)
+    got = json.loads(sink.stdout.readline())
+    sink.wait(timeout=10)
+    assert got["bytes"] == nbytes
+    return got["bytes"] * 8 / got["seconds"]
+
+
+@needs_root
+def test_shaping_limits_the_rate_of_uplink_and_downlink():
+    link = 40e6
+    with Testbed(hosts=1, link="40mbit", prefix=prefix("g")) as tb:
+        up = transfer_rate(tb, "switch", 0, 2_500_000)    # host 0's veth: its uplink
+        down = transfer_rate(tb, 0, "switch", 2_500_000)  # the bridge port: its downlink
+    # Unshaped, a veth moves gigabits here; the tbf bucket (256 KiB) may go out at
+    # once, hence some slack above the rate.
+    for rate in (up, down):
+        assert 0.3 * link < rate < 1.3 * link, (up, down)
+
+
+@needs_root
+@needs_nft
+def test_loss_rule_drops_datagrams_and_switchml_still_sums_exactly(tmp_path):
+    size = 200_000
+    with Testbed(hosts=2, link="500mbit", loss=0.05, prefix=prefix("h")) as tb:
+        start_switch(tb)
+        results, counters = run_workers(tb, 2, size, "float32", tmp_path)
+        stats = json.loads(tb.run("switch", [sys.executable, "-m", "switchml.cli", "stats",
+                                             "--switch", tb.switch, "--json"],
+                                  capture_output=True, text=True, cwd=ROOT).stdout)
+        drops = tb.loss_drops()
+    want = expected(2, size, "float32")
+    for got in results:
+        assert got.tobytes() == want.tobytes()
+    assert all(c["retransmissions"] > 0 for c in counters)
+    assert drops[tb.switch_namespace] > 0 and drops[tb.namespace(0)] > 0
+    job = stats["ended_jobs"]["testbed"]["counters"]
+    assert job.get("retransmissions_answered", 0) > 0  # lost results sent again from the copy
+
+
+@needs_root
+def test_gloo_runs_inside_the_namespaces_over_their_links():
+    pytest.importorskip("torch")
+    size = 250_000
+    with Testbed(hosts=2, link="500mbit", prefix=prefix("j")) as tb:
+        before = tb.link_counters(1)
+        procs = [tb.popen(h, [sys.executable, HELPERS, "gloo", str(h), "2", str(size)],
+                          env={"MASTER_PORT": "29500"}, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) for h in range(2)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        after = tb.link_counters(1)
+    for proc, (out, err) in zip(procs, outs):
+        assert proc.returncode == 0, err
+        assert json.loads(out)["sum"] == 3 * size * (size - 1) / 2  # (1 + 2) * sum(arange)
+    # ring allreduce of n = 2: each rank sends and receives S through its own link
+    assert after["tx_bytes"] - before["tx_bytes"] >= size * 4
+    assert after["rx_bytes"] - before["rx_bytes"] >= size * 4

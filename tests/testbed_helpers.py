@@ -1,0 +1,76 @@
+"""Programs the testbed tests run inside namespaces: ``python testbed_helpers.py ROLE ARGS``.
+
+- ``worker SWITCH RANK WORLD SIZE DTYPE OUT``: one switchml rank; saves its result to
+  OUT.npy and its counters to OUT.json.
+- ``sink HOST PORT``: accept one TCP connection, print bytes received and seconds
+  from first to last byte.
+- ``source HOST PORT BYTES``: connect and send BYTES.
+- ``gloo RANK WORLD SIZE``: one torch gloo rank (MASTER_ADDR, MASTER_PORT and
+  GLOO_SOCKET_IFNAME from the environment); prints its all_reduce result's sum.
+"""
+
+import json
+import socket
+import sys
+import time
+
+import numpy as np
+
+
+def make_input(rank, size, dtype):
+    rng = np.random.default_rng([7, rank, size])
+    if dtype == "int32":
+        return rng.integers(-(2**20), 2**20, size, dtype=np.int32)
+    return rng.standard_normal(size).astype(np.float32)
+
+
+def worker(switch, rank, world, size, dtype, out):
+    import switchml
+
+    with switchml.Worker(switch, int(rank), int(world), job="testbed", timeout=30) as w:
+        result = w.allreduce(make_input(int(rank), int(size), dtype))
+        counters = w.counters
+    np.save(out + ".npy", result)
+    with open(out + ".json", "w") as f:
+        json.dump(counters, f)
+
+
+def sink(host, port):
+    with socket.create_server((host, int(port))) as srv:
+        print("listening", flush=True)
+        conn, _ = srv.accept()
+        total, first, last = 0, None, None
+        with conn:
+            while True:
+                data = conn.recv(1 << 20)
+                if not data:
+                    break
+                last = time.perf_counter()
+                first = first or last
+                total += len(data)
+    print(json.dumps({"bytes": total, "seconds": (last - first) if total else 0.0}), flush=True)
+
+
+def source(host, port, nbytes):
+    chunk = b"x" * (1 << 16)
+    left = int(nbytes)
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        while left > 0:
+            conn.sendall(chunk[:left])
+            left -= len(chunk)
+
+
+def gloo(rank, world, size):
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=int(rank), world_size=int(world))
+    t = torch.arange(int(size), dtype=torch.float32) * (int(rank) + 1)
+    dist.all_reduce(t)
+    dist.barrier()
+    dist.destroy_process_group()
+    print(json.dumps({"sum": float(t.double().sum())}), flush=True)
+
+
+if __name__ == "__main__":
+    {"worker": worker, "sink": sink, "source": source, "gloo": gloo}[sys.argv[1]](*sys.argv[2:])
