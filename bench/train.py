@@ -1,6 +1,7 @@
 """samples/s of the two DDP examples on switchml and on gloo, launched by torchrun.
 
     python bench/train.py --workers 2 4 --repeats 2 --out bench/results/train.json
+    python bench/train.py --workers 4 --testbed --link 1gbit      # root: emulated cluster
 
 For every worker count it runs, one after the other on the same machine:
 examples/train_ddp.py (digits MLP) on gloo and on switchml (sparse "auto"), and
@@ -10,11 +11,17 @@ its training epochs, allreduce time per step (DDP buckets timed by a comm hook,
 the same hook on both backends), test accuracy and switchml bytes per step.
 The median run of ``--repeats`` is kept; the table prints ratios to gloo from
 the same invocation, since absolute numbers on shared machines are noisy.
+
+With ``--testbed`` every rank runs in a host namespace of an emulated cluster
+(switchml.testbed) under its own torchrun (``--nnodes N --node-rank i``), as on
+N machines, and switchml uses one switch in the switch namespace.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import platform
@@ -38,18 +45,46 @@ CONFIGS = [
 ]
 
 
+def _clean_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHML_")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
 def run_example(script: str, workers: int, args: list, extra: list) -> dict:
-    """One torchrun launch; rank 0's JSON summary."""
+    """One torchrun launch on this host; rank 0's JSON summary."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "summary.json")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHML_")}
-        env["OMP_NUM_THREADS"] = "1"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={workers}", os.path.join(ROOT, "examples", script),
                "--quiet", "--json", out, *args, *extra]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        proc = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def run_on_testbed(tb, script: str, args: list, extra: list) -> dict:
+    """One torchrun per host namespace (``--nnodes``), as on separate machines."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "summary.json")
+        procs = []
+        for rank in range(tb.hosts):
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={tb.hosts}",
+                   f"--node-rank={rank}", "--nproc-per-node=1", f"--master-addr={tb.address(0)}",
+                   "--master-port=29500", os.path.join(ROOT, "examples", script),
+                   "--quiet", "--json", out, *args, *extra]
+            procs.append(tb.popen(rank, cmd, env={**_clean_env(), **tb.env(rank)},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        errors = []
+        for rank, proc in enumerate(procs):
+            _, err = proc.communicate()
+            if proc.returncode != 0:
+                errors.append(f"rank {rank}: {err[-2000:]}")
+        if errors:
+            raise RuntimeError(f"{script} {' '.join(args)} failed on the testbed:\n"
+                               + "\n".join(errors))
         with open(out) as f:
             return json.load(f)
 
@@ -61,23 +96,63 @@ def main(argv=None) -> None:
     p.add_argument("--only", nargs="*", default=None, help="names of configurations to run")
     p.add_argument("--digits-args", default="", help="extra arguments for train_ddp.py")
     p.add_argument("--sparse-args", default="", help="extra arguments for train_sparse.py")
+    p.add_argument("--testbed", action="store_true",
+                   help="run on an emulated cluster of --workers hosts (root)")
+    p.add_argument("--link", default="1gbit", help="testbed link rate")
+    p.add_argument("--mtu", type=int, default=None, help="testbed MTU")
+    p.add_argument("--slots-per-job", type=int, default=4,
+                   help="testbed switch's window per job: a window that fits the link's "
+                        "queue (default %(default)s)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     extra = {"train_ddp.py": args.digits_args.split(), "train_sparse.py": args.sparse_args.split()}
     runs = []
     for workers in args.workers:
-        for name, script, backend_args in CONFIGS:
-            if args.only and name not in args.only:
-                continue
-            trials = [run_example(script, workers, backend_args, extra[script])
-                      for _ in range(args.repeats)]
-            rate = statistics.median(t["samples_per_s"] for t in trials)
-            best = min(trials, key=lambda t: abs(t["samples_per_s"] - rate))
-            runs.append(dict(best, name=name, script=script, samples_per_s_all=[
-                t["samples_per_s"] for t in trials]))
-            print(f"n={workers} {name:<30} {best['samples_per_s']:8.0f} samples/s  "
-                  f"allreduce {best['allreduce_ms_per_step']:7.1f} ms/step  "
-                  f"accuracy {100 * best['test_accuracy']:.2f}%", flush=True)
+        if args.testbed:
+            with _testbed(workers, args) as tb:
+                runs += _run_configs(workers, functools.partial(run_on_testbed, tb), args, extra)
+        else:
+            launch = lambda *a: run_example(a[0], workers, *a[1:])  # noqa: E731
+            runs += _run_configs(workers, launch, args, extra)
+    _finish(runs, args, argv)
+
+
+@contextlib.contextmanager
+def _testbed(workers: int, args):
+    """A testbed of ``workers`` hosts with a switch running in its switch namespace."""
+    from switchml.testbed import SWITCH_PORT, Testbed
+
+    with Testbed(hosts=workers, link=args.link, mtu=args.mtu) as tb:
+        switch = tb.popen("switch", [sys.executable, "-m", "switchml.cli", "switch",
+                                     "--host", tb.switch_address, "--port", str(SWITCH_PORT),
+                                     "--slots-per-job", str(args.slots_per_job),
+                                     "--log-level", "warning"],
+                          stdout=subprocess.DEVNULL)
+        time.sleep(1.0)  # listening well before the first join (joins also retry)
+        try:
+            yield tb
+        finally:
+            switch.terminate()
+            switch.wait()
+
+
+def _run_configs(workers: int, launch, args, extra) -> list:
+    runs = []
+    for name, script, backend_args in CONFIGS:
+        if args.only and name not in args.only:
+            continue
+        trials = [launch(script, backend_args, extra[script]) for _ in range(args.repeats)]
+        rate = statistics.median(t["samples_per_s"] for t in trials)
+        best = min(trials, key=lambda t: abs(t["samples_per_s"] - rate))
+        runs.append(dict(best, name=name, script=script, samples_per_s_all=[
+            t["samples_per_s"] for t in trials]))
+        print(f"n={workers} {name:<30} {best['samples_per_s']:8.0f} samples/s  "
+              f"allreduce {best['allreduce_ms_per_step']:7.1f} ms/step  "
+              f"accuracy {100 * best['test_accuracy']:.2f}%", flush=True)
+    return runs
+
+
+def _finish(runs: list, args, argv) -> None:
     for r in runs:
         gloo = next((g for g in runs if g["workers"] == r["workers"]
                      and g["script"] == r["script"] and g["name"].endswith("gloo")), None)
@@ -85,7 +160,9 @@ def main(argv=None) -> None:
     print(table(runs))
     result = {"command": "python bench/train.py " + " ".join(argv or sys.argv[1:]),
               "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
-              "date": time.strftime("%Y-%m-%d %H:%M"), "runs": runs}
+              "date": time.strftime("%Y-%m-%d %H:%M"),
+              "network": f"testbed, {args.link} links" if args.testbed else "loopback",
+              "runs": runs}
     out = args.out or os.path.join(ROOT, "bench", "results",
                                    f"train-{time.strftime('%Y%m%d-%H%M%S')}.json")
     with open(out, "w") as f:
