@@ -78,9 +78,10 @@ def _table(header: list, rows: list) -> list:
 def format_stats(stats: dict) -> str:
     """The counters of ``fetch_stats`` as tables: jobs, then drops by reason and job."""
     admission = stats.get("admission", {})
+    running = admission.get("running", len(stats["jobs"]))
     lines = [f"slots {stats['slots']} (free {stats['free_slots']}), packet_elements "
-             f"{stats['packet_elements']}, jobs running {admission.get('running', len(stats['jobs']))}"
-             f" (max {admission.get('max_jobs', '?')}), cpu {stats.get('cpu_s', 0):.2f}s over "
+             f"{stats['packet_elements']}, jobs running {running} (max "
+             f"{admission.get('max_jobs', '?')}), cpu {stats.get('cpu_s', 0):.2f}s over "
              f"{stats.get('uptime_s', 0):.1f}s"]
     jobs = [(name, "running", job) for name, job in stats["jobs"].items()]
     jobs += [(name, job.get("state", "ended"), job) for name, job in stats["ended_jobs"].items()]

@@ -119,7 +119,8 @@ def test_refused_joins_are_counted_by_limit():
 
 def test_metrics_without_prometheus_client_name_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # as if not installed
-    with pytest.raises(switchml.MetricsUnavailableError, match=r"pip install 'switchml\[metrics\]'"):
+    with pytest.raises(switchml.MetricsUnavailableError,
+                       match=r"pip install 'switchml\[metrics\]'"):
         switchml.Switch(metrics_port=0)
     code = ("import sys; sys.modules['prometheus_client'] = None; from switchml.cli import main; "
             "sys.exit(main(['switch', '--port', '0', '--metrics-port', '0']))")

@@ -96,8 +96,8 @@ class SwitchCollector:
         # A re-formed job may share its name with an ended one: the session tells them apart.
         for name, job in list(stats["jobs"].items()) + list(stats["ended_jobs"].items()):
             labels = [name, f"{job['session']:08x}"]
-            info.add_metric(labels + [job.get("state", "running"), str(job["world_size"]),
-                                      f"{job['slot_base']}..{job['slot_base'] + job['slot_count'] - 1}"],
+            slots = f"{job['slot_base']}..{job['slot_base'] + job['slot_count'] - 1}"
+            info.add_metric(labels + [job.get("state", "running"), str(job["world_size"]), slots],
                             1)
             counters = job["counters"]
             for key in JOB_COUNTERS:
