@@ -6,11 +6,12 @@
         total = w.allreduce(np.ones(1000, np.float32))
 """
 
-from .errors import (JoinRefusedError, SwitchMLError, SwitchMLTimeoutError,
-                     SwitchUnreachableError)
+from .errors import (JoinRefusedError, LimitExceededError, MetricsUnavailableError,
+                     SwitchMLError, SwitchMLTimeoutError, SwitchUnreachableError)
 from .switch.server import Switch
 from .worker.client import AllreduceHandle, Worker
 
 __all__ = ["Switch", "Worker", "AllreduceHandle", "SwitchMLError", "SwitchMLTimeoutError",
-           "JoinRefusedError", "SwitchUnreachableError"]
+           "JoinRefusedError", "LimitExceededError", "MetricsUnavailableError",
+           "SwitchUnreachableError"]
 __version__ = "0.1.0"

@@ -9,7 +9,21 @@ import socket
 import sys
 
 from . import config
+from .errors import MetricsUnavailableError
 from .netutil import LineReader, encode_line
+from .switch.pipeline import MAX_WORKERS
+from .wire import max_packet_elements
+
+LIMITS = f"""limits (each refused with an error that names it):
+  at most {MAX_WORKERS} workers per job (max_workers: the width of the switch's
+    contribution bitmap);
+  at most {max_packet_elements(config.DEFAULT_BLOCK_ELEMENTS)} elements per packet with \
+{config.DEFAULT_BLOCK_ELEMENTS}-value blocks (one UDP datagram
+    holds (65507 - 32) // (12 + 4 * block) whole blocks): --packet-elements;
+  at most --max-jobs jobs running at once (max_jobs);
+  a job's window of slots must fit in the free part of the pool (slots): a job
+    that does not fit is refused, or waits if its workers pass wait_for_slots;
+  at most 65535 slots in the pool."""
 
 
 def _switch(args) -> int:
@@ -20,14 +34,18 @@ def _switch(args) -> int:
     try:
         switch = Switch(args.host, args.port, drop_rate=args.drop_rate, slots=args.slots,
                         packet_elements=args.packet_elements, block_elements=args.block_elements,
-                        slots_per_job=args.slots_per_job, seed=args.seed)
-    except ValueError as exc:
+                        slots_per_job=args.slots_per_job, max_jobs=args.max_jobs,
+                        seed=args.seed, metrics_port=args.metrics_port,
+                        metrics_host=args.metrics_host)
+        switch.start()
+    except (ValueError, OSError, MetricsUnavailableError) as exc:
         print(f"switchml switch: {exc}", file=sys.stderr)
         return 2
-    switch.start()
     host, port = switch.address
     print(f"switchml switch listening on {host}:{port} (TCP control, UDP data); "
           f"export SWITCHML_SWITCH={host}:{port}", flush=True)
+    if switch.metrics_address:
+        print("Prometheus metrics on http://%s:%d/metrics" % switch.metrics_address, flush=True)
     try:
         switch.serve_forever()
     except KeyboardInterrupt:
@@ -49,18 +67,53 @@ def fetch_stats(address, timeout: float = 5.0) -> dict:
                     return msg["stats"]
 
 
+def _table(header: list, rows: list) -> list:
+    """Lines of a plain text table: the first column left-aligned, the others right."""
+    cells = [[str(c) for c in row] for row in [header] + rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                      for i, (c, w) in enumerate(zip(row, widths))).rstrip() for row in cells]
+
+
 def format_stats(stats: dict) -> str:
+    """The counters of ``fetch_stats`` as tables: jobs, then drops by reason and job."""
+    admission = stats.get("admission", {})
+    running = admission.get("running", len(stats["jobs"]))
     lines = [f"slots {stats['slots']} (free {stats['free_slots']}), packet_elements "
-             f"{stats['packet_elements']}, cpu {stats.get('cpu_s', 0):.2f}s over "
+             f"{stats['packet_elements']}, jobs running {running} (max "
+             f"{admission.get('max_jobs', '?')}), cpu {stats.get('cpu_s', 0):.2f}s over "
              f"{stats.get('uptime_s', 0):.1f}s"]
-    for key, value in sorted(stats["counters"].items()):
-        lines.append(f"  {key:<32} {value:>12}")
-    for title, jobs in (("job", stats["jobs"]), ("ended job", stats["ended_jobs"])):
-        for name, job in jobs.items():
-            lines.append(f"{title} {name}: world {job['world_size']}, slots "
-                         f"{job['slot_base']}..{job['slot_base'] + job['slot_count'] - 1}")
-            for key, value in sorted(job["counters"].items()):
-                lines.append(f"  {key:<32} {value:>12}")
+    jobs = [(name, "running", job) for name, job in stats["jobs"].items()]
+    jobs += [(name, job.get("state", "ended"), job) for name, job in stats["ended_jobs"].items()]
+    rows = []
+    for name, state, job in jobs:
+        c = job["counters"]
+        rows.append([name, f"{job['session']:08x}", state, job["world_size"],
+                     f"{job['slot_base']}..{job['slot_base'] + job['slot_count'] - 1}",
+                     c.get("packets_in", 0), c.get("results_out", 0),
+                     c.get("retransmissions_answered", 0), c.get("duplicates", 0),
+                     sum(v for k, v in c.items() if k.startswith("dropped_"))])
+    lines += [""] + _table(["job", "session", "state", "world", "slots", "packets_in",
+                            "results_out", "retransmits", "duplicates", "dropped"], rows)
+    for job in admission.get("waiting", []):
+        lines.append(f"waiting for room: {job['job']} ({job['world_size']} ranks, "
+                     f"{job['slots']} slots)")
+    for job in admission.get("gathering", []):
+        lines.append(f"gathering: {job['job']} (ranks {job['present']} of {job['world_size']})")
+    columns = [("(no job)", stats["counters"])] + [(name, job["counters"])
+                                                   for name, _, job in jobs]
+    reasons = sorted({k for _, c in columns for k in c if k.startswith("dropped_")})
+    if reasons:
+        lines += ["", "drops by reason:"]
+        lines += _table(["reason"] + [name for name, _ in columns],
+                        [[r[len("dropped_"):]] + [c.get(r, 0) for _, c in columns]
+                         for r in reasons])
+    events = {k: v for k, v in stats["counters"].items() if not k.startswith("dropped_")}
+    refused = admission.get("refused", {})
+    if events or refused:
+        lines += ["", "switch events:"]
+        lines += _table(["event", "count"], sorted(events.items())
+                        + [(f"join refused: {k}", v) for k, v in sorted(refused.items())])
     return "\n".join(lines)
 
 
@@ -86,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="switchml", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("switch", help="run a software switch in the foreground until Ctrl-C")
+    p = sub.add_parser("switch", help="run a software switch in the foreground until Ctrl-C",
+                       epilog=LIMITS, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default=config.env("HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=config.env("PORT", config.DEFAULT_PORT, int))
     p.add_argument("--slots", type=int, default=config.env("SLOTS", config.DEFAULT_SLOTS, int),
@@ -102,6 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slots-per-job", type=int,
                    default=config.env("SLOTS_PER_JOB", config.DEFAULT_SLOTS_PER_JOB, int),
                    help="slots each job gets: its window (default %(default)s)")
+    p.add_argument("--max-jobs", type=int,
+                   default=config.env("MAX_JOBS", config.DEFAULT_MAX_JOBS, int),
+                   help="jobs running at once; more are refused or wait (default %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=config.env("METRICS_PORT", None, int),
+                   help="serve Prometheus metrics on http://HOST:PORT/metrics "
+                        "(0: any free port; needs pip install 'switchml[metrics]')")
+    p.add_argument("--metrics-host", default=None,
+                   help="address the metrics endpoint binds (default: --host)")
     p.add_argument("--drop-rate", type=float, default=config.env("DROP_RATE", 0.0, float),
                    help="simulated drop probability on ingress and on egress")
     p.add_argument("--seed", type=int, default=None, help="seed of the drop simulator")

@@ -12,6 +12,9 @@ SWITCHML_SLOTS             slots in the switch's pool             256
 SWITCHML_PACKET_ELEMENTS   int32 values per packet                16128
 SWITCHML_BLOCK_ELEMENTS    values per block of the sparse path    256
 SWITCHML_SLOTS_PER_JOB     slots a job gets (its window)          32
+SWITCHML_MAX_JOBS          jobs a switch runs at once             64
+SWITCHML_METRICS_PORT      ``switchml switch`` Prometheus port    (none)
+SWITCHML_WAIT_FOR_SLOTS    seconds a worker waits for room        0
 SWITCHML_DROP_RATE         simulated drop probability             0
 SWITCHML_SPARSE_AUTO_UNION ``sparse="auto"`` takes the sparse path 0.5
                            when the union of non-zero blocks is
@@ -28,6 +31,7 @@ DEFAULT_SLOTS = 256
 DEFAULT_PACKET_ELEMENTS = 16128  # 63 blocks of 256: the most one UDP datagram holds
 DEFAULT_BLOCK_ELEMENTS = 256
 DEFAULT_SLOTS_PER_JOB = 32
+DEFAULT_MAX_JOBS = 64
 DEFAULT_TIMEOUT = 30.0
 #: sparse="auto" goes sparse when the union of non-zero blocks (what every worker
 #: receives) is at most this share of all blocks; see Worker._sparse_pays.

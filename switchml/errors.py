@@ -23,5 +23,23 @@ class JoinRefusedError(SwitchMLError):
     """The switch refused to admit this worker to the job; the message says why."""
 
 
+class LimitExceededError(JoinRefusedError):
+    """The job does not fit within one of the switch's limits; ``limit`` names which.
+
+    ``limit`` is one of ``"max_workers"`` (the contribution bitmap's width),
+    ``"max_jobs"`` (jobs the switch runs at once) or ``"slots"`` (the job's window
+    does not fit in the free part of the slot pool).  Raised at join, or after
+    ``wait_for_slots`` seconds when the worker asked to wait for room.
+    """
+
+    def __init__(self, message: str, limit: str):
+        super().__init__(message)
+        self.limit = limit
+
+
+class MetricsUnavailableError(SwitchMLError, ImportError):
+    """Prometheus metrics were asked for but prometheus-client is not installed."""
+
+
 class SwitchUnreachableError(SwitchMLError, ConnectionError):
     """The switch could not be reached, or closed its connection during the job."""

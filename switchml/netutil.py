@@ -63,4 +63,7 @@ class LineReader:
             line = bytes(self._buf[:end])
             del self._buf[: end + 1]
             if line.strip():
-                out.append(json.loads(line))
+                try:
+                    out.append(json.loads(line))
+                except RecursionError:  # not a ValueError, and it must not escape
+                    raise ValueError("control message nested too deeply") from None

@@ -2,36 +2,57 @@
 
 import json
 import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 import numpy as np
 
 import switchml
+from switchml import config
 
 CLI = [sys.executable, "-m", "switchml.cli"]
 
 
 def test_switch_command_serves_and_reports_stats():
     proc = subprocess.Popen(CLI + ["switch", "--port", "0", "--slots", "16",
-                                   "--packet-elements", "512", "--log-level", "warning"],
+                                   "--packet-elements", "512", "--log-level", "warning",
+                                   "--metrics-port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()
         assert "listening on" in line, line + proc.stderr.read()
         address = line.split("SWITCHML_SWITCH=")[1].strip()
+        metrics_url = proc.stdout.readline().split()[-1]
+        assert metrics_url.startswith("http://127.0.0.1:") and metrics_url.endswith("/metrics")
         with switchml.Worker(address, 0, 1, job="cli-test") as w:
             assert np.array_equal(w.allreduce(np.arange(2000, dtype=np.int32)), np.arange(2000))
+            session = f"{w.session.session:08x}"
+        junk = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        for _ in range(3):
+            junk.sendto(b"junk", config.parse_address(address))
+        junk.close()
+        time.sleep(0.2)
         table = subprocess.run(CLI + ["stats", "--switch", address], capture_output=True,
                                text=True, timeout=30)
         assert table.returncode == 0, table.stderr
-        assert "cli-test" in table.stdout and "packets_in" in table.stdout
+        rows = {line.split()[0]: line.split() for line in table.stdout.splitlines() if line}
+        # job, session, state, world, slots, packets_in, results_out, retransmits, ...
+        assert rows["cli-test"][:7] == ["cli-test", session, "ended", "1", "0..15", "4", "4"]
+        assert rows["unknown_source"] == ["unknown_source", "3", "0"]  # (no job), cli-test
+        assert rows["jobs_started"] == ["jobs_started", "1"]
         raw = subprocess.run(CLI + ["stats", "--switch", address, "--json"],
                              capture_output=True, text=True, timeout=30)
         stats = json.loads(raw.stdout)
         assert stats["slots"] == 16 and stats["packet_elements"] == 512
         # 2000 int32 in 512-value packets: 4 packets, each answered once
         assert stats["ended_jobs"]["cli-test"]["counters"]["results_completed"] == 4
+        metrics = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+        assert f'switchml_job_results_completed_total{{job="cli-test",session="{session}"}} 4.0' \
+            in metrics
+        assert 'switchml_dropped_packets_total{reason="unknown_source"} 3.0' in metrics
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=10) == 0

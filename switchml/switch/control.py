@@ -1,30 +1,60 @@
-"""The switch's control plane, sans-IO: joins, leaves and failures of jobs.
+"""The switch's control plane, sans-IO: admission, joins, leaves and failures of jobs.
 
 It plays the part of a switch controller installing table entries.  It takes
 control messages (dicts) per connection and returns (connection, message) pairs to
 send; the server does the TCP and JSON framing.
 
-Job life cycle: ranks join one by one (``joined`` events tell everyone who is
-present); when all ``world_size`` ranks are there the job gets a session id and a
-slot range and every rank gets ``ready``.  A rank that says ``leave`` is done; the
-job's slots are freed once every rank left.  A rank whose connection drops without
-``leave`` fails the job: its slots are freed at once and the other ranks get
-``failed`` naming it.
+Job life cycle:
+
+* *gathering*: ranks join one by one; ``joined`` events tell everyone who is
+  present.
+* When all ``world_size`` ranks are there the job is *admitted* if it fits: fewer
+  than ``max_jobs`` jobs run, and its window fits in a contiguous run of free
+  slots.  It gets a session id and the slot range, and every rank gets ``ready``.
+* A job that does not fit is refused (``error`` naming the limit), or, when every
+  rank asked to wait, *waits* (``waiting`` naming the limit) until a job ends or
+  fails.  Waiting jobs are retried in arrival order; a job never takes slots
+  another job holds.  A waiting rank that goes away (its own deadline) puts the
+  job back to gathering.
+* A running job *ends* when every rank said ``leave``; it *fails* when a rank's
+  connection drops without ``leave``, or when a rank ``abort``s because it gave up
+  waiting for the others (its timeout).  Either way its slots are freed at once,
+  the other ranks get ``failed`` naming the missing ranks, and waiting jobs are
+  retried.
+
+A rank that restarts while its job runs is refused until the job has failed (its
+old connection dropped, or the others timed out); it then joins the job name
+afresh, and the job re-forms with a new session when the others rejoin too.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from .. import wire
+from ..config import DEFAULT_MAX_JOBS
 from ..netutil import datagrams_that_fit
 from .pipeline import MAX_WORKERS, Pipeline, SlotPoolExhausted
 
 log = logging.getLogger("switchml.switch")
 
 PROTOCOL_VERSION = 1
+
+#: Names of the limits a join can hit (``limit`` of ``error`` and ``waiting`` events).
+LIMIT_MAX_WORKERS = "max_workers"
+LIMIT_MAX_JOBS = "max_jobs"
+LIMIT_SLOTS = "slots"
+#: Sessions of recently ended jobs that a new job never gets.
+RECENT_SESSIONS_KEPT = 4096
+#: Longest job name and abort reason kept, in characters.
+MAX_NAME = 200
+
+
+class BadRequest(ValueError):
+    """A control message with a missing or invalid field."""
 
 
 @dataclass
@@ -36,21 +66,40 @@ class JobEntry:
     addrs: dict = field(default_factory=dict)     # rank -> data address
     left: set = field(default_factory=set)
     rcvbufs: dict = field(default_factory=dict)   # rank -> its data socket's receive buffer
-    session: int = 0                              # 0 while still gathering ranks
+    patient: set = field(default_factory=set)     # ranks that asked to wait for room
+    session: int = 0                              # 0 until admitted
+    slot_count: int = 0                           # the window, fixed once every rank joined
+    waiting: bool = False                         # complete, queued for room
+
+
+def _integer(msg: dict, key: str, low: int, high: int, default=None) -> int:
+    """Field ``key`` as an int in [low, high]; JSON floats, NaN and Infinity refused."""
+    value = msg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"{key} must be an integer, got {value!r}"[:MAX_NAME])
+    if not low <= value <= high:
+        raise BadRequest(f"{key} {value} is outside {low}..{high}"[:MAX_NAME])
+    return value
 
 
 class Controller:
     """Admits workers to jobs and installs/removes them in the pipeline."""
 
     def __init__(self, pipeline: Pipeline, *, data_port: int, slots_per_job: int = 32,
-                 stats=None, rcvbuf: int | None = None):
+                 max_jobs: int = DEFAULT_MAX_JOBS, stats=None, rcvbuf: int | None = None):
+        if max_jobs < 1:
+            raise ValueError(f"max_jobs must be at least 1, got {max_jobs}")
         self.pipeline = pipeline
         self.rcvbuf = rcvbuf
         self._stats = stats or pipeline.stats
         self.data_port = data_port
         self.slots_per_job = slots_per_job
+        self.max_jobs = max_jobs
         self.jobs: dict[str, JobEntry] = {}
         self._conn_job: dict = {}  # connection id -> (job name, rank)
+        self._queue: list[str] = []  # names of waiting jobs, in arrival order
+        self._recent = deque(maxlen=RECENT_SESSIONS_KEPT)
+        self.refused: Counter = Counter()  # joins refused, by reason
 
     def handle_message(self, conn, msg: dict) -> list:
         op = msg.get("op") if isinstance(msg, dict) else None
@@ -58,12 +107,14 @@ class Controller:
             return self._join(conn, msg)
         if op == "leave":
             return self._leave(conn)
+        if op == "abort":
+            return self._abort(conn, msg)
         if op == "status":
             return self._status(conn, msg)
         if op == "stats":
             return [(conn, {"event": "stats", "stats": self._stats()})]
         self.pipeline.counters["control_bad_message"] += 1
-        return [(conn, {"event": "error", "message": f"unknown control message {op!r}"})]
+        return [(conn, {"event": "error", "message": f"unknown control message {op!r}"[:MAX_NAME]})]
 
     def handle_disconnect(self, conn) -> list:
         entry = self._conn_job.pop(conn, None)
@@ -78,6 +129,11 @@ class Controller:
             return []
         if not job.session:
             job.addrs.pop(rank, None)
+            job.rcvbufs.pop(rank, None)
+            job.patient.discard(rank)
+            if job.waiting:
+                job.waiting = False
+                self._queue.remove(name)
             log.info("job %s: rank %d went away before the job started", name, rank)
             if not job.conns:
                 del self.jobs[name]
@@ -86,84 +142,160 @@ class Controller:
         log.warning("job %s failed: rank %d disconnected without leaving", name, rank)
         return self._fail(job, [rank], f"rank {rank} of job '{name}' disconnected")
 
-    # ------------------------------------------------------------------
-    def _join(self, conn, msg: dict) -> list:
-        def refuse(reason: str) -> list:
-            self.pipeline.counters["control_join_refused"] += 1
-            log.warning("join refused: %s", reason)
-            return [(conn, {"event": "error", "message": reason})]
+    def admission(self) -> dict:
+        """Limits, and the jobs running, waiting for room and gathering ranks."""
+        waiting = [self.jobs[name] for name in self._queue]
+        return {
+            "max_jobs": self.max_jobs,
+            "max_workers": MAX_WORKERS,
+            "slots_per_job": self.slots_per_job,
+            "running": sum(1 for j in self.jobs.values() if j.session),
+            "waiting": [{"job": j.name, "world_size": j.world_size, "slots": j.slot_count}
+                        for j in waiting],
+            "gathering": [{"job": j.name, "world_size": j.world_size, "present": sorted(j.conns)}
+                          for j in self.jobs.values() if not j.session and not j.waiting],
+            "refused": dict(self.refused),
+        }
 
-        try:
-            name = str(msg["job"])
-            rank = int(msg["rank"])
-            world = int(msg["world_size"])
-            host, port = msg["data_addr"]
-            addr = (str(host), int(port))
-            request = int(msg.get("slots") or self.slots_per_job)
-            rcvbuf = int(msg.get("rcvbuf") or 0)
-        except (KeyError, TypeError, ValueError):
-            return refuse("join needs job, rank, world_size and data_addr")
+    # ------------------------------------------------------------------ joining
+    def _refuse(self, conn, reason: str, why: str, limit: str | None = None) -> list:
+        self.pipeline.counters["control_join_refused"] += 1
+        self.refused[limit or reason] += 1
+        log.warning("join refused: %s", why)
+        event = {"event": "error", "message": why}
+        if limit:
+            event["limit"] = limit
+        return [(conn, event)]
+
+    def _join(self, conn, msg: dict) -> list:
         if msg.get("version", PROTOCOL_VERSION) != PROTOCOL_VERSION:
-            return refuse(f"protocol version {msg.get('version')} unsupported "
-                          f"(switch speaks {PROTOCOL_VERSION})")
+            return self._refuse(conn, "version", f"protocol version {msg.get('version')!r} "
+                                f"unsupported (switch speaks {PROTOCOL_VERSION})"[:MAX_NAME])
         if conn in self._conn_job:
-            return refuse("this connection already joined a job")
-        if not 1 <= world <= MAX_WORKERS:
-            return refuse(f"world_size {world} is outside 1..{MAX_WORKERS} "
-                          f"(the switch's contribution bitmap has {MAX_WORKERS} bits)")
-        if not 0 <= rank < world:
-            return refuse(f"rank {rank} is outside 0..{world - 1}")
-        if request < 1:
-            return refuse(f"a job needs at least one slot, asked for {request}")
+            return self._refuse(conn, "bad_request", "this connection already joined a job")
+        try:
+            if not {"job", "rank", "world_size", "data_addr"} <= msg.keys():
+                raise BadRequest("join needs job, rank, world_size and data_addr")
+            name = str(msg["job"])[:MAX_NAME]
+            world = _integer(msg, "world_size", 1, 2**31)
+            rank = _integer(msg, "rank", 0, 2**31)
+            addr = msg["data_addr"]
+            if not (isinstance(addr, list) and len(addr) == 2 and isinstance(addr[0], str)):
+                raise BadRequest("data_addr must be [host, port]")
+            addr = (addr[0][:MAX_NAME], _integer({"port": addr[1]}, "port", 1, 65535))
+            request = _integer(msg, "slots", 1, 2**31, None) if msg.get("slots") is not None \
+                else self.slots_per_job
+            rcvbuf = _integer(msg, "rcvbuf", 0, 2**62, 0) if msg.get("rcvbuf") is not None else 0
+        except BadRequest as exc:
+            return self._refuse(conn, "bad_request", str(exc))
+        if world > MAX_WORKERS:
+            return self._refuse(
+                conn, "max_workers", f"world_size {world} exceeds the limit of {MAX_WORKERS} "
+                f"workers per job (max_workers: the switch's contribution bitmap has "
+                f"{MAX_WORKERS} bits)", LIMIT_MAX_WORKERS)
+        if rank >= world:
+            return self._refuse(conn, "bad_request", f"rank {rank} is outside 0..{world - 1}")
         job = self.jobs.get(name)
         if job is None:
             job = self.jobs[name] = JobEntry(name, world, request)
         elif job.session:
-            return refuse(f"job '{name}' is already running; pick another job name")
+            return self._refuse(
+                conn, "job_running", f"job '{name}' is already running and rank {rank} "
+                f"belongs to it; a restarted rank can join again once the job has failed "
+                f"(its old connection dropped, or the other ranks timed out)")
         elif job.world_size != world:
-            return refuse(f"job '{name}' has world_size {job.world_size}, "
-                          f"this worker says {world}")
+            return self._refuse(conn, "world_size_mismatch", f"job '{name}' has world_size "
+                                f"{job.world_size}, this worker says {world}")
         if rank in job.conns:
-            return refuse(f"rank {rank} of job '{name}' has already joined")
+            return self._refuse(conn, "duplicate_rank",
+                                f"rank {rank} of job '{name}' has already joined")
         if addr in job.addrs.values():
-            return refuse(f"data address {addr} is already used by another rank")
+            return self._refuse(conn, "duplicate_address",
+                                f"data address {addr} is already used by another rank")
         job.conns[rank] = conn
         job.addrs[rank] = addr
         if rcvbuf > 0:
             job.rcvbufs[rank] = rcvbuf
+        if msg.get("wait") is True:
+            job.patient.add(rank)
         self._conn_job[conn] = (name, rank)
         log.info("job %s: rank %d/%d joined from %s:%d", name, rank, world, *addr)
         if len(job.conns) < world:
             return self._announce_present(job)
-        return self._start(job)
+        job.slot_count = min(job.slot_request, self.pipeline.slots, self._window_limit(job))
+        return self._admit_or_refuse(job)
 
     def _announce_present(self, job: JobEntry) -> list:
         present = sorted(job.conns)
         return [(c, {"event": "joined", "job": job.name, "present": present})
                 for c in job.conns.values()]
 
-    def _start(self, job: JobEntry) -> list:
-        count = min(job.slot_request, self.pipeline.slots, self._window_limit(job))
+    def _admit_or_refuse(self, job: JobEntry) -> list:
+        blocked = self._blocking_limit(job)
+        if blocked is None:
+            return self._start(job)
+        limit, why = blocked
+        if job.patient == set(job.conns):
+            job.waiting = True
+            self._queue.append(job.name)
+            log.info("job %s waits for room: %s", job.name, why)
+            event = {"event": "waiting", "job": job.name, "limit": limit, "message": why}
+            return [(c, event) for c in job.conns.values()]
+        conns = list(job.conns.values())
+        for c in conns:
+            self._conn_job.pop(c, None)
+        del self.jobs[job.name]
+        self.pipeline.counters["control_join_refused"] += len(conns)
+        self.refused[limit] += len(conns)
+        log.warning("job %s refused: %s", job.name, why)
+        event = {"event": "error", "limit": limit,
+                 "message": f"job '{job.name}' refused: {why} (workers may wait for room: "
+                            f"wait_for_slots)"}
+        return [(c, event) for c in conns]
+
+    def _blocking_limit(self, job: JobEntry):
+        """None when ``job`` can start now, else (limit, why not)."""
+        running = [j.name for j in self.jobs.values() if j.session]
+        if len(running) >= self.max_jobs:
+            return LIMIT_MAX_JOBS, (f"the switch runs at most {self.max_jobs} jobs at once "
+                                    f"(max_jobs), and runs {', '.join(sorted(running))}")
         try:
-            base = self.pipeline.allocate(count)
-        except SlotPoolExhausted as exc:
-            conns = list(job.conns.values())
-            for c in conns:
-                self._conn_job.pop(c, None)
-            del self.jobs[job.name]
-            return [(c, {"event": "error", "message": f"job '{job.name}': {exc}"}) for c in conns]
+            self.pipeline.allocate(job.slot_count)
+        except SlotPoolExhausted:
+            holders = ", ".join(f"{j.name} {j.slot_base}..{j.slot_base + j.slot_count - 1}"
+                                for j in sorted(self.pipeline.jobs.values(),
+                                                key=lambda j: j.slot_base))
+            return LIMIT_SLOTS, (f"its window of {job.slot_count} slots does not fit in the "
+                                 f"switch's pool of {self.pipeline.slots} slots "
+                                 f"({self.pipeline.free_slots()} free; held by {holders})")
+        return None
+
+    def _start(self, job: JobEntry) -> list:
+        base = self.pipeline.allocate(job.slot_count)
         session = 0
-        while session == 0 or session in self.pipeline.jobs:
+        while session == 0 or session in self.pipeline.jobs or session in self._recent:
             session = secrets.randbits(32)
         members = [job.addrs[r] for r in range(job.world_size)]
-        self.pipeline.install_job(job.name, session, members, base, count)
+        self.pipeline.install_job(job.name, session, members, base, job.slot_count)
         job.session = session
-        log.info("job %s started: session %08x, slots %d..%d", job.name, session, base,
-                 base + count - 1)
-        ready = {"event": "ready", "session": session, "slot_base": base, "slot_count": count,
-                 "packet_elements": self.pipeline.packet_elements,
+        self.pipeline.counters["jobs_started"] += 1
+        log.info("job %s started: session %08x, %d ranks, slots %d..%d", job.name, session,
+                 job.world_size, base, base + job.slot_count - 1)
+        ready = {"event": "ready", "session": session, "slot_base": base,
+                 "slot_count": job.slot_count, "packet_elements": self.pipeline.packet_elements,
                  "block_elements": self.pipeline.block_elements, "data_port": self.data_port}
         return [(c, ready) for c in job.conns.values()]
+
+    def _admit_waiting(self) -> list:
+        """Start the waiting jobs that fit now, in arrival order."""
+        out = []
+        for name in list(self._queue):
+            job = self.jobs[name]
+            if self._blocking_limit(job) is None:
+                self._queue.remove(name)
+                job.waiting = False
+                out += self._start(job)
+        return out
 
     def _window_limit(self, job: JobEntry) -> int:
         """Most slots whose bursts fit the receive buffers: beyond that, bursts drop."""
@@ -178,6 +310,7 @@ class Controller:
                         job.name, job.slot_request, limit)
         return limit
 
+    # ------------------------------------------------------------------ leaving, failing
     def _leave(self, conn) -> list:
         entry = self._conn_job.get(conn)
         if entry is None:  # the job already ended or failed
@@ -188,37 +321,59 @@ class Controller:
             return self.handle_disconnect(conn)
         job.left.add(rank)
         log.info("job %s: rank %d left", name, rank)
+        out = [(conn, {"event": "left"})]
         if len(job.left) == job.world_size:
-            self._end(job)
+            out += self._end(job, "ended")
             log.info("job %s ended; its slots are free", name)
-        return [(conn, {"event": "left"})]
+        return out
 
-    def _fail(self, job: JobEntry, missing: list, reason: str) -> list:
-        self._end(job)
+    def _abort(self, conn, msg: dict) -> list:
+        """A rank gave up (no progress within its timeout): the job fails for everyone."""
+        entry = self._conn_job.get(conn)
+        job = self.jobs.get(entry[0]) if entry else None
+        if job is None or not job.session:
+            return []
+        rank = entry[1]
+        missing = msg.get("missing") if isinstance(msg.get("missing"), list) else []
+        missing = sorted({r for r in missing if isinstance(r, int) and 0 <= r < job.world_size})
+        reason = str(msg.get("reason", "no progress"))[:MAX_NAME]
+        log.warning("job %s failed: rank %d gave up: %s", job.name, rank, reason)
+        return self._fail(job, missing, f"rank {rank} of job '{job.name}' gave up: {reason}",
+                          skip=conn)
+
+    def _fail(self, job: JobEntry, missing: list, reason: str, skip=None) -> list:
+        conns = [c for r, c in job.conns.items() if r not in job.left and c != skip]
+        out = self._end(job, "failed")
         self.pipeline.counters["jobs_failed"] += 1
         event = {"event": "failed", "missing": missing, "reason": reason}
-        return [(c, event) for r, c in job.conns.items() if r not in job.left]
+        return [(c, event) for c in conns] + out
 
-    def _end(self, job: JobEntry) -> None:
-        self.pipeline.remove_job(job.session)
+    def _end(self, job: JobEntry, state: str) -> list:
+        """Free the job's slots and connections; start waiting jobs that now fit."""
+        self.pipeline.remove_job(job.session, state)
+        self._recent.append(job.session)
         self.jobs.pop(job.name, None)
         for c in job.conns.values():
             self._conn_job.pop(c, None)
+        if state == "ended":
+            self.pipeline.counters["jobs_ended"] += 1
+        return self._admit_waiting()
 
     def _status(self, conn, msg: dict) -> list:
         entry = self._conn_job.get(conn)
         job = self.jobs.get(entry[0]) if entry else None
-        if job is None or not job.session:
+        slots = msg.get("slots")
+        if job is None or not job.session or not isinstance(slots, list):
             return [(conn, {"event": "status", "slots": []})]
         rows = []
         installed = self.pipeline.jobs[job.session]
         low, high = installed.slot_base, installed.slot_base + installed.slot_count
-        for item in msg.get("slots", [])[:4096]:
-            try:
-                slot, number = int(item[0]), int(item[1])
-            except (TypeError, ValueError, IndexError):
+        for item in slots[:4096]:
+            if not (isinstance(item, list) and len(item) == 2
+                    and all(isinstance(x, int) and not isinstance(x, bool) for x in item)):
                 continue
-            if low <= slot < high:
+            slot, number = item
+            if low <= slot < high and 0 <= number <= 0xFFFFFFFF:
                 holds, bitmap = self.pipeline.slot_state(slot, number)
                 rows.append([slot, number, holds, bitmap])
         return [(conn, {"event": "status", "slots": rows})]

@@ -58,10 +58,12 @@ class Job:
     slot_count: int
     members: list  # data address of each rank, by rank
     counters: Counter = field(default_factory=Counter)
+    state: str = "running"  # then "ended" (every rank left) or "failed"
 
     def summary(self) -> dict:
         return {
             "session": self.session,
+            "state": self.state,
             "world_size": self.world_size,
             "slot_base": self.slot_base,
             "slot_count": self.slot_count,
@@ -86,8 +88,9 @@ class Pipeline:
                              f"of block_elements ({block_elements})")
         if packet_elements > wire.max_packet_elements(block_elements):
             raise ValueError(
-                f"packet_elements must be at most {wire.max_packet_elements(block_elements)} "
-                f"with {block_elements}-value blocks (one UDP datagram), got {packet_elements}")
+                f"packet_elements {packet_elements} exceeds the limit of "
+                f"{wire.max_packet_elements(block_elements)} elements per packet with "
+                f"{block_elements}-value blocks (one UDP datagram)")
         self.slots = slots
         self.packet_elements = packet_elements
         self.block_elements = block_elements
@@ -118,6 +121,7 @@ class Pipeline:
         self.ended_jobs: dict[str, dict] = {}
         self._members: dict[tuple, tuple[Job, int]] = {}
         self.counters: Counter = Counter()  # drops not attributable to a job
+        self.retired: Counter = Counter()  # counters of every removed job, summed
 
     # ------------------------------------------------------------------ control
     def free_slots(self) -> int:
@@ -164,11 +168,16 @@ class Pipeline:
         self.jobs[session] = job
         return job
 
-    def remove_job(self, session: int) -> Job | None:
-        """Free a job's slots and forget its addresses; keep its counters for stats."""
+    def remove_job(self, session: int, state: str = "ended") -> Job | None:
+        """Free a job's slots and forget its addresses; keep its counters for stats.
+
+        ``state`` ("ended" or "failed") is how the job finished, for ``stats()``.
+        """
         job = self.jobs.pop(session, None)
         if job is None:
             return None
+        job.state = state
+        self.retired.update(job.counters)
         for s in range(job.slot_base, job.slot_base + job.slot_count):
             self._owner[s] = 0
         for addr in job.members:
@@ -184,6 +193,17 @@ class Pipeline:
         holds = self._valid[v][slot] and self._msg[v][slot] == msg
         return holds, self._bitmap[v][slot] if holds else 0
 
+    def totals(self) -> Counter:
+        """Every counter summed over the whole life of the pipeline: never decreases.
+
+        The drops no job owns, plus the counters of every job, running or removed.
+        """
+        total = Counter(self.counters)
+        total.update(self.retired)
+        for job in self.jobs.values():
+            total.update(job.counters)
+        return total
+
     def stats(self) -> dict:
         return {
             "slots": self.slots,
@@ -194,6 +214,7 @@ class Pipeline:
             "counters": dict(self.counters),
             "jobs": {job.name: job.summary() for job in self.jobs.values()},
             "ended_jobs": dict(self.ended_jobs),
+            "totals": dict(self.totals()),
         }
 
     # ------------------------------------------------------------------ data

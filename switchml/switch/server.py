@@ -3,7 +3,10 @@
 One thread runs everything: it drains the UDP socket through the pipeline and
 serves control connections in between, so the sans-IO pipeline and controller
 never see concurrent calls.  The control port and the data port have the same
-number (TCP and UDP).
+number (TCP and UDP).  Control replies are queued per connection and sent without
+blocking: a client that does not read them is hung up on, never waited for.
+Optionally, Prometheus metrics are served over HTTP on their own thread; they are
+read from the counters at scrape time (see ``metrics.py``).
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import selectors
 import socket
 import threading
 import time
+from collections import Counter
 
-from ..config import DEFAULT_PACKET_ELEMENTS, DEFAULT_SLOTS, DEFAULT_SLOTS_PER_JOB
+from ..config import (DEFAULT_MAX_JOBS, DEFAULT_PACKET_ELEMENTS, DEFAULT_SLOTS,
+                      DEFAULT_SLOTS_PER_JOB)
 from ..netutil import LineReader, encode_line, enlarge_buffers
 from .control import Controller
 from .pipeline import Pipeline
@@ -25,6 +30,23 @@ log = logging.getLogger("switchml.switch")
 
 #: Datagrams handled between two looks at the control sockets.
 DRAIN_BATCH = 256
+#: Bytes of unsent control replies after which a connection that does not read is closed.
+MAX_CONTROL_BACKLOG = 4 << 20
+#: Seconds the listener rests after accept() failed (out of file descriptors, say).
+ACCEPT_PAUSE = 0.2
+#: Seconds between the DEBUG summaries of dropped packets (never one line per packet).
+DROP_LOG_INTERVAL = 10.0
+
+
+class _Connection:
+    """A control connection: its socket, the lines it sent so far, replies not yet sent."""
+
+    __slots__ = ("sock", "reader", "outbox")
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.reader = LineReader()
+        self.outbox = bytearray()
 
 
 class Switch:
@@ -32,22 +54,43 @@ class Switch:
 
     Options: ``slots`` (pool size), ``packet_elements`` (int32 values per packet),
     ``block_elements`` (values per block: the unit of the sparse path),
-    ``slots_per_job`` (window a job gets), ``egress_drop_rate`` (defaults to
-    ``drop_rate``), ``seed`` (of the drop simulator).
+    ``slots_per_job`` (window a job gets), ``max_jobs`` (jobs running at once),
+    ``egress_drop_rate`` (defaults to ``drop_rate``), ``seed`` (of the drop
+    simulator), ``metrics_port`` (serve Prometheus metrics over HTTP on this port;
+    0 picks a free one, see ``metrics_address``; needs the ``metrics`` extra) and
+    ``metrics_host`` (defaults to ``host``).
     """
+
+    #: Seconds between DEBUG summaries of dropped packets; tests shorten it.
+    drop_log_interval = DROP_LOG_INTERVAL
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, drop_rate: float = 0.0,
                  slots: int = DEFAULT_SLOTS, packet_elements: int = DEFAULT_PACKET_ELEMENTS,
                  block_elements: int | None = None, slots_per_job: int = DEFAULT_SLOTS_PER_JOB,
-                 egress_drop_rate: float | None = None, seed: int | None = None):
+                 max_jobs: int = DEFAULT_MAX_JOBS, egress_drop_rate: float | None = None,
+                 seed: int | None = None, metrics_port: int | None = None,
+                 metrics_host: str | None = None):
         if not 0.0 <= drop_rate < 1.0:
             raise ValueError(f"drop_rate must be in [0, 1), got {drop_rate}")
+        if slots_per_job < 1:
+            raise ValueError(f"slots_per_job must be at least 1, got {slots_per_job}")
+        if max_jobs < 1:
+            raise ValueError(f"max_jobs must be at least 1, got {max_jobs}")
+        if metrics_port is not None:
+            from .metrics import require_prometheus_client
+            require_prometheus_client()  # fail here, not after the switch started
         self.pipeline = Pipeline(slots, packet_elements, block_elements=block_elements,
                                  drop_rate=drop_rate,
                                  egress_drop_rate=egress_drop_rate, seed=seed)
         self._host = host
         self._port = port
         self._slots_per_job = slots_per_job
+        self._max_jobs = max_jobs
+        self._metrics_port = metrics_port
+        self._metrics_host = metrics_host or host
+        self._metrics = None
+        self.metrics_address: tuple[str, int] | None = None
+        self.controller: Controller | None = None
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._running = False
@@ -55,6 +98,10 @@ class Switch:
         self.address: tuple[str, int] | None = None
         self._started_at = 0.0
         self._cpu_seconds = 0.0
+        self._conns: dict[socket.socket, _Connection] = {}
+        self._sel: selectors.BaseSelector | None = None
+        self._drops_logged: Counter = Counter()
+        self._next_drop_log = 0.0
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> "Switch":
@@ -63,16 +110,30 @@ class Switch:
         self._tcp, self._udp = _bind_pair(self._host, self._port)
         self.address = (self._host, self._tcp.getsockname()[1])
         self.controller = Controller(self.pipeline, data_port=self.address[1],
-                                     slots_per_job=self._slots_per_job, stats=self.stats,
+                                     slots_per_job=self._slots_per_job, max_jobs=self._max_jobs,
+                                     stats=self.stats,
                                      rcvbuf=self._udp.getsockopt(socket.SOL_SOCKET,
                                                                  socket.SO_RCVBUF))
+        if self._metrics_port is not None:
+            from .metrics import serve_metrics
+            try:
+                self._metrics = serve_metrics(self.stats, self._metrics_host, self._metrics_port)
+            except BaseException:
+                self._tcp.close()
+                self._udp.close()
+                raise
+            self.metrics_address = self._metrics.address
         self._wake_r, self._wake_w = socket.socketpair()
         self._running = True
         self._started_at = time.monotonic()
+        self._next_drop_log = self._started_at + self.drop_log_interval
         self._thread = threading.Thread(target=self._serve, name="switchml-switch", daemon=True)
         self._thread.start()
-        log.info("switch listening on %s:%d (slots=%d, packet_elements=%d)", *self.address,
-                 self.pipeline.slots, self.pipeline.packet_elements)
+        log.info("switch listening on %s:%d (slots=%d, packet_elements=%d, max_jobs=%d)",
+                 *self.address, self.pipeline.slots, self.pipeline.packet_elements,
+                 self._max_jobs)
+        if self.metrics_address:
+            log.info("Prometheus metrics on http://%s:%d/metrics", *self.metrics_address)
         return self
 
     def stop(self) -> None:
@@ -82,6 +143,9 @@ class Switch:
         self._wake_w.send(b"x")
         self._thread.join()
         self._thread = None
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         for s in (self._tcp, self._udp, self._wake_r, self._wake_w):
             s.close()
 
@@ -92,9 +156,12 @@ class Switch:
         self.stop()
 
     def stats(self) -> dict:
-        """Counters of the pool, of every job and of drops, plus the switch's CPU time."""
+        """Counters of the pool, of every job and of drops, admission, and CPU time."""
         with self._lock:
-            stats = json.loads(json.dumps(self.pipeline.stats()))
+            stats = self.pipeline.stats()
+            if self.controller is not None:
+                stats["admission"] = self.controller.admission()
+            stats = json.loads(json.dumps(stats))
         stats["uptime_s"] = time.monotonic() - self._started_at if self._thread else 0.0
         stats["cpu_s"] = self._cpu_seconds
         return stats
@@ -109,15 +176,15 @@ class Switch:
 
     # -------------------------------------------------------------- the loop
     def _serve(self) -> None:
-        sel = selectors.DefaultSelector()
+        sel = self._sel = selectors.DefaultSelector()
         sel.register(self._tcp, selectors.EVENT_READ, "accept")
         sel.register(self._udp, selectors.EVENT_READ, "data")
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        readers: dict = {}
         buf = bytearray(65536)
         view = memoryview(buf)
         udp = self._udp
         pipeline = self.pipeline
+        accept_paused_until = None
         try:
             while self._running:
                 busy = False
@@ -145,46 +212,125 @@ class Switch:
                     else:
                         busy = True
                 self._cpu_seconds = time.thread_time()
-                for key, _ in sel.select(0 if busy else 1.0):
+                now = time.monotonic()
+                if now >= self._next_drop_log:
+                    self._next_drop_log = now + self.drop_log_interval
+                    self._log_drops()
+                wait = 0 if busy else min(1.0, self._next_drop_log - now)
+                if accept_paused_until is not None:
+                    if now >= accept_paused_until:
+                        sel.register(self._tcp, selectors.EVENT_READ, "accept")
+                        accept_paused_until = None
+                    else:
+                        wait = min(wait, accept_paused_until - now)
+                for key, events in sel.select(max(0.0, wait)):
                     if key.data == "accept":
-                        conn, _ = self._tcp.accept()
-                        conn.setblocking(False)
-                        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                        readers[conn] = LineReader()
-                        sel.register(conn, selectors.EVENT_READ, "control")
-                    elif key.data == "control":
-                        self._on_control(key.fileobj, readers, sel)
+                        if not self._accept():
+                            sel.unregister(self._tcp)
+                            accept_paused_until = time.monotonic() + ACCEPT_PAUSE
                     elif key.data == "wake":
                         key.fileobj.recv(64)
+                    elif isinstance(key.data, _Connection):
+                        if events & selectors.EVENT_READ:
+                            self._on_control(key.data)
+                        if events & selectors.EVENT_WRITE and key.data.sock in self._conns:
+                            self._flush(key.data)
         finally:
-            for conn in list(readers):
-                sel.unregister(conn)
-                conn.close()
+            for conn in list(self._conns.values()):
+                sel.unregister(conn.sock)
+                conn.sock.close()
+            self._conns.clear()
             sel.close()
 
-    def _on_control(self, conn, readers, sel) -> None:
+    def _accept(self) -> bool:
+        """Accept one control connection; False when accept() failed (no descriptors)."""
         try:
-            data = conn.recv(65536)
-            messages = readers[conn].feed(data) if data else None
-        except (OSError, ValueError) as exc:
-            log.info("closing control connection: %s", exc)
+            sock, _ = self._tcp.accept()
+        except BlockingIOError:
+            return True
+        except OSError as exc:
+            self.pipeline.counters["control_accept_errors"] += 1
+            log.warning("cannot accept control connections for %gs: %s", ACCEPT_PAUSE, exc)
+            return False
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = self._conns[sock] = _Connection(sock)
+        self._sel.register(sock, selectors.EVENT_READ, conn)
+        return True
+
+    def _on_control(self, conn: _Connection) -> None:
+        try:
+            data = conn.sock.recv(65536)
+            messages = conn.reader.feed(data) if data else None
+        except OSError as exc:
+            log.info("control connection lost: %s", exc)
+            messages = None
+        except ValueError as exc:  # not JSON lines: hang up on it
+            log.info("closing a control connection that sent a bad message: %s", exc)
             self.pipeline.counters["control_bad_message"] += 1
             messages = None
         with self._lock:
             if messages is None:
-                sel.unregister(conn)
-                del readers[conn]
-                replies = self.controller.handle_disconnect(conn)
-                conn.close()
-            else:
-                replies = [r for m in messages for r in self.controller.handle_message(conn, m)]
-        for target, message in replies:
-            try:
-                target.setblocking(True)
-                target.sendall(encode_line(message))
-                target.setblocking(False)
-            except OSError:
-                pass  # its disconnect will be seen by the loop
+                self._close(conn)
+                return
+            replies = []
+            for message in messages:
+                try:
+                    replies += self.controller.handle_message(conn.sock, message)
+                except Exception:  # a bug must not take the switch down
+                    self.pipeline.counters["internal_errors"] += 1
+                    log.exception("controller failed on %r", message)
+                    replies.append((conn.sock, {"event": "error", "message": "internal error"}))
+            self._send(replies)
+
+    def _close(self, conn: _Connection) -> None:
+        """Forget a control connection; the controller fails or shrinks its job."""
+        if self._conns.pop(conn.sock, None) is None:
+            return
+        self._sel.unregister(conn.sock)
+        replies = self.controller.handle_disconnect(conn.sock)
+        conn.sock.close()
+        self._send(replies)
+
+    def _send(self, replies) -> None:
+        for sock, message in replies:
+            conn = self._conns.get(sock)
+            if conn is not None:
+                conn.outbox += encode_line(message)
+                self._flush(conn)
+
+    def _flush(self, conn: _Connection) -> None:
+        """Send what the socket takes now; watch for writability while replies remain."""
+        try:
+            while conn.outbox:
+                del conn.outbox[: conn.sock.send(conn.outbox)]
+        except BlockingIOError:
+            pass
+        except OSError:
+            conn.outbox.clear()  # the peer is gone; reading will tell
+        if len(conn.outbox) > MAX_CONTROL_BACKLOG:
+            self.pipeline.counters["control_slow_reader"] += 1
+            log.warning("closing a control connection that does not read its replies "
+                        "(%d bytes queued)", len(conn.outbox))
+            with self._lock:
+                self._close(conn)
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbox else 0)
+        if self._sel.get_key(conn.sock).events != events:
+            self._sel.modify(conn.sock, events, conn)
+
+    def _log_drops(self) -> None:
+        """One DEBUG line with the drops since the last one, by reason."""
+        if not log.isEnabledFor(logging.DEBUG):
+            return
+        with self._lock:
+            totals = Counter({k[len("dropped_"):]: v for k, v in self.pipeline.totals().items()
+                              if k.startswith("dropped_")})
+        fresh = totals - self._drops_logged
+        self._drops_logged = totals
+        if fresh:
+            log.debug("dropped in the last %gs: %s", self.drop_log_interval,
+                      ", ".join(f"{reason} {n}" for reason, n in sorted(fresh.items())))
 
 
 def _bind_pair(host: str, port: int, attempts: int = 50):

@@ -20,8 +20,8 @@ from concurrent.futures import Future
 import numpy as np
 
 from ..config import DEFAULT_SPARSE_AUTO_UNION, DEFAULT_TIMEOUT, env, parse_address
-from ..errors import (JoinRefusedError, SwitchMLError, SwitchMLTimeoutError,
-                      SwitchUnreachableError)
+from ..errors import (JoinRefusedError, LimitExceededError, SwitchMLError,
+                      SwitchMLTimeoutError, SwitchUnreachableError)
 from ..netutil import LineReader, encode_line, enlarge_buffers
 from .engine import SUPPORTED_DTYPES, Session
 from .sparse import nonzero_blocks
@@ -57,11 +57,19 @@ class Worker:
     ``switch`` is "host:port" or (host, port); None reads ``SWITCHML_SWITCH``.
     ``timeout`` bounds, in seconds, the wait for the other ranks to join and any
     stretch of an allreduce without progress; past it the call raises
-    ``SwitchMLTimeoutError`` naming the ranks that did not contribute.
+    ``SwitchMLTimeoutError`` naming the ranks that did not contribute, and the
+    job fails for every rank (the switch frees its slots).
+
+    A job that does not fit in the switch (``max_jobs`` jobs run, or its window of
+    ``slots`` does not fit in the free slots) is refused with
+    ``LimitExceededError`` naming the limit, unless every rank passes
+    ``wait_for_slots``: then the job waits up to that many seconds for another job
+    to end (default ``SWITCHML_WAIT_FOR_SLOTS``, 0: do not wait).
     """
 
     def __init__(self, switch=None, rank: int = 0, world_size: int = 1, job: str | None = None,
-                 timeout: float | None = None, *, slots: int | None = None):
+                 timeout: float | None = None, *, slots: int | None = None,
+                 wait_for_slots: float | None = None):
         if switch is None:
             switch = env("SWITCH", None)
             if switch is None:
@@ -72,6 +80,8 @@ class Worker:
         self.job = job if job is not None else env("JOB", "default")
         self.timeout = float(timeout if timeout is not None else env("TIMEOUT", DEFAULT_TIMEOUT, float))
         self._sparse_auto_union = env("SPARSE_AUTO_UNION", DEFAULT_SPARSE_AUTO_UNION, float)
+        self.wait_for_slots = float(wait_for_slots if wait_for_slots is not None
+                                    else env("WAIT_FOR_SLOTS", 0.0, float))
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
         self._failure: SwitchMLError | None = None
@@ -163,7 +173,7 @@ class Worker:
             control.sendall(encode_line({
                 "op": "join", "version": 1, "job": self.job, "rank": self.rank,
                 "world_size": self.world_size, "data_addr": list(udp.getsockname()),
-                "slots": slots, "rcvbuf": rcvbuf}))
+                "slots": slots, "rcvbuf": rcvbuf, "wait": self.wait_for_slots > 0}))
             ready = self._await_ready(control, where)
         except BaseException:
             control.close()
@@ -174,11 +184,18 @@ class Worker:
 
     def _await_ready(self, control, where) -> dict:
         reader = LineReader()
-        deadline = time.monotonic() + self.timeout
+        join_deadline = time.monotonic() + self.timeout
+        deadline = join_deadline
         present = [self.rank]
+        waiting = None  # the switch's "waiting" event while the job waits for room
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
+                if waiting is not None:
+                    raise LimitExceededError(
+                        f"job '{self.job}' waited {self.wait_for_slots:g}s for room in the "
+                        f"{where}: {waiting['message']} (limit: {waiting['limit']})",
+                        waiting["limit"])
                 missing = sorted(set(range(self.world_size)) - set(present))
                 raise SwitchMLTimeoutError(
                     f"job '{self.job}': ranks {missing} did not join within {self.timeout:g}s",
@@ -196,9 +213,18 @@ class Worker:
                 event = msg.get("event")
                 if event == "ready":
                     return msg
-                if event == "joined":
+                if event == "joined":  # (again) gathering ranks: the join deadline holds
                     present = msg["present"]
+                    waiting, deadline = None, join_deadline
+                elif event == "waiting":
+                    if waiting is None:
+                        deadline = time.monotonic() + self.wait_for_slots
+                    waiting = msg
+                    log.info("job '%s' waits for room in the switch: %s", self.job,
+                             msg.get("message"))
                 elif event == "error":
+                    if msg.get("limit"):
+                        raise LimitExceededError(msg["message"], msg["limit"])
                     raise JoinRefusedError(msg["message"])
 
     # -------------------------------------------------------------- the I/O thread
@@ -378,13 +404,25 @@ class Worker:
             if timer is not None and now >= timer:
                 op.handle_timer(now)
                 if op.error:
-                    raise self._diagnose(op)
+                    error = self._diagnose(op)
+                    if self._control_open:  # a stall this rank saw: fail the job for all
+                        self._abort(error)
+                    raise error
                 flush()
                 timer = op.get_timer()
             if received < DRAIN_BATCH:
                 wait = timer - time.monotonic() if timer is not None else 1.0
                 self._wait(wait, drain_udp=False)
         return out
+
+    def _abort(self, error: SwitchMLError) -> None:
+        """Tell the switch this rank gives up: it fails the job and frees its slots."""
+        missing = getattr(error, "missing_ranks", [])
+        try:
+            self._control.sendall(encode_line({"op": "abort", "reason": str(error),
+                                               "missing": list(missing)}))
+        except OSError as exc:
+            log.debug("aborting the job: %s", exc)
 
     def _diagnose(self, op) -> SwitchMLError:
         """Ask the switch which ranks are missing from the stalled slots."""

@@ -1,0 +1,180 @@
+"""Hostile input on the control port: it is refused or dropped, and the switch lives on.
+
+Each test ends with a real job through the same switch: a switch whose thread
+died, or that is stuck sending to a client, cannot serve it.
+"""
+
+import json
+import resource
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import switchml
+from switchml.switch import server
+from switchml.switch.control import Controller
+from switchml.switch.pipeline import Pipeline
+
+CLI = [sys.executable, "-m", "switchml.cli"]
+
+
+def job_still_works(address, job="after"):
+    with switchml.Worker(address, 0, 1, job=job, timeout=2.0) as w:
+        assert np.array_equal(w.allreduce(np.arange(3000, dtype=np.int32)), np.arange(3000))
+
+
+def control_exchange(address, lines: bytes, replies: int = 1, timeout: float = 2.0) -> list:
+    """Send raw bytes to the control port; return the first ``replies`` JSON replies."""
+    with socket.create_connection(address, timeout=timeout) as conn:
+        conn.sendall(lines)
+        buf = b""
+        while buf.count(b"\n") < replies:
+            data = conn.recv(65536)
+            if not data:
+                break
+            buf += data
+    return [json.loads(line) for line in buf.splitlines()[:replies]]
+
+
+def test_deeply_nested_json_does_not_kill_the_switch(switch):
+    with socket.create_connection(switch.address) as conn:
+        conn.sendall(b"[" * 200_000 + b"\n")
+        conn.settimeout(2.0)
+        assert conn.recv(100) == b""  # the switch hung up on it
+    job_still_works(switch.address)
+    assert switch.stats()["counters"]["control_bad_message"] == 1
+
+
+def test_non_finite_and_mistyped_join_fields_are_refused(switch):
+    base = '"op": "join", "job": "x", "rank": 0, "world_size": 1'
+    bad = [
+        '{%s, "data_addr": ["127.0.0.1", 5000], "slots": Infinity}' % base,
+        '{%s, "data_addr": ["127.0.0.1", 5000], "slots": NaN}' % base,
+        '{%s, "data_addr": ["127.0.0.1", 1e999]}' % base,
+        '{%s, "data_addr": ["127.0.0.1", 70000]}' % base,
+        '{%s, "data_addr": "127.0.0.1:5000"}' % base,
+        '{"op": "join", "job": "x", "rank": 0.5, "world_size": 1, "data_addr": ["h", 1]}',
+        '{"op": "join", "job": "x", "rank": 0, "world_size": true, "data_addr": ["h", 1]}',
+        '{"op": "join", "job": "x", "rank": 0, "world_size": 1e300, "data_addr": ["h", 1]}',
+    ]
+    for line in bad:
+        [reply] = control_exchange(switch.address, line.encode() + b"\n")
+        assert reply["event"] == "error", (line, reply)
+    assert switch.stats()["admission"]["refused"]["bad_request"] == len(bad)
+    assert switch.controller.jobs == {}
+    job_still_works(switch.address)
+
+
+def test_malformed_status_query_of_a_joined_rank_is_answered_empty(switch):
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    join = {"op": "join", "job": "j", "rank": 0, "world_size": 1,
+            "data_addr": list(udp.getsockname())}
+    queries = [5, {"a": 1}, "slots", [[0.5, 1]], [[1, 2, 3]], [[True, 0]], [[0, 2**40]]]
+    lines = [json.dumps(join)] + [json.dumps({"op": "status", "slots": q}) for q in queries]
+    replies = control_exchange(switch.address, "\n".join(lines).encode() + b"\n",
+                               replies=1 + len(queries))
+    assert replies[0]["event"] == "ready"
+    assert replies[1:] == [{"event": "status", "slots": []}] * len(queries)
+    udp.close()
+    job_still_works(switch.address)
+
+
+def test_a_client_that_never_reads_cannot_stall_the_switch(switch, monkeypatch):
+    """Stats requests whose replies are never read: once the kernel's buffers are
+    full, a switch that waits to send them stops serving everyone.  It must queue
+    them instead, hang up on the client when the queue passes its bound (lowered
+    here to 64 KiB, so that the test does not depend on the kernel's buffer sizes)
+    and go on serving the others."""
+    monkeypatch.setattr(server, "MAX_CONTROL_BACKLOG", 1 << 16)
+    hog = socket.create_connection(switch.address)
+    hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    request = b'{"op": "stats"}\n' * 4096
+    hog.settimeout(0.5)
+    sent = 0
+    try:
+        while sent < 4_000_000:  # 250k requests: some 90 MB of replies
+            sent += hog.send(request)
+    except (socket.timeout, OSError):
+        pass  # the switch reads slower than we send, or it hung up already
+    assert sent >= len(request)
+    deadline = time.monotonic() + 20
+    while not switch.stats()["counters"].get("control_slow_reader"):
+        assert time.monotonic() < deadline, "the switch never hung up on the client"
+        time.sleep(0.05)
+    start = time.monotonic()
+    job_still_works(switch.address)
+    assert time.monotonic() - start < 2.0
+    hog.close()
+    assert switch.stats()["counters"]["control_slow_reader"] == 1
+
+
+def _low_fd_limit():
+    resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
+
+
+def test_more_connections_than_file_descriptors_do_not_kill_the_switch():
+    proc = subprocess.Popen(CLI + ["switch", "--port", "0", "--slots", "8",
+                                   "--packet-elements", "512", "--log-level", "error"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_low_fd_limit)
+    try:
+        line = proc.stdout.readline()
+        assert "listening on" in line, line + proc.stderr.read()
+        address = line.split("SWITCHML_SWITCH=")[1].strip()
+        host, port = address.rsplit(":", 1)
+        flood = [socket.create_connection((host, int(port))) for _ in range(60)]
+        time.sleep(0.5)  # the switch runs out of descriptors accepting them
+        for conn in flood:
+            conn.close()
+        time.sleep(0.3)
+        job_still_works(address)
+        assert proc.poll() is None
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+# ---------------------------------------------------------------- the controller, fuzzed
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                 max_size=3),
+    max_leaves=8)
+fields = {
+    "op": st.sampled_from(["join", "leave", "abort", "status", "stats", "bogus"]) | json_values,
+    "job": st.sampled_from(["a", "b"]) | json_values,
+    "rank": st.integers(-1, 3) | json_values,
+    "world_size": st.integers(0, 4) | json_values,
+    "data_addr": st.tuples(st.sampled_from(["h1", "h2"]), st.integers(0, 4)).map(list)
+    | json_values,
+    "slots": st.integers(0, 12) | st.none() | json_values,
+    "wait": st.booleans() | json_values,
+    "missing": st.lists(st.integers(-1, 5), max_size=3) | json_values,
+}
+messages = st.fixed_dictionaries({}, optional=fields) | json_values
+actions = st.lists(st.tuples(st.integers(0, 5), st.booleans(), messages), max_size=30)
+
+
+@settings(max_examples=100, derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(actions=actions)
+def test_controller_never_raises_and_never_leaks_slots(actions):
+    pipeline = Pipeline(slots=8, packet_elements=64)
+    ctl = Controller(pipeline, data_port=9, slots_per_job=3, max_jobs=2)
+    for conn, disconnect, msg in actions:
+        out = ctl.handle_disconnect(conn) if disconnect else ctl.handle_message(conn, msg)
+        for _, reply in out:
+            json.dumps(reply, allow_nan=False)  # every reply can go over the wire
+        running = [job for job in ctl.jobs.values() if job.session]
+        assert len(running) <= 2
+        held = sum(pipeline.jobs[job.session].slot_count for job in running)
+        assert pipeline.free_slots() == 8 - held
+        assert set(pipeline.jobs) == {job.session for job in running}
+        for c, (name, rank) in ctl._conn_job.items():
+            assert ctl.jobs[name].conns[rank] == c

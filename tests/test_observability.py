@@ -1,0 +1,181 @@
+"""Prometheus metrics scraped from a real switch's endpoint, and the switch's logs."""
+
+import json
+import logging
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import switchml
+from switchml import wire
+from switchml.netutil import LineReader
+
+from conftest import run_ranks
+
+K = 1024
+
+
+def scrape(switch) -> dict:
+    """{(sample name, sorted label items): value} from the switch's /metrics."""
+    url = "http://%s:%d/metrics" % switch.metrics_address
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(metrics: dict, name: str, default=None, **labels):
+    """The sample ``name`` with exactly these labels (``default`` if absent)."""
+    key = (name, tuple(sorted(labels.items())))
+    return metrics[key] if default is None else metrics.get(key, default)
+
+
+def wait_for(condition, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the switch did not count the packets in time"
+        time.sleep(0.02)
+
+
+def test_metrics_count_a_real_allreduce_and_injected_garbage():
+    with switchml.Switch(packet_elements=K, slots=64, slots_per_job=16, metrics_port=0) as sw:
+        data = [np.arange(10 * K + 5, dtype=np.int32) * (r + 1) for r in range(2)]
+        workers = [None, None]
+
+        def body(rank):
+            w = workers[rank] = switchml.Worker(sw.address, rank, 2, job="obs", timeout=10)
+            return w.allreduce(data[rank])
+
+        for out in run_ranks(2, body):
+            assert np.array_equal(out, data[0] + data[1])
+        job = {"job": "obs", "session": f"{workers[0].session.session:08x}"}
+        m = scrape(sw)
+        chunks = 11
+        assert value(m, "switchml_job_results_completed_total", **job) == chunks
+        # Every contribution admitted is a first one, or a retransmission (answered or
+        # not yet complete, or stale): first ones are exactly ranks x chunks.
+        retrans = value(m, "switchml_job_retransmissions_answered_total", **job)
+        first = (value(m, "switchml_job_packets_in_total", **job) - retrans
+                 - value(m, "switchml_job_duplicates_total", **job)
+                 - value(m, "switchml_job_dropped_packets_total", 0, reason="stale", **job))
+        assert first == 2 * chunks
+        assert value(m, "switchml_job_results_out_total", **job) - retrans == 2 * chunks
+        assert value(m, "switchml_packets_in_total") == \
+            value(m, "switchml_job_packets_in_total", **job)
+        assert value(m, "switchml_job_info", slots="0..15", state="running", world_size="2",
+                     **job) == 1
+        assert value(m, "switchml_slots_free") == 48
+        assert value(m, "switchml_jobs", state="running") == 1
+
+        # garbage: a stranger, and a member with a wrong session and truncated packets
+        stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        for i in range(7):
+            stranger.sendto(b"garbage %d" % i, sw.address)
+        lanes = np.zeros(K // 256, wire.LANE)
+        wrong = wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, 0,
+                            workers[0].session.session ^ 1, 0, 0, 0, lanes, np.ones(K, np.int32))
+        for _ in range(5):
+            workers[0]._udp.sendto(wrong, sw.address)
+        for _ in range(4):
+            workers[0]._udp.sendto(wrong[:20], sw.address)
+        totals = lambda: sw.stats()["totals"]  # noqa: E731
+        wait_for(lambda: totals().get("dropped_unknown_source", 0) == 7
+                 and totals().get("dropped_wrong_session", 0) == 5
+                 and totals().get("dropped_truncated", 0) == 4)
+        m = scrape(sw)
+        assert value(m, "switchml_dropped_packets_total", reason="unknown_source") == 7
+        assert value(m, "switchml_job_dropped_packets_total", reason="wrong_session", **job) == 5
+        assert value(m, "switchml_job_dropped_packets_total", reason="truncated", **job) == 4
+        assert value(m, "switchml_dropped_packets_total", reason="wrong_session") == 5
+        stranger.close()
+        for w in workers:
+            w.close()
+        # an ended job keeps its series, with its state; the totals never go down
+        m = scrape(sw)
+        assert value(m, "switchml_job_info", slots="0..15", state="ended", world_size="2",
+                     **job) == 1
+        assert value(m, "switchml_dropped_packets_total", reason="wrong_session") == 5
+        assert value(m, "switchml_control_events_total", event="jobs_ended") == 1
+        assert value(m, "switchml_slots_free") == 64
+
+
+def test_refused_joins_are_counted_by_limit():
+    with switchml.Switch(packet_elements=K, slots=16, slots_per_job=16, metrics_port=0) as sw:
+        with switchml.Worker(sw.address, 0, 1, job="a"):
+            for _ in range(2):
+                with pytest.raises(switchml.LimitExceededError):
+                    switchml.Worker(sw.address, 0, 1, job="b", timeout=2)
+        m = scrape(sw)
+        assert value(m, "switchml_joins_refused_total", reason="slots") == 2
+        assert value(m, "switchml_control_events_total", event="control_join_refused") == 2
+
+
+def test_metrics_without_prometheus_client_name_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # as if not installed
+    with pytest.raises(switchml.MetricsUnavailableError,
+                       match=r"pip install 'switchml\[metrics\]'"):
+        switchml.Switch(metrics_port=0)
+    code = ("import sys; sys.modules['prometheus_client'] = None; from switchml.cli import main; "
+            "sys.exit(main(['switch', '--port', '0', '--metrics-port', '0']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 2
+    assert "pip install 'switchml[metrics]'" in result.stderr
+
+
+def test_logs_joins_leaves_failures_and_summarises_drops(caplog):
+    caplog.set_level(logging.DEBUG, logger="switchml.switch")
+    sw = switchml.Switch(packet_elements=K, slots=64, slots_per_job=16)
+    sw.drop_log_interval = 0.2
+    with sw:
+        with switchml.Worker(sw.address, 0, 1, job="logged") as w:
+            w.allreduce(np.ones(100, np.float32))
+            stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            for _ in range(200):
+                stranger.sendto(b"junk", sw.address)
+            stranger.close()
+            wait_for(lambda: sw.stats()["counters"].get("dropped_unknown_source") == 200)
+            time.sleep(0.5)  # one more summary interval
+        # a job that fails: its rank 1 (a bare control connection) goes away without leaving
+        errors = []
+
+        def rank0():
+            with switchml.Worker(sw.address, 0, 2, job="doomed", timeout=2) as w:
+                try:
+                    w.allreduce(np.ones(100, np.float32))
+                except switchml.SwitchMLTimeoutError as exc:
+                    errors.append(exc)
+
+        t = threading.Thread(target=rank0)
+        t.start()
+        data = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        data.bind(("127.0.0.1", 0))
+        with socket.create_connection(sw.address) as control:
+            control.sendall(json.dumps({"op": "join", "job": "doomed", "rank": 1,
+                                        "world_size": 2,
+                                        "data_addr": list(data.getsockname())}).encode() + b"\n")
+            reader = LineReader()
+            while not any(m.get("event") == "ready" for m in reader.feed(control.recv(4096))):
+                pass
+        t.join(10)
+        data.close()
+        assert errors and errors[0].missing_ranks == [1]
+    records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "switchml.switch"]
+    info = [m for level, m in records if level == logging.INFO]
+    assert any(re.search(r"job logged: rank 0/1 joined from", m) for m in info)
+    assert any(m.startswith("job logged started: session") for m in info)
+    assert "job logged: rank 0 left" in info and "job logged ended; its slots are free" in info
+    warnings = [m for level, m in records if level == logging.WARNING]
+    assert "job doomed failed: rank 1 disconnected without leaving" in warnings
+    # drops: never a line per packet, only DEBUG summaries that add up
+    summaries = [m for level, m in records if "unknown_source" in m]
+    assert all(level == logging.DEBUG for level, m in records if "unknown_source" in m)
+    assert 1 <= len(summaries) <= 5
+    assert sum(int(re.search(r"unknown_source (\d+)", m).group(1)) for m in summaries) == 200
