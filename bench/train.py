@@ -25,6 +25,7 @@ import functools
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -158,7 +159,7 @@ def _finish(runs: list, args, argv) -> None:
                      and g["script"] == r["script"] and g["name"].endswith("gloo")), None)
         r["speedup_over_gloo"] = r["samples_per_s"] / gloo["samples_per_s"] if gloo else None
     print(table(runs))
-    result = {"command": "python bench/train.py " + " ".join(argv or sys.argv[1:]),
+    result = {"command": "python bench/train.py " + shlex.join(argv or sys.argv[1:]),
               "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
               "date": time.strftime("%Y-%m-%d %H:%M"),
               "network": f"testbed, {args.link} links" if args.testbed else "loopback",

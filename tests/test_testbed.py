@@ -5,6 +5,7 @@ Tests that build namespaces need root and ip/tc (nft for loss); elsewhere they s
 Each uses its own prefix, so they never touch a testbed someone else has up.
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -310,6 +311,33 @@ def test_loss_rule_drops_datagrams_and_switchml_still_sums_exactly(tmp_path):
     assert drops[tb.switch_namespace] > 0 and drops[tb.namespace(0)] > 0
     job = stats["ended_jobs"]["testbed"]["counters"]
     assert job.get("retransmissions_answered", 0) > 0  # lost results sent again from the copy
+
+
+@needs_root
+@needs_nft
+@pytest.mark.parametrize("loss", [0.01, 0.05])
+def test_a_thousand_allreduces_under_loss_are_bit_identical_to_the_loss_free_sums(
+        tmp_path, loss):
+    world, size, count = 3, 3000, 1000
+    with Testbed(hosts=world, link="none", loss=loss, prefix=prefix(f"l{int(loss * 100)}")) as tb:
+        start_switch(tb)
+        procs = [tb.popen(h, [sys.executable, HELPERS, "repeat", tb.switch, str(h), str(world),
+                              str(size), str(count), str(tmp_path / f"repeat-{h}")],
+                          stderr=subprocess.PIPE, text=True) for h in range(world)]
+        for proc in procs:
+            assert proc.wait(timeout=240) == 0, proc.stderr.read()  # no hang, no error
+        drops = tb.loss_drops()
+    sys.path.insert(0, os.path.dirname(HELPERS))
+    from testbed_helpers import repeated_input
+    want = hashlib.sha256()
+    for i in range(count):
+        want.update(reference_sum([repeated_input(r, size, i) for r in range(world)],
+                                  PACKET).tobytes())
+    outs = [json.load(open(tmp_path / f"repeat-{h}.json")) for h in range(world)]
+    for out in outs:
+        assert out["sha256"] == want.hexdigest()
+    assert sum(drops.values()) > 0.5 * loss * count * world  # the loss did bite
+    assert all(out["counters"]["retransmissions"] > 0 for out in outs)
 
 
 @needs_root

@@ -89,6 +89,16 @@ def test_a_rank_that_exits_early_makes_the_others_fail_clearly():
     assert time.monotonic() - start < 45
 
 
+def test_an_unreachable_switch_is_an_exception_naming_it():
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    start = time.monotonic()
+    results = launch(2, "unreachable", "switchml", timeout=60,
+                     env={"SWITCHML_SWITCH": address, "SWITCHML_TIMEOUT": "3"})
+    for out in results:
+        assert "SwitchUnreachableError" in out["error"] and address in out["error"], out
+    assert time.monotonic() - start < 45
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_cuda_tensors_are_staged_through_host_memory():
     for out in launch(2, "cuda", "switchml"):

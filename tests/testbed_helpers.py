@@ -2,6 +2,9 @@
 
 - ``worker SWITCH RANK WORLD SIZE DTYPE OUT``: one switchml rank; saves its result to
   OUT.npy and its counters to OUT.json.
+- ``repeat SWITCH RANK WORLD SIZE COUNT OUT``: COUNT allreduces of fresh inputs
+  (``repeated_input``), dense and sparse in turn; saves the SHA-256 of all results
+  and the counters to OUT.json.
 - ``sink HOST PORT``: accept one TCP connection, print bytes received and seconds
   from first to last byte.
 - ``source HOST PORT BYTES``: connect and send BYTES.
@@ -33,6 +36,31 @@ def worker(switch, rank, world, size, dtype, out):
     np.save(out + ".npy", result)
     with open(out + ".json", "w") as f:
         json.dump(counters, f)
+
+
+def repeated_input(rank, size, i):
+    """Input ``i`` of a rank: normal floats, with most blocks zeroed on odd ``i``."""
+    rng = np.random.default_rng([11, rank, size, i])
+    x = rng.standard_normal(size).astype(np.float32) * np.float32(2.0 ** rng.integers(-6, 6))
+    if i % 2:
+        keep = rng.random(-(-size // 256)) < 0.3
+        x[np.repeat(~keep, 256)[:size]] = 0
+    return x
+
+
+def repeat(switch, rank, world, size, count, out):
+    import hashlib
+
+    import switchml
+
+    digest = hashlib.sha256()
+    with switchml.Worker(switch, int(rank), int(world), job="repeat", timeout=30) as w:
+        for i in range(int(count)):
+            digest.update(w.allreduce(repeated_input(int(rank), int(size), i),
+                                      sparse=bool(i % 2)).tobytes())
+        counters = w.counters
+    with open(out + ".json", "w") as f:
+        json.dump({"sha256": digest.hexdigest(), "counters": counters}, f)
 
 
 def sink(host, port):
@@ -73,4 +101,4 @@ def gloo(rank, world, size):
 
 
 if __name__ == "__main__":
-    {"worker": worker, "sink": sink, "source": source, "gloo": gloo}[sys.argv[1]](*sys.argv[2:])
+    {"worker": worker, "repeat": repeat, "sink": sink, "source": source, "gloo": gloo}[sys.argv[1]](*sys.argv[2:])

@@ -127,6 +127,9 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout):
         super().__init__(rank, size)
         seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+        # The group's timeout (init_process_group(timeout=...)), unless SWITCHML_TIMEOUT
+        # asks for a shorter wait before naming a silent rank or switch.
+        seconds = env("TIMEOUT", seconds, float)
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("switchml-gloo", store), rank, size,
                                            timeout)
         # C++ helpers (DDP's parameter check, for one) look the backend of a device up
