@@ -61,6 +61,7 @@ def test_every_collective_works_through_the_backend():
         assert out["allreduce_sum"] == 6.0
         assert out["allreduce_avg"] == 2.0
         assert out["allreduce_int_async"] == 6
+        assert out["allreduce_int_avg"] == -1  # (-2 - 1 - 1) / 3, truncated toward zero
         assert out["allreduce_max"] == 3.0
         assert out["allreduce_f64"] == 6.0
         assert out["broadcast"] == 2.0

@@ -48,6 +48,9 @@ def collectives():
     work = dist.all_reduce(t, async_op=True)
     work.wait()
     out["allreduce_int_async"] = t[0].item()
+    t = torch.full((10,), -1 - int(rank == 0), dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    out["allreduce_int_avg"] = t[0].item()
     t = torch.full((4,), float(rank + 1))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # delegated to gloo
     out["allreduce_max"] = t[0].item()

@@ -3,8 +3,7 @@
     import switchml.torch
     torch.distributed.init_process_group("switchml")      # torchrun's env:// as usual
 
-allreduce SUM and AVG of float32 (and SUM of int32) tensors go through the
-switch (CUDA tensors staged through host memory); every other collective, op and dtype goes to an inner gloo group, which is
+allreduce SUM and AVG of float32 and int32 tensors go through the switch (CUDA tensors staged through host memory); every other collective, op and dtype goes to an inner gloo group, which is
 registered as this group's CPU backend, so any torch code runs unchanged.  The
 switch is ``SWITCHML_SWITCH`` when set; otherwise rank 0 of each group starts an
 embedded switch and publishes its address through the store.  ``SWITCHML_SPARSE``
@@ -150,8 +149,8 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
         t = tensors[0]
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         return (t.device.type in _DEVICES and t.dtype in _SWITCHED_DTYPES and t.is_contiguous()
-                and (op == dist.ReduceOp.SUM
-                     or (op == dist.ReduceOp.AVG and t.dtype == torch.float32)))
+                # ==, not `in`: RedOpType == ReduceOp is False the other way round
+                and (op == dist.ReduceOp.SUM or op == dist.ReduceOp.AVG))
 
     def allreduce(self, tensors, opts=None):
         if opts is None:
@@ -165,8 +164,9 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
         average = opts.reduceOp == dist.ReduceOp.AVG
 
         def result():
-            if average:
-                staged.div_(self.size())
+            if average:  # integers as NCCL's average does: the sum divided, truncated
+                staged.div_(self.size(), rounding_mode=None if staged.is_floating_point()
+                            else "trunc")
             if staged is not t:
                 t.copy_(staged)
             return tensors
