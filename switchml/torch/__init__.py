@@ -6,10 +6,10 @@
 allreduce SUM and AVG of float32 and int32 tensors go through the switch (CUDA
 tensors staged through host memory); every other collective, op and dtype goes to
 an inner gloo group, which is registered as this group's backend for its devices,
-so any torch code runs unchanged.  The
-switch is ``SWITCHML_SWITCH`` when set; otherwise rank 0 of each group starts a switch in
-a child process and publishes its address through the store.  ``SWITCHML_SPARSE``
-(false, true or auto: the default) picks the dense or sparse path.
+so any torch code runs unchanged.  The switch is ``SWITCHML_SWITCH`` when set;
+otherwise rank 0 of each group starts a switch in a child process and publishes
+its address through the store.  ``SWITCHML_SPARSE`` (false, true or auto: the
+default) picks the dense or sparse path.
 
 ``allreduce_hook`` is a DDP communication hook for users who keep their gloo or
 nccl group for everything else.
