@@ -112,8 +112,11 @@ class SparseAllreduce(Stream):
     def _read_blocks(self, index: np.ndarray, dst: np.ndarray) -> None:
         """Copy blocks ``index`` of the input into rows of ``dst`` (tail zero-padded)."""
         b = self.s.block_elements
-        full = index < self._full_blocks
         body = self.src[: self._full_blocks * b].reshape(-1, b)
+        if self._full_blocks == self.blocks or index.max() < self._full_blocks:
+            np.take(body, index, axis=0, out=dst)  # no short last block among them
+            return
+        full = index < self._full_blocks
         dst[full] = body[index[full]]
         for row in np.flatnonzero(~full):  # the short last block
             tail = self.src[self._full_blocks * b:]
@@ -131,8 +134,11 @@ class SparseAllreduce(Stream):
     def _write_blocks(self, index: np.ndarray, blocks: np.ndarray) -> None:
         """Write rows of ``blocks`` over blocks ``index`` of the output (tail cut short)."""
         b = self.s.block_elements
-        full = index < self._full_blocks
         body = self.out[: self._full_blocks * b].reshape(-1, b)
+        if self._full_blocks == self.blocks or index.max() < self._full_blocks:
+            body[index] = blocks  # no short last block among them
+            return
+        full = index < self._full_blocks
         body[index[full]] = blocks[full]
         for row in np.flatnonzero(~full):
             tail = self.out[self._full_blocks * b:]
