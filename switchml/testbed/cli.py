@@ -35,7 +35,9 @@ def _testbed_up(args) -> int:
             with open(log, "w") as f:
                 subprocess.Popen(tb.command("switch", [sys.executable, "-m", "switchml.cli",
                                                        "switch", "--host", tb.switch_address,
-                                                       "--port", str(tb.switch.split(":")[1])]),
+                                                       "--port", str(tb.switch.split(":")[1]),
+                                                       "--slots-per-job",
+                                                       str(args.slots_per_job)]),
                                  stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True)
             if not _wait_for(log, "listening on", 15.0):
@@ -200,6 +202,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--burst", default="256kb", help="tbf bucket size (default %(default)s)")
     p.add_argument("--switch", action="store_true",
                    help="also start a switchml switch on the bridge (in the background)")
+    p.add_argument("--slots-per-job", type=int, default=4,
+                   help="that switch's window per job (default %(default)s): the switch's own "
+                        "default of 32 x 64 KiB waits in the shaped links' queues and sets "
+                        "off spurious retransmissions")
     p.set_defaults(func=_testbed_up)
 
     p = prefixed(tsub.add_parser("run", help="run a command in a host (0, 1, ...) or 'switch'"))
