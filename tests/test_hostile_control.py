@@ -9,6 +9,7 @@ import resource
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -94,16 +95,18 @@ def test_a_client_that_never_reads_cannot_stall_the_switch(switch, monkeypatch):
     monkeypatch.setattr(server, "MAX_CONTROL_BACKLOG", 1 << 16)
     hog = socket.create_connection(switch.address)
     hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    request = b'{"op": "stats"}\n' * 4096
-    hog.settimeout(0.5)
-    sent = 0
-    try:
-        while sent < 4_000_000:  # 250k requests: some 90 MB of replies
-            sent += hog.send(request)
-    except (socket.timeout, OSError):
-        pass  # the switch reads slower than we send, or it hung up already
-    assert sent >= len(request)
-    deadline = time.monotonic() + 20
+
+    def flood():
+        # 250k requests, some 90 MB of replies: far beyond any kernel buffer.  A
+        # blocking sendall, so that a slow (loaded) switch cannot end the flood
+        # early; it ends when the switch hangs up.
+        try:
+            hog.sendall(b'{"op": "stats"}\n' * 250_000)
+        except OSError:
+            pass
+
+    threading.Thread(target=flood, daemon=True).start()
+    deadline = time.monotonic() + 30
     while not switch.stats()["counters"].get("control_slow_reader"):
         assert time.monotonic() < deadline, "the switch never hung up on the client"
         time.sleep(0.05)
