@@ -1,25 +1,27 @@
 """Settings from SWITCHML_* environment variables, as NCCL_* configure NCCL.
 
-=========================  =====================================  ==========
-variable                   meaning                                default
-=========================  =====================================  ==========
-SWITCHML_SWITCH            switch control address, host:port      (none)
-SWITCHML_TIMEOUT           seconds without progress before error  30
-SWITCHML_JOB               job name shared by a job's workers     default
-SWITCHML_HOST              ``switchml switch`` bind address       127.0.0.1
-SWITCHML_PORT              ``switchml switch`` port               7300
-SWITCHML_SLOTS             slots in the switch's pool             256
-SWITCHML_PACKET_ELEMENTS   int32 values per packet                16128
-SWITCHML_BLOCK_ELEMENTS    values per block of the sparse path    256
-SWITCHML_SLOTS_PER_JOB     slots a job gets (its window)          32
-SWITCHML_MAX_JOBS          jobs a switch runs at once             64
-SWITCHML_METRICS_PORT      ``switchml switch`` Prometheus port    (none)
-SWITCHML_WAIT_FOR_SLOTS    seconds a worker waits for room        0
-SWITCHML_DROP_RATE         simulated drop probability             0
-SWITCHML_SPARSE_AUTO_UNION ``sparse="auto"`` takes the sparse path 0.5
-                           when the union of non-zero blocks is
-                           at most this share of the tensor
-=========================  =====================================  ==========
+==========================  =======================================  ==========
+variable                    meaning                                  default
+==========================  =======================================  ==========
+SWITCHML_SWITCH             switch control address, host:port        (none)
+SWITCHML_TIMEOUT            seconds without progress before error    30
+SWITCHML_JOB                job name shared by a job's workers       default
+SWITCHML_HOST               ``switchml switch`` bind address         127.0.0.1
+SWITCHML_PORT               ``switchml switch`` port                 7300
+SWITCHML_SLOTS              slots in the switch's pool               256
+SWITCHML_PACKET_ELEMENTS    int32 values per packet                  16128
+SWITCHML_BLOCK_ELEMENTS     values per block of the sparse path      256
+SWITCHML_SLOTS_PER_JOB      slots a job gets (its window)            32
+SWITCHML_MAX_JOBS           jobs a switch runs at once               64
+SWITCHML_METRICS_PORT       ``switchml switch`` Prometheus port      (none)
+SWITCHML_WAIT_FOR_SLOTS     seconds a worker waits for room          0
+SWITCHML_DROP_RATE          simulated drop probability               0
+SWITCHML_SPARSE_AUTO_UNION  ``sparse="auto"`` goes sparse when the   0.5
+                            union of non-zero blocks is at most
+                            this share of the tensor
+SWITCHML_SPARSE_AUTO_EVERY  ``sparse="auto"`` measures again after   20
+                            this many calls of one size and dtype
+==========================  =======================================  ==========
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ DEFAULT_TIMEOUT = 30.0
 #: sparse="auto" goes sparse when the union of non-zero blocks (what every worker
 #: receives) is at most this share of all blocks; see Worker._sparse_pays.
 DEFAULT_SPARSE_AUTO_UNION = 0.5
+#: ... and measures again after this many calls of the same size and dtype.
+DEFAULT_SPARSE_AUTO_EVERY = 20
 
 
 def env(name: str, default, cast=str):

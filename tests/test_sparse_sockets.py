@@ -56,7 +56,8 @@ def test_sparse_equals_dense_over_sockets(world, drop_rate):
         assert counters["sparse_blocks_in"] == expected_blocks  # zero blocks never sent
 
 
-def test_auto_picks_sparse_for_sparse_gradients_and_dense_for_dense(switch):
+def test_auto_picks_sparse_for_sparse_gradients_and_dense_for_dense(switch, monkeypatch):
+    monkeypatch.setenv("SWITCHML_SPARSE_AUTO_EVERY", "1")  # measure every call
     sparse_data = sparse_inputs(2, 100, 0.05, np.float32, seed=3)
     dense_data = sparse_inputs(2, 100, 1.0, np.float32, seed=4)
     # half the blocks each: the union coming down is ~3/4 of the tensor, over the
@@ -76,6 +77,33 @@ def test_auto_picks_sparse_for_sparse_gradients_and_dense_for_dense(switch):
         assert after_sparse > 0 and after_dense == after_sparse
         assert np.allclose(b, np.sum(np.array(dense_data, np.float64), axis=0), atol=1e-5)
         assert np.allclose(a, np.sum(np.array(sparse_data, np.float64), axis=0), atol=1e-5)
+
+
+def test_auto_measures_again_every_n_calls_of_a_size_alike_on_every_rank(switch, monkeypatch):
+    monkeypatch.setenv("SWITCHML_SPARSE_AUTO_EVERY", "3")
+    measured = []
+    original = switchml.Worker._sparse_pays
+
+    def counting(self, src):
+        measured.append((self.rank, src.size))
+        return original(self, src)
+
+    monkeypatch.setattr(switchml.Worker, "_sparse_pays", counting)
+    small = sparse_inputs(2, 20, 0.05, np.float32, seed=6)
+    large = sparse_inputs(2, 100, 0.05, np.float32, seed=7)
+
+    def body(rank):
+        with switchml.Worker(switch.address, rank, 2) as w:
+            for _ in range(7):
+                w.allreduce(large[rank], sparse="auto")
+                w.allreduce(small[rank], sparse="auto")
+            return w.counters["sparse_blocks_sent"]
+
+    sent = run_ranks(2, body)
+    # each size measured on calls 1, 4 and 7, on both ranks
+    assert sorted(measured) == sorted([(r, x[0].size) for r in range(2)
+                                       for x in (small, large) for _ in range(3)])
+    assert all(count > 0 for count in sent)  # and the measured choice (sparse) was kept
 
 
 def test_sparse_argument_is_checked(switch):

@@ -19,7 +19,8 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from ..config import DEFAULT_SPARSE_AUTO_UNION, DEFAULT_TIMEOUT, env, parse_address
+from ..config import (DEFAULT_SPARSE_AUTO_EVERY, DEFAULT_SPARSE_AUTO_UNION,
+                      DEFAULT_TIMEOUT, env, parse_address)
 from ..errors import (JoinRefusedError, LimitExceededError, SwitchMLError,
                       SwitchMLTimeoutError, SwitchUnreachableError)
 from ..netutil import LineReader, encode_line, enlarge_buffers
@@ -80,11 +81,17 @@ class Worker:
         self.job = job if job is not None else env("JOB", "default")
         self.timeout = float(timeout if timeout is not None else env("TIMEOUT", DEFAULT_TIMEOUT, float))
         self._sparse_auto_union = env("SPARSE_AUTO_UNION", DEFAULT_SPARSE_AUTO_UNION, float)
+        self._auto_every = max(1, env("SPARSE_AUTO_EVERY", DEFAULT_SPARSE_AUTO_EVERY, int))
+        self._auto_choices: dict = {}
         self.wait_for_slots = float(wait_for_slots if wait_for_slots is not None
                                     else env("WAIT_FOR_SLOTS", 0.0, float))
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
         self._failure: SwitchMLError | None = None
+        # One reader from the join on: news that follows "ready" in the same read
+        # (a rank that left at once) must reach the I/O thread, not be dropped.
+        self._reader = LineReader()
+        self._early_events: list = []
         self._control, self._udp, ready = self._join(slots)
         self.session = Session(session=ready["session"], rank=rank, world_size=world_size,
                                slot_base=ready["slot_base"], slot_count=ready["slot_count"],
@@ -183,7 +190,7 @@ class Worker:
         return control, udp, ready
 
     def _await_ready(self, control, where) -> dict:
-        reader = LineReader()
+        reader = self._reader
         join_deadline = time.monotonic() + self.timeout
         deadline = join_deadline
         present = [self.rank]
@@ -209,9 +216,11 @@ class Worker:
                 raise SwitchUnreachableError(f"lost the {where} while joining: {exc}") from None
             if not data:
                 raise SwitchUnreachableError(f"the {where} closed the connection while joining")
-            for msg in reader.feed(data):
+            messages = reader.feed(data)
+            for i, msg in enumerate(messages):
                 event = msg.get("event")
                 if event == "ready":
+                    self._early_events = messages[i + 1:]
                     return msg
                 if event == "joined":  # (again) gathering ranks: the join deadline holds
                     present = msg["present"]
@@ -239,9 +248,12 @@ class Worker:
         sel.register(self._udp, selectors.EVENT_READ)
         sel.register(self._control, selectors.EVENT_READ)
         sel.register(self._wake_r, selectors.EVENT_READ)
-        self._reader = LineReader()
         self._sel = sel
         self._control_open = True
+        try:
+            self._control_events(self._early_events)
+        except SwitchMLError:
+            pass  # recorded in self._failure: the first call raises it
         try:
             while True:
                 try:
@@ -260,7 +272,7 @@ class Worker:
                     continue
                 try:
                     if sparse == "auto":
-                        sparse = self._sparse_pays(src)
+                        sparse = self._auto_choice(src)
                     self._run(src, out, sparse)
                 except SwitchMLError as exc:
                     self._failure = self._failure or exc
@@ -340,6 +352,11 @@ class Worker:
                 f"(switch stopped or crashed?)" if not data else
                 f"the switch at {host}:{port} sent a malformed control message")
             raise self._failure
+        self._control_events(events)
+        return events
+
+    def _control_events(self, events: list) -> None:
+        """Raise (and record) the job's failure if the switch announced one."""
         for msg in events:
             if msg.get("event") == "failed":
                 self._sel.unregister(self._control)
@@ -347,7 +364,18 @@ class Worker:
                 self._failure = SwitchMLTimeoutError(
                     f"job '{self.job}' failed: {msg.get('reason')}", msg.get("missing", []))
                 raise self._failure
-        return events
+
+    def _auto_choice(self, src: np.ndarray) -> bool:
+        """``sparse="auto"``: measured on the first call of each size and dtype, then
+        again every ``SWITCHML_SPARSE_AUTO_EVERY`` calls of it (the same on every
+        rank, since every rank makes the same calls), sparing most calls the extra
+        round trip of the measurement."""
+        key = (src.size, src.dtype.str)
+        choice = self._auto_choices.get(key)
+        if choice is None or choice[1] <= 0:
+            choice = self._auto_choices[key] = [self._sparse_pays(src), self._auto_every]
+        choice[1] -= 1
+        return choice[0]
 
     def _sparse_pays(self, src: np.ndarray) -> bool:
         """Whether the sparse path clearly moves fewer bytes, decided alike on every rank.
