@@ -95,16 +95,7 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
                 "ifname": cluster.ifname(rank), "warmup": args.warmup, "repeats": args.repeats,
                 "check": args.check, "seed": args.seed, "timeout": min(args.timeout, 120),
                 "cases": [dict(c, id=i) for i, c in enumerate(cases)]})
-        reports: dict = {}
-        done = 0
-        while done < world:
-            name, msg = roles.next()
-            if msg["event"] == "case":
-                reports.setdefault(msg["id"], []).append(msg)
-                if len(reports[msg["id"]]) == world:
-                    progress(1)
-            elif msg["event"] == "done":
-                done += 1
+        reports = _gather_reports(roles, world, progress)
         switch.stdin.write("stop\n")
         switch.stdin.flush()
         while True:
@@ -122,12 +113,26 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
     return rows, counters
 
 
+def _gather_reports(roles, world: int, progress) -> dict:
+    """Every rank's report per case id, until all ``world`` ranks are done."""
+    reports: dict = {}
+    done = 0
+    while done < world:
+        _, msg = roles.next()
+        if msg["event"] == "case":
+            reports.setdefault(msg["id"], []).append(msg)
+            if len(reports[msg["id"]]) == world:
+                progress(1)
+        elif msg["event"] == "done":
+            done += 1
+    return reports
+
+
 def run_gloo(cluster, world, sizes, args, progress) -> list:
     """``world`` gloo ranks, the dense tensor of every size."""
     addr, port = cluster.master()
     cases = [{"id": i, "elements": int(mib * 2**20) // 4, "density": None}
              for i, mib in enumerate(sizes)]
-    reports: dict = {}
     with Roles(cluster, args.timeout) as roles:
         for rank in range(world):
             roles.start(rank, rank, "gloo", {
@@ -135,15 +140,7 @@ def run_gloo(cluster, world, sizes, args, progress) -> list:
                 "ifname": cluster.ifname(rank), "warmup": args.warmup, "repeats": args.repeats,
                 "check": args.check, "seed": args.seed, "block": DEFAULT_BLOCK_ELEMENTS,
                 "cases": cases})
-        done = 0
-        while done < world:
-            _, msg = roles.next()
-            if msg["event"] == "case":
-                reports.setdefault(msg["id"], []).append(msg)
-                if len(reports[msg["id"]]) == world:
-                    progress(1)
-            elif msg["event"] == "done":
-                done += 1
+        reports = _gather_reports(roles, world, progress)
     rows = []
     for case in cases:
         items = sorted(reports[case["id"]], key=lambda m: m["rank"])
