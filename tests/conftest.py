@@ -1,3 +1,5 @@
+import json
+import socket
 import threading
 
 import numpy as np
@@ -6,6 +8,7 @@ import pytest
 
 import switchml
 from switchml import quant
+from switchml.netutil import LineReader
 
 
 def run_ranks(world, body, timeout=60.0):
@@ -63,3 +66,29 @@ def reference_sum(arrays, block):
             sl = slice(c * block, (c + 1) * block)
             quant.dequantize_into(total[sl], int(E[c]), B, out[sl])
     return out
+
+
+def job_whose_rank_1_vanishes(address, job, timeout):
+    """A 2-rank job whose rank 1, a bare control connection, closes right after "ready"
+    without leaving; return what rank 0's allreduce raised (a list of 0 or 1 errors)."""
+    errors = []
+
+    def rank0():
+        with switchml.Worker(address, 0, 2, job=job, timeout=timeout) as w:
+            try:
+                w.allreduce(np.ones(100, np.float32))
+            except switchml.SwitchMLTimeoutError as exc:
+                errors.append(exc)
+
+    t = threading.Thread(target=rank0)
+    t.start()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as data, \
+            socket.create_connection(address) as control:
+        data.bind(("127.0.0.1", 0))
+        control.sendall(json.dumps({"op": "join", "job": job, "rank": 1, "world_size": 2,
+                                    "data_addr": list(data.getsockname())}).encode() + b"\n")
+        reader = LineReader()
+        while not any(m.get("event") == "ready" for m in reader.feed(control.recv(4096))):
+            pass
+    t.join(10)
+    return errors

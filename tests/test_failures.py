@@ -11,7 +11,7 @@ import pytest
 
 import switchml
 
-from conftest import run_ranks
+from conftest import job_whose_rank_1_vanishes, run_ranks
 
 TIMEOUT = 2.0
 
@@ -135,33 +135,8 @@ def test_too_many_workers_is_refused(switch):
 def test_a_rank_leaving_right_after_ready_is_named_at_once(switch):
     """The switch's "failed" may reach a rank in the same read as its "ready": the
     worker must keep it, not wait out the timeout and blame everyone."""
-    import json
-    import socket
-
-    from switchml.netutil import LineReader
-
     for attempt in range(12):  # the race is timing-dependent: try it several times
-        errors = []
-        job = f"brief-{attempt}"
-
-        def rank0():
-            with switchml.Worker(switch.address, 0, 2, job=job, timeout=5) as w:
-                try:
-                    w.allreduce(np.ones(100, np.float32))
-                except switchml.SwitchMLTimeoutError as exc:
-                    errors.append(exc)
-
-        t = threading.Thread(target=rank0)
-        t.start()
         start = time.monotonic()
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as data, \
-                socket.create_connection(switch.address) as control:
-            data.bind(("127.0.0.1", 0))
-            control.sendall(json.dumps({"op": "join", "job": job, "rank": 1, "world_size": 2,
-                                        "data_addr": list(data.getsockname())}).encode() + b"\n")
-            reader = LineReader()
-            while not any(m.get("event") == "ready" for m in reader.feed(control.recv(4096))):
-                pass
-        t.join(10)
+        errors = job_whose_rank_1_vanishes(switch.address, f"brief-{attempt}", timeout=5)
         assert errors and errors[0].missing_ranks == [1], errors
         assert time.monotonic() - start < 3  # from the switch's news, not the 5 s timeout

@@ -1,12 +1,10 @@
 """Prometheus metrics scraped from a real switch's endpoint, and the switch's logs."""
 
-import json
 import logging
 import re
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 
@@ -16,9 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import switchml
 from switchml import wire
-from switchml.netutil import LineReader
 
-from conftest import run_ranks
+from conftest import job_whose_rank_1_vanishes, run_ranks
 
 K = 1024
 
@@ -144,28 +141,7 @@ def test_logs_joins_leaves_failures_and_summarises_drops(caplog):
             wait_for(lambda: sw.stats()["counters"].get("dropped_unknown_source") == 200)
             time.sleep(0.5)  # one more summary interval
         # a job that fails: its rank 1 (a bare control connection) goes away without leaving
-        errors = []
-
-        def rank0():
-            with switchml.Worker(sw.address, 0, 2, job="doomed", timeout=2) as w:
-                try:
-                    w.allreduce(np.ones(100, np.float32))
-                except switchml.SwitchMLTimeoutError as exc:
-                    errors.append(exc)
-
-        t = threading.Thread(target=rank0)
-        t.start()
-        data = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        data.bind(("127.0.0.1", 0))
-        with socket.create_connection(sw.address) as control:
-            control.sendall(json.dumps({"op": "join", "job": "doomed", "rank": 1,
-                                        "world_size": 2,
-                                        "data_addr": list(data.getsockname())}).encode() + b"\n")
-            reader = LineReader()
-            while not any(m.get("event") == "ready" for m in reader.feed(control.recv(4096))):
-                pass
-        t.join(10)
-        data.close()
+        errors = job_whose_rank_1_vanishes(sw.address, "doomed", timeout=2)
         assert errors and errors[0].missing_ranks == [1]
     records = [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "switchml.switch"]
     info = [m for level, m in records if level == logging.INFO]
