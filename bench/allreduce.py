@@ -106,7 +106,11 @@ def _density_worker_main(address, rank, world, elements, densities, block, warmu
                 c1 = w.counters
                 report_q.put(("density", rank, density, sparse, times,
                               (c1["bytes_sent"] - c0["bytes_sent"]) / repeats,
-                              (c1["bytes_received"] - c0["bytes_received"]) / repeats))
+                              (c1["bytes_received"] - c0["bytes_received"]) / repeats,
+                              # each block once: a retransmission resends the same datagram
+                              (c1["sparse_blocks_sent"] - c0["sparse_blocks_sent"]) * block * 4
+                              / repeats,
+                              (c1["retransmissions"] - c0["retransmissions"]) / repeats))
 
 
 def _gloo_main(port, rank, world, elements, warmup, repeats, report_q):
@@ -213,9 +217,16 @@ def run_densities(ctx, world, elements, args):
             row[key] = summarize([i[4] for i in mine], nbytes)
             row[key]["bytes_sent_per_worker"] = float(np.mean([i[5] for i in mine]))
             row[key]["bytes_received_per_worker"] = float(np.mean([i[6] for i in mine]))
+            row[key]["value_bytes_sent_per_worker"] = float(np.mean([i[7] for i in mine]))
+            row[key]["retransmissions_per_worker"] = float(np.mean([i[8] for i in mine]))
         row["sparse_speedup_over_dense"] = row["dense"]["median_s"] / row["sparse"]["median_s"]
         row["sent_over_density_times_size"] = row["sparse"]["bytes_sent_per_worker"] / max(
             1.0, density * nbytes)
+        # The values alone: the aim's "density x size, plus headers" without the headers.
+        row["values_sent_over_density_times_size"] = row["sparse"][
+            "value_bytes_sent_per_worker"] / max(1.0, density * nbytes)
+        # What must come down to every worker: the union of the ranks' blocks.
+        row["union_fraction_expected"] = 1.0 - (1.0 - density) ** world
         rows.append(row)
     return rows
 
@@ -268,7 +279,8 @@ def main(argv=None):
     for world in args.workers:
         if args.densities:
             print(f"{'n':>3} {'density':>8} {'sparse s':>9} {'dense s':>8} {'speedup':>8} "
-                  f"{'sent MB':>8} {'recv MB':>8} {'sent/(d*S)':>10}")
+                  f"{'sent MB':>8} {'recv MB':>8} {'sent/(d*S)':>10} {'values/(d*S)':>12} "
+                  f"{'retx':>5}")
             for row in run_densities(ctx, world, elements, args):
                 results["runs"].append(dict(row, system="switchml-sparse-vs-dense"))
                 sp = row["sparse"]
@@ -276,7 +288,9 @@ def main(argv=None):
                       f"{row['dense']['median_s']:>8.3f} {row['sparse_speedup_over_dense']:>7.2f}x "
                       f"{sp['bytes_sent_per_worker'] / 1e6:>8.1f} "
                       f"{sp['bytes_received_per_worker'] / 1e6:>8.1f} "
-                      f"{row['sent_over_density_times_size']:>10.3f}", flush=True)
+                      f"{row['sent_over_density_times_size']:>10.3f} "
+                      f"{row['values_sent_over_density_times_size']:>12.3f} "
+                      f"{sp['retransmissions_per_worker']:>5.1f}", flush=True)
         if args.no_dense:
             continue
         r = run_switchml(ctx, world, elements, args.dtype, args)

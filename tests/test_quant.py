@@ -126,6 +126,23 @@ finite_f32 = st.floats(width=32, allow_nan=False, allow_infinity=False, allow_su
 
 
 @FAST
+@given(values=hnp.arrays(np.float32, st.integers(0, 300),
+                         elements=st.floats(width=32) | st.sampled_from(
+                             [-0.0, np.float32(np.nan) * -1])),
+       block=st.integers(1, 40), piece=st.sampled_from([1, 7, 64, 1 << 17]))
+def test_block_peaks_is_the_largest_magnitude_of_each_block(values, block, piece):
+    # Small pieces make the piecewise loop and its last short piece run on small arrays.
+    saved, quant._PEAK_PIECE = quant._PEAK_PIECE, piece
+    try:
+        peaks = quant.block_peaks(values, block)
+    finally:
+        quant._PEAK_PIECE = saved
+    expected = [np.max(np.abs(values[i:i + block])) for i in range(0, values.size, block)]
+    assert peaks.dtype == np.float32
+    np.testing.assert_array_equal(peaks, np.array(expected, np.float32))  # NaN where NaN
+
+
+@FAST
 @given(values=hnp.arrays(np.float32, st.integers(0, 60), elements=finite_f32),
        chunk=st.integers(1, 17))
 def test_chunk_exponents_bracket_the_peak(values, chunk):
