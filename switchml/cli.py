@@ -36,7 +36,7 @@ def _switch(args) -> int:
                         packet_elements=args.packet_elements, block_elements=args.block_elements,
                         slots_per_job=args.slots_per_job, max_jobs=args.max_jobs,
                         seed=args.seed, metrics_port=args.metrics_port,
-                        metrics_host=args.metrics_host)
+                        metrics_host=args.metrics_host, keepalive=args.keepalive)
         switch.start()
     except (ValueError, OSError, MetricsUnavailableError) as exc:
         print(f"switchml switch: {exc}", file=sys.stderr)
@@ -164,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(0: any free port; needs pip install 'switchml[metrics]')")
     p.add_argument("--metrics-host", default=None,
                    help="address the metrics endpoint binds (default: --host)")
+    p.add_argument("--keepalive", type=float,
+                   default=config.env("KEEPALIVE", config.DEFAULT_KEEPALIVE, float),
+                   help="seconds within which a worker whose host vanished without closing "
+                        "its connection is noticed and its job failed (default %(default)s)")
     p.add_argument("--drop-rate", type=float, default=config.env("DROP_RATE", 0.0, float),
                    help="simulated drop probability on ingress and on egress")
     p.add_argument("--seed", type=int, default=None, help="seed of the drop simulator")

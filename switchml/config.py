@@ -35,6 +35,9 @@ DEFAULT_BLOCK_ELEMENTS = 256
 DEFAULT_SLOTS_PER_JOB = 32
 DEFAULT_MAX_JOBS = 64
 DEFAULT_TIMEOUT = 30.0
+#: Seconds within which a control connection's peer that vanished without
+#: closing it (host down, cable cut) is noticed, by TCP keepalive probes.
+DEFAULT_KEEPALIVE = 20.0
 #: sparse="auto" goes sparse when the union of non-zero blocks (what every worker
 #: receives) is at most this share of all blocks; see Worker._sparse_pays.
 DEFAULT_SPARSE_AUTO_UNION = 0.5

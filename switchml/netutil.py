@@ -35,6 +35,27 @@ def enlarge_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> int:
     return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
 
 
+def enable_keepalive(sock: socket.socket, seconds: float) -> None:
+    """Make a TCP connection fail within ``seconds`` of its peer vanishing.
+
+    Without this, a peer host that goes away without closing the connection
+    (power off, network cut) leaves it open forever: an idle connection sends
+    nothing that could fail.  Probes start after a silence, three of them, so
+    that silence plus probes make ``seconds``; TCP_USER_TIMEOUT gives data left
+    unacknowledged the same bound, which keepalive does not cover.  The kernel
+    counts whole seconds, one at least per step: the bound is at least 4 s.
+    """
+    interval = max(1, int(seconds // 6))
+    idle = max(1, int(seconds - 3 * interval))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval),
+                        ("TCP_KEEPCNT", 3),
+                        ("TCP_USER_TIMEOUT", (idle + 3 * interval) * 1000)):
+        option = getattr(socket, name, None)
+        if option is not None:  # Linux has them all; elsewhere the system's defaults
+            sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
 def datagrams_that_fit(rcvbuf: int, packet_bytes: int) -> int:
     """How many datagrams of ``packet_bytes`` a receive buffer holds (kernel overhead included)."""
     return rcvbuf // (packet_bytes + packet_bytes // 4 + 1024)

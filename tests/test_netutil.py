@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from switchml.netutil import enlarge_buffers
+from switchml.netutil import enable_keepalive, enlarge_buffers
 
 
 def rmem_max():
@@ -23,3 +23,16 @@ def test_root_gets_a_receive_buffer_beyond_rmem_max():
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         assert enlarge_buffers(s, want) >= want
         assert s.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= want
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux TCP keepalive options")
+@pytest.mark.parametrize("seconds, idle, interval", [(20, 11, 3), (4, 1, 1), (1, 1, 1),
+                                                     (60, 30, 10)])
+def test_keepalive_gives_up_within_the_asked_seconds(seconds, idle, interval):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        enable_keepalive(s, seconds)
+        got = [s.getsockopt(socket.IPPROTO_TCP, getattr(socket, name))
+               for name in ("TCP_KEEPIDLE", "TCP_KEEPINTVL", "TCP_KEEPCNT", "TCP_USER_TIMEOUT")]
+        assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+    assert got == [idle, interval, 3, (idle + 3 * interval) * 1000]
+    assert idle + 3 * interval == max(4, seconds)  # silence plus three probes: the bound

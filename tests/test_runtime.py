@@ -192,3 +192,11 @@ def test_garbage_during_a_job_changes_no_sum(switch):
     dropped += sum(v for k, v in results[1][1].items() if k.startswith("dropped"))
     assert dropped >= 300
     stranger.close()
+
+
+@pytest.mark.parametrize("options", [{"keepalive": 0}, {"keepalive": -1.0},
+                                     {"slots_per_job": 0}, {"max_jobs": 0},
+                                     {"drop_rate": 1.0}])
+def test_bad_switch_options_are_refused_before_it_starts(options):
+    with pytest.raises(ValueError, match=next(iter(options))):
+        switchml.Switch(**options)

@@ -224,10 +224,10 @@ def test_cli_up_run_status_down():
     assert_gone(p)
 
 
-def start_switch(tb):
+def start_switch(tb, *options):
     sw = tb.popen("switch", [sys.executable, "-m", "switchml.cli", "switch", "--host",
                              tb.switch_address, "--port", "7300", "--packet-elements",
-                             str(PACKET), "--slots", "64", "--log-level", "warning"],
+                             str(PACKET), "--slots", "64", "--log-level", "warning", *options],
                   stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert "listening on" in sw.stdout.readline()
     return sw
@@ -279,6 +279,38 @@ def transfer_rate(tb, server, client, nbytes):
     sink.wait(timeout=10)
     assert got["bytes"] == nbytes
     return got["bytes"] * 8 / got["seconds"]
+
+
+@needs_root
+def test_a_host_that_vanishes_without_closing_tcp_fails_its_job_within_the_keepalive(tmp_path):
+    keepalive = 4
+    with Testbed(hosts=2, link="500mbit", prefix=prefix("k")) as tb:
+        sw = start_switch(tb, "--keepalive", str(keepalive))
+        ranks = [tb.popen(h, [sys.executable, HELPERS, "idle", tb.switch, str(h), "2"],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                 for h in range(2)]
+        try:
+            for rank in ranks:
+                assert rank.stdout.readline().strip() == "ready"
+            # Host 1 goes dark: with its link down no FIN or RST can leave it, and
+            # its worker process lives on, so only keepalive can tell.
+            tb.run(1, ["ip", "link", "set", "dev", tb.ifname(1), "down"])
+            dark = time.monotonic()
+            time.sleep(keepalive + 1)
+            ranks[0].stdin.write("go\n")
+            ranks[0].stdin.flush()
+            outcome = json.loads(ranks[0].stdout.readline())
+            waited = time.monotonic() - dark
+        finally:
+            for proc in ranks + [sw]:
+                proc.kill()
+                proc.wait(timeout=10)
+    # The job had failed before rank 0 asked: its allreduce did not wait out its
+    # own 30 s timeout, and the error names the rank that went dark.
+    assert outcome["error"] == "SwitchMLTimeoutError", outcome
+    assert outcome["missing"] == [1], outcome
+    assert "rank 1" in outcome["message"] and "disconnected" in outcome["message"]
+    assert waited < keepalive + 1 + 10
 
 
 @needs_root

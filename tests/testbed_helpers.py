@@ -5,6 +5,8 @@
 - ``repeat SWITCH RANK WORLD SIZE COUNT OUT``: COUNT allreduces of fresh inputs
   (``repeated_input``), dense and sparse in turn; saves the SHA-256 of all results
   and the counters to OUT.json.
+- ``idle SWITCH RANK WORLD``: join a job, allreduce once, print "ready", wait for a
+  line on stdin, allreduce again and print the outcome as JSON.
 - ``sink HOST PORT``: accept one TCP connection, print bytes received and seconds
   from first to last byte.
 - ``source HOST PORT BYTES``: connect and send BYTES.
@@ -36,6 +38,22 @@ def worker(switch, rank, world, size, dtype, out):
     np.save(out + ".npy", result)
     with open(out + ".json", "w") as f:
         json.dump(counters, f)
+
+
+def idle(switch, rank, world):
+    import switchml
+
+    with switchml.Worker(switch, int(rank), int(world), job="idle", timeout=30) as w:
+        w.allreduce(np.ones(1000, np.float32))
+        print("ready", flush=True)
+        sys.stdin.readline()
+        try:
+            w.allreduce(np.ones(1000, np.float32))
+            outcome = {"error": None}
+        except switchml.SwitchMLError as exc:
+            outcome = {"error": type(exc).__name__, "message": str(exc),
+                       "missing": getattr(exc, "missing_ranks", None)}
+        print(json.dumps(outcome), flush=True)
 
 
 def repeated_input(rank, size, i):
@@ -101,4 +119,5 @@ def gloo(rank, world, size):
 
 
 if __name__ == "__main__":
-    {"worker": worker, "repeat": repeat, "sink": sink, "source": source, "gloo": gloo}[sys.argv[1]](*sys.argv[2:])
+    {"worker": worker, "repeat": repeat, "idle": idle, "sink": sink, "source": source,
+     "gloo": gloo}[sys.argv[1]](*sys.argv[2:])

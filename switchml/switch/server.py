@@ -20,9 +20,9 @@ import threading
 import time
 from collections import Counter
 
-from ..config import (DEFAULT_MAX_JOBS, DEFAULT_PACKET_ELEMENTS, DEFAULT_SLOTS,
+from ..config import (DEFAULT_KEEPALIVE, DEFAULT_MAX_JOBS, DEFAULT_PACKET_ELEMENTS, DEFAULT_SLOTS,
                       DEFAULT_SLOTS_PER_JOB)
-from ..netutil import LineReader, encode_line, enlarge_buffers
+from ..netutil import LineReader, enable_keepalive, encode_line, enlarge_buffers
 from .control import Controller
 from .pipeline import Pipeline
 
@@ -60,7 +60,9 @@ class Switch:
     ``egress_drop_rate`` (defaults to ``drop_rate``), ``seed`` (of the drop
     simulator), ``metrics_port`` (serve Prometheus metrics over HTTP on this port;
     0 picks a free one, see ``metrics_address``; needs the ``metrics`` extra) and
-    ``metrics_host`` (defaults to ``host``).
+    ``metrics_host`` (defaults to ``host``), ``keepalive`` (seconds within which a
+    worker whose host vanished without closing its control connection is noticed
+    and its job failed, as if it had left).
     """
 
     #: Seconds between DEBUG summaries of dropped packets; tests shorten it.
@@ -71,13 +73,16 @@ class Switch:
                  block_elements: int | None = None, slots_per_job: int = DEFAULT_SLOTS_PER_JOB,
                  max_jobs: int = DEFAULT_MAX_JOBS, egress_drop_rate: float | None = None,
                  seed: int | None = None, metrics_port: int | None = None,
-                 metrics_host: str | None = None):
+                 metrics_host: str | None = None, keepalive: float = DEFAULT_KEEPALIVE):
         if not 0.0 <= drop_rate < 1.0:
             raise ValueError(f"drop_rate must be in [0, 1), got {drop_rate}")
         if slots_per_job < 1:
             raise ValueError(f"slots_per_job must be at least 1, got {slots_per_job}")
         if max_jobs < 1:
             raise ValueError(f"max_jobs must be at least 1, got {max_jobs}")
+        if not keepalive > 0:
+            raise ValueError(f"keepalive must be a positive number of seconds, got {keepalive}")
+        self.keepalive = float(keepalive)
         if metrics_port is not None:
             from .metrics import require_prometheus_client
             require_prometheus_client()  # fail here, not after the switch started
@@ -259,6 +264,7 @@ class Switch:
             return False
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        enable_keepalive(sock, self.keepalive)
         conn = self._conns[sock] = _Connection(sock)
         self._sel.register(sock, selectors.EVENT_READ, conn)
         return True

@@ -19,11 +19,11 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from ..config import (DEFAULT_SPARSE_AUTO_EVERY, DEFAULT_SPARSE_AUTO_UNION,
+from ..config import (DEFAULT_KEEPALIVE, DEFAULT_SPARSE_AUTO_EVERY, DEFAULT_SPARSE_AUTO_UNION,
                       DEFAULT_TIMEOUT, env, parse_address)
 from ..errors import (JoinRefusedError, LimitExceededError, SwitchMLError,
                       SwitchMLTimeoutError, SwitchUnreachableError)
-from ..netutil import LineReader, encode_line, enlarge_buffers
+from ..netutil import LineReader, enable_keepalive, encode_line, enlarge_buffers
 from .engine import SUPPORTED_DTYPES, Session
 from .sparse import nonzero_blocks
 
@@ -167,6 +167,7 @@ class Worker:
         except OSError as exc:
             raise SwitchUnreachableError(f"cannot reach the {where}: {exc}") from None
         control.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        enable_keepalive(control, env("KEEPALIVE", DEFAULT_KEEPALIVE, float))
         udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
             # The address the switch sees us from is the one routing picks toward it.
@@ -333,12 +334,13 @@ class Worker:
     def _read_control(self) -> list:
         """Read control events; a failure event or a closed connection raises."""
         host, port = self.switch_address
+        lost = None
         try:
             data = self._control.recv(65536)
         except BlockingIOError:
             return []
-        except OSError as exc:
-            data = b""
+        except OSError as exc:  # ETIMEDOUT: keepalive probes went unanswered
+            data, lost = b"", exc
             log.debug("control connection error: %s", exc)
         try:
             events = self._reader.feed(data) if data else None
@@ -347,10 +349,14 @@ class Worker:
         if events is None:
             self._sel.unregister(self._control)
             self._control_open = False
-            self._failure = SwitchUnreachableError(
-                f"the switch at {host}:{port} closed the control connection "
-                f"(switch stopped or crashed?)" if not data else
-                f"the switch at {host}:{port} sent a malformed control message")
+            if lost is not None:
+                why = f"the control connection to the switch at {host}:{port} failed: {lost}"
+            elif not data:
+                why = (f"the switch at {host}:{port} closed the control connection "
+                       f"(switch stopped or crashed?)")
+            else:
+                why = f"the switch at {host}:{port} sent a malformed control message"
+            self._failure = SwitchUnreachableError(why)
             raise self._failure
         self._control_events(events)
         return events
