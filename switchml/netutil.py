@@ -35,6 +35,10 @@ def enlarge_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> int:
     return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
 
 
+#: Largest keepalive bound: Linux refuses a TCP_KEEPIDLE above 32767 s.
+MAX_KEEPALIVE = 32767
+
+
 def enable_keepalive(sock: socket.socket, seconds: float) -> None:
     """Make a TCP connection fail within ``seconds`` of its peer vanishing.
 
@@ -45,6 +49,8 @@ def enable_keepalive(sock: socket.socket, seconds: float) -> None:
     unacknowledged the same bound, which keepalive does not cover.  The kernel
     counts whole seconds, one at least per step: the bound is at least 4 s.
     """
+    if not 0 < seconds <= MAX_KEEPALIVE:  # also refuses NaN
+        raise ValueError(f"keepalive must be in (0, {MAX_KEEPALIVE}] seconds, got {seconds}")
     interval = max(1, int(seconds // 6))
     idle = max(1, int(seconds - 3 * interval))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)

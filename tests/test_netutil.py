@@ -36,3 +36,10 @@ def test_keepalive_gives_up_within_the_asked_seconds(seconds, idle, interval):
         assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
     assert got == [idle, interval, 3, (idle + 3 * interval) * 1000]
     assert idle + 3 * interval == max(4, seconds)  # silence plus three probes: the bound
+
+
+@pytest.mark.parametrize("seconds", [0, -5, float("inf"), float("nan"), 40000])
+def test_keepalive_outside_what_the_kernel_takes_is_a_clear_error(seconds):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        with pytest.raises(ValueError, match="keepalive"):
+            enable_keepalive(s, seconds)

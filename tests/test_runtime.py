@@ -195,6 +195,7 @@ def test_garbage_during_a_job_changes_no_sum(switch):
 
 
 @pytest.mark.parametrize("options", [{"keepalive": 0}, {"keepalive": -1.0},
+                                     {"keepalive": float("inf")}, {"keepalive": float("nan")},
                                      {"slots_per_job": 0}, {"max_jobs": 0},
                                      {"drop_rate": 1.0}])
 def test_bad_switch_options_are_refused_before_it_starts(options):

@@ -167,7 +167,11 @@ class Worker:
         except OSError as exc:
             raise SwitchUnreachableError(f"cannot reach the {where}: {exc}") from None
         control.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        enable_keepalive(control, env("KEEPALIVE", DEFAULT_KEEPALIVE, float))
+        try:
+            enable_keepalive(control, env("KEEPALIVE", DEFAULT_KEEPALIVE, float))
+        except ValueError:
+            control.close()
+            raise
         udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
             # The address the switch sees us from is the one routing picks toward it.
