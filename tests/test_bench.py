@@ -108,3 +108,20 @@ def test_bench_on_the_testbed(tmp_path):
     assert dense["median_s"] >= 0.6 * dense["bound_s"]
     assert f"b{os.getpid() % 100000}-h0" not in subprocess.run(
         ["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_udp_paths_moves_the_bytes_each_way_and_counts_the_calls(tmp_path):
+    out = tmp_path / "udp.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "udp_paths.py"), "--mib", "2",
+                    "--repeats", "1", "--out", str(out)], check=True, timeout=120,
+                   capture_output=True, cwd=ROOT)
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"datagram", "mtu", "gso"}
+    for mode, row in rows.items():
+        assert row["sender"]["bytes"] >= 2 * 2**20, mode
+        assert 0 < row["receiver"]["bytes"] <= row["sender"]["bytes"], mode
+    # 64 KiB-class sends whether whole or segmented; MTU-sized ones take ~7x the calls
+    assert abs(rows["datagram"]["sender"]["calls"] - rows["gso"]["sender"]["calls"]) <= 3
+    assert rows["mtu"]["sender"]["calls"] > 5 * rows["datagram"]["sender"]["calls"]
+    # with UDP_GRO the receiver takes several datagrams per call
+    assert rows["gso"]["receiver"]["calls"] < rows["mtu"]["receiver"]["calls"] / 3
