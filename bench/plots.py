@@ -28,10 +28,10 @@ def _pyplot():
     return plt
 
 
-def _panels(plt, count, title):
+def _panels(plt, count, title, width=5.5):
     cols = min(count, 3)
     rows = -(-count // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 4.2 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(width * cols, 4.2 * rows), squeeze=False)
     fig.suptitle(title)
     for ax in axes.flat[count:]:
         ax.set_visible(False)
@@ -93,7 +93,8 @@ def speedup_vs_workers(plt, rows, link_bps, path):
 def time_vs_density(plt, rows, link_bps, path):
     sparse = [r for r in rows if r["system"] == "switchml-sparse"]
     keys = sorted({(r["workers"], r["size_bytes"]) for r in sparse})
-    fig, axes = _panels(plt, len(keys), "block-sparse allreduce time against density")
+    # wider panels: each keeps its legend at its right, clear of the points
+    fig, axes = _panels(plt, len(keys), "block-sparse allreduce time against density", 8.5)
     for ax, (n, size) in zip(axes, keys):
         pts = sorted((r["density"], r["median_s"]) for r in sparse
                      if r["workers"] == n and r["size_bytes"] == size)
@@ -114,10 +115,10 @@ def time_vs_density(plt, rows, link_bps, path):
                     label="union of blocks / B (sparse bound)")
         ax.set(xscale="log", yscale="log", xlabel="block density", ylabel="median time (s)",
                title=f"n = {n}, {size / 2**20:g} MiB")
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1))  # clear of points
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
