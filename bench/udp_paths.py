@@ -7,11 +7,12 @@ The switch and the workers spend most of their busy time in ``sendto`` and
 ``recv`` (docs/benchmarks.md). This measures the ways those calls could move the
 same bytes, one sender process to one receiver process, unshaped:
 
-* ``datagram``: 64 KiB datagrams, one per call, as switchml sends them today
-  (IP-fragmented where the MTU is smaller);
+* ``datagram``: switchml's own 65300-byte datagrams, one per call, as it sends
+  them today (IP-fragmented where the MTU is smaller);
 * ``mtu``: datagrams of one MTU's payload, one per call;
-* ``gso``: the same MTU-sized datagrams, 64 KiB of them per ``sendto`` with the
-  UDP_SEGMENT option, received with UDP_GRO (several per ``recvmsg``).
+* ``gso``: the same MTU-sized datagrams, as many as fit in 65300 bytes per
+  ``sendto`` with the UDP_SEGMENT option, received with UDP_GRO (several per
+  ``recvmsg``).
 
 It reports each side's CPU time (user + system, from ``getrusage``) per MiB, the
 share of the bytes that arrived (UDP drops what the receiver cannot keep up
@@ -30,13 +31,15 @@ import subprocess
 import sys
 import time
 
+from switchml import wire
 from switchml.netutil import enlarge_buffers
 
 SOL_UDP = 17
 UDP_SEGMENT = 103  # linux/udp.h; Python's socket module has no name for them
 UDP_GRO = 104
 PORT = 7390
-BIG = 65507 // 8192 * 8192  # a 64 KiB-class send: whole segments of every size used below
+#: switchml's own datagram: a header, 63 lane records and 16128 int32 values.
+BIG = wire.packet_size(63, 16128)
 
 
 def _cpu() -> float:
