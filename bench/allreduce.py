@@ -98,11 +98,13 @@ def _density_worker_main(address, rank, world, elements, densities, block, warmu
                 for _ in range(warmup):
                     w.allreduce(data, out=out, sparse=sparse)
                 c0 = w.counters
+                cpu0 = os.times()
                 times = []
                 for _ in range(repeats):
                     start = time.perf_counter()
                     w.allreduce(data, out=out, sparse=sparse)
                     times.append(time.perf_counter() - start)
+                cpu1 = os.times()
                 c1 = w.counters
                 report_q.put(("density", rank, density, sparse, times,
                               (c1["bytes_sent"] - c0["bytes_sent"]) / repeats,
@@ -110,7 +112,9 @@ def _density_worker_main(address, rank, world, elements, densities, block, warmu
                               # each block once: a retransmission resends the same datagram
                               (c1["sparse_blocks_sent"] - c0["sparse_blocks_sent"]) * block * 4
                               / repeats,
-                              (c1["retransmissions"] - c0["retransmissions"]) / repeats))
+                              (c1["retransmissions"] - c0["retransmissions"]) / repeats,
+                              (cpu1.user - cpu0.user) / repeats,
+                              (cpu1.system - cpu0.system) / repeats))
 
 
 def _gloo_main(port, rank, world, elements, warmup, repeats, report_q):
@@ -219,6 +223,9 @@ def run_densities(ctx, world, elements, args):
             row[key]["bytes_received_per_worker"] = float(np.mean([i[6] for i in mine]))
             row[key]["value_bytes_sent_per_worker"] = float(np.mean([i[7] for i in mine]))
             row[key]["retransmissions_per_worker"] = float(np.mean([i[8] for i in mine]))
+            # The whole process, I/O thread and all: user (numpy, Python) and system (sockets).
+            row[key]["worker_cpu_user_s"] = float(np.mean([i[9] for i in mine]))
+            row[key]["worker_cpu_system_s"] = float(np.mean([i[10] for i in mine]))
         row["sparse_speedup_over_dense"] = row["dense"]["median_s"] / row["sparse"]["median_s"]
         row["sent_over_density_times_size"] = row["sparse"]["bytes_sent_per_worker"] / max(
             1.0, density * nbytes)
@@ -229,6 +236,11 @@ def run_densities(ctx, world, elements, args):
         row["union_fraction_expected"] = 1.0 - (1.0 - density) ** world
         rows.append(row)
     return rows
+
+
+def _cpu_text(result) -> str:
+    """A worker's CPU per call, user + system, in ms."""
+    return f"{1e3 * result['worker_cpu_user_s']:.0f}+{1e3 * result['worker_cpu_system_s']:.0f}"
 
 
 def run_gloo(ctx, world, elements, args):
@@ -280,7 +292,7 @@ def main(argv=None):
         if args.densities:
             print(f"{'n':>3} {'density':>8} {'sparse s':>9} {'dense s':>8} {'speedup':>8} "
                   f"{'sent MB':>8} {'recv MB':>8} {'sent/(d*S)':>10} {'values/(d*S)':>12} "
-                  f"{'retx':>5}")
+                  f"{'retx':>5} {'cpu u+s sparse':>15} {'cpu u+s dense':>14}")
             for row in run_densities(ctx, world, elements, args):
                 results["runs"].append(dict(row, system="switchml-sparse-vs-dense"))
                 sp = row["sparse"]
@@ -290,7 +302,8 @@ def main(argv=None):
                       f"{sp['bytes_received_per_worker'] / 1e6:>8.1f} "
                       f"{row['sent_over_density_times_size']:>10.3f} "
                       f"{row['values_sent_over_density_times_size']:>12.3f} "
-                      f"{sp['retransmissions_per_worker']:>5.1f}", flush=True)
+                      f"{sp['retransmissions_per_worker']:>5.1f} "
+                      f"{_cpu_text(sp):>15} {_cpu_text(row['dense']):>14}", flush=True)
         if args.no_dense:
             continue
         r = run_switchml(ctx, world, elements, args.dtype, args)

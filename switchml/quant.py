@@ -176,6 +176,46 @@ def dequantize_blocks(src: np.ndarray, exponents: np.ndarray, bits: int, dst: np
             np.multiply(src[piece], 2.0 ** (int(exps[b]) - bits), out=dst[piece], casting="unsafe")
 
 
+def ordinary_exponents(exponents: np.ndarray, bits: int) -> np.ndarray:
+    """Whether each chunk exponent scales both ways by a normal float32 power of two.
+
+    Such chunks (all-zero ones included) take ``quantize_rows`` and
+    ``dequantize_rows``; the others (tiny values, inf or NaN) need the special
+    cases of ``quantize_blocks`` and ``dequantize_blocks``.
+    """
+    e = exponents.astype(np.int32)
+    return ((e >= bits - 126) | (e == EXP_ZERO)) & (e != EXP_NONFINITE)
+
+
+def quantize_factors(exponents: np.ndarray, bits: int) -> np.ndarray:
+    """float32 2**(bits - e) per exponent: what ``quantize_rows`` multiplies by."""
+    return _powers(exponents, bits, 1)
+
+
+def dequantize_factors(exponents: np.ndarray, bits: int) -> np.ndarray:
+    """float32 2**(e - bits) per exponent: what ``dequantize_rows`` multiplies by."""
+    return _powers(exponents, bits, -1)
+
+
+def quantize_rows(src: np.ndarray, factors: np.ndarray, dst: np.ndarray,
+                  scratch: np.ndarray) -> None:
+    """int32 ``dst`` = round(row * factor) for the rows of 2-D float32 ``src``.
+
+    For rows of ordinary exponents only (``ordinary_exponents``): then this is
+    ``quantize_blocks``' arithmetic without its checks, bit for bit.
+    """
+    tmp = scratch[: src.size].reshape(src.shape)
+    np.multiply(src, factors[:, None], out=tmp)
+    np.rint(tmp, out=tmp)
+    np.copyto(dst.reshape(src.shape), tmp, casting="unsafe")
+
+
+def dequantize_rows(src: np.ndarray, factors: np.ndarray, dst: np.ndarray) -> None:
+    """float32 2-D ``dst`` = int32 rows of ``src`` * factor; ordinary exponents only."""
+    np.copyto(dst, src, casting="unsafe")
+    np.multiply(dst, factors[:, None], out=dst)
+
+
 def quantize_into(src: np.ndarray, exponent: int, bits: int, dst: np.ndarray,
                   scratch: np.ndarray) -> None:
     """int32 ``dst`` = round(src * 2**(bits - exponent)): one exponent for all of ``src``.

@@ -258,7 +258,7 @@ class Pipeline:
         lanes = wire.lane_table(data, h.lanes)
         payload = wire.values(data, h.lanes, h.count)
         if sparse:
-            flagged = np.flatnonzero(lanes["flag"] & wire.FLAG_BLOCK)
+            flagged = np.nonzero(lanes["flag"] & wire.FLAG_BLOCK)[0]
             if h.count != len(flagged) * self.block_elements:
                 counters["dropped_bad_block_count"] += 1
                 return []
@@ -288,8 +288,7 @@ class Pipeline:
                     return self._emit(job, v, slot, [job.members[rank]])
                 counters["duplicates"] += 1
                 return []
-            if ids != self._ids[v][slot] or (sparse and not np.array_equal(lanes["pos"],
-                                                                            regs["pos"])):
+            if ids != self._ids[v][slot] or (sparse and not (lanes["pos"] == regs["pos"]).all()):
                 counters["dropped_mismatch"] += 1
                 return []
             if sparse:
@@ -335,7 +334,7 @@ class Pipeline:
     def _finish_sparse(self, job: Job, v, slot, regs, mode) -> int:
         """Compact the present blocks to the front; count blocks seen and skipped."""
         n = job.world_size
-        present = np.flatnonzero(regs["flag"])
+        present = np.nonzero(regs["flag"])[0]
         if len(present) < self.lanes:
             blocks = self._values[v, slot].reshape(self.lanes, self.block_elements)
             blocks[: len(present)] = blocks[present]

@@ -175,6 +175,8 @@ class Stream:
             self._send(j, now)
         else:
             self.remaining -= 1
+            if self.remaining == 0:
+                self._finish()
 
     # ------------------------------------------------------------ for subclasses
     def _mode(self, j: int) -> int:
@@ -206,6 +208,9 @@ class Stream:
     def _has_message(self, j: int) -> bool:
         """Whether slot j has a message left to send (after its latest result)."""
         raise NotImplementedError
+
+    def _finish(self) -> None:
+        """Complete the output once every slot is done."""
 
 
 class DenseAllreduce(Stream):

@@ -29,8 +29,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import wire
-from ..quant import (EXP_NONFINITE, EXP_ZERO, block_peaks, dequantize_blocks, exponents_of_peaks,
-                     quantize_blocks)
+from ..quant import (EXP_NONFINITE, EXP_ZERO, block_peaks, dequantize_blocks, dequantize_factors,
+                     dequantize_rows, exponents_of_peaks, ordinary_exponents, quantize_blocks,
+                     quantize_factors, quantize_rows)
 from .engine import Session, Stream
 
 
@@ -106,14 +107,14 @@ class SparseAllreduce(Stream):
         self.chunks = -(-n // k)
         self._local_chunk_exp = chunk_exp if self.is_float else None
         self._chunk_exp = np.full(self.chunks, EXP_ZERO, np.int16)
+        # Per block, its chunk's scale factors, filled in by the exponent rounds;
+        # a slot whose chunks are all ordinary scales with one gather a round.
+        self._quant_factor = np.empty(self.chunks * F, np.float32)
+        self._dequant_factor = np.empty(self.chunks * F, np.float32)
+        self._ordinary = [True] * self.width
+        self._written = np.zeros(self.blocks, bool)  # blocks of the output already final
         self._slot_chunks = [len(range(j, self.chunks, self.width)) for j in range(self.width)]
         self._exp_rounds = [-(-c // F) if self.is_float else 0 for c in self._slot_chunks]
-        if np.may_share_memory(self.src, self.out):
-            # In place, local zero blocks stand for the sum unless someone sends one;
-            # write them as +0.0 as the dense path would (the input may hold -0.0).
-            self._zero_blocks(np.flatnonzero(~mask))
-        else:
-            self.out[:] = 0
         for j in range(self.width):
             self._send(j, now)
 
@@ -187,7 +188,7 @@ class SparseAllreduce(Stream):
         records["pos"] = pos
         records["nxt"] = self._next_after[cells]
         records["flag"] = has
-        sending = np.flatnonzero(has)
+        sending = np.nonzero(has)[0]
         if not len(sending):
             return 0
         index = cells[sending]
@@ -196,24 +197,27 @@ class SparseAllreduce(Stream):
         if self.is_float:
             # Stage the floats in the packet itself; quantising in place is safe
             # because quantize_blocks reads all of src before writing dst.
-            staged = dst.view(np.float32)
-            self._read_blocks(index, staged.reshape(-1, b))
-            quantize_blocks(staged, self._chunk_exp[index // s.lanes], s.bits, dst,
-                            s.scratch, b)
+            staged = dst.view(np.float32).reshape(-1, b)
+            self._read_blocks(index, staged)
+            if self._ordinary[j]:
+                quantize_rows(staged, self._quant_factor[index], dst, s.scratch)
+            else:
+                quantize_blocks(staged.reshape(-1), self._chunk_exp[index // s.lanes], s.bits,
+                                dst, s.scratch, b)
         else:
             self._read_blocks(index, dst.reshape(-1, b))
         s.counters["sparse_blocks_sent"] += len(sending)
         return count
 
     def _result_fits(self, j: int, h: wire.Header, data) -> bool:
-        records = wire.lane_table(data, h.lanes)
-        present = np.flatnonzero(records["flag"] & wire.FLAG_BLOCK)
+        records = self._records = wire.lane_table(data, h.lanes)
+        present = np.nonzero(records["flag"] & wire.FLAG_BLOCK)[0]
         if h.count != len(present) * self.s.block_elements:
             return False
         if self._round[j] <= self._exp_rounds[j]:
             return h.count == 0
         # The contribution in flight is still in the slot's packet buffer.
-        if not np.array_equal(records["pos"], self.s.lane_views[j]["pos"]):
+        if not (records["pos"] == self.s.lane_views[j]["pos"]).all():
             return False
         self._present = present
         return True
@@ -221,11 +225,16 @@ class SparseAllreduce(Stream):
     def _absorb(self, j: int, m: int, h: wire.Header, data) -> None:
         s = self.s
         b = s.block_elements
-        records = wire.lane_table(data, h.lanes)
+        records = self._records
         seed = self._exp_rounds[j]
         if m < seed:
             chunks = self._exp_round_chunks(j, m)
-            self._chunk_exp[chunks] = records["exp"][: len(chunks)]
+            exps = records["exp"][: len(chunks)]
+            self._chunk_exp[chunks] = exps
+            F = s.lanes
+            self._quant_factor.reshape(-1, F)[chunks] = quantize_factors(exps, s.bits)[:, None]
+            self._dequant_factor.reshape(-1, F)[chunks] = dequantize_factors(exps, s.bits)[:, None]
+            self._ordinary[j] = self._ordinary[j] and bool(ordinary_exponents(exps, s.bits).all())
             self._fill_nonfinite_chunks(chunks)
             return
         present = self._present
@@ -234,11 +243,15 @@ class SparseAllreduce(Stream):
             sums = wire.values(data, h.lanes, h.count)
             if self.is_float:
                 blocks = np.empty((len(present), b), np.float32)
-                dequantize_blocks(sums, self._chunk_exp[index // s.lanes], s.bits,
-                                  blocks.reshape(-1), b)
+                if self._ordinary[j]:
+                    dequantize_rows(sums.reshape(-1, b), self._dequant_factor[index], blocks)
+                else:
+                    dequantize_blocks(sums, self._chunk_exp[index // s.lanes], s.bits,
+                                      blocks.reshape(-1), b)
             else:
                 blocks = sums.reshape(-1, b)
             self._write_blocks(index, blocks)
+            self._written[index] = True
             s.counters["sparse_blocks_received"] += len(present)
         # A position past the column's end would index past the grid: clamp it.
         column_length = self._column_length_of[j]
@@ -247,11 +260,18 @@ class SparseAllreduce(Stream):
 
     def _fill_nonfinite_chunks(self, chunks: np.ndarray) -> None:
         """A chunk with inf or NaN anywhere is NaN as a whole, as in the dense path."""
-        k = self.s.packet_elements
+        k, F = self.s.packet_elements, self.s.lanes
         for c in chunks[self._chunk_exp[chunks] == EXP_NONFINITE]:
             self.out[c * k:(c + 1) * k] = np.nan
+            self._written[c * F:(c + 1) * F] = True
 
     def _has_message(self, j: int) -> bool:
         if self._round[j] <= self._exp_rounds[j]:
             return True  # exponent rounds and the seed always run
         return self._live[j]
+
+    def _finish(self) -> None:
+        # Blocks no result wrote are zero on every worker: their sum is +0.0 (the
+        # input may hold -0.0 when it is the output).  Written last, not first,
+        # so that the union's blocks are written once.
+        self._zero_blocks(np.flatnonzero(~self._written))
