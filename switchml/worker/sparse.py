@@ -11,7 +11,10 @@ holds unchanged:
 * float32 only, exponent rounds: the slot's chunk exponents, one per lane record,
   maxed by the switch as in the dense path (a dense message without values);
 * the seed round: each worker reports, per lane, the position of its first
-  non-zero block; the switch returns the least position, ``pos``;
+  non-zero block; the switch returns the least position, ``pos``.  For float32
+  it also carries the last batch of chunk exponents (the switch maxes them as
+  in an exponent round), so a slot of up to ``lanes`` chunks needs no
+  exponent round of its own;
 * round r: a worker that has a non-zero block at ``pos`` sends it (quantised with
   its chunk's exponent) and reports its next non-zero position after ``pos``;
   one that has none there sends no values for the lane and reports its next one
@@ -114,7 +117,9 @@ class SparseAllreduce(Stream):
         self._ordinary = [True] * self.width
         self._written = np.zeros(self.blocks, bool)  # blocks of the output already final
         self._slot_chunks = [len(range(j, self.chunks, self.width)) for j in range(self.width)]
-        self._exp_rounds = [-(-c // F) if self.is_float else 0 for c in self._slot_chunks]
+        # Exponent rounds before the seed, which carries the last batch itself.
+        self._exp_rounds = [max(0, -(-c // F) - 1) if self.is_float else 0
+                            for c in self._slot_chunks]
         for j in range(self.width):
             self._send(j, now)
 
@@ -172,11 +177,13 @@ class SparseAllreduce(Stream):
         records = s.lane_views[j]
         seed = self._exp_rounds[j]
         if m <= seed:
-            records[:] = s.blank_lanes  # data rounds then rewrite all but "exp"
-            if m < seed:  # local exponents of this slot's chunks m*F .. m*F+F-1
+            # Data rounds rewrite all but "exp": they carry the seed's, which the
+            # switch maxes and the workers ignore.
+            records[:] = s.blank_lanes
+            if self.is_float:  # local exponents of this slot's chunks m*F .. m*F+F-1
                 chunks = self._exp_round_chunks(j, m)
                 records["exp"][: len(chunks)] = self._local_chunk_exp[chunks]
-            else:
+            if m == seed:
                 records["pos"] = wire.POS_END
                 records["nxt"] = self._next_nonzero[lanes]
             return 0
@@ -227,7 +234,7 @@ class SparseAllreduce(Stream):
         b = s.block_elements
         records = self._records
         seed = self._exp_rounds[j]
-        if m < seed:
+        if m <= seed and self.is_float:
             chunks = self._exp_round_chunks(j, m)
             exps = records["exp"][: len(chunks)]
             self._chunk_exp[chunks] = exps
@@ -236,6 +243,7 @@ class SparseAllreduce(Stream):
             self._dequant_factor.reshape(-1, F)[chunks] = dequantize_factors(exps, s.bits)[:, None]
             self._ordinary[j] = self._ordinary[j] and bool(ordinary_exponents(exps, s.bits).all())
             self._fill_nonfinite_chunks(chunks)
+        if m < seed:
             return
         present = self._present
         if m > seed and len(present):
