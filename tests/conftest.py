@@ -1,4 +1,5 @@
 import json
+import signal
 import socket
 import threading
 
@@ -9,6 +10,16 @@ import pytest
 import switchml
 from switchml import quant
 from switchml.netutil import LineReader
+
+
+def interruptible() -> None:
+    """``Popen(preexec_fn=interruptible)``: a child that SIGINT interrupts, as Ctrl-C would.
+
+    A background job of a non-interactive shell (``make test &``, some CI runners)
+    starts with SIGINT ignored and its children inherit that, so Python in them
+    would never raise KeyboardInterrupt.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_ranks(world, body, timeout=60.0):

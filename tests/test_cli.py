@@ -10,6 +10,8 @@ import urllib.request
 
 import numpy as np
 
+from conftest import interruptible
+
 import switchml
 from switchml import config
 
@@ -20,7 +22,8 @@ def test_switch_command_serves_and_reports_stats():
     proc = subprocess.Popen(CLI + ["switch", "--port", "0", "--slots", "16",
                                    "--packet-elements", "512", "--log-level", "warning",
                                    "--metrics-port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=interruptible)
     try:
         line = proc.stdout.readline()
         assert "listening on" in line, line + proc.stderr.read()

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import reference_sum
+from conftest import interruptible, reference_sum
 from switchml.testbed import (NotRootError, Testbed, TestbedExistsError, ToolMissingError,
                               netns, parse_rate)
 
@@ -162,7 +162,8 @@ with Testbed(hosts=2, prefix={p!r}) as tb:
 def test_a_signal_removes_everything(sig):
     p = prefix("s" if sig == signal.SIGTERM else "i")
     proc = subprocess.Popen([sys.executable, "-c", SCRIPT.format(root=ROOT, p=p)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=interruptible)
     assert proc.stdout.readline().strip() == "up", proc.stderr.read()
     assert f"{p}-h1" in netns.list_namespaces()
     proc.send_signal(sig)

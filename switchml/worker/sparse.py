@@ -21,9 +21,9 @@ holds unchanged:
   again.  The result carries the sum of the blocks sent, and the next ``pos``.
 
 A lane whose column is exhausted reports the column's length; blocks that are
-zero on every worker are never sent.  Results are written dense: the output
-starts as zeros (or is the input itself, whose zero blocks are the sum), and a
-chunk whose exponent says inf or NaN is NaN as a whole.  Scaling is the dense
+zero on every worker are never sent.  Results are written dense: each result's
+blocks as they come, +0.0 over every block no result wrote once the call is
+done, and a chunk whose exponent says inf or NaN is NaN as a whole.  Scaling is the dense
 path's, chunk by chunk, so results are bit-identical to it.
 """
 
@@ -203,7 +203,7 @@ class SparseAllreduce(Stream):
         dst = s.value_views[j][:count]
         if self.is_float:
             # Stage the floats in the packet itself; quantising in place is safe
-            # because quantize_blocks reads all of src before writing dst.
+            # because both quantisers read all of src into scratch before writing dst.
             staged = dst.view(np.float32).reshape(-1, b)
             self._read_blocks(index, staged)
             if self._ordinary[j]:
