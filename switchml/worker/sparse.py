@@ -102,6 +102,7 @@ class SparseAllreduce(Stream):
         self._cells = [np.zeros(F, np.int64) for _ in range(self.width)]  # of the round in flight
         self._live = [True] * self.width
         self._present = np.zeros(0, np.int64)  # flagged lanes of the result being taken
+        self._records = None  # its lane table, decoded once by _result_fits
         self._full_blocks = n // b
         # Row p of slot j's lanes is exactly dense chunk j + p*W (block i is in
         # chunk i // F): its exponent scales those blocks, as in the dense path.
