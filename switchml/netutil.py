@@ -39,6 +39,13 @@ def enlarge_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> int:
 MAX_KEEPALIVE = 32767
 
 
+def check_keepalive(seconds: float) -> float:
+    """``seconds`` as a float if the kernel can take it as a keepalive bound, else ValueError."""
+    if not 0 < seconds <= MAX_KEEPALIVE:  # also refuses NaN
+        raise ValueError(f"keepalive must be in (0, {MAX_KEEPALIVE}] seconds, got {seconds}")
+    return float(seconds)
+
+
 def enable_keepalive(sock: socket.socket, seconds: float) -> None:
     """Make a TCP connection fail within ``seconds`` of its peer vanishing.
 
@@ -49,8 +56,7 @@ def enable_keepalive(sock: socket.socket, seconds: float) -> None:
     unacknowledged the same bound, which keepalive does not cover.  The kernel
     counts whole seconds, one at least per step: the bound is at least 4 s.
     """
-    if not 0 < seconds <= MAX_KEEPALIVE:  # also refuses NaN
-        raise ValueError(f"keepalive must be in (0, {MAX_KEEPALIVE}] seconds, got {seconds}")
+    check_keepalive(seconds)
     interval = max(1, int(seconds // 6))
     idle = max(1, int(seconds - 3 * interval))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)

@@ -22,7 +22,7 @@ from collections import Counter
 
 from ..config import (DEFAULT_KEEPALIVE, DEFAULT_MAX_JOBS, DEFAULT_PACKET_ELEMENTS, DEFAULT_SLOTS,
                       DEFAULT_SLOTS_PER_JOB)
-from ..netutil import (MAX_KEEPALIVE, LineReader, enable_keepalive, encode_line,
+from ..netutil import (LineReader, check_keepalive, enable_keepalive, encode_line,
                        enlarge_buffers)
 from .control import Controller
 from .pipeline import Pipeline
@@ -81,9 +81,7 @@ class Switch:
             raise ValueError(f"slots_per_job must be at least 1, got {slots_per_job}")
         if max_jobs < 1:
             raise ValueError(f"max_jobs must be at least 1, got {max_jobs}")
-        if not 0 < keepalive <= MAX_KEEPALIVE:  # also refuses NaN
-            raise ValueError(f"keepalive must be in (0, {MAX_KEEPALIVE}] seconds, got {keepalive}")
-        self.keepalive = float(keepalive)
+        self.keepalive = check_keepalive(keepalive)  # here, not at the first connection
         if metrics_port is not None:
             from .metrics import require_prometheus_client
             require_prometheus_client()  # fail here, not after the switch started
