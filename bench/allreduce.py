@@ -106,15 +106,19 @@ def _density_worker_main(address, rank, world, elements, densities, block, warmu
                     times.append(time.perf_counter() - start)
                 cpu1 = os.times()
                 c1 = w.counters
+                per_call = {
+                    "bytes_sent_per_worker": c1["bytes_sent"] - c0["bytes_sent"],
+                    "bytes_received_per_worker": c1["bytes_received"] - c0["bytes_received"],
+                    # each block once: a retransmission resends the same datagram
+                    "value_bytes_sent_per_worker":
+                        (c1["sparse_blocks_sent"] - c0["sparse_blocks_sent"]) * block * 4,
+                    "retransmissions_per_worker": c1["retransmissions"] - c0["retransmissions"],
+                    # the whole process, I/O thread and all: user (numpy, Python), system (sockets)
+                    "worker_cpu_user_s": cpu1.user - cpu0.user,
+                    "worker_cpu_system_s": cpu1.system - cpu0.system,
+                }
                 report_q.put(("density", rank, density, sparse, times,
-                              (c1["bytes_sent"] - c0["bytes_sent"]) / repeats,
-                              (c1["bytes_received"] - c0["bytes_received"]) / repeats,
-                              # each block once: a retransmission resends the same datagram
-                              (c1["sparse_blocks_sent"] - c0["sparse_blocks_sent"]) * block * 4
-                              / repeats,
-                              (c1["retransmissions"] - c0["retransmissions"]) / repeats,
-                              (cpu1.user - cpu0.user) / repeats,
-                              (cpu1.system - cpu0.system) / repeats))
+                              {k: v / repeats for k, v in per_call.items()}))
 
 
 def _gloo_main(port, rank, world, elements, warmup, repeats, report_q):
@@ -219,13 +223,8 @@ def run_densities(ctx, world, elements, args):
                           key=lambda i: i[1])
             key = "sparse" if sparse else "dense"
             row[key] = summarize([i[4] for i in mine], nbytes)
-            row[key]["bytes_sent_per_worker"] = float(np.mean([i[5] for i in mine]))
-            row[key]["bytes_received_per_worker"] = float(np.mean([i[6] for i in mine]))
-            row[key]["value_bytes_sent_per_worker"] = float(np.mean([i[7] for i in mine]))
-            row[key]["retransmissions_per_worker"] = float(np.mean([i[8] for i in mine]))
-            # The whole process, I/O thread and all: user (numpy, Python) and system (sockets).
-            row[key]["worker_cpu_user_s"] = float(np.mean([i[9] for i in mine]))
-            row[key]["worker_cpu_system_s"] = float(np.mean([i[10] for i in mine]))
+            for name in mine[0][5]:  # the ranks' mean of each per-call figure
+                row[key][name] = float(np.mean([i[5][name] for i in mine]))
         row["sparse_speedup_over_dense"] = row["dense"]["median_s"] / row["sparse"]["median_s"]
         row["sent_over_density_times_size"] = row["sparse"]["bytes_sent_per_worker"] / max(
             1.0, density * nbytes)
