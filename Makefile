@@ -11,7 +11,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(FIND_LINKS) -e '.[test,bench,torch,examples,metrics]'
+	$(PY) -m pip install --quiet $(FIND_LINKS) -e '.[test,bench,torch,examples,metrics,integrations]'
 	touch $(STAMP)
 
 install: $(STAMP)

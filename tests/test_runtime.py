@@ -128,6 +128,22 @@ def test_out_argument_and_in_place(switch):
         assert np.array_equal(r, 2 * np.arange(3000, dtype=np.float32))
 
 
+def test_scalars_and_strided_arrays_keep_their_shape(switch):
+    """A 0-d array (a loss) comes back 0-d, in place; a strided view is summed whole."""
+    def body(rank):
+        loss = np.array(rank + 0.5, np.float32)
+        grid = np.arange(24, dtype=np.int32).reshape(4, 6)
+        with switchml.Worker(switch.address, rank, 2) as w:
+            total = w.allreduce(loss, out=loss)
+            columns = w.allreduce(grid[:, ::2])
+        return total, loss, columns
+
+    for total, loss, columns in run_ranks(2, body):
+        assert total is loss and total.shape == () and total == 2.0
+        assert columns.shape == (4, 3)
+        assert np.array_equal(columns, 2 * np.arange(24, dtype=np.int32).reshape(4, 6)[:, ::2])
+
+
 def test_bad_arguments_raise(switch):
     with switchml.Worker(switch.address, 0, 1) as w:
         with pytest.raises(TypeError):

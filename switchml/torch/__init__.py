@@ -34,10 +34,25 @@ _DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` itself when on the CPU, else a copy in host memory (the switch's input)."""
-    if tensor.device.type == "cpu":
-        return tensor
-    return tensor.to("cpu")  # synchronises with the tensor's stream: its values are final
+    """The switch's input: ``tensor`` itself (detached) when it is a dense CPU tensor in
+    row-major order, else a contiguous copy in host memory (a CUDA tensor, a strided
+    view, channels_last).  The caller copies the result back when they differ."""
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        return tensor.detach()
+    # .to() synchronises with a CUDA tensor's stream: its values are final
+    return tensor.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
+
+
+def _as_array(staged: torch.Tensor):
+    """A flat numpy view of a staged tensor (0-d scalars included)."""
+    return staged.reshape(-1).numpy()
+
+
+def _write_back(staged: torch.Tensor, tensor: torch.Tensor) -> None:
+    """Put the result into the caller's tensor when it was staged in a copy."""
+    if staged.data_ptr() != tensor.data_ptr() or staged.device != tensor.device:
+        with torch.no_grad():  # a requires_grad leaf takes the result as gloo gives it
+            tensor.copy_(staged)
 
 
 def sparse_mode():
@@ -146,11 +161,13 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
         return "switchml"
 
     def _switched(self, tensors, opts) -> bool:
+        """Whether the switch sums this call; anything else goes to gloo as it is."""
         if len(tensors) != 1:
             return False
         t = tensors[0]
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        return (t.device.type in _DEVICES and t.dtype in _SWITCHED_DTYPES and t.is_contiguous()
+        return (t.device.type in _DEVICES and t.dtype in _SWITCHED_DTYPES
+                and t.layout == torch.strided and t.numel() > 0
                 # ==, not `in`: RedOpType == ReduceOp is False the other way round
                 and (op == dist.ReduceOp.SUM or op == dist.ReduceOp.AVG))
 
@@ -158,10 +175,13 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
         if opts is None:
             opts = dist.AllreduceOptions()
         if not self._switched(tensors, opts):
+            if (len(tensors) == 1 and tensors[0].layout == torch.strided
+                    and not tensors[0].is_contiguous()):
+                return self._gloo_on_a_copy(tensors, opts)
             return self._gloo.allreduce(tensors, opts)
         t = tensors[0]
         staged = _to_host(t)
-        array = staged.detach().numpy()
+        array = _as_array(staged)
         handle = self._worker.allreduce_async(array, out=array, sparse=self._sparse)
         average = opts.reduceOp == dist.ReduceOp.AVG
 
@@ -169,11 +189,24 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
             if average:  # integers as NCCL's average does: the sum divided, truncated
                 staged.div_(self.size(), rounding_mode=None if staged.is_floating_point()
                             else "trunc")
-            if staged is not t:
-                t.copy_(staged)
+            _write_back(staged, t)
             return tensors
 
         return _SwitchWork(_future_from(handle, result))
+
+    def _gloo_on_a_copy(self, tensors, opts):
+        """gloo's allreduce of a non-contiguous tensor, on a contiguous copy: gloo itself
+        sums the tensor's first numel() elements of storage (wrong values, no error)."""
+        t = tensors[0]
+        staged = t.detach().contiguous()
+        work = self._gloo.allreduce([staged], opts)
+
+        def result(fut):
+            fut.value()  # raises gloo's error
+            _write_back(staged, t)
+            return tensors
+
+        return _SwitchWork(work.get_future().then(result))
 
     # Everything else: gloo, called explicitly (torch's generic dispatch of some of
     # these through a Python subclass was seen to hang now and then).
@@ -210,13 +243,33 @@ class HookState:
     """State of ``allreduce_hook``: a switchml worker joined alongside ``process_group``.
 
     Uses ``SWITCHML_SWITCH`` when set, otherwise rank 0 starts an embedded switch;
-    the address travels over ``process_group`` (the default group if None).
+    the address travels over ``process_group`` (the default group if None).  The
+    state may be built before ``init_process_group`` (PyTorch Lightning does, as
+    torch's ``PowerSGDState`` allows): it then joins on DDP's first bucket.
     """
 
     def __init__(self, process_group=None, sparse="auto", timeout: float | None = None):
-        group = process_group
+        self.process_group = process_group
+        self.sparse = sparse
+        self.timeout = timeout
+        self.switch: SwitchProcess | None = None
+        self.worker: Worker | None = None
+        self.world_size: int | None = None
+        if dist.is_initialized():
+            self.joined()
+
+    def joined(self) -> Worker:
+        """The worker, joining the job first if this state has not joined yet."""
+        if self.worker is None:
+            self._join()
+        return self.worker
+
+    def _join(self) -> None:
+        group = self.process_group
+        if not dist.is_initialized():
+            raise SwitchMLError("HookState joins through torch.distributed: call "
+                                "init_process_group before DDP's first backward pass")
         rank, size = dist.get_rank(group), dist.get_world_size(group)
-        self.switch = None
         address = env("SWITCH", None)
         box = [None, None]
         if rank == 0:
@@ -226,12 +279,12 @@ class HookState:
             box = [address, "ddp-hook-" + secrets.token_hex(6)]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0,
                                    group=group)
-        self.worker = Worker(box[0], rank, size, job=box[1], timeout=timeout)
+        self.worker = Worker(box[0], rank, size, job=box[1], timeout=self.timeout)
         self.world_size = size
-        self.sparse = sparse
 
     def close(self) -> None:
-        self.worker.close()
+        if self.worker is not None:
+            self.worker.close()
         if self.switch is not None:
             self.switch.stop()
 
@@ -239,14 +292,14 @@ class HookState:
 def allreduce_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average the bucket through the switch (dense, sparse or auto)."""
     buffer = bucket.buffer()
+    worker = state.joined()
     staged = _to_host(buffer)
-    array = staged.detach().numpy()
-    handle = state.worker.allreduce_async(array, out=array, sparse=state.sparse)
+    array = _as_array(staged)
+    handle = worker.allreduce_async(array, out=array, sparse=state.sparse)
 
     def result():
         staged.div_(state.world_size)
-        if staged is not buffer:
-            buffer.copy_(staged)
+        _write_back(staged, buffer)
         return buffer
 
     return _future_from(handle, result)

@@ -121,14 +121,18 @@ class Worker:
         """Queue an allreduce; do not touch ``array`` or ``out`` before ``wait()``."""
         if sparse not in (False, True, "auto"):
             raise ValueError(f"sparse must be False, True or 'auto', not {sparse!r}")
-        src = np.ascontiguousarray(array)
+        src = np.asarray(array)
+        if not src.flags.c_contiguous:
+            # (not np.ascontiguousarray: it turns a 0-d array, a scalar loss, into 1-d)
+            src = src.copy(order="C")
         if src.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"switchml sums float32 and int32 arrays, not {src.dtype}")
         if out is None:
             out = np.empty_like(src)
         elif (not isinstance(out, np.ndarray) or out.shape != src.shape or out.dtype != src.dtype
               or not out.flags.c_contiguous):
-            raise ValueError("out must be a C-contiguous array of the input's shape and dtype")
+            raise ValueError(f"out must be a C-contiguous array of the input's shape {src.shape} "
+                             f"and dtype {src.dtype}")
         future: Future = Future()
         if self._closed:
             raise SwitchMLError("this worker is closed")

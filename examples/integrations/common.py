@@ -1,0 +1,46 @@
+"""What the integration examples share: a tiny model, fixed data, and a report.
+
+Each example trains the same model on the same data for a few steps, so a run on
+switchml and a run on gloo can be compared weight for weight.
+"""
+
+import json
+import os
+
+import torch
+
+STEPS = 8
+BATCH = 16
+
+
+def model() -> torch.nn.Module:
+    """The same initial weights in every process and every run."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+def dataset() -> torch.utils.data.TensorDataset:
+    """Fixed random samples: every rank sees its share through a DistributedSampler."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(STEPS * BATCH * 4, 20, generator=gen)
+    y = torch.randint(0, 4, (len(x),), generator=gen)
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def switch_results(state=None) -> int:
+    """Results this process received from the switch: > 0 when it carried gradients."""
+    import torch.distributed as dist
+
+    worker = getattr(state, "worker", None)
+    if worker is None and dist.is_initialized():
+        worker = getattr(dist.distributed_c10d._get_default_group(), "_worker", None)
+    return worker.counters["results_in"] if worker is not None else 0
+
+
+def report(path: str | None, rank: int, params, **extra) -> None:
+    """Write this rank's weights and figures to ``path``.rank<N> as JSON."""
+    if path is None:
+        return
+    flat = torch.cat([p.detach().reshape(-1) for p in params]).tolist()
+    with open(f"{path}.rank{rank}", "w") as f:
+        json.dump({"params": flat, "rank": rank, "pid": os.getpid(), **extra}, f)

@@ -1,0 +1,92 @@
+"""Real training frameworks on switchml, each launched as its users launch it.
+
+Every run is compared with the same run on gloo (same seed, same data): the
+weights must agree within the switch's error bound on every rank, and the
+switchml run must have sent its gradients (or its scalar all_reduce) through
+the switch.  The frameworks come with the ``integrations`` extra.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples", "integrations")
+WORLD = 2
+#: Weights after 8 SGD steps: block floating point moves a float32 gradient by at
+#: most a few ulps of its chunk's largest value, far below this.
+ATOL = 1e-5
+
+
+def run(tmp_path, command: list, name: str) -> list:
+    """Run ``command`` (its script gets --json); return every rank's report."""
+    out = tmp_path / name
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHML_")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([*command, "--json", str(out)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reports = []
+    for rank in range(WORLD):
+        path = tmp_path / f"{name}.rank{rank}"
+        assert path.exists(), f"rank {rank} wrote no report: {proc.stderr[-2000:]}"
+        reports.append(json.loads(path.read_text()))
+    return reports
+
+
+def torchrun(script: str, *args) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={WORLD}", os.path.join(EXAMPLES, script), *args]
+
+
+def same_training(ours: list, theirs: list) -> None:
+    """Replicas agree with each other and with gloo's; the switch carried data."""
+    a = torch.tensor(ours[0]["params"])
+    for r in ours[1:]:
+        assert torch.equal(torch.tensor(r["params"]), a), "replicas differ"
+    b = torch.tensor(theirs[0]["params"])
+    assert torch.allclose(a, b, rtol=0, atol=ATOL), (a - b).abs().max()
+    assert abs(ours[0]["loss"] - theirs[0]["loss"]) < 1e-5
+    assert all(r["switch_results"] > 0 for r in ours), "nothing went through the switch"
+    assert all(r["switch_results"] == 0 for r in theirs)
+
+
+@pytest.fixture(scope="module")
+def lightning_gloo(tmp_path_factory):
+    pytest.importorskip("lightning", reason="the integrations extra is not installed")
+    tmp = tmp_path_factory.mktemp("lightning")
+    return run(tmp, [sys.executable, os.path.join(EXAMPLES, "lightning_train.py"),
+                     "--mode", "gloo", "--devices", str(WORLD)], "gloo")
+
+
+@pytest.mark.parametrize("mode", ["backend", "hook"])
+def test_lightning_matches_gloo(mode, lightning_gloo, tmp_path):
+    """``DDPStrategy(process_group_backend="switchml")`` and the comm hook (its state
+    built before the process group), logging the loss with ``sync_dist=True``."""
+    ours = run(tmp_path, [sys.executable, os.path.join(EXAMPLES, "lightning_train.py"),
+                          "--mode", mode, "--devices", str(WORLD)], mode)
+    same_training(ours, lightning_gloo)
+
+
+def test_accelerate_with_the_hook_matches_gloo(tmp_path):
+    pytest.importorskip("accelerate", reason="the integrations extra is not installed")
+    ours = run(tmp_path, torchrun("accelerate_train.py", "--hook"), "hook")
+    theirs = run(tmp_path, torchrun("accelerate_train.py"), "gloo")
+    same_training(ours, theirs)
+
+
+def test_fsdp2_with_a_scalar_loss_reduction_matches_gloo(tmp_path):
+    ours = run(tmp_path, torchrun("fsdp2_train.py", "--backend", "switchml"), "switchml")
+    theirs = run(tmp_path, torchrun("fsdp2_train.py", "--backend", "gloo"), "gloo")
+    same_training(ours, theirs)
+
+
+def test_plain_ddp_under_torchrun_matches_gloo(tmp_path):
+    ours = run(tmp_path, torchrun("ddp_torchrun.py", "--backend", "switchml"), "switchml")
+    theirs = run(tmp_path, torchrun("ddp_torchrun.py", "--backend", "gloo"), "gloo")
+    same_training(ours, theirs)

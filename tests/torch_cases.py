@@ -1,0 +1,164 @@
+"""One rank of a job that runs ``dist.all_reduce`` cases on switchml and on gloo.
+
+Run by tests/test_torch_tensors.py (RANK etc. from env) with a JSON file of cases;
+each case names a dtype, shape, memory layout, op, value scale and ``async_op``.
+Every rank builds every rank's input from the case's seed, so it knows the exact
+sum.  The default group is "switchml"; a gloo group of the same ranks gives the
+reference.  Prints ``RESULT {"failures": [...], "switched": k}``.
+"""
+
+import json
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import switchml.torch  # noqa: F401  registers the "switchml" backend
+from switchml import quant
+
+DTYPES = {name: getattr(torch, name) for name in (
+    "float32", "int32", "float64", "float16", "bfloat16", "int64", "int8", "uint8", "bool")}
+OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
+       "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
+
+
+def values(case: dict, rank: int, shape) -> torch.Tensor:
+    """Rank ``rank``'s values for ``case``, contiguous, in ``shape``."""
+    gen = torch.Generator().manual_seed(case["seed"] * 1009 + rank)
+    dtype = DTYPES[case["dtype"]]
+    if dtype.is_floating_point:
+        base = torch.randn(shape, generator=gen, dtype=torch.float64) * 10.0 ** case["scale"]
+        return base.to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    low = 0 if dtype == torch.uint8 else -50
+    return torch.randint(low, 50, shape, generator=gen).to(dtype)
+
+
+def build(case: dict, rank: int):
+    """(tensor passed to all_reduce, its base storage) laid out as the case says."""
+    shape = tuple(case["shape"])
+    layout = case["layout"]
+    if layout == "transposed":
+        base = values(case, rank, shape[::-1]).contiguous()
+        tensor = base.permute(*reversed(range(len(shape))))
+    elif layout == "strided":  # every other row of a larger tensor
+        base = values(case, rank, (2 * shape[0],) + shape[1:])
+        tensor = base[::2]
+    elif layout == "offset":  # a view at a storage offset, with values before and after
+        n = int(np.prod(shape))
+        base = values(case, rank, (n + 10,))
+        tensor = base[7:7 + n].view(shape)
+    elif layout == "channels_last":
+        base = values(case, rank, shape).contiguous(memory_format=torch.channels_last)
+        tensor = base
+    elif layout == "requires_grad":
+        base = values(case, rank, shape).requires_grad_(True)
+        tensor = base
+    else:
+        base = tensor = values(case, rank, shape)
+    return tensor, base
+
+
+def layout_of(t: torch.Tensor):
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.requires_grad,
+            t.is_leaf)
+
+
+def outside(tensor: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """The base's elements that ``tensor`` does not view (must stay untouched)."""
+    mask = torch.ones(base.numel(), dtype=torch.bool)
+    flat_index = torch.arange(base.numel()).view(base.shape)
+    if tensor.data_ptr() == base.data_ptr() and tensor.shape == base.shape:
+        return base.detach().reshape(-1)[:0]
+    viewed = flat_index.as_strided(tensor.shape, tensor.stride(),
+                                   tensor.storage_offset() - base.storage_offset())
+    mask[viewed.reshape(-1)] = False
+    return base.detach().reshape(-1)[mask]
+
+
+def switched(case: dict) -> bool:
+    """Whether the backend should send this case through the switch."""
+    return (case["dtype"] in ("float32", "int32") and case["op"] in ("sum", "avg")
+            and int(np.prod(case["shape"])) > 0)
+
+
+def run(case: dict, group, rank: int, detach: bool = False):
+    tensor, base = build(case, rank)
+    if detach:
+        # gloo's AVG fails on a requires_grad leaf (an in-place division), and gloo
+        # sums a non-contiguous tensor wrongly: the reference takes a plain copy
+        tensor = base = tensor.detach().contiguous()
+    before = layout_of(tensor), outside(tensor, base).clone()
+    op = OPS[case["op"]]
+    work = dist.all_reduce(tensor, op=op, group=group, async_op=case["async"])
+    if case["async"]:
+        work.wait()
+    after = layout_of(tensor), outside(tensor, base)
+    return tensor.detach().clone(), before, after
+
+
+def check(case: dict, ref_group, world: int, rank: int, worker) -> str | None:
+    """None when the switchml result is what it must be, else what went wrong."""
+    results_before = worker.counters["results_in"]
+    int_avg = case["op"] == "avg" and not DTYPES[case["dtype"]].is_floating_point
+    if int_avg and not switched(case):  # gloo refuses integer AVG: so must the backend
+        try:
+            run(case, None, rank)
+        except RuntimeError:
+            return None
+        return "integer AVG on gloo's dtypes did not raise as gloo does"
+    ours, before, after = run(case, None, rank)
+    went_through = worker.counters["results_in"] > results_before
+    if went_through != switched(case):
+        return f"switch used: {went_through}, expected {switched(case)}"
+    if before[0] != after[0]:
+        return f"tensor metadata changed: {before[0]} -> {after[0]}"
+    if not torch.equal(before[1], after[1]):
+        return "elements outside the tensor's view changed"
+    ref_case = dict(case, op="sum") if int_avg else case
+    theirs = run(ref_case, ref_group, rank, detach=True)[0]
+    if int_avg:  # gloo refuses; switchml averages integers as NCCL does (truncated)
+        theirs = torch.div(theirs, world, rounding_mode="trunc")
+    if ours.dtype != theirs.dtype or ours.shape != theirs.shape:
+        return f"result {ours.dtype}{tuple(ours.shape)} vs gloo {theirs.dtype}{tuple(theirs.shape)}"
+    if case["dtype"] == "float32" and switched(case):
+        inputs = [build(case, r)[0].detach().contiguous().reshape(-1).numpy()
+                  for r in range(world)]
+        chunk = worker.session.packet_elements
+        bound = quant.error_bound(inputs, chunk)
+        exact = np.sum([a.astype(np.float64) for a in inputs], axis=0)
+        got = ours.contiguous().reshape(-1).numpy().astype(np.float64)
+        if case["op"] == "avg":
+            exact, bound = exact / world, bound / world + np.spacing(np.abs(got).astype(np.float32))
+        excess = np.abs(got - exact) - bound
+        if excess.size and excess.max() > 0:
+            i = int(excess.argmax())
+            return f"element {i}: {got[i]} vs exact {exact[i]}, bound {bound[i]}"
+        return None
+    if not torch.equal(ours, theirs):
+        diff = (ours != theirs).reshape(-1).nonzero()[:3].reshape(-1).tolist()
+        return f"differs from gloo at flat indices {diff}"
+    return None
+
+
+def main():
+    cases = json.load(open(sys.argv[1]))
+    dist.init_process_group("switchml")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref_group = dist.new_group(backend="gloo")
+    worker = dist.distributed_c10d._get_default_group()._worker
+    failures = []
+    for case in cases:
+        problem = check(case, ref_group, world, rank, worker)
+        if problem is not None:
+            failures.append({"case": case, "problem": problem})
+    print("RESULT " + json.dumps({"failures": failures,
+                                  "switched": sum(map(switched, cases))}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
