@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # torch==2.13.0 (the torch extra) installs its CPU build from a local wheel where there is one
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: demo test install bench clean
+.PHONY: demo test install bench clean nft
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,17 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 4 \
 		examples/train_ddp.py --backend switchml --epochs 5
 
-test: $(STAMP)
+test: $(STAMP) nft
 	$(PY) -m pytest -q
+
+# The testbed's loss tests need nftables: as root, install it when it is missing
+# (elsewhere those tests skip and say why).
+nft:
+	@if [ "$$(id -u)" = 0 ] && ! command -v nft >/dev/null 2>&1; then \
+		echo "installing nftables for the testbed's loss tests"; \
+		(apt-get update -qq && apt-get install -y -qq --no-install-recommends nftables) \
+			>/dev/null 2>&1 || echo "could not install nftables: the loss tests will skip"; \
+	fi
 
 bench: $(STAMP)
 	$(PY) bench/allreduce.py --workers 2 4 8 --mib 64 --repeats 5 --gloo

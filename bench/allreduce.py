@@ -126,6 +126,7 @@ def _gloo_main(port, rank, world, elements, warmup, repeats, report_q):
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # gloo at its best: no intra-op threads fighting the ranks
     dist.init_process_group("gloo", rank=rank, world_size=world)
     rng = np.random.default_rng(rank)
     t = torch.from_numpy(rng.standard_normal(elements).astype(np.float32))

@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mtu", type=int, default=None, help="testbed MTU (default: 1500)")
     p.add_argument("--loss", type=float, default=0.0,
                    help="testbed UDP loss probability per link (default: 0)")
+    p.add_argument("--queue", default="256kb",
+                   help="testbed: bytes each link queues before dropping (default: 256kb)")
     p.add_argument("--prefix", default="smlbench", help="testbed name prefix (default: smlbench)")
     p.add_argument("--packet-elements", type=int, default=None,
                    help="switch: int32 values per packet (default: the switch's)")
@@ -262,7 +264,7 @@ def main(args, argv_text: str = "") -> int:
 
             try:
                 with Testbed(max(args.workers), args.link, mtu=args.mtu, loss=args.loss,
-                             prefix=args.prefix) as tb:
+                             prefix=args.prefix, queue=args.queue) as tb:
                     cluster = OnTestbed(tb)
                     results["cluster"] = cluster.describe()
                     results.update(run(args, cluster))

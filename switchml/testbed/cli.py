@@ -21,7 +21,8 @@ def _testbed_up(args) -> int:
 
     try:
         tb = Testbed(args.hosts, None if args.link == "none" else args.link, mtu=args.mtu,
-                     loss=args.loss, prefix=args.prefix, subnet=args.subnet, burst=args.burst)
+                     loss=args.loss, prefix=args.prefix, subnet=args.subnet, burst=args.burst,
+                     queue=args.queue)
     except ValueError as exc:
         print(f"switchml testbed: {exc}", file=sys.stderr)
         return 2
@@ -32,12 +33,12 @@ def _testbed_up(args) -> int:
         tb.up()
         if args.switch:
             log = os.path.join(STATE_DIR, f"{args.prefix}-switch.log")
+            command = [sys.executable, "-m", "switchml.cli", "switch", "--host",
+                       tb.switch_address, "--port", str(tb.switch.split(":")[1])]
+            if args.slots_per_job is not None:
+                command += ["--slots-per-job", str(args.slots_per_job)]
             with open(log, "w") as f:
-                subprocess.Popen(tb.command("switch", [sys.executable, "-m", "switchml.cli",
-                                                       "switch", "--host", tb.switch_address,
-                                                       "--port", str(tb.switch.split(":")[1]),
-                                                       "--slots-per-job",
-                                                       str(args.slots_per_job)]),
+                subprocess.Popen(tb.command("switch", command),
                                  stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True)
             if not _wait_for(log, "listening on", 15.0):
@@ -200,12 +201,14 @@ def add_parsers(sub) -> None:
                    help="probability of dropping a UDP datagram on each link (needs nft)")
     p.add_argument("--subnet", default="10.77.0.0/24")
     p.add_argument("--burst", default="256kb", help="tbf bucket size (default %(default)s)")
+    p.add_argument("--queue", default="256kb",
+                   help="bytes each link queues before it drops, as a switch port's buffer "
+                        "(tbf limit; default %(default)s)")
     p.add_argument("--switch", action="store_true",
                    help="also start a switchml switch on the bridge (in the background)")
-    p.add_argument("--slots-per-job", type=int, default=4,
-                   help="that switch's window per job (default %(default)s): the switch's own "
-                        "default of 32 x 64 KiB waits in the shaped links' queues and sets "
-                        "off spurious retransmissions")
+    p.add_argument("--slots-per-job", type=int, default=None,
+                   help="that switch's slots per job (default: the switch's own; a job's "
+                        "window adapts to the path within them)")
     p.set_defaults(func=_testbed_up)
 
     p = prefixed(tsub.add_parser("run", help="run a command in a host (0, 1, ...) or 'switch'"))

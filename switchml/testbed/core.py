@@ -40,9 +40,9 @@ DEFAULT_SUBNET = "10.77.0.0/24"
 SWITCH_PORT = 7300
 #: tbf bucket: enough for a few jumbo frames and a 64 KiB GSO segment at once.
 DEFAULT_BURST = 256 * 1024
-#: Smallest tbf queue: a job's window of 64 KiB datagrams (32 slots, 2 MiB) must fit,
-#: or the downlink drops results the way a too-small switch buffer would.
-MIN_QUEUE = 4 << 20
+#: tbf queue of every link: about what a real switch's port buffers (a shared
+#: buffer of a few MB over dozens of ports), not sized to fit any protocol's window.
+DEFAULT_QUEUE = 256 * 1024
 #: Where ``up`` records a testbed's settings for ``status``, ``run`` and ``down``.
 STATE_DIR = "/run/switchml-testbed"
 SWITCH = "switch"
@@ -104,8 +104,9 @@ class Testbed:
     and the bridge (None: 1500).  ``loss``: probability that a UDP datagram is
     dropped when it arrives in a namespace (hosts and switch; needs nft).
     ``prefix``: start of every namespace and device name.  ``subnet``: hosts get
-    its first addresses, the switch (bridge) its last usable one.  ``burst`` and
-    ``queue``: tbf bucket and queue limit in bytes.
+    its first addresses, the switch (bridge) its last usable one.  ``burst``: tbf
+    bucket; ``queue``: bytes a link holds waiting for the wire (tbf ``limit``;
+    256 KiB by default, a switch port's buffer), beyond which it drops.
     """
 
     __test__ = False  # not a pytest test class, despite the name
@@ -129,9 +130,10 @@ class Testbed:
         self.loss = float(loss)
         self.subnet = net
         self.burst = parse_size(burst)
-        if queue is None:  # 50 ms at the link rate, at least a job's window
-            queue = max(MIN_QUEUE, int((self.link_bps or 0) / 8 * 0.05))
-        self.queue = self.burst + parse_size(queue)
+        self.queue = parse_size(DEFAULT_QUEUE if queue is None else queue)
+        if self.queue < 2 * 9000:
+            raise ValueError(f"queue must hold at least two jumbo frames (18000 bytes), "
+                             f"got {self.queue}")
         self.install_nft = install_nft
         self._procs: list = []
         self._up = False
@@ -339,7 +341,7 @@ class Testbed:
                                f"(start one with `switchml testbed up`)")
         return cls(state["hosts"], state["link"], mtu=state["mtu"], loss=state["loss"],
                    prefix=prefix, subnet=state["subnet"], burst=state["burst"],
-                   queue=state["queue"] - state["burst"])
+                   queue=state["queue"])
 
     # ------------------------------------------------------------------ signals
     def _catch_signals(self) -> None:
