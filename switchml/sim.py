@@ -34,24 +34,31 @@ class StalledSimulation(RuntimeError):
 class Simulation:
     """n workers of one job and a switch pipeline, driven by a virtual clock."""
 
-    def __init__(self, world_size: int, *, slots: int = 8, packet_elements: int = 64,
+    def __init__(self, world_size: int, *, slots: int = 8, packet_elements: int | None = None,
                  faults: Faults | None = None, seed: int = 0, pipeline: Pipeline | None = None,
                  session: int = 0x5EED, slot_base: int | None = None,
                  progress_timeout: float = 60.0, block_elements: int | None = None):
+        """``packet_elements`` and ``block_elements`` are the job's packet size: with a
+        given ``pipeline`` they may be smaller than its own (its defaults when None);
+        without one, the pipeline built here has that size (64 values by default)."""
         self.faults = faults or Faults()
         self.rng = random.Random(seed)
-        self.pipeline = pipeline or Pipeline(slots=slots, packet_elements=packet_elements,
-                                             block_elements=block_elements)
+        if pipeline is None:
+            pipeline = Pipeline(slots=slots, packet_elements=packet_elements or 64,
+                                block_elements=block_elements)
+            packet_elements, block_elements = pipeline.packet_elements, pipeline.block_elements
+        self.pipeline = pipeline
         self.now = 0.0
         self._order = 0
         self._queue: list = []
         addrs = [("worker", r) for r in range(world_size)]
         base = self.pipeline.allocate(slots) if slot_base is None else slot_base
-        self.job = self.pipeline.install_job(f"sim-{session}", session, addrs, base, slots)
+        self.job = self.pipeline.install_job(f"sim-{session}", session, addrs, base, slots,
+                                             packet_elements, block_elements)
         self.sessions = [Session(session=session, rank=r, world_size=world_size,
                                  slot_base=base, slot_count=slots,
-                                 packet_elements=self.pipeline.packet_elements,
-                                 block_elements=self.pipeline.block_elements,
+                                 packet_elements=self.job.packet_elements,
+                                 block_elements=self.job.block_elements,
                                  progress_timeout=progress_timeout)
                          for r in range(world_size)]
         self.datagrams = 0

@@ -525,7 +525,7 @@ def test_switch_memory_does_not_grow():
     shape = rows.shape
     sizes = {name: len(getattr(p, name)[0]) for name in
              ("_valid", "_msg", "_bitmap", "_count", "_blocks", "_ids")}
-    lane_regs, values = p._lane_regs, p._values
+    lane_regs, values = jb.lane_regs, jb.values
     rng = np.random.default_rng(0)
     msgs = [0] * 8
     expected_out = 0
@@ -546,7 +546,7 @@ def test_switch_memory_does_not_grow():
     assert p._rows.nbytes == nbytes and p._rows.shape == shape
     assert nbytes == 2 * 8 * wire.packet_size(LANES, K)
     # the lane registers and values are the result datagrams' own bytes
-    assert p._lane_regs is lane_regs and p._values is values
+    assert jb.lane_regs is lane_regs and jb.values is values
     assert np.shares_memory(lane_regs, rows) and np.shares_memory(values, rows)
     for name, size in sizes.items():
         assert [len(x) for x in getattr(p, name)] == [size, size]
@@ -585,3 +585,73 @@ def test_constructor_limits():
     assert (p.block_elements, p.lanes) == (16365, 1)
     p = Pipeline(slots=1, packet_elements=K, block_elements=1)
     assert p.lanes == K and p._rows.shape == (2, 1, wire.packet_size(K, K))
+
+
+# ---------------------------------------------------------------- per-job packet sizes
+def test_two_jobs_with_different_packet_sizes_share_a_pipeline():
+    p = Pipeline(slots=4, packet_elements=12, block_elements=3)  # rows of 4 lanes, 12 values
+    ja = p.install_job("A", SA, A[:2], 0, 2, packet_elements=4, block_elements=2)
+    jb = p.install_job("B", SB, B[:3], 2, 2)  # the pipeline's own size
+    assert (ja.packet_elements, ja.block_elements, ja.lanes) == (4, 2, 2)
+    assert (jb.packet_elements, jb.block_elements, jb.lanes) == (12, 3, 4)
+    assert p.stats()["jobs"]["A"]["packet_elements"] == 4
+    assert p.stats()["jobs"]["A"]["block_elements"] == 2
+    # dense: job A's packets have 2 lanes and at most 4 values
+    send(p, contrib(1, SA, 0, [1, 2, 3, 4], exps=[5, -1], lanes=2), A[0])
+    out = send(p, contrib(1, SA, 0, [10, 20, 30, 40], exps=[2, 3], lanes=2), A[1])
+    assert [a for _, a in out] == A[:2]
+    h, values = decode(out[0][0])
+    assert (h.lanes, h.count, values) == (2, 4, [11, 22, 33, 44])
+    assert len(out[0][0]) == wire.packet_size(2, 4)
+    assert exps_of(out[0][0]) == [5, 3]
+    for r in range(3):
+        out = send(p, contrib(2, SB, 0, list(range(12)), exps=[r, 0, 0, -r], lanes=4), B[r])
+    h, values = decode(out[0][0])
+    assert (h.lanes, h.count, values) == (4, 12, [3 * i for i in range(12)])
+    assert exps_of(out[0][0]) == [2, 0, 0, 0]
+    # sparse, job A: blocks of 2 values, lane 1 present on one rank only
+    send(p, sparse_contrib(0, SA, 0, [1, 1], [1, 2, 3, 4], pos=0, nxt=3, lanes=2), A[0])
+    out = send(p, sparse_contrib(0, SA, 0, [0, 1], [5, 6], pos=0, nxt=1, lanes=2), A[1])
+    h, values = decode(out[0][0])
+    assert (h.lanes, h.count, values) == (2, 4, [1, 2, 8, 10])
+    assert wire.lane_table(out[0][0], 2)["nxt"].tolist() == [1, 1]
+    assert ja.counters["sparse_blocks_in"] == 3
+    # a packet sized for the other job is dropped by reason, and changes nothing
+    before = p.slot_state(3, 0)
+    assert send(p, contrib(1, SA, 1, [1] * 4, lanes=4), A[0]) == []
+    assert send(p, contrib(1, SA, 1, [1] * 12, lanes=2), A[0]) == []
+    assert send(p, contrib(3, SB, 0, [1] * 4, lanes=2), B[0]) == []
+    assert send(p, sparse_contrib(3, SB, 0, [1, 0, 0, 0], [1, 2], lanes=4), B[0]) == []
+    assert drop_keys(ja.counters) == {"dropped_bad_lanes": 1, "dropped_too_many_values": 1}
+    assert drop_keys(jb.counters) == {"dropped_bad_lanes": 1, "dropped_bad_block_count": 1}
+    assert p.slot_state(3, 0) == before
+    assert p.slot_state(1, 1) == (False, 0)
+
+
+def test_install_job_refuses_packet_sizes_that_do_not_fit():
+    p = Pipeline(slots=4, packet_elements=12, block_elements=3)
+    for packet, block in ((0, 1), (4, 0), (5, 2), (-4, 2), (2, 4), (16, 4), (22, 22)):
+        with pytest.raises(ValueError):
+            p.install_job("X", SA, A[:2], 0, 2, packet_elements=packet, block_elements=block)
+    # fewer lanes may carry more values, as long as the datagram fits the row: 32 + 48 + 48
+    job = p.install_job("X", SA, A[:2], 0, 2, packet_elements=21, block_elements=21)
+    assert job.lanes == 1 and wire.packet_size(1, 21) == p.row_size == 128
+    with pytest.raises(ValueError, match="more than the switch's slots hold"):
+        p.install_job("Y", SB, B[:2], 2, 2, packet_elements=22, block_elements=22)
+    assert p.free_slots() == 2  # nothing was installed by the refusals
+
+
+def test_simulation_runs_a_job_with_smaller_packets_than_the_pipeline():
+    from switchml.sim import Simulation
+    p = Pipeline(slots=8, packet_elements=64, block_elements=8)
+    sim = Simulation(3, slots=4, pipeline=p, packet_elements=16, block_elements=4)
+    assert (sim.job.packet_elements, sim.job.lanes) == (16, 4)
+    assert all(s.packet_elements == 16 for s in sim.sessions)
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(-100, 100, 200).astype(np.int32) for _ in range(3)]
+    for a in arrays:
+        a[40:120] = 0  # whole zero blocks for the sparse path
+    for sparse in (False, True):
+        outs = sim.allreduce(arrays, sparse=sparse)
+        assert all((o == sum(arrays)).all() for o in outs)
+    assert sim.job.counters["packets_in"] > 0 and not drop_keys(sim.job.counters)

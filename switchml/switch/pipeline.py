@@ -57,8 +57,18 @@ class Job:
     slot_base: int
     slot_count: int
     members: list  # data address of each rank, by rank
+    packet_elements: int = 0  # values per packet of this job (at most the pipeline's)
+    block_elements: int = 0  # values per block (lane) of this job
     counters: Counter = field(default_factory=Counter)
     state: str = "running"  # then "ended" (every rank left) or "failed"
+    # Views of the pipeline's slot rows laid out for this job's packet size:
+    # (set, slot, lane) lane registers and (set, slot, value) values.
+    lane_regs: np.ndarray | None = field(default=None, repr=False)
+    values: np.ndarray | None = field(default=None, repr=False)
+    lanes: int = field(init=False)  # blocks (lane records) per packet
+
+    def __post_init__(self):
+        self.lanes = self.packet_elements // self.block_elements if self.block_elements else 0
 
     def summary(self) -> dict:
         return {
@@ -67,6 +77,8 @@ class Job:
             "world_size": self.world_size,
             "slot_base": self.slot_base,
             "slot_count": self.slot_count,
+            "packet_elements": self.packet_elements,
+            "block_elements": self.block_elements,
             "counters": dict(self.counters),
         }
 
@@ -99,15 +111,11 @@ class Pipeline:
         self.egress_drop_rate = float(drop_rate if egress_drop_rate is None else egress_drop_rate)
         self._rng = random.Random(seed)
 
-        # Each row is a whole result datagram: header, lane table, values.
-        row = wire.packet_size(self.lanes, packet_elements)
-        self._rows = np.zeros((2, slots, row), dtype=np.uint8)
-        strides = (slots * row, row)
-        self._lane_regs = np.ndarray((2, slots, self.lanes), wire.LANE, self._rows,
-                                     wire.HEADER_SIZE, strides + (wire.LANE_SIZE,))
-        self._values = np.ndarray((2, slots, packet_elements), np.int32, self._rows,
-                                  wire.HEADER_SIZE + wire.LANE_SIZE * self.lanes,
-                                  strides + (wire.VALUE_SIZE,))
+        # Each row is a whole result datagram: header, lane table, values.  The row
+        # holds the largest packet; a job with smaller packets lays its datagram out
+        # from the row's start (its own lane count, then its values), see _job_views.
+        self.row_size = wire.packet_size(self.lanes, packet_elements)
+        self._rows = np.zeros((2, slots, self.row_size), dtype=np.uint8)
         # Per slot and set registers.  Python lists: scalar access is the hot path.
         self._valid = [[False] * slots for _ in range(2)]
         self._msg = [[0] * slots for _ in range(2)]
@@ -139,9 +147,38 @@ class Pipeline:
         raise SlotPoolExhausted(
             f"no {count} contiguous free slots (pool {self.slots}, free {self.free_slots()})")
 
+    def check_packet_size(self, packet_elements: int, block_elements: int) -> None:
+        """Raise ValueError unless a job's packets of this size fit the slot rows."""
+        if block_elements < 1 or packet_elements < 1 or packet_elements % block_elements:
+            raise ValueError(f"a job's packet_elements ({packet_elements}) must be a positive "
+                             f"multiple of its block_elements ({block_elements})")
+        size = wire.packet_size(packet_elements // block_elements, packet_elements)
+        if size > self.row_size:
+            raise ValueError(
+                f"packets of {packet_elements} elements in blocks of {block_elements} take "
+                f"{size} bytes, more than the switch's slots hold ({self.row_size} bytes: "
+                f"{self.packet_elements} elements in blocks of {self.block_elements})")
+
+    def _job_views(self, job: Job) -> None:
+        """Lane registers and values of every slot row, laid out for ``job``'s packets."""
+        strides = (self.slots * self.row_size, self.row_size)
+        job.lane_regs = np.ndarray((2, self.slots, job.lanes), wire.LANE, self._rows,
+                                   wire.HEADER_SIZE, strides + (wire.LANE_SIZE,))
+        job.values = np.ndarray((2, self.slots, job.packet_elements), np.int32, self._rows,
+                                wire.HEADER_SIZE + wire.LANE_SIZE * job.lanes,
+                                strides + (wire.VALUE_SIZE,))
+
     def install_job(self, name: str, session: int, members: list, slot_base: int,
-                    slot_count: int) -> Job:
-        """Admit data from ``members`` (rank -> address) on slots [base, base+count)."""
+                    slot_count: int, packet_elements: int | None = None,
+                    block_elements: int | None = None) -> Job:
+        """Admit data from ``members`` (rank -> address) on slots [base, base+count).
+
+        The job's packets carry ``packet_elements`` values in blocks of
+        ``block_elements`` (defaults: the pipeline's, its limit).
+        """
+        packet_elements = self.packet_elements if packet_elements is None else packet_elements
+        block_elements = self.block_elements if block_elements is None else block_elements
+        self.check_packet_size(packet_elements, block_elements)
         world = len(members)
         if not 1 <= world <= MAX_WORKERS:
             raise ValueError(f"a job has 1..{MAX_WORKERS} workers, got {world}")
@@ -156,7 +193,9 @@ class Pipeline:
         for addr in members:
             if addr in self._members:
                 raise ValueError(f"address {addr} already belongs to a job")
-        job = Job(name, session, world, slot_base, slot_count, list(members))
+        job = Job(name, session, world, slot_base, slot_count, list(members),
+                  packet_elements, block_elements)
+        self._job_views(job)
         for s in range(slot_base, slot_base + slot_count):
             self._owner[s] = session
             for v in (0, 1):
@@ -248,10 +287,10 @@ class Pipeline:
         if not job.slot_base <= slot < job.slot_base + job.slot_count:
             counters["dropped_slot_out_of_range"] += 1
             return []
-        if h.lanes != self.lanes:
+        if h.lanes != job.lanes:
             counters["dropped_bad_lanes"] += 1
             return []
-        if h.count > self.packet_elements:
+        if h.count > job.packet_elements:
             counters["dropped_too_many_values"] += 1
             return []
         sparse = h.mode & wire.MODE_SPARSE
@@ -259,7 +298,7 @@ class Pipeline:
         payload = wire.values(data, h.lanes, h.count)
         if sparse:
             flagged = np.nonzero(lanes["flag"] & wire.FLAG_BLOCK)[0]
-            if h.count != len(flagged) * self.block_elements:
+            if h.count != len(flagged) * job.block_elements:
                 counters["dropped_bad_block_count"] += 1
                 return []
         counters["packets_in"] += 1
@@ -269,7 +308,7 @@ class Pipeline:
         bit = 1 << rank
         # Sparse contributions carry different blocks, hence different counts.
         ids = (h.seq, h.pkt_id, h.dtype, h.mode, 0 if sparse else h.count)
-        regs = self._lane_regs[v, slot]
+        regs = job.lane_regs[v, slot]
         if not self._valid[v][slot] or wire.msg_newer(msg, self._msg[v][slot]):
             self._valid[v][slot] = True
             self._msg[v][slot] = msg
@@ -278,9 +317,9 @@ class Pipeline:
             self._count[v][slot] = 1
             regs[:] = lanes
             if sparse:
-                self._start_sparse(v, slot, regs, flagged, payload)
+                self._start_sparse(job, v, slot, regs, flagged, payload)
             else:
-                self._values[v, slot, : h.count] = payload
+                job.values[v, slot, : h.count] = payload
         elif msg == self._msg[v][slot]:
             if self._bitmap[v][slot] & bit:
                 if self._count[v][slot] == job.world_size:
@@ -292,9 +331,9 @@ class Pipeline:
                 counters["dropped_mismatch"] += 1
                 return []
             if sparse:
-                self._add_sparse(v, slot, regs, lanes, flagged, payload)
+                self._add_sparse(job, v, slot, regs, lanes, flagged, payload)
             else:
-                row = self._values[v, slot, : h.count]
+                row = job.values[v, slot, : h.count]
                 np.add(row, payload, out=row)
                 np.maximum(regs["exp"], lanes["exp"], out=regs["exp"])
             self._bitmap[v][slot] |= bit
@@ -309,23 +348,23 @@ class Pipeline:
         seq, pkt_id, dtype, mode, _ = ids
         self._ids[v][slot] = (seq, pkt_id, dtype, mode, count)
         wire.encode_header(self._rows[v, slot], wire.KIND_RESULT, dtype, mode, slot,
-                           job.session, msg, seq, pkt_id, count, self.lanes)
+                           job.session, msg, seq, pkt_id, count, job.lanes)
         counters["results_completed"] += 1
         return self._emit(job, v, slot, job.members)
 
     # ------------------------------------------------------------------ sparse lanes
-    def _start_sparse(self, v, slot, regs, flagged, payload) -> None:
-        blocks = self._values[v, slot].reshape(self.lanes, self.block_elements)
+    def _start_sparse(self, job: Job, v, slot, regs, flagged, payload) -> None:
+        blocks = job.values[v, slot].reshape(job.lanes, job.block_elements)
         blocks[:] = 0
-        blocks[flagged] = payload.reshape(-1, self.block_elements)
+        blocks[flagged] = payload.reshape(-1, job.block_elements)
         regs["flag"] &= wire.FLAG_BLOCK
         self._blocks[v][slot] = len(flagged)
 
-    def _add_sparse(self, v, slot, regs, lanes, flagged, payload) -> None:
+    def _add_sparse(self, job: Job, v, slot, regs, lanes, flagged, payload) -> None:
         """Add the flagged blocks; keep per lane the least next position (and, as in
         the dense path, the largest exponent)."""
-        blocks = self._values[v, slot].reshape(self.lanes, self.block_elements)
-        blocks[flagged] += payload.reshape(-1, self.block_elements)
+        blocks = job.values[v, slot].reshape(job.lanes, job.block_elements)
+        blocks[flagged] += payload.reshape(-1, job.block_elements)
         np.minimum(regs["nxt"], lanes["nxt"], out=regs["nxt"])
         np.maximum(regs["exp"], lanes["exp"], out=regs["exp"])
         regs["flag"] |= lanes["flag"] & wire.FLAG_BLOCK
@@ -335,8 +374,8 @@ class Pipeline:
         """Compact the present blocks to the front; count blocks seen and skipped."""
         n = job.world_size
         present = np.nonzero(regs["flag"])[0]
-        if len(present) < self.lanes:
-            blocks = self._values[v, slot].reshape(self.lanes, self.block_elements)
+        if len(present) < job.lanes:
+            blocks = job.values[v, slot].reshape(job.lanes, job.block_elements)
             blocks[: len(present)] = blocks[present]
         nxt = regs["nxt"].astype(np.int64)
         if mode & wire.MODE_SEED:
@@ -349,13 +388,13 @@ class Pipeline:
         c = job.counters
         c["sparse_blocks_in"] += self._blocks[v][slot]
         c["sparse_blocks_skipped"] += skipped
-        c["sparse_bytes_saved"] += skipped * self.block_elements * wire.VALUE_SIZE
+        c["sparse_bytes_saved"] += skipped * job.block_elements * wire.VALUE_SIZE
         c["sparse_blocks_out"] += len(present) * n
-        return len(present) * self.block_elements
+        return len(present) * job.block_elements
 
     def _emit(self, job: Job, v: int, slot: int, destinations: list) -> list:
         count = self._ids[v][slot][4]
-        datagram = memoryview(self._rows[v, slot, : wire.packet_size(self.lanes, count)])
+        datagram = memoryview(self._rows[v, slot, : wire.packet_size(job.lanes, count)])
         out = []
         for addr in destinations:
             if self.egress_drop_rate and self._rng.random() < self.egress_drop_rate:
