@@ -9,7 +9,10 @@ SWITCHML_JOB                job name shared by a job's workers       default
 SWITCHML_HOST               ``switchml switch`` bind address         127.0.0.1
 SWITCHML_PORT               ``switchml switch`` port                 7300
 SWITCHML_SLOTS              slots in the switch's pool               256
-SWITCHML_PACKET_ELEMENTS    int32 values per packet                  16128
+SWITCHML_PACKET_ELEMENTS    the switch's limit on values per packet  16128
+                            (a job's packets fit one frame of its
+                            path: see SWITCHML_MTU)
+SWITCHML_MTU                a worker's path MTU to the switch        the route's
 SWITCHML_BLOCK_ELEMENTS     values per block of the sparse path      256
 SWITCHML_SLOTS_PER_JOB      slots a job gets (its window)            32
 SWITCHML_MAX_JOBS           jobs a switch runs at once               64

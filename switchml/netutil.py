@@ -68,6 +68,34 @@ def enable_keepalive(sock: socket.socket, seconds: float) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
 
 
+#: Linux's socket options for the path MTU (Python's socket module lacks some).
+_IP_MTU_DISCOVER = getattr(socket, "IP_MTU_DISCOVER", 10)
+_IP_PMTUDISC_DO = getattr(socket, "IP_PMTUDISC_DO", 2)
+_IP_MTU = getattr(socket, "IP_MTU", 14)
+#: MTU assumed where the system cannot tell (not Linux): Ethernet's.
+FALLBACK_MTU = 1500
+
+
+def route_mtu(address: tuple) -> int:
+    """The MTU of the route to ``address`` (host, port): what one frame carries."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)  # picks the route; sends nothing
+        try:
+            return probe.getsockopt(socket.IPPROTO_IP, _IP_MTU)
+        except OSError:
+            return FALLBACK_MTU
+
+
+def forbid_fragmentation(sock: socket.socket) -> None:
+    """Set DF on a UDP socket's datagrams: one too large for the path fails to send
+    (EMSGSIZE) instead of leaving as IP fragments, which no switch can parse and
+    of which one lost loses the whole datagram."""
+    try:
+        sock.setsockopt(socket.IPPROTO_IP, _IP_MTU_DISCOVER, _IP_PMTUDISC_DO)
+    except OSError:  # not Linux: the packet sizes alone keep datagrams within a frame
+        pass
+
+
 def datagrams_that_fit(rcvbuf: int, packet_bytes: int) -> int:
     """How many datagrams of ``packet_bytes`` a receive buffer holds (kernel overhead included)."""
     return rcvbuf // (packet_bytes + packet_bytes // 4 + 1024)

@@ -84,6 +84,34 @@ class Header(NamedTuple):
     lanes: int
 
 
+#: Bytes of IPv4 and UDP headers in front of every datagram.
+IP_UDP_OVERHEAD = 28
+#: Values in a packet are rounded down to a multiple of this (whole vector loads).
+VALUE_ALIGN = 8
+
+
+def frame_geometry(mtu: int, limit_elements: int, block_elements: int) -> tuple[int, int]:
+    """(packet_elements, block_elements) of the largest packet that fits one frame.
+
+    ``mtu``: of the path (IP packet bytes); ``limit_elements``/``block_elements``:
+    the switch's packet limit and block.  Whole blocks of ``block_elements`` when
+    at least two fit (the sparse path's unit stays the switch's); otherwise one
+    block per packet, as many values as the frame holds (a 1500-byte frame holds
+    352 values where it holds one 256-value block).  Never more than the limit.
+    """
+    budget = mtu - IP_UDP_OVERHEAD - HEADER_SIZE
+    lanes = budget // (LANE_SIZE + VALUE_SIZE * block_elements)
+    if lanes >= 2 or (lanes == 1 and block_elements >= limit_elements):
+        elements = min(lanes * block_elements, limit_elements // block_elements * block_elements)
+        return elements, block_elements
+    single = min((budget - LANE_SIZE) // VALUE_SIZE, limit_elements)
+    if single >= VALUE_ALIGN:
+        single -= single % VALUE_ALIGN
+    if single < 1:
+        raise ValueError(f"an MTU of {mtu} bytes leaves no room for a packet's values")
+    return single, single
+
+
 def packet_size(lanes: int, count: int) -> int:
     return HEADER_SIZE + LANE_SIZE * lanes + VALUE_SIZE * count
 

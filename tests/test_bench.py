@@ -125,3 +125,21 @@ def test_udp_paths_moves_the_bytes_each_way_and_counts_the_calls(tmp_path):
     assert rows["mtu"]["sender"]["calls"] > 5 * rows["datagram"]["sender"]["calls"]
     # with UDP_GRO the receiver takes several datagrams per call
     assert rows["gso"]["receiver"]["calls"] < rows["mtu"]["receiver"]["calls"] / 3
+
+
+def test_invocations_take_the_median_of_the_runs_and_gloo_from_the_same():
+    from bench.invocations import format_summary, summarize_runs
+
+    def row(system, median, bound=None, density=None):
+        return {"system": system, "workers": 4, "size_bytes": 2**20, "density": density,
+                "median_s": median, "bound_s": bound, "retransmissions_per_worker": 0.0,
+                "checked": True, "ranks_bit_identical": True}
+
+    runs = [[row("switchml-dense", t, 0.5), row("gloo", g, 0.75)]
+            for t, g in ((0.9, 1.0), (0.5, 1.2), (0.6, 0.8))]
+    rows = {r["system"]: r for r in summarize_runs(runs)}
+    assert rows["switchml-dense"]["median_s"] == 0.6       # not the mean, not the best
+    assert rows["gloo"]["median_s"] == 1.0
+    assert rows["switchml-dense"]["speedup_over_gloo"] == pytest.approx(1.0 / 0.6)
+    assert rows["gloo"]["of_bound"] == pytest.approx(0.75)
+    assert "1.67x" in format_summary(list(rows.values()))

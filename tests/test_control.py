@@ -103,3 +103,35 @@ def test_status_reports_bitmaps_of_own_slots_only(ctl):
     ctl.pipeline.receive_datagram(pkt, ("10.0.0.1", 1100))  # rank 0, joined on conn 1
     [(_, reply)] = ctl.handle_message(1, {"op": "status", "slots": [[base, 5], [15, 0]]})
     assert reply == {"event": "status", "slots": [[base, 5, True, 0b01]]}
+
+
+def test_a_jobs_packets_fit_the_smallest_frame_of_its_ranks():
+    pipeline = Pipeline(slots=16, packet_elements=16128, block_elements=256)
+    ctl = Controller(pipeline, data_port=9, slots_per_job=4)
+    join(ctl, 1, 0, 3, mtu=9000)
+    join(ctl, 2, 1, 3, mtu=65535)
+    [(_, ready), *_] = join(ctl, 3, 2, 3, mtu=9000)
+    assert (ready["packet_elements"], ready["block_elements"]) == (2048, 256)
+    job = pipeline.jobs[ready["session"]]
+    assert (job.packet_elements, job.block_elements) == (2048, 256)
+
+
+def test_the_switchs_own_route_mtu_bounds_the_packets_too():
+    pipeline = Pipeline(slots=16, packet_elements=16128, block_elements=256)
+    ctl = Controller(pipeline, data_port=9, slots_per_job=4,
+                     route_mtu=lambda addr: 1500 if addr[1] % 2 else 9000)
+    join(ctl, 1, 0, 2, mtu=9000)
+    [(_, ready), _] = join(ctl, 2, 1, 2, mtu=9000)
+    assert (ready["packet_elements"], ready["block_elements"]) == (352, 352)
+
+
+def test_workers_that_do_not_say_their_mtu_get_the_switchs_packets(ctl):
+    join(ctl, 1, 0, 2)
+    [(_, ready), _] = join(ctl, 2, 1, 2)
+    assert ready["packet_elements"] == ctl.pipeline.packet_elements == 64
+
+
+@pytest.mark.parametrize("mtu", [0, 67, "1500", 1.5, True])
+def test_a_bad_mtu_is_refused(ctl, mtu):
+    [(_, reply)] = join(ctl, 1, 0, 2, mtu=mtu)
+    assert reply["event"] == "error" and "mtu" in reply["message"]

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import interruptible, reference_sum
+from switchml import wire
 from switchml.testbed import (NotRootError, Testbed, TestbedExistsError, ToolMissingError,
                               netns, parse_rate)
 
@@ -25,6 +26,8 @@ HELPERS = os.path.join(os.path.dirname(__file__), "testbed_helpers.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CLI = [sys.executable, "-m", "switchml.cli"]
 PACKET = 1024
+#: The switch's limit is PACKET; a job's packets fit one frame of its 1500-byte links.
+JOB_PACKET = wire.frame_geometry(1500, PACKET, 256)[0]
 
 _why_not = None
 if os.geteuid() != 0:
@@ -248,7 +251,7 @@ def run_workers(tb, world, size, dtype, tmp_path):
 def expected(world, size, dtype):
     sys.path.insert(0, os.path.dirname(HELPERS))
     from testbed_helpers import make_input
-    return reference_sum([make_input(r, size, dtype) for r in range(world)], PACKET)
+    return reference_sum([make_input(r, size, dtype) for r in range(world)], JOB_PACKET)
 
 
 @needs_root
@@ -365,7 +368,7 @@ def test_a_thousand_allreduces_under_loss_are_bit_identical_to_the_loss_free_sum
     want = hashlib.sha256()
     for i in range(count):
         want.update(reference_sum([repeated_input(r, size, i) for r in range(world)],
-                                  PACKET).tobytes())
+                                  JOB_PACKET).tobytes())
     outs = [json.load(open(tmp_path / f"repeat-{h}.json")) for h in range(world)]
     for out in outs:
         assert out["sha256"] == want.hexdigest()

@@ -346,3 +346,34 @@ def test_msg_newer_property(b, d):
     assert wire.msg_newer(a, b)
     assert not wire.msg_newer(b, a)
     assert not wire.msg_newer(a, a)
+
+
+@pytest.mark.parametrize("mtu, expected", [
+    (1500, (352, 352)),      # one block would fill 74% of the frame: one bigger block
+    (9000, (2048, 256)),     # eight whole 256-value blocks
+    (65535, (16128, 256)),   # loopback: the switch's limit
+    (576, (120, 120)),
+])
+def test_frame_geometry_at_common_mtus(mtu, expected):
+    assert wire.frame_geometry(mtu, 16128, 256) == expected
+
+
+@given(mtu=st.integers(120, 65535), limit_blocks=st.integers(1, 63),
+       block=st.sampled_from([1, 16, 64, 256, 1024]))
+def test_frame_geometry_fits_one_frame_and_the_limit(mtu, limit_blocks, block):
+    limit = limit_blocks * block
+    elements, blk = wire.frame_geometry(mtu, limit, block)
+    assert 1 <= elements <= limit and elements % blk == 0
+    assert wire.packet_size(elements // blk, elements) + wire.IP_UDP_OVERHEAD <= mtu
+    if blk == block:  # whole switch blocks: as many as fit, within the limit
+        fits = (mtu - wire.IP_UDP_OVERHEAD - wire.HEADER_SIZE) // (wire.LANE_SIZE + 4 * block)
+        assert elements == min(fits, limit_blocks) * block
+    else:  # a single lane: the frame is nearly full
+        assert blk == elements
+        assert wire.packet_size(1, elements + wire.VALUE_ALIGN) + wire.IP_UDP_OVERHEAD > mtu \
+            or elements + wire.VALUE_ALIGN > limit
+
+
+def test_frame_geometry_refuses_an_mtu_without_room():
+    with pytest.raises(ValueError, match="no room"):
+        wire.frame_geometry(60, 16128, 256)

@@ -37,6 +37,7 @@ def main():
         print(f"ddp ({args.backend}): mean loss {mean.item():.4f}")
     report(args.json, dist.get_rank(), net.parameters(), loss=mean.item(),
            switch_results=switch_results())
+    dist.barrier()  # leave together: a rank that tears gloo down early can abort its peer
     dist.destroy_process_group()
 
 

@@ -48,6 +48,7 @@ def main():
     if rank == 0:
         print(f"fsdp2 ({args.backend}): mean loss {losses[-1]:.4f}")
     report(args.json, rank, full, loss=losses[-1], switch_results=switch_results())
+    dist.barrier()  # leave together: a rank that tears gloo down early can abort its peer
     dist.destroy_process_group()
 
 

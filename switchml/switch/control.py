@@ -51,6 +51,8 @@ LIMIT_SLOTS = "slots"
 RECENT_SESSIONS_KEPT = 4096
 #: Longest job name and abort reason kept, in characters.
 MAX_NAME = 200
+#: Smallest MTU a worker may report: IPv4's minimum.
+MIN_MTU = 68
 
 
 class BadRequest(ValueError):
@@ -66,8 +68,11 @@ class JobEntry:
     addrs: dict = field(default_factory=dict)     # rank -> data address
     left: set = field(default_factory=set)
     rcvbufs: dict = field(default_factory=dict)   # rank -> its data socket's receive buffer
+    mtus: dict = field(default_factory=dict)      # rank -> MTU of its route to the switch
     patient: set = field(default_factory=set)     # ranks that asked to wait for room
     session: int = 0                              # 0 until admitted
+    packet_elements: int = 0                      # packet geometry, fixed once every rank joined
+    block_elements: int = 0
     slot_count: int = 0                           # the window, fixed once every rank joined
     waiting: bool = False                         # complete, queued for room
 
@@ -86,11 +91,15 @@ class Controller:
     """Admits workers to jobs and installs/removes them in the pipeline."""
 
     def __init__(self, pipeline: Pipeline, *, data_port: int, slots_per_job: int = 32,
-                 max_jobs: int = DEFAULT_MAX_JOBS, stats=None, rcvbuf: int | None = None):
+                 max_jobs: int = DEFAULT_MAX_JOBS, stats=None, rcvbuf: int | None = None,
+                 route_mtu=None):
         if max_jobs < 1:
             raise ValueError(f"max_jobs must be at least 1, got {max_jobs}")
         self.pipeline = pipeline
         self.rcvbuf = rcvbuf
+        #: address -> MTU of the switch's route to it (the server asks the kernel);
+        #: None: the workers' own figures alone size a job's packets.
+        self.route_mtu = route_mtu
         self._stats = stats or pipeline.stats
         self.data_port = data_port
         self.slots_per_job = slots_per_job
@@ -130,6 +139,7 @@ class Controller:
         if not job.session:
             job.addrs.pop(rank, None)
             job.rcvbufs.pop(rank, None)
+            job.mtus.pop(rank, None)
             job.patient.discard(rank)
             if job.waiting:
                 job.waiting = False
@@ -186,6 +196,7 @@ class Controller:
             request = _integer(msg, "slots", 1, 2**31, None) if msg.get("slots") is not None \
                 else self.slots_per_job
             rcvbuf = _integer(msg, "rcvbuf", 0, 2**62, 0) if msg.get("rcvbuf") is not None else 0
+            mtu = _integer(msg, "mtu", MIN_MTU, 1 << 20) if msg.get("mtu") is not None else None
         except BadRequest as exc:
             return self._refuse(conn, "bad_request", str(exc))
         if world > MAX_WORKERS:
@@ -216,14 +227,32 @@ class Controller:
         job.addrs[rank] = addr
         if rcvbuf > 0:
             job.rcvbufs[rank] = rcvbuf
+        if mtu is not None:
+            job.mtus[rank] = mtu
         if msg.get("wait") is True:
             job.patient.add(rank)
         self._conn_job[conn] = (name, rank)
         log.info("job %s: rank %d/%d joined from %s:%d", name, rank, world, *addr)
         if len(job.conns) < world:
             return self._announce_present(job)
+        job.packet_elements, job.block_elements = self._geometry(job)
         job.slot_count = min(job.slot_request, self.pipeline.slots, self._window_limit(job))
         return self._admit_or_refuse(job)
+
+    def _geometry(self, job: JobEntry) -> tuple[int, int]:
+        """The job's (packet_elements, block_elements): the largest packet that fits one
+        frame on every rank's path, both ways, within the switch's limit."""
+        p = self.pipeline
+        mtus = list(job.mtus.values())
+        if self.route_mtu is not None:
+            for addr in job.addrs.values():
+                try:
+                    mtus.append(self.route_mtu(addr))
+                except OSError as exc:  # no route back: the worker's own figure stands
+                    log.warning("job %s: no MTU for the route to %s: %s", job.name, addr, exc)
+        if not mtus:  # workers that did not say (older clients): the switch's packets
+            return p.packet_elements, p.block_elements
+        return wire.frame_geometry(min(mtus), p.packet_elements, p.block_elements)
 
     def _announce_present(self, job: JobEntry) -> list:
         present = sorted(job.conns)
@@ -276,14 +305,16 @@ class Controller:
         while session == 0 or session in self.pipeline.jobs or session in self._recent:
             session = secrets.randbits(32)
         members = [job.addrs[r] for r in range(job.world_size)]
-        self.pipeline.install_job(job.name, session, members, base, job.slot_count)
+        self.pipeline.install_job(job.name, session, members, base, job.slot_count,
+                                  packet_elements=job.packet_elements,
+                                  block_elements=job.block_elements)
         job.session = session
         self.pipeline.counters["jobs_started"] += 1
         log.info("job %s started: session %08x, %d ranks, slots %d..%d", job.name, session,
                  job.world_size, base, base + job.slot_count - 1)
         ready = {"event": "ready", "session": session, "slot_base": base,
-                 "slot_count": job.slot_count, "packet_elements": self.pipeline.packet_elements,
-                 "block_elements": self.pipeline.block_elements, "data_port": self.data_port}
+                 "slot_count": job.slot_count, "packet_elements": job.packet_elements,
+                 "block_elements": job.block_elements, "data_port": self.data_port}
         return [(c, ready) for c in job.conns.values()]
 
     def _admit_waiting(self) -> list:
@@ -299,7 +330,7 @@ class Controller:
 
     def _window_limit(self, job: JobEntry) -> int:
         """Most slots whose bursts fit the receive buffers: beyond that, bursts drop."""
-        size = wire.packet_size(self.pipeline.lanes, self.pipeline.packet_elements)
+        size = wire.packet_size(job.packet_elements // job.block_elements, job.packet_elements)
         limits = [datagrams_that_fit(b, size) for b in job.rcvbufs.values()]
         if self.rcvbuf:
             limits.append(datagrams_that_fit(self.rcvbuf, size) // job.world_size)

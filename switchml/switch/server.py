@@ -23,7 +23,7 @@ from collections import Counter
 from ..config import (DEFAULT_KEEPALIVE, DEFAULT_MAX_JOBS, DEFAULT_PACKET_ELEMENTS, DEFAULT_SLOTS,
                       DEFAULT_SLOTS_PER_JOB)
 from ..netutil import (LineReader, check_keepalive, enable_keepalive, encode_line,
-                       enlarge_buffers)
+                       enlarge_buffers, forbid_fragmentation, route_mtu)
 from .control import Controller
 from .pipeline import Pipeline
 
@@ -119,7 +119,8 @@ class Switch:
                                      slots_per_job=self._slots_per_job, max_jobs=self._max_jobs,
                                      stats=self.stats,
                                      rcvbuf=self._udp.getsockopt(socket.SOL_SOCKET,
-                                                                 socket.SO_RCVBUF))
+                                                                 socket.SO_RCVBUF),
+                                     route_mtu=route_mtu)
         if self._metrics_port is not None:
             from .metrics import serve_metrics
             try:
@@ -363,5 +364,6 @@ def _bind_pair(host: str, port: int, attempts: int = 50):
         tcp.listen(128)
         udp.setblocking(False)
         enlarge_buffers(udp)
+        forbid_fragmentation(udp)
         return tcp, udp
     raise OSError(f"could not bind TCP and UDP to one port on {host}: {last}")

@@ -178,7 +178,9 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
             if (len(tensors) == 1 and tensors[0].layout == torch.strided
                     and not tensors[0].is_contiguous()):
                 return self._gloo_on_a_copy(tensors, opts)
-            return self._gloo.allreduce(tensors, opts)
+            # detached views share the storage: gloo's in-place AVG would refuse a
+            # requires_grad leaf, which a sum through the switch takes
+            return self._gloo.allreduce([t.detach() for t in tensors], opts)
         t = tensors[0]
         staged = _to_host(t)
         array = _as_array(staged)

@@ -23,7 +23,8 @@ from ..config import (DEFAULT_KEEPALIVE, DEFAULT_SPARSE_AUTO_EVERY, DEFAULT_SPAR
                       DEFAULT_TIMEOUT, env, parse_address)
 from ..errors import (JoinRefusedError, LimitExceededError, SwitchMLError,
                       SwitchMLTimeoutError, SwitchUnreachableError)
-from ..netutil import LineReader, enable_keepalive, encode_line, enlarge_buffers
+from ..netutil import (LineReader, enable_keepalive, encode_line, enlarge_buffers,
+                       forbid_fragmentation, route_mtu)
 from .engine import SUPPORTED_DTYPES, Session
 from .sparse import nonzero_blocks
 
@@ -182,14 +183,18 @@ class Worker:
             udp.connect((host, port))
             local_ip = udp.getsockname()[0]
             udp.close()
+            # Packets are sized to one frame of this route (the switch takes the
+            # least over the job's ranks); SWITCHML_MTU overrides what the kernel says.
+            mtu = env("MTU", None, int) or route_mtu((host, port))
             udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             udp.bind((local_ip, 0))
             rcvbuf = enlarge_buffers(udp)
+            forbid_fragmentation(udp)
             udp.setblocking(False)
             control.sendall(encode_line({
                 "op": "join", "version": 1, "job": self.job, "rank": self.rank,
                 "world_size": self.world_size, "data_addr": list(udp.getsockname()),
-                "slots": slots, "rcvbuf": rcvbuf, "wait": self.wait_for_slots > 0}))
+                "slots": slots, "rcvbuf": rcvbuf, "mtu": mtu, "wait": self.wait_for_slots > 0}))
             ready = self._await_ready(control, where)
         except BaseException:
             control.close()

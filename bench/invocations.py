@@ -1,0 +1,106 @@
+"""Run one ``switchml bench`` several times and report the median of the invocations.
+
+    python bench/invocations.py --runs 3 --out bench/results/aim-mtu9000 -- \\
+        --testbed --link 1gbit --mtu 9000 --workers 4 --sizes 64 --densities 0.1
+
+A figure in the docs is the median over separate invocations (new processes, a
+new switch, a new testbed each time), not over repeats inside one run, which
+share their warm state.  For every row (system, workers, size, density) it
+prints the median of the runs' medians, the spread across runs, the speedup over
+gloo computed from those medians, and the share of the link bound reached (for
+gloo its ring bound: a comparison is fair only when gloo reaches at least 90%
+of it).  Writes summary.json beside the runs' own folders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def key(row) -> tuple:
+    return row["system"], row["workers"], row["size_bytes"], row["density"]
+
+
+def summarize_runs(runs: list) -> list:
+    """One row per (system, workers, size, density): medians over the runs."""
+    grouped: dict = {}
+    for rows in runs:
+        for row in rows:
+            grouped.setdefault(key(row), []).append(row)
+    out = []
+    for (system, workers, size, density), rows in grouped.items():
+        times = [r["median_s"] for r in rows]
+        median = statistics.median(times)
+        bound = rows[0].get("bound_s")
+        out.append({"system": system, "workers": workers, "size_mib": size / 2**20,
+                    "density": density, "runs": len(rows), "median_s": median,
+                    "run_medians_s": times, "of_bound": bound / median if bound else None,
+                    "retransmissions_per_worker": statistics.median(
+                        [r["retransmissions_per_worker"] or 0 for r in rows]),
+                    "checked": all(r["checked"] is not False for r in rows),
+                    "ranks_bit_identical": all(r["ranks_bit_identical"] for r in rows)})
+    gloo = {(r["workers"], r["size_mib"]): r["median_s"] for r in out if r["system"] == "gloo"}
+    for r in out:
+        g = gloo.get((r["workers"], r["size_mib"]))
+        r["speedup_over_gloo"] = g / r["median_s"] if g and r["system"] != "gloo" else None
+    return sorted(out, key=lambda r: (r["workers"], r["size_mib"], r["system"],
+                                      r["density"] or 0))
+
+
+def format_summary(rows: list) -> str:
+    lines = [f"{'n':>3} {'MiB':>6} {'system':>16} {'density':>7} {'median s':>9} "
+             f"{'runs (s)':>26} {'of bound':>8} {'vs gloo':>8} {'retx':>6} check"]
+    for r in rows:
+        runs = " ".join(f"{t:.3f}" for t in r["run_medians_s"])
+        lines.append(
+            f"{r['workers']:>3} {r['size_mib']:>6g} {r['system']:>16} "
+            f"{'-' if r['density'] is None else format(r['density'], 'g'):>7} "
+            f"{r['median_s']:>9.4f} {runs:>26} "
+            f"{'-' if r['of_bound'] is None else format(r['of_bound'], '.0%'):>8} "
+            f"{'-' if r['speedup_over_gloo'] is None else format(r['speedup_over_gloo'], '.2f') + 'x':>8} "
+            f"{r['retransmissions_per_worker']:>6.1f} "
+            f"{'ok' if r['checked'] and r['ranks_bit_identical'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=3, help="invocations (default 3)")
+    parser.add_argument("--out", required=True, help="folder for the runs and summary.json")
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER,
+                        help="-- then the arguments of `switchml bench`")
+    args = parser.parse_args(argv)
+    bench_args = [a for a in args.bench_args if a != "--"]
+    os.makedirs(args.out, exist_ok=True)
+    runs = []
+    for i in range(args.runs):
+        folder = os.path.join(args.out, f"run{i + 1}")
+        command = [sys.executable, "-m", "switchml.cli", "bench", *bench_args,
+                   "--out", folder, "--no-plots"]
+        print(f"run {i + 1}/{args.runs}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
+        started = time.monotonic()
+        done = subprocess.run(command, cwd=ROOT)
+        if done.returncode != 0:
+            print(f"run {i + 1} failed (exit {done.returncode})", file=sys.stderr)
+            return done.returncode
+        with open(os.path.join(folder, "results.json")) as f:
+            runs.append(json.load(f)["rows"])
+        print(f"run {i + 1} took {time.monotonic() - started:.0f} s", file=sys.stderr)
+    rows = summarize_runs(runs)
+    print(format_summary(rows))
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump({"command": "python bench/invocations.py " + " ".join(sys.argv[1:]),
+                   "bench_args": bench_args, "rows": rows}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
