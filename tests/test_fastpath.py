@@ -353,3 +353,44 @@ def test_drain_sends_a_result_before_its_row_changes():
         assert wire.values(reply, h.lanes, h.count).tolist() == [3] * 4
     for s in workers + [switch]:
         s.close()
+
+
+# ---------------------------------------------------------------- the switch
+def test_switch_runs_its_data_plane_in_c_and_counts_it():
+    import switchml
+    from switchml.switch import server
+
+    from conftest import run_ranks
+    world, size = 3, 5000
+    rng = np.random.default_rng(4)
+    arrays = [rng.integers(-1000, 1000, size).astype(np.int32) for _ in range(world)]
+    for a in arrays:
+        a[1024:4096] = 0
+    with switchml.Switch(packet_elements=1024, slots=16, slots_per_job=4,
+                         fastpath=True) as sw:
+        assert isinstance(sw.pipeline, FastPipeline)
+        assert sw._udp.getsockopt(socket.IPPROTO_IP, server.IP_MTU_DISCOVER) == \
+            server.IP_PMTUDISC_DO
+
+        def rank(r):
+            with switchml.Worker(sw.address, r, world, job="c") as w:
+                return [w.allreduce(arrays[r]), w.allreduce(arrays[r], sparse=True)]
+        for dense, sparse in run_ranks(world, rank):
+            assert dense.tolist() == sparse.tolist() == sum(arrays).tolist()
+        stats = sw.stats()
+    assert stats["data_plane"] == "c"
+    counters = stats["ended_jobs"]["c"]["counters"]
+    assert counters["packets_in"] >= world * 5 and counters["results_completed"] >= 5
+    assert counters["sparse_blocks_in"] > 0 and counters["sparse_blocks_skipped"] > 0
+    assert stats["totals"]["results_out"] == counters["results_out"]
+
+
+def test_pure_python_switch_on_request(monkeypatch):
+    import switchml
+    monkeypatch.setenv("SWITCHML_PURE_PYTHON", "1")
+    with switchml.Switch(slots=4) as sw:
+        assert not sw.fastpath and type(sw.pipeline) is Pipeline
+        assert sw.stats()["data_plane"] == "python"
+    monkeypatch.delenv("SWITCHML_PURE_PYTHON")
+    with switchml.Switch(slots=4) as sw:
+        assert sw.fastpath and type(sw.pipeline) is FastPipeline
