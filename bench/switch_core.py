@@ -125,13 +125,16 @@ def _sender(ranks, world, switch_addr, slots, packet_elements, block, conn):
 
 
 # ---------------------------------------------------------------- one measurement
-def measure(fastpath: bool, mtu: int, workers: int, senders: int, slots: int, block: int,
+def measure(path: str, mtu: int, workers: int, senders: int, slots: int, block: int,
             seconds: float, warmup: float) -> dict:
+    """One row: ``path`` is "python", "c" (with UDP GSO for the results) or "c-nogso"."""
+    fastpath = path != "python"
     packet_elements = packet_elements_for(mtu, block)
     lanes = packet_elements // block
     size = wire.packet_size(lanes, packet_elements)
     ctx = multiprocessing.get_context("spawn")
     with Switch(slots=slots, fastpath=fastpath) as sw:
+        sw.udp_gso = path == "c"
         groups = [list(range(workers))[i::senders] for i in range(senders)]
         pipes, procs, addrs = [], [], [None] * workers
         for ranks in groups:
@@ -163,7 +166,7 @@ def measure(fastpath: bool, mtu: int, workers: int, senders: int, slots: int, bl
         return after["totals"].get(key, 0) - before["totals"].get(key, 0)
     packets = delta("packets_in")
     return {
-        "data_plane": "c" if fastpath else "python", "mtu": mtu, "workers": workers,
+        "data_plane": path, "mtu": mtu, "workers": workers,
         "senders": senders, "slots": slots, "packet_elements": packet_elements,
         "block_elements": block, "packet_bytes": size, "wall_s": wall, "switch_cpu_s": cpu,
         "switch_cpu_share": cpu / wall if wall else 0.0,
@@ -181,7 +184,8 @@ def measure(fastpath: bool, mtu: int, workers: int, senders: int, slots: int, bl
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mtu", type=int, nargs="+", default=[1500, 9000])
-    parser.add_argument("--paths", nargs="+", choices=["python", "c"], default=["python", "c"])
+    parser.add_argument("--paths", nargs="+", choices=["python", "c", "c-nogso"],
+                        default=["python", "c", "c-nogso"])
     parser.add_argument("--workers", type=int, default=4, help="ranks of the job")
     parser.add_argument("--senders", type=int, default=1, help="sender processes")
     parser.add_argument("--slots", type=int, default=64, help="the job's window")
@@ -193,12 +197,12 @@ def main(argv=None) -> list[dict]:
     rows = []
     for mtu in args.mtu:
         for path in args.paths:
-            rows.append(measure(path == "c", mtu, args.workers, min(args.senders, args.workers),
+            rows.append(measure(path, mtu, args.workers, min(args.senders, args.workers),
                                 args.slots, args.block, args.seconds, args.warmup))
-    print(f"{'plane':>6} {'MTU':>5} {'bytes':>6} {'pkts/core-s':>12} {'Gbit/core-s':>12} "
+    print(f"{'plane':>7} {'MTU':>5} {'bytes':>6} {'pkts/core-s':>12} {'Gbit/core-s':>12} "
           f"{'pkts/s':>10} {'Gbit/s':>8} {'cpu':>5} {'drops':>8}")
     for r in rows:
-        print(f"{r['data_plane']:>6} {r['mtu']:>5} {r['packet_bytes']:>6} "
+        print(f"{r['data_plane']:>7} {r['mtu']:>5} {r['packet_bytes']:>6} "
               f"{r['packets_per_core_s']:>12,.0f} {r['gbit_per_core_s']:>12.2f} "
               f"{r['packets_per_wall_s']:>10,.0f} {r['gbit_per_wall_s']:>8.2f} "
               f"{r['switch_cpu_share']:>5.0%} {sum(r['dropped'].values()):>8}")

@@ -293,7 +293,8 @@ def _udp(host="127.0.0.1"):
     return s
 
 
-def test_drain_gives_the_reference_replies_over_real_sockets():
+@pytest.mark.parametrize("gso", [True, False])
+def test_drain_gives_the_reference_replies_over_real_sockets(gso):
     switch = _udp()
     switch.setblocking(False)
     workers = [_udp() for _ in range(3)]
@@ -320,9 +321,10 @@ def test_drain_gives_the_reference_replies_over_real_sockets():
         workers[r].sendto(data, switch.getsockname())
     received, replies = 0, 0
     while received < len(sent):
-        got, out = fast.drain(switch.fileno(), 1000)
+        got, out = fast.drain(switch.fileno(), 1000, gso)
         received, replies = received + got, replies + out
     assert replies == sum(len(v) for v in expected.values())
+    assert not fast.gso_refused  # Linux takes UDP GSO since 4.18
     for w, a in zip(workers, addrs):
         assert [w.recv(65536) for _ in expected[a]] == expected[a]
     assert fast.stats()["totals"] == ref.stats()["totals"]

@@ -9,11 +9,13 @@
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
 #include <string.h>
+#include <stdlib.h>
 #include <sys/socket.h>
 
 #include "fastpath.h"
@@ -28,6 +30,16 @@
 #define MAX_RECV_ERRORS 16
 /* Address keys with this bit are not IPv4 addresses (set by FastPipeline). */
 #define KEY_NOT_IPV4 ((uint64_t)1 << 48)
+/* UDP GSO: at most this many segments, of at most this many bytes in all, a send. */
+#define GSO_MAX_SEGMENTS 64
+#define GSO_MAX_BYTES 65000
+#ifndef SOL_UDP
+#define SOL_UDP 17
+#endif
+#ifndef UDP_SEGMENT
+#define UDP_SEGMENT 103
+#endif
+#define CONTROL_SIZE 32 /* >= CMSG_SPACE(sizeof(uint16_t)) */
 
 typedef struct {
     PyObject_HEAD
@@ -43,8 +55,14 @@ typedef struct {
     struct mmsghdr *send_msgs;
     struct iovec *send_iov;
     struct sockaddr_in *send_addrs;
+    uint64_t (*order)[2];       /* (destination key, queue index) */
+    uint32_t *msg_first;        /* per message: its first item in order */
+    uint32_t *msg_segments;     /* per message: datagrams in it */
+    uint8_t (*control)[CONTROL_SIZE];
     uint32_t queued;
     int fd;
+    int gso;         /* this drain call may send GSO messages */
+    int gso_refused; /* the kernel refused one: never again */
     uint64_t sent;
 } CoreObject;
 
@@ -87,8 +105,13 @@ static int Core_init(CoreObject *self, PyObject *args, PyObject *kwds)
     self->send_msgs = PyMem_RawCalloc(SEND_QUEUE, sizeof(struct mmsghdr));
     self->send_iov = PyMem_RawCalloc(SEND_QUEUE, sizeof(struct iovec));
     self->send_addrs = PyMem_RawCalloc(SEND_QUEUE, sizeof(struct sockaddr_in));
+    self->order = PyMem_RawCalloc(SEND_QUEUE, sizeof *self->order);
+    self->msg_first = PyMem_RawCalloc(SEND_QUEUE, sizeof *self->msg_first);
+    self->msg_segments = PyMem_RawCalloc(SEND_QUEUE, sizeof *self->msg_segments);
+    self->control = PyMem_RawCalloc(SEND_QUEUE, sizeof *self->control);
     if (!self->recv_buffers || !self->recv_msgs || !self->recv_iov || !self->recv_addrs ||
-        !self->send_queue || !self->send_msgs || !self->send_iov || !self->send_addrs) {
+        !self->send_queue || !self->send_msgs || !self->send_iov || !self->send_addrs ||
+        !self->order || !self->msg_first || !self->msg_segments || !self->control) {
         PyErr_NoMemory();
         return -1;
     }
@@ -106,6 +129,10 @@ static void Core_dealloc(CoreObject *self)
     PyMem_RawFree(self->send_msgs);
     PyMem_RawFree(self->send_iov);
     PyMem_RawFree(self->send_addrs);
+    PyMem_RawFree(self->order);
+    PyMem_RawFree(self->msg_first);
+    PyMem_RawFree(self->msg_segments);
+    PyMem_RawFree(self->control);
     if (self->has_rows)
         PyBuffer_Release(&self->rows);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -277,11 +304,69 @@ static PyObject *Core_receive(CoreObject *self, PyObject *args)
 }
 
 /* ------------------------------------------------------------ the socket loop */
-/* Send every queued result (sendmmsg), then let the rows change again. */
+/* Results to one destination of the same size leave in one sendmsg as UDP GSO
+ * segments (the kernel cuts them into datagrams): one pass through the stack for
+ * up to GSO_MAX_SEGMENTS datagrams instead of one each. */
+static int sort_by_destination(const void *a, const void *b)
+{
+    const uint64_t *x = a, *y = b; /* (key, queue index): stable by destination */
+    return x[0] != y[0] ? (x[0] < y[0] ? -1 : 1) : (x[1] < y[1] ? -1 : x[1] > y[1]);
+}
+
+/* Build sendmmsg messages from the sorted items [from, n): consecutive datagrams
+ * to one destination, all of one size but the last (which may be smaller), form
+ * one message when GSO is on.  Returns the number of messages. */
+static uint32_t build_messages(CoreObject *self, uint32_t from, uint32_t n)
+{
+    uint32_t m = 0, i = from;
+    while (i < n) {
+        fp_out *first = &self->send_queue[self->order[i][1]];
+        uint64_t key = self->order[i][0];
+        uint32_t segs = 0, bytes = 0, seg_len = first->len;
+        struct sockaddr_in *sa = &self->send_addrs[m];
+        struct msghdr *h = &self->send_msgs[m].msg_hdr;
+        memset(h, 0, sizeof *h);
+        sa->sin_family = AF_INET;
+        sa->sin_addr.s_addr = htonl((uint32_t)(key >> 16));
+        sa->sin_port = htons((uint16_t)key);
+        h->msg_name = sa;
+        h->msg_namelen = sizeof *sa;
+        h->msg_iov = &self->send_iov[i];
+        self->msg_first[m] = i;
+        do {
+            fp_out *o = &self->send_queue[self->order[i][1]];
+            self->send_iov[i].iov_base = (void *)o->data;
+            self->send_iov[i].iov_len = o->len;
+            segs++;
+            bytes += o->len;
+            i++;
+            if (o->len < seg_len)
+                break; /* a shorter segment ends a GSO message */
+        } while (self->gso && i < n && self->order[i][0] == key && segs < GSO_MAX_SEGMENTS &&
+                 self->send_queue[self->order[i][1]].len <= seg_len &&
+                 bytes + self->send_queue[self->order[i][1]].len <= GSO_MAX_BYTES);
+        h->msg_iovlen = segs;
+        self->msg_segments[m] = segs;
+        if (segs > 1) {
+            struct cmsghdr *cm = (struct cmsghdr *)self->control[m];
+            uint16_t size = (uint16_t)seg_len;
+            h->msg_control = cm;
+            h->msg_controllen = CMSG_SPACE(sizeof size);
+            cm->cmsg_level = SOL_UDP;
+            cm->cmsg_type = UDP_SEGMENT;
+            cm->cmsg_len = CMSG_LEN(sizeof size);
+            memcpy(CMSG_DATA(cm), &size, sizeof size);
+        }
+        m++;
+    }
+    return m;
+}
+
+/* Send every queued result, then let the rows change again. */
 static void flush_queue(fp_core *core, void *ctx)
 {
     CoreObject *self = ctx;
-    uint32_t i, n = 0, done = 0;
+    uint32_t i, n = 0, from = 0;
     for (i = 0; i < self->queued; i++) {
         fp_out *o = &self->send_queue[i];
         uint64_t key = core->jobs[o->job].members[o->rank];
@@ -289,31 +374,36 @@ static void flush_queue(fp_core *core, void *ctx)
             fp_count(&core->counters, C_SEND_ERRORS, 1);
             continue;
         }
-        struct sockaddr_in *sa = &self->send_addrs[n];
-        sa->sin_family = AF_INET;
-        sa->sin_addr.s_addr = htonl((uint32_t)(key >> 16));
-        sa->sin_port = htons((uint16_t)key);
-        self->send_iov[n].iov_base = (void *)o->data;
-        self->send_iov[n].iov_len = o->len;
-        struct msghdr *h = &self->send_msgs[n].msg_hdr;
-        h->msg_name = sa;
-        h->msg_namelen = sizeof *sa;
-        h->msg_iov = &self->send_iov[n];
-        h->msg_iovlen = 1;
+        self->order[n][0] = key;
+        self->order[n][1] = i;
         n++;
     }
-    while (done < n) {
-        int sent = sendmmsg(self->fd, self->send_msgs + done, n - done, MSG_DONTWAIT);
-        if (sent < 0) {
+    if (self->gso)
+        qsort(self->order, n, sizeof self->order[0], sort_by_destination);
+    while (from < n) {
+        uint32_t count = build_messages(self, from, n), done = 0;
+        from = n;
+        while (done < count) {
+            int sent = sendmmsg(self->fd, self->send_msgs + done, count - done, MSG_DONTWAIT);
+            if (sent >= 0) {
+                for (i = done; i < done + (uint32_t)sent; i++)
+                    self->sent += self->msg_segments[i];
+                done += (uint32_t)sent;
+                continue;
+            }
             if (errno == EINTR)
                 continue;
-            /* this datagram is lost (a full socket buffer, say), as sendto would be */
-            fp_count(&core->counters, C_SEND_ERRORS, 1);
+            if (self->msg_segments[done] > 1 && (errno == EIO || errno == EINVAL ||
+                                                 errno == ENOPROTOOPT || errno == EOPNOTSUPP)) {
+                self->gso = 0; /* no GSO here: the rest one datagram each */
+                self->gso_refused = 1;
+                from = self->msg_first[done];
+                break;
+            }
+            /* lost (a full socket buffer, say), as with sendto */
+            fp_count(&core->counters, C_SEND_ERRORS, self->msg_segments[done]);
             done++;
-            continue;
         }
-        done += (uint32_t)sent;
-        self->sent += (uint32_t)sent;
     }
     self->queued = 0;
     core->epoch++; /* no row holds a datagram waiting to be sent */
@@ -370,15 +460,17 @@ static uint32_t drain(CoreObject *self, uint32_t limit)
     return received;
 }
 
-/* drain(fd, limit) -> (received, sent): handle up to `limit` datagrams waiting on
- * the UDP socket `fd`, without the GIL. */
+/* drain(fd, limit, gso=True) -> (received, sent): handle up to `limit` datagrams
+ * waiting on the UDP socket `fd`, without the GIL; results to one destination
+ * leave as UDP GSO segments when `gso` (and the kernel takes them). */
 static PyObject *Core_drain(CoreObject *self, PyObject *args)
 {
-    int fd;
+    int fd, gso = 1;
     unsigned int limit;
     uint32_t received;
-    if (!PyArg_ParseTuple(args, "iI", &fd, &limit) || check_idle(self) < 0)
+    if (!PyArg_ParseTuple(args, "iI|p", &fd, &limit, &gso) || check_idle(self) < 0)
         return NULL;
+    self->gso = gso && !self->gso_refused;
     self->busy = 1;
     self->fd = fd;
     self->sent = 0;
@@ -429,6 +521,12 @@ static PyMethodDef Core_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyMemberDef Core_members[] = {
+    {"gso_refused", T_INT, offsetof(CoreObject, gso_refused), READONLY,
+     "true once the kernel refused a UDP GSO send (then results go one per datagram)"},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyTypeObject CoreType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "switchml.switch._fastpath.Core",
@@ -437,6 +535,7 @@ static PyTypeObject CoreType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Core(rows, slots, row_size, member_limit): the switch's data plane in C",
     .tp_methods = Core_methods,
+    .tp_members = Core_members,
     .tp_init = (initproc)Core_init,
     .tp_new = PyType_GenericNew,
 };

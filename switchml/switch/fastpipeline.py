@@ -131,7 +131,14 @@ class FastPipeline(Pipeline):
         rows = self._row_bytes
         return [(rows[offset: offset + length], members[rank]) for offset, length, rank in out]
 
-    def drain(self, fd: int, limit: int) -> tuple[int, int]:
+    def drain(self, fd: int, limit: int, gso: bool = True) -> tuple[int, int]:
         """Handle up to ``limit`` datagrams waiting on the UDP socket ``fd`` (recvmmsg,
-        the pipeline, sendmmsg), with the GIL released; (received, sent)."""
-        return self._core.drain(fd, limit)
+        the pipeline, sendmmsg), with the GIL released; (received, sent).
+
+        With ``gso``, results to one destination of one size leave in one send as
+        UDP GSO segments, unless the kernel refused that once (``gso_refused``)."""
+        return self._core.drain(fd, limit, gso)
+
+    @property
+    def gso_refused(self) -> bool:
+        return bool(self._core.gso_refused)

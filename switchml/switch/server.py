@@ -77,6 +77,8 @@ class Switch:
 
     #: Seconds between DEBUG summaries of dropped packets; tests shorten it.
     drop_log_interval = DROP_LOG_INTERVAL
+    #: C data plane: results to one worker leave as UDP GSO segments (bench compares).
+    udp_gso = True
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, drop_rate: float = 0.0,
                  slots: int = DEFAULT_SLOTS, packet_elements: int = DEFAULT_PACKET_ELEMENTS,
@@ -276,7 +278,8 @@ class Switch:
         FAST_DRAIN_BATCH datagrams in one call that releases the GIL (control
         changes wait for it under the lock); True when there may be more."""
         try:
-            received, _ = self.pipeline.drain(self._udp.fileno(), FAST_DRAIN_BATCH)
+            received, _ = self.pipeline.drain(self._udp.fileno(), FAST_DRAIN_BATCH,
+                                              self.udp_gso)
         except Exception:  # a bug must not take the switch down
             self.pipeline.counters["internal_errors"] += 1
             log.exception("the C data plane failed")
