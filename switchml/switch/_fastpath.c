@@ -362,6 +362,27 @@ static uint32_t build_messages(CoreObject *self, uint32_t from, uint32_t n)
     return m;
 }
 
+/* Datagrams larger than the path MTU, which the socket's IP_PMTUDISC_DO refuses:
+ * the results of a job whose workers did not ask for frame-sized packets.  They
+ * go out fragmented, one by one, counted (send_fragmented), so that such a job
+ * still works; with frame-sized packets this never runs. */
+static void send_fragmented(CoreObject *self, struct msghdr *h)
+{
+    int dont = IP_PMTUDISC_DONT, do_ = IP_PMTUDISC_DO;
+    size_t i;
+    setsockopt(self->fd, IPPROTO_IP, IP_MTU_DISCOVER, &dont, sizeof dont);
+    for (i = 0; i < h->msg_iovlen; i++) {
+        ssize_t n;
+        do
+            n = sendto(self->fd, h->msg_iov[i].iov_base, h->msg_iov[i].iov_len, MSG_DONTWAIT,
+                       h->msg_name, h->msg_namelen);
+        while (n < 0 && errno == EINTR);
+        fp_count(&self->core.counters, n < 0 ? C_SEND_ERRORS : C_SEND_FRAGMENTED, 1);
+        self->sent += n >= 0;
+    }
+    setsockopt(self->fd, IPPROTO_IP, IP_MTU_DISCOVER, &do_, sizeof do_);
+}
+
 /* Send every queued result, then let the rows change again. */
 static void flush_queue(fp_core *core, void *ctx)
 {
@@ -393,12 +414,19 @@ static void flush_queue(fp_core *core, void *ctx)
             }
             if (errno == EINTR)
                 continue;
-            if (self->msg_segments[done] > 1 && (errno == EIO || errno == EINVAL ||
-                                                 errno == ENOPROTOOPT || errno == EOPNOTSUPP)) {
+            if (self->msg_segments[done] > 1 &&
+                (errno == EIO || errno == ENOPROTOOPT || errno == EOPNOTSUPP)) {
                 self->gso = 0; /* no GSO here: the rest one datagram each */
                 self->gso_refused = 1;
                 from = self->msg_first[done];
                 break;
+            }
+            if (errno == EMSGSIZE || (errno == EINVAL && self->msg_segments[done] > 1)) {
+                /* larger than the path MTU (GSO says EINVAL): a job whose packets
+                 * are not frame-sized */
+                send_fragmented(self, &self->send_msgs[done].msg_hdr);
+                done++;
+                continue;
             }
             /* lost (a full socket buffer, say), as with sendto */
             fp_count(&core->counters, C_SEND_ERRORS, self->msg_segments[done]);

@@ -16,6 +16,7 @@ const char *const FP_COUNTER_NAMES[FP_NCOUNTERS] = {
     "dropped_bad_block_count", "dropped_egress_simulated", "sparse_blocks_in",
     "sparse_blocks_skipped", "sparse_bytes_saved", "sparse_blocks_out",
     "dropped_unknown_source", "dropped_ingress_simulated", "socket_errors", "send_errors",
+    "send_fragmented",
 };
 
 /* Received datagrams may start anywhere: read them through these. */
