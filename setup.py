@@ -8,8 +8,9 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[Extension(
     "switchml.switch._fastpath",
-    sources=["switchml/switch/_fastpath.c", "switchml/switch/fastpath_core.c"],
-    depends=["switchml/switch/fastpath.h"],
+    sources=["switchml/switch/_fastpath.c", "switchml/switch/fastpath_core.c",
+             "switchml/switch/fastpath_io.c"],
+    depends=["switchml/switch/fastpath.h", "switchml/switch/fastpath_io.h"],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-declaration-after-statement"],
     optional=True,
 )])

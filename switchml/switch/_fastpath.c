@@ -1,5 +1,5 @@
-/* switchml.switch._fastpath: the C data plane (fastpath_core.c) as a Python type,
- * and the switch's batched UDP loop, which runs without the GIL.
+/* switchml.switch._fastpath: the C data plane (fastpath_core.c) and the switch's
+ * batched UDP loop (fastpath_io.c) as a Python type; the loop runs without the GIL.
  *
  * Core is driven by switch/fastpipeline.py (FastPipeline), which keeps the
  * control plane (jobs, slot allocation, counters by name) in Python and hands
@@ -11,59 +11,16 @@
 #include <Python.h>
 #include <structmember.h>
 
-#include <arpa/inet.h>
-#include <errno.h>
-#include <netinet/in.h>
 #include <string.h>
-#include <stdlib.h>
-#include <sys/socket.h>
 
-#include "fastpath.h"
-
-/* Datagrams taken from the socket per recvmmsg call. */
-#define RECV_BATCH 64
-/* Datagrams queued for one sendmmsg call at most; every result fits beside them. */
-#define SEND_QUEUE (RECV_BATCH * FP_MAX_WORKERS)
-/* An IPv4 UDP datagram is at most 65507 bytes. */
-#define RECV_BUFFER 65536
-/* recvmmsg errors (ICMP errors surfacing, say) tolerated in one drain call. */
-#define MAX_RECV_ERRORS 16
-/* Address keys with this bit are not IPv4 addresses (set by FastPipeline). */
-#define KEY_NOT_IPV4 ((uint64_t)1 << 48)
-/* UDP GSO: at most this many segments, of at most this many bytes in all, a send. */
-#define GSO_MAX_SEGMENTS 64
-#define GSO_MAX_BYTES 65000
-#ifndef SOL_UDP
-#define SOL_UDP 17
-#endif
-#ifndef UDP_SEGMENT
-#define UDP_SEGMENT 103
-#endif
-#define CONTROL_SIZE 32 /* >= CMSG_SPACE(sizeof(uint16_t)) */
+#include "fastpath_io.h"
 
 typedef struct {
     PyObject_HEAD
     fp_core core;
+    fp_io io;
     Py_buffer rows;
     int has_rows, busy;
-    /* the socket loop's buffers, allocated with the core */
-    uint8_t *recv_buffers;
-    struct mmsghdr *recv_msgs;
-    struct iovec *recv_iov;
-    struct sockaddr_in *recv_addrs;
-    fp_out *send_queue;
-    struct mmsghdr *send_msgs;
-    struct iovec *send_iov;
-    struct sockaddr_in *send_addrs;
-    uint64_t (*order)[2];       /* (destination key, queue index) */
-    uint32_t *msg_first;        /* per message: its first item in order */
-    uint32_t *msg_segments;     /* per message: datagrams in it */
-    uint8_t (*control)[CONTROL_SIZE];
-    uint32_t queued;
-    int fd;
-    int gso;         /* this drain call may send GSO messages */
-    int gso_refused; /* the kernel refused one: never again */
-    uint64_t sent;
 } CoreObject;
 
 static int check_idle(CoreObject *self)
@@ -97,21 +54,7 @@ static int Core_init(CoreObject *self, PyObject *args, PyObject *kwds)
         PyErr_NoMemory();
         return -1;
     }
-    self->recv_buffers = PyMem_RawMalloc((size_t)RECV_BATCH * RECV_BUFFER);
-    self->recv_msgs = PyMem_RawCalloc(RECV_BATCH, sizeof(struct mmsghdr));
-    self->recv_iov = PyMem_RawCalloc(RECV_BATCH, sizeof(struct iovec));
-    self->recv_addrs = PyMem_RawCalloc(RECV_BATCH, sizeof(struct sockaddr_in));
-    self->send_queue = PyMem_RawCalloc(SEND_QUEUE, sizeof(fp_out));
-    self->send_msgs = PyMem_RawCalloc(SEND_QUEUE, sizeof(struct mmsghdr));
-    self->send_iov = PyMem_RawCalloc(SEND_QUEUE, sizeof(struct iovec));
-    self->send_addrs = PyMem_RawCalloc(SEND_QUEUE, sizeof(struct sockaddr_in));
-    self->order = PyMem_RawCalloc(SEND_QUEUE, sizeof *self->order);
-    self->msg_first = PyMem_RawCalloc(SEND_QUEUE, sizeof *self->msg_first);
-    self->msg_segments = PyMem_RawCalloc(SEND_QUEUE, sizeof *self->msg_segments);
-    self->control = PyMem_RawCalloc(SEND_QUEUE, sizeof *self->control);
-    if (!self->recv_buffers || !self->recv_msgs || !self->recv_iov || !self->recv_addrs ||
-        !self->send_queue || !self->send_msgs || !self->send_iov || !self->send_addrs ||
-        !self->order || !self->msg_first || !self->msg_segments || !self->control) {
+    if (fp_io_init(&self->io, &self->core) < 0) {
         PyErr_NoMemory();
         return -1;
     }
@@ -121,18 +64,7 @@ static int Core_init(CoreObject *self, PyObject *args, PyObject *kwds)
 static void Core_dealloc(CoreObject *self)
 {
     fp_core_free(&self->core);
-    PyMem_RawFree(self->recv_buffers);
-    PyMem_RawFree(self->recv_msgs);
-    PyMem_RawFree(self->recv_iov);
-    PyMem_RawFree(self->recv_addrs);
-    PyMem_RawFree(self->send_queue);
-    PyMem_RawFree(self->send_msgs);
-    PyMem_RawFree(self->send_iov);
-    PyMem_RawFree(self->send_addrs);
-    PyMem_RawFree(self->order);
-    PyMem_RawFree(self->msg_first);
-    PyMem_RawFree(self->msg_segments);
-    PyMem_RawFree(self->control);
+    fp_io_free(&self->io);
     if (self->has_rows)
         PyBuffer_Release(&self->rows);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -303,191 +235,6 @@ static PyObject *Core_receive(CoreObject *self, PyObject *args)
     return list;
 }
 
-/* ------------------------------------------------------------ the socket loop */
-/* Results to one destination of the same size leave in one sendmsg as UDP GSO
- * segments (the kernel cuts them into datagrams): one pass through the stack for
- * up to GSO_MAX_SEGMENTS datagrams instead of one each. */
-static int sort_by_destination(const void *a, const void *b)
-{
-    const uint64_t *x = a, *y = b; /* (key, queue index): stable by destination */
-    return x[0] != y[0] ? (x[0] < y[0] ? -1 : 1) : (x[1] < y[1] ? -1 : x[1] > y[1]);
-}
-
-/* Build sendmmsg messages from the sorted items [from, n): consecutive datagrams
- * to one destination, all of one size but the last (which may be smaller), form
- * one message when GSO is on.  Returns the number of messages. */
-static uint32_t build_messages(CoreObject *self, uint32_t from, uint32_t n)
-{
-    uint32_t m = 0, i = from;
-    while (i < n) {
-        fp_out *first = &self->send_queue[self->order[i][1]];
-        uint64_t key = self->order[i][0];
-        uint32_t segs = 0, bytes = 0, seg_len = first->len;
-        struct sockaddr_in *sa = &self->send_addrs[m];
-        struct msghdr *h = &self->send_msgs[m].msg_hdr;
-        memset(h, 0, sizeof *h);
-        sa->sin_family = AF_INET;
-        sa->sin_addr.s_addr = htonl((uint32_t)(key >> 16));
-        sa->sin_port = htons((uint16_t)key);
-        h->msg_name = sa;
-        h->msg_namelen = sizeof *sa;
-        h->msg_iov = &self->send_iov[i];
-        self->msg_first[m] = i;
-        do {
-            fp_out *o = &self->send_queue[self->order[i][1]];
-            self->send_iov[i].iov_base = (void *)o->data;
-            self->send_iov[i].iov_len = o->len;
-            segs++;
-            bytes += o->len;
-            i++;
-            if (o->len < seg_len)
-                break; /* a shorter segment ends a GSO message */
-        } while (self->gso && i < n && self->order[i][0] == key && segs < GSO_MAX_SEGMENTS &&
-                 self->send_queue[self->order[i][1]].len <= seg_len &&
-                 bytes + self->send_queue[self->order[i][1]].len <= GSO_MAX_BYTES);
-        h->msg_iovlen = segs;
-        self->msg_segments[m] = segs;
-        if (segs > 1) {
-            struct cmsghdr *cm = (struct cmsghdr *)self->control[m];
-            uint16_t size = (uint16_t)seg_len;
-            h->msg_control = cm;
-            h->msg_controllen = CMSG_SPACE(sizeof size);
-            cm->cmsg_level = SOL_UDP;
-            cm->cmsg_type = UDP_SEGMENT;
-            cm->cmsg_len = CMSG_LEN(sizeof size);
-            memcpy(CMSG_DATA(cm), &size, sizeof size);
-        }
-        m++;
-    }
-    return m;
-}
-
-/* Datagrams larger than the path MTU, which the socket's IP_PMTUDISC_DO refuses:
- * the results of a job whose workers did not ask for frame-sized packets.  They
- * go out fragmented, one by one, counted (send_fragmented), so that such a job
- * still works; with frame-sized packets this never runs. */
-static void send_fragmented(CoreObject *self, struct msghdr *h)
-{
-    int dont = IP_PMTUDISC_DONT, do_ = IP_PMTUDISC_DO;
-    size_t i;
-    setsockopt(self->fd, IPPROTO_IP, IP_MTU_DISCOVER, &dont, sizeof dont);
-    for (i = 0; i < h->msg_iovlen; i++) {
-        ssize_t n;
-        do
-            n = sendto(self->fd, h->msg_iov[i].iov_base, h->msg_iov[i].iov_len, MSG_DONTWAIT,
-                       h->msg_name, h->msg_namelen);
-        while (n < 0 && errno == EINTR);
-        fp_count(&self->core.counters, n < 0 ? C_SEND_ERRORS : C_SEND_FRAGMENTED, 1);
-        self->sent += n >= 0;
-    }
-    setsockopt(self->fd, IPPROTO_IP, IP_MTU_DISCOVER, &do_, sizeof do_);
-}
-
-/* Send every queued result, then let the rows change again. */
-static void flush_queue(fp_core *core, void *ctx)
-{
-    CoreObject *self = ctx;
-    uint32_t i, n = 0, from = 0;
-    for (i = 0; i < self->queued; i++) {
-        fp_out *o = &self->send_queue[i];
-        uint64_t key = core->jobs[o->job].members[o->rank];
-        if (key & KEY_NOT_IPV4) { /* an address no socket can reach */
-            fp_count(&core->counters, C_SEND_ERRORS, 1);
-            continue;
-        }
-        self->order[n][0] = key;
-        self->order[n][1] = i;
-        n++;
-    }
-    if (self->gso)
-        qsort(self->order, n, sizeof self->order[0], sort_by_destination);
-    while (from < n) {
-        uint32_t count = build_messages(self, from, n), done = 0;
-        from = n;
-        while (done < count) {
-            int sent = sendmmsg(self->fd, self->send_msgs + done, count - done, MSG_DONTWAIT);
-            if (sent >= 0) {
-                for (i = done; i < done + (uint32_t)sent; i++)
-                    self->sent += self->msg_segments[i];
-                done += (uint32_t)sent;
-                continue;
-            }
-            if (errno == EINTR)
-                continue;
-            if (self->msg_segments[done] > 1 &&
-                (errno == EIO || errno == ENOPROTOOPT || errno == EOPNOTSUPP)) {
-                self->gso = 0; /* no GSO here: the rest one datagram each */
-                self->gso_refused = 1;
-                from = self->msg_first[done];
-                break;
-            }
-            if (errno == EMSGSIZE || (errno == EINVAL && self->msg_segments[done] > 1)) {
-                /* larger than the path MTU (GSO says EINVAL): a job whose packets
-                 * are not frame-sized */
-                send_fragmented(self, &self->send_msgs[done].msg_hdr);
-                done++;
-                continue;
-            }
-            /* lost (a full socket buffer, say), as with sendto */
-            fp_count(&core->counters, C_SEND_ERRORS, self->msg_segments[done]);
-            done++;
-        }
-    }
-    self->queued = 0;
-    core->epoch++; /* no row holds a datagram waiting to be sent */
-}
-
-static uint32_t drain(CoreObject *self, uint32_t limit)
-{
-    fp_core *core = &self->core;
-    fp_out out[FP_MAX_WORKERS];
-    uint32_t received = 0, errors = 0, i;
-    for (i = 0; i < RECV_BATCH; i++) {
-        self->recv_iov[i].iov_base = self->recv_buffers + (size_t)i * RECV_BUFFER;
-        self->recv_iov[i].iov_len = RECV_BUFFER;
-    }
-    while (received < limit) {
-        uint32_t want = limit - received < RECV_BATCH ? limit - received : RECV_BATCH;
-        for (i = 0; i < want; i++) {
-            struct msghdr *h = &self->recv_msgs[i].msg_hdr;
-            memset(h, 0, sizeof *h);
-            h->msg_name = &self->recv_addrs[i];
-            h->msg_namelen = sizeof self->recv_addrs[i];
-            h->msg_iov = &self->recv_iov[i];
-            h->msg_iovlen = 1;
-        }
-        int got = recvmmsg(self->fd, self->recv_msgs, want, MSG_DONTWAIT, NULL);
-        if (got < 0) {
-            if (errno == EAGAIN || errno == EWOULDBLOCK)
-                break;
-            if (errno != EINTR) { /* e.g. an ICMP error surfacing on Linux */
-                fp_count(&core->counters, C_SOCKET_ERRORS, 1);
-                if (++errors >= MAX_RECV_ERRORS)
-                    break;
-            }
-            continue;
-        }
-        for (i = 0; i < (uint32_t)got; i++) {
-            struct sockaddr_in *sa = &self->recv_addrs[i];
-            uint64_t key = FP_KEY_NONE;
-            if (self->recv_msgs[i].msg_hdr.msg_namelen >= sizeof *sa &&
-                sa->sin_family == AF_INET)
-                key = (uint64_t)ntohl(sa->sin_addr.s_addr) << 16 | ntohs(sa->sin_port);
-            if (self->queued + FP_MAX_WORKERS > SEND_QUEUE)
-                flush_queue(core, self);
-            int n = fp_receive(core, self->recv_iov[i].iov_base, self->recv_msgs[i].msg_len,
-                               key, out);
-            memcpy(self->send_queue + self->queued, out, (size_t)n * sizeof *out);
-            self->queued += (uint32_t)n;
-        }
-        received += (uint32_t)got;
-        flush_queue(core, self);
-        if ((uint32_t)got < want)
-            break; /* the socket is empty */
-    }
-    return received;
-}
-
 /* drain(fd, limit, gso=True) -> (received, sent): handle up to `limit` datagrams
  * waiting on the UDP socket `fd`, without the GIL; results to one destination
  * leave as UDP GSO segments when `gso` (and the kernel takes them). */
@@ -498,19 +245,12 @@ static PyObject *Core_drain(CoreObject *self, PyObject *args)
     uint32_t received;
     if (!PyArg_ParseTuple(args, "iI|p", &fd, &limit, &gso) || check_idle(self) < 0)
         return NULL;
-    self->gso = gso && !self->gso_refused;
     self->busy = 1;
-    self->fd = fd;
-    self->sent = 0;
-    self->queued = 0;
-    self->core.flush = flush_queue;
-    self->core.flush_ctx = self;
     Py_BEGIN_ALLOW_THREADS
-    received = drain(self, limit);
+    received = fp_io_drain(&self->io, fd, limit, gso);
     Py_END_ALLOW_THREADS
-    self->core.flush = NULL;
     self->busy = 0;
-    return Py_BuildValue("(IK)", received, (unsigned long long)self->sent);
+    return Py_BuildValue("(IK)", received, (unsigned long long)self->io.sent);
 }
 
 static PyObject *Core_counter_names(PyObject *cls, PyObject *unused)
@@ -550,7 +290,7 @@ static PyMethodDef Core_methods[] = {
 };
 
 static PyMemberDef Core_members[] = {
-    {"gso_refused", T_INT, offsetof(CoreObject, gso_refused), READONLY,
+    {"gso_refused", T_INT, offsetof(CoreObject, io.gso_refused), READONLY,
      "true once the kernel refused a UDP GSO send (then results go one per datagram)"},
     {NULL, 0, 0, 0, NULL},
 };
@@ -582,8 +322,8 @@ PyMODINIT_FUNC PyInit__fastpath(void)
         return NULL;
     Py_INCREF(&CoreType);
     if (PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0 ||
-        PyModule_AddIntConstant(m, "KEY_NOT_IPV4", (long long)KEY_NOT_IPV4) < 0 ||
-        PyModule_AddIntConstant(m, "RECV_BATCH", RECV_BATCH) < 0) {
+        PyModule_AddIntConstant(m, "KEY_NOT_IPV4", (long long)FP_KEY_NOT_IPV4) < 0 ||
+        PyModule_AddIntConstant(m, "RECV_BATCH", FP_RECV_BATCH) < 0) {
         Py_DECREF(&CoreType);
         Py_DECREF(m);
         return NULL;
