@@ -15,8 +15,10 @@ sending them, as it would for real workers.
 Per switch core means per second of the serving thread's CPU time (``cpu_s`` in
 the switch's stats: user and system, recvmmsg and sendmmsg included), so the
 figures do not depend on how many other processes share the machine; the wall
-clock rates are given too. Contributions that the kernel dropped before the
-switch read them (its buffer full) are not counted: only ``packets_in``.
+clock rates are given too. Only contributions added to a sum count: not those
+the kernel dropped before the switch read them (its buffer full), nor those the
+switch admitted and then dropped as stale, mismatched or duplicate (with several
+senders, ranks' messages interleave and some arrive after their slot moved on).
 """
 
 from __future__ import annotations
@@ -164,13 +166,18 @@ def measure(path: str, mtu: int, workers: int, senders: int, slots: int, block: 
 
     def delta(key):
         return after["totals"].get(key, 0) - before["totals"].get(key, 0)
-    packets = delta("packets_in")
+    # contributions added to a sum: admitted ones less those admitted only to be
+    # dropped (stale, mismatched, duplicate) or answered from the shadow copy, which
+    # several senders' interleaving (or the kernel's drops) can cause
+    packets = delta("packets_in") - sum(delta(k) for k in (
+        "dropped_stale", "dropped_mismatch", "duplicates", "retransmissions_answered"))
     return {
         "data_plane": path, "mtu": mtu, "workers": workers,
         "senders": senders, "slots": slots, "packet_elements": packet_elements,
         "block_elements": block, "packet_bytes": size, "wall_s": wall, "switch_cpu_s": cpu,
         "switch_cpu_share": cpu / wall if wall else 0.0,
-        "packets_in": packets, "results_completed": delta("results_completed"),
+        "packets_in": delta("packets_in"), "contributions_added": packets,
+        "results_completed": delta("results_completed"),
         "results_out": delta("results_out"), "sent_by_senders": sent,
         "dropped": {k: delta(k) for k in after["totals"] if k.startswith("dropped_")
                     and delta(k)},
