@@ -19,9 +19,10 @@
 #define FP_KEY_NOT_IPV4 ((uint64_t)1 << 48)
 #define FP_CONTROL_SIZE 32 /* >= CMSG_SPACE(sizeof(uint16_t)) */
 
-/* The loop's buffers, allocated once with the core. */
+/* The loop's buffers, allocated once with the core, in one block. */
 typedef struct {
     fp_core *core;
+    void *block;
     uint8_t *recv_buffers;
     struct mmsghdr *recv_msgs;
     struct iovec *recv_iov;
