@@ -8,7 +8,8 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
 .PHONY: demo test install bench clean nft
 
-$(STAMP): pyproject.toml
+# the compiled switch core (setup.py) is built by the editable install: a change rebuilds it
+$(STAMP): pyproject.toml setup.py $(wildcard switchml/switch/*.c switchml/switch/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(FIND_LINKS) -e '.[test,bench,torch,examples,metrics,integrations]'
@@ -38,4 +39,4 @@ bench: $(STAMP)
 	$(PY) bench/allreduce.py --workers 2 4 8 --mib 64 --repeats 5 --gloo
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis switchml/switch/*.so

@@ -37,10 +37,12 @@ class Simulation:
     def __init__(self, world_size: int, *, slots: int = 8, packet_elements: int | None = None,
                  faults: Faults | None = None, seed: int = 0, pipeline: Pipeline | None = None,
                  session: int = 0x5EED, slot_base: int | None = None,
-                 progress_timeout: float = 60.0, block_elements: int | None = None):
+                 progress_timeout: float = 60.0, block_elements: int | None = None,
+                 addresses: list | None = None):
         """``packet_elements`` and ``block_elements`` are the job's packet size: with a
         given ``pipeline`` they may be smaller than its own (its defaults when None);
-        without one, the pipeline built here has that size (64 values by default)."""
+        without one, the pipeline built here has that size (64 values by default).
+        ``addresses``: the workers' data addresses, by rank (names by default)."""
         self.faults = faults or Faults()
         self.rng = random.Random(seed)
         if pipeline is None:
@@ -51,7 +53,7 @@ class Simulation:
         self.now = 0.0
         self._order = 0
         self._queue: list = []
-        addrs = [("worker", r) for r in range(world_size)]
+        addrs = addresses or [("worker", r) for r in range(world_size)]
         base = self.pipeline.allocate(slots) if slot_base is None else slot_base
         self.job = self.pipeline.install_job(f"sim-{session}", session, addrs, base, slots,
                                              packet_elements, block_elements)
@@ -86,6 +88,7 @@ class Simulation:
         outs = [np.empty_like(a) for a in arrays]
         ops = [s.allreduce(a, o, self.now, sparse) for s, a, o in zip(self.sessions, arrays, outs)]
         addrs = self.job.members
+        rank_of = {addr: rank for rank, addr in enumerate(addrs)}
         for addr, op in zip(addrs, ops):
             for d in op.datagrams_to_send():
                 self._send(d, addr, SWITCH)
@@ -103,7 +106,7 @@ class Simulation:
                     for out, addr in self.pipeline.receive_datagram(data, src):
                         self._send(out, SWITCH, addr)
                 else:
-                    op = ops[dst[1]]
+                    op = ops[rank_of[dst]]
                     op.receive_datagram(data, self.now)
                     for d in op.datagrams_to_send():
                         self._send(d, dst, SWITCH)

@@ -143,3 +143,19 @@ def test_invocations_take_the_median_of_the_runs_and_gloo_from_the_same():
     assert rows["switchml-dense"]["speedup_over_gloo"] == pytest.approx(1.0 / 0.6)
     assert rows["gloo"]["of_bound"] == pytest.approx(0.75)
     assert "1.67x" in format_summary(list(rows.values()))
+
+
+def test_switch_core_bench_runs_with_tiny_settings(tmp_path):
+    """bench/switch_core.py end to end, both data planes, tiny; no timing is checked."""
+    from switchml.switch import fastpipeline
+    paths = ["python", "c"] if fastpipeline._fastpath is not None else ["python"]
+    out = tmp_path / "core.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "switch_core.py"),
+                    "--mtu", "1500", "--workers", "2", "--slots", "4", "--seconds", "0.3",
+                    "--warmup", "0.1", "--paths", *paths, "--json", str(out)], check=True,
+                   timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["data_plane"] for r in rows] == paths
+    for r in rows:
+        assert r["packet_bytes"] <= 1500 - 28 and r["packets_in"] > 0
+        assert r["results_completed"] > 0 and r["gbit_per_core_s"] > 0

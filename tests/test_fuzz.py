@@ -16,8 +16,14 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import pytest
+
 from switchml import wire
+from switchml.switch import fastpipeline
 from switchml.switch.pipeline import Pipeline
+
+#: Both data planes: the Python reference and the C core (where it is built).
+PIPELINES = [Pipeline] + ([fastpipeline.FastPipeline] if fastpipeline._fastpath else [])
 
 K, BLK = 8, 4  # packet_elements, block_elements: two lanes
 LANES = K // BLK
@@ -45,8 +51,8 @@ def build(slot, session, msg, values, *, dtype=wire.DTYPE_INT32, exps=(0, 0), se
                        np.asarray(values, np.int32), mode=mode)
 
 
-def new_pipeline():
-    p = Pipeline(slots=SLOTS, packet_elements=K, block_elements=BLK)
+def new_pipeline(cls=Pipeline):
+    p = cls(slots=SLOTS, packet_elements=K, block_elements=BLK)
     jobs = {name: p.install_job(name, session, addrs, slots.start, len(slots))
             for name, (session, addrs, slots) in JOBS.items()}
     return p, jobs
@@ -181,11 +187,13 @@ def check_result(replies, key, expected):
     assert wire.lane_table(datagram, h.lanes)["exp"].tolist() == exps
 
 
+@pytest.mark.parametrize("cls", PIPELINES)
 @settings(FUZZ, max_examples=80)
 @given(seed=st.integers(0, 2**32 - 1), messages=st.integers(1, 3),
        bad=st.lists(bad_packet(), min_size=10, max_size=40), data=st.data())
-def test_pipeline_counts_every_bad_packet_and_both_jobs_stay_exact(seed, messages, bad, data):
-    p, jobs = new_pipeline()
+def test_pipeline_counts_every_bad_packet_and_both_jobs_stay_exact(cls, seed, messages, bad,
+                                                                   data):
+    p, jobs = new_pipeline(cls)
     deliveries, expected = valid_schedule(seed, messages)
     positions = sorted(data.draw(st.lists(st.integers(0, len(deliveries)), min_size=len(bad),
                                           max_size=len(bad))))
@@ -219,16 +227,17 @@ def test_pipeline_counts_every_bad_packet_and_both_jobs_stay_exact(seed, message
 PRE_ADMISSION = {"dropped_stale", "dropped_mismatch"}  # these come after admission
 
 
+@pytest.mark.parametrize("cls", PIPELINES)
 @FUZZ
 @given(seed=st.integers(0, 2**32 - 1),
        flips=st.lists(st.tuples(st.integers(0, 1), st.integers(0, 10**6),
                                 st.lists(st.integers(0, 10**6), min_size=1, max_size=3)),
                       max_size=24))
-def test_arbitrary_bit_flips_from_one_job_never_touch_the_other(seed, flips):
+def test_arbitrary_bit_flips_from_one_job_never_touch_the_other(cls, seed, flips):
     """Flips anywhere in job B's packets may yield packets B itself cannot tell from
     real ones (no checksum: UDP's is the network's), but they never reach job A,
     every packet is either admitted or dropped and counted, and nothing raises."""
-    p, jobs = new_pipeline()
+    p, jobs = new_pipeline(cls)
     deliveries, expected = valid_schedule(seed, 2)
     a_traffic = [d for d in deliveries if d[2][0] == "A"]
     b_traffic = [d for d in deliveries if d[2][0] == "B"]

@@ -10,7 +10,18 @@ from hypothesis.extra import numpy as hnp
 
 from switchml import wire
 from switchml.quant import EXP_NONFINITE, EXP_ZERO
+from switchml.switch import fastpipeline, pipeline as pipeline_module
 from switchml.switch.pipeline import Pipeline, SlotPoolExhausted
+
+#: Every test here runs on the Python reference and on the C core (where built).
+DATA_PLANES = [pipeline_module.Pipeline] + (
+    [fastpipeline.FastPipeline] if fastpipeline._fastpath is not None else [])
+
+
+@pytest.fixture(autouse=True, params=DATA_PLANES, ids=lambda cls: cls.__name__)
+def data_plane(request, monkeypatch):
+    monkeypatch.setitem(globals(), "Pipeline", request.param)
+    return request.param
 
 K = 8  # packet_elements of the pipelines built here
 BLK = 4  # block_elements: two lanes (two exponents) per packet

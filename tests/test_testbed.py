@@ -393,3 +393,35 @@ def test_gloo_runs_inside_the_namespaces_over_their_links():
     # ring allreduce of n = 2: each rank sends and receives S through its own link
     assert after["tx_bytes"] - before["tx_bytes"] >= size * 4
     assert after["rx_bytes"] - before["rx_bytes"] >= size * 4
+
+
+@needs_root
+@pytest.mark.parametrize("plane", ["c", "python"])
+def test_results_are_frames_and_only_oversized_ones_are_fragmented(tmp_path, plane):
+    """The switch's socket sets DF (IP_PMTUDISC_DO): results that fit the 1500-byte
+    links leave unfragmented; those of a job whose packets are larger than a frame
+    are sent fragmented and counted (send_fragmented), so the job still works."""
+    size = 20_000
+    env = {"SWITCHML_PURE_PYTHON": "1" if plane == "python" else "0"}
+    with Testbed(hosts=2, link=None, prefix=prefix("m" + plane[0])) as tb:
+        for packet, oversized in ((256, False), (PACKET, True)):  # 1068 and 4176 bytes
+            sw = tb.popen("switch", [sys.executable, "-m", "switchml.cli", "switch", "--host",
+                                     tb.switch_address, "--port", "7300", "--packet-elements",
+                                     str(packet), "--slots", "64", "--log-level", "warning"],
+                          stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+            assert "listening on" in sw.stdout.readline()
+            results, _ = run_workers(tb, 2, size, "int32", tmp_path)
+            stats = json.loads(tb.run("switch", [sys.executable, "-m", "switchml.cli", "stats",
+                                                 "--switch", tb.switch, "--json"],
+                                      capture_output=True, text=True, cwd=ROOT).stdout)
+            sw.terminate()
+            sw.wait(timeout=10)
+            for got in results:
+                assert got.tobytes() == expected(2, size, "int32").tobytes()
+            assert stats["data_plane"] == plane
+            counters = stats["totals"]
+            assert counters["results_out"] > 0 and not counters.get("send_errors")
+            if oversized:
+                assert counters.get("send_fragmented") == counters["results_out"]
+            else:
+                assert not counters.get("send_fragmented")

@@ -16,6 +16,7 @@ import json
 import logging
 import selectors
 import socket
+import sys
 import threading
 import time
 from collections import Counter
@@ -24,6 +25,7 @@ from ..config import (DEFAULT_KEEPALIVE, DEFAULT_MAX_JOBS, DEFAULT_PACKET_ELEMEN
                       DEFAULT_SLOTS_PER_JOB)
 from ..netutil import (LineReader, check_keepalive, enable_keepalive, encode_line,
                        enlarge_buffers, forbid_fragmentation, route_mtu)
+from . import fastpipeline
 from .control import Controller
 from .pipeline import Pipeline
 
@@ -31,6 +33,12 @@ log = logging.getLogger("switchml.switch")
 
 #: Datagrams handled between two looks at the control sockets.
 DRAIN_BATCH = 256
+#: The same for the C data plane, whose datagrams cost a few microseconds each.
+FAST_DRAIN_BATCH = 2048
+#: Linux socket options (the socket module lacks the names): the switch's datagrams
+#: are never fragmented (DF set), except the results of a job whose packets are
+#: larger than the path MTU (see _send_fragmented).
+IP_MTU_DISCOVER, IP_PMTUDISC_DONT, IP_PMTUDISC_DO = 10, 0, 2
 #: Seconds between readings of the serving thread's CPU time (``cpu_s`` in stats).
 CPU_READ_INTERVAL = 0.1
 #: Bytes of unsent control replies after which a connection that does not read is closed.
@@ -63,18 +71,23 @@ class Switch:
     0 picks a free one, see ``metrics_address``; needs the ``metrics`` extra) and
     ``metrics_host`` (defaults to ``host``), ``keepalive`` (seconds within which a
     worker whose host vanished without closing its control connection is noticed
-    and its job failed, as if it had left).
+    and its job failed, as if it had left), ``fastpath`` (run the data plane in C:
+    None, the default, does when the extension is built and SWITCHML_PURE_PYTHON
+    is not 1; False never does; True requires it).
     """
 
     #: Seconds between DEBUG summaries of dropped packets; tests shorten it.
     drop_log_interval = DROP_LOG_INTERVAL
+    #: C data plane: results to one worker leave as UDP GSO segments (bench compares).
+    udp_gso = True
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, drop_rate: float = 0.0,
                  slots: int = DEFAULT_SLOTS, packet_elements: int = DEFAULT_PACKET_ELEMENTS,
                  block_elements: int | None = None, slots_per_job: int = DEFAULT_SLOTS_PER_JOB,
                  max_jobs: int = DEFAULT_MAX_JOBS, egress_drop_rate: float | None = None,
                  seed: int | None = None, metrics_port: int | None = None,
-                 metrics_host: str | None = None, keepalive: float = DEFAULT_KEEPALIVE):
+                 metrics_host: str | None = None, keepalive: float = DEFAULT_KEEPALIVE,
+                 fastpath: bool | None = None):
         if not 0.0 <= drop_rate < 1.0:
             raise ValueError(f"drop_rate must be in [0, 1), got {drop_rate}")
         if slots_per_job < 1:
@@ -85,9 +98,13 @@ class Switch:
         if metrics_port is not None:
             from .metrics import require_prometheus_client
             require_prometheus_client()  # fail here, not after the switch started
-        self.pipeline = Pipeline(slots, packet_elements, block_elements=block_elements,
-                                 drop_rate=drop_rate,
-                                 egress_drop_rate=egress_drop_rate, seed=seed)
+        if fastpath is None:
+            fastpath = fastpipeline.available()
+        #: True when the data plane runs in C (FastPipeline and its socket loop).
+        self.fastpath = bool(fastpath)
+        self.pipeline = (fastpipeline.FastPipeline if self.fastpath else Pipeline)(
+            slots, packet_elements, block_elements=block_elements, drop_rate=drop_rate,
+            egress_drop_rate=egress_drop_rate, seed=seed)
         self._host = host
         self._port = port
         self._slots_per_job = slots_per_job
@@ -136,9 +153,10 @@ class Switch:
         self._next_drop_log = self._started_at + self.drop_log_interval
         self._thread = threading.Thread(target=self._serve, name="switchml-switch", daemon=True)
         self._thread.start()
-        log.info("switch listening on %s:%d (slots=%d, packet_elements=%d, max_jobs=%d)",
-                 *self.address, self.pipeline.slots, self.pipeline.packet_elements,
-                 self._max_jobs)
+        log.info("switch listening on %s:%d (slots=%d, packet_elements=%d, max_jobs=%d, "
+                 "data plane in %s)", *self.address, self.pipeline.slots,
+                 self.pipeline.packet_elements, self._max_jobs,
+                 "C" if self.fastpath else "Python")
         if self.metrics_address:
             log.info("Prometheus metrics on http://%s:%d/metrics", *self.metrics_address)
         return self
@@ -169,6 +187,7 @@ class Switch:
             if self.controller is not None:
                 stats["admission"] = self.controller.admission()
             stats = json.loads(json.dumps(stats))
+        stats["data_plane"] = "c" if self.fastpath else "python"
         stats["uptime_s"] = time.monotonic() - self._started_at if self._thread else 0.0
         stats["cpu_s"] = self._cpu_seconds
         return stats
@@ -189,36 +208,15 @@ class Switch:
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         buf = bytearray(65536)
         view = memoryview(buf)
-        udp = self._udp
-        pipeline = self.pipeline
         accept_paused_until = None
         next_cpu_read = 0.0
         try:
             while self._running:
-                busy = False
                 with self._lock:
-                    for _ in range(DRAIN_BATCH):
-                        try:
-                            n, addr = udp.recvfrom_into(buf)
-                        except BlockingIOError:
-                            break
-                        except OSError as exc:  # e.g. ICMP errors surfacing on Linux
-                            pipeline.counters["socket_errors"] += 1
-                            log.debug("udp receive error: %s", exc)
-                            continue
-                        try:
-                            replies = pipeline.receive_datagram(view[:n], addr)
-                        except Exception:  # a bug must not take the switch down
-                            pipeline.counters["internal_errors"] += 1
-                            log.exception("pipeline failed on a datagram from %s", addr)
-                            continue
-                        for datagram, dst in replies:
-                            try:
-                                udp.sendto(datagram, dst)
-                            except OSError:
-                                pipeline.counters["send_errors"] += 1
+                    if self.fastpath:
+                        busy = self._drain_fast()
                     else:
-                        busy = True
+                        busy = self._drain(buf, view)
                 now = time.monotonic()
                 if now >= next_cpu_read:  # a syscall: not once per batch of datagrams
                     next_cpu_read = now + CPU_READ_INTERVAL
@@ -251,6 +249,62 @@ class Switch:
                 conn.sock.close()
             self._conns.clear()
             sel.close()
+
+    def _drain(self, buf: bytearray, view: memoryview) -> bool:
+        """The Python data plane: up to DRAIN_BATCH datagrams; True when there may be more."""
+        udp, pipeline = self._udp, self.pipeline
+        for _ in range(DRAIN_BATCH):
+            try:
+                n, addr = udp.recvfrom_into(buf)
+            except BlockingIOError:
+                return False
+            except OSError as exc:  # e.g. ICMP errors surfacing on Linux
+                pipeline.counters["socket_errors"] += 1
+                log.debug("udp receive error: %s", exc)
+                continue
+            try:
+                replies = pipeline.receive_datagram(view[:n], addr)
+            except Exception:  # a bug must not take the switch down
+                pipeline.counters["internal_errors"] += 1
+                log.exception("pipeline failed on a datagram from %s", addr)
+                continue
+            for datagram, dst in replies:
+                try:
+                    udp.sendto(datagram, dst)
+                except OSError as exc:
+                    if exc.errno == errno.EMSGSIZE:
+                        self._send_fragmented(datagram, dst)
+                    else:
+                        pipeline.counters["send_errors"] += 1
+        return True
+
+    def _send_fragmented(self, datagram, dst) -> None:
+        """A result larger than the path MTU, which IP_PMTUDISC_DO refuses: a job whose
+        workers did not ask for frame-sized packets.  It goes out fragmented,
+        counted (``send_fragmented``), so that such a job still works; the C data
+        plane does the same."""
+        udp = self._udp
+        udp.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DONT)
+        try:
+            udp.sendto(datagram, dst)
+            self.pipeline.counters["send_fragmented"] += 1
+        except OSError:
+            self.pipeline.counters["send_errors"] += 1
+        finally:
+            udp.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
+
+    def _drain_fast(self) -> bool:
+        """The C data plane: recvmmsg, the pipeline and sendmmsg of up to
+        FAST_DRAIN_BATCH datagrams in one call that releases the GIL (control
+        changes wait for it under the lock); True when there may be more."""
+        try:
+            received, _ = self.pipeline.drain(self._udp.fileno(), FAST_DRAIN_BATCH,
+                                              self.udp_gso)
+        except Exception:  # a bug must not take the switch down
+            self.pipeline.counters["internal_errors"] += 1
+            log.exception("the C data plane failed")
+            return False
+        return received >= FAST_DRAIN_BATCH
 
     def _accept(self) -> bool:
         """Accept one control connection; False when accept() failed (no descriptors)."""
@@ -364,6 +418,6 @@ def _bind_pair(host: str, port: int, attempts: int = 50):
         tcp.listen(128)
         udp.setblocking(False)
         enlarge_buffers(udp)
-        forbid_fragmentation(udp)
+        forbid_fragmentation(udp)  # every datagram is one frame, or none
         return tcp, udp
     raise OSError(f"could not bind TCP and UDP to one port on {host}: {last}")

@@ -1,0 +1,225 @@
+"""How many contributions one switch core aggregates per second, Python data plane
+against the C one, at the packet sizes of MTU 1500 and MTU 9000 frames.
+
+    python bench/switch_core.py                          # both MTUs, both data planes
+    python bench/switch_core.py --mtu 9000 --workers 4 --seconds 5 --json out.json
+
+A switch runs in this process (its serving thread); ``--senders`` processes play
+the ``--workers`` ranks of one job: each rank has its own UDP socket, and its
+contributions, built once, go out with ``sendmmsg`` (libc through ctypes), every
+slot's message m from every rank before message m+1, so each one is aggregated,
+as fast as the senders can. Results go back to the ranks' sockets, which nobody
+reads (the kernel drops them once their buffers are full): the switch pays for
+sending them, as it would for real workers.
+
+Per switch core means per second of the serving thread's CPU time (``cpu_s`` in
+the switch's stats: user and system, recvmmsg and sendmmsg included), so the
+figures do not depend on how many other processes share the machine; the wall
+clock rates are given too. Only contributions added to a sum count: not those
+the kernel dropped before the switch read them (its buffer full), nor those the
+switch admitted and then dropped as stale, mismatched or duplicate (with several
+senders, ranks' messages interleave and some arrive after their slot moved on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import multiprocessing
+import os
+import platform
+import socket
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from switchml import wire  # noqa: E402
+from switchml.switch.server import Switch  # noqa: E402
+
+#: IPv4 and UDP headers: what a frame holds beside the datagram.
+IP_UDP_HEADERS = 28
+SESSION = 0x5EED
+
+
+def packet_elements_for(mtu: int, block: int) -> int:
+    """The most values, in whole blocks, whose datagram fits one frame of ``mtu``."""
+    room = mtu - IP_UDP_HEADERS - wire.HEADER_SIZE
+    blocks = room // (wire.LANE_SIZE + wire.VALUE_SIZE * block)
+    if blocks < 1:
+        raise ValueError(f"a block of {block} values does not fit a frame of MTU {mtu}")
+    return blocks * block
+
+
+# ---------------------------------------------------------------- senders
+class _Iovec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+class _Msghdr(ctypes.Structure):
+    _fields_ = [("msg_name", ctypes.c_void_p), ("msg_namelen", ctypes.c_uint32),
+                ("msg_iov", ctypes.POINTER(_Iovec)), ("msg_iovlen", ctypes.c_size_t),
+                ("msg_control", ctypes.c_void_p), ("msg_controllen", ctypes.c_size_t),
+                ("msg_flags", ctypes.c_int)]
+
+
+class _Mmsghdr(ctypes.Structure):
+    _fields_ = [("msg_hdr", _Msghdr), ("msg_len", ctypes.c_uint)]
+
+
+def _sender(ranks, world, switch_addr, slots, packet_elements, block, conn):
+    """One sender process: the sockets of ``ranks``; sends until told the deadline."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    socks = []
+    for _ in ranks:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # results: not read
+        s.bind(("127.0.0.1", 0))
+        s.connect(switch_addr)
+        socks.append(s)
+    conn.send([s.getsockname() for s in socks])
+    lanes = packet_elements // block
+    size = wire.packet_size(lanes, packet_elements)
+    rounds = 2  # messages built ahead per slot; then their numbers move on
+    packets = np.zeros((rounds, len(ranks), slots, size), np.uint8)
+    rng = np.random.default_rng(1)
+    for r in range(rounds):
+        for i, rank in enumerate(ranks):
+            for slot in range(slots):
+                values = rng.integers(-1000, 1000, packet_elements).astype(np.int32)
+                packets[r, i, slot] = np.frombuffer(wire.encode(
+                    wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, slot, SESSION, r, 0, slot,
+                    np.zeros(lanes, wire.LANE), values), np.uint8)
+    msgs = packets[..., 12:16].view(np.uint32)
+    base = packets.ctypes.data
+    batches = []  # per round and rank: one sendmmsg of every slot's packet
+    for r in range(rounds):
+        for i in range(len(ranks)):
+            iov = (_Iovec * slots)()
+            vec = (_Mmsghdr * slots)()
+            for slot in range(slots):
+                iov[slot].iov_base = base + packets[r, i, slot].ctypes.data - base
+                iov[slot].iov_len = size
+                vec[slot].msg_hdr.msg_iov = ctypes.pointer(iov[slot])
+                vec[slot].msg_hdr.msg_iovlen = 1
+            batches.append((socks[i].fileno(), vec, iov))
+    deadline = conn.recv()
+    sent = 0
+    while time.monotonic() < deadline:
+        for fd, vec, _ in batches:
+            done = 0
+            while done < slots:
+                n = libc.sendmmsg(fd, ctypes.byref(vec, done * ctypes.sizeof(_Mmsghdr)),
+                                  slots - done, 0)
+                if n < 0:
+                    break
+                done += n
+            sent += done
+        msgs += rounds  # the next messages of every slot
+    conn.send(sent)
+    for s in socks:
+        s.close()
+
+
+# ---------------------------------------------------------------- one measurement
+def measure(path: str, mtu: int, workers: int, senders: int, slots: int, block: int,
+            seconds: float, warmup: float) -> dict:
+    """One row: ``path`` is "python", "c" (with UDP GSO for the results) or "c-nogso"."""
+    fastpath = path != "python"
+    packet_elements = packet_elements_for(mtu, block)
+    lanes = packet_elements // block
+    size = wire.packet_size(lanes, packet_elements)
+    ctx = multiprocessing.get_context("spawn")
+    with Switch(slots=slots, fastpath=fastpath) as sw:
+        sw.udp_gso = path == "c"
+        groups = [list(range(workers))[i::senders] for i in range(senders)]
+        pipes, procs, addrs = [], [], [None] * workers
+        for ranks in groups:
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_sender, args=(ranks, workers, sw.address, slots,
+                                                     packet_elements, block, child),
+                               daemon=True)
+            proc.start()
+            for rank, addr in zip(ranks, parent.recv()):
+                addrs[rank] = tuple(addr)
+            pipes.append(parent)
+            procs.append(proc)
+        with sw._lock:
+            sw.pipeline.install_job("bench", SESSION, addrs, 0, slots, packet_elements, block)
+        start_at = time.monotonic() + 0.2
+        for parent in pipes:
+            parent.send(start_at + warmup + seconds)
+        time.sleep(max(0.0, start_at + warmup - time.monotonic()))
+        before, t0 = sw.stats(), time.monotonic()
+        time.sleep(seconds)
+        after, t1 = sw.stats(), time.monotonic()
+        sent = sum(parent.recv() for parent in pipes)
+        for proc in procs:
+            proc.join(10)
+    wall = t1 - t0
+    cpu = after["cpu_s"] - before["cpu_s"]
+
+    def delta(key):
+        return after["totals"].get(key, 0) - before["totals"].get(key, 0)
+    # contributions added to a sum: admitted ones less those admitted only to be
+    # dropped (stale, mismatched, duplicate) or answered from the shadow copy, which
+    # several senders' interleaving (or the kernel's drops) can cause
+    packets = delta("packets_in") - sum(delta(k) for k in (
+        "dropped_stale", "dropped_mismatch", "duplicates", "retransmissions_answered"))
+    return {
+        "data_plane": path, "mtu": mtu, "workers": workers,
+        "senders": senders, "slots": slots, "packet_elements": packet_elements,
+        "block_elements": block, "packet_bytes": size, "wall_s": wall, "switch_cpu_s": cpu,
+        "switch_cpu_share": cpu / wall if wall else 0.0,
+        "packets_in": delta("packets_in"), "contributions_added": packets,
+        "results_completed": delta("results_completed"),
+        "results_out": delta("results_out"), "sent_by_senders": sent,
+        "dropped": {k: delta(k) for k in after["totals"] if k.startswith("dropped_")
+                    and delta(k)},
+        "packets_per_core_s": packets / cpu if cpu else 0.0,
+        "gbit_per_core_s": packets * size * 8 / cpu / 1e9 if cpu else 0.0,
+        "packets_per_wall_s": packets / wall if wall else 0.0,
+        "gbit_per_wall_s": packets * size * 8 / wall / 1e9 if wall else 0.0,
+    }
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mtu", type=int, nargs="+", default=[1500, 9000])
+    parser.add_argument("--paths", nargs="+", choices=["python", "c", "c-nogso"],
+                        default=["python", "c", "c-nogso"])
+    parser.add_argument("--workers", type=int, default=4, help="ranks of the job")
+    parser.add_argument("--senders", type=int, default=1, help="sender processes")
+    parser.add_argument("--slots", type=int, default=64, help="the job's window")
+    parser.add_argument("--block", type=int, default=256, help="values per block")
+    parser.add_argument("--seconds", type=float, default=3.0, help="measured, per row")
+    parser.add_argument("--warmup", type=float, default=0.5)
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    rows = []
+    for mtu in args.mtu:
+        for path in args.paths:
+            rows.append(measure(path, mtu, args.workers, min(args.senders, args.workers),
+                                args.slots, args.block, args.seconds, args.warmup))
+    print(f"{'plane':>7} {'MTU':>5} {'bytes':>6} {'pkts/core-s':>12} {'Gbit/core-s':>12} "
+          f"{'pkts/s':>10} {'Gbit/s':>8} {'cpu':>5} {'drops':>8}")
+    for r in rows:
+        print(f"{r['data_plane']:>7} {r['mtu']:>5} {r['packet_bytes']:>6} "
+              f"{r['packets_per_core_s']:>12,.0f} {r['gbit_per_core_s']:>12.2f} "
+              f"{r['packets_per_wall_s']:>10,.0f} {r['gbit_per_wall_s']:>8.2f} "
+              f"{r['switch_cpu_share']:>5.0%} {sum(r['dropped'].values()):>8}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                   "python": platform.python_version()},
+                       "args": vars(args), "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

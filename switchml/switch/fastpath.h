@@ -1,0 +1,121 @@
+/* The switch's data plane in C: the same object as switch/pipeline.py (the
+ * reference model), for the packet rates of frame-sized packets.
+ *
+ * fastpath_core.c holds the per-packet pipeline (no Python in it); _fastpath.c
+ * wraps it as a Python type and adds the batched socket loop.  Everything is
+ * allocated when the core is built; nothing grows per packet.
+ */
+#ifndef SWITCHML_FASTPATH_H
+#define SWITCHML_FASTPATH_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the slot rows hold little-endian datagrams: a little-endian host is needed"
+#endif
+
+#define FP_HEADER_SIZE 32
+#define FP_LANE_SIZE 12
+#define FP_MAGIC 0x4D53
+#define FP_VERSION 2
+#define FP_KIND_CONTRIBUTION 1
+#define FP_KIND_RESULT 2
+#define FP_MODE_SPARSE 1
+#define FP_MODE_SEED 2
+#define FP_FLAG_BLOCK 1
+#define FP_MAX_WORKERS 32
+/* A key no member has: the source of a datagram whose address is not a member's. */
+#define FP_KEY_NONE UINT64_MAX
+
+/* Counter names, in the order of FP_COUNTER_NAMES (the Python pipeline's names). */
+enum fp_counter {
+    C_PACKETS_IN, C_RESULTS_COMPLETED, C_RESULTS_OUT, C_RETRANSMISSIONS_ANSWERED,
+    C_DUPLICATES, C_DROPPED_STALE, C_DROPPED_MISMATCH, C_DROPPED_TRUNCATED,
+    C_DROPPED_BAD_MAGIC, C_DROPPED_BAD_VERSION, C_DROPPED_BAD_KIND, C_DROPPED_BAD_DTYPE,
+    C_DROPPED_BAD_MODE, C_DROPPED_BAD_LENGTH, C_DROPPED_WRONG_SESSION,
+    C_DROPPED_SLOT_OUT_OF_RANGE, C_DROPPED_BAD_LANES, C_DROPPED_TOO_MANY_VALUES,
+    C_DROPPED_BAD_BLOCK_COUNT, C_DROPPED_EGRESS_SIMULATED, C_SPARSE_BLOCKS_IN,
+    C_SPARSE_BLOCKS_SKIPPED, C_SPARSE_BYTES_SAVED, C_SPARSE_BLOCKS_OUT,
+    /* not attributable to a job */
+    C_DROPPED_UNKNOWN_SOURCE, C_DROPPED_INGRESS_SIMULATED, C_SOCKET_ERRORS, C_SEND_ERRORS,
+    C_SEND_FRAGMENTED, FP_NCOUNTERS
+};
+extern const char *const FP_COUNTER_NAMES[FP_NCOUNTERS];
+
+/* Counters, with a bit per counter that was incremented (even by 0) since Python
+ * last took them: a Python Counter has a key exactly when it was incremented. */
+typedef struct {
+    int64_t value[FP_NCOUNTERS];
+    uint64_t touched;
+} fp_counters;
+
+typedef struct {
+    uint32_t session; /* 0: no job starts at this slot */
+    uint32_t world, slot_base, slot_count, lanes, packet_elements, block_elements;
+    uint64_t members[FP_MAX_WORKERS]; /* address key of each rank */
+    fp_counters counters;
+} fp_job;
+
+/* One shadow-copy set of one slot: the registers beside its row of the pool. */
+typedef struct {
+    uint32_t valid, msg, bitmap, count, blocks;
+    /* the ids a contribution must match, echoed in the result */
+    uint32_t seq, pkt_id, dtype, mode, id_count;
+} fp_set;
+
+typedef struct {
+    uint64_t key; /* FP_KEY_NONE: empty */
+    uint32_t job; /* slot_base of its job */
+    uint32_t rank;
+} fp_member;
+
+/* A datagram to send: a whole row prefix of the pool, to one rank of a job. */
+typedef struct {
+    const uint8_t *data;
+    uint32_t len;
+    uint32_t job;
+    uint32_t rank;
+} fp_out;
+
+typedef struct fp_core fp_core;
+/* Called before a row is written while datagrams that point into it wait to be sent. */
+typedef void (*fp_flush_fn)(fp_core *core, void *ctx);
+
+struct fp_core {
+    uint32_t slots, row_size;
+    uint8_t *rows; /* 2 * slots * row_size bytes: the Python pipeline's _rows */
+    fp_set *sets;  /* [set * slots + slot] */
+    fp_job *jobs;  /* [slot_base] */
+    fp_member *members;
+    uint32_t member_mask, member_count, member_limit;
+    fp_counters counters; /* drops no job owns, socket errors */
+    double ingress_drop_rate, egress_drop_rate;
+    uint64_t rng;
+    /* rows with datagrams not sent yet: row_epoch[row] == epoch */
+    uint32_t *row_epoch;
+    uint32_t epoch;
+    fp_flush_fn flush;
+    void *flush_ctx;
+};
+
+/* Build the registers of a pool of `slots` rows of `row_size` bytes at `rows`;
+ * -1 when out of memory. */
+int fp_core_init(fp_core *c, uint32_t slots, uint32_t row_size, uint8_t *rows,
+                 uint32_t member_limit);
+void fp_core_free(fp_core *c);
+/* Install a job (the Python pipeline checked its arguments); -1 if the member
+ * table is full. */
+int fp_install(fp_core *c, const fp_job *job);
+void fp_remove(fp_core *c, uint32_t slot_base);
+/* One datagram from the member with address key `src`: fills `out` (room for
+ * FP_MAX_WORKERS) and returns how many datagrams to send. */
+int fp_receive(fp_core *c, const uint8_t *data, size_t len, uint64_t src, fp_out *out);
+
+static inline void fp_count(fp_counters *c, enum fp_counter which, int64_t n)
+{
+    c->value[which] += n;
+    c->touched |= (uint64_t)1 << which;
+}
+
+#endif

@@ -1,0 +1,260 @@
+/* The switch's socket loop in C: recvmmsg a batch of datagrams, run each through
+ * the pipeline (fastpath_core.c), send the results with sendmmsg, those to one
+ * worker as UDP GSO segments.  No Python here: _fastpath.c calls fp_io_drain
+ * with the GIL released. */
+#define _GNU_SOURCE
+#include "fastpath_io.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* UDP GSO: at most this many segments, of at most this many bytes in all, a send. */
+#define GSO_MAX_SEGMENTS 64
+#define GSO_MAX_BYTES 65000
+#ifndef SOL_UDP
+#define SOL_UDP 17
+#endif
+#ifndef UDP_SEGMENT
+#define UDP_SEGMENT 103
+#endif
+
+/* Point every buffer of the loop into one block starting at `base` (0: only
+ * measure it); returns its size.  Each buffer is 16-byte aligned. */
+static size_t lay_out(fp_io *io, uintptr_t base)
+{
+    uintptr_t at = base;
+#define CARVE(field, n)                                                                   \
+    (io->field = (void *)at, at += ((size_t)(n) * sizeof *io->field + 15) & ~(size_t)15)
+    CARVE(recv_buffers, (size_t)FP_RECV_BATCH * FP_RECV_BUFFER);
+    CARVE(recv_msgs, FP_RECV_BATCH);
+    CARVE(recv_iov, FP_RECV_BATCH);
+    CARVE(recv_addrs, FP_RECV_BATCH);
+    CARVE(send_queue, FP_SEND_QUEUE);
+    CARVE(send_msgs, FP_SEND_QUEUE);
+    CARVE(send_iov, FP_SEND_QUEUE);
+    CARVE(send_addrs, FP_SEND_QUEUE);
+    CARVE(order, FP_SEND_QUEUE);
+    CARVE(msg_first, FP_SEND_QUEUE);
+    CARVE(msg_segments, FP_SEND_QUEUE);
+    CARVE(control, FP_SEND_QUEUE);
+#undef CARVE
+    return (size_t)(at - base);
+}
+
+int fp_io_init(fp_io *io, fp_core *core)
+{
+    memset(io, 0, sizeof *io);
+    io->core = core;
+    io->block = calloc(1, lay_out(io, 0) + 16);
+    if (!io->block)
+        return -1;
+    lay_out(io, ((uintptr_t)io->block + 15) & ~(uintptr_t)15);
+    return 0;
+}
+
+void fp_io_free(fp_io *io)
+{
+    free(io->block);
+    memset(io, 0, sizeof *io);
+}
+
+/* Results to one destination of the same size leave in one sendmsg as UDP GSO
+ * segments (the kernel cuts them into datagrams): one pass through the stack for
+ * up to GSO_MAX_SEGMENTS datagrams instead of one each. */
+static int sort_by_destination(const void *a, const void *b)
+{
+    const uint64_t *x = a, *y = b; /* (key, queue index): stable by destination */
+    return x[0] != y[0] ? (x[0] < y[0] ? -1 : 1) : (x[1] < y[1] ? -1 : x[1] > y[1]);
+}
+
+/* Build sendmmsg messages from the sorted items [from, n): consecutive datagrams
+ * to one destination, all of one size but the last (which may be smaller), form
+ * one message when GSO is on.  Returns the number of messages. */
+static uint32_t build_messages(fp_io *io, uint32_t from, uint32_t n)
+{
+    uint32_t m = 0, i = from;
+    while (i < n) {
+        fp_out *first = &io->send_queue[io->order[i][1]];
+        uint64_t key = io->order[i][0];
+        uint32_t segs = 0, bytes = 0, seg_len = first->len;
+        struct sockaddr_in *sa = &io->send_addrs[m];
+        struct msghdr *h = &io->send_msgs[m].msg_hdr;
+        memset(h, 0, sizeof *h);
+        sa->sin_family = AF_INET;
+        sa->sin_addr.s_addr = htonl((uint32_t)(key >> 16));
+        sa->sin_port = htons((uint16_t)key);
+        h->msg_name = sa;
+        h->msg_namelen = sizeof *sa;
+        h->msg_iov = &io->send_iov[i];
+        io->msg_first[m] = i;
+        do {
+            fp_out *o = &io->send_queue[io->order[i][1]];
+            io->send_iov[i].iov_base = (void *)o->data;
+            io->send_iov[i].iov_len = o->len;
+            segs++;
+            bytes += o->len;
+            i++;
+            if (o->len < seg_len)
+                break; /* a shorter segment ends a GSO message */
+        } while (io->gso && i < n && io->order[i][0] == key && segs < GSO_MAX_SEGMENTS &&
+                 io->send_queue[io->order[i][1]].len <= seg_len &&
+                 bytes + io->send_queue[io->order[i][1]].len <= GSO_MAX_BYTES);
+        h->msg_iovlen = segs;
+        io->msg_segments[m] = segs;
+        if (segs > 1) {
+            struct cmsghdr *cm = (struct cmsghdr *)io->control[m];
+            uint16_t size = (uint16_t)seg_len;
+            h->msg_control = cm;
+            h->msg_controllen = CMSG_SPACE(sizeof size);
+            cm->cmsg_level = SOL_UDP;
+            cm->cmsg_type = UDP_SEGMENT;
+            cm->cmsg_len = CMSG_LEN(sizeof size);
+            memcpy(CMSG_DATA(cm), &size, sizeof size);
+        }
+        m++;
+    }
+    return m;
+}
+
+/* Datagrams larger than the path MTU, which the socket's IP_PMTUDISC_DO refuses:
+ * the results of a job whose workers did not ask for frame-sized packets.  They
+ * go out fragmented, one by one, counted (send_fragmented), so that such a job
+ * still works; with frame-sized packets this never runs. */
+static void send_fragmented(fp_io *io, struct msghdr *h)
+{
+    int dont = IP_PMTUDISC_DONT, do_ = IP_PMTUDISC_DO;
+    size_t i;
+    setsockopt(io->fd, IPPROTO_IP, IP_MTU_DISCOVER, &dont, sizeof dont);
+    for (i = 0; i < h->msg_iovlen; i++) {
+        ssize_t n;
+        do
+            n = sendto(io->fd, h->msg_iov[i].iov_base, h->msg_iov[i].iov_len, MSG_DONTWAIT,
+                       h->msg_name, h->msg_namelen);
+        while (n < 0 && errno == EINTR);
+        fp_count(&io->core->counters, n < 0 ? C_SEND_ERRORS : C_SEND_FRAGMENTED, 1);
+        io->sent += n >= 0;
+    }
+    setsockopt(io->fd, IPPROTO_IP, IP_MTU_DISCOVER, &do_, sizeof do_);
+}
+
+/* Send every queued result, then let the rows change again. */
+static void flush_queue(fp_core *core, void *ctx)
+{
+    fp_io *io = ctx;
+    uint32_t i, n = 0, from = 0;
+    for (i = 0; i < io->queued; i++) {
+        fp_out *o = &io->send_queue[i];
+        uint64_t key = core->jobs[o->job].members[o->rank];
+        if (key & FP_KEY_NOT_IPV4) { /* an address no socket can reach */
+            fp_count(&core->counters, C_SEND_ERRORS, 1);
+            continue;
+        }
+        io->order[n][0] = key;
+        io->order[n][1] = i;
+        n++;
+    }
+    if (io->gso)
+        qsort(io->order, n, sizeof io->order[0], sort_by_destination);
+    while (from < n) {
+        uint32_t count = build_messages(io, from, n), done = 0;
+        from = n;
+        while (done < count) {
+            int sent = sendmmsg(io->fd, io->send_msgs + done, count - done, MSG_DONTWAIT);
+            if (sent >= 0) {
+                for (i = done; i < done + (uint32_t)sent; i++)
+                    io->sent += io->msg_segments[i];
+                done += (uint32_t)sent;
+                continue;
+            }
+            if (errno == EINTR)
+                continue;
+            if (io->msg_segments[done] > 1 &&
+                (errno == EIO || errno == ENOPROTOOPT || errno == EOPNOTSUPP)) {
+                io->gso = 0; /* no GSO here: the rest one datagram each */
+                io->gso_refused = 1;
+                from = io->msg_first[done];
+                break;
+            }
+            if (errno == EMSGSIZE || (errno == EINVAL && io->msg_segments[done] > 1)) {
+                /* larger than the path MTU (GSO says EINVAL): a job whose packets
+                 * are not frame-sized */
+                send_fragmented(io, &io->send_msgs[done].msg_hdr);
+                done++;
+                continue;
+            }
+            /* lost (a full socket buffer, say), as with sendto */
+            fp_count(&core->counters, C_SEND_ERRORS, io->msg_segments[done]);
+            done++;
+        }
+    }
+    io->queued = 0;
+    core->epoch++; /* no row holds a datagram waiting to be sent */
+}
+
+static uint32_t drain_socket(fp_io *io, uint32_t limit)
+{
+    fp_core *core = io->core;
+    fp_out out[FP_MAX_WORKERS];
+    uint32_t received = 0, errors = 0, i;
+    for (i = 0; i < FP_RECV_BATCH; i++) {
+        io->recv_iov[i].iov_base = io->recv_buffers + (size_t)i * FP_RECV_BUFFER;
+        io->recv_iov[i].iov_len = FP_RECV_BUFFER;
+    }
+    while (received < limit) {
+        uint32_t want = limit - received < FP_RECV_BATCH ? limit - received : FP_RECV_BATCH;
+        for (i = 0; i < want; i++) {
+            struct msghdr *h = &io->recv_msgs[i].msg_hdr;
+            memset(h, 0, sizeof *h);
+            h->msg_name = &io->recv_addrs[i];
+            h->msg_namelen = sizeof io->recv_addrs[i];
+            h->msg_iov = &io->recv_iov[i];
+            h->msg_iovlen = 1;
+        }
+        int got = recvmmsg(io->fd, io->recv_msgs, want, MSG_DONTWAIT, NULL);
+        if (got < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                break;
+            if (errno != EINTR) { /* e.g. an ICMP error surfacing on Linux */
+                fp_count(&core->counters, C_SOCKET_ERRORS, 1);
+                if (++errors >= FP_MAX_RECV_ERRORS)
+                    break;
+            }
+            continue;
+        }
+        for (i = 0; i < (uint32_t)got; i++) {
+            struct sockaddr_in *sa = &io->recv_addrs[i];
+            uint64_t key = FP_KEY_NONE;
+            if (io->recv_msgs[i].msg_hdr.msg_namelen >= sizeof *sa &&
+                sa->sin_family == AF_INET)
+                key = (uint64_t)ntohl(sa->sin_addr.s_addr) << 16 | ntohs(sa->sin_port);
+            if (io->queued + FP_MAX_WORKERS > FP_SEND_QUEUE)
+                flush_queue(core, io);
+            int n = fp_receive(core, io->recv_iov[i].iov_base, io->recv_msgs[i].msg_len,
+                               key, out);
+            memcpy(io->send_queue + io->queued, out, (size_t)n * sizeof *out);
+            io->queued += (uint32_t)n;
+        }
+        received += (uint32_t)got;
+        flush_queue(core, io);
+        if ((uint32_t)got < want)
+            break; /* the socket is empty */
+    }
+    return received;
+}
+
+uint32_t fp_io_drain(fp_io *io, int fd, uint32_t limit, int gso)
+{
+    uint32_t received;
+    io->fd = fd;
+    io->sent = 0;
+    io->queued = 0;
+    io->gso = gso && !io->gso_refused;
+    io->core->flush = flush_queue;
+    io->core->flush_ctx = io;
+    received = drain_socket(io, limit);
+    io->core->flush = NULL;
+    return received;
+}

@@ -1,0 +1,144 @@
+"""The switch's data plane in C: ``FastPipeline`` is a ``Pipeline`` whose per-packet
+work runs in the compiled core (``_fastpath.c``, ``fastpath_core.c``).
+
+Why a subclass and not a second class with the same API: the control plane
+(slot allocation, job table, ended jobs, stats) runs a few times per job, so it
+stays the Python reference's own code, and only what runs per packet moves to C:
+validation, member lookup, shadow-copy sets, bitmaps, adds, sparse lanes,
+retransmissions, emission and simulated drops.  The C core works in the same
+slot rows the Python pipeline allocated (``_rows``, shared through the buffer
+protocol), so the result datagrams are the same bytes in the same memory.
+
+The C core counts into its own counters, with the Python names; they are merged
+into ``pipeline.counters`` and each ``job.counters`` by ``sync_counters()``, which
+``receive_datagram``, ``stats``, ``totals`` and ``remove_job`` call.  The switch's
+socket loop calls ``drain`` (recvmmsg, the pipeline, sendmmsg, without the GIL)
+and reads counters only through ``stats``/``totals``.
+
+Member addresses are keys in the C member table: ``(ipv4 << 16) | port`` for an
+IPv4 ``(host, port)`` as ``recvfrom`` gives it, which is what the socket loop
+computes from a datagram's source; any other address (the simulator's names)
+gets a key of its own, usable through ``receive_datagram`` only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+
+from .pipeline import MAX_WORKERS, Job, Pipeline
+from ..config import DEFAULT_PACKET_ELEMENTS, DEFAULT_SLOTS
+
+try:
+    from . import _fastpath
+except ImportError:  # not built (no C compiler where it was installed)
+    _fastpath = None
+
+#: A key no member has: the source address of a datagram from a stranger.
+KEY_NONE = 2**64 - 1
+
+
+def available() -> bool:
+    """True when the C core is built and SWITCHML_PURE_PYTHON is not 1."""
+    return _fastpath is not None and os.environ.get("SWITCHML_PURE_PYTHON", "") != "1"
+
+
+def ipv4_key(addr) -> int | None:
+    """The member-table key of an IPv4 ``(host, port)`` as recvfrom returns it, or None."""
+    try:
+        host, port = addr
+        packed = socket.inet_pton(socket.AF_INET, host)
+    except (TypeError, ValueError, OSError):
+        return None
+    if type(port) is not int or not 0 <= port <= 0xFFFF or socket.inet_ntop(
+            socket.AF_INET, packed) != host:
+        return None
+    return int.from_bytes(packed, "big") << 16 | port
+
+
+class FastPipeline(Pipeline):
+    """The same object as ``Pipeline``, with its data plane in C (see the module doc)."""
+
+    def __init__(self, slots: int = DEFAULT_SLOTS, packet_elements: int = DEFAULT_PACKET_ELEMENTS,
+                 *, block_elements: int | None = None, drop_rate: float = 0.0,
+                 egress_drop_rate: float | None = None, seed: int | None = None):
+        if _fastpath is None:
+            raise RuntimeError("switchml.switch._fastpath is not built: reinstall switchml "
+                               "with a C compiler, or use Pipeline")
+        super().__init__(slots, packet_elements, block_elements=block_elements,
+                         drop_rate=drop_rate, egress_drop_rate=egress_drop_rate, seed=seed)
+        rows = self._rows.reshape(-1)
+        # Every job holds a slot, so there are at most slots * MAX_WORKERS members.
+        self._core = _fastpath.Core(rows, slots, self.row_size, slots * MAX_WORKERS)
+        self._core.set_drop_rates(self.ingress_drop_rate, self.egress_drop_rate,
+                                  self._rng.getrandbits(64))
+        self._row_bytes = memoryview(rows)
+        self._keys: dict = {}  # member address -> key in the C member table
+        self._other_keys = itertools.count(1)
+        self._job_at: dict[int, Job] = {}  # slot_base -> running job
+
+    def install_job(self, name: str, session: int, members: list, slot_base: int,
+                    slot_count: int, packet_elements: int | None = None,
+                    block_elements: int | None = None) -> Job:
+        job = super().install_job(name, session, members, slot_base, slot_count,
+                                  packet_elements, block_elements)
+        keys = []
+        for addr in members:
+            key = ipv4_key(addr)
+            if key is None:
+                key = _fastpath.KEY_NOT_IPV4 | next(self._other_keys)
+            self._keys[addr] = key
+            keys.append(key)
+        self._core.install(slot_base, slot_count, session, job.lanes, job.packet_elements,
+                           job.block_elements, keys)
+        self._job_at[slot_base] = job
+        return job
+
+    def remove_job(self, session: int, state: str = "ended") -> Job | None:
+        job = self.jobs.get(session)
+        if job is None:
+            return None
+        self.sync_counters()
+        self._core.remove(job.slot_base)
+        del self._job_at[job.slot_base]
+        for addr in job.members:
+            self._keys.pop(addr, None)
+        return super().remove_job(session, state)
+
+    def sync_counters(self) -> None:
+        """Add what the C core counted since the last call to the Python counters."""
+        for base, counts in self._core.take_counters():
+            (self.counters if base < 0 else self._job_at[base].counters).update(counts)
+
+    def slot_state(self, slot: int, msg: int) -> tuple[bool, int]:
+        return self._core.slot_state(slot, msg)
+
+    def totals(self):
+        self.sync_counters()
+        return super().totals()
+
+    def stats(self) -> dict:
+        self.sync_counters()
+        return super().stats()
+
+    def receive_datagram(self, data, addr) -> list:
+        out = self._core.receive(data, self._keys.get(addr, KEY_NONE))
+        self.sync_counters()
+        if not out:
+            return []
+        members = self._members[addr][0].members
+        rows = self._row_bytes
+        return [(rows[offset: offset + length], members[rank]) for offset, length, rank in out]
+
+    def drain(self, fd: int, limit: int, gso: bool = True) -> tuple[int, int]:
+        """Handle up to ``limit`` datagrams waiting on the UDP socket ``fd`` (recvmmsg,
+        the pipeline, sendmmsg), with the GIL released; (received, sent).
+
+        With ``gso``, results to one destination of one size leave in one send as
+        UDP GSO segments, unless the kernel refused that once (``gso_refused``)."""
+        return self._core.drain(fd, limit, gso)
+
+    @property
+    def gso_refused(self) -> bool:
+        return bool(self._core.gso_refused)
