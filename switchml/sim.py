@@ -102,7 +102,8 @@ class Simulation:
                  faults: Faults | None = None, seed: int = 0, pipeline: Pipeline | None = None,
                  session: int = 0x5EED, slot_base: int | None = None,
                  progress_timeout: float = 60.0, block_elements: int | None = None,
-                 bottleneck: Bottleneck | None = None, network: Network | None = None):
+                 bottleneck: Bottleneck | None = None, network: Network | None = None,
+                 compiled: bool = False):
         self.network = network or Network(faults, seed, bottleneck)
         self.faults = self.network.faults
         self.pipeline = pipeline or Pipeline(slots=slots, packet_elements=packet_elements,
@@ -117,6 +118,7 @@ class Simulation:
                                  progress_timeout=progress_timeout)
                          for r in range(world_size)]
         self.ops: list = []
+        self.compiled = compiled  # dense calls on the C engine (worker/compiled.py)
 
     @property
     def now(self) -> float:
@@ -132,7 +134,8 @@ class Simulation:
     def begin(self, arrays: list[np.ndarray], sparse: bool = False) -> list[np.ndarray]:
         """Start an allreduce of ``arrays[r]`` on every rank r; return the outputs."""
         outs = [np.empty_like(a) for a in arrays]
-        self.ops = [s.allreduce(a, o, self.now, sparse)
+        extra = {"compiled": True} if self.compiled else {}
+        self.ops = [s.allreduce(a, o, self.now, sparse, **extra)
                     for s, a, o in zip(self.sessions, arrays, outs)]
         for addr, op in zip(self.job.members, self.ops):
             for d in op.datagrams_to_send():

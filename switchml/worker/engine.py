@@ -32,10 +32,29 @@ import heapq
 import numpy as np
 
 from .. import wire
-from ..quant import EXP_ZERO, chunk_exponents, dequantize_into, quantize_into, scale_bits
+from ..quant import EXP_NONFINITE, EXP_ZERO, chunk_exponents, dequantize_into, quantize_into, scale_bits
 from .recovery import CongestionWindow, RttEstimator
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.int32))
+
+#: Exponents of non-zero finite float32 chunks: frexp of the least subnormal
+#: (2**-149) is -148, of the largest float32 128.
+LEAST_EXPONENT, GREATEST_EXPONENT = -148, 128
+
+
+def valid_exponent(e: int) -> bool:
+    """Whether ``e`` is a chunk exponent some worker could have computed."""
+    return LEAST_EXPONENT <= e <= GREATEST_EXPONENT or e in (EXP_ZERO, EXP_NONFINITE)
+
+
+def check_arrays(array: np.ndarray, out: np.ndarray) -> None:
+    """Raise unless ``array`` is of a summed dtype and ``out`` is it or apart from it."""
+    if array.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"switchml sums float32 and int32 arrays, not {array.dtype}")
+    src, dst = array.reshape(-1), out.reshape(-1)
+    if np.may_share_memory(src, dst) and not (
+            src.ctypes.data == dst.ctypes.data and src.size == dst.size):
+        raise ValueError("out must be the input itself or not overlap it")
 
 
 class Session:
@@ -74,15 +93,28 @@ class Session:
                          "sparse_blocks_sent": 0, "sparse_blocks_received": 0,
                          "bytes_sent": 0, "bytes_received": 0}
 
-    def allreduce(self, array: np.ndarray, out: np.ndarray, now: float, sparse: bool = False):
-        """Start an allreduce of ``array`` into ``out``; returns its state machine."""
+    def allreduce(self, array: np.ndarray, out: np.ndarray, now: float, sparse: bool = False,
+                  compiled: bool = False):
+        """Start an allreduce of ``array`` into ``out``; returns its state machine.
+
+        ``compiled``: a dense call runs on the C engine (``compiled.py``) when it
+        is built; the same datagrams and results either way.
+        """
         if sparse:
             from .sparse import SparseAllreduce
             op = SparseAllreduce(self, array, out, self.next_seq, now)
+        elif compiled and _compiled_supports(self):
+            from .compiled import CompiledDenseAllreduce
+            op = CompiledDenseAllreduce(self, array, out, self.next_seq, now)
         else:
             op = DenseAllreduce(self, array, out, self.next_seq, now)
         self.next_seq = (self.next_seq + 1) & 0xFFFFFFFF
         return op
+
+
+def _compiled_supports(session: Session) -> bool:
+    from .compiled import supports  # imported late: compiled.py imports this module
+    return supports(session)
 
 
 class Stream:
@@ -92,15 +124,11 @@ class Stream:
 
     def __init__(self, session: Session, array: np.ndarray, out: np.ndarray, seq: int,
                  now: float, width: int):
-        if array.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"switchml sums float32 and int32 arrays, not {array.dtype}")
+        check_arrays(array, out)
         self.s = session
         self.seq = seq
         self.src = array.reshape(-1)
         self.out = out.reshape(-1)
-        if np.may_share_memory(self.src, self.out) and not (
-                self.src.ctypes.data == self.out.ctypes.data and self.src.size == self.out.size):
-            raise ValueError("out must be the input itself or not overlap it")
         self.is_float = array.dtype == np.float32
         self.dtype_code = wire.DTYPE_FLOAT32 if self.is_float else wire.DTYPE_INT32
         self.size = self.src.size
@@ -352,7 +380,11 @@ class DenseAllreduce(Stream):
         return count
 
     def _result_fits(self, j: int, h: wire.Header, data) -> bool:
-        return h.count == self._chunk_count(j + (self._round[j] - self._lag) * self.width)
+        if h.count != self._chunk_count(j + (self._round[j] - self._lag) * self.width):
+            return False
+        # The switch returns the max of exponents workers computed: anything else
+        # is forged, and would scale by a power of two beyond float range.
+        return not self.is_float or valid_exponent(wire.first_lane_exponent(data))
 
     def _absorb(self, j: int, m: int, h: wire.Header, data) -> None:
         s = self.s
