@@ -1,0 +1,209 @@
+"""The C engine (switchml.worker._fastengine) against the Python reference.
+
+Fed the same inputs, both must send the same datagrams (bytes, in order), give
+the same results bit for bit, and leave the same counters, message numbers, RTT
+estimate and window in the Session.  Through the simulator with seeded loss,
+duplication, reordering, a bottleneck queue, and hostile or stale datagrams.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from switchml import quant, wire
+from switchml.quant import EXP_NONFINITE, EXP_ZERO
+from switchml.sim import SWITCH, Bottleneck, Faults, Simulation
+from switchml.worker import compiled
+
+from conftest import reference_sum
+
+pytestmark = pytest.mark.skipif(compiled._fastengine is None,
+                                reason="the C engine is not built (python setup.py build_ext --inplace)")
+fast = compiled._fastengine
+
+BIG_TIME = 1e9
+SETTINGS = settings(max_examples=60, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+# float32 of every kind: tiny (subnormal), huge, signed zeros, inf, NaN
+any_float32 = st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True)
+finite_float32 = st.floats(width=32, allow_nan=False, allow_infinity=False,
+                           allow_subnormal=True)
+exponents = st.one_of(st.integers(-148, 128), st.sampled_from([EXP_ZERO,
+                                                                              EXP_NONFINITE]))
+bits_of_worlds = st.sampled_from([quant.scale_bits(n) for n in (1, 2, 3, 4, 8, 32)])
+
+
+# ---------------------------------------------------------------- the arithmetic
+@SETTINGS
+@given(values=hnp.arrays(np.float32, st.integers(0, 300), elements=any_float32),
+       exponent=exponents, bits=bits_of_worlds)
+def test_quantize_is_quant_quantize_into(values, exponent, bits):
+    expected = np.zeros(values.size, np.int32)
+    with np.errstate(all="ignore"):
+        quant.quantize_into(values, exponent, bits, expected, np.empty(values.size, np.float32))
+    got = np.zeros(values.size, np.int32)
+    fast.quantize_into(values, exponent, bits, got)
+    assert got.tobytes() == expected.tobytes()
+
+
+@SETTINGS
+@given(sums=hnp.arrays(np.int32, st.integers(0, 300)), exponent=exponents, bits=bits_of_worlds)
+def test_dequantize_is_quant_dequantize_into(sums, exponent, bits):
+    expected = np.zeros(sums.size, np.float32)
+    with np.errstate(all="ignore"):  # sums times a large power: inf, as in C
+        quant.dequantize_into(sums, exponent, bits, expected)
+    got = np.zeros(sums.size, np.float32)
+    fast.dequantize_into(sums, exponent, bits, got)
+    assert got.tobytes() == expected.tobytes()
+
+
+@SETTINGS
+@given(values=hnp.arrays(np.float32, st.integers(1, 300), elements=any_float32))
+def test_chunk_exponent_is_quant_chunk_exponents(values):
+    (expected,) = quant.chunk_exponents(values, values.size)
+    assert fast.chunk_exponent(values) == expected
+
+
+# ---------------------------------------------------------------- whole calls
+def hostile(rng: random.Random, data: bytes) -> bytes:
+    """A datagram made from a real one: a field changed, cut short, or garbage."""
+    d = bytearray(data)
+    kind = rng.randrange(9)
+    if kind == 0:
+        return bytes(d[: rng.randrange(len(d))])
+    if kind == 1:
+        return bytes(d + b"\0" * rng.randrange(1, 9))
+    if kind == 2:
+        return bytes(rng.randrange(256) for _ in range(rng.randrange(64)))
+    if kind == 3 and len(d) >= wire.HEADER_SIZE + wire.LANE_SIZE:  # any exponent
+        d[wire.HEADER_SIZE + 8: wire.HEADER_SIZE + 10] = rng.randrange(65536).to_bytes(2, "little")
+        return bytes(d)
+    if kind == 4 and len(d) >= wire.HEADER_SIZE:  # a stale or future message number
+        msg = int.from_bytes(d[12:16], "little") + rng.choice([-2, -1, 1, 2])
+        d[12:16] = (msg & 0xFFFFFFFF).to_bytes(4, "little")
+        return bytes(d)
+    if kind == 5 and len(d) >= wire.HEADER_SIZE:  # another call's, or another packet's
+        field = rng.choice([16, 20])
+        v = int.from_bytes(d[field:field + 4], "little") + rng.choice([-1, 1, 7])
+        d[field:field + 4] = (v & 0xFFFFFFFF).to_bytes(4, "little")
+        return bytes(d)
+    if kind == 6 and len(d) >= wire.HEADER_SIZE:  # any one header byte
+        d[rng.randrange(wire.HEADER_SIZE)] = rng.randrange(256)
+        return bytes(d)
+    if kind == 7 and len(d) > wire.HEADER_SIZE:  # values changed: still a valid result
+        i = rng.randrange(wire.HEADER_SIZE, len(d))
+        d[i] = rng.randrange(256)
+        return bytes(d)
+    return bytes(data)  # a plain duplicate
+
+
+def run_calls(compiled_engine, calls, world, slots, k, faults, seed, bottleneck, hostile_rate):
+    """Every datagram sent, every result, and the Sessions' state after ``calls``."""
+    sim = Simulation(world, slots=slots, packet_elements=k, faults=faults, seed=seed,
+                     bottleneck=bottleneck, compiled=compiled_engine)
+    sent = []
+    attacker = random.Random(seed)
+    deliver = sim._send
+
+    def record(data, src, dst):
+        data = bytes(data)
+        if src != SWITCH:
+            sent.append((src[1], data))
+        deliver(data, src, dst)
+        if dst != SWITCH and attacker.random() < hostile_rate:
+            deliver(hostile(attacker, data), src, dst)
+
+    sim._send = record
+    results = []
+    for arrays in calls:
+        outs = sim.allreduce(arrays, max_time=BIG_TIME)
+        results.append([o.tobytes() for o in outs])
+    state = [(dict(s.counters), list(s.slot_msgs), s.next_seq, s.rtt.srtt, s.rtt.rttvar,
+              s.rtt.min_rtt, s.rtt.rto(), s.window.cwnd, s.window.ssthresh)
+             for s in sim.sessions]
+    return sent, results, state
+
+
+@st.composite
+def scenarios(draw):
+    world = draw(st.integers(1, 4))
+    k = draw(st.sampled_from([4, 16, 64]))
+    slots = draw(st.sampled_from([1, 2, 5, 8, 32]))
+    dtype = draw(st.sampled_from([np.float32, np.int32]))
+    calls = []
+    for _ in range(draw(st.integers(1, 3))):
+        size = draw(st.one_of(st.integers(0, 3 * k), st.integers(0, 40 * k)))
+        if dtype == np.float32:
+            values = st.one_of(finite_float32, any_float32) if draw(st.booleans()) else finite_float32
+            arrays = [draw(hnp.arrays(np.float32, size, elements=values)) for _ in range(world)]
+        else:
+            arrays = [draw(hnp.arrays(np.int32, size)) for _ in range(world)]
+        calls.append(arrays)
+    faults = draw(st.sampled_from([
+        None,
+        Faults(loss=0.05, duplicate=0.05, jitter=0.002),
+        Faults(loss=0.2, duplicate=0.1, jitter=0.03),
+    ]))
+    bottleneck = draw(st.sampled_from([None, Bottleneck(rate=2e6, queue_bytes=6 * (44 + 4 * k))]))
+    hostile_rate = draw(st.sampled_from([0.0, 0.3]))
+    seed = draw(st.integers(0, 2**16))
+    return calls, world, slots, k, faults, seed, bottleneck, hostile_rate
+
+
+@settings(max_examples=80, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(scenario=scenarios())
+def test_c_engine_sends_and_computes_what_python_does(scenario):
+    calls, world, slots, k, faults, seed, bottleneck, hostile_rate = scenario
+    args = (calls, world, slots, k, faults, seed, bottleneck, hostile_rate)
+    py_sent, py_results, py_state = run_calls(False, *args)
+    c_sent, c_results, c_state = run_calls(True, *args)
+    assert len(c_sent) == len(py_sent)
+    for i, (a, b) in enumerate(zip(py_sent, c_sent)):
+        assert a == b, f"datagram {i} differs"
+    assert c_results == py_results
+    assert c_state == py_state
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_c_engine_results_are_the_reference_sum_under_faults(dtype):
+    rng = np.random.default_rng(5)
+    world, k = 3, 64
+    size = k * 8 * 5 + 3
+    if dtype == np.float32:
+        arrays = [(rng.standard_normal(size) * 2.0 ** float(rng.integers(-30, 30)))
+                  .astype(np.float32) for _ in range(world)]
+    else:
+        arrays = [rng.integers(-2**20, 2**20, size, dtype=np.int32) for _ in range(world)]
+    sim = Simulation(world, slots=8, packet_elements=k, seed=2, compiled=True,
+                     faults=Faults(loss=0.1, duplicate=0.1, jitter=0.01))
+    outs = sim.allreduce(arrays, max_time=BIG_TIME)
+    assert isinstance(sim.ops[0], compiled.CompiledDenseAllreduce)
+    expected = reference_sum(arrays, k)
+    for out in outs:
+        assert out.tobytes() == expected.tobytes()
+    assert sim.sessions[0].counters["retransmissions"] > 0
+
+
+def test_pure_python_switch(monkeypatch):
+    monkeypatch.setenv("SWITCHML_PURE_PYTHON", "1")
+    assert not compiled.enabled()
+    monkeypatch.setenv("SWITCHML_PURE_PYTHON", "0")
+    assert compiled.enabled()
+
+
+def test_c_engine_refuses_what_python_refuses():
+    sim = Simulation(1, slots=2, packet_elements=4, compiled=True)
+    s = sim.sessions[0]
+    with pytest.raises(TypeError):
+        s.allreduce(np.zeros(3, np.float64), np.zeros(3, np.float64), 0.0, compiled=True)
+    a = np.zeros(8, np.float32)
+    with pytest.raises(ValueError):
+        s.allreduce(a[:6], a[2:], 0.0, compiled=True)
