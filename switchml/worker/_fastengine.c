@@ -65,6 +65,17 @@ static inline int32_t float_to_int32(float x) {
     return (int32_t)x;
 }
 
+/* rintf (round half to even, the default rounding mode) without a libm call:
+ * below 2**23, adding and taking away 2**23 leaves the rounded value; from 2**23
+ * on every float32 is an integer already.  NaN fails the test and stays NaN.
+ * Exact only without -ffast-math and FMA contraction (setup.py). */
+static inline float round_half_even(float x) {
+    float magnitude = fabsf(x);
+    if (magnitude < 8388608.0f)
+        return copysignf((magnitude + 8388608.0f) - 8388608.0f, x);
+    return x;
+}
+
 /* quant.quantize_into: round(src * 2**(bits - exponent)), half to even. */
 static void quantize_into(const float *src, int64_t n, int exponent, int bits, int32_t *dst) {
     if (n == 0)
@@ -78,10 +89,10 @@ static void quantize_into(const float *src, int64_t n, int exponent, int bits, i
         /* np.float32(2.0**shift): the double power rounded to float32 */
         float factor = (float)ldexp(1.0, shift);
         for (int64_t i = 0; i < n; i++)
-            dst[i] = float_to_int32(rintf(src[i] * factor));
+            dst[i] = float_to_int32(round_half_even(src[i] * factor));
     } else {
         for (int64_t i = 0; i < n; i++)
-            dst[i] = float_to_int32(rintf(ldexpf(src[i], shift)));
+            dst[i] = float_to_int32(round_half_even(ldexpf(src[i], shift)));
     }
 }
 

@@ -4,8 +4,8 @@
 same datagrams, results and counters (tests/test_fastengine.py); ``run_io``
 drives it on a socket without the GIL.  The Session's state that lives across
 calls (message numbers, RTT estimate, window, counters) is handed to the C core
-at the start and written back after every step, so the Python and the C engine
-can take turns on one session.
+at the start and written back when the call ends (done or stalled) and whenever
+``run_io`` returns, so the Python and the C engine can take turns on one session.
 
 ``SWITCHML_PURE_PYTHON=1`` makes the worker use the Python engine only.
 """
@@ -60,6 +60,7 @@ class CompiledDenseAllreduce:
             window=(window.cwnd, window.ssthresh, window._last_decrease, window.limit))
         self.width = self._core.width
         self.sync()
+        self._sync_when_over()  # an empty call is over at once
 
     def sync(self) -> None:
         """Write the core's message numbers, RTT, window and counters to the Session."""
@@ -100,14 +101,20 @@ class CompiledDenseAllreduce:
 
     def handle_timer(self, now: float) -> None:
         self._core.handle_timer(now)
-        self.sync()
+        self._sync_when_over()
 
     def pending(self) -> list[tuple[int, int]]:
         return self._core.pending()
 
     def receive_datagram(self, data, now: float) -> None:
         self._core.receive_datagram(data, now)
-        self.sync()
+        self._sync_when_over()
+
+    def _sync_when_over(self) -> None:
+        # Not per datagram while the call runs: the export builds Python objects.
+        # After its end, late datagrams are counted at once, as in Python.
+        if self._core.done or self._core.error:
+            self.sync()
 
     # ------------------------------------------------------------ the socket driver
     def run_io(self, udp, address: tuple[str, int], control_fd: int, slice_s: float) -> int:
