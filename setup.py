@@ -8,7 +8,8 @@ from setuptools import Extension, setup
 
 EXTENSIONS = [
     Extension("switchml.worker._fastengine", ["switchml/worker/_fastengine.c"],
-              extra_compile_args=["-O2", "-std=c11", "-D_GNU_SOURCE", "-ffp-contract=off"]),
+              extra_compile_args=["-O3", "-std=c11", "-D_GNU_SOURCE", "-ffp-contract=off",
+                                  "-fno-trapping-math"]),
 ]
 
 setup(ext_modules=EXTENSIONS)

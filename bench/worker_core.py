@@ -54,14 +54,16 @@ def _worker_main(engine, address, rank, world, elements, dtype, warmup, repeats,
     with switchml.Worker(address, rank, world, job=job, timeout=60) as w:
         for _ in range(warmup):
             w.allreduce(data, out)
-        times, cpu = [], []
+        times, cpu, system = [], [], []
         for _ in range(repeats):
             c0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             w.allreduce(data, out)
             t1, c1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
             times.append(t1 - t0)
             cpu.append((c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime))
-        report_q.put({"rank": rank, "times": times, "cpu": cpu, "counters": w.counters,
+            system.append(c1.ru_stime - c0.ru_stime)
+        report_q.put({"rank": rank, "times": times, "cpu": cpu, "system": system,
+                      "counters": w.counters,
                       "compiled": compiled.enabled(), "cwnd": w.session.window.cwnd})
 
 
@@ -79,6 +81,7 @@ def run_engine(ctx, engine, address, args, elements):
     mib = elements * 4 / 2**20
     per_call = np.max([r["times"] for r in reports], axis=0)  # the slowest rank finishes it
     cpu = [statistics.median(r["cpu"]) for r in reports]
+    system = [statistics.median(r["system"]) for r in reports]
     return {
         "engine": engine,
         "compiled": reports[0]["compiled"],
@@ -87,6 +90,7 @@ def run_engine(ctx, engine, address, args, elements):
         "goodput_MiBps_per_worker": mib / float(statistics.median(per_call)),
         "cpu_s_per_call_per_worker": cpu,
         "cpu_ms_per_MiB_per_worker": float(statistics.mean(cpu)) / mib * 1e3,
+        "sys_ms_per_MiB_per_worker": float(statistics.mean(system)) / mib * 1e3,
         "retransmissions": [r["counters"]["retransmissions"] for r in reports],
         "spurious_retransmissions": [r["counters"]["spurious_retransmissions"] for r in reports],
         "cwnd": [r["cwnd"] for r in reports],
@@ -159,10 +163,12 @@ def main(argv=None):
         switch.join(10)
     print(f"dense allreduce of {args.mib:g} MiB {args.dtype}, {args.workers} workers, "
           f"{args.packet_elements} values a packet, loopback ({os.cpu_count()} cores)")
-    print(f"{'engine':8} {'median s':>9} {'MiB/s':>8} {'CPU ms/MiB':>11} {'retrans':>8}")
+    print(f"{'engine':8} {'median s':>9} {'MiB/s':>8} {'CPU ms/MiB':>11} {'of it sys':>10} "
+          f"{'retrans':>8}")
     for r in results:
         print(f"{r['engine']:8} {r['median_s']:9.3f} {r['goodput_MiBps_per_worker']:8.1f} "
-              f"{r['cpu_ms_per_MiB_per_worker']:11.2f} {sum(r['retransmissions']):8d}")
+              f"{r['cpu_ms_per_MiB_per_worker']:11.2f} {r['sys_ms_per_MiB_per_worker']:10.2f} "
+              f"{sum(r['retransmissions']):8d}")
     record = {"argv": sys.argv[1:], "mib": args.mib, "workers": args.workers,
               "packet_elements": args.packet_elements, "slots": args.slots,
               "dtype": args.dtype, "host": platform.node(), "cpus": os.cpu_count(),

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(compiled._fastengine is None,
 fast = compiled._fastengine
 
 BIG_TIME = 1e9
-SETTINGS = settings(max_examples=60, deadline=None,
+SETTINGS = settings(max_examples=200, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 # float32 of every kind: tiny (subnormal), huge, signed zeros, inf, NaN
@@ -51,6 +51,24 @@ def test_quantize_is_quant_quantize_into(values, exponent, bits):
     got = np.zeros(values.size, np.int32)
     fast.quantize_into(values, exponent, bits, got)
     assert got.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("exponent", [-148, -120, -100, 0, 3, 30, 128])
+def test_quantize_rounds_halves_to_even_at_every_magnitude(exponent):
+    """Ties, and values about 2**23 (where the C rounding changes method) and 2**31."""
+    bits = quant.scale_bits(2)
+    scale = np.float32(2.0) ** np.float32(exponent - bits) if exponent - bits > -149 else None
+    steps = np.concatenate([np.arange(-40, 41) + 0.5, np.arange(-40, 41) + 0.25,
+                            2.0**23 + np.arange(-4, 5) * 0.5, 2.0**24 + np.arange(-4, 5),
+                            -(2.0**23) - np.arange(5) * 0.5, [2.0**31, -(2.0**31), 2.0**30]])
+    values = (steps * float(scale)).astype(np.float32) if scale is not None else \
+        np.ldexp(steps, exponent - bits).astype(np.float32)
+    expected = np.zeros(values.size, np.int32)
+    with np.errstate(all="ignore"):
+        quant.quantize_into(values, exponent, bits, expected, np.empty(values.size, np.float32))
+    got = np.zeros(values.size, np.int32)
+    fast.quantize_into(values, exponent, bits, got)
+    assert got.tolist() == expected.tolist()
 
 
 @SETTINGS

@@ -58,11 +58,12 @@ static inline void put_u32(uint8_t *p, uint32_t v) {
 
 /* ------------------------------------------------------------ block floating point */
 /* float -> int32 as numpy's unsafe cast does on x86-64 (cvttss2si): NaN and
- * out-of-range values become INT32_MIN; C leaves them undefined. */
+ * out-of-range values become INT32_MIN; C leaves them undefined.  Written as
+ * selects, not branches, so that the loops below vectorise. */
 static inline int32_t float_to_int32(float x) {
-    if (!(x >= -2147483648.0f && x < 2147483648.0f))
-        return INT32_MIN;
-    return (int32_t)x;
+    int in_range = (x >= -2147483648.0f) & (x < 2147483648.0f);
+    int32_t converted = (int32_t)(in_range ? x : 0.0f);
+    return in_range ? converted : INT32_MIN;
 }
 
 /* rintf (round half to even, the default rounding mode) without a libm call:
@@ -71,9 +72,8 @@ static inline int32_t float_to_int32(float x) {
  * Exact only without -ffast-math and FMA contraction (setup.py). */
 static inline float round_half_even(float x) {
     float magnitude = fabsf(x);
-    if (magnitude < 8388608.0f)
-        return copysignf((magnitude + 8388608.0f) - 8388608.0f, x);
-    return x;
+    float rounded = copysignf((magnitude + 8388608.0f) - 8388608.0f, x);
+    return magnitude < 8388608.0f ? rounded : x;
 }
 
 /* quant.quantize_into: round(src * 2**(bits - exponent)), half to even. */
@@ -91,8 +91,11 @@ static void quantize_into(const float *src, int64_t n, int exponent, int bits, i
         for (int64_t i = 0; i < n; i++)
             dst[i] = float_to_int32(round_half_even(src[i] * factor));
     } else {
+        /* 2**shift is no float32, but 2**(shift - 64) and 2**64 are: two exact
+         * multiplies scale as ldexp does (the result is below 2**31). */
+        float first = (float)ldexp(1.0, shift - 64), second = 18446744073709551616.0f;
         for (int64_t i = 0; i < n; i++)
-            dst[i] = float_to_int32(round_half_even(ldexpf(src[i], shift)));
+            dst[i] = float_to_int32(round_half_even(src[i] * first * second));
     }
 }
 
@@ -123,17 +126,17 @@ static void dequantize_into(const int32_t *src, int64_t n, int exponent, int bit
 
 /* quant.chunk_exponents of one chunk: smallest e with 2**e > max|x|, or a special. */
 static int16_t chunk_exponent(const float *values, int64_t n) {
-    uint32_t peak = 0;
+    /* With the sign cleared, a float32's bits as an int32 grow with its
+     * magnitude and NaNs lie above inf (quant.block_peaks): an integer max. */
+    const int32_t *bits = (const int32_t *)values;
+    int32_t peak = 0;
     for (int64_t i = 0; i < n; i++) {
-        uint32_t bits;
-        memcpy(&bits, &values[i], 4);
-        bits &= 0x7FFFFFFFu;
-        if (bits > peak)
-            peak = bits;
+        int32_t magnitude = bits[i] & 0x7FFFFFFF;
+        peak = magnitude > peak ? magnitude : peak;
     }
     if (peak == 0)
         return EXP_ZERO;
-    if (peak >= 0x7F800000u)
+    if (peak >= 0x7F800000)
         return EXP_NONFINITE;
     float f;
     memcpy(&f, &peak, 4);
