@@ -8,7 +8,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
 .PHONY: demo test install bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py switchml/worker/_fastengine.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(FIND_LINKS) -e '.[test,bench,torch,examples,metrics,integrations]'
