@@ -616,7 +616,9 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
     c->backoff = PyMem_RawCalloc(n, sizeof(int32_t));
     c->sent_at = PyMem_RawCalloc(n, sizeof(double));
     c->deadline = PyMem_RawCalloc(n, sizeof(double));
-    c->packets = PyMem_RawCalloc(n, c->packet_size);
+    /* malloc, not calloc: every byte is written before it is sent, and memory
+     * freed by the previous call is reused without being zeroed again */
+    c->packets = PyMem_RawMalloc(n * c->packet_size);
     c->datagram_len = PyMem_RawCalloc(n, sizeof(uint32_t));
     c->local_exp = PyMem_RawCalloc(c->chunks ? (size_t)c->chunks : 1, sizeof(int16_t));
     if (!c->slot_msgs || !c->round || !c->messages || !c->global_exp || !c->inflight || !c->lost ||

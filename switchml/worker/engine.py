@@ -32,7 +32,8 @@ import heapq
 import numpy as np
 
 from .. import wire
-from ..quant import EXP_NONFINITE, EXP_ZERO, chunk_exponents, dequantize_into, quantize_into, scale_bits
+from ..quant import (EXP_NONFINITE, EXP_ZERO, chunk_exponents, dequantize_into, quantize_into,
+                     scale_bits)
 from .recovery import CongestionWindow, RttEstimator
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.int32))
@@ -118,7 +119,7 @@ def _compiled_supports(session: Session) -> bool:
 
 
 class Stream:
-    """What dense and sparse calls share: slots, timers, result matching."""
+    """What dense and sparse calls share: slots, the window, timers, result matching."""
 
     mode = 0
 
