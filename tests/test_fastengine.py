@@ -145,7 +145,8 @@ def run_calls(compiled_engine, calls, world, slots, k, faults, seed, bottleneck,
         outs = sim.allreduce(arrays, max_time=BIG_TIME)
         results.append([o.tobytes() for o in outs])
     state = [(dict(s.counters), list(s.slot_msgs), s.next_seq, s.rtt.srtt, s.rtt.rttvar,
-              s.rtt.min_rtt, s.rtt.rto(), s.window.cwnd, s.window.ssthresh)
+              s.rtt.min_rtt, s.rtt.rto(), s.window.cwnd, s.window.ssthresh,
+              s.window._last_decrease, s.window._undo)
              for s in sim.sessions]
     return sent, results, state
 

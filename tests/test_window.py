@@ -91,6 +91,24 @@ def test_decrease_at_most_once_per_round_trip():
     assert w.cwnd == 1 and w.allowed(8) == 1
 
 
+def test_a_premature_timeout_takes_its_decrease_back():
+    w = CongestionWindow(limit=64, initial=20)
+    w.on_timeout(sent_at=1.0, now=1.5)
+    assert (w.cwnd, w.ssthresh) == (10, 10)
+    w.undo_decrease(decreased_at=1.4)  # not the decrease that happened: nothing
+    assert w.cwnd == 10
+    w.undo_decrease(decreased_at=1.5)
+    assert (w.cwnd, w.ssthresh) == (20, math.inf)
+    w.undo_decrease(decreased_at=1.5)  # once
+    assert w.cwnd == 20
+    w.on_timeout(sent_at=2.0, now=2.5)
+    w.on_timeout(sent_at=2.6, now=3.0)  # a later decrease stands: the first is not undone
+    w.undo_decrease(decreased_at=2.5)
+    assert w.cwnd == 5
+    w.undo_decrease(decreased_at=3.0)
+    assert w.cwnd == 10
+
+
 def test_delay_ends_slow_start():
     w = CongestionWindow(limit=64, initial=4)
     w.on_rtt_sample(0.0011, min_rtt=0.0001)  # below 2 * min + margin: noise
@@ -208,9 +226,11 @@ def test_spurious_retransmission_is_counted():
     t = op.get_timer()
     op.handle_timer(t)  # the result is late: retransmit
     assert len(op.datagrams_to_send()) == 1
+    assert s.window.ssthresh == 1  # the timeout counted as a loss
     op.receive_datagram(result, t + 0.0002)  # 0.2 ms after the retransmission
     assert s.counters["retransmissions"] == 1
     assert s.counters["spurious_retransmissions"] == 1
+    assert s.window.ssthresh == math.inf  # until it proved premature
     (d,) = op.datagrams_to_send()
     ((result, _),) = pipeline.receive_datagram(bytes(d), ("w", 0))
     t = op.get_timer()
@@ -219,6 +239,7 @@ def test_spurious_retransmission_is_counted():
     op.receive_datagram(result, t + 0.005)  # a round trip later: a real loss, as far as we know
     assert s.counters["retransmissions"] == 2
     assert s.counters["spurious_retransmissions"] == 1
+    assert s.window.ssthresh == 1
     assert op.done and (out == data).all()
 
 

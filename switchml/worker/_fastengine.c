@@ -246,6 +246,9 @@ typedef struct {
     /* CongestionWindow */
     double cwnd, ssthresh, last_decrease, delay_margin;
     int64_t window_limit;
+    int has_undo; /* the state before the last halving, to take a premature one back */
+    double undo_at, undo_cwnd, undo_ssthresh;
+    double *decreased_at; /* per slot: when its timeout halved the window, or NAN */
     int64_t counters[COUNTER_COUNT]; /* since the last export_state() */
     uint8_t *recv_buffers;           /* run_io's */
 } DenseCore;
@@ -297,10 +300,24 @@ static void window_on_rtt_sample(DenseCore *c, double rtt) {
 static int window_on_timeout(DenseCore *c, double sent_at, double now) {
     if (sent_at < c->last_decrease)
         return 0;
+    c->has_undo = 1;
+    c->undo_at = now;
+    c->undo_cwnd = c->cwnd;
+    c->undo_ssthresh = c->ssthresh;
     c->ssthresh = c->cwnd / 2 > 1.0 ? c->cwnd / 2 : 1.0;
     c->cwnd = c->ssthresh;
     c->last_decrease = now;
     return 1;
+}
+
+static void window_undo_decrease(DenseCore *c, double decreased_at) {
+    if (c->has_undo && c->undo_at == decreased_at) {
+        if (c->undo_cwnd > c->cwnd)
+            c->cwnd = c->undo_cwnd;
+        if (c->undo_ssthresh > c->ssthresh)
+            c->ssthresh = c->undo_ssthresh;
+        c->has_undo = 0;
+    }
 }
 
 static inline int64_t chunk_count(DenseCore *c, int64_t chunk) {
@@ -465,6 +482,8 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
         }
     } else if (!c->lost[j] && elapsed < c->min_rtt) {
         c->counters[COUNTER_SPURIOUS]++;
+        if (!isnan(c->decreased_at[j]))
+            window_undo_decrease(c, c->decreased_at[j]);
     }
     window_on_result(c, c->inflight_count >= window_allowed(c));
     c->last_progress = now;
@@ -489,6 +508,7 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
         c->inflight_count--;
     c->deadline[j] = INFINITY;
     c->backoff[j] = 0;
+    c->decreased_at[j] = NAN;
     if (has_message(c, j)) {
         if (heap_push(&c->ready, pkt_id_of(c, j), j) < 0)
             return -1;
@@ -520,8 +540,10 @@ static int handle_timer(DenseCore *c, double now) {
     int expired = 0;
     for (int j = 0; j < c->width; j++) {
         if (c->deadline[j] <= now) {
-            if (window_on_timeout(c, c->sent_at[j], now))
+            if (window_on_timeout(c, c->sent_at[j], now)) {
                 c->counters[COUNTER_WINDOW_DECREASES]++;
+                c->decreased_at[j] = now;
+            }
             c->lost[j] = 1;
             c->inflight_count--;
             c->deadline[j] = INFINITY;
@@ -549,6 +571,7 @@ static void core_dealloc(DenseCore *c) {
     PyMem_RawFree(c->backoff);
     PyMem_RawFree(c->sent_at);
     PyMem_RawFree(c->deadline);
+    PyMem_RawFree(c->decreased_at);
     PyMem_RawFree(c->packets);
     PyMem_RawFree(c->datagram_len);
     PyMem_RawFree(c->outbox);
@@ -602,8 +625,9 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
     if (!PyArg_ParseTuple(rtt_state, "pddddddd", &c->have_srtt, &c->srtt, &c->rttvar, &c->min_rtt,
                           &c->rto_value, &c->min_rto, &c->max_rto, &c->delay_margin))
         return -1;
-    if (!PyArg_ParseTuple(window_state, "dddL", &c->cwnd, &c->ssthresh, &c->last_decrease,
-                          &c->window_limit))
+    if (!PyArg_ParseTuple(window_state, "dddLpddd", &c->cwnd, &c->ssthresh, &c->last_decrease,
+                          &c->window_limit, &c->has_undo, &c->undo_at, &c->undo_cwnd,
+                          &c->undo_ssthresh))
         return -1;
     size_t n = W ? (size_t)W : 1;
     c->packet_size = HEADER_SIZE + LANE_SIZE * (size_t)c->lanes + 4 * (size_t)k;
@@ -616,13 +640,14 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
     c->backoff = PyMem_RawCalloc(n, sizeof(int32_t));
     c->sent_at = PyMem_RawCalloc(n, sizeof(double));
     c->deadline = PyMem_RawCalloc(n, sizeof(double));
+    c->decreased_at = PyMem_RawCalloc(n, sizeof(double));
     /* malloc, not calloc: every byte is written before it is sent, and memory
      * freed by the previous call is reused without being zeroed again */
     c->packets = PyMem_RawMalloc(n * c->packet_size);
     c->datagram_len = PyMem_RawCalloc(n, sizeof(uint32_t));
     c->local_exp = PyMem_RawCalloc(c->chunks ? (size_t)c->chunks : 1, sizeof(int16_t));
     if (!c->slot_msgs || !c->round || !c->messages || !c->global_exp || !c->inflight || !c->lost ||
-        !c->backoff || !c->sent_at || !c->deadline || !c->packets || !c->datagram_len ||
+        !c->backoff || !c->sent_at || !c->deadline || !c->decreased_at || !c->packets || !c->datagram_len ||
         !c->local_exp) {
         PyErr_NoMemory();
         return -1;
@@ -635,6 +660,7 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
         c->messages[j] = (c->chunks - j + W - 1) / W + c->lag;
         c->global_exp[j] = EXP_ZERO;
         c->deadline[j] = INFINITY;
+        c->decreased_at[j] = NAN;
     }
     if (is_float) {
         const float *values = c->src.buf;
@@ -750,8 +776,9 @@ static PyObject *core_export_state(DenseCore *c, PyObject *unused) {
         Py_DECREF(v);
         c->counters[i] = 0;
     }
-    return Py_BuildValue("(N(idddd)(ddd)N)", msgs, c->have_srtt, c->srtt, c->rttvar, c->min_rtt,
-                         c->rto_value, c->cwnd, c->ssthresh, c->last_decrease, counters);
+    return Py_BuildValue("(N(idddd)(dddiddd)N)", msgs, c->have_srtt, c->srtt, c->rttvar,
+                         c->min_rtt, c->rto_value, c->cwnd, c->ssthresh, c->last_decrease,
+                         c->has_undo, c->undo_at, c->undo_cwnd, c->undo_ssthresh, counters);
 }
 
 /* ------------------------------------------------------------ the socket driver */

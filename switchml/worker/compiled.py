@@ -57,15 +57,16 @@ class CompiledDenseAllreduce:
             slot_msgs=session.slot_msgs, now=now, progress_timeout=session.progress_timeout,
             rtt=(rtt.srtt is not None, rtt.srtt or 0.0, rtt.rttvar, rtt.min_rtt, rtt._rto,
                  rtt.min_rto, rtt.max_rto, window.DELAY_MARGIN),
-            window=(window.cwnd, window.ssthresh, window._last_decrease, window.limit))
+            window=(window.cwnd, window.ssthresh, window._last_decrease, window.limit,
+                    window._undo is not None, *(window._undo or (0.0, 0.0, 0.0))))
         self.width = self._core.width
         self.sync()
         self._sync_when_over()  # an empty call is over at once
 
     def sync(self) -> None:
         """Write the core's message numbers, RTT, window and counters to the Session."""
-        msgs, (have_srtt, srtt, rttvar, min_rtt, rto), (cwnd, ssthresh, last_decrease), \
-            counters = self._core.export_state()
+        msgs, (have_srtt, srtt, rttvar, min_rtt, rto), (cwnd, ssthresh, last_decrease, has_undo,
+                                                        *undo), counters = self._core.export_state()
         s = self.s
         s.slot_msgs[: len(msgs)] = msgs
         rtt = s.rtt
@@ -73,6 +74,7 @@ class CompiledDenseAllreduce:
         rtt.rttvar, rtt.min_rtt, rtt._rto = rttvar, min_rtt, rto
         window = s.window
         window.cwnd, window.ssthresh, window._last_decrease = cwnd, ssthresh, last_decrease
+        window._undo = tuple(undo) if has_undo else None
         for name, value in counters.items():
             s.counters[name] += value
 

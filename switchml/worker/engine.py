@@ -143,6 +143,9 @@ class Stream:
         # deadline passes; then it is presumed lost and waits, like a slot's next
         # message, for room in the window to be sent again.
         self._lost = [False] * width
+        # When a slot's timeout halved the window (None: it did not), so that a
+        # premature timeout can take its decrease back.
+        self._decreased_at: list = [None] * width
         # (pkt_id, slot) of the messages ready to go (lowest first), and of those
         # in flight; entries that no longer hold are skipped when met.
         self._ready: list = []
@@ -183,6 +186,7 @@ class Stream:
             if deadline <= now:
                 if window.on_timeout(self._sent_at[j], now):
                     self.s.counters["window_decreases"] += 1
+                    self._decreased_at[j] = now
                 self._lost[j] = True
                 self.inflight_count -= 1
                 self._deadline[j] = float("inf")
@@ -226,6 +230,8 @@ class Stream:
             # Sooner after the retransmission than any round trip: the answer to
             # an earlier copy, so the timeout fired too early.
             s.counters["spurious_retransmissions"] += 1
+            if self._decreased_at[j] is not None:
+                s.window.undo_decrease(self._decreased_at[j])
         s.window.on_result(self.inflight_count >= s.window.allowed(self.width))
         self.last_progress = now
         self._absorb(j, m, h, data)
@@ -238,6 +244,7 @@ class Stream:
             self.inflight_count -= 1
         self._deadline[j] = float("inf")
         self._backoff[j] = 0
+        self._decreased_at[j] = None
         if self._has_message(j):
             heapq.heappush(self._ready, (self._round[j] * self.width + j, j))
             self._send_ready(now)

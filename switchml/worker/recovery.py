@@ -60,7 +60,10 @@ class CongestionWindow:
     * Congestion avoidance: +1/cwnd per result, one message per round trip.
     * A retransmission timeout halves the window, at most once per round trip:
       only a message sent after the last decrease can cause the next one
-      (several losses of one window are one congestion event).
+      (several losses of one window are one congestion event).  A timeout that
+      proves premature (its result comes sooner after the retransmission than
+      any round trip) takes its decrease back, as Eifel does (RFC 4015): on a
+      loaded host a late result is no sign of a full queue.
     * It grows only while it limits the sender (RFC 7661): a stream of small
       calls that never fills it does not inflate it untested.
 
@@ -77,6 +80,7 @@ class CongestionWindow:
         self.cwnd = float(min(initial, self.limit))
         self.ssthresh = math.inf
         self._last_decrease = -math.inf  # time of the last halving
+        self._undo: tuple | None = None  # (time, cwnd, ssthresh) before the last halving
 
     def allowed(self, width: int) -> int:
         """How many messages a call of ``width`` slots may have in flight."""
@@ -100,7 +104,16 @@ class CongestionWindow:
         """A message sent at ``sent_at`` timed out at ``now``; whether the window shrank."""
         if sent_at < self._last_decrease:
             return False  # of the window already halved for: the same congestion event
+        self._undo = (now, self.cwnd, self.ssthresh)
         self.ssthresh = max(1.0, self.cwnd / 2)
         self.cwnd = self.ssthresh
         self._last_decrease = now
         return True
+
+    def undo_decrease(self, decreased_at: float) -> None:
+        """The timeout that halved the window at ``decreased_at`` was premature: take
+        the halving back, unless a later one came since (then that one stands)."""
+        if self._undo is not None and self._undo[0] == decreased_at:
+            _, cwnd, ssthresh = self._undo
+            self.cwnd, self.ssthresh = max(self.cwnd, cwnd), max(self.ssthresh, ssthresh)
+            self._undo = None
