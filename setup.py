@@ -1,16 +1,25 @@
-"""The compiled switch core (switchml.switch._fastpath); everything else is in pyproject.toml.
+"""Builds the compiled parts; everything else is in pyproject.toml.
 
-It is optional: where it cannot be built (no C compiler), the switch runs its pure
-Python pipeline, as with SWITCHML_PURE_PYTHON=1.
+Both are optional: where they cannot be built (no C compiler), the package
+installs and runs its pure Python reference (as with SWITCHML_PURE_PYTHON=1).
+One Extension per entry of EXTENSIONS.
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension(
-    "switchml.switch._fastpath",
-    sources=["switchml/switch/_fastpath.c", "switchml/switch/fastpath_core.c",
-             "switchml/switch/fastpath_io.c"],
-    depends=["switchml/switch/fastpath.h", "switchml/switch/fastpath_io.h"],
-    extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-declaration-after-statement"],
-    optional=True,
-)])
+EXTENSIONS = [
+    # the switch's data plane: per-packet pipeline and its GIL-free socket loop
+    Extension("switchml.switch._fastpath",
+              sources=["switchml/switch/_fastpath.c", "switchml/switch/fastpath_core.c",
+                       "switchml/switch/fastpath_io.c"],
+              depends=["switchml/switch/fastpath.h", "switchml/switch/fastpath_io.h"],
+              extra_compile_args=["-O2", "-std=gnu11", "-Wall",
+                                  "-Wno-declaration-after-statement"],
+              optional=True),
+    # the worker's dense engine and its GIL-free socket loop
+    Extension("switchml.worker._fastengine", ["switchml/worker/_fastengine.c"], optional=True,
+              extra_compile_args=["-O3", "-std=c11", "-D_GNU_SOURCE", "-ffp-contract=off",
+                                  "-fno-trapping-math"]),
+]
+
+setup(ext_modules=EXTENSIONS)

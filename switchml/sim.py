@@ -2,7 +2,10 @@
 
 The same sans-IO pipeline and engine that run behind real sockets run here on a
 virtual clock, with seeded loss, duplication and reordering (random extra delay).
-Used by the tests; also handy to explore protocol behaviour quickly.
+An optional ``Bottleneck`` (a rate and a finite drop-tail queue on the link into
+the switch) lets the congestion window be watched, and several jobs can share
+one switch and one network.  Used by the tests; also handy to explore protocol
+behaviour quickly.
 """
 
 from __future__ import annotations
@@ -27,33 +30,93 @@ class Faults:
     latency: float = 50e-6   # one-way base delay in seconds
 
 
+@dataclass
+class Bottleneck:
+    """The link into the switch, shared by every worker of every job on the network.
+
+    Datagrams leave it one after another at ``rate`` bytes per second; those that
+    find more than ``queue_bytes`` waiting are dropped (tail drop), as in a
+    switch port's buffer.
+    """
+    rate: float
+    queue_bytes: int
+
+
 class StalledSimulation(RuntimeError):
     pass
 
 
+class Network:
+    """The virtual clock and the datagrams in flight, shared by the jobs simulated on it."""
+
+    def __init__(self, faults: Faults | None = None, seed: int = 0,
+                 bottleneck: Bottleneck | None = None):
+        self.faults = faults or Faults()
+        self.bottleneck = bottleneck
+        self.rng = random.Random(seed)
+        self.now = 0.0
+        self._order = 0
+        self._queue: list = []
+        self._link_free_at = 0.0  # when the bottleneck has sent all it holds
+        self.datagrams = 0
+        self.bottleneck_drops = 0
+
+    def send(self, data, src, dst) -> None:
+        """Put a copy of ``data`` on the wire, subject to the faults and the bottleneck."""
+        f = self.faults
+        if f.loss and self.rng.random() < f.loss:
+            return
+        data = bytes(data)
+        copies = 2 if f.duplicate and self.rng.random() < f.duplicate else 1
+        for _ in range(copies):
+            departure = self.now
+            if dst == SWITCH and self.bottleneck is not None:
+                link = self.bottleneck
+                start = max(self.now, self._link_free_at)
+                if (start - self.now) * link.rate + len(data) > link.queue_bytes:
+                    self.bottleneck_drops += 1
+                    continue
+                departure = self._link_free_at = start + len(data) / link.rate
+            delay = f.latency + (self.rng.random() * f.jitter if f.jitter else 0.0)
+            self._order += 1
+            heapq.heappush(self._queue, (departure + delay, self._order, src, dst, data))
+            self.datagrams += 1
+
+    def next_arrival(self) -> float:
+        return self._queue[0][0] if self._queue else float("inf")
+
+    def pop(self):
+        """Advance the clock to the next arrival; return (src, dst, data)."""
+        self.now, _, src, dst, data = heapq.heappop(self._queue)
+        return src, dst, data
+
+
 class Simulation:
-    """n workers of one job and a switch pipeline, driven by a virtual clock."""
+    """n workers of one job and a switch pipeline, driven by a virtual clock.
+
+    Several jobs share one switch and one network when built with the same
+    ``pipeline`` and ``network``; ``run_concurrently`` drives them together.
+    """
 
     def __init__(self, world_size: int, *, slots: int = 8, packet_elements: int | None = None,
                  faults: Faults | None = None, seed: int = 0, pipeline: Pipeline | None = None,
                  session: int = 0x5EED, slot_base: int | None = None,
                  progress_timeout: float = 60.0, block_elements: int | None = None,
-                 addresses: list | None = None):
+                 bottleneck: Bottleneck | None = None, network: Network | None = None,
+                 compiled: bool = False, addresses: list | None = None):
         """``packet_elements`` and ``block_elements`` are the job's packet size: with a
         given ``pipeline`` they may be smaller than its own (its defaults when None);
         without one, the pipeline built here has that size (64 values by default).
         ``addresses``: the workers' data addresses, by rank (names by default)."""
-        self.faults = faults or Faults()
-        self.rng = random.Random(seed)
+        self.network = network or Network(faults, seed, bottleneck)
+        self.faults = self.network.faults
         if pipeline is None:
             pipeline = Pipeline(slots=slots, packet_elements=packet_elements or 64,
                                 block_elements=block_elements)
             packet_elements, block_elements = pipeline.packet_elements, pipeline.block_elements
         self.pipeline = pipeline
-        self.now = 0.0
-        self._order = 0
-        self._queue: list = []
-        addrs = addresses or [("worker", r) for r in range(world_size)]
+        addrs = addresses or [("worker", r, session) for r in range(world_size)]
+        self.rank_of = {addr: rank for rank, addr in enumerate(addrs)}
         base = self.pipeline.allocate(slots) if slot_base is None else slot_base
         self.job = self.pipeline.install_job(f"sim-{session}", session, addrs, base, slots,
                                              packet_elements, block_elements)
@@ -63,20 +126,34 @@ class Simulation:
                                  block_elements=self.job.block_elements,
                                  progress_timeout=progress_timeout)
                          for r in range(world_size)]
-        self.datagrams = 0
+        self.ops: list = []
+        self.compiled = compiled  # dense calls on the C engine (worker/compiled.py)
+
+    @property
+    def now(self) -> float:
+        return self.network.now
+
+    @property
+    def datagrams(self) -> int:
+        return self.network.datagrams
 
     def _send(self, data, src, dst) -> None:
-        """Put a copy of ``data`` on the wire, subject to the configured faults."""
-        f = self.faults
-        if f.loss and self.rng.random() < f.loss:
-            return
-        data = bytes(data)
-        copies = 2 if f.duplicate and self.rng.random() < f.duplicate else 1
-        for _ in range(copies):
-            delay = f.latency + (self.rng.random() * f.jitter if f.jitter else 0.0)
-            self._order += 1
-            heapq.heappush(self._queue, (self.now + delay, self._order, src, dst, data))
-            self.datagrams += 1
+        self.network.send(data, src, dst)
+
+    def begin(self, arrays: list[np.ndarray], sparse: bool = False) -> list[np.ndarray]:
+        """Start an allreduce of ``arrays[r]`` on every rank r; return the outputs."""
+        outs = [np.empty_like(a) for a in arrays]
+        extra = {"compiled": True} if self.compiled else {}
+        self.ops = [s.allreduce(a, o, self.now, sparse, **extra)
+                    for s, a, o in zip(self.sessions, arrays, outs)]
+        for addr, op in zip(self.job.members, self.ops):
+            for d in op.datagrams_to_send():
+                self._send(d, addr, SWITCH)
+        return outs
+
+    @property
+    def finished(self) -> bool:
+        return all(op.done for op in self.ops)
 
     def allreduce(self, arrays: list[np.ndarray], max_time: float = 600.0,
                   sparse: bool = False) -> list[np.ndarray]:
@@ -85,35 +162,89 @@ class Simulation:
         Raises StalledSimulation when it takes more than ``max_time`` virtual seconds.
         """
         give_up = self.now + max_time
-        outs = [np.empty_like(a) for a in arrays]
-        ops = [s.allreduce(a, o, self.now, sparse) for s, a, o in zip(self.sessions, arrays, outs)]
-        addrs = self.job.members
-        rank_of = {addr: rank for rank, addr in enumerate(addrs)}
-        for addr, op in zip(addrs, ops):
-            for d in op.datagrams_to_send():
-                self._send(d, addr, SWITCH)
-        while not all(op.done for op in ops):
-            if any(op.error for op in ops):
-                raise StalledSimulation(f"a worker stalled at t={self.now:.3f}")
-            timers = [t for t in (op.get_timer() for op in ops) if t is not None]
-            next_timer = min(timers, default=float("inf"))
-            next_packet = self._queue[0][0] if self._queue else float("inf")
-            if min(next_timer, next_packet) > give_up:
-                raise StalledSimulation(f"not finished after {max_time} virtual seconds")
-            if next_packet <= next_timer:
-                self.now, _, src, dst, data = heapq.heappop(self._queue)
-                if dst == SWITCH:
-                    for out, addr in self.pipeline.receive_datagram(data, src):
-                        self._send(out, SWITCH, addr)
-                else:
-                    op = ops[rank_of[dst]]
-                    op.receive_datagram(data, self.now)
-                    for d in op.datagrams_to_send():
-                        self._send(d, dst, SWITCH)
-            else:
-                self.now = next_timer
-                for addr, op in zip(addrs, ops):
-                    op.handle_timer(self.now)
-                    for d in op.datagrams_to_send():
-                        self._send(d, addr, SWITCH)
+        outs = self.begin(arrays, sparse)
+        while not self.finished:
+            self.step(give_up, max_time)
         return outs
+
+    def step(self, give_up: float = float("inf"), max_time: float = float("inf")) -> None:
+        """Deliver the next datagram or fire the next timers of the call running."""
+        _step([self], give_up, max_time)
+
+
+def _step(sims: list[Simulation], give_up: float, max_time: float) -> None:
+    """Deliver the next datagram or fire the next timers, whichever comes first."""
+    network = sims[0].network
+    for sim in sims:
+        if any(op.error for op in sim.ops):
+            raise StalledSimulation(f"a worker stalled at t={network.now:.3f}")
+    timers = [t for sim in sims for t in (op.get_timer() for op in sim.ops) if t is not None]
+    next_timer = min(timers, default=float("inf"))
+    next_packet = network.next_arrival()
+    if min(next_timer, next_packet) > give_up:
+        raise StalledSimulation(f"not finished after {max_time} virtual seconds")
+    if next_packet <= next_timer:
+        src, dst, data = network.pop()
+        if dst == SWITCH:
+            pipeline = sims[0].pipeline
+            for out, addr in pipeline.receive_datagram(data, src):
+                sim = _owner(sims, addr)
+                (sim or sims[0])._send(out, SWITCH, addr)
+        else:
+            sim = _owner(sims, dst)
+            if sim is None or not sim.ops:
+                return  # a job between calls: a late datagram, dropped
+            op = sim.ops[sim.rank_of[dst]]
+            op.receive_datagram(data, network.now)
+            for d in op.datagrams_to_send():
+                sim._send(d, dst, SWITCH)
+    else:
+        network.now = next_timer
+        for sim in sims:
+            for addr, op in zip(sim.job.members, sim.ops):
+                op.handle_timer(network.now)
+                for d in op.datagrams_to_send():
+                    sim._send(d, addr, SWITCH)
+
+
+def _owner(sims: list[Simulation], addr) -> Simulation | None:
+    for sim in sims:
+        if addr in sim.rank_of:
+            return sim
+    return None
+
+
+def run_concurrently(sims: list[Simulation], arrays: list[list[np.ndarray]], until: float,
+                     start_at: list[float] | None = None,
+                     max_time: float = 600.0) -> list[list[float]]:
+    """Run allreduces back to back on every job (sharing a network) until ``until``.
+
+    Job i starts at ``start_at[i]`` (default 0) and sums ``arrays[i]`` again as soon
+    as its previous call finished; returns, per job, the virtual times at which
+    its calls finished.
+    """
+    start_at = start_at or [0.0] * len(sims)
+    finished: list[list[float]] = [[] for _ in sims]
+    started = [False] * len(sims)
+    network = sims[0].network
+    give_up = network.now + max_time
+    while network.now < until:
+        for i, sim in enumerate(sims):
+            if not started[i] and network.now >= start_at[i]:
+                started[i] = True
+                sim.begin(arrays[i])
+        running = [sim for i, sim in enumerate(sims) if started[i]]
+        # Wake up for a job's start even when nothing else is due before it.
+        pending_start = min((t for i, t in enumerate(start_at) if not started[i]),
+                            default=float("inf"))
+        if pending_start < network.next_arrival() and pending_start < min(
+                (t for sim in running for t in (op.get_timer() for op in sim.ops)
+                 if t is not None), default=float("inf")):
+            network.now = pending_start
+            continue
+        _step(running, give_up, max_time)
+        for i, sim in enumerate(sims):
+            if started[i] and sim.finished:
+                finished[i].append(network.now)
+                sim.begin(arrays[i])
+    return finished

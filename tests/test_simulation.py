@@ -297,6 +297,7 @@ def test_silent_peer_makes_the_call_stall_after_progress_timeout():
     for d in first:
         assert pipeline.receive_datagram(bytes(d), ("w", 0)) == []
     times = []
+    resent_total = 0
     while True:
         t = op.get_timer()
         assert t is not None
@@ -306,7 +307,10 @@ def test_silent_peer_makes_the_call_stall_after_progress_timeout():
             break
         times.append(t)
         resent = op.datagrams_to_send()
-        assert len(resent) == 2
+        # Timeouts shrink the window: the lowest message always goes out again,
+        # the other when the window still has room for it.
+        assert resent[0] == first[0] and 1 <= len(resent) <= 2
+        resent_total += len(resent)
         for d in resent:  # the switch only ever sees the same packets again
             assert pipeline.receive_datagram(bytes(d), ("w", 0)) == []
     assert op.error == "stalled"
@@ -318,12 +322,12 @@ def test_silent_peer_makes_the_call_stall_after_progress_timeout():
     assert len(times) >= 3 and np.all(gaps >= 0.05 - 1e-12)
     assert np.all(np.diff(gaps) >= -1e-12) and gaps[-1] >= 2 * gaps[0]
     assert times[-1] < 2.0
-    assert s.counters["retransmissions"] == 2 * len(times)
+    assert s.counters["retransmissions"] == resent_total
     assert op.get_timer() is None
     op.handle_timer(t + 10)  # nothing more happens once stalled
     assert op.datagrams_to_send() == [] and op.error == "stalled"
     assert (out == -7).all()
-    assert job.counters["duplicates"] == 2 * len(times)
+    assert job.counters["duplicates"] == resent_total
     assert job.counters["results_completed"] == 0
 
 

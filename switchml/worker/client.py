@@ -25,6 +25,7 @@ from ..errors import (JoinRefusedError, LimitExceededError, SwitchMLError,
                       SwitchMLTimeoutError, SwitchUnreachableError)
 from ..netutil import (LineReader, enable_keepalive, encode_line, enlarge_buffers,
                        forbid_fragmentation, route_mtu)
+from . import compiled
 from .engine import SUPPORTED_DTYPES, Session
 from .sparse import nonzero_blocks
 
@@ -32,6 +33,8 @@ log = logging.getLogger("switchml.worker")
 
 #: Datagrams handled between two looks at the timers and the control connection.
 DRAIN_BATCH = 64
+#: Seconds the C engine runs a call without the GIL before Python looks again.
+IO_SLICE = 0.02
 #: Seconds to wait for the switch's answer to a status query while diagnosing.
 STATUS_TIMEOUT = 2.0
 
@@ -419,12 +422,16 @@ class Worker:
         return union <= self._sparse_auto_union
 
     def _run(self, src: np.ndarray, out: np.ndarray, sparse: bool = False) -> np.ndarray:
+        # The C loop drives a real socket by its descriptor (not a wrapper of one).
+        use_c = not sparse and compiled.enabled() and isinstance(self._udp, socket.socket)
+        op = self.session.allreduce(src, out, time.monotonic(), sparse, compiled=use_c)
+        if isinstance(op, compiled.CompiledDenseAllreduce):
+            return self._run_compiled(op, out)
         udp = self._udp
         dst = self._data_address
         counters = self.session.counters
         buf = bytearray(65536)
         view = memoryview(buf)
-        op = self.session.allreduce(src, out, time.monotonic(), sparse)
 
         def flush():
             for d in op.datagrams_to_send():
@@ -451,16 +458,41 @@ class Worker:
             if timer is not None and now >= timer:
                 op.handle_timer(now)
                 if op.error:
-                    error = self._diagnose(op)
-                    if self._control_open:  # a stall this rank saw: fail the job for all
-                        self._abort(error)
-                    raise error
+                    self._fail_stalled(op)
                 flush()
                 timer = op.get_timer()
             if received < DRAIN_BATCH:
                 wait = timer - time.monotonic() if timer is not None else 1.0
                 self._wait(wait, drain_udp=False)
         return out
+
+    #: The switch's data address resolved to IPv4, on the first compiled call.
+    _data_ip: str | None = None
+
+    def _run_compiled(self, op, out: np.ndarray) -> np.ndarray:
+        """The dense call on the C engine: it receives, absorbs and sends without the
+        GIL (recvmmsg, sendmmsg) and comes back when the control connection has
+        news, when the call stalled, or every ``IO_SLICE`` seconds."""
+        host, port = self._data_address
+        if self._data_ip is None:
+            self._data_ip = socket.gethostbyname(host)  # the C loop takes an IPv4 address
+        address = (self._data_ip, port)
+        while True:
+            control_fd = self._control.fileno() if self._control_open else -1
+            status = op.run_io(self._udp, address, control_fd, IO_SLICE)
+            if status == compiled.IO_DONE:
+                return out
+            if status == compiled.IO_STALLED:
+                self._fail_stalled(op)
+            if status == compiled.IO_CONTROL:
+                self._wait(0.0, drain_udp=False)  # a failure announced there raises
+
+    def _fail_stalled(self, op) -> None:
+        """No progress for ``timeout``: find out who is missing, fail the job, raise."""
+        error = self._diagnose(op)
+        if self._control_open:  # a stall this rank saw: fail the job for all
+            self._abort(error)
+        raise error
 
     def _abort(self, error: SwitchMLError) -> None:
         """Tell the switch this rank gives up: it fails the job and frees its slots."""

@@ -3,32 +3,59 @@
 A ``Session`` is a worker's membership of one job (session id, slot range,
 packet and block sizes, world size); it persists the per-slot message numbers
 across allreduces, so that consecutive allreduces keep alternating the
-shadow-copy sets.  ``Session.allreduce`` makes the state machine of one call: a
-``DenseAllreduce`` (SwitchML) here, or a ``SparseAllreduce`` (OmniReduce, in
-``sparse.py``).  Both share ``Stream``: one message in flight per slot, the
-result of a message clocks out the next one (self-clocking), a retransmission
-deadline per outstanding message with back-off, and no result for
-``progress_timeout`` seconds makes the call fail as stalled.
+shadow-copy sets, and the congestion window and RTT estimate, so that the next
+allreduce starts at the rate the last one found.  ``Session.allreduce`` makes the
+state machine of one call: a ``DenseAllreduce`` (SwitchML) here, or a
+``SparseAllreduce`` (OmniReduce, in ``sparse.py``).  Both share ``Stream``: at
+most one message per slot, the result of a message makes the slot's next one
+ready, ready messages go out in ``pkt_id`` order while fewer than the congestion
+window (``recovery.CongestionWindow``) are in flight, and the lowest unfinished
+message is always in flight (every rank sends the same messages in the same
+order, so no rank can wait on another forever).  A retransmission deadline per
+outstanding message with back-off; no result for ``progress_timeout`` seconds
+makes the call fail as stalled.
 
 Dense: tensor chunk ``c`` (``packet_elements`` values) goes through local slot
 ``c mod W``, W = min(slots, chunks).  int32: message m of slot j carries chunk
 ``j + m*W``.  float32: message m carries the values of chunk ``j + (m-1)*W``,
 quantised with the exponent the switch returned with message m-1, and (in its
 first lane record) the local exponent of chunk ``j + m*W``; message 0 only
-seeds it.
+seeds it.  Message m of slot j has ``pkt_id`` ``m*W + j``.
 
 The engine never reads a clock or touches a socket: callers pass ``now``.
 """
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 from .. import wire
-from ..quant import EXP_ZERO, chunk_exponents, dequantize_into, quantize_into, scale_bits
-from .recovery import RttEstimator
+from ..quant import (EXP_NONFINITE, EXP_ZERO, chunk_exponents, dequantize_into, quantize_into,
+                     scale_bits)
+from .recovery import CongestionWindow, RttEstimator
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.int32))
+
+#: Exponents of non-zero finite float32 chunks: frexp of the least subnormal
+#: (2**-149) is -148, of the largest float32 128.
+LEAST_EXPONENT, GREATEST_EXPONENT = -148, 128
+
+
+def valid_exponent(e: int) -> bool:
+    """Whether ``e`` is a chunk exponent some worker could have computed."""
+    return LEAST_EXPONENT <= e <= GREATEST_EXPONENT or e in (EXP_ZERO, EXP_NONFINITE)
+
+
+def check_arrays(array: np.ndarray, out: np.ndarray) -> None:
+    """Raise unless ``array`` is of a summed dtype and ``out`` is it or apart from it."""
+    if array.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"switchml sums float32 and int32 arrays, not {array.dtype}")
+    src, dst = array.reshape(-1), out.reshape(-1)
+    if np.may_share_memory(src, dst) and not (
+            src.ctypes.data == dst.ctypes.data and src.size == dst.size):
+        raise ValueError("out must be the input itself or not overlap it")
 
 
 class Session:
@@ -36,7 +63,8 @@ class Session:
 
     def __init__(self, *, session: int, rank: int, world_size: int, slot_base: int,
                  slot_count: int, packet_elements: int, block_elements: int | None = None,
-                 progress_timeout: float = 30.0, rtt: RttEstimator | None = None):
+                 progress_timeout: float = 30.0, rtt: RttEstimator | None = None,
+                 window: CongestionWindow | None = None):
         self.session = session
         self.rank = rank
         self.world_size = world_size
@@ -47,6 +75,7 @@ class Session:
         self.lanes = packet_elements // self.block_elements
         self.progress_timeout = progress_timeout
         self.rtt = rtt or RttEstimator()
+        self.window = window or CongestionWindow(slot_count)
         self.bits = scale_bits(world_size)
         self.slot_msgs = [0] * slot_count
         self.next_seq = 0
@@ -59,38 +88,48 @@ class Session:
         self.scratch = np.empty(packet_elements, dtype=np.float32)
         self.blank_lanes = np.zeros(self.lanes, dtype=wire.LANE)
         self.blank_lanes["exp"] = EXP_ZERO
-        self.counters = {"results_in": 0, "retransmissions": 0, "dropped_stale": 0,
+        self.counters = {"results_in": 0, "retransmissions": 0, "spurious_retransmissions": 0,
+                         "window_decreases": 0, "dropped_stale": 0,
                          "dropped_malformed": 0, "dropped_foreign": 0,
                          "sparse_blocks_sent": 0, "sparse_blocks_received": 0,
                          "bytes_sent": 0, "bytes_received": 0}
 
-    def allreduce(self, array: np.ndarray, out: np.ndarray, now: float, sparse: bool = False):
-        """Start an allreduce of ``array`` into ``out``; returns its state machine."""
+    def allreduce(self, array: np.ndarray, out: np.ndarray, now: float, sparse: bool = False,
+                  compiled: bool = False):
+        """Start an allreduce of ``array`` into ``out``; returns its state machine.
+
+        ``compiled``: a dense call runs on the C engine (``compiled.py``) when it
+        is built; the same datagrams and results either way.
+        """
         if sparse:
             from .sparse import SparseAllreduce
             op = SparseAllreduce(self, array, out, self.next_seq, now)
+        elif compiled and _compiled_supports(self):
+            from .compiled import CompiledDenseAllreduce
+            op = CompiledDenseAllreduce(self, array, out, self.next_seq, now)
         else:
             op = DenseAllreduce(self, array, out, self.next_seq, now)
         self.next_seq = (self.next_seq + 1) & 0xFFFFFFFF
         return op
 
 
+def _compiled_supports(session: Session) -> bool:
+    from .compiled import supports  # imported late: compiled.py imports this module
+    return supports(session)
+
+
 class Stream:
-    """What dense and sparse calls share: slots, timers, result matching."""
+    """What dense and sparse calls share: slots, the window, timers, result matching."""
 
     mode = 0
 
     def __init__(self, session: Session, array: np.ndarray, out: np.ndarray, seq: int,
                  now: float, width: int):
-        if array.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"switchml sums float32 and int32 arrays, not {array.dtype}")
+        check_arrays(array, out)
         self.s = session
         self.seq = seq
         self.src = array.reshape(-1)
         self.out = out.reshape(-1)
-        if np.may_share_memory(self.src, self.out) and not (
-                self.src.ctypes.data == self.out.ctypes.data and self.src.size == self.out.size):
-            raise ValueError("out must be the input itself or not overlap it")
         self.is_float = array.dtype == np.float32
         self.dtype_code = wire.DTYPE_FLOAT32 if self.is_float else wire.DTYPE_INT32
         self.size = self.src.size
@@ -100,6 +139,18 @@ class Stream:
         self._sent_at = [0.0] * width
         self._deadline = [float("inf")] * width
         self._backoff = [0] * width
+        # A message sent and still awaiting its result is in flight until its
+        # deadline passes; then it is presumed lost and waits, like a slot's next
+        # message, for room in the window to be sent again.
+        self._lost = [False] * width
+        # When a slot's timeout halved the window (None: it did not), so that a
+        # premature timeout can take its decrease back.
+        self._decreased_at: list = [None] * width
+        # (pkt_id, slot) of the messages ready to go (lowest first), and of those
+        # in flight; entries that no longer hold are skipped when met.
+        self._ready: list = []
+        self._inflight_ids: list = []
+        self.inflight_count = 0
         self._outbox: list = []
         self.remaining = width
         self.last_progress = now
@@ -122,19 +173,27 @@ class Stream:
         return min(min(self._deadline), self.last_progress + self.s.progress_timeout)
 
     def handle_timer(self, now: float) -> None:
-        """Retransmit every message whose deadline passed; detect a stalled call."""
+        """Presume lost every message whose deadline passed and resend what the
+        window allows, lowest first; detect a stalled call."""
         if self.done or self.error:
             return
         if now >= self.last_progress + self.s.progress_timeout:
             self.error = "stalled"
             return
+        window = self.s.window
+        expired = False
         for j, deadline in enumerate(self._deadline):
             if deadline <= now:
-                self._backoff[j] += 1
-                self._sent_at[j] = now
-                self._deadline[j] = now + self.s.rtt.rto(self._backoff[j])
-                self._outbox.append(self._inflight[j])
-                self.s.counters["retransmissions"] += 1
+                if window.on_timeout(self._sent_at[j], now):
+                    self.s.counters["window_decreases"] += 1
+                    self._decreased_at[j] = now
+                self._lost[j] = True
+                self.inflight_count -= 1
+                self._deadline[j] = float("inf")
+                heapq.heappush(self._ready, (self._round[j] * self.width + j, j))
+                expired = True
+        if expired:
+            self._send_ready(now)
 
     def pending(self) -> list[tuple[int, int]]:
         """(absolute slot, message number) of every message still awaiting its result."""
@@ -162,21 +221,95 @@ class Stream:
             s.counters["dropped_stale"] += 1
             return
         s.counters["results_in"] += 1
+        rtt = s.rtt
         if self._backoff[j] == 0:
-            s.rtt.add_sample(now - self._sent_at[j])  # Karn: only unambiguous samples
+            if not self._lost[j]:  # Karn: only unambiguous samples
+                rtt.add_sample(now - self._sent_at[j])
+                s.window.on_rtt_sample(now - self._sent_at[j], rtt.min_rtt)
+        elif not self._lost[j] and now - self._sent_at[j] < rtt.min_rtt:
+            # Sooner after the retransmission than any round trip: the answer to
+            # an earlier copy, so the timeout fired too early.
+            s.counters["spurious_retransmissions"] += 1
+            if self._decreased_at[j] is not None:
+                s.window.undo_decrease(self._decreased_at[j])
+        s.window.on_result(self.inflight_count >= s.window.allowed(self.width))
         self.last_progress = now
         self._absorb(j, m, h, data)
         s.slot_msgs[j] = (s.slot_msgs[j] + 1) & 0xFFFFFFFF
         self._round[j] = m + 1
         self._inflight[j] = None
+        if self._lost[j]:
+            self._lost[j] = False  # its entry in _ready no longer holds
+        else:
+            self.inflight_count -= 1
         self._deadline[j] = float("inf")
         self._backoff[j] = 0
+        self._decreased_at[j] = None
         if self._has_message(j):
-            self._send(j, now)
+            heapq.heappush(self._ready, (self._round[j] * self.width + j, j))
+            self._send_ready(now)
         else:
             self.remaining -= 1
             if self.remaining == 0:
                 self._finish()
+            else:
+                self._send_ready(now)
+
+    # ------------------------------------------------------------ the window
+    def _start(self, now: float) -> None:
+        """Make every slot's first message ready and send what the window allows."""
+        self._ready = [(j, j) for j in range(self.width)]  # pkt_id of message 0 is j
+        self._send_ready(now)
+
+    def _current(self, pkt_id: int, j: int) -> bool:
+        """Whether ``pkt_id`` is still the message slot ``j`` is working on."""
+        return self._round[j] * self.width + j == pkt_id
+
+    def _lowest_in_flight(self) -> int | None:
+        """pkt_id of the lowest message in flight (None when none is)."""
+        ids = self._inflight_ids
+        while ids:
+            pkt_id, j = ids[0]
+            if self._inflight[j] is not None and not self._lost[j] and self._current(pkt_id, j):
+                return pkt_id
+            heapq.heappop(ids)  # its result came, or it was presumed lost
+        return None
+
+    def _send_ready(self, now: float) -> None:
+        """Send ready messages, lowest pkt_id first, while the window has room.
+
+        Past the window, the lowest ready message still goes out when it is the
+        lowest unfinished one (lower than all in flight): without it in flight
+        every rank could be waiting for messages that wait for it.
+        """
+        ready = self._ready
+        allowed = self.s.window.allowed(self.width)
+        while ready:
+            pkt_id, j = ready[0]
+            if not self._current(pkt_id, j) or (self._inflight[j] is not None
+                                                and not self._lost[j]):
+                heapq.heappop(ready)  # a lost message whose result came after all
+                continue
+            if self.inflight_count >= allowed:
+                lowest = self._lowest_in_flight()
+                if lowest is not None and lowest < pkt_id:
+                    return
+            heapq.heappop(ready)
+            heapq.heappush(self._inflight_ids, (pkt_id, j))
+            if self._lost[j]:
+                self._resend(j, now)
+            else:
+                self._send(j, now)
+
+    def _resend(self, j: int, now: float) -> None:
+        """Send a message presumed lost again, the same bytes, with a longer timeout."""
+        self._lost[j] = False
+        self._backoff[j] += 1
+        self.inflight_count += 1
+        self._sent_at[j] = now
+        self._deadline[j] = now + self.s.rtt.rto(self._backoff[j])
+        self._outbox.append(self._inflight[j])
+        self.s.counters["retransmissions"] += 1
 
     # ------------------------------------------------------------ for subclasses
     def _mode(self, j: int) -> int:
@@ -190,6 +323,7 @@ class Stream:
                            self._round[j] * self.width + j, count, s.lanes)
         datagram = s.packet_views[j][: wire.packet_size(s.lanes, count)]
         self._inflight[j] = datagram
+        self.inflight_count += 1
         self._sent_at[j] = now
         self._deadline[j] = now + s.rtt.rto(0)
         self._outbox.append(datagram)
@@ -228,8 +362,7 @@ class DenseAllreduce(Stream):
         self._messages = [(self.chunks - j + W - 1) // W + self._lag for j in range(W)]
         # Per slot: the exponent of the chunk it sends next, from the switch.
         self._global_exp = [EXP_ZERO] * W
-        for j in range(W):
-            self._send(j, now)
+        self._start(now)
 
     def _chunk_count(self, c: int) -> int:
         k = self.s.packet_elements
@@ -255,7 +388,11 @@ class DenseAllreduce(Stream):
         return count
 
     def _result_fits(self, j: int, h: wire.Header, data) -> bool:
-        return h.count == self._chunk_count(j + (self._round[j] - self._lag) * self.width)
+        if h.count != self._chunk_count(j + (self._round[j] - self._lag) * self.width):
+            return False
+        # The switch returns the max of exponents workers computed: anything else
+        # is forged, and would scale by a power of two beyond float range.
+        return not self.is_float or valid_exponent(wire.first_lane_exponent(data))
 
     def _absorb(self, j: int, m: int, h: wire.Header, data) -> None:
         s = self.s

@@ -1,16 +1,30 @@
-"""Retransmission timeout from measured round trips (RFC 6298 style, in seconds)."""
+"""Loss recovery and congestion control of a worker's stream (times in seconds).
+
+``RttEstimator``: smoothed RTT and the retransmission timeout (RFC 6298).
+``CongestionWindow``: how many messages a worker keeps in flight (AIMD).
+"""
 
 from __future__ import annotations
 
+import math
+
 
 class RttEstimator:
-    """Smoothed RTT and the retransmission timeout derived from it."""
+    """Smoothed RTT, the minimum RTT seen, and the retransmission timeout derived from them.
+
+    ``min_rto`` is 10 ms, the reference's retransmission timer: a LAN round trip
+    is tens of microseconds, but on a loaded host a process waits for a core for
+    milliseconds, and a timeout below that retransmits packets that were never
+    lost (counted as ``spurious_retransmissions``).  ``initial_rto`` (50 ms)
+    holds until the first sample.
+    """
 
     def __init__(self, initial_rto: float = 0.05, min_rto: float = 0.01, max_rto: float = 1.0):
         self.min_rto = min_rto
         self.max_rto = max_rto
         self.srtt: float | None = None
         self.rttvar = 0.0
+        self.min_rtt = math.inf
         self._rto = initial_rto
 
     def add_sample(self, rtt: float) -> None:
@@ -19,8 +33,87 @@ class RttEstimator:
         else:
             self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
             self.srtt = 0.875 * self.srtt + 0.125 * rtt
+        self.min_rtt = min(self.min_rtt, rtt)
         self._rto = self.srtt + 4 * self.rttvar
 
     def rto(self, backoff: int = 0) -> float:
         """Timeout for a packet already retransmitted ``backoff`` times."""
         return min(self.max_rto, max(self.min_rto, self._rto) * (2 ** backoff))
+
+
+class CongestionWindow:
+    """Messages a worker may keep in flight: AIMD on retransmission timeouts, as ATP.
+
+    Why AIMD and not a delay target (Swift): the software switch's round trip is
+    dominated by host scheduling (two workers and a switch sharing cores see
+    RTTs jump by milliseconds with no queue anywhere), so a delay target would
+    read CPU noise as congestion and starve; a lost datagram is an unambiguous
+    signal, and AIMD converges to fair shares between jobs sharing a queue
+    without any common target to configure.
+
+    * Slow start: ``initial`` messages (a few packets: a new job does not dump
+      its whole window into a queue of unknown size), +1 per result, i.e. the
+      window doubles every round trip, up to ``ssthresh``, until the first
+      loss or a delay signal: a round trip over twice the least one seen plus
+      ``DELAY_MARGIN`` (queues are building; the margin keeps scheduling
+      noise from ending it).
+    * Congestion avoidance: +1/cwnd per result, one message per round trip.
+    * A retransmission timeout halves the window, at most once per round trip:
+      only a message sent after the last decrease can cause the next one
+      (several losses of one window are one congestion event).  A timeout that
+      proves premature (its result comes sooner after the retransmission than
+      any round trip) takes its decrease back, as Eifel does (RFC 4015): on a
+      loaded host a late result is no sign of a full queue.
+    * It grows only while it limits the sender (RFC 7661): a stream of small
+      calls that never fills it does not inflate it untested.
+
+    ``cwnd`` is a float; a call keeps ``floor(min(cwnd, width))`` messages in
+    flight, at least 1.  The window belongs to the ``Session``: the next
+    allreduce starts where the last one left off.
+    """
+
+    #: Seconds of extra round trip that end slow start (see above).
+    DELAY_MARGIN = 0.001
+
+    def __init__(self, limit: int, initial: float = 4.0):
+        self.limit = max(1, limit)
+        self.cwnd = float(min(initial, self.limit))
+        self.ssthresh = math.inf
+        self._last_decrease = -math.inf  # time of the last halving
+        self._undo: tuple | None = None  # (time, cwnd, ssthresh) before the last halving
+
+    def allowed(self, width: int) -> int:
+        """How many messages a call of ``width`` slots may have in flight."""
+        return max(1, min(int(self.cwnd), width))
+
+    def on_rtt_sample(self, rtt: float, min_rtt: float) -> None:
+        """Leave slow start when the round trip says a queue builds up."""
+        if self.cwnd < self.ssthresh and rtt > 2 * min_rtt + self.DELAY_MARGIN:
+            self.ssthresh = self.cwnd
+
+    def on_result(self, window_limited: bool) -> None:
+        if not window_limited:
+            return
+        if self.cwnd < self.ssthresh:
+            self.cwnd += 1.0
+        else:
+            self.cwnd += 1.0 / self.cwnd
+        self.cwnd = min(self.cwnd, float(self.limit))
+
+    def on_timeout(self, sent_at: float, now: float) -> bool:
+        """A message sent at ``sent_at`` timed out at ``now``; whether the window shrank."""
+        if sent_at < self._last_decrease:
+            return False  # of the window already halved for: the same congestion event
+        self._undo = (now, self.cwnd, self.ssthresh)
+        self.ssthresh = max(1.0, self.cwnd / 2)
+        self.cwnd = self.ssthresh
+        self._last_decrease = now
+        return True
+
+    def undo_decrease(self, decreased_at: float) -> None:
+        """The timeout that halved the window at ``decreased_at`` was premature: take
+        the halving back, unless a later one came since (then that one stands)."""
+        if self._undo is not None and self._undo[0] == decreased_at:
+            _, cwnd, ssthresh = self._undo
+            self.cwnd, self.ssthresh = max(self.cwnd, cwnd), max(self.ssthresh, ssthresh)
+            self._undo = None

@@ -121,8 +121,7 @@ class SparseAllreduce(Stream):
         # Exponent rounds before the seed, which carries the last batch itself.
         self._exp_rounds = [max(0, -(-c // F) - 1) if self.is_float else 0
                             for c in self._slot_chunks]
-        for j in range(self.width):
-            self._send(j, now)
+        self._start(now)
 
     def _mode(self, j: int) -> int:
         r, seed = self._round[j], self._exp_rounds[j]

@@ -1,0 +1,191 @@
+"""Worker CPU and time of a dense allreduce: the Python engine against the C engine.
+
+A switch in its own process, ``--workers`` worker processes on loopback; each
+runs ``--warmup`` then ``--repeats`` allreduces of ``--mib`` MiB of float32 (or
+int32), once with ``SWITCHML_PURE_PYTHON=1`` and once on the C engine.  Per
+engine it reports the slowest rank's median time per call and the workers' CPU
+(user + sys, of the whole worker process: the I/O thread is where the work is)
+per MiB summed, and writes everything as JSON.
+
+    python bench/worker_core.py --mib 64 --workers 2 --packet-elements 2048
+
+Loopback on a shared host: the switch and the workers compete for the same
+cores, so times say more about CPU than about a network.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+ENGINES = ("python", "c")
+
+
+def _switch_main(options, address_q, stop_ev):
+    import switchml
+    with switchml.Switch(**options) as sw:
+        address_q.put(sw.address)
+        stop_ev.wait()
+
+
+def _worker_main(engine, address, rank, world, elements, dtype, warmup, repeats, job, report_q):
+    os.environ["SWITCHML_PURE_PYTHON"] = "1" if engine == "python" else "0"
+    import switchml
+    from switchml.worker import compiled
+    rng = np.random.default_rng(rank)
+    if dtype == "float32":
+        data = rng.standard_normal(elements).astype(np.float32)
+    else:
+        data = rng.integers(-1000, 1000, elements, dtype=np.int32)
+    out = np.empty_like(data)
+    with switchml.Worker(address, rank, world, job=job, timeout=60) as w:
+        for _ in range(warmup):
+            w.allreduce(data, out)
+        times, cpu, system = [], [], []
+        for _ in range(repeats):
+            c0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            w.allreduce(data, out)
+            t1, c1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+            times.append(t1 - t0)
+            cpu.append((c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime))
+            system.append(c1.ru_stime - c0.ru_stime)
+        report_q.put({"rank": rank, "times": times, "cpu": cpu, "system": system,
+                      "counters": w.counters,
+                      "compiled": compiled.enabled(), "cwnd": w.session.window.cwnd})
+
+
+def run_engine(ctx, engine, address, args, elements):
+    report_q = ctx.Queue()
+    procs = [ctx.Process(target=_worker_main,
+                         args=(engine, address, r, args.workers, elements, args.dtype,
+                               args.warmup, args.repeats, f"bench-{engine}", report_q))
+             for r in range(args.workers)]
+    for p in procs:
+        p.start()
+    reports = sorted((report_q.get(timeout=600) for _ in procs), key=lambda r: r["rank"])
+    for p in procs:
+        p.join()
+    mib = elements * 4 / 2**20
+    per_call = np.max([r["times"] for r in reports], axis=0)  # the slowest rank finishes it
+    cpu = [statistics.median(r["cpu"]) for r in reports]
+    system = [statistics.median(r["system"]) for r in reports]
+    return {
+        "engine": engine,
+        "compiled": reports[0]["compiled"],
+        "median_s": float(statistics.median(per_call)),
+        "min_s": float(per_call.min()),
+        "goodput_MiBps_per_worker": mib / float(statistics.median(per_call)),
+        "cpu_s_per_call_per_worker": cpu,
+        "cpu_ms_per_MiB_per_worker": float(statistics.mean(cpu)) / mib * 1e3,
+        "sys_ms_per_MiB_per_worker": float(statistics.mean(system)) / mib * 1e3,
+        "retransmissions": [r["counters"]["retransmissions"] for r in reports],
+        "spurious_retransmissions": [r["counters"]["spurious_retransmissions"] for r in reports],
+        "cwnd": [r["cwnd"] for r in reports],
+    }
+
+
+def engine_only(engine, elements, dtype, packet_elements, slots, repeats):
+    """Seconds of CPU per call of the sans-IO engine alone, against a world-1 echo.
+
+    For a job of one worker the switch returns each contribution as its result
+    (its own values and exponent): turning the kind byte into "result" is the
+    switch, so this times the engine's per-packet work without sockets or switch.
+    """
+    from switchml import wire
+    from switchml.worker.engine import Session
+    rng = np.random.default_rng(0)
+    data = (rng.standard_normal(elements).astype(np.float32) if dtype == "float32"
+            else rng.integers(-1000, 1000, elements, dtype=np.int32))
+    out = np.empty_like(data)
+    session = Session(session=1, rank=0, world_size=1, slot_base=0, slot_count=slots,
+                      packet_elements=packet_elements)
+    cpu = []
+    for _ in range(repeats):
+        c0 = time.process_time()
+        op = session.allreduce(data, out, 0.0, compiled=engine == "c")
+        pending = op.datagrams_to_send()
+        while pending:
+            for d in pending:
+                result = bytearray(d)
+                result[3] = wire.KIND_RESULT
+                op.receive_datagram(result, 0.0)
+            pending = op.datagrams_to_send()
+        assert op.done
+        cpu.append(time.process_time() - c0)
+    return float(statistics.median(cpu))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mib", type=float, default=64.0, help="MiB per allreduce (default 64)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--packet-elements", type=int, default=2048,
+                        help="values per packet (2048: 8 KiB, a frame at MTU 9000)")
+    parser.add_argument("--slots", type=int, default=32, help="the job's window")
+    parser.add_argument("--dtype", choices=["float32", "int32"], default="float32")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--json", default=os.path.join(ROOT, "bench", "results",
+                                                       "worker-core.json"))
+    args = parser.parse_args(argv)
+    from switchml.worker import compiled
+    if compiled._fastengine is None:
+        parser.error("the C engine is not built: python setup.py build_ext --inplace")
+    elements = int(args.mib * 2**20 / 4)
+    ctx = mp.get_context("spawn")
+    address_q, stop_ev = ctx.Queue(), ctx.Event()
+    options = {"packet_elements": args.packet_elements, "block_elements": 256
+               if args.packet_elements % 256 == 0 else args.packet_elements,
+               "slots_per_job": args.slots}
+    switch = ctx.Process(target=_switch_main, args=(options, address_q, stop_ev), daemon=True)
+    switch.start()
+    address = address_q.get(timeout=60)
+    results = []
+    try:
+        for engine in args.engines.split(","):
+            results.append(run_engine(ctx, engine, address, args, elements))
+    finally:
+        stop_ev.set()
+        switch.join(10)
+    print(f"dense allreduce of {args.mib:g} MiB {args.dtype}, {args.workers} workers, "
+          f"{args.packet_elements} values a packet, loopback ({os.cpu_count()} cores)")
+    print(f"{'engine':8} {'median s':>9} {'MiB/s':>8} {'CPU ms/MiB':>11} {'of it sys':>10} "
+          f"{'retrans':>8}")
+    for r in results:
+        print(f"{r['engine']:8} {r['median_s']:9.3f} {r['goodput_MiBps_per_worker']:8.1f} "
+              f"{r['cpu_ms_per_MiB_per_worker']:11.2f} {r['sys_ms_per_MiB_per_worker']:10.2f} "
+              f"{sum(r['retransmissions']):8d}")
+    record = {"argv": sys.argv[1:], "mib": args.mib, "workers": args.workers,
+              "packet_elements": args.packet_elements, "slots": args.slots,
+              "dtype": args.dtype, "host": platform.node(), "cpus": os.cpu_count(),
+              "results": results}
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    mib = elements * 4 / 2**20
+    print("the engine alone (sans-IO, a world-1 echo for the switch), CPU ms/MiB:")
+    for engine in args.engines.split(","):
+        seconds = engine_only(engine, elements, args.dtype, args.packet_elements, args.slots,
+                              max(1, args.repeats))
+        record.setdefault("engine_only_cpu_ms_per_MiB", {})[engine] = seconds / mib * 1e3
+        print(f"{engine:8} {seconds / mib * 1e3:11.3f}")
+    with open(args.json, "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"wrote {args.json}")
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1050 @@
+/*
+ * switchml.worker._fastengine: the dense allreduce state machine in C.
+ *
+ * A transcription of the Python reference (engine.py: Stream, DenseAllreduce;
+ * recovery.py: RttEstimator, CongestionWindow; quant.py: quantize_into,
+ * dequantize_into, chunk_exponents) that must stay bit-identical to it: the
+ * same datagrams in the same order, the same results, the same counters.
+ * tests/test_fastengine.py checks that differentially.
+ *
+ * Why the whole state machine and not per-packet kernels: with frame-sized
+ * packets a 64 MiB allreduce is 8192 results per worker, and the interpreter's
+ * per-packet bookkeeping (window heaps, timers, validation) costs as much as the
+ * arithmetic.  Only a state machine in C lets run_io() receive with recvmmsg,
+ * absorb, quantise and send with sendmmsg without the GIL, so that training
+ * threads keep running; Python is back every few ms for the control socket.
+ *
+ * The engine is sans-IO like the reference (receive_datagram, datagrams_to_send,
+ * get_timer, handle_timer, pending); run_io() is its socket driver.
+ * State the Session keeps across calls (message numbers, RTT, window) is passed
+ * in at construction and read back with export_state().
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <math.h>
+#include <poll.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+
+#define HEADER_SIZE 32
+#define LANE_SIZE 12
+#define MAGIC 0x4D53
+#define VERSION 2
+#define KIND_CONTRIBUTION 1
+#define KIND_RESULT 2
+#define DTYPE_INT32 0
+#define DTYPE_FLOAT32 1
+#define EXP_ZERO (-32768)
+#define EXP_NONFINITE 32767
+#define LEAST_EXPONENT (-148)
+#define GREATEST_EXPONENT 128
+#define RECV_BATCH 64
+
+/* ------------------------------------------------------------ little endian */
+static inline uint16_t get_u16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+static inline uint32_t get_u32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static inline void put_u16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
+static inline void put_u32(uint8_t *p, uint32_t v) {
+    p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); p[2] = (uint8_t)(v >> 16); p[3] = (uint8_t)(v >> 24);
+}
+
+/* ------------------------------------------------------------ block floating point */
+/* float -> int32 as numpy's unsafe cast does on x86-64 (cvttss2si): NaN and
+ * out-of-range values become INT32_MIN; C leaves them undefined.  Written as
+ * selects, not branches, so that the loops below vectorise. */
+static inline int32_t float_to_int32(float x) {
+    int in_range = (x >= -2147483648.0f) & (x < 2147483648.0f);
+    int32_t converted = (int32_t)(in_range ? x : 0.0f);
+    return in_range ? converted : INT32_MIN;
+}
+
+/* rintf (round half to even, the default rounding mode) without a libm call:
+ * below 2**23, adding and taking away 2**23 leaves the rounded value; from 2**23
+ * on every float32 is an integer already.  NaN fails the test and stays NaN.
+ * Exact only without -ffast-math and FMA contraction (setup.py). */
+static inline float round_half_even(float x) {
+    float magnitude = fabsf(x);
+    float rounded = copysignf((magnitude + 8388608.0f) - 8388608.0f, x);
+    return magnitude < 8388608.0f ? rounded : x;
+}
+
+/* quant.quantize_into: round(src * 2**(bits - exponent)), half to even. */
+static void quantize_into(const float *src, int64_t n, int exponent, int bits, int32_t *dst) {
+    if (n == 0)
+        return;
+    if (exponent == EXP_ZERO || exponent == EXP_NONFINITE) {
+        memset(dst, 0, (size_t)n * sizeof(int32_t));
+        return;
+    }
+    int shift = bits - exponent;
+    if (shift <= 127) {
+        /* np.float32(2.0**shift): the double power rounded to float32 */
+        float factor = (float)ldexp(1.0, shift);
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = float_to_int32(round_half_even(src[i] * factor));
+    } else {
+        /* 2**shift is no float32, but 2**(shift - 64) and 2**64 are: two exact
+         * multiplies scale as ldexp does (the result is below 2**31). */
+        float first = (float)ldexp(1.0, shift - 64), second = 18446744073709551616.0f;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = float_to_int32(round_half_even(src[i] * first * second));
+    }
+}
+
+/* quant.dequantize_into: float32(sum) * 2**(exponent - bits). */
+static void dequantize_into(const int32_t *src, int64_t n, int exponent, int bits, float *dst) {
+    if (n == 0)
+        return;
+    if (exponent == EXP_NONFINITE) {
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = NAN;
+        return;
+    }
+    if (exponent == EXP_ZERO) {
+        memset(dst, 0, (size_t)n * sizeof(float));
+        return;
+    }
+    int shift = exponent - bits;
+    if (shift >= -126) {
+        float factor = (float)ldexp(1.0, shift);
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = (float)src[i] * factor;
+    } else { /* numpy computes int32 * python float in float64, then casts */
+        double factor = ldexp(1.0, shift);
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = (float)((double)src[i] * factor);
+    }
+}
+
+/* quant.chunk_exponents of one chunk: smallest e with 2**e > max|x|, or a special. */
+static int16_t chunk_exponent(const float *values, int64_t n) {
+    /* With the sign cleared, a float32's bits as an int32 grow with its
+     * magnitude and NaNs lie above inf (quant.block_peaks): an integer max. */
+    const int32_t *bits = (const int32_t *)values;
+    int32_t peak = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int32_t magnitude = bits[i] & 0x7FFFFFFF;
+        peak = magnitude > peak ? magnitude : peak;
+    }
+    if (peak == 0)
+        return EXP_ZERO;
+    if (peak >= 0x7F800000)
+        return EXP_NONFINITE;
+    float f;
+    memcpy(&f, &peak, 4);
+    int e;
+    frexpf(f, &e);
+    return (int16_t)e;
+}
+
+/* ------------------------------------------------------------ (pkt_id, slot) min-heap */
+typedef struct {
+    int64_t key;
+    int32_t slot;
+} HeapItem;
+
+typedef struct {
+    HeapItem *items;
+    Py_ssize_t len, cap;
+} Heap;
+
+static inline int heap_less(HeapItem a, HeapItem b) {
+    return a.key < b.key || (a.key == b.key && a.slot < b.slot);
+}
+
+static int heap_push(Heap *h, int64_t key, int32_t slot) {
+    if (h->len == h->cap) {
+        Py_ssize_t cap = h->cap ? h->cap * 2 : 16;
+        HeapItem *items = PyMem_RawRealloc(h->items, (size_t)cap * sizeof(HeapItem));
+        if (!items)
+            return -1;
+        h->items = items;
+        h->cap = cap;
+    }
+    Py_ssize_t i = h->len++;
+    HeapItem item = {key, slot};
+    while (i > 0) {
+        Py_ssize_t parent = (i - 1) / 2;
+        if (!heap_less(item, h->items[parent]))
+            break;
+        h->items[i] = h->items[parent];
+        i = parent;
+    }
+    h->items[i] = item;
+    return 0;
+}
+
+static void heap_pop(Heap *h) {
+    HeapItem last = h->items[--h->len];
+    Py_ssize_t i = 0, n = h->len;
+    if (n == 0)
+        return;
+    for (;;) {
+        Py_ssize_t child = 2 * i + 1;
+        if (child >= n)
+            break;
+        if (child + 1 < n && heap_less(h->items[child + 1], h->items[child]))
+            child++;
+        if (!heap_less(h->items[child], last))
+            break;
+        h->items[i] = h->items[child];
+        i = child;
+    }
+    h->items[i] = last;
+}
+
+/* ------------------------------------------------------------ the engine */
+enum { COUNTER_RESULTS_IN, COUNTER_RETRANSMISSIONS, COUNTER_SPURIOUS, COUNTER_WINDOW_DECREASES,
+       COUNTER_STALE, COUNTER_MALFORMED, COUNTER_FOREIGN, COUNTER_BYTES_SENT,
+       COUNTER_BYTES_RECEIVED, COUNTER_COUNT };
+
+static const char *counter_names[COUNTER_COUNT] = {
+    "results_in", "retransmissions", "spurious_retransmissions", "window_decreases",
+    "dropped_stale", "dropped_malformed", "dropped_foreign", "bytes_sent", "bytes_received"};
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer src, out;
+    int have_src, have_out;
+    int is_float, dtype_code, lag, bits, lanes;
+    uint32_t session, seq;
+    int slot_base, width;
+    int64_t k, size, chunks;
+    int16_t *local_exp;
+    /* per slot */
+    uint32_t *slot_msgs;
+    int64_t *round, *messages;
+    int16_t *global_exp;
+    uint8_t *inflight, *lost;
+    int32_t *backoff;
+    double *sent_at, *deadline;
+    uint8_t *packets; /* one packet buffer per slot */
+    size_t packet_size;
+    uint32_t *datagram_len;
+    Heap ready, inflight_ids;
+    int64_t inflight_count, remaining;
+    /* datagrams to send: (slot, length); the bytes are the slot's buffer when
+     * sent, as the reference's outbox holds views of its packet buffers */
+    struct OutboxEntry {
+        int32_t slot;
+        uint32_t len;
+    } *outbox;
+    Py_ssize_t outbox_len, outbox_cap;
+    double last_progress, progress_timeout;
+    int stalled;
+    /* RttEstimator */
+    int have_srtt;
+    double srtt, rttvar, min_rtt, rto_value, min_rto, max_rto;
+    /* CongestionWindow */
+    double cwnd, ssthresh, last_decrease, delay_margin;
+    int64_t window_limit;
+    int has_undo; /* the state before the last halving, to take a premature one back */
+    double undo_at, undo_cwnd, undo_ssthresh;
+    double *decreased_at; /* per slot: when its timeout halved the window, or NAN */
+    int64_t counters[COUNTER_COUNT]; /* since the last export_state() */
+    uint8_t *recv_buffers;           /* run_io's */
+} DenseCore;
+
+static double rto(DenseCore *c, int backoff) {
+    double base = c->rto_value > c->min_rto ? c->rto_value : c->min_rto;
+    double value = base * ldexp(1.0, backoff);
+    return value < c->max_rto ? value : c->max_rto;
+}
+
+static void rtt_sample(DenseCore *c, double rtt) {
+    if (!c->have_srtt) {
+        c->have_srtt = 1;
+        c->srtt = rtt;
+        c->rttvar = rtt / 2;
+    } else {
+        c->rttvar = 0.75 * c->rttvar + 0.25 * fabs(c->srtt - rtt);
+        c->srtt = 0.875 * c->srtt + 0.125 * rtt;
+    }
+    if (rtt < c->min_rtt)
+        c->min_rtt = rtt;
+    c->rto_value = c->srtt + 4 * c->rttvar;
+}
+
+static int64_t window_allowed(DenseCore *c) {
+    /* int(cwnd): cwnd is at least 1 and at most the limit, a small int */
+    int64_t allowed = (int64_t)c->cwnd;
+    if (allowed > c->width)
+        allowed = c->width;
+    return allowed < 1 ? 1 : allowed;
+}
+
+static void window_on_result(DenseCore *c, int window_limited) {
+    if (!window_limited)
+        return;
+    if (c->cwnd < c->ssthresh)
+        c->cwnd += 1.0;
+    else
+        c->cwnd += 1.0 / c->cwnd;
+    if (c->cwnd > (double)c->window_limit)
+        c->cwnd = (double)c->window_limit;
+}
+
+static void window_on_rtt_sample(DenseCore *c, double rtt) {
+    if (c->cwnd < c->ssthresh && rtt > 2 * c->min_rtt + c->delay_margin)
+        c->ssthresh = c->cwnd;
+}
+
+static int window_on_timeout(DenseCore *c, double sent_at, double now) {
+    if (sent_at < c->last_decrease)
+        return 0;
+    c->has_undo = 1;
+    c->undo_at = now;
+    c->undo_cwnd = c->cwnd;
+    c->undo_ssthresh = c->ssthresh;
+    c->ssthresh = c->cwnd / 2 > 1.0 ? c->cwnd / 2 : 1.0;
+    c->cwnd = c->ssthresh;
+    c->last_decrease = now;
+    return 1;
+}
+
+static void window_undo_decrease(DenseCore *c, double decreased_at) {
+    if (c->has_undo && c->undo_at == decreased_at) {
+        if (c->undo_cwnd > c->cwnd)
+            c->cwnd = c->undo_cwnd;
+        if (c->undo_ssthresh > c->ssthresh)
+            c->ssthresh = c->undo_ssthresh;
+        c->has_undo = 0;
+    }
+}
+
+static inline int64_t chunk_count(DenseCore *c, int64_t chunk) {
+    if (chunk < 0)
+        return 0;
+    int64_t left = c->size - chunk * c->k;
+    return left < c->k ? left : c->k;
+}
+
+static inline int64_t pkt_id_of(DenseCore *c, int j) { return c->round[j] * c->width + j; }
+
+static int outbox_add(DenseCore *c, int j) {
+    if (c->outbox_len == c->outbox_cap) {
+        Py_ssize_t cap = c->outbox_cap ? c->outbox_cap * 2 : 16;
+        struct OutboxEntry *entries = PyMem_RawRealloc(c->outbox, (size_t)cap * sizeof(*entries));
+        if (!entries)
+            return -1;
+        c->outbox = entries;
+        c->outbox_cap = cap;
+    }
+    c->outbox[c->outbox_len].slot = j;
+    c->outbox[c->outbox_len].len = c->datagram_len[j];
+    c->outbox_len++;
+    return 0;
+}
+
+static int send_message(DenseCore *c, int j, double now) {
+    uint8_t *packet = c->packets + (size_t)j * c->packet_size;
+    int64_t m = c->round[j], W = c->width;
+    uint8_t *lanes = packet + HEADER_SIZE;
+    for (int lane = 0; lane < c->lanes; lane++) { /* blank records: exp says "zero" */
+        uint8_t *record = lanes + (size_t)lane * LANE_SIZE;
+        memset(record, 0, LANE_SIZE);
+        put_u16(record + 8, (uint16_t)EXP_ZERO);
+    }
+    int64_t following = j + m * W;
+    if (c->is_float && following < c->chunks)
+        put_u16(lanes + 8, (uint16_t)c->local_exp[following]);
+    int64_t chunk = j + (m - c->lag) * W;
+    int64_t count = chunk_count(c, chunk);
+    uint8_t *values = lanes + (size_t)c->lanes * LANE_SIZE;
+    if (count) {
+        if (c->is_float)
+            quantize_into((const float *)c->src.buf + chunk * c->k, count, c->global_exp[j],
+                          c->bits, (int32_t *)values);
+        else
+            memcpy(values, (const int32_t *)c->src.buf + chunk * c->k, (size_t)count * 4);
+    }
+    put_u16(packet, MAGIC);
+    packet[2] = VERSION;
+    packet[3] = KIND_CONTRIBUTION;
+    packet[4] = (uint8_t)c->dtype_code;
+    packet[5] = 0;
+    put_u16(packet + 6, (uint16_t)(c->slot_base + j));
+    put_u32(packet + 8, c->session);
+    put_u32(packet + 12, c->slot_msgs[j]);
+    put_u32(packet + 16, c->seq);
+    put_u32(packet + 20, (uint32_t)(m * W + j));
+    put_u16(packet + 24, (uint16_t)count);
+    put_u16(packet + 26, (uint16_t)c->lanes);
+    put_u32(packet + 28, 0);
+    c->datagram_len[j] = (uint32_t)(HEADER_SIZE + LANE_SIZE * c->lanes + 4 * count);
+    c->inflight[j] = 1;
+    c->inflight_count++;
+    c->sent_at[j] = now;
+    c->deadline[j] = now + rto(c, 0);
+    return outbox_add(c, j);
+}
+
+static int resend_message(DenseCore *c, int j, double now) {
+    c->lost[j] = 0;
+    c->backoff[j]++;
+    c->inflight_count++;
+    c->sent_at[j] = now;
+    c->deadline[j] = now + rto(c, c->backoff[j]);
+    c->counters[COUNTER_RETRANSMISSIONS]++;
+    return outbox_add(c, j);
+}
+
+static int has_message(DenseCore *c, int j) { return c->round[j] < c->messages[j]; }
+
+/* Stream._lowest_in_flight; -1 when none is. */
+static int64_t lowest_in_flight(DenseCore *c) {
+    Heap *ids = &c->inflight_ids;
+    while (ids->len) {
+        HeapItem top = ids->items[0];
+        if (c->inflight[top.slot] && !c->lost[top.slot] && pkt_id_of(c, top.slot) == top.key)
+            return top.key;
+        heap_pop(ids);
+    }
+    return -1;
+}
+
+/* Stream._send_ready. Returns -1 when out of memory. */
+static int send_ready(DenseCore *c, double now) {
+    Heap *ready = &c->ready;
+    int64_t allowed = window_allowed(c);
+    while (ready->len) {
+        HeapItem top = ready->items[0];
+        int j = top.slot;
+        if (pkt_id_of(c, j) != top.key || (c->inflight[j] && !c->lost[j])) {
+            heap_pop(ready);
+            continue;
+        }
+        if (c->inflight_count >= allowed) {
+            int64_t lowest = lowest_in_flight(c);
+            if (lowest >= 0 && lowest < top.key)
+                return 0;
+        }
+        heap_pop(ready);
+        if (heap_push(&c->inflight_ids, top.key, j) < 0)
+            return -1;
+        if ((c->lost[j] ? resend_message(c, j, now) : send_message(c, j, now)) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* Stream.receive_datagram + DenseAllreduce._result_fits/_absorb. -1: out of memory. */
+static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now) {
+    if (len < HEADER_SIZE) {
+        c->counters[COUNTER_MALFORMED]++;
+        return 0;
+    }
+    int kind = data[3], dtype = data[4], mode = data[5];
+    uint16_t count = get_u16(data + 24), lanes = get_u16(data + 26);
+    if (get_u16(data) != MAGIC || data[2] != VERSION ||
+        (kind != KIND_CONTRIBUTION && kind != KIND_RESULT) ||
+        (dtype != DTYPE_INT32 && dtype != DTYPE_FLOAT32) || (mode != 0 && mode != 1 && mode != 3) ||
+        len != HEADER_SIZE + LANE_SIZE * (Py_ssize_t)lanes + 4 * (Py_ssize_t)count) {
+        c->counters[COUNTER_MALFORMED]++;
+        return 0;
+    }
+    int j = (int)get_u16(data + 6) - c->slot_base;
+    if (kind != KIND_RESULT || get_u32(data + 8) != c->session || j < 0 || j >= c->width) {
+        c->counters[COUNTER_FOREIGN]++;
+        return 0;
+    }
+    int64_t m = c->round[j];
+    int fits = c->inflight[j] && get_u32(data + 16) == c->seq &&
+               get_u32(data + 12) == c->slot_msgs[j] &&
+               (int64_t)get_u32(data + 20) == m * c->width + j && dtype == c->dtype_code &&
+               mode == 0 && lanes == c->lanes &&
+               count == chunk_count(c, j + (m - c->lag) * c->width);
+    int exponent = 0;
+    if (fits) {
+        exponent = (int16_t)get_u16(data + HEADER_SIZE + 8);
+        if (c->is_float && !((exponent >= LEAST_EXPONENT && exponent <= GREATEST_EXPONENT) ||
+                             exponent == EXP_ZERO || exponent == EXP_NONFINITE))
+            fits = 0;
+    }
+    if (!fits) {
+        c->counters[COUNTER_STALE]++;
+        return 0;
+    }
+    c->counters[COUNTER_RESULTS_IN]++;
+    double elapsed = now - c->sent_at[j];
+    if (c->backoff[j] == 0) {
+        if (!c->lost[j]) { /* Karn: only unambiguous samples */
+            rtt_sample(c, elapsed);
+            window_on_rtt_sample(c, elapsed);
+        }
+    } else if (!c->lost[j] && elapsed < c->min_rtt) {
+        c->counters[COUNTER_SPURIOUS]++;
+        if (!isnan(c->decreased_at[j]))
+            window_undo_decrease(c, c->decreased_at[j]);
+    }
+    window_on_result(c, c->inflight_count >= window_allowed(c));
+    c->last_progress = now;
+    /* absorb */
+    int64_t chunk = j + (m - c->lag) * c->width;
+    if (count) {
+        const int32_t *values = (const int32_t *)(data + HEADER_SIZE + LANE_SIZE * lanes);
+        if (c->is_float) {
+            dequantize_into(values, count, c->global_exp[j], c->bits,
+                            (float *)c->out.buf + chunk * c->k);
+        } else {
+            memcpy((int32_t *)c->out.buf + chunk * c->k, values, (size_t)count * 4);
+        }
+    }
+    c->global_exp[j] = (int16_t)get_u16(data + HEADER_SIZE + 8);
+    c->slot_msgs[j] = c->slot_msgs[j] + 1;
+    c->round[j] = m + 1;
+    c->inflight[j] = 0;
+    if (c->lost[j])
+        c->lost[j] = 0;
+    else
+        c->inflight_count--;
+    c->deadline[j] = INFINITY;
+    c->backoff[j] = 0;
+    c->decreased_at[j] = NAN;
+    if (has_message(c, j)) {
+        if (heap_push(&c->ready, pkt_id_of(c, j), j) < 0)
+            return -1;
+        return send_ready(c, now);
+    }
+    c->remaining--;
+    if (c->remaining)
+        return send_ready(c, now);
+    return 0;
+}
+
+static double get_timer(DenseCore *c) { /* NAN: none */
+    if (c->remaining == 0 || c->stalled)
+        return NAN;
+    double timer = c->last_progress + c->progress_timeout;
+    for (int j = 0; j < c->width; j++)
+        if (c->deadline[j] < timer)
+            timer = c->deadline[j];
+    return timer;
+}
+
+static int handle_timer(DenseCore *c, double now) {
+    if (c->remaining == 0 || c->stalled)
+        return 0;
+    if (now >= c->last_progress + c->progress_timeout) {
+        c->stalled = 1;
+        return 0;
+    }
+    int expired = 0;
+    for (int j = 0; j < c->width; j++) {
+        if (c->deadline[j] <= now) {
+            if (window_on_timeout(c, c->sent_at[j], now)) {
+                c->counters[COUNTER_WINDOW_DECREASES]++;
+                c->decreased_at[j] = now;
+            }
+            c->lost[j] = 1;
+            c->inflight_count--;
+            c->deadline[j] = INFINITY;
+            if (heap_push(&c->ready, pkt_id_of(c, j), j) < 0)
+                return -1;
+            expired = 1;
+        }
+    }
+    return expired ? send_ready(c, now) : 0;
+}
+
+/* ------------------------------------------------------------ Python glue */
+static void core_dealloc(DenseCore *c) {
+    if (c->have_src)
+        PyBuffer_Release(&c->src);
+    if (c->have_out)
+        PyBuffer_Release(&c->out);
+    PyMem_RawFree(c->local_exp);
+    PyMem_RawFree(c->slot_msgs);
+    PyMem_RawFree(c->round);
+    PyMem_RawFree(c->messages);
+    PyMem_RawFree(c->global_exp);
+    PyMem_RawFree(c->inflight);
+    PyMem_RawFree(c->lost);
+    PyMem_RawFree(c->backoff);
+    PyMem_RawFree(c->sent_at);
+    PyMem_RawFree(c->deadline);
+    PyMem_RawFree(c->decreased_at);
+    PyMem_RawFree(c->packets);
+    PyMem_RawFree(c->datagram_len);
+    PyMem_RawFree(c->outbox);
+    PyMem_RawFree(c->ready.items);
+    PyMem_RawFree(c->inflight_ids.items);
+    PyMem_RawFree(c->recv_buffers);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"src", "out", "is_float", "session", "slot_base", "width",
+                             "packet_elements", "lanes", "bits", "seq", "slot_msgs", "now",
+                             "progress_timeout", "rtt", "window", NULL};
+    PyObject *src, *out, *slot_msgs, *rtt_state, *window_state;
+    int is_float;
+    unsigned int session, seq;
+    long long k;
+    double now;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOpIiiLiiIOddOO", kwlist, &src, &out,
+                                     &is_float, &session, &c->slot_base, &c->width, &k,
+                                     &c->lanes, &c->bits, &seq, &slot_msgs, &now,
+                                     &c->progress_timeout, &rtt_state, &window_state))
+        return -1;
+    if (c->have_src || c->have_out) {
+        PyErr_SetString(PyExc_RuntimeError, "DenseCore is initialised once");
+        return -1;
+    }
+    if (PyObject_GetBuffer(src, &c->src, PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    c->have_src = 1;
+    if (PyObject_GetBuffer(out, &c->out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        return -1;
+    c->have_out = 1;
+    if (c->src.len != c->out.len || c->src.len % 4 || k < 1 || c->width < 0 || c->lanes < 1) {
+        PyErr_SetString(PyExc_ValueError, "src and out: buffers of the same size, of 4-byte values");
+        return -1;
+    }
+    c->is_float = is_float;
+    c->dtype_code = is_float ? DTYPE_FLOAT32 : DTYPE_INT32;
+    c->lag = is_float ? 1 : 0;
+    c->session = session;
+    c->seq = seq;
+    c->k = k;
+    c->size = c->src.len / 4;
+    c->chunks = (c->size + k - 1) / k;
+    int W = c->width;
+    if (!PyList_Check(slot_msgs) || PyList_GET_SIZE(slot_msgs) < W) {
+        PyErr_SetString(PyExc_ValueError, "slot_msgs: a list of at least width numbers");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(rtt_state, "pddddddd", &c->have_srtt, &c->srtt, &c->rttvar, &c->min_rtt,
+                          &c->rto_value, &c->min_rto, &c->max_rto, &c->delay_margin))
+        return -1;
+    if (!PyArg_ParseTuple(window_state, "dddLpddd", &c->cwnd, &c->ssthresh, &c->last_decrease,
+                          &c->window_limit, &c->has_undo, &c->undo_at, &c->undo_cwnd,
+                          &c->undo_ssthresh))
+        return -1;
+    size_t n = W ? (size_t)W : 1;
+    c->packet_size = HEADER_SIZE + LANE_SIZE * (size_t)c->lanes + 4 * (size_t)k;
+    c->slot_msgs = PyMem_RawCalloc(n, sizeof(uint32_t));
+    c->round = PyMem_RawCalloc(n, sizeof(int64_t));
+    c->messages = PyMem_RawCalloc(n, sizeof(int64_t));
+    c->global_exp = PyMem_RawCalloc(n, sizeof(int16_t));
+    c->inflight = PyMem_RawCalloc(n, 1);
+    c->lost = PyMem_RawCalloc(n, 1);
+    c->backoff = PyMem_RawCalloc(n, sizeof(int32_t));
+    c->sent_at = PyMem_RawCalloc(n, sizeof(double));
+    c->deadline = PyMem_RawCalloc(n, sizeof(double));
+    c->decreased_at = PyMem_RawCalloc(n, sizeof(double));
+    /* malloc, not calloc: every byte is written before it is sent, and memory
+     * freed by the previous call is reused without being zeroed again */
+    c->packets = PyMem_RawMalloc(n * c->packet_size);
+    c->datagram_len = PyMem_RawCalloc(n, sizeof(uint32_t));
+    c->local_exp = PyMem_RawCalloc(c->chunks ? (size_t)c->chunks : 1, sizeof(int16_t));
+    if (!c->slot_msgs || !c->round || !c->messages || !c->global_exp || !c->inflight || !c->lost ||
+        !c->backoff || !c->sent_at || !c->deadline || !c->decreased_at || !c->packets || !c->datagram_len ||
+        !c->local_exp) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int j = 0; j < W; j++) {
+        unsigned long v = PyLong_AsUnsignedLong(PyList_GET_ITEM(slot_msgs, j));
+        if (v == (unsigned long)-1 && PyErr_Occurred())
+            return -1;
+        c->slot_msgs[j] = (uint32_t)v;
+        c->messages[j] = (c->chunks - j + W - 1) / W + c->lag;
+        c->global_exp[j] = EXP_ZERO;
+        c->deadline[j] = INFINITY;
+        c->decreased_at[j] = NAN;
+    }
+    if (is_float) {
+        const float *values = c->src.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (int64_t chunk = 0; chunk < c->chunks; chunk++)
+            c->local_exp[chunk] = chunk_exponent(values + chunk * k, chunk_count(c, chunk));
+        Py_END_ALLOW_THREADS
+    }
+    c->remaining = W;
+    c->last_progress = now;
+    for (int j = 0; j < W; j++) /* Stream._start: message 0 of slot j has pkt_id j */
+        if (heap_push(&c->ready, j, j) < 0) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    if (send_ready(c, now) < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *core_receive_datagram(DenseCore *c, PyObject *args) {
+    Py_buffer data;
+    double now;
+    if (!PyArg_ParseTuple(args, "y*d", &data, &now))
+        return NULL;
+    int rc = receive(c, data.buf, data.len, now);
+    PyBuffer_Release(&data);
+    if (rc < 0)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *core_datagrams_to_send(DenseCore *c, PyObject *unused) {
+    PyObject *list = PyList_New(c->outbox_len);
+    if (!list)
+        return NULL;
+    for (Py_ssize_t i = 0; i < c->outbox_len; i++) {
+        PyObject *b = PyBytes_FromStringAndSize(
+            (const char *)c->packets + (size_t)c->outbox[i].slot * c->packet_size,
+            c->outbox[i].len);
+        if (!b) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, b);
+    }
+    c->outbox_len = 0;
+    return list;
+}
+
+static PyObject *core_get_timer(DenseCore *c, PyObject *unused) {
+    double timer = get_timer(c);
+    if (isnan(timer))
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble(timer);
+}
+
+static PyObject *core_handle_timer(DenseCore *c, PyObject *arg) {
+    double now = PyFloat_AsDouble(arg);
+    if (now == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (handle_timer(c, now) < 0)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyObject *core_pending(DenseCore *c, PyObject *unused) {
+    PyObject *list = PyList_New(0);
+    if (!list)
+        return NULL;
+    for (int j = 0; j < c->width; j++) {
+        if (!c->inflight[j])
+            continue;
+        PyObject *item = Py_BuildValue("(ik)", c->slot_base + j, (unsigned long)c->slot_msgs[j]);
+        if (!item || PyList_Append(list, item) < 0) {
+            Py_XDECREF(item);
+            Py_DECREF(list);
+            return NULL;
+        }
+        Py_DECREF(item);
+    }
+    return list;
+}
+
+/* (slot_msgs, rtt, window, counters): what the Session keeps; counters since the last call. */
+static PyObject *core_export_state(DenseCore *c, PyObject *unused) {
+    PyObject *msgs = PyList_New(c->width);
+    if (!msgs)
+        return NULL;
+    for (int j = 0; j < c->width; j++) {
+        PyObject *v = PyLong_FromUnsignedLong(c->slot_msgs[j]);
+        if (!v) {
+            Py_DECREF(msgs);
+            return NULL;
+        }
+        PyList_SET_ITEM(msgs, j, v);
+    }
+    PyObject *counters = PyDict_New();
+    if (!counters) {
+        Py_DECREF(msgs);
+        return NULL;
+    }
+    for (int i = 0; i < COUNTER_COUNT; i++) {
+        PyObject *v = PyLong_FromLongLong(c->counters[i]);
+        if (!v || PyDict_SetItemString(counters, counter_names[i], v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(msgs);
+            Py_DECREF(counters);
+            return NULL;
+        }
+        Py_DECREF(v);
+        c->counters[i] = 0;
+    }
+    return Py_BuildValue("(N(idddd)(dddiddd)N)", msgs, c->have_srtt, c->srtt, c->rttvar,
+                         c->min_rtt, c->rto_value, c->cwnd, c->ssthresh, c->last_decrease,
+                         c->has_undo, c->undo_at, c->undo_cwnd, c->undo_ssthresh, counters);
+}
+
+/* ------------------------------------------------------------ the socket driver */
+static double monotonic_now(void) { /* time.monotonic()'s clock */
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+enum { IO_DONE = 0, IO_STALLED = 1, IO_CONTROL = 2, IO_SLICE = 3 };
+
+/* Send the outbox with sendmmsg; a full socket buffer waits a little, then what
+ * is left counts as lost (the retransmission timer recovers it). */
+static void flush_outbox(DenseCore *c, int fd, struct sockaddr_in *dst) {
+    struct mmsghdr msgs[64];
+    struct iovec iov[64];
+    Py_ssize_t done = 0;
+    int waits = 0;
+    while (done < c->outbox_len) {
+        int n = 0;
+        for (; n < 64 && done + n < c->outbox_len; n++) {
+            iov[n].iov_base = c->packets + (size_t)c->outbox[done + n].slot * c->packet_size;
+            iov[n].iov_len = c->outbox[done + n].len;
+            memset(&msgs[n].msg_hdr, 0, sizeof(struct msghdr));
+            msgs[n].msg_hdr.msg_name = dst;
+            msgs[n].msg_hdr.msg_namelen = sizeof(*dst);
+            msgs[n].msg_hdr.msg_iov = &iov[n];
+            msgs[n].msg_hdr.msg_iovlen = 1;
+        }
+        int sent = sendmmsg(fd, msgs, (unsigned int)n, 0);
+        if (sent < 0) {
+            if ((errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS) && waits++ < 10) {
+                struct pollfd p = {fd, POLLOUT, 0};
+                poll(&p, 1, 1);
+                continue;
+            }
+            if (errno == EINTR)
+                continue;
+            if (errno == ECONNREFUSED) /* an ICMP error queued: the next send goes */
+                continue;
+            break; /* the rest is lost; timers resend it */
+        }
+        for (int i = 0; i < sent; i++)
+            c->counters[COUNTER_BYTES_SENT] += msgs[i].msg_len;
+        done += sent;
+    }
+    c->outbox_len = 0;
+}
+
+static PyObject *core_run_io(DenseCore *c, PyObject *args) {
+    int fd, control_fd;
+    const char *host;
+    int port;
+    double slice;
+    if (!PyArg_ParseTuple(args, "i(si)id", &fd, &host, &port, &control_fd, &slice))
+        return NULL;
+    struct sockaddr_in dst;
+    memset(&dst, 0, sizeof(dst));
+    dst.sin_family = AF_INET;
+    dst.sin_port = htons((uint16_t)port);
+    if (inet_pton(AF_INET, host, &dst.sin_addr) != 1) {
+        PyErr_Format(PyExc_ValueError, "run_io needs an IPv4 address, not %s", host);
+        return NULL;
+    }
+    /* Longer datagrams cannot be results of ours: MSG_TRUNC gives their real
+     * length, and receive() reads no more than their header to drop them. */
+    size_t buffer_size = c->packet_size + 64;
+    if (!c->recv_buffers) {
+        c->recv_buffers = PyMem_RawMalloc(buffer_size * RECV_BATCH);
+        if (!c->recv_buffers)
+            return PyErr_NoMemory();
+    }
+    int status = IO_SLICE, oom = 0;
+    Py_BEGIN_ALLOW_THREADS
+    double until = monotonic_now() + slice;
+    struct mmsghdr msgs[RECV_BATCH];
+    struct iovec iov[RECV_BATCH];
+    flush_outbox(c, fd, &dst);
+    for (;;) {
+        if (c->remaining == 0) {
+            status = IO_DONE;
+            break;
+        }
+        for (int i = 0; i < RECV_BATCH; i++) {
+            iov[i].iov_base = c->recv_buffers + (size_t)i * buffer_size;
+            iov[i].iov_len = buffer_size;
+            memset(&msgs[i].msg_hdr, 0, sizeof(struct msghdr));
+            msgs[i].msg_hdr.msg_iov = &iov[i];
+            msgs[i].msg_hdr.msg_iovlen = 1;
+        }
+        int received = recvmmsg(fd, msgs, RECV_BATCH, MSG_DONTWAIT | MSG_TRUNC, NULL);
+        if (received < 0)
+            received = 0; /* EAGAIN, or an ICMP error queued: control tells us */
+        for (int i = 0; i < received; i++) { /* after the last result: stale, as in Python */
+            c->counters[COUNTER_BYTES_RECEIVED] += msgs[i].msg_len;
+            if (receive(c, iov[i].iov_base, msgs[i].msg_len, monotonic_now()) < 0)
+                oom = 1;
+        }
+        flush_outbox(c, fd, &dst);
+        if (oom)
+            break;
+        if (c->remaining == 0) {
+            status = IO_DONE;
+            break;
+        }
+        double now = monotonic_now();
+        double timer = get_timer(c);
+        if (!isnan(timer) && now >= timer) {
+            if (handle_timer(c, now) < 0) {
+                oom = 1;
+                break;
+            }
+            if (c->stalled) {
+                status = IO_STALLED;
+                break;
+            }
+            flush_outbox(c, fd, &dst);
+            timer = get_timer(c);
+        }
+        if (now >= until) {
+            status = IO_SLICE;
+            break;
+        }
+        if (received == RECV_BATCH)
+            continue; /* more is waiting: results before anything else */
+        double wait = until - now;
+        if (!isnan(timer) && timer - now < wait)
+            wait = timer - now;
+        struct pollfd fds[2] = {{fd, POLLIN, 0}, {control_fd, POLLIN, 0}};
+        int timeout_ms = wait <= 0 ? 0 : (int)ceil(wait * 1000);
+        int ready = poll(fds, control_fd >= 0 ? 2 : 1, timeout_ms);
+        /* Results first: a result that completes the call may sit behind news
+         * of the switch going away, and the call did complete. */
+        if (ready > 0 && !(fds[0].revents & POLLIN) && control_fd >= 0 && fds[1].revents) {
+            status = IO_CONTROL;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (oom)
+        return PyErr_NoMemory();
+    return PyLong_FromLong(status);
+}
+
+static PyObject *core_get_done(DenseCore *c, void *unused) { return PyBool_FromLong(c->remaining == 0); }
+
+static PyObject *core_get_error(DenseCore *c, void *unused) {
+    if (c->stalled)
+        return PyUnicode_FromString("stalled");
+    Py_RETURN_NONE;
+}
+
+static PyObject *core_get_width(DenseCore *c, void *unused) { return PyLong_FromLong(c->width); }
+
+static PyObject *core_get_inflight_count(DenseCore *c, void *unused) {
+    return PyLong_FromLongLong(c->inflight_count);
+}
+
+static PyObject *core_get_last_progress(DenseCore *c, void *unused) {
+    return PyFloat_FromDouble(c->last_progress);
+}
+
+static PyMethodDef core_methods[] = {
+    {"receive_datagram", (PyCFunction)core_receive_datagram, METH_VARARGS,
+     "receive_datagram(data, now): take one datagram from the switch."},
+    {"datagrams_to_send", (PyCFunction)core_datagrams_to_send, METH_NOARGS,
+     "Datagrams to send to the switch now (bytes)."},
+    {"get_timer", (PyCFunction)core_get_timer, METH_NOARGS,
+     "Earliest time at which handle_timer must run, or None."},
+    {"handle_timer", (PyCFunction)core_handle_timer, METH_O,
+     "handle_timer(now): presume lost what timed out, resend what the window allows."},
+    {"pending", (PyCFunction)core_pending, METH_NOARGS,
+     "(absolute slot, message number) of every message awaiting its result."},
+    {"export_state", (PyCFunction)core_export_state, METH_NOARGS,
+     "(slot_msgs, rtt, window, counters since the last call)."},
+    {"run_io", (PyCFunction)core_run_io, METH_VARARGS,
+     "run_io(fd, (host, port), control_fd, slice): drive the call on a non-blocking UDP "
+     "socket without the GIL for up to slice seconds; 0 done, 1 stalled, 2 control "
+     "readable, 3 slice over."},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef core_getset[] = {
+    {"done", (getter)core_get_done, NULL, "Whether every result came.", NULL},
+    {"error", (getter)core_get_error, NULL, "'stalled' or None.", NULL},
+    {"width", (getter)core_get_width, NULL, "Slots of the call.", NULL},
+    {"inflight_count", (getter)core_get_inflight_count, NULL, "Messages in flight.", NULL},
+    {"last_progress", (getter)core_get_last_progress, NULL, "Time of the last result.", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject DenseCoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "switchml.worker._fastengine.DenseCore",
+    .tp_doc = "The dense allreduce state machine of engine.DenseAllreduce, in C.",
+    .tp_basicsize = sizeof(DenseCore),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)core_init,
+    .tp_dealloc = (destructor)core_dealloc,
+    .tp_methods = core_methods,
+    .tp_getset = core_getset,
+};
+
+static PyObject *py_quantize(PyObject *self, PyObject *args) {
+    Py_buffer src, dst;
+    int exponent, bits;
+    if (!PyArg_ParseTuple(args, "y*iiw*", &src, &exponent, &bits, &dst))
+        return NULL;
+    if (dst.len < src.len)
+        PyErr_SetString(PyExc_ValueError, "dst shorter than src");
+    else
+        quantize_into(src.buf, src.len / 4, exponent, bits, dst.buf);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_dequantize(PyObject *self, PyObject *args) {
+    Py_buffer src, dst;
+    int exponent, bits;
+    if (!PyArg_ParseTuple(args, "y*iiw*", &src, &exponent, &bits, &dst))
+        return NULL;
+    if (dst.len < src.len)
+        PyErr_SetString(PyExc_ValueError, "dst shorter than src");
+    else
+        dequantize_into(src.buf, src.len / 4, exponent, bits, dst.buf);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_chunk_exponent(PyObject *self, PyObject *arg) {
+    Py_buffer src;
+    if (PyObject_GetBuffer(arg, &src, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    int16_t e = chunk_exponent(src.buf, src.len / 4);
+    PyBuffer_Release(&src);
+    return PyLong_FromLong(e);
+}
+
+static PyMethodDef module_methods[] = {
+    {"quantize_into", py_quantize, METH_VARARGS,
+     "quantize_into(src, exponent, bits, dst): quant.quantize_into's arithmetic (tests)."},
+    {"dequantize_into", py_dequantize, METH_VARARGS,
+     "dequantize_into(src, exponent, bits, dst): quant.dequantize_into's arithmetic (tests)."},
+    {"chunk_exponent", py_chunk_exponent, METH_O,
+     "chunk_exponent(values): quant.chunk_exponents of one chunk (tests)."},
+    {NULL, NULL, 0, NULL}};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastengine",
+                                    "The worker's dense allreduce in C.", -1, module_methods};
+
+PyMODINIT_FUNC PyInit__fastengine(void) {
+    if (PyType_Ready(&DenseCoreType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    Py_INCREF(&DenseCoreType);
+    if (PyModule_AddObject(m, "DenseCore", (PyObject *)&DenseCoreType) < 0) {
+        Py_DECREF(&DenseCoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

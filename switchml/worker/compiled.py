@@ -1,0 +1,128 @@
+"""The dense allreduce on the compiled engine (``_fastengine.c``), when it is built.
+
+``CompiledDenseAllreduce`` has ``DenseAllreduce``'s sans-IO API and produces the
+same datagrams, results and counters (tests/test_fastengine.py); ``run_io``
+drives it on a socket without the GIL.  The Session's state that lives across
+calls (message numbers, RTT estimate, window, counters) is handed to the C core
+at the start and written back when the call ends (done or stalled) and whenever
+``run_io`` returns, so the Python and the C engine can take turns on one session.
+
+``SWITCHML_PURE_PYTHON=1`` makes the worker use the Python engine only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import env
+from .engine import Session, check_arrays
+from .recovery import CongestionWindow, RttEstimator
+
+try:
+    from . import _fastengine
+except ImportError:  # not built (a source checkout without build_ext)
+    _fastengine = None
+
+#: run_io's return values.
+IO_DONE, IO_STALLED, IO_CONTROL, IO_SLICE = 0, 1, 2, 3
+
+
+def enabled() -> bool:
+    """Whether the worker should use the compiled engine for dense calls."""
+    return _fastengine is not None and env("PURE_PYTHON", "0") != "1"
+
+
+def supports(session: Session) -> bool:
+    """Whether the C core can stand in for the Python engine on ``session``: it
+    implements the stock RTT estimator and window, not subclasses of them."""
+    return (_fastengine is not None and type(session.rtt) is RttEstimator
+            and type(session.window) is CongestionWindow)
+
+
+class CompiledDenseAllreduce:
+    """``DenseAllreduce`` with its state machine in C."""
+
+    def __init__(self, session: Session, array: np.ndarray, out: np.ndarray, seq: int,
+                 now: float):
+        check_arrays(array, out)
+        self.s = session
+        src, dst = array.reshape(-1), out.reshape(-1)
+        k = session.packet_elements
+        chunks = -(-src.size // k)
+        rtt, window = session.rtt, session.window
+        self._core = _fastengine.DenseCore(
+            src, dst, is_float=array.dtype == np.float32, session=session.session,
+            slot_base=session.slot_base, width=min(session.slot_count, chunks),
+            packet_elements=k, lanes=session.lanes, bits=session.bits, seq=seq,
+            slot_msgs=session.slot_msgs, now=now, progress_timeout=session.progress_timeout,
+            rtt=(rtt.srtt is not None, rtt.srtt or 0.0, rtt.rttvar, rtt.min_rtt, rtt._rto,
+                 rtt.min_rto, rtt.max_rto, window.DELAY_MARGIN),
+            window=(window.cwnd, window.ssthresh, window._last_decrease, window.limit,
+                    window._undo is not None, *(window._undo or (0.0, 0.0, 0.0))))
+        self.width = self._core.width
+        self.sync()
+        self._sync_when_over()  # an empty call is over at once
+
+    def sync(self) -> None:
+        """Write the core's message numbers, RTT, window and counters to the Session."""
+        msgs, (have_srtt, srtt, rttvar, min_rtt, rto), (cwnd, ssthresh, last_decrease, has_undo,
+                                                        *undo), counters = self._core.export_state()
+        s = self.s
+        s.slot_msgs[: len(msgs)] = msgs
+        rtt = s.rtt
+        rtt.srtt = srtt if have_srtt else None
+        rtt.rttvar, rtt.min_rtt, rtt._rto = rttvar, min_rtt, rto
+        window = s.window
+        window.cwnd, window.ssthresh, window._last_decrease = cwnd, ssthresh, last_decrease
+        window._undo = tuple(undo) if has_undo else None
+        for name, value in counters.items():
+            s.counters[name] += value
+
+    # ------------------------------------------------------------ DenseAllreduce's API
+    @property
+    def done(self) -> bool:
+        return self._core.done
+
+    @property
+    def error(self) -> str | None:
+        return self._core.error
+
+    @property
+    def inflight_count(self) -> int:
+        return self._core.inflight_count
+
+    @property
+    def last_progress(self) -> float:
+        return self._core.last_progress
+
+    def datagrams_to_send(self) -> list:
+        return self._core.datagrams_to_send()
+
+    def get_timer(self) -> float | None:
+        return self._core.get_timer()
+
+    def handle_timer(self, now: float) -> None:
+        self._core.handle_timer(now)
+        self._sync_when_over()
+
+    def pending(self) -> list[tuple[int, int]]:
+        return self._core.pending()
+
+    def receive_datagram(self, data, now: float) -> None:
+        self._core.receive_datagram(data, now)
+        self._sync_when_over()
+
+    def _sync_when_over(self) -> None:
+        # Not per datagram while the call runs: the export builds Python objects.
+        # After its end, late datagrams are counted at once, as in Python.
+        if self._core.done or self._core.error:
+            self.sync()
+
+    # ------------------------------------------------------------ the socket driver
+    def run_io(self, udp, address: tuple[str, int], control_fd: int, slice_s: float) -> int:
+        """Drive the call on non-blocking ``udp`` without the GIL for up to ``slice_s``
+        seconds; returns IO_DONE, IO_STALLED, IO_CONTROL (readable) or IO_SLICE."""
+        try:
+            return self._core.run_io(udp.fileno(), address, control_fd, slice_s)
+        finally:
+            self.sync()

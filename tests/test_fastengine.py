@@ -1,0 +1,315 @@
+"""The C engine (switchml.worker._fastengine) against the Python reference.
+
+Fed the same inputs, both must send the same datagrams (bytes, in order), give
+the same results bit for bit, and leave the same counters, message numbers, RTT
+estimate and window in the Session.  Through the simulator with seeded loss,
+duplication, reordering, a bottleneck queue, and hostile or stale datagrams.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from switchml import quant, wire
+from switchml.quant import EXP_NONFINITE, EXP_ZERO
+from switchml.sim import SWITCH, Bottleneck, Faults, Simulation
+from switchml.worker import compiled
+
+from conftest import reference_sum
+
+pytestmark = pytest.mark.skipif(compiled._fastengine is None,
+                                reason="the C engine is not built (python setup.py build_ext --inplace)")
+fast = compiled._fastengine
+
+BIG_TIME = 1e9
+SETTINGS = settings(max_examples=200, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+# float32 of every kind: tiny (subnormal), huge, signed zeros, inf, NaN
+any_float32 = st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True)
+finite_float32 = st.floats(width=32, allow_nan=False, allow_infinity=False,
+                           allow_subnormal=True)
+exponents = st.one_of(st.integers(-148, 128), st.sampled_from([EXP_ZERO,
+                                                                              EXP_NONFINITE]))
+bits_of_worlds = st.sampled_from([quant.scale_bits(n) for n in (1, 2, 3, 4, 8, 32)])
+
+
+# ---------------------------------------------------------------- the arithmetic
+@SETTINGS
+@given(values=hnp.arrays(np.float32, st.integers(0, 300), elements=any_float32),
+       exponent=exponents, bits=bits_of_worlds)
+def test_quantize_is_quant_quantize_into(values, exponent, bits):
+    expected = np.zeros(values.size, np.int32)
+    with np.errstate(all="ignore"):
+        quant.quantize_into(values, exponent, bits, expected, np.empty(values.size, np.float32))
+    got = np.zeros(values.size, np.int32)
+    fast.quantize_into(values, exponent, bits, got)
+    assert got.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("exponent", [-148, -120, -100, 0, 3, 30, 128])
+def test_quantize_rounds_halves_to_even_at_every_magnitude(exponent):
+    """Ties, and values about 2**23 (where the C rounding changes method) and 2**31."""
+    bits = quant.scale_bits(2)
+    scale = np.float32(2.0) ** np.float32(exponent - bits) if exponent - bits > -149 else None
+    steps = np.concatenate([np.arange(-40, 41) + 0.5, np.arange(-40, 41) + 0.25,
+                            2.0**23 + np.arange(-4, 5) * 0.5, 2.0**24 + np.arange(-4, 5),
+                            -(2.0**23) - np.arange(5) * 0.5, [2.0**31, -(2.0**31), 2.0**30]])
+    with np.errstate(over="ignore"):  # at exponent 128 the largest steps are inf: fine too
+        values = (steps * float(scale)).astype(np.float32) if scale is not None else \
+            np.ldexp(steps, exponent - bits).astype(np.float32)
+    expected = np.zeros(values.size, np.int32)
+    with np.errstate(all="ignore"):
+        quant.quantize_into(values, exponent, bits, expected, np.empty(values.size, np.float32))
+    got = np.zeros(values.size, np.int32)
+    fast.quantize_into(values, exponent, bits, got)
+    assert got.tolist() == expected.tolist()
+
+
+@SETTINGS
+@given(sums=hnp.arrays(np.int32, st.integers(0, 300)), exponent=exponents, bits=bits_of_worlds)
+def test_dequantize_is_quant_dequantize_into(sums, exponent, bits):
+    expected = np.zeros(sums.size, np.float32)
+    with np.errstate(all="ignore"):  # sums times a large power: inf, as in C
+        quant.dequantize_into(sums, exponent, bits, expected)
+    got = np.zeros(sums.size, np.float32)
+    fast.dequantize_into(sums, exponent, bits, got)
+    assert got.tobytes() == expected.tobytes()
+
+
+@SETTINGS
+@given(values=hnp.arrays(np.float32, st.integers(1, 300), elements=any_float32))
+def test_chunk_exponent_is_quant_chunk_exponents(values):
+    (expected,) = quant.chunk_exponents(values, values.size)
+    assert fast.chunk_exponent(values) == expected
+
+
+# ---------------------------------------------------------------- whole calls
+def hostile(rng: random.Random, data: bytes) -> bytes:
+    """A datagram made from a real one: a field changed, cut short, or garbage."""
+    d = bytearray(data)
+    kind = rng.randrange(9)
+    if kind == 0:
+        return bytes(d[: rng.randrange(len(d))])
+    if kind == 1:
+        return bytes(d + b"\0" * rng.randrange(1, 9))
+    if kind == 2:
+        return bytes(rng.randrange(256) for _ in range(rng.randrange(64)))
+    if kind == 3 and len(d) >= wire.HEADER_SIZE + wire.LANE_SIZE:  # any exponent
+        d[wire.HEADER_SIZE + 8: wire.HEADER_SIZE + 10] = rng.randrange(65536).to_bytes(2, "little")
+        return bytes(d)
+    if kind == 4 and len(d) >= wire.HEADER_SIZE:  # a stale or future message number
+        msg = int.from_bytes(d[12:16], "little") + rng.choice([-2, -1, 1, 2])
+        d[12:16] = (msg & 0xFFFFFFFF).to_bytes(4, "little")
+        return bytes(d)
+    if kind == 5 and len(d) >= wire.HEADER_SIZE:  # another call's, or another packet's
+        field = rng.choice([16, 20])
+        v = int.from_bytes(d[field:field + 4], "little") + rng.choice([-1, 1, 7])
+        d[field:field + 4] = (v & 0xFFFFFFFF).to_bytes(4, "little")
+        return bytes(d)
+    if kind == 6 and len(d) >= wire.HEADER_SIZE:  # any one header byte
+        d[rng.randrange(wire.HEADER_SIZE)] = rng.randrange(256)
+        return bytes(d)
+    if kind == 7 and len(d) > wire.HEADER_SIZE:  # values changed: still a valid result
+        i = rng.randrange(wire.HEADER_SIZE, len(d))
+        d[i] = rng.randrange(256)
+        return bytes(d)
+    return bytes(data)  # a plain duplicate
+
+
+def run_calls(compiled_engine, calls, world, slots, k, faults, seed, bottleneck, hostile_rate):
+    """Every datagram sent, every result, and the Sessions' state after ``calls``."""
+    sim = Simulation(world, slots=slots, packet_elements=k, faults=faults, seed=seed,
+                     bottleneck=bottleneck, compiled=compiled_engine)
+    sent = []
+    attacker = random.Random(seed)
+    deliver = sim._send
+
+    def record(data, src, dst):
+        data = bytes(data)
+        if src != SWITCH:
+            sent.append((src[1], data))
+        deliver(data, src, dst)
+        if dst != SWITCH and attacker.random() < hostile_rate:
+            deliver(hostile(attacker, data), src, dst)
+
+    sim._send = record
+    results = []
+    for arrays in calls:
+        outs = sim.allreduce(arrays, max_time=BIG_TIME)
+        results.append([o.tobytes() for o in outs])
+    state = [(dict(s.counters), list(s.slot_msgs), s.next_seq, s.rtt.srtt, s.rtt.rttvar,
+              s.rtt.min_rtt, s.rtt.rto(), s.window.cwnd, s.window.ssthresh,
+              s.window._last_decrease, s.window._undo)
+             for s in sim.sessions]
+    return sent, results, state
+
+
+@st.composite
+def scenarios(draw):
+    world = draw(st.integers(1, 4))
+    k = draw(st.sampled_from([4, 16, 64]))
+    slots = draw(st.sampled_from([1, 2, 5, 8, 32]))
+    dtype = draw(st.sampled_from([np.float32, np.int32]))
+    calls = []
+    for _ in range(draw(st.integers(1, 3))):
+        size = draw(st.one_of(st.integers(0, 3 * k), st.integers(0, 40 * k)))
+        if dtype == np.float32:
+            values = st.one_of(finite_float32, any_float32) if draw(st.booleans()) else finite_float32
+            arrays = [draw(hnp.arrays(np.float32, size, elements=values)) for _ in range(world)]
+        else:
+            arrays = [draw(hnp.arrays(np.int32, size)) for _ in range(world)]
+        calls.append(arrays)
+    faults = draw(st.sampled_from([
+        None,
+        Faults(loss=0.05, duplicate=0.05, jitter=0.002),
+        Faults(loss=0.2, duplicate=0.1, jitter=0.03),
+    ]))
+    bottleneck = draw(st.sampled_from([None, Bottleneck(rate=2e6, queue_bytes=6 * (44 + 4 * k))]))
+    hostile_rate = draw(st.sampled_from([0.0, 0.3]))
+    seed = draw(st.integers(0, 2**16))
+    return calls, world, slots, k, faults, seed, bottleneck, hostile_rate
+
+
+@settings(max_examples=80, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(scenario=scenarios())
+def test_c_engine_sends_and_computes_what_python_does(scenario):
+    calls, world, slots, k, faults, seed, bottleneck, hostile_rate = scenario
+    args = (calls, world, slots, k, faults, seed, bottleneck, hostile_rate)
+    py_sent, py_results, py_state = run_calls(False, *args)
+    c_sent, c_results, c_state = run_calls(True, *args)
+    assert len(c_sent) == len(py_sent)
+    for i, (a, b) in enumerate(zip(py_sent, c_sent)):
+        assert a == b, f"datagram {i} differs"
+    assert c_results == py_results
+    assert c_state == py_state
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_c_engine_results_are_the_reference_sum_under_faults(dtype):
+    rng = np.random.default_rng(5)
+    world, k = 3, 64
+    size = k * 8 * 5 + 3
+    if dtype == np.float32:
+        arrays = [(rng.standard_normal(size) * 2.0 ** float(rng.integers(-30, 30)))
+                  .astype(np.float32) for _ in range(world)]
+    else:
+        arrays = [rng.integers(-2**20, 2**20, size, dtype=np.int32) for _ in range(world)]
+    sim = Simulation(world, slots=8, packet_elements=k, seed=2, compiled=True,
+                     faults=Faults(loss=0.1, duplicate=0.1, jitter=0.01))
+    outs = sim.allreduce(arrays, max_time=BIG_TIME)
+    assert isinstance(sim.ops[0], compiled.CompiledDenseAllreduce)
+    expected = reference_sum(arrays, k)
+    for out in outs:
+        assert out.tobytes() == expected.tobytes()
+    assert sim.sessions[0].counters["retransmissions"] > 0
+
+
+def test_pure_python_switch(monkeypatch):
+    monkeypatch.setenv("SWITCHML_PURE_PYTHON", "1")
+    assert not compiled.enabled()
+    monkeypatch.setenv("SWITCHML_PURE_PYTHON", "0")
+    assert compiled.enabled()
+
+
+def test_c_engine_refuses_what_python_refuses():
+    sim = Simulation(1, slots=2, packet_elements=4, compiled=True)
+    s = sim.sessions[0]
+    with pytest.raises(TypeError):
+        s.allreduce(np.zeros(3, np.float64), np.zeros(3, np.float64), 0.0, compiled=True)
+    a = np.zeros(8, np.float32)
+    with pytest.raises(ValueError):
+        s.allreduce(a[:6], a[2:], 0.0, compiled=True)
+
+
+# ---------------------------------------------------------------- behind sockets
+def _two_ranks(switch, arrays, monkeypatch, pure):
+    import threading
+
+    import switchml
+    monkeypatch.setenv("SWITCHML_PURE_PYTHON", "1" if pure else "0")
+    loops = []
+    run_io = compiled.CompiledDenseAllreduce.run_io
+
+    def counting_run_io(self, *args):
+        loops.append(1)
+        return run_io(self, *args)
+
+    monkeypatch.setattr(compiled.CompiledDenseAllreduce, "run_io", counting_run_io)
+    outs = [None, None]
+
+    def body(rank):
+        with switchml.Worker(switch.address, rank, 2, job=f"fast-{pure}", timeout=20) as w:
+            outs[rank] = w.allreduce(arrays[rank])
+            assert w.counters["results_in"] > 0
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return outs, len(loops)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_worker_runs_dense_calls_on_the_c_loop_with_the_same_results(dtype, monkeypatch):
+    import switchml
+    rng = np.random.default_rng(3)
+    size = 50_000
+    arrays = [(rng.standard_normal(size) * 1e3).astype(dtype) for _ in range(2)]
+    with switchml.Switch(packet_elements=1024, block_elements=256) as sw:
+        c_outs, c_loops = _two_ranks(sw, arrays, monkeypatch, pure=False)
+        py_outs, py_loops = _two_ranks(sw, arrays, monkeypatch, pure=True)
+    assert c_loops > 0 and py_loops == 0
+    expected = reference_sum(arrays, 1024) if dtype == np.float32 else arrays[0] + arrays[1]
+    for out in c_outs + py_outs:
+        assert out.tobytes() == expected.tobytes()
+
+
+def test_run_io_lets_other_threads_run():
+    """While the C loop waits for results (here: none ever come), the GIL is free."""
+    import socket
+    import threading
+    import time
+
+    sim = Simulation(2, slots=4, packet_elements=16)
+    data = np.arange(100, dtype=np.int32)
+    op = sim.sessions[0].allreduce(data, np.empty_like(data), time.monotonic(), compiled=True)
+    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # receives, never answers
+    sink.bind(("127.0.0.1", 0))
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    udp.setblocking(False)
+    ticks = []
+    stop = threading.Event()
+
+    def other():
+        while not stop.is_set():
+            ticks.append(time.monotonic())
+
+    thread = threading.Thread(target=other)
+    try:
+        thread.start()
+        while not ticks:
+            time.sleep(0.001)
+        start = time.monotonic()
+        status = op.run_io(udp, sink.getsockname(), -1, 0.5)
+        stop.set()
+        thread.join()
+        assert status == compiled.IO_SLICE and not op.done
+        # The other thread ran while the loop did, not only once it returned
+        # (a loop that holds the GIL lets it run at start + 0.5 s at the earliest).
+        assert any(start < t < start + 0.4 for t in ticks)
+        assert sink.recv(65536)  # and the messages did go out
+        assert sim.sessions[0].counters["bytes_sent"] > 0
+    finally:
+        stop.set()
+        sink.close()
+        udp.close()

@@ -1,0 +1,264 @@
+"""The congestion window of the worker's stream, in the deterministic simulator.
+
+The window limits how many messages are in flight; the slots, message numbers
+and pkt_ids stay those of the fixed window, so results must not change.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from switchml.sim import Bottleneck, Faults, Network, Simulation, run_concurrently
+from switchml.switch.pipeline import Pipeline
+from switchml.worker.engine import Session
+from switchml.worker.recovery import CongestionWindow, RttEstimator
+
+from conftest import reference_sum
+
+K = 64
+SLOTS = 32
+PACKET = 32 + 12 + 4 * K  # bytes of a full dense datagram (header, one lane, values)
+BIG_TIME = 1e9
+
+
+def floats(world, size, seed):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(size) * 2.0 ** float(rng.integers(-20, 20))).astype(np.float32)
+            for _ in range(world)]
+
+
+def ints(world, size, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(-2**20, 2**20, size, dtype=np.int32) for _ in range(world)]
+
+
+def same_bits(a, b):
+    return a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def lowest_unfinished(op):
+    """pkt_id of the lowest message of ``op`` without its result, or None."""
+    ids = [op._round[j] * op.width + j for j in range(op.width) if op._has_message(j)]
+    return min(ids, default=None)
+
+
+def in_flight(op):
+    """pkt_ids of the messages of ``op`` sent and not presumed lost, without a result."""
+    return {op._round[j] * op.width + j for j in range(op.width)
+            if op._inflight[j] is not None and not op._lost[j]}
+
+
+def run_checked(sim, arrays, check):
+    """One allreduce, calling ``check(op)`` on every rank's engine after every event."""
+    outs = sim.begin(arrays)
+    while not sim.finished:
+        sim.step(BIG_TIME)
+        for op in sim.ops:
+            check(op)
+    return outs
+
+
+# ---------------------------------------------------------------- the control law
+def test_slow_start_doubles_then_additive_increase():
+    w = CongestionWindow(limit=100, initial=4)
+    assert w.allowed(32) == 4 and w.allowed(2) == 2
+    for _ in range(4):  # one round trip of results, all window-limited
+        w.on_result(window_limited=True)
+    assert w.cwnd == 8
+    w.on_timeout(sent_at=1.0, now=1.1)
+    assert (w.cwnd, w.ssthresh) == (4, 4)
+    for _ in range(4):  # congestion avoidance: one message more per window of results
+        w.on_result(window_limited=True)
+    assert w.cwnd == pytest.approx(5, abs=0.1)
+    w.on_result(window_limited=False)  # a call that does not fill the window: no growth
+    assert w.cwnd == pytest.approx(5, abs=0.1)
+
+
+def test_decrease_at_most_once_per_round_trip():
+    w = CongestionWindow(limit=64, initial=32)
+    assert w.on_timeout(sent_at=1.0, now=1.05)
+    # other messages of the same window (sent before the decrease) time out too
+    assert not w.on_timeout(sent_at=1.0, now=1.05)
+    assert not w.on_timeout(sent_at=1.04, now=1.06)
+    assert w.cwnd == 16
+    assert w.on_timeout(sent_at=1.05, now=1.2)  # sent after it: a new congestion event
+    assert w.cwnd == 8
+    for _ in range(10):
+        w.on_timeout(sent_at=10.0 + _, now=11.0 + _)
+    assert w.cwnd == 1 and w.allowed(8) == 1
+
+
+def test_a_premature_timeout_takes_its_decrease_back():
+    w = CongestionWindow(limit=64, initial=20)
+    w.on_timeout(sent_at=1.0, now=1.5)
+    assert (w.cwnd, w.ssthresh) == (10, 10)
+    w.undo_decrease(decreased_at=1.4)  # not the decrease that happened: nothing
+    assert w.cwnd == 10
+    w.undo_decrease(decreased_at=1.5)
+    assert (w.cwnd, w.ssthresh) == (20, math.inf)
+    w.undo_decrease(decreased_at=1.5)  # once
+    assert w.cwnd == 20
+    w.on_timeout(sent_at=2.0, now=2.5)
+    w.on_timeout(sent_at=2.6, now=3.0)  # a later decrease stands: the first is not undone
+    w.undo_decrease(decreased_at=2.5)
+    assert w.cwnd == 5
+    w.undo_decrease(decreased_at=3.0)
+    assert w.cwnd == 10
+
+
+def test_delay_ends_slow_start():
+    w = CongestionWindow(limit=64, initial=4)
+    w.on_rtt_sample(0.0011, min_rtt=0.0001)  # below 2 * min + margin: noise
+    assert w.ssthresh == math.inf
+    w.on_rtt_sample(0.0025, min_rtt=0.0001)
+    assert w.ssthresh == 4
+    w.on_result(window_limited=True)
+    assert w.cwnd == pytest.approx(4.25)
+
+
+# ---------------------------------------------------------------- in the engine
+@pytest.mark.parametrize("dtype", ["f32", "i32"])
+def test_window_grows_without_loss_and_persists_across_calls(dtype):
+    world = 3
+    sim = Simulation(world, slots=SLOTS, packet_elements=K)
+    make = floats if dtype == "f32" else ints
+    first_burst = []
+    sizes = [K * SLOTS * 4 + 3, K * SLOTS * 8]
+    for i, size in enumerate(sizes):
+        arrays = make(world, size, seed=i)
+        outs = sim.begin(arrays)
+        first_burst.append(sim.network._queue.__len__())
+        while not sim.finished:
+            sim.step(BIG_TIME)
+        for out in outs:
+            assert same_bits(out, reference_sum(arrays, K))
+    s = sim.sessions[0]
+    assert first_burst[0] == world * 4  # a new session starts with a few packets
+    assert s.window.cwnd == SLOTS  # slow start reached the whole width, without loss
+    assert first_burst[1] == world * SLOTS  # the next call starts where the last left off
+    assert s.counters["retransmissions"] == 0 and s.counters["window_decreases"] == 0
+
+
+def test_window_bounds_messages_in_flight_and_lowest_is_always_in_flight():
+    world = 4
+    faults = Faults(loss=0.05, duplicate=0.05, jitter=0.002)
+    sim = Simulation(world, slots=SLOTS, packet_elements=K, faults=faults, seed=3,
+                     bottleneck=Bottleneck(rate=2e6, queue_bytes=12 * PACKET))
+    seen = {"checks": 0, "over_window": 0}
+
+    def check(op):
+        lowest = lowest_unfinished(op)
+        flying = in_flight(op)
+        if lowest is not None:
+            assert lowest in flying
+        assert len(flying) == op.inflight_count
+        allowed = op.s.window.allowed(op.width)
+        if len(flying) > allowed:
+            # only the forced lowest message exceeds the window
+            seen["over_window"] += 1
+            assert lowest == min(flying)
+        seen["checks"] += 1
+
+    arrays = floats(world, K * SLOTS * 6 + 17, seed=9)
+    outs = run_checked(sim, arrays, check)
+    for out in outs:
+        assert same_bits(out, reference_sum(arrays, K))
+    assert seen["checks"] > 1000
+    counters = sim.sessions[0].counters
+    assert counters["retransmissions"] > 0 and counters["window_decreases"] > 0
+
+
+def test_window_shrinks_on_loss():
+    world = 2
+    sim = Simulation(world, slots=SLOTS, packet_elements=K,
+                     bottleneck=Bottleneck(rate=1e6, queue_bytes=6 * PACKET))
+    arrays = ints(world, K * SLOTS * 20, seed=1)
+    outs = sim.allreduce(arrays, max_time=BIG_TIME)
+    for out in outs:
+        assert same_bits(out, reference_sum(arrays, K))
+    assert sim.network.bottleneck_drops > 0
+    for s in sim.sessions:
+        assert s.counters["window_decreases"] > 0
+        # the queue holds 6 packets of 2 workers: the window stays far below the width
+        assert s.window.cwnd < SLOTS / 2
+        assert s.window.ssthresh < SLOTS
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_results_unchanged_under_loss_duplication_reordering_and_a_bottleneck(seed, sparse):
+    world = 3
+    faults = Faults(loss=0.1, duplicate=0.1, jitter=0.02)
+    size = K * SLOTS * 3 + 29
+    arrays = floats(world, size, seed) if seed % 2 else ints(world, size, seed)
+    if sparse:
+        for a in arrays:  # block-sparse inputs
+            a[: size // 2] = 0
+    expected = Simulation(world, slots=SLOTS, packet_elements=K).allreduce(arrays)[0]
+    assert same_bits(expected, reference_sum(arrays, K))
+    sim = Simulation(world, slots=SLOTS, packet_elements=K, faults=faults, seed=seed,
+                     block_elements=K // 4,
+                     bottleneck=Bottleneck(rate=5e6, queue_bytes=20 * PACKET))
+    for _ in range(2):
+        outs = sim.allreduce(arrays, max_time=BIG_TIME, sparse=sparse)
+        for out in outs:
+            assert same_bits(out, expected)
+
+
+def test_spurious_retransmission_is_counted():
+    """A result that comes sooner after a retransmission than any round trip answers
+    the first copy: the timeout was premature."""
+    pipeline = Pipeline(slots=1, packet_elements=K)
+    pipeline.install_job("one", 0x55, [("w", 0)], 0, 1)
+    s = Session(session=0x55, rank=0, world_size=1, slot_base=0, slot_count=1,
+                packet_elements=K, rtt=RttEstimator(initial_rto=0.05, min_rto=0.01))
+    data = np.arange(3 * K, dtype=np.int32)
+    out = np.zeros_like(data)
+    op = s.allreduce(data, out, now=0.0)
+    (d,) = op.datagrams_to_send()
+    ((result, _),) = pipeline.receive_datagram(bytes(d), ("w", 0))
+    op.receive_datagram(result, 0.001)  # an RTT sample: 1 ms
+    (d,) = op.datagrams_to_send()
+    ((result, _),) = pipeline.receive_datagram(bytes(d), ("w", 0))
+    t = op.get_timer()
+    op.handle_timer(t)  # the result is late: retransmit
+    assert len(op.datagrams_to_send()) == 1
+    assert s.window.ssthresh == 1  # the timeout counted as a loss
+    op.receive_datagram(result, t + 0.0002)  # 0.2 ms after the retransmission
+    assert s.counters["retransmissions"] == 1
+    assert s.counters["spurious_retransmissions"] == 1
+    assert s.window.ssthresh == math.inf  # until it proved premature
+    (d,) = op.datagrams_to_send()
+    ((result, _),) = pipeline.receive_datagram(bytes(d), ("w", 0))
+    t = op.get_timer()
+    op.handle_timer(t)
+    op.datagrams_to_send()
+    op.receive_datagram(result, t + 0.005)  # a round trip later: a real loss, as far as we know
+    assert s.counters["retransmissions"] == 2
+    assert s.counters["spurious_retransmissions"] == 1
+    assert s.window.ssthresh == 1
+    assert op.done and (out == data).all()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_two_jobs_sharing_a_bottleneck_get_fair_shares(seed):
+    """Job B starts while job A already has the link; both then run calls back to back
+    through one drop-tail queue.  Over the second half, their throughputs are
+    within 20% of each other."""
+    network = Network(Faults(latency=500e-6, jitter=100e-6), seed=seed,
+                      bottleneck=Bottleneck(rate=3e6, queue_bytes=32 * PACKET))
+    pipeline = Pipeline(slots=2 * SLOTS, packet_elements=K)
+    jobs = [Simulation(2, slots=SLOTS, packet_elements=K, network=network, pipeline=pipeline,
+                       session=session) for session in (11, 22)]
+    arrays = [ints(2, K * 64, seed=i) for i in range(2)]
+    until = 4.0
+    finished = run_concurrently(jobs, arrays, until=until, start_at=[0.0, 0.3])
+    calls = [sum(t >= until / 2 for t in times) for times in finished]
+    assert min(calls) >= 20
+    assert max(calls) <= 1.2 * min(calls), calls
+    assert network.bottleneck_drops > 0  # the queue was the limit, not the windows
+    for job in jobs:
+        assert job.sessions[0].window.cwnd < SLOTS
