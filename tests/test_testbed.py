@@ -395,16 +395,24 @@ def test_gloo_runs_inside_the_namespaces_over_their_links():
     assert after["rx_bytes"] - before["rx_bytes"] >= size * 4
 
 
+def fragments_made(tb, where) -> int:
+    """IP fragments the namespace ``where`` has made (/proc/net/snmp, Ip FragCreates)."""
+    lines = [l.split() for l in tb.run(where, ["cat", "/proc/net/snmp"], capture_output=True,
+                                       text=True).stdout.splitlines() if l.startswith("Ip:")]
+    return int(lines[1][lines[0].index("FragCreates")])
+
+
 @needs_root
 @pytest.mark.parametrize("plane", ["c", "python"])
-def test_results_are_frames_and_only_oversized_ones_are_fragmented(tmp_path, plane):
-    """The switch's socket sets DF (IP_PMTUDISC_DO): results that fit the 1500-byte
-    links leave unfragmented; those of a job whose packets are larger than a frame
-    are sent fragmented and counted (send_fragmented), so the job still works."""
+def test_every_packet_is_one_frame_whatever_the_switchs_packet_limit(tmp_path, plane):
+    """A job's packets fit its 1500-byte links both ways, with the switch's limit above
+    a frame (PACKET values) or below it (256, the Tofino program's size): no host and
+    no switch makes an IP fragment, and nothing needed the fragmenting fallback."""
     size = 20_000
     env = {"SWITCHML_PURE_PYTHON": "1" if plane == "python" else "0"}
     with Testbed(hosts=2, link=None, prefix=prefix("m" + plane[0])) as tb:
-        for packet, oversized in ((256, False), (PACKET, True)):  # 1068 and 4176 bytes
+        for packet in (256, PACKET):
+            before = [fragments_made(tb, w) for w in ("switch", 0, 1)]
             sw = tb.popen("switch", [sys.executable, "-m", "switchml.cli", "switch", "--host",
                                      tb.switch_address, "--port", "7300", "--packet-elements",
                                      str(packet), "--slots", "64", "--log-level", "warning"],
@@ -419,9 +427,9 @@ def test_results_are_frames_and_only_oversized_ones_are_fragmented(tmp_path, pla
             for got in results:
                 assert got.tobytes() == expected(2, size, "int32").tobytes()
             assert stats["data_plane"] == plane
+            [job] = stats["ended_jobs"].values()
+            assert job["packet_elements"] == min(packet, JOB_PACKET)
             counters = stats["totals"]
             assert counters["results_out"] > 0 and not counters.get("send_errors")
-            if oversized:
-                assert counters.get("send_fragmented") == counters["results_out"]
-            else:
-                assert not counters.get("send_fragmented")
+            assert not counters.get("send_fragmented")
+            assert [fragments_made(tb, w) for w in ("switch", 0, 1)] == before
