@@ -31,7 +31,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from bench.common import make_tensor  # noqa: E402
+
 ENGINES = ("python", "c")
+
+
+def make_input(rank, elements, dtype):
+    """Rank ``rank``'s tensor: normal float32, or int32 integers from it."""
+    values = make_tensor(rank, elements)
+    return values if dtype == "float32" else (values * 1000).astype(np.int32)
 
 
 def _switch_main(options, address_q, stop_ev):
@@ -45,11 +53,7 @@ def _worker_main(engine, address, rank, world, elements, dtype, warmup, repeats,
     os.environ["SWITCHML_PURE_PYTHON"] = "1" if engine == "python" else "0"
     import switchml
     from switchml.worker import compiled
-    rng = np.random.default_rng(rank)
-    if dtype == "float32":
-        data = rng.standard_normal(elements).astype(np.float32)
-    else:
-        data = rng.integers(-1000, 1000, elements, dtype=np.int32)
+    data = make_input(rank, elements, dtype)
     out = np.empty_like(data)
     with switchml.Worker(address, rank, world, job=job, timeout=60) as w:
         for _ in range(warmup):
@@ -106,9 +110,7 @@ def engine_only(engine, elements, dtype, packet_elements, slots, repeats):
     """
     from switchml import wire
     from switchml.worker.engine import Session
-    rng = np.random.default_rng(0)
-    data = (rng.standard_normal(elements).astype(np.float32) if dtype == "float32"
-            else rng.integers(-1000, 1000, elements, dtype=np.int32))
+    data = make_input(0, elements, dtype)
     out = np.empty_like(data)
     session = Session(session=1, rank=0, world_size=1, slot_base=0, slot_count=slots,
                       packet_elements=packet_elements)

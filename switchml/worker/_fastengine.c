@@ -981,29 +981,16 @@ static PyTypeObject DenseCoreType = {
     .tp_getset = core_getset,
 };
 
-static PyObject *py_quantize(PyObject *self, PyObject *args) {
+/* (src, exponent, bits, dst) from Python to one of the two kernels (tests). */
+static PyObject *call_kernel(PyObject *args, int quantize) {
     Py_buffer src, dst;
     int exponent, bits;
     if (!PyArg_ParseTuple(args, "y*iiw*", &src, &exponent, &bits, &dst))
         return NULL;
     if (dst.len < src.len)
         PyErr_SetString(PyExc_ValueError, "dst shorter than src");
-    else
+    else if (quantize)
         quantize_into(src.buf, src.len / 4, exponent, bits, dst.buf);
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&dst);
-    if (PyErr_Occurred())
-        return NULL;
-    Py_RETURN_NONE;
-}
-
-static PyObject *py_dequantize(PyObject *self, PyObject *args) {
-    Py_buffer src, dst;
-    int exponent, bits;
-    if (!PyArg_ParseTuple(args, "y*iiw*", &src, &exponent, &bits, &dst))
-        return NULL;
-    if (dst.len < src.len)
-        PyErr_SetString(PyExc_ValueError, "dst shorter than src");
     else
         dequantize_into(src.buf, src.len / 4, exponent, bits, dst.buf);
     PyBuffer_Release(&src);
@@ -1012,6 +999,10 @@ static PyObject *py_dequantize(PyObject *self, PyObject *args) {
         return NULL;
     Py_RETURN_NONE;
 }
+
+static PyObject *py_quantize(PyObject *self, PyObject *args) { return call_kernel(args, 1); }
+
+static PyObject *py_dequantize(PyObject *self, PyObject *args) { return call_kernel(args, 0); }
 
 static PyObject *py_chunk_exponent(PyObject *self, PyObject *arg) {
     Py_buffer src;
