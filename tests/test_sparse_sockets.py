@@ -56,8 +56,28 @@ def test_sparse_equals_dense_over_sockets(world, drop_rate):
         assert counters["sparse_blocks_in"] == expected_blocks  # zero blocks never sent
 
 
+def test_auto_stays_dense_with_packets_of_few_blocks(switch):
+    """The test switch's packets hold 4 blocks, like frame-sized ones: sparse's rounds
+    would cost more than they save, so auto goes dense without measuring."""
+    sparse_data = sparse_inputs(2, 100, 0.05, np.float32, seed=3)
+
+    def body(rank):
+        with switchml.Worker(switch.address, rank, 2) as w:
+            assert w.session.lanes < 32
+            w.allreduce(sparse_data[rank], sparse="auto")
+            return w.counters, w.session.slot_count
+
+    chunks = -(-sparse_data[0].size // K)
+    for counters, slots in run_ranks(2, body):
+        assert counters["sparse_blocks_sent"] == 0
+        # the dense call's results (a chunk each, an exponent seed a slot), and no
+        # measuring call before it
+        assert counters["results_in"] == chunks + min(slots, chunks)
+
+
 def test_auto_picks_sparse_for_sparse_gradients_and_dense_for_dense(switch, monkeypatch):
     monkeypatch.setenv("SWITCHML_SPARSE_AUTO_EVERY", "1")  # measure every call
+    monkeypatch.setenv("SWITCHML_SPARSE_AUTO_MIN_LANES", "1")  # as loopback-sized packets
     sparse_data = sparse_inputs(2, 100, 0.05, np.float32, seed=3)
     dense_data = sparse_inputs(2, 100, 1.0, np.float32, seed=4)
     # half the blocks each: the union coming down is ~3/4 of the tensor, over the
@@ -80,6 +100,7 @@ def test_auto_picks_sparse_for_sparse_gradients_and_dense_for_dense(switch, monk
 
 
 def test_auto_measures_again_every_n_calls_of_a_size_alike_on_every_rank(switch, monkeypatch):
+    monkeypatch.setenv("SWITCHML_SPARSE_AUTO_MIN_LANES", "1")
     monkeypatch.setenv("SWITCHML_SPARSE_AUTO_EVERY", "3")
     measured = []
     original = switchml.Worker._sparse_pays

@@ -19,7 +19,8 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from ..config import (DEFAULT_KEEPALIVE, DEFAULT_SPARSE_AUTO_EVERY, DEFAULT_SPARSE_AUTO_UNION,
+from ..config import (DEFAULT_KEEPALIVE, DEFAULT_SPARSE_AUTO_EVERY,
+                      DEFAULT_SPARSE_AUTO_MIN_LANES, DEFAULT_SPARSE_AUTO_UNION,
                       DEFAULT_TIMEOUT, env, parse_address)
 from ..errors import (JoinRefusedError, LimitExceededError, SwitchMLError,
                       SwitchMLTimeoutError, SwitchUnreachableError)
@@ -85,6 +86,8 @@ class Worker:
         self.job = job if job is not None else env("JOB", "default")
         self.timeout = float(timeout if timeout is not None else env("TIMEOUT", DEFAULT_TIMEOUT, float))
         self._sparse_auto_union = env("SPARSE_AUTO_UNION", DEFAULT_SPARSE_AUTO_UNION, float)
+        self._sparse_auto_min_lanes = env("SPARSE_AUTO_MIN_LANES", DEFAULT_SPARSE_AUTO_MIN_LANES,
+                                          int)
         self._auto_every = max(1, env("SPARSE_AUTO_EVERY", DEFAULT_SPARSE_AUTO_EVERY, int))
         self._auto_choices: dict = {}
         self.wait_for_slots = float(wait_for_slots if wait_for_slots is not None
@@ -409,10 +412,16 @@ class Worker:
         Sparse must beat it by a margin (``SWITCHML_SPARSE_AUTO_UNION``, half by
         default) because every round also costs lane tables and per-packet work
         that a byte count does not show.
+
+        Not with packets of fewer than ``SWITCHML_SPARSE_AUTO_MIN_LANES`` blocks (frame-sized
+        packets on an Ethernet path): every chunk's exponent then takes its own
+        lane of an exponent round, and the rounds cost more than the bytes they
+        save (measured on the testbed at MTU 9000, 8 lanes: sparse as slow as
+        dense at d = 0.02, twice as slow at d = 0.1; docs/benchmarks.md).
         """
         b = self.session.block_elements
         blocks = -(-src.size // b)
-        if blocks == 0:
+        if blocks == 0 or self.session.lanes < self._sparse_auto_min_lanes:
             return False
         counts = np.array([nonzero_blocks(src.reshape(-1), b).sum()], dtype=np.int32)
         total = int(self._run(counts, np.empty_like(counts), False)[0])
