@@ -18,6 +18,9 @@ from switchml.worker.recovery import CongestionWindow, RttEstimator
 
 from conftest import reference_sum
 
+SAME_EVENT, DECREASED, RANDOM_LOSS = (CongestionWindow.SAME_EVENT, CongestionWindow.DECREASED,
+                                      CongestionWindow.RANDOM_LOSS)
+
 K = 64
 SLOTS = 32
 PACKET = 32 + 12 + 4 * K  # bytes of a full dense datagram (header, one lane, values)
@@ -79,12 +82,12 @@ def test_slow_start_doubles_then_additive_increase():
 
 def test_decrease_at_most_once_per_round_trip():
     w = CongestionWindow(limit=64, initial=32)
-    assert w.on_timeout(sent_at=1.0, now=1.05)
+    assert w.on_timeout(sent_at=1.0, now=1.05) == DECREASED  # no sample: presumed congestion
     # other messages of the same window (sent before the decrease) time out too
-    assert not w.on_timeout(sent_at=1.0, now=1.05)
-    assert not w.on_timeout(sent_at=1.04, now=1.06)
+    assert w.on_timeout(sent_at=1.0, now=1.05) == SAME_EVENT
+    assert w.on_timeout(sent_at=1.04, now=1.06) == SAME_EVENT
     assert w.cwnd == 16
-    assert w.on_timeout(sent_at=1.05, now=1.2)  # sent after it: a new congestion event
+    assert w.on_timeout(sent_at=1.05, now=1.2) == DECREASED  # sent after it: a new congestion event
     assert w.cwnd == 8
     for _ in range(10):
         w.on_timeout(sent_at=10.0 + _, now=11.0 + _)
@@ -111,9 +114,9 @@ def test_a_premature_timeout_takes_its_decrease_back():
 
 def test_delay_ends_slow_start():
     w = CongestionWindow(limit=64, initial=4)
-    w.on_rtt_sample(0.0011, min_rtt=0.0001)  # below 2 * min + margin: noise
+    w.on_rtt_sample(0.0011, min_rtt=0.0001, sent_at=1.0, now=1.0011)  # below 2 * min + margin: noise
     assert w.ssthresh == math.inf
-    w.on_rtt_sample(0.0025, min_rtt=0.0001)
+    w.on_rtt_sample(0.0025, min_rtt=0.0001, sent_at=1.0, now=1.0025)
     assert w.ssthresh == 4
     w.on_result(window_limited=True)
     assert w.cwnd == pytest.approx(4.25)
