@@ -244,7 +244,7 @@ typedef struct {
     int have_srtt;
     double srtt, rttvar, min_rtt, rto_value, min_rto, max_rto;
     /* CongestionWindow */
-    double cwnd, ssthresh, last_decrease, delay_margin;
+    double cwnd, ssthresh, last_decrease, delay_margin, queue_margin;
     int64_t window_limit;
     int has_undo; /* the state before the last halving, to take a premature one back */
     double undo_at, undo_cwnd, undo_ssthresh;
@@ -301,7 +301,7 @@ static void window_on_rtt_sample(DenseCore *c, double rtt, double sent_at, doubl
     if (rtt < c->epoch_min)
         c->epoch_min = rtt;
     if (sent_at >= c->epoch_start) {
-        if (c->epoch_min > 2 * c->min_rtt) /* a standing queue */
+        if (c->epoch_min > 2 * c->min_rtt + c->queue_margin) /* a standing queue */
             c->queue_at = now;
         else
             c->clear_at = now;
@@ -312,11 +312,11 @@ static void window_on_rtt_sample(DenseCore *c, double rtt, double sent_at, doubl
 
 enum { SAME_EVENT, DECREASED, RANDOM_LOSS }; /* CongestionWindow.on_timeout's */
 
-static int window_on_timeout(DenseCore *c, double sent_at, double now) {
+static int window_on_timeout(DenseCore *c, double sent_at, double now, int retries) {
     if (sent_at < c->last_decrease)
         return SAME_EVENT;
-    if (c->clear_at > sent_at && c->queue_at <= sent_at)
-        return RANDOM_LOSS;
+    if (c->clear_at > c->queue_at && (c->clear_at > sent_at || retries == 0))
+        return RANDOM_LOSS; /* the last round trip showed no queue */
     c->has_undo = 1;
     c->undo_at = now;
     c->undo_cwnd = c->cwnd;
@@ -557,7 +557,7 @@ static int handle_timer(DenseCore *c, double now) {
     int expired = 0;
     for (int j = 0; j < c->width; j++) {
         if (c->deadline[j] <= now) {
-            int outcome = window_on_timeout(c, c->sent_at[j], now);
+            int outcome = window_on_timeout(c, c->sent_at[j], now, c->backoff[j]);
             if (outcome == DECREASED) {
                 c->counters[COUNTER_WINDOW_DECREASES]++;
                 c->decreased_at[j] = now;
@@ -642,8 +642,9 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "slot_msgs: a list of at least width numbers");
         return -1;
     }
-    if (!PyArg_ParseTuple(rtt_state, "pddddddd", &c->have_srtt, &c->srtt, &c->rttvar, &c->min_rtt,
-                          &c->rto_value, &c->min_rto, &c->max_rto, &c->delay_margin))
+    if (!PyArg_ParseTuple(rtt_state, "pdddddddd", &c->have_srtt, &c->srtt, &c->rttvar, &c->min_rtt,
+                          &c->rto_value, &c->min_rto, &c->max_rto, &c->delay_margin,
+                          &c->queue_margin))
         return -1;
     if (!PyArg_ParseTuple(window_state, "dddLpddddddd", &c->cwnd, &c->ssthresh,
                           &c->last_decrease, &c->window_limit, &c->has_undo, &c->undo_at,

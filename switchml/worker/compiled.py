@@ -56,7 +56,7 @@ class CompiledDenseAllreduce:
             packet_elements=k, lanes=session.lanes, bits=session.bits, seq=seq,
             slot_msgs=session.slot_msgs, now=now, progress_timeout=session.progress_timeout,
             rtt=(rtt.srtt is not None, rtt.srtt or 0.0, rtt.rttvar, rtt.min_rtt, rtt._rto,
-                 rtt.min_rto, rtt.max_rto, window.DELAY_MARGIN),
+                 rtt.min_rto, rtt.max_rto, window.DELAY_MARGIN, window.QUEUE_MARGIN),
             window=(window.cwnd, window.ssthresh, window._last_decrease, window.limit,
                     window._undo is not None, *(window._undo or (0.0, 0.0, 0.0)),
                     window._epoch_start, window._epoch_min, window._queue_at, window._clear_at))

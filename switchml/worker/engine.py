@@ -184,7 +184,7 @@ class Stream:
         expired = False
         for j, deadline in enumerate(self._deadline):
             if deadline <= now:
-                outcome = window.on_timeout(self._sent_at[j], now)
+                outcome = window.on_timeout(self._sent_at[j], now, self._backoff[j])
                 if outcome == CongestionWindow.DECREASED:
                     self.s.counters["window_decreases"] += 1
                     self._decreased_at[j] = now

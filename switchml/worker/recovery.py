@@ -93,6 +93,8 @@ class CongestionWindow:
 
     #: Seconds of extra round trip that end slow start (see above).
     DELAY_MARGIN = 0.001
+    #: Seconds of extra least RTT of a round trip that mean a standing queue.
+    QUEUE_MARGIN = 0.00025
     #: What ``on_timeout`` did.
     SAME_EVENT, DECREASED, RANDOM_LOSS = 0, 1, 2
 
@@ -122,7 +124,7 @@ class CongestionWindow:
             self.ssthresh = self.cwnd
         self._epoch_min = min(self._epoch_min, rtt)
         if sent_at >= self._epoch_start:
-            if self._epoch_min > 2 * min_rtt:  # a standing queue
+            if self._epoch_min > 2 * min_rtt + self.QUEUE_MARGIN:  # a standing queue
                 self._queue_at = now
             else:
                 self._clear_at = now
@@ -137,13 +139,14 @@ class CongestionWindow:
             self.cwnd += 1.0 / self.cwnd
         self.cwnd = min(self.cwnd, float(self.limit))
 
-    def on_timeout(self, sent_at: float, now: float) -> int:
-        """A message sent at ``sent_at`` timed out at ``now``: SAME_EVENT (the window
-        was already halved for it), RANDOM_LOSS (kept) or DECREASED."""
+    def on_timeout(self, sent_at: float, now: float, retries: int = 0) -> int:
+        """A message sent at ``sent_at`` (after ``retries`` earlier copies) timed out
+        at ``now``: SAME_EVENT (the window was already halved for it), RANDOM_LOSS
+        (kept) or DECREASED."""
         if sent_at < self._last_decrease:
             return self.SAME_EVENT  # of the window already halved for: the same congestion event
-        if self._clear_at > sent_at and self._queue_at <= sent_at:
-            return self.RANDOM_LOSS  # round trips since it was sent, none queued
+        if self._clear_at > self._queue_at and (self._clear_at > sent_at or retries == 0):
+            return self.RANDOM_LOSS  # the last round trip showed no queue
         self._undo = (now, self.cwnd, self.ssthresh)
         self.ssthresh = max(1.0, self.cwnd / 2)
         self.cwnd = self.ssthresh
