@@ -114,7 +114,7 @@ def test_a_premature_timeout_takes_its_decrease_back():
 
 def test_delay_ends_slow_start():
     w = CongestionWindow(limit=64, initial=4)
-    w.on_rtt_sample(0.0011, min_rtt=0.0001, sent_at=1.0, now=1.0011)  # below 2 * min + margin: noise
+    w.on_rtt_sample(0.0011, min_rtt=0.0001, sent_at=1.0, now=1.0011)  # below 2 min + margin
     assert w.ssthresh == math.inf
     w.on_rtt_sample(0.0025, min_rtt=0.0001, sent_at=1.0, now=1.0025)
     assert w.ssthresh == 4

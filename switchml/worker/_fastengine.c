@@ -203,12 +203,13 @@ static void heap_pop(Heap *h) {
 
 /* ------------------------------------------------------------ the engine */
 enum { COUNTER_RESULTS_IN, COUNTER_RETRANSMISSIONS, COUNTER_SPURIOUS, COUNTER_WINDOW_DECREASES,
-       COUNTER_RANDOM_LOSSES, COUNTER_STALE, COUNTER_MALFORMED, COUNTER_FOREIGN, COUNTER_BYTES_SENT,
-       COUNTER_BYTES_RECEIVED, COUNTER_COUNT };
+       COUNTER_RANDOM_LOSSES, COUNTER_STALE, COUNTER_MALFORMED, COUNTER_FOREIGN,
+       COUNTER_BYTES_SENT, COUNTER_BYTES_RECEIVED, COUNTER_COUNT };
 
 static const char *counter_names[COUNTER_COUNT] = {
     "results_in", "retransmissions", "spurious_retransmissions", "window_decreases",
-    "random_losses", "dropped_stale", "dropped_malformed", "dropped_foreign", "bytes_sent", "bytes_received"};
+    "random_losses", "dropped_stale", "dropped_malformed", "dropped_foreign", "bytes_sent",
+    "bytes_received"};
 
 typedef struct {
     PyObject_HEAD

@@ -123,7 +123,6 @@ class CongestionWindow:
         """How many messages a call of ``width`` slots may have in flight."""
         return max(1, min(int(self.cwnd), width))
 
-
     def on_rtt_sample(self, rtt: float, min_rtt: float, sent_at: float, now: float) -> None:
         """An unambiguous sample: a message sent at ``sent_at`` answered at ``now``.
         Leave slow start when it says a queue builds up; close the round trip
@@ -160,6 +159,7 @@ class CongestionWindow:
         self.cwnd = self.ssthresh
         self._last_decrease = now
         return self.DECREASED
+
     def undo_decrease(self, decreased_at: float) -> None:
         """The timeout that halved the window at ``decreased_at`` was premature: take
         the halving back, unless a later one came since (then that one stands)."""
