@@ -203,12 +203,13 @@ static void heap_pop(Heap *h) {
 
 /* ------------------------------------------------------------ the engine */
 enum { COUNTER_RESULTS_IN, COUNTER_RETRANSMISSIONS, COUNTER_SPURIOUS, COUNTER_WINDOW_DECREASES,
-       COUNTER_STALE, COUNTER_MALFORMED, COUNTER_FOREIGN, COUNTER_BYTES_SENT,
-       COUNTER_BYTES_RECEIVED, COUNTER_COUNT };
+       COUNTER_RANDOM_LOSSES, COUNTER_STALE, COUNTER_MALFORMED, COUNTER_FOREIGN,
+       COUNTER_BYTES_SENT, COUNTER_BYTES_RECEIVED, COUNTER_COUNT };
 
 static const char *counter_names[COUNTER_COUNT] = {
     "results_in", "retransmissions", "spurious_retransmissions", "window_decreases",
-    "dropped_stale", "dropped_malformed", "dropped_foreign", "bytes_sent", "bytes_received"};
+    "random_losses", "dropped_stale", "dropped_malformed", "dropped_foreign", "bytes_sent",
+    "bytes_received"};
 
 typedef struct {
     PyObject_HEAD
@@ -244,10 +245,13 @@ typedef struct {
     int have_srtt;
     double srtt, rttvar, min_rtt, rto_value, min_rto, max_rto;
     /* CongestionWindow */
-    double cwnd, ssthresh, last_decrease, delay_margin;
+    double cwnd, ssthresh, last_decrease, delay_margin, queue_margin;
     int64_t window_limit;
     int has_undo; /* the state before the last halving, to take a premature one back */
     double undo_at, undo_cwnd, undo_ssthresh;
+    /* round trips of RTT samples: start and least sample of the current one, end of
+     * the last one that showed a queue / none */
+    double epoch_start, epoch_min, queue_at, clear_at;
     double *decreased_at; /* per slot: when its timeout halved the window, or NAN */
     int64_t counters[COUNTER_COUNT]; /* since the last export_state() */
     uint8_t *recv_buffers;           /* run_io's */
@@ -292,14 +296,28 @@ static void window_on_result(DenseCore *c, int window_limited) {
         c->cwnd = (double)c->window_limit;
 }
 
-static void window_on_rtt_sample(DenseCore *c, double rtt) {
+static void window_on_rtt_sample(DenseCore *c, double rtt, double sent_at, double now) {
     if (c->cwnd < c->ssthresh && rtt > 2 * c->min_rtt + c->delay_margin)
         c->ssthresh = c->cwnd;
+    if (rtt < c->epoch_min)
+        c->epoch_min = rtt;
+    if (sent_at >= c->epoch_start) {
+        if (c->epoch_min > 2 * c->min_rtt + c->queue_margin) /* a standing queue */
+            c->queue_at = now;
+        else
+            c->clear_at = now;
+        c->epoch_start = now;
+        c->epoch_min = INFINITY;
+    }
 }
 
-static int window_on_timeout(DenseCore *c, double sent_at, double now) {
+enum { SAME_EVENT, DECREASED, RANDOM_LOSS }; /* CongestionWindow.on_timeout's */
+
+static int window_on_timeout(DenseCore *c, double sent_at, double now, int retries) {
     if (sent_at < c->last_decrease)
-        return 0;
+        return SAME_EVENT;
+    if (c->clear_at > c->queue_at && (c->clear_at > sent_at || retries == 0))
+        return RANDOM_LOSS; /* the last round trip showed no queue */
     c->has_undo = 1;
     c->undo_at = now;
     c->undo_cwnd = c->cwnd;
@@ -307,7 +325,7 @@ static int window_on_timeout(DenseCore *c, double sent_at, double now) {
     c->ssthresh = c->cwnd / 2 > 1.0 ? c->cwnd / 2 : 1.0;
     c->cwnd = c->ssthresh;
     c->last_decrease = now;
-    return 1;
+    return DECREASED;
 }
 
 static void window_undo_decrease(DenseCore *c, double decreased_at) {
@@ -478,7 +496,7 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
     if (c->backoff[j] == 0) {
         if (!c->lost[j]) { /* Karn: only unambiguous samples */
             rtt_sample(c, elapsed);
-            window_on_rtt_sample(c, elapsed);
+            window_on_rtt_sample(c, elapsed, c->sent_at[j], now);
         }
     } else if (!c->lost[j] && elapsed < c->min_rtt) {
         c->counters[COUNTER_SPURIOUS]++;
@@ -540,9 +558,12 @@ static int handle_timer(DenseCore *c, double now) {
     int expired = 0;
     for (int j = 0; j < c->width; j++) {
         if (c->deadline[j] <= now) {
-            if (window_on_timeout(c, c->sent_at[j], now)) {
+            int outcome = window_on_timeout(c, c->sent_at[j], now, c->backoff[j]);
+            if (outcome == DECREASED) {
                 c->counters[COUNTER_WINDOW_DECREASES]++;
                 c->decreased_at[j] = now;
+            } else if (outcome == RANDOM_LOSS) {
+                c->counters[COUNTER_RANDOM_LOSSES]++;
             }
             c->lost[j] = 1;
             c->inflight_count--;
@@ -622,12 +643,14 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "slot_msgs: a list of at least width numbers");
         return -1;
     }
-    if (!PyArg_ParseTuple(rtt_state, "pddddddd", &c->have_srtt, &c->srtt, &c->rttvar, &c->min_rtt,
-                          &c->rto_value, &c->min_rto, &c->max_rto, &c->delay_margin))
+    if (!PyArg_ParseTuple(rtt_state, "pdddddddd", &c->have_srtt, &c->srtt, &c->rttvar, &c->min_rtt,
+                          &c->rto_value, &c->min_rto, &c->max_rto, &c->delay_margin,
+                          &c->queue_margin))
         return -1;
-    if (!PyArg_ParseTuple(window_state, "dddLpddd", &c->cwnd, &c->ssthresh, &c->last_decrease,
-                          &c->window_limit, &c->has_undo, &c->undo_at, &c->undo_cwnd,
-                          &c->undo_ssthresh))
+    if (!PyArg_ParseTuple(window_state, "dddLpddddddd", &c->cwnd, &c->ssthresh,
+                          &c->last_decrease, &c->window_limit, &c->has_undo, &c->undo_at,
+                          &c->undo_cwnd, &c->undo_ssthresh, &c->epoch_start, &c->epoch_min,
+                          &c->queue_at, &c->clear_at))
         return -1;
     size_t n = W ? (size_t)W : 1;
     c->packet_size = HEADER_SIZE + LANE_SIZE * (size_t)c->lanes + 4 * (size_t)k;
@@ -776,9 +799,10 @@ static PyObject *core_export_state(DenseCore *c, PyObject *unused) {
         Py_DECREF(v);
         c->counters[i] = 0;
     }
-    return Py_BuildValue("(N(idddd)(dddiddd)N)", msgs, c->have_srtt, c->srtt, c->rttvar,
+    return Py_BuildValue("(N(idddd)(dddiddddddd)N)", msgs, c->have_srtt, c->srtt, c->rttvar,
                          c->min_rtt, c->rto_value, c->cwnd, c->ssthresh, c->last_decrease,
-                         c->has_undo, c->undo_at, c->undo_cwnd, c->undo_ssthresh, counters);
+                         c->has_undo, c->undo_at, c->undo_cwnd, c->undo_ssthresh, c->epoch_start,
+                         c->epoch_min, c->queue_at, c->clear_at, counters);
 }
 
 /* ------------------------------------------------------------ the socket driver */

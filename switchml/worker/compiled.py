@@ -56,17 +56,19 @@ class CompiledDenseAllreduce:
             packet_elements=k, lanes=session.lanes, bits=session.bits, seq=seq,
             slot_msgs=session.slot_msgs, now=now, progress_timeout=session.progress_timeout,
             rtt=(rtt.srtt is not None, rtt.srtt or 0.0, rtt.rttvar, rtt.min_rtt, rtt._rto,
-                 rtt.min_rto, rtt.max_rto, window.DELAY_MARGIN),
+                 rtt.min_rto, rtt.max_rto, window.DELAY_MARGIN, window.QUEUE_MARGIN),
             window=(window.cwnd, window.ssthresh, window._last_decrease, window.limit,
-                    window._undo is not None, *(window._undo or (0.0, 0.0, 0.0))))
+                    window._undo is not None, *(window._undo or (0.0, 0.0, 0.0)),
+                    window._epoch_start, window._epoch_min, window._queue_at, window._clear_at))
         self.width = self._core.width
         self.sync()
         self._sync_when_over()  # an empty call is over at once
 
     def sync(self) -> None:
         """Write the core's message numbers, RTT, window and counters to the Session."""
-        msgs, (have_srtt, srtt, rttvar, min_rtt, rto), (cwnd, ssthresh, last_decrease, has_undo,
-                                                        *undo), counters = self._core.export_state()
+        msgs, (have_srtt, srtt, rttvar, min_rtt, rto), (
+            cwnd, ssthresh, last_decrease, has_undo, *undo,
+            epoch_start, epoch_min, queue_at, clear_at), counters = self._core.export_state()
         s = self.s
         s.slot_msgs[: len(msgs)] = msgs
         rtt = s.rtt
@@ -75,6 +77,8 @@ class CompiledDenseAllreduce:
         window = s.window
         window.cwnd, window.ssthresh, window._last_decrease = cwnd, ssthresh, last_decrease
         window._undo = tuple(undo) if has_undo else None
+        window._epoch_start, window._epoch_min = epoch_start, epoch_min
+        window._queue_at, window._clear_at = queue_at, clear_at
         for name, value in counters.items():
             s.counters[name] += value
 

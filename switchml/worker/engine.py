@@ -89,7 +89,7 @@ class Session:
         self.blank_lanes = np.zeros(self.lanes, dtype=wire.LANE)
         self.blank_lanes["exp"] = EXP_ZERO
         self.counters = {"results_in": 0, "retransmissions": 0, "spurious_retransmissions": 0,
-                         "window_decreases": 0, "dropped_stale": 0,
+                         "window_decreases": 0, "random_losses": 0, "dropped_stale": 0,
                          "dropped_malformed": 0, "dropped_foreign": 0,
                          "sparse_blocks_sent": 0, "sparse_blocks_received": 0,
                          "bytes_sent": 0, "bytes_received": 0}
@@ -184,9 +184,12 @@ class Stream:
         expired = False
         for j, deadline in enumerate(self._deadline):
             if deadline <= now:
-                if window.on_timeout(self._sent_at[j], now):
+                outcome = window.on_timeout(self._sent_at[j], now, self._backoff[j])
+                if outcome == CongestionWindow.DECREASED:
                     self.s.counters["window_decreases"] += 1
                     self._decreased_at[j] = now
+                elif outcome == CongestionWindow.RANDOM_LOSS:
+                    self.s.counters["random_losses"] += 1
                 self._lost[j] = True
                 self.inflight_count -= 1
                 self._deadline[j] = float("inf")
@@ -225,7 +228,7 @@ class Stream:
         if self._backoff[j] == 0:
             if not self._lost[j]:  # Karn: only unambiguous samples
                 rtt.add_sample(now - self._sent_at[j])
-                s.window.on_rtt_sample(now - self._sent_at[j], rtt.min_rtt)
+                s.window.on_rtt_sample(now - self._sent_at[j], rtt.min_rtt, self._sent_at[j], now)
         elif not self._lost[j] and now - self._sent_at[j] < rtt.min_rtt:
             # Sooner after the retransmission than any round trip: the answer to
             # an earlier copy, so the timeout fired too early.
