@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 
+from switchml import wire
 from switchml.sim import Bottleneck, Faults, Network, Simulation, run_concurrently
 from switchml.switch.pipeline import Pipeline
 from switchml.worker.engine import Session
@@ -386,3 +387,32 @@ def test_congestion_still_halves_the_window():
     for s in sim.sessions:
         assert s.counters["window_decreases"] >= 3
         assert s.window.cwnd < SLOTS / 2
+
+
+@pytest.mark.parametrize("engine", ["python", "c"])
+def test_a_message_supersedes_its_slots_datagram_still_waiting_to_leave(engine):
+    """A retransmission queued, then the late original's result in the same batch of
+    events: the slot's buffer now holds the next message, which must leave once,
+    under its own length (the C loop takes results in batches before it sends)."""
+    from switchml.switch.pipeline import Pipeline
+    from switchml.worker import compiled
+    from switchml.worker.engine import Session
+
+    if engine == "c" and compiled._fastengine is None:
+        pytest.skip("the C engine is not built")
+    k = 64
+    pipeline = Pipeline(slots=1, packet_elements=k)
+    pipeline.install_job("j", 7, [("w", 0)], 0, 1)
+    session = Session(session=7, rank=0, world_size=1, slot_base=0, slot_count=1,
+                      packet_elements=k)
+    data = np.arange(k + k // 2, dtype=np.int32)  # a full chunk, then a short one
+    out = np.empty_like(data)
+    op = session.allreduce(data, out, 0.0, compiled=engine == "c")
+    [first] = [bytes(d) for d in op.datagrams_to_send()]
+    op.handle_timer(op.get_timer())  # no result in time: message 0 goes again
+    [(result, _)] = pipeline.receive_datagram(first, ("w", 0))
+    op.receive_datagram(bytes(result), op.get_timer() - 1e-3)  # the original's result
+    waiting = [bytes(d) for d in op.datagrams_to_send()]
+    assert len(waiting) == 1  # not message 0's retransmission as well
+    header = wire.decode_header(waiting[0])  # its length matches its header
+    assert header.pkt_id == 1 and header.count == k // 2

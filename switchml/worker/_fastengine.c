@@ -347,7 +347,16 @@ static inline int64_t chunk_count(DenseCore *c, int64_t chunk) {
 
 static inline int64_t pkt_id_of(DenseCore *c, int j) { return c->round[j] * c->width + j; }
 
+/* Queue slot j's datagram; it supersedes one of slot j still waiting to leave
+ * (both are slot j's one packet buffer, which now holds the newer message: a
+ * batch of results could otherwise send its bytes twice, once under the old
+ * length).  As Stream._enqueue. */
 static int outbox_add(DenseCore *c, int j) {
+    Py_ssize_t kept = 0;
+    for (Py_ssize_t i = 0; i < c->outbox_len; i++)
+        if (c->outbox[i].slot != j)
+            c->outbox[kept++] = c->outbox[i];
+    c->outbox_len = kept;
     if (c->outbox_len == c->outbox_cap) {
         Py_ssize_t cap = c->outbox_cap ? c->outbox_cap * 2 : 16;
         struct OutboxEntry *entries = PyMem_RawRealloc(c->outbox, (size_t)cap * sizeof(*entries));

@@ -152,6 +152,7 @@ class Stream:
         self._inflight_ids: list = []
         self.inflight_count = 0
         self._outbox: list = []
+        self._outbox_slots: list = []  # the slot of each datagram in the outbox
         self.remaining = width
         self.last_progress = now
         self.error: str | None = None
@@ -163,8 +164,24 @@ class Stream:
 
     def datagrams_to_send(self) -> list:
         """Datagrams to send to the switch now; views stay valid until the next result."""
-        out, self._outbox = self._outbox, []
+        out, self._outbox, self._outbox_slots = self._outbox, [], []
         return out
+
+    def _enqueue(self, j: int, datagram) -> None:
+        """Queue slot j's datagram; it supersedes one of slot j still waiting to leave.
+
+        Both are views of slot j's one packet buffer, which now holds the newer
+        message: a caller that takes several events before sending (the C loop
+        takes a batch of results) would otherwise send the new bytes twice, once
+        under the old length (a retransmission whose original's result came in
+        the same batch).
+        """
+        if j in self._outbox_slots:
+            keep = [i for i, slot in enumerate(self._outbox_slots) if slot != j]
+            self._outbox = [self._outbox[i] for i in keep]
+            self._outbox_slots = [self._outbox_slots[i] for i in keep]
+        self._outbox.append(datagram)
+        self._outbox_slots.append(j)
 
     def get_timer(self) -> float | None:
         """Earliest time at which ``handle_timer`` must run, or None when finished."""
@@ -311,7 +328,7 @@ class Stream:
         self.inflight_count += 1
         self._sent_at[j] = now
         self._deadline[j] = now + self.s.rtt.rto(self._backoff[j])
-        self._outbox.append(self._inflight[j])
+        self._enqueue(j, self._inflight[j])
         self.s.counters["retransmissions"] += 1
 
     # ------------------------------------------------------------ for subclasses
@@ -329,7 +346,7 @@ class Stream:
         self.inflight_count += 1
         self._sent_at[j] = now
         self._deadline[j] = now + s.rtt.rto(0)
-        self._outbox.append(datagram)
+        self._enqueue(j, datagram)
 
     def _fill(self, j: int, m: int) -> int:
         """Write lane records and values of message m of slot j; return the value count."""
