@@ -108,7 +108,10 @@ def test_a_client_that_never_reads_cannot_stall_the_switch(switch, monkeypatch):
     threading.Thread(target=flood, daemon=True).start()
     deadline = time.monotonic() + 30
     while not switch.stats()["counters"].get("control_slow_reader"):
-        assert time.monotonic() < deadline, "the switch never hung up on the client"
+        assert time.monotonic() < deadline, (
+            "the switch never hung up on the client; its connections' unsent replies: "
+            f"{[len(c.outbox) for c in list(switch._conns.values())]}, counters: "
+            f"{switch.stats()['counters']}, serving thread alive: {switch._thread.is_alive()}")
         time.sleep(0.05)
     start = time.monotonic()
     job_still_works(switch.address)
