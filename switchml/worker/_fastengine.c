@@ -202,14 +202,18 @@ static void heap_pop(Heap *h) {
 }
 
 /* ------------------------------------------------------------ the engine */
+/* recovery.FAST_RETRANSMIT_THRESHOLD (exported as the module's constant, and
+ * tests/test_fastengine.py checks they agree) */
+#define FAST_RETRANSMIT_THRESHOLD 3
+
 enum { COUNTER_RESULTS_IN, COUNTER_RETRANSMISSIONS, COUNTER_SPURIOUS, COUNTER_WINDOW_DECREASES,
        COUNTER_RANDOM_LOSSES, COUNTER_STALE, COUNTER_MALFORMED, COUNTER_FOREIGN,
-       COUNTER_BYTES_SENT, COUNTER_BYTES_RECEIVED, COUNTER_COUNT };
+       COUNTER_BYTES_SENT, COUNTER_BYTES_RECEIVED, COUNTER_FAST_RETRANSMISSIONS, COUNTER_COUNT };
 
 static const char *counter_names[COUNTER_COUNT] = {
     "results_in", "retransmissions", "spurious_retransmissions", "window_decreases",
     "random_losses", "dropped_stale", "dropped_malformed", "dropped_foreign", "bytes_sent",
-    "bytes_received"};
+    "bytes_received", "fast_retransmissions"};
 
 typedef struct {
     PyObject_HEAD
@@ -232,6 +236,12 @@ typedef struct {
     uint32_t *datagram_len;
     Heap ready, inflight_ids;
     int64_t inflight_count, remaining;
+    /* fast retransmit (Stream's): send numbers, the candidates by send number,
+     * the greatest send numbers answered (least first) */
+    int64_t sends, *send_no;
+    Heap by_send;
+    int64_t latest_results[FAST_RETRANSMIT_THRESHOLD];
+    int latest_len;
     /* datagrams to send: (slot, length); the bytes are the slot's buffer when
      * sent, as the reference's outbox holds views of its packet buffers */
     struct OutboxEntry {
@@ -371,6 +381,12 @@ static int outbox_add(DenseCore *c, int j) {
     return 0;
 }
 
+/* Stream._number_send */
+static int number_send(DenseCore *c, int j) {
+    c->send_no[j] = ++c->sends;
+    return heap_push(&c->by_send, c->sends, j);
+}
+
 static int send_message(DenseCore *c, int j, double now) {
     uint8_t *packet = c->packets + (size_t)j * c->packet_size;
     int64_t m = c->round[j], W = c->width;
@@ -411,6 +427,8 @@ static int send_message(DenseCore *c, int j, double now) {
     c->inflight_count++;
     c->sent_at[j] = now;
     c->deadline[j] = now + rto(c, 0);
+    if (number_send(c, j) < 0)
+        return -1;
     return outbox_add(c, j);
 }
 
@@ -420,8 +438,71 @@ static int resend_message(DenseCore *c, int j, double now) {
     c->inflight_count++;
     c->sent_at[j] = now;
     c->deadline[j] = now + rto(c, c->backoff[j]);
+    if (number_send(c, j) < 0)
+        return -1;
     c->counters[COUNTER_RETRANSMISSIONS]++;
     return outbox_add(c, j);
+}
+
+/* Stream._note_result */
+static void note_result(DenseCore *c, int64_t send_no) {
+    int64_t *latest = c->latest_results;
+    int i;
+    if (c->latest_len < FAST_RETRANSMIT_THRESHOLD) {
+        i = c->latest_len++;
+    } else if (send_no > latest[0]) {
+        /* drop the least, then insert */
+        for (i = 0; i + 1 < FAST_RETRANSMIT_THRESHOLD; i++)
+            latest[i] = latest[i + 1];
+        i = FAST_RETRANSMIT_THRESHOLD - 1;
+    } else {
+        return;
+    }
+    while (i > 0 && latest[i - 1] > send_no) {
+        latest[i] = latest[i - 1];
+        i--;
+    }
+    latest[i] = send_no;
+}
+
+/* Stream._fast_resend */
+static int fast_resend(DenseCore *c, int j, double now) {
+    int outcome = window_on_timeout(c, c->sent_at[j], now, c->backoff[j]);
+    if (outcome == DECREASED) {
+        c->counters[COUNTER_WINDOW_DECREASES]++;
+        c->decreased_at[j] = now;
+    } else if (outcome == RANDOM_LOSS) {
+        c->counters[COUNTER_RANDOM_LOSSES]++;
+    }
+    c->backoff[j]++;
+    c->sent_at[j] = now;
+    c->deadline[j] = now + rto(c, c->backoff[j]);
+    c->send_no[j] = ++c->sends; /* not a candidate again until its timer fires */
+    c->counters[COUNTER_RETRANSMISSIONS]++;
+    c->counters[COUNTER_FAST_RETRANSMISSIONS]++;
+    return outbox_add(c, j);
+}
+
+/* Stream._fast_retransmit */
+static int fast_retransmit(DenseCore *c, double now) {
+    if (c->latest_len < FAST_RETRANSMIT_THRESHOLD)
+        return 0;
+    int64_t bound = c->latest_results[0];
+    Heap *candidates = &c->by_send;
+    while (candidates->len) {
+        HeapItem top = candidates->items[0];
+        int j = top.slot;
+        if (!c->inflight[j] || c->lost[j] || c->send_no[j] != top.key) {
+            heap_pop(candidates);
+            continue;
+        }
+        if (top.key >= bound)
+            return 0;
+        heap_pop(candidates);
+        if (fast_resend(c, j, now) < 0)
+            return -1;
+    }
+    return 0;
 }
 
 static int has_message(DenseCore *c, int j) { return c->round[j] < c->messages[j]; }
@@ -501,6 +582,7 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
         return 0;
     }
     c->counters[COUNTER_RESULTS_IN]++;
+    note_result(c, c->send_no[j]);
     double elapsed = now - c->sent_at[j];
     if (c->backoff[j] == 0) {
         if (!c->lost[j]) { /* Karn: only unambiguous samples */
@@ -539,12 +621,14 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
     if (has_message(c, j)) {
         if (heap_push(&c->ready, pkt_id_of(c, j), j) < 0)
             return -1;
-        return send_ready(c, now);
+    } else {
+        c->remaining--;
+        if (!c->remaining)
+            return 0;
     }
-    c->remaining--;
-    if (c->remaining)
-        return send_ready(c, now);
-    return 0;
+    if (send_ready(c, now) < 0)
+        return -1;
+    return fast_retransmit(c, now);
 }
 
 static double get_timer(DenseCore *c) { /* NAN: none */
@@ -607,6 +691,8 @@ static void core_dealloc(DenseCore *c) {
     PyMem_RawFree(c->outbox);
     PyMem_RawFree(c->ready.items);
     PyMem_RawFree(c->inflight_ids.items);
+    PyMem_RawFree(c->by_send.items);
+    PyMem_RawFree(c->send_no);
     PyMem_RawFree(c->recv_buffers);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
@@ -673,13 +759,14 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
     c->sent_at = PyMem_RawCalloc(n, sizeof(double));
     c->deadline = PyMem_RawCalloc(n, sizeof(double));
     c->decreased_at = PyMem_RawCalloc(n, sizeof(double));
+    c->send_no = PyMem_RawCalloc(n, sizeof(int64_t));
     /* malloc, not calloc: every byte is written before it is sent, and memory
      * freed by the previous call is reused without being zeroed again */
     c->packets = PyMem_RawMalloc(n * c->packet_size);
     c->datagram_len = PyMem_RawCalloc(n, sizeof(uint32_t));
     c->local_exp = PyMem_RawCalloc(c->chunks ? (size_t)c->chunks : 1, sizeof(int16_t));
     if (!c->slot_msgs || !c->round || !c->messages || !c->global_exp || !c->inflight || !c->lost ||
-        !c->backoff || !c->sent_at || !c->deadline || !c->decreased_at || !c->packets || !c->datagram_len ||
+        !c->backoff || !c->sent_at || !c->deadline || !c->decreased_at || !c->send_no || !c->packets || !c->datagram_len ||
         !c->local_exp) {
         PyErr_NoMemory();
         return -1;
@@ -1067,6 +1154,10 @@ PyMODINIT_FUNC PyInit__fastengine(void) {
     Py_INCREF(&DenseCoreType);
     if (PyModule_AddObject(m, "DenseCore", (PyObject *)&DenseCoreType) < 0) {
         Py_DECREF(&DenseCoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "FAST_RETRANSMIT_THRESHOLD", FAST_RETRANSMIT_THRESHOLD) < 0) {
         Py_DECREF(m);
         return NULL;
     }

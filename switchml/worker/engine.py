@@ -15,6 +15,15 @@ order, so no rank can wait on another forever).  A retransmission deadline per
 outstanding message with back-off; no result for ``progress_timeout`` seconds
 makes the call fail as stalled.
 
+Fast retransmit: a slot's result comes when every rank's contribution reached
+the switch, and slots complete roughly in the order their messages went out, so
+a message still unanswered when the results of ``FAST_RETRANSMIT_THRESHOLD``
+messages sent after it (later (re)transmissions, counted by a send number) have
+come was probably lost (its datagram, a peer's, or its result): it is sent
+again at once, the same bytes, instead of after its timeout, at most once per
+timeout (not again until its result comes or its timer fires).  The window
+takes it as a loss, exactly like a timeout (``CongestionWindow.on_timeout``).
+
 Dense: tensor chunk ``c`` (``packet_elements`` values) goes through local slot
 ``c mod W``, W = min(slots, chunks).  int32: message m of slot j carries chunk
 ``j + m*W``.  float32: message m carries the values of chunk ``j + (m-1)*W``,
@@ -34,7 +43,7 @@ import numpy as np
 from .. import wire
 from ..quant import (EXP_NONFINITE, EXP_ZERO, chunk_exponents, dequantize_into, quantize_into,
                      scale_bits)
-from .recovery import CongestionWindow, RttEstimator
+from .recovery import FAST_RETRANSMIT_THRESHOLD, CongestionWindow, RttEstimator
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.int32))
 
@@ -88,7 +97,8 @@ class Session:
         self.scratch = np.empty(packet_elements, dtype=np.float32)
         self.blank_lanes = np.zeros(self.lanes, dtype=wire.LANE)
         self.blank_lanes["exp"] = EXP_ZERO
-        self.counters = {"results_in": 0, "retransmissions": 0, "spurious_retransmissions": 0,
+        self.counters = {"results_in": 0, "retransmissions": 0, "fast_retransmissions": 0,
+                         "spurious_retransmissions": 0,
                          "window_decreases": 0, "random_losses": 0, "dropped_stale": 0,
                          "dropped_malformed": 0, "dropped_foreign": 0,
                          "sparse_blocks_sent": 0, "sparse_blocks_received": 0,
@@ -151,6 +161,17 @@ class Stream:
         self._ready: list = []
         self._inflight_ids: list = []
         self.inflight_count = 0
+        # Fast retransmit: every (re)transmission takes the next send number;
+        # (send number, slot) of the messages that may still be fast-retransmitted
+        # (sent, or resent by the timer, and not fast-retransmitted since), and the
+        # FAST_RETRANSMIT_THRESHOLD greatest send numbers whose results came,
+        # least first.  A message in flight has had results of as many messages
+        # sent after it as there are results with a greater send number (those
+        # were sent after it, so they came after it went out).
+        self._sends = 0
+        self._send_no = [0] * width
+        self._by_send: list = []
+        self._latest_results: list = []
         self._outbox: list = []
         self._outbox_slots: list = []  # the slot of each datagram in the outbox
         self.remaining = width
@@ -241,6 +262,7 @@ class Stream:
             s.counters["dropped_stale"] += 1
             return
         s.counters["results_in"] += 1
+        self._note_result(self._send_no[j])
         rtt = s.rtt
         if self._backoff[j] == 0:
             if not self._lost[j]:  # Karn: only unambiguous samples
@@ -272,8 +294,61 @@ class Stream:
             self.remaining -= 1
             if self.remaining == 0:
                 self._finish()
-            else:
-                self._send_ready(now)
+                return
+            self._send_ready(now)
+        self._fast_retransmit(now)
+
+    # ------------------------------------------------------------ fast retransmit
+    def _note_result(self, send_no: int) -> None:
+        """Keep the FAST_RETRANSMIT_THRESHOLD greatest send numbers answered."""
+        latest = self._latest_results
+        if len(latest) < FAST_RETRANSMIT_THRESHOLD:
+            latest.append(send_no)
+            latest.sort()
+        elif send_no > latest[0]:
+            latest[0] = send_no
+            latest.sort()
+
+    def _fast_retransmit(self, now: float) -> None:
+        """Resend, lowest send number first, every message in flight that results of
+        FAST_RETRANSMIT_THRESHOLD messages sent after it have overtaken."""
+        latest = self._latest_results
+        if len(latest) < FAST_RETRANSMIT_THRESHOLD:
+            return
+        bound = latest[0]
+        candidates = self._by_send
+        while candidates:
+            send_no, j = candidates[0]
+            if (self._inflight[j] is None or self._lost[j] or self._send_no[j] != send_no):
+                heapq.heappop(candidates)  # answered, presumed lost, or sent again
+                continue
+            if send_no >= bound:
+                return
+            heapq.heappop(candidates)
+            self._fast_resend(j, now)
+
+    def _fast_resend(self, j: int, now: float) -> None:
+        """Send message j again at once: a loss for the window, as a timeout is."""
+        s = self.s
+        outcome = s.window.on_timeout(self._sent_at[j], now, self._backoff[j])
+        if outcome == CongestionWindow.DECREASED:
+            s.counters["window_decreases"] += 1
+            self._decreased_at[j] = now
+        elif outcome == CongestionWindow.RANDOM_LOSS:
+            s.counters["random_losses"] += 1
+        self._backoff[j] += 1
+        self._sent_at[j] = now
+        self._deadline[j] = now + s.rtt.rto(self._backoff[j])
+        self._sends += 1
+        self._send_no[j] = self._sends  # not a candidate again until its timer fires
+        self._enqueue(j, self._inflight[j])
+        s.counters["retransmissions"] += 1
+        s.counters["fast_retransmissions"] += 1
+
+    def _number_send(self, j: int) -> None:
+        self._sends += 1
+        self._send_no[j] = self._sends
+        heapq.heappush(self._by_send, (self._sends, j))
 
     # ------------------------------------------------------------ the window
     def _start(self, now: float) -> None:
@@ -328,6 +403,7 @@ class Stream:
         self.inflight_count += 1
         self._sent_at[j] = now
         self._deadline[j] = now + self.s.rtt.rto(self._backoff[j])
+        self._number_send(j)
         self._enqueue(j, self._inflight[j])
         self.s.counters["retransmissions"] += 1
 
@@ -346,6 +422,7 @@ class Stream:
         self.inflight_count += 1
         self._sent_at[j] = now
         self._deadline[j] = now + s.rtt.rto(0)
+        self._number_send(j)
         self._enqueue(j, datagram)
 
     def _fill(self, j: int, m: int) -> int:

@@ -8,6 +8,17 @@ from __future__ import annotations
 
 import math
 
+#: Results of messages sent after a message still unanswered that make it
+#: presumed lost and sent again at once (fast retransmit, engine.py), as TCP's
+#: three duplicate ACKs (RFC 5681): slots complete roughly in send order, but
+#: not exactly (ranks out of step, a host descheduled between datagrams, the
+#: switch's batches), and one or two results overtaking a message is such
+#: reordering far more often than a loss; three keeps spurious fast
+#: retransmissions rare (each is counted, and its window decrease undone, as a
+#: premature timeout's) while recovering a loss within about a round trip
+#: instead of a timeout (at least 10 ms).
+FAST_RETRANSMIT_THRESHOLD = 3
+
 
 class RttEstimator:
     """Smoothed RTT, the minimum RTT seen, and the retransmission timeout derived from them.
