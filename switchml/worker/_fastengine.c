@@ -474,9 +474,10 @@ static int fast_resend(DenseCore *c, int j, double now) {
     } else if (outcome == RANDOM_LOSS) {
         c->counters[COUNTER_RANDOM_LOSSES]++;
     }
+    /* not backed off, plus a round trip (Stream._fast_resend says why) */
+    c->deadline[j] = now + rto(c, c->backoff[j]) + (c->have_srtt ? c->srtt : 0.0);
     c->backoff[j]++;
     c->sent_at[j] = now;
-    c->deadline[j] = now + rto(c, c->backoff[j]);
     c->send_no[j] = ++c->sends; /* not a candidate again until its timer fires */
     c->counters[COUNTER_RETRANSMISSIONS]++;
     c->counters[COUNTER_FAST_RETRANSMISSIONS]++;
