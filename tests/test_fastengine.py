@@ -211,6 +211,7 @@ def test_c_engine_results_are_the_reference_sum_under_faults(dtype):
     for out in outs:
         assert out.tobytes() == expected.tobytes()
     assert sim.sessions[0].counters["retransmissions"] > 0
+    assert sim.sessions[0].counters["fast_retransmissions"] > 0
 
 
 def test_pure_python_switch(monkeypatch):
