@@ -239,6 +239,7 @@ typedef struct {
     /* fast retransmit (Stream's): send numbers, the candidates by send number,
      * the greatest send numbers answered (least first) */
     int64_t sends, *send_no;
+    int32_t *fast_copies; /* per slot: fast retransmissions of its message */
     Heap by_send;
     int64_t latest_results[FAST_RETRANSMIT_THRESHOLD];
     int latest_len;
@@ -467,7 +468,8 @@ static void note_result(DenseCore *c, int64_t send_no) {
 
 /* Stream._fast_resend */
 static int fast_resend(DenseCore *c, int j, double now) {
-    int outcome = window_on_timeout(c, c->sent_at[j], now, c->backoff[j]);
+    /* as a first timeout: results overtook it, the path answers (engine.py) */
+    int outcome = window_on_timeout(c, c->sent_at[j], now, 0);
     if (outcome == DECREASED) {
         c->counters[COUNTER_WINDOW_DECREASES]++;
         c->decreased_at[j] = now;
@@ -477,6 +479,7 @@ static int fast_resend(DenseCore *c, int j, double now) {
     /* not backed off, plus a round trip (Stream._fast_resend says why) */
     c->deadline[j] = now + rto(c, c->backoff[j]) + (c->have_srtt ? c->srtt : 0.0);
     c->backoff[j]++;
+    c->fast_copies[j]++;
     c->sent_at[j] = now;
     c->send_no[j] = ++c->sends; /* not a candidate again until its timer fires */
     c->counters[COUNTER_RETRANSMISSIONS]++;
@@ -618,6 +621,7 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
         c->inflight_count--;
     c->deadline[j] = INFINITY;
     c->backoff[j] = 0;
+    c->fast_copies[j] = 0;
     c->decreased_at[j] = NAN;
     if (has_message(c, j)) {
         if (heap_push(&c->ready, pkt_id_of(c, j), j) < 0)
@@ -652,7 +656,8 @@ static int handle_timer(DenseCore *c, double now) {
     int expired = 0;
     for (int j = 0; j < c->width; j++) {
         if (c->deadline[j] <= now) {
-            int outcome = window_on_timeout(c, c->sent_at[j], now, c->backoff[j]);
+            int outcome =
+                window_on_timeout(c, c->sent_at[j], now, c->backoff[j] - c->fast_copies[j]);
             if (outcome == DECREASED) {
                 c->counters[COUNTER_WINDOW_DECREASES]++;
                 c->decreased_at[j] = now;
@@ -694,6 +699,7 @@ static void core_dealloc(DenseCore *c) {
     PyMem_RawFree(c->inflight_ids.items);
     PyMem_RawFree(c->by_send.items);
     PyMem_RawFree(c->send_no);
+    PyMem_RawFree(c->fast_copies);
     PyMem_RawFree(c->recv_buffers);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
@@ -761,13 +767,14 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
     c->deadline = PyMem_RawCalloc(n, sizeof(double));
     c->decreased_at = PyMem_RawCalloc(n, sizeof(double));
     c->send_no = PyMem_RawCalloc(n, sizeof(int64_t));
+    c->fast_copies = PyMem_RawCalloc(n, sizeof(int32_t));
     /* malloc, not calloc: every byte is written before it is sent, and memory
      * freed by the previous call is reused without being zeroed again */
     c->packets = PyMem_RawMalloc(n * c->packet_size);
     c->datagram_len = PyMem_RawCalloc(n, sizeof(uint32_t));
     c->local_exp = PyMem_RawCalloc(c->chunks ? (size_t)c->chunks : 1, sizeof(int16_t));
     if (!c->slot_msgs || !c->round || !c->messages || !c->global_exp || !c->inflight || !c->lost ||
-        !c->backoff || !c->sent_at || !c->deadline || !c->decreased_at || !c->send_no || !c->packets || !c->datagram_len ||
+        !c->backoff || !c->sent_at || !c->deadline || !c->decreased_at || !c->send_no || !c->fast_copies || !c->packets || !c->datagram_len ||
         !c->local_exp) {
         PyErr_NoMemory();
         return -1;

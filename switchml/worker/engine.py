@@ -170,6 +170,9 @@ class Stream:
         # were sent after it, so they came after it went out).
         self._sends = 0
         self._send_no = [0] * width
+        # Per slot: fast retransmissions of its message; the window judges a
+        # timeout by the timer's retransmissions only (they are the silence).
+        self._fast_copies = [0] * width
         self._by_send: list = []
         self._latest_results: list = []
         self._outbox: list = []
@@ -222,7 +225,8 @@ class Stream:
         expired = False
         for j, deadline in enumerate(self._deadline):
             if deadline <= now:
-                outcome = window.on_timeout(self._sent_at[j], now, self._backoff[j])
+                outcome = window.on_timeout(self._sent_at[j], now,
+                                            self._backoff[j] - self._fast_copies[j])
                 if outcome == CongestionWindow.DECREASED:
                     self.s.counters["window_decreases"] += 1
                     self._decreased_at[j] = now
@@ -286,6 +290,7 @@ class Stream:
             self.inflight_count -= 1
         self._deadline[j] = float("inf")
         self._backoff[j] = 0
+        self._fast_copies[j] = 0
         self._decreased_at[j] = None
         if self._has_message(j):
             heapq.heappush(self._ready, (self._round[j] * self.width + j, j))
@@ -330,7 +335,13 @@ class Stream:
     def _fast_resend(self, j: int, now: float) -> None:
         """Send message j again at once: a loss for the window, as a timeout is."""
         s = self.s
-        outcome = s.window.on_timeout(self._sent_at[j], now, self._backoff[j])
+        # As a first timeout (retries 0): the silence rule (no round trip since a
+        # retransmission went out) does not apply, the results that overtook
+        # this message show the path answers; only a queue halves the window.
+        # (With the copy's back-off count, 10 ms round trips at 5% loss halved
+        # 34 times as often: 3.35x the loss-free time against 2.32x without
+        # fast retransmit.)
+        outcome = s.window.on_timeout(self._sent_at[j], now, 0)
         if outcome == CongestionWindow.DECREASED:
             s.counters["window_decreases"] += 1
             self._decreased_at[j] = now
@@ -345,6 +356,7 @@ class Stream:
         # ambiguous (Karn) and may prove the retransmission spurious.
         self._deadline[j] = now + s.rtt.rto(self._backoff[j]) + (s.rtt.srtt or 0.0)
         self._backoff[j] += 1
+        self._fast_copies[j] += 1
         self._sent_at[j] = now
         self._sends += 1
         self._send_no[j] = self._sends  # not a candidate again until its timer fires
