@@ -22,7 +22,8 @@ messages sent after it (later (re)transmissions, counted by a send number) have
 come was probably lost (its datagram, a peer's, or its result): it is sent
 again at once, the same bytes, instead of after its timeout, at most once per
 timeout (not again until its result comes or its timer fires).  The window
-takes it as a loss, exactly like a timeout (``CongestionWindow.on_timeout``).
+takes it as a loss like a timeout (``CongestionWindow.on_timeout``, judged as a
+first timeout: the results that overtook it show the path answers).
 
 Dense: tensor chunk ``c`` (``packet_elements`` values) goes through local slot
 ``c mod W``, W = min(slots, chunks).  int32: message m of slot j carries chunk

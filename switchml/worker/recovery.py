@@ -99,6 +99,11 @@ class CongestionWindow:
       What it costs: a queue shorter than that (the least RTT + 0.25 ms; at
       10 Gbit/s 256 KiB is 0.2 ms) is not seen, and only the silence rule backs
       off its losses.
+    * A fast retransmission (engine.py: a message overtaken by the results of
+      ``FAST_RETRANSMIT_THRESHOLD`` later ones) is a loss as a timeout is, the
+      same ``on_timeout``, with ``retries`` 0: the results that overtook it show
+      the path is not silent.  A later timeout of the message counts the
+      timer's retransmissions only.
     * A timeout that proves premature (its result comes sooner after the
       retransmission than any round trip) takes its decrease back, as Eifel
       does (RFC 4015): on a loaded host a late result is no sign of a full queue.
