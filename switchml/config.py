@@ -14,7 +14,8 @@ SWITCHML_PACKET_ELEMENTS    the switch's limit on values per packet  16128
                             path: see SWITCHML_MTU)
 SWITCHML_MTU                a worker's path MTU to the switch        the route's
 SWITCHML_BLOCK_ELEMENTS     values per block of the sparse path      256
-SWITCHML_SLOTS_PER_JOB      slots a job gets (its window)            32
+SWITCHML_SLOTS_PER_JOB      slots a job gets (the most its           32
+                            adaptive window may use)
 SWITCHML_MAX_JOBS           jobs a switch runs at once               64
 SWITCHML_METRICS_PORT       ``switchml switch`` Prometheus port      (none)
 SWITCHML_WAIT_FOR_SLOTS     seconds a worker waits for room          0
@@ -28,6 +29,8 @@ SWITCHML_SPARSE_AUTO_MIN_   ``sparse="auto"`` stays dense when a     32
                             bytes they save)
 SWITCHML_SPARSE_AUTO_EVERY  ``sparse="auto"`` measures again after   20
                             this many calls of one size and dtype
+SWITCHML_PURE_PYTHON        1: the Python data plane and engine      0
+                            even where the C ones are built
 ==========================  =======================================  ==========
 """
 
