@@ -57,6 +57,12 @@ DEFAULT_SPARSE_AUTO_EVERY = 20
 DEFAULT_SPARSE_AUTO_MIN_LANES = 32
 
 
+def pure_python() -> bool:
+    """SWITCHML_PURE_PYTHON=1: the Python data plane and engine even where the C
+    ones are built."""
+    return env("PURE_PYTHON", "0") == "1"
+
+
 def env(name: str, default, cast=str):
     """Value of SWITCHML_<name>, cast, or ``default`` when unset or empty."""
     raw = os.environ.get("SWITCHML_" + name, "")

@@ -69,8 +69,9 @@ def enable_keepalive(sock: socket.socket, seconds: float) -> None:
 
 
 #: Linux's socket options for the path MTU (Python's socket module lacks some).
-_IP_MTU_DISCOVER = getattr(socket, "IP_MTU_DISCOVER", 10)
-_IP_PMTUDISC_DO = getattr(socket, "IP_PMTUDISC_DO", 2)
+IP_MTU_DISCOVER = getattr(socket, "IP_MTU_DISCOVER", 10)
+IP_PMTUDISC_DONT = getattr(socket, "IP_PMTUDISC_DONT", 0)
+IP_PMTUDISC_DO = getattr(socket, "IP_PMTUDISC_DO", 2)
 _IP_MTU = getattr(socket, "IP_MTU", 14)
 #: MTU assumed where the system cannot tell (not Linux): Ethernet's.
 FALLBACK_MTU = 1500
@@ -86,12 +87,13 @@ def route_mtu(address: tuple) -> int:
             return FALLBACK_MTU
 
 
-def forbid_fragmentation(sock: socket.socket) -> None:
+def forbid_fragmentation(sock: socket.socket, forbid: bool = True) -> None:
     """Set DF on a UDP socket's datagrams: one too large for the path fails to send
     (EMSGSIZE) instead of leaving as IP fragments, which no switch can parse and
-    of which one lost loses the whole datagram."""
+    of which one lost loses the whole datagram.  ``forbid=False`` lifts it."""
     try:
-        sock.setsockopt(socket.IPPROTO_IP, _IP_MTU_DISCOVER, _IP_PMTUDISC_DO)
+        sock.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER,
+                        IP_PMTUDISC_DO if forbid else IP_PMTUDISC_DONT)
     except OSError:  # not Linux: the packet sizes alone keep datagrams within a frame
         pass
 

@@ -41,15 +41,21 @@ bits_of_worlds = st.sampled_from([quant.scale_bits(n) for n in (1, 2, 3, 4, 8, 3
 
 
 # ---------------------------------------------------------------- the arithmetic
-@SETTINGS
-@given(values=hnp.arrays(np.float32, st.integers(0, 300), elements=any_float32),
-       exponent=exponents, bits=bits_of_worlds)
-def test_quantize_is_quant_quantize_into(values, exponent, bits):
+def quantized_both_ways(values, exponent, bits) -> tuple[np.ndarray, np.ndarray]:
+    """(quant.quantize_into's result, the C kernel's) for the same inputs."""
     expected = np.zeros(values.size, np.int32)
     with np.errstate(all="ignore"):
         quant.quantize_into(values, exponent, bits, expected, np.empty(values.size, np.float32))
     got = np.zeros(values.size, np.int32)
     fast.quantize_into(values, exponent, bits, got)
+    return expected, got
+
+
+@SETTINGS
+@given(values=hnp.arrays(np.float32, st.integers(0, 300), elements=any_float32),
+       exponent=exponents, bits=bits_of_worlds)
+def test_quantize_is_quant_quantize_into(values, exponent, bits):
+    expected, got = quantized_both_ways(values, exponent, bits)
     assert got.tobytes() == expected.tobytes()
 
 
@@ -64,11 +70,7 @@ def test_quantize_rounds_halves_to_even_at_every_magnitude(exponent):
     with np.errstate(over="ignore"):  # at exponent 128 the largest steps are inf: fine too
         values = (steps * float(scale)).astype(np.float32) if scale is not None else \
             np.ldexp(steps, exponent - bits).astype(np.float32)
-    expected = np.zeros(values.size, np.int32)
-    with np.errstate(all="ignore"):
-        quant.quantize_into(values, exponent, bits, expected, np.empty(values.size, np.float32))
-    got = np.zeros(values.size, np.int32)
-    fast.quantize_into(values, exponent, bits, got)
+    expected, got = quantized_both_ways(values, exponent, bits)
     assert got.tolist() == expected.tolist()
 
 

@@ -360,7 +360,7 @@ def test_drain_sends_a_result_before_its_row_changes():
 # ---------------------------------------------------------------- the switch
 def test_switch_runs_its_data_plane_in_c_and_counts_it():
     import switchml
-    from switchml.switch import server
+    from switchml import netutil
 
     from conftest import run_ranks
     world, size = 3, 5000
@@ -371,8 +371,8 @@ def test_switch_runs_its_data_plane_in_c_and_counts_it():
     with switchml.Switch(packet_elements=1024, slots=16, slots_per_job=4,
                          fastpath=True) as sw:
         assert isinstance(sw.pipeline, FastPipeline)
-        assert sw._udp.getsockopt(socket.IPPROTO_IP, server.IP_MTU_DISCOVER) == \
-            server.IP_PMTUDISC_DO
+        assert sw._udp.getsockopt(socket.IPPROTO_IP, netutil.IP_MTU_DISCOVER) == \
+            netutil.IP_PMTUDISC_DO
 
         def rank(r):
             with switchml.Worker(sw.address, r, world, job="c") as w:

@@ -10,7 +10,6 @@ Accelerate on the CPU only runs gloo (or MPI) groups, so the switch comes in as 
 DDP communication hook on the prepared model: one added line.
 """
 
-import argparse
 import os
 import sys
 
@@ -19,13 +18,12 @@ from accelerate import Accelerator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import switchml.torch  # noqa: E402
-from common import BATCH, dataset, model, report, switch_results  # noqa: E402
+from common import BATCH, arguments, dataset, model, report, switch_results  # noqa: E402
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--hook", action="store_true", help="gradients through the switch")
-    parser.add_argument("--json", help="write each rank's weights to JSON.rank<N>")
     args = parser.parse_args()
     accelerator = Accelerator(cpu=True)
     net = model()

@@ -4,10 +4,12 @@ Each example trains the same model on the same data for a few steps, so a run on
 switchml and a run on gloo can be compared weight for weight.
 """
 
+import argparse
 import json
 import os
 
 import torch
+import torch.distributed as dist
 
 STEPS = 8
 BATCH = 16
@@ -27,10 +29,29 @@ def dataset() -> torch.utils.data.TensorDataset:
     return torch.utils.data.TensorDataset(x, y)
 
 
+def arguments(doc: str) -> argparse.ArgumentParser:
+    """An example's command line: its docstring's first line, and --json."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--json", help="write each rank's weights to JSON.rank<N>")
+    return parser
+
+
+def sharded_loader() -> torch.utils.data.DataLoader:
+    """This rank's share of ``dataset()``, in order (torch.distributed must be up)."""
+    data = dataset()
+    sampler = torch.utils.data.DistributedSampler(data, shuffle=False)
+    return torch.utils.data.DataLoader(data, batch_size=BATCH, sampler=sampler)
+
+
+def leave() -> None:
+    """End the process group together: a rank that tears gloo down while its peer
+    is still in a collective can abort that peer."""
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def switch_results(state=None) -> int:
     """Results this process received from the switch: > 0 when it carried gradients."""
-    import torch.distributed as dist
-
     worker = getattr(state, "worker", None)
     if worker is None and dist.is_initialized():
         worker = getattr(dist.distributed_c10d._get_default_group(), "_worker", None)

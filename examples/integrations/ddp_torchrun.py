@@ -3,7 +3,6 @@
     torchrun --nproc-per-node 2 examples/integrations/ddp_torchrun.py --backend switchml
 """
 
-import argparse
 import os
 import sys
 
@@ -12,21 +11,18 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import switchml.torch  # noqa: E402,F401  registers the "switchml" backend
-from common import BATCH, dataset, model, report, switch_results  # noqa: E402
+from common import arguments, leave, model, report, sharded_loader, switch_results  # noqa: E402
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--backend", default="switchml")
-    parser.add_argument("--json", help="write each rank's weights to JSON.rank<N>")
     args = parser.parse_args()
     dist.init_process_group(args.backend)
     net = model()
     ddp = torch.nn.parallel.DistributedDataParallel(net)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    data = dataset()
-    sampler = torch.utils.data.DistributedSampler(data, shuffle=False)
-    for x, y in torch.utils.data.DataLoader(data, batch_size=BATCH, sampler=sampler):
+    for x, y in sharded_loader():
         loss = torch.nn.functional.cross_entropy(ddp(x), y)
         optimizer.zero_grad()
         loss.backward()
@@ -37,8 +33,7 @@ def main():
         print(f"ddp ({args.backend}): mean loss {mean.item():.4f}")
     report(args.json, dist.get_rank(), net.parameters(), loss=mean.item(),
            switch_results=switch_results())
-    dist.barrier()  # leave together: a rank that tears gloo down early can abort its peer
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ FSDP2's reduce-scatter and all-gather go to the backend's inner gloo group; the
 script's own scalar ``dist.all_reduce`` of the loss goes through the switch.
 """
 
-import argparse
 import os
 import sys
 
@@ -17,13 +16,12 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import switchml.torch  # noqa: E402,F401  registers the "switchml" backend
-from common import BATCH, dataset, model, report, switch_results  # noqa: E402
+from common import arguments, leave, model, report, sharded_loader, switch_results  # noqa: E402
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--backend", default="switchml")
-    parser.add_argument("--json", help="write each rank's weights to JSON.rank<N>")
     args = parser.parse_args()
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -33,10 +31,8 @@ def main():
             fully_shard(layer)
     fully_shard(net)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
-    data = dataset()
-    sampler = torch.utils.data.DistributedSampler(data, shuffle=False)
     losses = []
-    for x, y in torch.utils.data.DataLoader(data, batch_size=BATCH, sampler=sampler):
+    for x, y in sharded_loader():
         loss = torch.nn.functional.cross_entropy(net(x), y)
         loss.backward()
         optimizer.step()
@@ -48,8 +44,7 @@ def main():
     if rank == 0:
         print(f"fsdp2 ({args.backend}): mean loss {losses[-1]:.4f}")
     report(args.json, rank, full, loss=losses[-1], switch_results=switch_results())
-    dist.barrier()  # leave together: a rank that tears gloo down early can abort its peer
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

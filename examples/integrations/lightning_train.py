@@ -10,7 +10,6 @@ strategy; ``self.log(..., sync_dist=True)`` averages the loss over the ranks
 CUDA devices only, so on the CPU the module registers it when training starts.
 """
 
-import argparse
 import os
 import sys
 
@@ -20,7 +19,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import switchml.torch  # noqa: E402  registers the "switchml" backend
-from common import BATCH, STEPS, dataset, model, report, switch_results  # noqa: E402
+from common import BATCH, STEPS, arguments, dataset, model, report, switch_results  # noqa: E402
 
 
 class Classifier(L.LightningModule):
@@ -54,10 +53,9 @@ def strategy(mode: str) -> DDPStrategy:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
     parser.add_argument("--mode", choices=["backend", "hook", "gloo"], default="backend")
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--json", help="write each rank's weights to JSON.rank<N>")
     args = parser.parse_args()
     chosen = strategy(args.mode)
     module = Classifier()

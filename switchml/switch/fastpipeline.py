@@ -24,11 +24,10 @@ gets a key of its own, usable through ``receive_datagram`` only.
 from __future__ import annotations
 
 import itertools
-import os
 import socket
 
+from ..config import DEFAULT_PACKET_ELEMENTS, DEFAULT_SLOTS, pure_python
 from .pipeline import MAX_WORKERS, Job, Pipeline
-from ..config import DEFAULT_PACKET_ELEMENTS, DEFAULT_SLOTS
 
 try:
     from . import _fastpath
@@ -41,7 +40,7 @@ KEY_NONE = 2**64 - 1
 
 def available() -> bool:
     """True when the C core is built and SWITCHML_PURE_PYTHON is not 1."""
-    return _fastpath is not None and os.environ.get("SWITCHML_PURE_PYTHON", "") != "1"
+    return _fastpath is not None and not pure_python()
 
 
 def ipv4_key(addr) -> int | None:

@@ -16,7 +16,6 @@ import json
 import logging
 import selectors
 import socket
-import sys
 import threading
 import time
 from collections import Counter
@@ -35,10 +34,6 @@ log = logging.getLogger("switchml.switch")
 DRAIN_BATCH = 256
 #: The same for the C data plane, whose datagrams cost a few microseconds each.
 FAST_DRAIN_BATCH = 2048
-#: Linux socket options (the socket module lacks the names): the switch's datagrams
-#: are never fragmented (DF set), except the results of a job whose packets are
-#: larger than the path MTU (see _send_fragmented).
-IP_MTU_DISCOVER, IP_PMTUDISC_DONT, IP_PMTUDISC_DO = 10, 0, 2
 #: Seconds between readings of the serving thread's CPU time (``cpu_s`` in stats).
 CPU_READ_INTERVAL = 0.1
 #: Bytes of unsent control replies after which a connection that does not read is closed.
@@ -284,14 +279,14 @@ class Switch:
         counted (``send_fragmented``), so that such a job still works; the C data
         plane does the same."""
         udp = self._udp
-        udp.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DONT)
+        forbid_fragmentation(udp, False)
         try:
             udp.sendto(datagram, dst)
             self.pipeline.counters["send_fragmented"] += 1
         except OSError:
             self.pipeline.counters["send_errors"] += 1
         finally:
-            udp.setsockopt(socket.IPPROTO_IP, IP_MTU_DISCOVER, IP_PMTUDISC_DO)
+            forbid_fragmentation(udp)
 
     def _drain_fast(self) -> bool:
         """The C data plane: recvmmsg, the pipeline and sendmmsg of up to

@@ -466,16 +466,21 @@ static void note_result(DenseCore *c, int64_t send_no) {
     latest[i] = send_no;
 }
 
-/* Stream._fast_resend */
-static int fast_resend(DenseCore *c, int j, double now) {
-    /* as a first timeout: results overtook it, the path answers (engine.py) */
-    int outcome = window_on_timeout(c, c->sent_at[j], now, 0);
+/* Stream._judge_loss */
+static void judge_loss(DenseCore *c, int j, double now, int retries) {
+    int outcome = window_on_timeout(c, c->sent_at[j], now, retries);
     if (outcome == DECREASED) {
         c->counters[COUNTER_WINDOW_DECREASES]++;
         c->decreased_at[j] = now;
     } else if (outcome == RANDOM_LOSS) {
         c->counters[COUNTER_RANDOM_LOSSES]++;
     }
+}
+
+/* Stream._fast_resend */
+static int fast_resend(DenseCore *c, int j, double now) {
+    /* as a first timeout: results overtook it, the path answers (engine.py) */
+    judge_loss(c, j, now, 0);
     /* not backed off, plus a round trip (Stream._fast_resend says why) */
     c->deadline[j] = now + rto(c, c->backoff[j]) + (c->have_srtt ? c->srtt : 0.0);
     c->backoff[j]++;
@@ -656,14 +661,7 @@ static int handle_timer(DenseCore *c, double now) {
     int expired = 0;
     for (int j = 0; j < c->width; j++) {
         if (c->deadline[j] <= now) {
-            int outcome =
-                window_on_timeout(c, c->sent_at[j], now, c->backoff[j] - c->fast_copies[j]);
-            if (outcome == DECREASED) {
-                c->counters[COUNTER_WINDOW_DECREASES]++;
-                c->decreased_at[j] = now;
-            } else if (outcome == RANDOM_LOSS) {
-                c->counters[COUNTER_RANDOM_LOSSES]++;
-            }
+            judge_loss(c, j, now, c->backoff[j] - c->fast_copies[j]);
             c->lost[j] = 1;
             c->inflight_count--;
             c->deadline[j] = INFINITY;

@@ -105,7 +105,9 @@ class Worker:
                                packet_elements=ready["packet_elements"],
                                block_elements=ready["block_elements"],
                                progress_timeout=self.timeout)
-        self._data_address = (self.switch_address[0], int(ready["data_port"]))
+        # An IPv4 address, resolved once: the C loop takes one, and no send needs a lookup.
+        self._data_address = (socket.gethostbyname(self.switch_address[0]),
+                              int(ready["data_port"]))
         self._wake_r, self._wake_w = socket.socketpair()
         self._thread = threading.Thread(target=self._serve, name=f"switchml-worker-{rank}",
                                         daemon=True)
@@ -475,17 +477,11 @@ class Worker:
                 self._wait(wait, drain_udp=False)
         return out
 
-    #: The switch's data address resolved to IPv4, on the first compiled call.
-    _data_ip: str | None = None
-
     def _run_compiled(self, op, out: np.ndarray) -> np.ndarray:
         """The dense call on the C engine: it receives, absorbs and sends without the
         GIL (recvmmsg, sendmmsg) and comes back when the control connection has
         news, when the call stalled, or every ``IO_SLICE`` seconds."""
-        host, port = self._data_address
-        if self._data_ip is None:
-            self._data_ip = socket.gethostbyname(host)  # the C loop takes an IPv4 address
-        address = (self._data_ip, port)
+        address = self._data_address
         while True:
             control_fd = self._control.fileno() if self._control_open else -1
             status = op.run_io(self._udp, address, control_fd, IO_SLICE)

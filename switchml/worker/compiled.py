@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import env
+from ..config import pure_python
 from .engine import Session, check_arrays
 from .recovery import CongestionWindow, RttEstimator
 
@@ -29,7 +29,7 @@ IO_DONE, IO_STALLED, IO_CONTROL, IO_SLICE = 0, 1, 2, 3
 
 def enabled() -> bool:
     """Whether the worker should use the compiled engine for dense calls."""
-    return _fastengine is not None and env("PURE_PYTHON", "0") != "1"
+    return _fastengine is not None and not pure_python()
 
 
 def supports(session: Session) -> bool:

@@ -222,17 +222,10 @@ class Stream:
         if now >= self.last_progress + self.s.progress_timeout:
             self.error = "stalled"
             return
-        window = self.s.window
         expired = False
         for j, deadline in enumerate(self._deadline):
             if deadline <= now:
-                outcome = window.on_timeout(self._sent_at[j], now,
-                                            self._backoff[j] - self._fast_copies[j])
-                if outcome == CongestionWindow.DECREASED:
-                    self.s.counters["window_decreases"] += 1
-                    self._decreased_at[j] = now
-                elif outcome == CongestionWindow.RANDOM_LOSS:
-                    self.s.counters["random_losses"] += 1
+                self._judge_loss(j, now, self._backoff[j] - self._fast_copies[j])
                 self._lost[j] = True
                 self.inflight_count -= 1
                 self._deadline[j] = float("inf")
@@ -333,6 +326,16 @@ class Stream:
             heapq.heappop(candidates)
             self._fast_resend(j, now)
 
+    def _judge_loss(self, j: int, now: float, retries: int) -> None:
+        """Tell the window message j was lost (``retries``: the timer's resends of it
+        so far); count what it made of it, and keep when it halved, for an undo."""
+        outcome = self.s.window.on_timeout(self._sent_at[j], now, retries)
+        if outcome == CongestionWindow.DECREASED:
+            self.s.counters["window_decreases"] += 1
+            self._decreased_at[j] = now
+        elif outcome == CongestionWindow.RANDOM_LOSS:
+            self.s.counters["random_losses"] += 1
+
     def _fast_resend(self, j: int, now: float) -> None:
         """Send message j again at once: a loss for the window, as a timeout is."""
         s = self.s
@@ -342,12 +345,7 @@ class Stream:
         # (With the copy's back-off count, 10 ms round trips at 5% loss halved
         # 34 times as often: 3.35x the loss-free time against 2.32x without
         # fast retransmit.)
-        outcome = s.window.on_timeout(self._sent_at[j], now, 0)
-        if outcome == CongestionWindow.DECREASED:
-            s.counters["window_decreases"] += 1
-            self._decreased_at[j] = now
-        elif outcome == CongestionWindow.RANDOM_LOSS:
-            s.counters["random_losses"] += 1
+        self._judge_loss(j, now, 0)
         # The timer restarts with the timeout it had, not backed off (the path
         # answers: this copy was lost), plus a smoothed round trip: the copy
         # is not overdue before its own round trip, and where the least RTO is
