@@ -70,6 +70,10 @@ def test_every_collective_works_through_the_backend():
         assert out["all_to_all"] == [r * 10 + rank for r in range(world)]
         assert out["broadcast_object"] == {"hello": 1}
         assert out["new_group"] == 6.0
+        assert out["functional_all_gather"] == [r for r in range(world) for _ in range(2)]
+        assert out["functional_reduce_scatter"] == world * rank
+        assert out["functional_all_to_all"] == [float(r) for r in range(world)]
+        assert out["allreduce_coalesced"] == [6.0, 3]
 
 
 def test_ddp_comm_hook_on_a_gloo_group_matches_gloo():

@@ -76,6 +76,24 @@ def collectives():
     dist.broadcast_object_list(objs, src=0)
     out["broadcast_object"] = objs[0]
     dist.barrier()
+    # What FSDP2 and DTensor call (functional collectives, coalesced forms): each
+    # must reach gloo through the backend's own method, not torch's trampoline,
+    # which calls gloo holding the GIL (a deadlock now and then).
+    import torch.distributed._functional_collectives as funcol
+    gathered = funcol.all_gather_single(torch.full((2,), float(rank)), 0, dist.group.WORLD)
+    out["functional_all_gather"] = gathered.wait().tolist()
+    scattered = funcol.reduce_scatter_single(torch.arange(size, dtype=torch.float32), "sum", 0,
+                                             dist.group.WORLD)
+    out["functional_reduce_scatter"] = scattered.wait().item()
+    moved = funcol.all_to_all_single(torch.full((size,), float(rank)), None, None,
+                                     dist.group.WORLD)
+    out["functional_all_to_all"] = moved.wait().tolist()
+    pair = [torch.full((2,), float(rank + 1)), torch.full((1,), 1.0)]
+    dist.all_reduce_coalesced(pair)
+    out["allreduce_coalesced"] = [pair[0][0].item(), pair[1][0].item()]
+    for name in ("all_gather_single_coalesced", "reduce_scatter_single_coalesced",
+                 "all_to_all_single", "allreduce_coalesced", "_reduce_scatter_base"):
+        assert name in vars(switchml.torch.ProcessGroupSwitchML), name
     sub = dist.new_group(list(range(size)))
     t = torch.full((3,), 2.0)
     dist.all_reduce(t, group=sub)

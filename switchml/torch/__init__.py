@@ -109,6 +109,22 @@ class _SwitchWork(dist._Work):
         return self._future
 
 
+class _AllWorks(dist._Work):
+    """One Work over several gloo Works (some of gloo's have no future to combine)."""
+
+    def __init__(self, works: list):
+        super().__init__()
+        self._works = works
+
+    def wait(self, timeout=None) -> bool:
+        for work in self._works:
+            work.wait()  # raises a failed one's error
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
 def _future_from(handle, result) -> torch.futures.Future:
     """A torch Future set to ``result()`` when the switchml call ends (or to its error)."""
     fut = torch.futures.Future()
@@ -132,6 +148,19 @@ def _to_gloo(name: str, tensor_args: int, options):
         if rest:
             opts = rest[0]
         return getattr(self._gloo, name)(*tensors, opts if opts is not None else options())
+
+    collective.__name__ = name
+    return collective
+
+
+def _to_gloo_pairwise(name: str, options):
+    """A coalesced collective over (output, input) pairs, one gloo ``name`` call a pair
+    (gloo has no Python binding of the coalesced forms), as one Work."""
+
+    def collective(self, outputs, inputs, opts=None):
+        opts = opts if opts is not None else options()
+        return _AllWorks([getattr(self._gloo, name)(out, inp, opts)
+                          for out, inp in zip(outputs, inputs)])
 
     collective.__name__ = name
     return collective
@@ -210,8 +239,11 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
 
         return _SwitchWork(work.get_future().then(result))
 
-    # Everything else: gloo, called explicitly (torch's generic dispatch of some of
-    # these through a Python subclass was seen to hang now and then).
+    # Everything else: gloo, called explicitly.  Every collective torch's Python
+    # trampoline (PyProcessGroup) would otherwise run itself must be here: without
+    # a Python method it calls gloo holding the GIL, and gloo's worker, freeing a
+    # finished Work whose tensors Python owns, waits for the GIL while holding the
+    # queue lock that call needs: a deadlock (FSDP2's full_tensor(), 1 run in 12).
     barrier = _to_gloo("barrier", 0, c10d.BarrierOptions)
     broadcast = _to_gloo("broadcast", 1, c10d.BroadcastOptions)
     allgather = _to_gloo("allgather", 2, c10d.AllgatherOptions)
@@ -221,6 +253,17 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
     alltoall = _to_gloo("alltoall", 2, c10d.AllToAllOptions)
     gather = _to_gloo("gather", 2, c10d.GatherOptions)
     scatter = _to_gloo("scatter", 2, c10d.ScatterOptions)
+    _reduce_scatter_base = _to_gloo("_reduce_scatter_base", 2, c10d.ReduceScatterOptions)
+    allreduce_coalesced = _to_gloo("allreduce_coalesced", 1, c10d.AllreduceCoalescedOptions)
+    allgather_coalesced = _to_gloo("allgather_coalesced", 2, c10d.AllgatherOptions)
+    all_gather_single_coalesced = _to_gloo_pairwise("_allgather_base", c10d.AllgatherOptions)
+    reduce_scatter_single_coalesced = _to_gloo_pairwise("_reduce_scatter_base",
+                                                        c10d.ReduceScatterOptions)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
+                          opts=None):
+        return self._gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes,
+                                        opts if opts is not None else c10d.AllToAllOptions())
 
     def send(self, tensors, dst, tag=0):
         return self._gloo.send(tensors, dst, tag)
