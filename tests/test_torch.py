@@ -94,6 +94,15 @@ def test_a_rank_that_exits_early_makes_the_others_fail_clearly():
     assert time.monotonic() - start < 45
 
 
+def test_ranks_that_disagree_on_a_call_fail_at_once_naming_both():
+    """Not after the group's 30-minute timeout: within a round trip."""
+    results = launch(2, "mismatch", "switchml", timeout=60)
+    for out in results:
+        assert out["error"] is not None and out["seconds"] < 5, out
+        assert "CallMismatchError" in out["error"] or "disagree" in out["error"], out
+        assert "1000 float32 values" in out["error"] and "2000 float32 values" in out["error"]
+
+
 def test_an_unreachable_switch_is_an_exception_naming_it():
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     start = time.monotonic()

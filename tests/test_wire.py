@@ -78,7 +78,7 @@ def test_header_is_32_bytes_and_layout_matches_docstring():
 
 def test_header_has_no_exponent_any_more():
     assert wire.Header._fields == ("kind", "dtype", "mode", "slot", "session", "msg", "seq",
-                                   "pkt_id", "count", "lanes")
+                                   "pkt_id", "count", "lanes", "call")
     assert wire.LANE.names == ("pos", "nxt", "exp", "flag")
 
 

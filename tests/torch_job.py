@@ -130,6 +130,22 @@ def early_exit():
     os._exit(0)
 
 
+def mismatch():
+    """Rank r all_reduces 1000 * (r + 1) values: every rank must fail at once, naming both."""
+    import time
+    rank = dist.get_rank()
+    dist.all_reduce(torch.ones(10))
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1000 * (rank + 1)))
+    except Exception as exc:
+        print("RESULT " + json.dumps({"error": f"{type(exc).__name__}: {exc}",
+                                      "seconds": time.monotonic() - start}), flush=True)
+        os._exit(0)
+    print("RESULT " + json.dumps({"error": None}), flush=True)
+    os._exit(0)
+
+
 def main():
     scenario = sys.argv[1]
     backend = sys.argv[2] if len(sys.argv) > 2 else "switchml"
@@ -142,6 +158,8 @@ def main():
     dist.init_process_group(backend)
     if scenario == "early-exit":
         early_exit()
+    if scenario == "mismatch":
+        mismatch()
     if scenario == "ddp":
         result = ddp(backend, int(sys.argv[3]), hook=False)
     elif scenario == "cuda":

@@ -22,7 +22,7 @@ import numpy as np
 from ..config import (DEFAULT_KEEPALIVE, DEFAULT_SPARSE_AUTO_EVERY,
                       DEFAULT_SPARSE_AUTO_MIN_LANES, DEFAULT_SPARSE_AUTO_UNION,
                       DEFAULT_TIMEOUT, env, parse_address)
-from ..errors import (JoinRefusedError, LimitExceededError, SwitchMLError,
+from ..errors import (CallMismatchError, JoinRefusedError, LimitExceededError, SwitchMLError,
                       SwitchMLTimeoutError, SwitchUnreachableError)
 from ..netutil import (LineReader, enable_keepalive, encode_line, enlarge_buffers,
                        forbid_fragmentation, route_mtu)
@@ -388,8 +388,12 @@ class Worker:
             if msg.get("event") == "failed":
                 self._sel.unregister(self._control)
                 self._control_open = False
-                self._failure = SwitchMLTimeoutError(
-                    f"job '{self.job}' failed: {msg.get('reason')}", msg.get("missing", []))
+                if msg.get("mismatch"):
+                    self._failure = CallMismatchError(f"job '{self.job}' failed: "
+                                                      f"{msg.get('reason')}")
+                else:
+                    self._failure = SwitchMLTimeoutError(
+                        f"job '{self.job}' failed: {msg.get('reason')}", msg.get("missing", []))
                 raise self._failure
 
     def _auto_choice(self, src: np.ndarray) -> bool:

@@ -133,6 +133,7 @@ class Stream:
     """What dense and sparse calls share: slots, the window, timers, result matching."""
 
     mode = 0
+    sparse = False
 
     def __init__(self, session: Session, array: np.ndarray, out: np.ndarray, seq: int,
                  now: float, width: int):
@@ -144,6 +145,7 @@ class Stream:
         self.is_float = array.dtype == np.float32
         self.dtype_code = wire.DTYPE_FLOAT32 if self.is_float else wire.DTYPE_INT32
         self.size = self.src.size
+        self.call = wire.call_id(self.size, self.sparse)
         self.width = width
         self._round = [0] * width  # message number (within this call) per slot
         self._inflight: list = [None] * width
@@ -434,7 +436,7 @@ class Stream:
         count = self._fill(j, self._round[j])
         wire.encode_header(s.packet_views[j], wire.KIND_CONTRIBUTION, self.dtype_code,
                            self._mode(j), s.slot_base + j, s.session, s.slot_msgs[j], self.seq,
-                           self._round[j] * self.width + j, count, s.lanes)
+                           self._round[j] * self.width + j, count, s.lanes, call=self.call)
         datagram = s.packet_views[j][: wire.packet_size(s.lanes, count)]
         self._inflight[j] = datagram
         self.inflight_count += 1
