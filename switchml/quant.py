@@ -272,3 +272,15 @@ def error_bound(inputs: list, chunk: int) -> np.ndarray:
     quantisation = np.repeat(per_chunk, chunk)[: exact.size]
     rounding = np.spacing(np.abs(exact + quantisation).astype(np.float32)).astype(np.float64) / 2
     return quantisation + rounding
+
+
+def error_bound_float16(inputs: list, chunk: int) -> np.ndarray:
+    """``error_bound`` for float16 inputs: they are summed as float32 (exactly
+    widened) and the float32 result is rounded to float16 once, which adds at most
+    half a float16 ulp of it; past float16's range the result is +-inf."""
+    wide = [np.asarray(a, np.float32) for a in inputs]
+    bound = error_bound(wide, chunk)
+    exact = np.sum([a.reshape(-1).astype(np.float64) for a in wide], axis=0)
+    with np.errstate(over="ignore"):
+        reach = (np.abs(exact) + bound).astype(np.float16)
+    return bound + np.spacing(reach).astype(np.float64) / 2

@@ -119,6 +119,8 @@ class Worker:
     def allreduce(self, array, out=None, sparse=False) -> np.ndarray:
         """Sum ``array`` over all ranks; return the sum (in ``out`` if given).
 
+        float32 and int32 arrays travel as they are; float16 ones are summed as
+        float32 and rounded to float16 once (``quant.error_bound_float16``).
         ``sparse``: False streams every block (SwitchML); True sends only non-zero
         blocks (OmniReduce); "auto" measures the block density over all ranks and
         takes the path that moves fewer bytes.  Results are bit-identical either way.
@@ -134,18 +136,24 @@ class Worker:
         if not src.flags.c_contiguous:
             # (not np.ascontiguousarray: it turns a 0-d array, a scalar loss, into 1-d)
             src = src.copy(order="C")
-        if src.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"switchml sums float32 and int32 arrays, not {src.dtype}")
+        if src.dtype not in SUPPORTED_DTYPES and src.dtype != np.float16:
+            raise TypeError(f"switchml sums float32, float16 and int32 arrays, not {src.dtype}")
         if out is None:
             out = np.empty_like(src)
         elif (not isinstance(out, np.ndarray) or out.shape != src.shape or out.dtype != src.dtype
               or not out.flags.c_contiguous):
             raise ValueError(f"out must be a C-contiguous array of the input's shape {src.shape} "
                              f"and dtype {src.dtype}")
+        narrow = None
+        if src.dtype == np.float16:
+            # Summed as float32 (float16 values are exact in it) and rounded back to
+            # float16 once at the end: the float32 bound plus half a float16 ulp.
+            narrow, src = out, src.astype(np.float32)
+            out = np.empty_like(src)
         future: Future = Future()
         if self._closed:
             raise SwitchMLError("this worker is closed")
-        self._queue.put((src, out, sparse, future))
+        self._queue.put((src, out, sparse, future, narrow))
         self._wake()
         return AllreduceHandle(future)
 
@@ -288,7 +296,7 @@ class Worker:
                     continue
                 if item is None:
                     break
-                src, out, sparse, future = item
+                src, out, sparse, future, narrow = item
                 if self._failure is not None:
                     future.set_exception(self._failure)
                     continue
@@ -302,6 +310,10 @@ class Worker:
                 except BaseException as exc:  # a bug: surface it to the caller
                     future.set_exception(exc)
                 else:
+                    if narrow is not None:  # a float16 call: round the float32 sum once
+                        with np.errstate(over="ignore"):  # past float16's range: inf
+                            np.copyto(narrow, out, casting="same_kind")
+                        out = narrow
                     future.set_result(out)
             if self._control_open:
                 # Also after a timeout: this rank is alive, and leaving rather than
