@@ -128,3 +128,18 @@ def test_wire_bits_from_the_environment(switch, monkeypatch):
     with pytest.raises(ValueError):
         switchml.Worker(switch.address, 0, 1)
     assert wire.DTYPE_FLOAT16_WIRE == 2
+
+
+def test_the_c_engine_carries_the_16_bit_wire_as_python_does():
+    from switchml.worker import compiled
+    if compiled._fastengine is None:
+        pytest.skip("the C engine is not built")
+    rng = np.random.default_rng(3)
+    arrays = [rng.standard_normal(128 * 2 * 9 + 5).astype(np.float32) for _ in range(3)]
+    runs = []
+    for on_c in (False, True):
+        sim = Simulation(3, slots=4, packet_elements=128, seed=4, compiled=on_c,
+                         faults=Faults(loss=0.1, duplicate=0.1, jitter=0.001))
+        runs.append(sim.allreduce(arrays, wire_bits=16, max_time=1e9))
+        assert isinstance(sim.ops[0], compiled.CompiledDenseAllreduce) == on_c
+    assert [o.tobytes() for o in runs[0]] == [o.tobytes() for o in runs[1]]

@@ -118,7 +118,11 @@ class Session:
         if wire_bits == 16:
             if sparse or array.dtype != np.float32:
                 raise ValueError("the 16-bit wire carries dense float32 calls only")
-            op = DenseAllreduce(self, array, out, self.next_seq, now, wire_bits=16)
+            if compiled and _compiled_supports(self):
+                from .compiled import CompiledDenseAllreduce
+                op = CompiledDenseAllreduce(self, array, out, self.next_seq, now, wire_bits=16)
+            else:
+                op = DenseAllreduce(self, array, out, self.next_seq, now, wire_bits=16)
             self.next_seq = (self.next_seq + 1) & 0xFFFFFFFF
             return op
         if wire_bits != 32:
