@@ -79,11 +79,7 @@ def dequantize16_into(src: np.ndarray, exponent: int, bits: int, world_size: int
 
 def error_bound16(inputs: list, chunk: int) -> np.ndarray:
     """``error_bound`` of the 16-bit wire: chunks of ``chunk`` values (two a word)."""
-    n = len(inputs)
-    bits = scale_bits16(n)
-    exps = np.max([chunk_exponents(np.asarray(a, np.float32).reshape(-1), chunk)
-                   for a in inputs], axis=0) if inputs[0].size else np.zeros(0, np.int16)
-    return _bound(inputs, chunk, exps, bits)
+    return _bound(inputs, chunk, scale_bits16(len(inputs)))
 
 
 #: Values per piece of ``block_peaks``: big enough to amortise the calls, small
@@ -306,18 +302,21 @@ def error_bound(inputs: list, chunk: int) -> np.ndarray:
     """Per-element bound on |allreduce result - exact sum| for float32 ``inputs``.
 
     ``inputs`` are every rank's flat arrays; ``chunk`` is the packet size in values.
-    Non-finite chunks get an infinite bound (their result is NaN by design).
+    A chunk's scale comes from its finite values (an inf or NaN is summed apart,
+    worker/nonfinite.py); where the exact sum is itself inf or NaN the result is
+    exactly it, and the bound is infinite.
     """
-    n = len(inputs)
-    bits = scale_bits(n)
-    exps = np.max([chunk_exponents(np.asarray(a, np.float32).reshape(-1), chunk)
-                   for a in inputs], axis=0) if inputs[0].size else np.zeros(0, np.int16)
-    return _bound(inputs, chunk, exps, bits)
+    return _bound(inputs, chunk, scale_bits(len(inputs)))
 
 
-def _bound(inputs: list, chunk: int, exps: np.ndarray, bits: int) -> np.ndarray:
+def _bound(inputs: list, chunk: int, bits: int) -> np.ndarray:
     n = len(inputs)
-    exact = np.sum([np.asarray(a, np.float64).reshape(-1) for a in inputs], axis=0)
+    flat = [np.asarray(a, np.float32).reshape(-1) for a in inputs]
+    finite = [np.where(np.isfinite(a), a, np.float32(0)) for a in flat]
+    exps = np.max([chunk_exponents(a, chunk) for a in finite], axis=0) if flat[0].size \
+        else np.zeros(0, np.int16)
+    with np.errstate(invalid="ignore"):
+        exact = np.sum([a.astype(np.float64) for a in flat], axis=0)
     per_chunk = np.where(exps == EXP_NONFINITE, np.inf,
                          np.where(exps == EXP_ZERO, 0.0,
                                   n * np.ldexp(1.0, exps.astype(np.int64) - bits - 1)))
@@ -328,7 +327,7 @@ def _bound(inputs: list, chunk: int, exps: np.ndarray, bits: int) -> np.ndarray:
     overflow = reach >= 2.0**128 - 2.0**103
     with np.errstate(over="ignore", invalid="ignore"):
         rounding = np.spacing(reach.astype(np.float32)).astype(np.float64) / 2
-    return np.where(overflow, np.inf, quantisation + rounding)
+    return np.where(overflow | ~np.isfinite(exact), np.inf, quantisation + rounding)
 
 
 def error_bound_float16(inputs: list, chunk: int, wire_bits: int = 32) -> np.ndarray:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .switch.pipeline import Pipeline
+from .worker import nonfinite
 from .worker.engine import Session
 
 SWITCH = ("switch", 0)
@@ -168,6 +169,15 @@ class Simulation:
         outs = self.begin(arrays, sparse, wire_bits)
         while not self.finished:
             self.step(give_up, max_time)
+        chunks = getattr(self.ops[0], "nonfinite_chunks", None)
+        if chunks:  # the follow-up exchange, as Worker._run runs it
+            assert all(op.nonfinite_chunks == chunks for op in self.ops)
+            index = nonfinite.positions(chunks, self.ops[0].chunk_values, arrays[0].size)
+            parts = [nonfinite.split(a.reshape(-1), index) for a in arrays]
+            value_sums = self.allreduce([v for v, _ in parts], max_time, wire_bits=wire_bits)
+            code_sums = self.allreduce([c for _, c in parts], max_time)
+            for out, v, c in zip(outs, value_sums, code_sums):
+                nonfinite.apply(out.reshape(-1), index, v, c)
         return outs
 
     def step(self, give_up: float = float("inf"), max_time: float = float("inf")) -> None:

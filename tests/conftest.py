@@ -60,6 +60,14 @@ def reference_sum(arrays, block):
             np.add(total, a, out=total)  # wraps modulo 2**32
         return total
     B = quant.scale_bits(n)
+    # An inf or NaN is summed apart, element by element (worker/nonfinite.py): the
+    # finite values of its chunk are summed as if it were 0, then IEEE decides.
+    special = None
+    if not all(np.isfinite(a).all() for a in arrays):
+        special = np.any([~np.isfinite(a) for a in arrays], axis=0)
+        with np.errstate(invalid="ignore"):
+            ieee = np.sum([a.astype(np.float64) for a in arrays], axis=0)[special]
+        arrays = [np.where(np.isfinite(a), a, np.float32(0)) for a in arrays]
     E = np.max([quant.chunk_exponents(a, block) for a in arrays], axis=0) if size \
         else np.zeros(0, np.int16)
     total = np.zeros(size, np.int32)
@@ -75,6 +83,8 @@ def reference_sum(arrays, block):
         for c in range(E.size):
             sl = slice(c * block, (c + 1) * block)
             quant.dequantize_into(total[sl], int(E[c]), B, out[sl])
+    if special is not None:
+        out[special] = ieee
     return out
 
 

@@ -50,9 +50,15 @@ def cases(draw):
     ops = ["sum", "sum", "avg", "max", "min", "product"]
     if dtype == "bool":
         ops.remove("avg")  # gloo refuses it, and so do we (gloo runs it)
+    specials = []
+    if dtype.startswith(("float", "bfloat")) and draw(st.integers(0, 3)) == 0:
+        specials = draw(st.lists(st.tuples(st.integers(0, WORLD - 1), st.integers(0, 10**6),
+                                           st.sampled_from(["inf", "-inf", "nan"])),
+                                 min_size=1, max_size=4))
     return {"dtype": dtype, "shape": shape, "layout": draw(st.sampled_from(layouts)),
             "op": draw(st.sampled_from(ops)), "async": draw(st.booleans()),
-            "scale": draw(st.integers(-3, 3)), "seed": draw(st.integers(0, 2**20))}
+            "scale": draw(st.integers(-3, 3)), "seed": draw(st.integers(0, 2**20)),
+            "specials": specials}
 
 
 def case(dtype="float32", shape=(), layout="contiguous", op="sum", async_op=False, scale=0,
@@ -77,6 +83,8 @@ NAMED = [
     case("bfloat16", shape=(20_000,), layout="offset", scale=2),      # two packets
     case("float16", shape=(5, 7), layout="transposed", scale=4),     # sums past its range
     case(shape=(20_000,), layout="offset", scale=3),  # two packets
+    dict(case(shape=(20_000,)), specials=[[0, 5, "inf"], [1, 5, "-inf"], [2, 17_000, "nan"],
+                                          [1, 9, "inf"], [2, 9, "inf"]]),  # IEEE, as gloo
     case("float64", shape=(3,)), case("float16", shape=(2, 2)), case("bfloat16", shape=()),
     case("int64", shape=(4,), op="avg"), case("uint8", shape=(5,)), case("bool", shape=(3,)),
     case("float64", shape=(4, 3), layout="strided"),  # gloo's own path, non-contiguous

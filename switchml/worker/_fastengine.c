@@ -254,6 +254,7 @@ typedef struct {
     int slot_base, width;
     int64_t k, size, chunks;
     int16_t *local_exp;
+    uint8_t *nonfinite; /* per chunk: left as it was for the follow-up (nonfinite.py) */
     /* per slot */
     uint32_t *slot_msgs;
     int64_t *round, *messages;
@@ -646,7 +647,9 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
     c->last_progress = now;
     /* absorb */
     int64_t chunk = j + (m - c->lag) * c->width;
-    if (count && c->per_word == 2) { /* quant.dequantize16_into */
+    if (count && c->is_float && c->global_exp[j] == EXP_NONFINITE) {
+        c->nonfinite[chunk] = 1; /* untouched: the input stays for the follow-up */
+    } else if (count && c->per_word == 2) { /* quant.dequantize16_into */
         const uint16_t *halves = (const uint16_t *)(data + HEADER_SIZE + LANE_SIZE * lanes);
         int64_t n = chunk_count(c, chunk);
         int32_t bias = (int32_t)c->world_size << c->bits;
@@ -726,6 +729,7 @@ static void core_dealloc(DenseCore *c) {
     if (c->have_out)
         PyBuffer_Release(&c->out);
     PyMem_RawFree(c->local_exp);
+    PyMem_RawFree(c->nonfinite);
     PyMem_RawFree(c->wide);
     PyMem_RawFree(c->slot_msgs);
     PyMem_RawFree(c->round);
@@ -828,9 +832,10 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
     c->packets = PyMem_RawMalloc(n * c->packet_size);
     c->datagram_len = PyMem_RawCalloc(n, sizeof(uint32_t));
     c->local_exp = PyMem_RawCalloc(c->chunks ? (size_t)c->chunks : 1, sizeof(int16_t));
+    c->nonfinite = PyMem_RawCalloc(c->chunks ? (size_t)c->chunks : 1, 1);
     if (!c->slot_msgs || !c->round || !c->messages || !c->global_exp || !c->inflight || !c->lost ||
         !c->backoff || !c->sent_at || !c->deadline || !c->decreased_at || !c->send_no || !c->fast_copies || !c->packets || !c->datagram_len ||
-        !c->local_exp || !c->wide) {
+        !c->local_exp || !c->wide || !c->nonfinite) {
         PyErr_NoMemory();
         return -1;
     }
@@ -1143,6 +1148,22 @@ static PyObject *core_run_io(DenseCore *c, PyObject *args) {
     return PyLong_FromLong(status);
 }
 
+static PyObject *core_nonfinite_chunks(DenseCore *c, PyObject *unused) {
+    PyObject *out = PyList_New(0);
+    for (int64_t chunk = 0; out && chunk < c->chunks; chunk++) {
+        if (!c->nonfinite[chunk])
+            continue;
+        PyObject *item = PyLong_FromLongLong(chunk);
+        if (!item || PyList_Append(out, item) < 0) {
+            Py_XDECREF(item);
+            Py_CLEAR(out);
+            break;
+        }
+        Py_DECREF(item);
+    }
+    return out;
+}
+
 static PyObject *core_get_done(DenseCore *c, void *unused) { return PyBool_FromLong(c->remaining == 0); }
 
 static PyObject *core_get_error(DenseCore *c, void *unused) {
@@ -1172,6 +1193,8 @@ static PyMethodDef core_methods[] = {
      "handle_timer(now): presume lost what timed out, resend what the window allows."},
     {"pending", (PyCFunction)core_pending, METH_NOARGS,
      "(absolute slot, message number) of every message awaiting its result."},
+    {"nonfinite_chunks", (PyCFunction)core_nonfinite_chunks, METH_NOARGS,
+     "Chunks left as they were for the follow-up exchange (worker/nonfinite.py)."},
     {"export_state", (PyCFunction)core_export_state, METH_NOARGS,
      "(slot_msgs, rtt, window, counters since the last call)."},
     {"run_io", (PyCFunction)core_run_io, METH_VARARGS,

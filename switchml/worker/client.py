@@ -26,7 +26,7 @@ from ..errors import (CallMismatchError, JoinRefusedError, LimitExceededError, S
                       SwitchMLTimeoutError, SwitchUnreachableError)
 from ..netutil import (LineReader, enable_keepalive, encode_line, enlarge_buffers,
                        forbid_fragmentation, route_mtu)
-from . import compiled
+from . import compiled, nonfinite
 from .engine import SUPPORTED_DTYPES, Session
 from .sparse import nonzero_blocks
 
@@ -467,12 +467,28 @@ class Worker:
 
     def _run(self, src: np.ndarray, out: np.ndarray, sparse: bool = False,
              bits: int = 32) -> np.ndarray:
+        """One allreduce, then, only where some rank had an inf or a NaN, the
+        follow-up exchange that gives those chunks IEEE sums element by element."""
+        op = self._run_once(src, out, sparse, bits)
+        chunks = getattr(op, "nonfinite_chunks", None)
+        if chunks:
+            flat = src.reshape(-1)
+            index = nonfinite.positions(chunks, op.chunk_values, flat.size)
+            values, codes = nonfinite.split(flat, index)
+            value_sums = self._run(values, np.empty_like(values), False, bits)
+            code_sums = self._run(codes, np.empty_like(codes), False, 32)
+            nonfinite.apply(out.reshape(-1), index, value_sums, code_sums)
+        return out
+
+    def _run_once(self, src: np.ndarray, out: np.ndarray, sparse: bool, bits: int):
+        """Drive one call to its end; returns its state machine."""
         # The C loop drives a real socket by its descriptor (not a wrapper of one).
         use_c = not sparse and compiled.enabled() and isinstance(self._udp, socket.socket)
         op = self.session.allreduce(src, out, time.monotonic(), sparse, compiled=use_c,
                                     wire_bits=bits)
         if isinstance(op, compiled.CompiledDenseAllreduce):
-            return self._run_compiled(op, out)
+            self._run_compiled(op, out)
+            return op
         udp = self._udp
         dst = self._data_address
         counters = self.session.counters
@@ -498,7 +514,7 @@ class Worker:
                 op.receive_datagram(view[:n], time.monotonic())
                 flush()
                 if op.done:
-                    return out
+                    return op
             now = time.monotonic()
             timer = op.get_timer()
             if timer is not None and now >= timer:
@@ -510,7 +526,7 @@ class Worker:
             if received < DRAIN_BATCH:
                 wait = timer - time.monotonic() if timer is not None else 1.0
                 self._wait(wait, drain_udp=False)
-        return out
+        return op
 
     def _run_compiled(self, op, out: np.ndarray) -> np.ndarray:
         """The dense call on the C engine: it receives, absorbs and sends without the

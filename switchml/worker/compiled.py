@@ -63,6 +63,7 @@ class CompiledDenseAllreduce:
                     window._epoch_start, window._epoch_min, window._queue_at, window._clear_at),
             wire_bits=wire_bits, world_size=session.world_size)
         self.width = self._core.width
+        self.chunk_values = 2 * k if wire_bits == 16 else k
         self.sync()
         self._sync_when_over()  # an empty call is over at once
 
@@ -92,6 +93,11 @@ class CompiledDenseAllreduce:
     @property
     def error(self) -> str | None:
         return self._core.error
+
+    @property
+    def nonfinite_chunks(self) -> list[int]:
+        """Chunks left as they were for the follow-up exchange (worker/nonfinite.py)."""
+        return self._core.nonfinite_chunks()
 
     @property
     def inflight_count(self) -> int:

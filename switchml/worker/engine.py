@@ -507,6 +507,10 @@ class DenseAllreduce(Stream):
         self._messages = [(self.chunks - j + W - 1) // W + self._lag for j in range(W)]
         # Per slot: the exponent of the chunk it sends next, from the switch.
         self._global_exp = [EXP_ZERO] * W
+        #: Chunks with an inf or NaN on some rank, left as they were in the output
+        #: for the follow-up exchange (worker/nonfinite.py); values a chunk.
+        self.nonfinite_chunks: list[int] = []
+        self.chunk_values = k
         self._start(now)
 
     def _chunk_count(self, c: int) -> int:
@@ -554,7 +558,9 @@ class DenseAllreduce(Stream):
         s = self.s
         k = s.packet_elements * self.per_word
         c = j + (m - self._lag) * self.width
-        if h.count:
+        if h.count and self._global_exp[j] == EXP_NONFINITE:
+            self.nonfinite_chunks.append(c)  # untouched: the input stays for the follow-up
+        elif h.count:
             values = wire.values(data, h.lanes, h.count)
             count = self._chunk_count(c)
             target = self.out[c * k: c * k + count]
@@ -569,3 +575,6 @@ class DenseAllreduce(Stream):
 
     def _has_message(self, j: int) -> bool:
         return self._round[j] < self._messages[j]
+
+    def _finish(self) -> None:
+        self.nonfinite_chunks.sort()

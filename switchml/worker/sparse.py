@@ -119,6 +119,9 @@ class SparseAllreduce(Stream):
         self._dequant_factor = np.empty(self.chunks * F, np.float32)
         self._ordinary = [True] * self.width
         self._written = np.zeros(self.blocks, bool)  # blocks of the output already final
+        self.nonfinite_chunks: list[int] = []  # see DenseAllreduce
+        self.chunk_values = k
+        self._flagged_blocks = False
         self._slot_chunks = [len(range(j, self.chunks, self.width)) for j in range(self.width)]
         # Exponent rounds before the seed, which carries the last batch itself.
         self._exp_rounds = [max(0, -(-c // F) - 1) if self.is_float else 0
@@ -245,12 +248,20 @@ class SparseAllreduce(Stream):
             self._dequant_factor.reshape(-1, F)[chunks] = dequantize_factors(exps, s.bits)[:, None]
             self._ordinary[j] = self._ordinary[j] and bool(ordinary_exponents(exps, s.bits).all())
             self._fill_nonfinite_chunks(chunks)
+            self._flagged_blocks = bool(self.nonfinite_chunks)
         if m < seed:
             return
         present = self._present
         if m > seed and len(present):
+            s.counters["sparse_blocks_received"] += len(present)
             index = self._cells[j][present]
             sums = wire.values(data, h.lanes, h.count)
+            if self._flagged_blocks:  # blocks of chunks left for the follow-up: skip them
+                keep = self._chunk_exp[index // s.lanes] != EXP_NONFINITE
+                if not keep.all():
+                    rows = sums.reshape(-1, b)[keep].reshape(-1)
+                    present, index, sums = present[keep], index[keep], rows
+        if m > seed and len(present):
             if self.is_float:
                 blocks = np.empty((len(present), b), np.float32)
                 if self._ordinary[j]:
@@ -262,17 +273,17 @@ class SparseAllreduce(Stream):
                 blocks = sums.reshape(-1, b)
             self._write_blocks(index, blocks)
             self._written[index] = True
-            s.counters["sparse_blocks_received"] += len(present)
         # A position past the column's end would index past the grid: clamp it.
         column_length = self._column_length_of[j]
         np.minimum(records["nxt"], column_length, out=self._pos[j])
         self._live[j] = bool((self._pos[j] < column_length).any())
 
     def _fill_nonfinite_chunks(self, chunks: np.ndarray) -> None:
-        """A chunk with inf or NaN anywhere is NaN as a whole, as in the dense path."""
-        k, F = self.s.packet_elements, self.s.lanes
+        """A chunk with inf or NaN on some rank is left as it was, as in the dense
+        path, for the follow-up exchange (worker/nonfinite.py)."""
+        F = self.s.lanes
         for c in chunks[self._chunk_exp[chunks] == EXP_NONFINITE]:
-            self.out[c * k:(c + 1) * k] = np.nan
+            self.nonfinite_chunks.append(int(c))
             self._written[c * F:(c + 1) * F] = True
 
     def _has_message(self, j: int) -> bool:
@@ -285,3 +296,4 @@ class SparseAllreduce(Stream):
         # input may hold -0.0 when it is the output).  Written last, not first,
         # so that the union's blocks are written once.
         self._zero_blocks(np.flatnonzero(~self._written))
+        self.nonfinite_chunks.sort()
