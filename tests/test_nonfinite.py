@@ -9,13 +9,12 @@ repair.
 """
 
 import numpy as np
+from conftest import reference_sum
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from switchml import quant
 from switchml.sim import Faults, Simulation
-
-from conftest import reference_sum
 
 K = 64
 SETTINGS = settings(max_examples=120, deadline=None,
