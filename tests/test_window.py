@@ -15,7 +15,8 @@ from switchml import wire
 from switchml.sim import Bottleneck, Faults, Network, Simulation, run_concurrently
 from switchml.switch.pipeline import Pipeline
 from switchml.worker.engine import Session
-from switchml.worker.recovery import FAST_RETRANSMIT_THRESHOLD, CongestionWindow, RttEstimator
+from switchml.worker.recovery import (FAST_RETRANSMIT_THRESHOLD, TAIL_PROBE_MARGIN,
+                                      CongestionWindow, RttEstimator)
 
 from conftest import reference_sum
 
@@ -214,7 +215,8 @@ def test_results_unchanged_under_loss_duplication_reordering_and_a_bottleneck(se
 
 def test_spurious_retransmission_is_counted():
     """A result that comes sooner after a retransmission than any round trip answers
-    the first copy: the timeout was premature."""
+    the first copy: the timeout was premature.  (Each message is probed first, two
+    round trips after it went out: a probe is no loss for the window.)"""
     pipeline = Pipeline(slots=1, packet_elements=K)
     pipeline.install_job("one", 0x55, [("w", 0)], 0, 1)
     s = Session(session=0x55, rank=0, world_size=1, slot_base=0, slot_count=1,
@@ -226,23 +228,32 @@ def test_spurious_retransmission_is_counted():
     ((result, _),) = pipeline.receive_datagram(bytes(d), ("w", 0))
     op.receive_datagram(result, 0.001)  # an RTT sample: 1 ms
     s.window._queue_at = s.window._clear_at  # the path showed a queue: a timeout halves
+
+    def probe_then_timeout():
+        probe = op.get_timer()
+        assert probe == op.last_progress + (2 * s.rtt.srtt + TAIL_PROBE_MARGIN)
+        op.handle_timer(probe)
+        assert len(op.datagrams_to_send()) == 1
+        assert s.window.ssthresh == math.inf  # a probe is no loss
+        t = op.get_timer()
+        assert t == op.last_progress + s.rtt.rto()
+        op.handle_timer(t)  # the result is late: retransmit
+        assert len(op.datagrams_to_send()) == 1
+        return t
+
     (d,) = op.datagrams_to_send()
     ((result, _),) = pipeline.receive_datagram(bytes(d), ("w", 0))
-    t = op.get_timer()
-    op.handle_timer(t)  # the result is late: retransmit
-    assert len(op.datagrams_to_send()) == 1
+    t = probe_then_timeout()
     assert s.window.ssthresh == 1  # the timeout counted as a loss
     op.receive_datagram(result, t + 0.0002)  # 0.2 ms after the retransmission
-    assert s.counters["retransmissions"] == 1
+    assert s.counters["retransmissions"] == 2 and s.counters["probe_retransmissions"] == 1
     assert s.counters["spurious_retransmissions"] == 1
     assert s.window.ssthresh == math.inf  # until it proved premature
     (d,) = op.datagrams_to_send()
     ((result, _),) = pipeline.receive_datagram(bytes(d), ("w", 0))
-    t = op.get_timer()
-    op.handle_timer(t)
-    op.datagrams_to_send()
+    t = probe_then_timeout()
     op.receive_datagram(result, t + 0.005)  # a round trip later: a real loss, as far as we know
-    assert s.counters["retransmissions"] == 2
+    assert s.counters["retransmissions"] == 4
     assert s.counters["spurious_retransmissions"] == 1
     assert s.window.ssthresh == 1
     assert op.done and (out == data).all()
