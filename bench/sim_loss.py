@@ -6,7 +6,7 @@ A model of the testbed's 4 hosts at 1 Gbit/s with MTU 9000: 4 workers of 32
 slots, 8320-byte packets (2048 float32 values in 8 blocks), 64 MiB a call; the
 four 1 Gbit/s uplinks with their 256 KiB queues are one bottleneck of their sum
 (4 Gbit/s, 1 MiB) into the switch; 50 µs one way (0.1 ms base round trip) and
-``--loss`` on every datagram, both ways.  Per loss rate: the mean time of a call,
+``--loss`` on every datagram, both ways (``--jitter``: reordering as well).  Per loss rate: the mean time of a call,
 goodput against the loss-free run, and per worker and call the
 retransmissions, how many of them were fast (results of later messages), tail
 probes and timeouts, and the spurious ones.  Every result is checked against the
@@ -29,13 +29,14 @@ WORLD, SLOTS, K, BLOCK = 4, 32, 2048, 256
 PACKET = 32 + 12 * (K // BLOCK) + 4 * K  # 8320 bytes
 
 
-def calls(loss: float, seed: int, n_calls: int, mib: float, compiled: bool, latency: float):
+def calls(loss: float, seed: int, n_calls: int, mib: float, compiled: bool, latency: float,
+          jitter: float):
     """Virtual seconds of each call, the outputs' bytes, rank-summed counters."""
     rng = np.random.default_rng(seed)
     size = int(mib * 2**20) // 4
     arrays = [rng.standard_normal(size).astype(np.float32) for _ in range(WORLD)]
     sim = Simulation(WORLD, slots=SLOTS, packet_elements=K, block_elements=BLOCK, seed=seed,
-                     compiled=compiled, faults=Faults(loss=loss, latency=latency),
+                     compiled=compiled, faults=Faults(loss=loss, latency=latency, jitter=jitter),
                      bottleneck=Bottleneck(rate=WORLD * 125e6, queue_bytes=WORLD * 256 * 1024))
     times, outputs = [], []
     for _ in range(n_calls):
@@ -57,6 +58,8 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=3)
     p.add_argument("--mib", type=float, default=64)
     p.add_argument("--latency", type=float, default=50e-6, help="one way, seconds")
+    p.add_argument("--jitter", type=float, default=0.0,
+                   help="extra uniform delay of each datagram, seconds: reorders them")
     p.add_argument("--compiled", action="store_true")
     args = p.parse_args()
     free_time, expected = None, {}
@@ -66,7 +69,7 @@ def main() -> None:
         total, counters, n = 0.0, {}, 0
         for seed in range(args.seeds):
             times, outputs, c = calls(loss, seed, args.calls, args.mib, args.compiled,
-                                      args.latency)
+                                      args.latency, args.jitter)
             if seed in expected:
                 assert outputs == expected[seed], "results differ from the loss-free run"
             else:

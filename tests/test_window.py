@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 
 from switchml import wire
-from switchml.sim import Bottleneck, Faults, Network, Simulation, run_concurrently
+from switchml.sim import SWITCH, Bottleneck, Faults, Network, Simulation, run_concurrently
 from switchml.switch.pipeline import Pipeline
 from switchml.worker.engine import Session
-from switchml.worker.recovery import (FAST_RETRANSMIT_THRESHOLD, TAIL_PROBE_MARGIN,
+from switchml.worker.recovery import (COPY_PROBE_ROUND_TRIPS, FAST_RETRANSMIT_THRESHOLD,
+                                      TAIL_PROBE_MARGIN, TAIL_PROBE_ROUND_TRIPS,
                                       CongestionWindow, RttEstimator)
 
 from conftest import reference_sum
@@ -436,7 +437,7 @@ def test_a_message_overtaken_by_three_results_goes_again_at_once(engine):
     """Message 0 lost: the results of messages 1 and 2 leave it waiting (reordering,
     as far as anyone knows), that of message 3 sends it again, the same bytes, long
     before its timeout; a loss for the window.  The copy lost too: no more results
-    send it again, only its timer."""
+    send it again, only its probe, 4 round trips after it went out."""
     from switchml.worker import compiled
 
     if engine == "c" and compiled._fastengine is None:
@@ -479,6 +480,8 @@ def test_a_message_overtaken_by_three_results_goes_again_at_once(engine):
     assert s.counters["fast_retransmissions"] == 1 and s.counters["retransmissions"] == 1
     assert s.counters["random_losses"] == 1  # the round trips showed no queue: kept
     t = op.get_timer()
+    if engine == "python":
+        assert t == 0.0012 + (COPY_PROBE_ROUND_TRIPS * s.rtt.srtt + TAIL_PROBE_MARGIN)
     op.handle_timer(t)
     (again,) = [bytes(d) for d in op.datagrams_to_send()]
     assert again == sent[0]
@@ -488,6 +491,7 @@ def test_a_message_overtaken_by_three_results_goes_again_at_once(engine):
     getattr(op, "sync", lambda: None)()
     assert (out == data).all()
     assert s.counters["fast_retransmissions"] == 1 and s.counters["retransmissions"] == 2
+    assert s.counters["probe_retransmissions"] == 1
 
 
 def random_loss_calls_without_fast_retransmit(monkeypatch, *args, **kwargs):
@@ -517,3 +521,121 @@ def test_fast_retransmit_recovers_random_loss_in_a_round_trip(monkeypatch):
     assert counters["fast_retransmissions"] >= 0.9 * counters["retransmissions"] > 0
     assert counters["window_decreases"] <= 1  # random losses: the window kept
     assert random_loss_calls(0.01, compiled=True, latency=latency)[:2] == (after, outputs)
+
+
+# ---------------------------------------------------------------- tail loss probe
+def test_the_c_engine_has_the_same_probe_constants():
+    from switchml.worker import compiled
+
+    if compiled._fastengine is None:
+        pytest.skip("the C engine is not built")
+    fast = compiled._fastengine
+    assert (fast.TAIL_PROBE_ROUND_TRIPS, fast.COPY_PROBE_ROUND_TRIPS, fast.TAIL_PROBE_MARGIN) == (
+        TAIL_PROBE_ROUND_TRIPS, COPY_PROBE_ROUND_TRIPS, TAIL_PROBE_MARGIN)
+
+
+def call_losing(drops, compiled=False, messages=8):
+    """4 workers, 8 slots, ``messages`` a slot, 0.1 ms round trips, no random loss;
+    the datagrams ``drops`` names are lost: (kind, pkt_id, rank of its sender or
+    receiver) -> how many copies.  The call's virtual time, its outputs and the
+    counters summed over ranks."""
+    world, slots = 4, 8
+    if compiled:
+        from switchml.worker import compiled as c
+
+        if c._fastengine is None:
+            pytest.skip("the C engine is not built")
+    sim = Simulation(world, slots=slots, packet_elements=K, compiled=compiled)
+    arrays = ints(world, K * slots * messages, seed=3)
+    sim.allreduce(arrays, max_time=BIG_TIME)  # RTT samples: the next call is measured
+    left = dict(drops)
+    send = sim.network.send
+
+    def lossy_send(data, src, dst):
+        h = wire.decode_header(bytes(data))
+        rank = sim.rank_of[dst if src == SWITCH else src]
+        if left.get((h.kind, h.pkt_id, rank), 0):
+            left[(h.kind, h.pkt_id, rank)] -= 1
+            return
+        send(data, src, dst)
+
+    sim.network.send = lossy_send
+    start = sim.now
+    outs = sim.allreduce(arrays, max_time=BIG_TIME)
+    assert not any(left.values())  # every drop happened
+    for out in outs:
+        assert same_bits(out, reference_sum(arrays, K))
+    counters: dict = {}
+    for op, session in zip(sim.ops, sim.sessions):
+        getattr(op, "sync", lambda: None)()
+        for name, value in session.counters.items():
+            counters[name] = counters.get(name, 0) + value
+    return sim.now - start, [o.tobytes() for o in outs], counters
+
+
+@pytest.mark.parametrize("kind", [wire.KIND_CONTRIBUTION, wire.KIND_RESULT])
+def test_a_lost_last_message_goes_again_within_a_few_round_trips(kind):
+    """The call's last message (rank 2's contribution, or its result to rank 2) is
+    lost: no later result reveals it.  Two round trips of silence (+0.25 ms) send
+    it again: the call takes 1.35 ms instead of 0.8; before the tail loss probe it
+    waited for the least RTO, 10 ms (10.8 ms).  The C engine: the same time and
+    results."""
+    free, expected, _ = call_losing({})
+    last = 8 * 8 - 1
+    lossy, outputs, counters = call_losing({(kind, last, 2): 1})
+    assert outputs == expected
+    assert lossy <= free + 0.001, (free, lossy)  # a few 0.1 ms round trips, not 10 ms
+    assert counters["probe_retransmissions"] >= 1
+    assert counters["window_decreases"] == 0
+    assert call_losing({(kind, last, 2): 1}, compiled=True)[:2] == (lossy, outputs)
+
+
+def test_a_lost_fast_retransmission_goes_again_within_a_few_round_trips():
+    """Rank 1's contribution of a message early in the call is lost, and its fast
+    retransmission too: the copy is probed 4 round trips (+0.25 ms) after it went
+    out, instead of its timer (10 ms and a round trip): 2.35 ms against 1.6 ms
+    loss-free (11.8 ms before the probe).  The C engine: the same."""
+    free, expected, _ = call_losing({}, messages=16)
+    lossy, outputs, counters = call_losing({(wire.KIND_CONTRIBUTION, 20, 1): 2}, messages=16)
+    assert outputs == expected
+    assert lossy <= free + 0.002, (free, lossy)
+    assert counters["fast_retransmissions"] >= 1 and counters["probe_retransmissions"] >= 1
+    assert call_losing({(wire.KIND_CONTRIBUTION, 20, 1): 2}, compiled=True,
+                       messages=16)[:2] == (lossy, outputs)
+
+
+def test_random_loss_costs_little_more_than_its_round_trips():
+    """1% loss on every datagram, 0.5 ms round trips (random_loss_calls): 1.47x the
+    loss-free time with the probes, 2.58x with fast retransmit alone (the losses
+    of a call's last messages and of fast retransmissions waited for the timer)."""
+    latency = 250e-6
+    free, expected, _ = random_loss_calls(0.0, latency=latency)
+    lossy, outputs, counters = random_loss_calls(0.01, latency=latency)
+    assert outputs == expected
+    assert lossy <= 1.6 * free, lossy / free
+    assert counters["probe_retransmissions"] > 0
+    assert counters["retransmissions"] - counters["fast_retransmissions"] - counters[
+        "probe_retransmissions"] <= 0.02 * counters["retransmissions"]  # hardly a timeout
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["python", "c"])
+def test_no_probe_without_loss(compiled):
+    """No loss but reordering (up to 0.05 ms on 0.1 ms round trips) and a drop-free
+    bottleneck whose queue varies the round trip: a probe would be spurious, and
+    none goes out (the fast retransmissions reordering causes are as many as
+    before the probes: 2533 over 9 calls, 511 of them spurious)."""
+    from switchml.worker import compiled as c
+
+    if compiled and c._fastengine is None:
+        pytest.skip("the C engine is not built")
+    world = 4
+    sim = Simulation(world, slots=SLOTS, packet_elements=K, seed=4, compiled=compiled,
+                     faults=Faults(jitter=50e-6),
+                     bottleneck=Bottleneck(rate=20e6, queue_bytes=10**9))
+    arrays = ints(world, K * SLOTS * 16, seed=4)
+    for _ in range(3):
+        outs = sim.allreduce(arrays, max_time=BIG_TIME)
+        for out in outs:
+            assert same_bits(out, reference_sum(arrays, K))
+    for s in sim.sessions:
+        assert s.counters["probe_retransmissions"] == 0, s.counters
