@@ -437,7 +437,8 @@ def test_a_message_overtaken_by_three_results_goes_again_at_once(engine):
     """Message 0 lost: the results of messages 1 and 2 leave it waiting (reordering,
     as far as anyone knows), that of message 3 sends it again, the same bytes, long
     before its timeout; a loss for the window.  The copy lost too: no more results
-    send it again, only its probe, 4 round trips after it went out."""
+    send it again, only its probe, 8 round trips (+ 4 deviations) after it went
+    out."""
     from switchml.worker import compiled
 
     if engine == "c" and compiled._fastengine is None:
@@ -481,7 +482,8 @@ def test_a_message_overtaken_by_three_results_goes_again_at_once(engine):
     assert s.counters["random_losses"] == 1  # the round trips showed no queue: kept
     t = op.get_timer()
     if engine == "python":
-        assert t == 0.0012 + (COPY_PROBE_ROUND_TRIPS * s.rtt.srtt + TAIL_PROBE_MARGIN)
+        assert t == 0.0012 + (COPY_PROBE_ROUND_TRIPS * s.rtt.srtt + 4 * s.rtt.rttvar
+                              + TAIL_PROBE_MARGIN)
     op.handle_timer(t)
     (again,) = [bytes(d) for d in op.datagrams_to_send()]
     assert again == sent[0]
@@ -592,8 +594,8 @@ def test_a_lost_last_message_goes_again_within_a_few_round_trips(kind):
 
 def test_a_lost_fast_retransmission_goes_again_within_a_few_round_trips():
     """Rank 1's contribution of a message early in the call is lost, and its fast
-    retransmission too: the copy is probed 4 round trips (+0.25 ms) after it went
-    out, instead of its timer (10 ms and a round trip): 2.35 ms against 1.6 ms
+    retransmission too: the copy is probed 8 round trips (+0.25 ms) after it went
+    out, instead of its timer (10 ms and a round trip): 2.75 ms against 1.6 ms
     loss-free (11.8 ms before the probe).  The C engine: the same."""
     free, expected, _ = call_losing({}, messages=16)
     lossy, outputs, counters = call_losing({(wire.KIND_CONTRIBUTION, 20, 1): 2}, messages=16)
@@ -612,7 +614,7 @@ def test_random_loss_costs_little_more_than_its_round_trips():
     free, expected, _ = random_loss_calls(0.0, latency=latency)
     lossy, outputs, counters = random_loss_calls(0.01, latency=latency)
     assert outputs == expected
-    assert lossy <= 1.6 * free, lossy / free
+    assert lossy <= 1.8 * free, lossy / free
     assert counters["probe_retransmissions"] > 0
     assert counters["retransmissions"] - counters["fast_retransmissions"] - counters[
         "probe_retransmissions"] <= 0.02 * counters["retransmissions"]  # hardly a timeout

@@ -208,7 +208,7 @@ static void heap_pop(Heap *h) {
 /* recovery.TAIL_PROBE_ROUND_TRIPS, COPY_PROBE_ROUND_TRIPS, TAIL_PROBE_MARGIN (exported
  * too, checked against them) */
 #define TAIL_PROBE_ROUND_TRIPS 2
-#define COPY_PROBE_ROUND_TRIPS 4
+#define COPY_PROBE_ROUND_TRIPS 8
 #define TAIL_PROBE_MARGIN 0.00025
 /* How a message's latest transmission went out (engine.py's SENT, FAST, PROBE). */
 enum { COPY_SENT, COPY_FAST, COPY_PROBE };
@@ -530,7 +530,8 @@ static double probe_at(DenseCore *c, int j) {
     if (!c->have_srtt || !c->inflight[j] || c->lost[j] || c->copy[j] == COPY_PROBE)
         return INFINITY;
     if (c->copy[j] == COPY_FAST)
-        return c->sent_at[j] + (COPY_PROBE_ROUND_TRIPS * c->srtt + TAIL_PROBE_MARGIN);
+        return c->sent_at[j] +
+               (COPY_PROBE_ROUND_TRIPS * c->srtt + 4 * c->rttvar + TAIL_PROBE_MARGIN);
     double since = c->sent_at[j] > c->last_progress ? c->sent_at[j] : c->last_progress;
     return since + (TAIL_PROBE_ROUND_TRIPS * c->srtt + TAIL_PROBE_MARGIN);
 }

@@ -389,7 +389,8 @@ class Stream:
         if srtt is None or self._inflight[j] is None or self._lost[j] or copy == PROBE:
             return float("inf")
         if copy == FAST:
-            return self._sent_at[j] + (COPY_PROBE_ROUND_TRIPS * srtt + TAIL_PROBE_MARGIN)
+            return self._sent_at[j] + (
+                COPY_PROBE_ROUND_TRIPS * srtt + 4 * self.s.rtt.rttvar + TAIL_PROBE_MARGIN)
         return max(self._sent_at[j], self.last_progress) + (
             TAIL_PROBE_ROUND_TRIPS * srtt + TAIL_PROBE_MARGIN)
 

@@ -31,7 +31,7 @@ FAST_RETRANSMIT_THRESHOLD = 3
 #: 7, 8 round trips 10.  The margin (0.25 ms, the window's QUEUE_MARGIN) is
 #: for ranks out of step.
 TAIL_PROBE_ROUND_TRIPS = 2
-COPY_PROBE_ROUND_TRIPS = 4
+COPY_PROBE_ROUND_TRIPS = 8
 TAIL_PROBE_MARGIN = 0.00025
 
 
