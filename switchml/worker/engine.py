@@ -25,6 +25,15 @@ timeout (not again until its result comes or its timer fires).  The window
 takes it as a loss like a timeout (``CongestionWindow.on_timeout``, judged as a
 first timeout: the results that overtook it show the path answers).
 
+Probes (``recovery.TAIL_PROBE_ROUND_TRIPS``, ``COPY_PROBE_ROUND_TRIPS``): what
+no later result can reveal is sent again after a few round trips rather than
+the timeout (at least 10 ms): a message once no result at all came for 2
+smoothed round trips (+0.25 ms) since it went out (the call's last messages:
+TCP's tail loss probe), and a fast retransmission 8 round trips and 4
+deviations (+0.25 ms) after it went out (its loss, or its result's, or a
+peer's copy's).  A probe is not a loss for the window (silence is no evidence
+of a queue); each transmission is probed at most once, and the timer stays.
+
 Dense: tensor chunk ``c`` (``packet_elements`` values) goes through local slot
 ``c mod W``, W = min(slots, chunks).  int32: message m of slot j carries chunk
 ``j + m*W``.  float32: message m carries the values of chunk ``j + (m-1)*W``,
