@@ -1,16 +1,21 @@
 """samples/s of the two DDP examples on switchml and on gloo, launched by torchrun.
 
-    python bench/train.py --workers 2 4 --repeats 2 --out bench/results/train.json
+    python bench/train.py --workers 2 4 --runs 3 --out bench/results/train.json
     python bench/train.py --workers 4 --testbed --link 1gbit      # root: emulated cluster
 
 For every worker count it runs, one after the other on the same machine:
-examples/train_ddp.py (digits MLP) on gloo and on switchml (sparse "auto"), and
+examples/train_ddp.py (digits MLP) on gloo, on switchml (sparse "auto") and on
+switchml's 16-bit wire, and
 examples/train_sparse.py (bag-of-words embedding table) on gloo and on switchml
 with the sparse path and with the dense path.  Each run reports samples/s over
 its training epochs, allreduce time per step (DDP buckets timed by a comm hook,
 the same hook on both backends), test accuracy and switchml bytes per step.
-The median run of ``--repeats`` is kept; the table prints ratios to gloo from
-the same invocation, since absolute numbers on shared machines are noisy.
+Each of ``--runs`` invocations launches every configuration once, on a new
+testbed with a new switch at its default settings; the run with the median
+samples/s over the invocations is kept, and ratios to gloo come from those
+medians.  "compute" is a step's forward and backward with DDP's communication
+off (``no_sync``), so 1 - compute/step is the share of gloo's step that
+communication costs.
 
 With ``--testbed`` every rank runs in a host namespace of an emulated cluster
 (switchml.testbed) under its own torchrun (``--nnodes N --node-rank i``), as on
@@ -38,6 +43,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = [
     ("digits gloo", "train_ddp.py", ["--backend", "gloo"]),
     ("digits switchml", "train_ddp.py", ["--backend", "switchml", "--sparse", "auto"]),
+    ("digits switchml 16-bit wire", "train_ddp.py",
+     ["--backend", "switchml", "--sparse", "false", "--bits", "16"]),
     ("bag-of-words gloo", "train_sparse.py", ["--backend", "gloo"]),
     ("bag-of-words switchml sparse", "train_sparse.py",
      ["--backend", "switchml", "--sparse", "true"]),
@@ -93,7 +100,8 @@ def run_on_testbed(tb, script: str, args: list, extra: list) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workers", type=int, nargs="+", default=[2, 4])
-    p.add_argument("--repeats", type=int, default=2, help="runs per configuration (median kept)")
+    p.add_argument("--runs", type=int, default=3,
+                   help="invocations, each with a new testbed and switch (median kept)")
     p.add_argument("--only", nargs="*", default=None, help="names of configurations to run")
     p.add_argument("--digits-args", default="", help="extra arguments for train_ddp.py")
     p.add_argument("--sparse-args", default="", help="extra arguments for train_sparse.py")
@@ -101,20 +109,23 @@ def main(argv=None) -> None:
                    help="run on an emulated cluster of --workers hosts (root)")
     p.add_argument("--link", default="1gbit", help="testbed link rate")
     p.add_argument("--mtu", type=int, default=None, help="testbed MTU")
-    p.add_argument("--slots-per-job", type=int, default=4,
-                   help="testbed switch's window per job: a window that fits the link's "
-                        "queue (default %(default)s)")
+    p.add_argument("--slots-per-job", type=int, default=None,
+                   help="testbed switch's slots per job (default: the switch's own)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     extra = {"train_ddp.py": args.digits_args.split(), "train_sparse.py": args.sparse_args.split()}
     runs = []
     for workers in args.workers:
-        if args.testbed:
-            with _testbed(workers, args) as tb:
-                runs += _run_configs(workers, functools.partial(run_on_testbed, tb), args, extra)
-        else:
-            launch = lambda *a: run_example(a[0], workers, *a[1:])  # noqa: E731
-            runs += _run_configs(workers, launch, args, extra)
+        trials: dict = {}
+        for _ in range(args.runs):
+            if args.testbed:
+                with _testbed(workers, args) as tb:
+                    _run_configs(workers, functools.partial(run_on_testbed, tb), args, extra,
+                                 trials)
+            else:
+                launch = lambda *a: run_example(a[0], workers, *a[1:])  # noqa: E731
+                _run_configs(workers, launch, args, extra, trials)
+        runs += _medians(workers, trials)
     _finish(runs, args, argv)
 
 
@@ -124,10 +135,11 @@ def _testbed(workers: int, args):
     from switchml.testbed import SWITCH_PORT, Testbed
 
     with Testbed(hosts=workers, link=args.link, mtu=args.mtu) as tb:
+        flags = [] if args.slots_per_job is None else ["--slots-per-job",
+                                                       str(args.slots_per_job)]
         switch = tb.popen("switch", [sys.executable, "-m", "switchml.cli", "switch",
                                      "--host", tb.switch_address, "--port", str(SWITCH_PORT),
-                                     "--slots-per-job", str(args.slots_per_job),
-                                     "--log-level", "warning"],
+                                     *flags, "--log-level", "warning"],
                           stdout=subprocess.DEVNULL)
         time.sleep(1.0)  # listening well before the first join (joins also retry)
         try:
@@ -137,19 +149,27 @@ def _testbed(workers: int, args):
             switch.wait()
 
 
-def _run_configs(workers: int, launch, args, extra) -> list:
-    runs = []
+def _run_configs(workers: int, launch, args, extra, trials: dict) -> None:
+    """One launch of every configuration; appends each summary to ``trials[name]``."""
     for name, script, backend_args in CONFIGS:
         if args.only and name not in args.only:
             continue
-        trials = [launch(script, backend_args, extra[script]) for _ in range(args.repeats)]
-        rate = statistics.median(t["samples_per_s"] for t in trials)
-        best = min(trials, key=lambda t: abs(t["samples_per_s"] - rate))
-        runs.append(dict(best, name=name, script=script, samples_per_s_all=[
-            t["samples_per_s"] for t in trials]))
-        print(f"n={workers} {name:<30} {best['samples_per_s']:8.0f} samples/s  "
-              f"allreduce {best['allreduce_ms_per_step']:7.1f} ms/step  "
-              f"accuracy {100 * best['test_accuracy']:.2f}%", flush=True)
+        t = launch(script, backend_args, extra[script])
+        trials.setdefault(name, (script, []))[1].append(t)
+        print(f"n={workers} {name:<30} {t['samples_per_s']:8.0f} samples/s  "
+              f"step {t['step_ms']:7.1f} ms  compute {t['compute_ms_per_step']:6.1f} ms  "
+              f"allreduce {t['allreduce_ms_per_step']:7.1f} ms/step  "
+              f"accuracy {100 * t['test_accuracy']:.2f}%", flush=True)
+
+
+def _medians(workers: int, trials: dict) -> list:
+    """Per configuration, the invocation with the median samples/s."""
+    runs = []
+    for name, (script, ts) in trials.items():
+        rate = statistics.median(t["samples_per_s"] for t in ts)
+        best = min(ts, key=lambda t: abs(t["samples_per_s"] - rate))
+        runs.append(dict(best, name=name, script=script,
+                         samples_per_s_all=[t["samples_per_s"] for t in ts]))
     return runs
 
 
@@ -158,6 +178,8 @@ def _finish(runs: list, args, argv) -> None:
         gloo = next((g for g in runs if g["workers"] == r["workers"]
                      and g["script"] == r["script"] and g["name"].endswith("gloo")), None)
         r["speedup_over_gloo"] = r["samples_per_s"] / gloo["samples_per_s"] if gloo else None
+        r["communication_share"] = (1 - r["compute_ms_per_step"] / r["step_ms"]
+                                    if r["step_ms"] else None)
     print(table(runs))
     result = {"command": "python bench/train.py " + shlex.join(argv or sys.argv[1:]),
               "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
@@ -173,12 +195,15 @@ def _finish(runs: list, args, argv) -> None:
 
 def table(runs: list) -> str:
     """Markdown: one row per (workers, configuration)."""
-    lines = ["| n | example and backend | samples/s | vs gloo | allreduce ms/step | "
-             "switchml MB sent/step | test accuracy |", "|---|---|---|---|---|---|---|"]
+    lines = ["| n | example and backend | samples/s (runs) | vs gloo | step ms | "
+             "communication share | allreduce ms/step | switchml MB sent/step | test accuracy |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         ratio = f"{r['speedup_over_gloo']:.2f}x" if r.get("speedup_over_gloo") else ""
         sent = f"{r['switchml_mb_sent_per_step']:.2f}" if r["switchml_mb_sent_per_step"] else ""
-        lines.append(f"| {r['workers']} | {r['name']} | {r['samples_per_s']:.0f} | {ratio} | "
+        each = ", ".join(f"{x:.0f}" for x in r["samples_per_s_all"])
+        lines.append(f"| {r['workers']} | {r['name']} | {r['samples_per_s']:.0f} ({each}) | "
+                     f"{ratio} | {r['step_ms']:.1f} | {r['communication_share']:.0%} | "
                      f"{r['allreduce_ms_per_step']:.1f} | {sent} | "
                      f"{100 * r['test_accuracy']:.2f}% |")
     return "\n".join(lines)

@@ -28,6 +28,9 @@ def parser(description: str, *, epochs: int, batch_size: int, lr: float) -> argp
                         "switchml.torch.allreduce_hook")
     p.add_argument("--sparse", choices=["auto", "true", "false"], default=None,
                    help="switchml path for gradients (default: $SWITCHML_SPARSE or auto)")
+    p.add_argument("--bits", type=int, choices=[32, 16], default=None,
+                   help="switchml wire for gradients: 32, or 16 (half the bytes; "
+                        "default: $SWITCHML_WIRE_BITS or 32)")
     p.add_argument("--epochs", type=int, default=epochs)
     p.add_argument("--batch-size", type=int, default=batch_size, help="per rank")
     p.add_argument("--lr", type=float, default=lr)
@@ -41,6 +44,8 @@ def init(args) -> None:
     """Join the torchrun job on the chosen backend (env:// rendezvous)."""
     if args.sparse is not None:
         os.environ["SWITCHML_SPARSE"] = args.sparse
+    if args.bits is not None:
+        os.environ["SWITCHML_WIRE_BITS"] = str(args.bits)
     if args.backend == "switchml" or args.hook:
         import switchml.torch  # noqa: F401  registers the "switchml" backend
     if args.hook and args.backend != "gloo":
@@ -116,16 +121,21 @@ def train(model, ddp, state, opt, data: DataLoader, test: tuple, args, durations
         if rank == 0 and not args.quiet:
             print(f"epoch {epoch + 1:3d}  loss {history[-1]['loss']:.4f}  "
                   f"test accuracy {100 * accuracy:.2f}%", flush=True)
+    compute_s = compute_time(ddp, data, loss_fn)
     counters = switchml_counters(state)
     summary = {
         "switchml_mb_sent_per_step": counters.get("bytes_sent", 0) / 1e6 / max(steps, 1),
         "switchml_mb_received_per_step": counters.get("bytes_received", 0) / 1e6 / max(steps, 1),
         "switchml_sparse_blocks_sent": counters.get("sparse_blocks_sent", 0),
         "backend": args.backend + ("+switchml-hook" if args.hook else ""),
+        "wire_bits": (args.bits or int(os.environ.get("SWITCHML_WIRE_BITS", 32))
+                      if (args.backend == "switchml" or args.hook) else None),
         "sparse": _sparse_setting(args) if (args.backend == "switchml" or args.hook) else None,
         "workers": world, "epochs": args.epochs, "batch_size_per_rank": args.batch_size,
         "steps": steps, "samples_per_s": samples / train_time if train_time else 0.0,
         "allreduce_ms_per_step": 1e3 * sum(durations) / steps if steps else 0.0,
+        "step_ms": 1e3 * train_time / steps if steps else 0.0,
+        "compute_ms_per_step": 1e3 * compute_s,
         "train_s": train_time, "loss": history[-1]["loss"] if history else None,
         "test_accuracy": history[-1]["test_accuracy"] if history else None,
         "history": history,
@@ -142,6 +152,27 @@ def train(model, ddp, state, opt, data: DataLoader, test: tuple, args, durations
             with open(args.json, "w") as f:
                 json.dump(summary, f, indent=2)
     return summary
+
+
+def compute_time(ddp, data: DataLoader, loss_fn, steps: int = 20) -> float:
+    """Seconds a step's forward and backward take without communication (median).
+
+    Under ``no_sync`` DDP skips the allreduce; no optimizer step, so the trained
+    weights are left as they are.  With the step time it gives the share of a
+    step that communication costs.
+    """
+    times = []
+    ddp.train()
+    with ddp.no_sync():
+        for i, (x, y) in enumerate(data):
+            if i == steps:
+                break
+            start = time.perf_counter()
+            loss_fn(ddp(x), y).backward()
+            times.append(time.perf_counter() - start)
+    ddp.zero_grad(set_to_none=True)
+    times.sort()
+    return times[len(times) // 2] if times else 0.0
 
 
 def switchml_counters(state) -> dict:

@@ -6,12 +6,12 @@
         total = w.allreduce(np.ones(1000, np.float32))
 """
 
-from .errors import (JoinRefusedError, LimitExceededError, MetricsUnavailableError,
+from .errors import (CallMismatchError, JoinRefusedError, LimitExceededError, MetricsUnavailableError,
                      SwitchMLError, SwitchMLTimeoutError, SwitchUnreachableError)
 from .switch.server import Switch
 from .worker.client import AllreduceHandle, Worker
 
 __all__ = ["Switch", "Worker", "AllreduceHandle", "SwitchMLError", "SwitchMLTimeoutError",
            "JoinRefusedError", "LimitExceededError", "MetricsUnavailableError",
-           "SwitchUnreachableError"]
+           "SwitchUnreachableError", "CallMismatchError"]
 __version__ = "0.1.0"

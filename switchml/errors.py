@@ -19,6 +19,12 @@ class SwitchMLTimeoutError(SwitchMLError, TimeoutError):
         self.missing_ranks = sorted(missing_ranks)
 
 
+class CallMismatchError(SwitchMLError, ValueError):
+    """Ranks of the job disagree on a call: element count, dtype, sparse mode, or
+    which call comes next.  The switch saw it in their first packets and failed the
+    job; the message names what each side asked for.  Every rank gets it."""
+
+
 class JoinRefusedError(SwitchMLError):
     """The switch refused to admit this worker to the job; the message says why."""
 

@@ -7,7 +7,8 @@ records, then ``count`` int32 values, all little-endian::
          0    2 magic      0x4D53 ("SM")
          2    1 version    2
          3    1 kind       1 = contribution (worker -> switch), 2 = result (switch -> worker)
-         4    1 dtype      0 = int32, 1 = float32 as block floating point
+         4    1 dtype      0 = int32, 1 = float32 as block floating point,
+                           2 = floats as 16-bit block floating point, two a word
          5    1 mode       bit 0: sparse (OmniReduce); bit 1: sparse seed round
          6    2 slot       absolute slot index in the switch's pool
          8    4 session    random id of the job, given at join
@@ -16,7 +17,9 @@ records, then ``count`` int32 values, all little-endian::
         20    4 pkt_id     packet index within the allreduce
         24    2 count      number of int32 values after the lane table
         26    2 lanes      number of lane records (blocks per packet)
-        28    4 reserved   0
+        28    4 call       what the allreduce is (``call_id``): its element count
+                           (mod 2**31), bit 31 set for a sparse call; the switch
+                           compares it between ranks to name a mismatch at once
 
 A packet covers ``lanes`` blocks of ``block_elements`` values.  Lane record::
 
@@ -45,6 +48,9 @@ KIND_CONTRIBUTION = 1
 KIND_RESULT = 2
 DTYPE_INT32 = 0
 DTYPE_FLOAT32 = 1
+#: The 16-bit wire: each int32 "value" is a word of two biased uint16 values (low
+#: half first), which the switch's 32-bit adds sum without a carry between them.
+DTYPE_FLOAT16_WIRE = 2
 MODE_SPARSE = 1
 MODE_SEED = 2
 FLAG_BLOCK = 1
@@ -82,6 +88,24 @@ class Header(NamedTuple):
     pkt_id: int
     count: int
     lanes: int
+    call: int = 0
+
+
+#: ``call`` bit of a sparse call.
+CALL_SPARSE = 0x80000000
+
+
+def call_id(elements: int, sparse: bool) -> int:
+    """The header's ``call``: what every rank's packets of one allreduce share."""
+    return (elements & 0x7FFFFFFF) | (CALL_SPARSE if sparse else 0)
+
+
+def describe_call(call: int, dtype: int) -> str:
+    """``call_id`` and dtype in words, for an error naming what each rank asked for."""
+    kind = "sparse" if call & CALL_SPARSE else "dense"
+    name = {DTYPE_FLOAT32: "float32", DTYPE_INT32: "int32",
+            DTYPE_FLOAT16_WIRE: "float (16-bit wire)"}.get(dtype, f"dtype {dtype}")
+    return f"{call & 0x7FFFFFFF} {name} values, {kind}"
 
 
 #: Bytes of IPv4 and UDP headers in front of every datagram.
@@ -130,20 +154,20 @@ def decode_header(data) -> Header:
     if len(data) < HEADER_SIZE:
         raise MalformedPacket("truncated")
     (magic, version, kind, dtype, mode, slot, session, msg, seq, pkt_id, count, lanes,
-     _reserved) = HEADER.unpack_from(data)
+     call) = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise MalformedPacket("bad_magic")
     if version != VERSION:
         raise MalformedPacket("bad_version")
     if kind not in (KIND_CONTRIBUTION, KIND_RESULT):
         raise MalformedPacket("bad_kind")
-    if dtype not in (DTYPE_INT32, DTYPE_FLOAT32):
+    if dtype not in (DTYPE_INT32, DTYPE_FLOAT32, DTYPE_FLOAT16_WIRE):
         raise MalformedPacket("bad_dtype")
     if mode not in (0, MODE_SPARSE, MODE_SPARSE | MODE_SEED):
         raise MalformedPacket("bad_mode")
     if len(data) != packet_size(lanes, count):
         raise MalformedPacket("bad_length")
-    return Header(kind, dtype, mode, slot, session, msg, seq, pkt_id, count, lanes)
+    return Header(kind, dtype, mode, slot, session, msg, seq, pkt_id, count, lanes, call)
 
 
 def lane_table(data, lanes: int) -> np.ndarray:
@@ -167,14 +191,16 @@ def first_lane_exponent(data) -> int:
 
 
 def encode_header(buf, kind: int, dtype: int, mode: int, slot: int, session: int, msg: int,
-                  seq: int, pkt_id: int, count: int, lanes: int, offset: int = 0) -> None:
+                  seq: int, pkt_id: int, count: int, lanes: int, offset: int = 0,
+                  call: int = 0) -> None:
     """Write a header into ``buf`` at ``offset``; the lane table and values follow it."""
     HEADER.pack_into(buf, offset, MAGIC, VERSION, kind, dtype, mode, slot, session,
-                     msg & 0xFFFFFFFF, seq & 0xFFFFFFFF, pkt_id & 0xFFFFFFFF, count, lanes, 0)
+                     msg & 0xFFFFFFFF, seq & 0xFFFFFFFF, pkt_id & 0xFFFFFFFF, count, lanes,
+                     call & 0xFFFFFFFF)
 
 
 def encode(kind: int, dtype: int, slot: int, session: int, msg: int, seq: int, pkt_id: int,
-           lane_records=None, values=b"", mode: int = 0) -> bytes:
+           lane_records=None, values=b"", mode: int = 0, call: int = 0) -> bytes:
     """Build a whole datagram (tests and tools). ``lane_records``: array of LANE or None."""
     table = np.zeros(0, LANE) if lane_records is None else np.asarray(lane_records, LANE)
     if not isinstance(values, (bytes, bytearray, memoryview)):
@@ -182,7 +208,8 @@ def encode(kind: int, dtype: int, slot: int, session: int, msg: int, seq: int, p
     payload = memoryview(values).cast("B") if len(values) else b""
     count = len(payload) // VALUE_SIZE
     buf = bytearray(packet_size(len(table), count))
-    encode_header(buf, kind, dtype, mode, slot, session, msg, seq, pkt_id, count, len(table))
+    encode_header(buf, kind, dtype, mode, slot, session, msg, seq, pkt_id, count, len(table),
+                  call=call)
     buf[HEADER_SIZE:HEADER_SIZE + LANE_SIZE * len(table)] = table.tobytes()
     buf[HEADER_SIZE + LANE_SIZE * len(table):] = payload
     return bytes(buf)

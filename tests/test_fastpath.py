@@ -85,6 +85,8 @@ class Lockstep:
         got = [(bytes(d), a) for d, a in self.fast.receive_datagram(data, addr)]
         assert got == want
         self.check_counters()
+        assert [(j.name, m) for j, m in self.fast.take_mismatches()] == \
+            [(j.name, m) for j, m in self.ref.take_mismatches()]
         if len(data) >= 8:
             slot = int.from_bytes(data[6:8], "little") % self.ref.slots
             for msg in range(2):

@@ -388,7 +388,7 @@ def test_engine_drops_results_that_do_not_match_the_outstanding_message():
     lanes = wire.lane_table(good, h.lanes).copy()
     values = wire.values(good, h.lanes, h.count).copy()
     assert wire.encode(wire.KIND_RESULT, h.dtype, h.slot, h.session, h.msg, h.seq, h.pkt_id,
-                       lanes, values, mode=h.mode) == good
+                       lanes, values, mode=h.mode, call=h.call) == good
     forged = [
         wire.encode(wire.KIND_RESULT, h.dtype, h.slot, h.session, h.msg, h.seq + 1,
                     h.pkt_id, lanes, values),

@@ -28,7 +28,7 @@ WORLD = 3
 
 DTYPES = ["float32", "int32", "float64", "float16", "bfloat16", "int64", "int8", "uint8",
           "bool"]
-SWITCHED = ["float32", "int32"]
+SWITCHED = ["float32", "int32", "float16", "bfloat16"]
 
 
 @st.composite
@@ -73,7 +73,9 @@ NAMED = [
     case(shape=(4, 5), layout="offset"),              # a view at a storage offset
     case(shape=(2, 3, 4, 5), layout="channels_last"),
     case(shape=(3, 4), layout="requires_grad", op="avg"),
-    case("float16", shape=(3,), layout="requires_grad", op="avg"),  # gloo's own path
+    case("float16", shape=(3,), layout="requires_grad", op="avg"),  # 16-bit: as float32
+    case("bfloat16", shape=(20_000,), layout="offset", scale=2),      # two packets
+    case("float16", shape=(5, 7), layout="transposed", scale=4),     # sums past its range
     case(shape=(20_000,), layout="offset", scale=3),  # two packets
     case("float64", shape=(3,)), case("float16", shape=(2, 2)), case("bfloat16", shape=()),
     case("int64", shape=(4,), op="avg"), case("uint8", shape=(5,)), case("bool", shape=(3,)),

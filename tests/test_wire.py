@@ -78,7 +78,7 @@ def test_header_is_32_bytes_and_layout_matches_docstring():
 
 def test_header_has_no_exponent_any_more():
     assert wire.Header._fields == ("kind", "dtype", "mode", "slot", "session", "msg", "seq",
-                                   "pkt_id", "count", "lanes")
+                                   "pkt_id", "count", "lanes", "call")
     assert wire.LANE.names == ("pos", "nxt", "exp", "flag")
 
 
@@ -239,7 +239,7 @@ def test_bad_kind(kind):
     assert _reason(_raw_header(kind=kind)) == "bad_kind"
 
 
-@pytest.mark.parametrize("dtype", [2, 3, 255])
+@pytest.mark.parametrize("dtype", [3, 4, 255])
 def test_bad_dtype(dtype):
     assert _reason(_raw_header(dtype=dtype)) == "bad_dtype"
 

@@ -19,6 +19,9 @@ from switchml import quant
 
 DTYPES = {name: getattr(torch, name) for name in (
     "float32", "int32", "float64", "float16", "bfloat16", "int64", "int8", "uint8", "bool")}
+SWITCHED = ("float32", "int32", "float16", "bfloat16")
+#: (significand bits, frexp exponent of the least normal) of the 16-bit floats.
+SIXTEEN_BITS = {"float16": (11, -13), "bfloat16": (8, -125)}
 OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
        "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
 
@@ -80,7 +83,7 @@ def outside(tensor: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
 
 def switched(case: dict) -> bool:
     """Whether the backend should send this case through the switch."""
-    return (case["dtype"] in ("float32", "int32") and case["op"] in ("sum", "avg")
+    return (case["dtype"] in SWITCHED and case["op"] in ("sum", "avg")
             and int(np.prod(case["shape"])) > 0)
 
 
@@ -123,15 +126,22 @@ def check(case: dict, ref_group, world: int, rank: int, worker) -> str | None:
         theirs = torch.div(theirs, world, rounding_mode="trunc")
     if ours.dtype != theirs.dtype or ours.shape != theirs.shape:
         return f"result {ours.dtype}{tuple(ours.shape)} vs gloo {theirs.dtype}{tuple(theirs.shape)}"
-    if case["dtype"] == "float32" and switched(case):
-        inputs = [build(case, r)[0].detach().contiguous().reshape(-1).numpy()
+    if case["dtype"] in ("float32", "float16", "bfloat16") and switched(case):
+        inputs = [build(case, r)[0].detach().float().contiguous().reshape(-1).numpy()
                   for r in range(world)]
         chunk = worker.session.packet_elements
         bound = quant.error_bound(inputs, chunk)
         exact = np.sum([a.astype(np.float64) for a in inputs], axis=0)
-        got = ours.contiguous().reshape(-1).numpy().astype(np.float64)
+        got = ours.float().contiguous().reshape(-1).numpy().astype(np.float64)
         if case["op"] == "avg":
             exact, bound = exact / world, bound / world + np.spacing(np.abs(got).astype(np.float32))
+        if case["dtype"] in SIXTEEN_BITS:  # the float32 result rounded to 16 bits once
+            bits, least = SIXTEEN_BITS[case["dtype"]]
+            _, e = np.frexp(np.abs(exact) + bound)
+            bound = bound + np.ldexp(1.0, np.maximum(e, least) - bits - 1)
+            with np.errstate(invalid="ignore"):  # 16-bit overflow: inf, as gloo gives
+                bound = np.where(np.isinf(got) & np.isinf(theirs.float().reshape(-1).numpy()),
+                                 np.inf, bound)
         excess = np.abs(got - exact) - bound
         if excess.size and excess.max() > 0:
             i = int(excess.argmax())

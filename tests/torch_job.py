@@ -10,13 +10,13 @@ import torch.distributed as dist
 import switchml.torch  # noqa: F401  registers the "switchml" backend
 
 
-def ddp(backend: str, steps: int, hook: bool):
+def ddp(backend: str, steps: int, hook: bool, bits=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     ddp_model = torch.nn.parallel.DistributedDataParallel(model)
     state = None
     if hook:
-        state = switchml.torch.HookState(sparse="auto")
+        state = switchml.torch.HookState(sparse="auto", bits=bits)
         ddp_model.register_comm_hook(state, switchml.torch.allreduce_hook)
     opt = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(100 + dist.get_rank())
@@ -30,9 +30,10 @@ def ddp(backend: str, steps: int, hook: bool):
     worker = state.worker if state is not None else getattr(
         dist.distributed_c10d._get_default_group(), "_worker", None)
     results = worker.counters["results_in"] if worker is not None else 0
+    sent = worker.counters["bytes_sent"] if worker is not None else 0
     if state is not None:
         state.close()
-    return {"params": params.tolist(), "switch_results": results}
+    return {"params": params.tolist(), "switch_results": results, "bytes_sent": sent}
 
 
 def collectives():
@@ -130,6 +131,22 @@ def early_exit():
     os._exit(0)
 
 
+def mismatch():
+    """Rank r all_reduces 1000 * (r + 1) values: every rank must fail at once, naming both."""
+    import time
+    rank = dist.get_rank()
+    dist.all_reduce(torch.ones(10))
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1000 * (rank + 1)))
+    except Exception as exc:
+        print("RESULT " + json.dumps({"error": f"{type(exc).__name__}: {exc}",
+                                      "seconds": time.monotonic() - start}), flush=True)
+        os._exit(0)
+    print("RESULT " + json.dumps({"error": None}), flush=True)
+    os._exit(0)
+
+
 def main():
     scenario = sys.argv[1]
     backend = sys.argv[2] if len(sys.argv) > 2 else "switchml"
@@ -142,12 +159,16 @@ def main():
     dist.init_process_group(backend)
     if scenario == "early-exit":
         early_exit()
+    if scenario == "mismatch":
+        mismatch()
     if scenario == "ddp":
         result = ddp(backend, int(sys.argv[3]), hook=False)
     elif scenario == "cuda":
         result = cuda()
     elif scenario == "hook":
         result = ddp("gloo", int(sys.argv[3]), hook=True)
+    elif scenario == "hook16":
+        result = ddp("gloo", int(sys.argv[3]), hook=True, bits=16)
     else:
         result = collectives()
     print("RESULT " + json.dumps(result), flush=True)

@@ -189,6 +189,32 @@ fail:
     return NULL;
 }
 
+/* take_mismatches() -> [(slot_base, bitmap, seq, call, dtype, rank, seq, call, dtype)]:
+ * the jobs' first disagreements between ranks not taken yet (pipeline.Mismatch). */
+static PyObject *Core_take_mismatches(CoreObject *self, PyObject *unused)
+{
+    PyObject *out, *item;
+    uint32_t s;
+    if (check_idle(self) < 0 || !(out = PyList_New(0)))
+        return NULL;
+    for (s = 0; self->core.mismatches && s < self->core.slots; s++) {
+        fp_job *job = &self->core.jobs[s];
+        const uint32_t *m = job->mismatch;
+        if (!job->session || job->mismatch_state != 1)
+            continue;
+        item = Py_BuildValue("(IIIIIIIII)", s, m[0], m[1], m[2], m[3], m[4], m[5], m[6], m[7]);
+        if (!item || PyList_Append(out, item) < 0) {
+            Py_XDECREF(item);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(item);
+        job->mismatch_state = 2;
+        self->core.mismatches--;
+    }
+    return out;
+}
+
 static PyObject *Core_slot_state(CoreObject *self, PyObject *args)
 {
     unsigned int slot;
@@ -278,6 +304,8 @@ static PyMethodDef Core_methods[] = {
     {"remove", (PyCFunction)Core_remove, METH_VARARGS, "remove(slot_base)"},
     {"take_counters", (PyCFunction)Core_take_counters, METH_NOARGS,
      "take_counters() -> [(slot_base or -1, {name: increment})], then zero them"},
+    {"take_mismatches", (PyCFunction)Core_take_mismatches, METH_NOARGS,
+     "take_mismatches() -> [(slot_base, bitmap, seq, call, dtype, rank, seq, call, dtype)]"},
     {"slot_state", (PyCFunction)Core_slot_state, METH_VARARGS,
      "slot_state(slot, msg) -> (holds msg, contributor bitmap)"},
     {"receive", (PyCFunction)Core_receive, METH_VARARGS,
@@ -290,6 +318,8 @@ static PyMethodDef Core_methods[] = {
 };
 
 static PyMemberDef Core_members[] = {
+    {"mismatches", T_UINT, offsetof(CoreObject, core.mismatches), READONLY,
+     "jobs with a disagreement between ranks that take_mismatches() has not returned"},
     {"gso_refused", T_INT, offsetof(CoreObject, io.gso_refused), READONLY,
      "true once the kernel refused a UDP GSO send (then results go one per datagram)"},
     {NULL, 0, 0, 0, NULL},

@@ -20,7 +20,9 @@ Job life cycle:
   connection drops without ``leave``, or when a rank ``abort``s because it gave up
   waiting for the others (its timeout).  Either way its slots are freed at once,
   the other ranks get ``failed`` naming the missing ranks, and waiting jobs are
-  retried.
+  retried.  It also fails when the pipeline saw its ranks disagree on a call
+  (``handle_mismatches``): every rank gets ``failed`` with ``mismatch`` set and a
+  reason naming what each side asked for.
 
 A rank that restarts while its job runs is refused until the job has failed (its
 old connection dropped, or the others timed out); it then joins the job name
@@ -53,6 +55,21 @@ RECENT_SESSIONS_KEPT = 4096
 MAX_NAME = 200
 #: Smallest MTU a worker may report: IPv4's minimum.
 MIN_MTU = 68
+
+
+def describe_mismatch(name: str, m) -> str:
+    """A pipeline.Mismatch in words: the call numbers and what each side asked for."""
+    ranks = ", ".join(map(str, m.ranks))
+    (seq, call, dtype), (other_seq, other_call, other_dtype) = m.first, m.other
+    first = f"{'rank' if len(m.ranks) == 1 else 'ranks'} {ranks}"
+    if seq != other_seq:
+        return (f"ranks of job '{name}' are at different calls: {first} at allreduce "
+                f"#{seq} ({wire.describe_call(call, dtype)}), rank {m.rank} at #{other_seq} "
+                f"({wire.describe_call(other_call, other_dtype)}); every rank must make "
+                f"the same calls in the same order")
+    return (f"ranks of job '{name}' disagree on allreduce #{seq}: {first} asked for "
+            f"{wire.describe_call(call, dtype)}, rank {m.rank} for "
+            f"{wire.describe_call(other_call, other_dtype)}")
 
 
 class BadRequest(ValueError):
@@ -372,11 +389,27 @@ class Controller:
         return self._fail(job, missing, f"rank {rank} of job '{job.name}' gave up: {reason}",
                           skip=conn)
 
-    def _fail(self, job: JobEntry, missing: list, reason: str, skip=None) -> list:
+    def handle_mismatches(self) -> list:
+        """Fail every job whose ranks the pipeline saw disagree on a call."""
+        out = []
+        for installed, m in self.pipeline.take_mismatches():
+            job = self.jobs.get(installed.name)
+            if job is None or job.session != installed.session:
+                continue
+            reason = describe_mismatch(job.name, m)
+            log.warning("job %s failed: %s", job.name, reason)
+            self.pipeline.counters["jobs_mismatched"] += 1
+            out += self._fail(job, [], reason, mismatch=True)
+        return out
+
+    def _fail(self, job: JobEntry, missing: list, reason: str, skip=None,
+              mismatch: bool = False) -> list:
         conns = [c for r, c in job.conns.items() if r not in job.left and c != skip]
         out = self._end(job, "failed")
         self.pipeline.counters["jobs_failed"] += 1
         event = {"event": "failed", "missing": missing, "reason": reason}
+        if mismatch:
+            event["mismatch"] = True
         return [(c, event) for c in conns] + out
 
     def _end(self, job: JobEntry, state: str) -> list:

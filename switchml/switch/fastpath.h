@@ -55,13 +55,18 @@ typedef struct {
     uint32_t world, slot_base, slot_count, lanes, packet_elements, block_elements;
     uint64_t members[FP_MAX_WORKERS]; /* address key of each rank */
     fp_counters counters;
+    /* The first disagreement between ranks (pipeline.Mismatch): 0 none, 1 waiting
+     * for Python's take_mismatches, 2 taken.  `mismatch` holds the ranks' bitmap,
+     * the set's (seq, call, dtype), the rank and its (seq, call, dtype). */
+    uint32_t mismatch_state;
+    uint32_t mismatch[8];
 } fp_job;
 
 /* One shadow-copy set of one slot: the registers beside its row of the pool. */
 typedef struct {
     uint32_t valid, msg, bitmap, count, blocks;
     /* the ids a contribution must match, echoed in the result */
-    uint32_t seq, pkt_id, dtype, mode, id_count;
+    uint32_t seq, pkt_id, dtype, mode, id_count, call;
 } fp_set;
 
 typedef struct {
@@ -97,6 +102,7 @@ struct fp_core {
     uint32_t epoch;
     fp_flush_fn flush;
     void *flush_ctx;
+    uint32_t mismatches; /* jobs with mismatch_state 1 */
 };
 
 /* Build the registers of a pool of `slots` rows of `row_size` bytes at `rows`;

@@ -160,6 +160,9 @@ void fp_remove(fp_core *c, uint32_t slot_base)
     uint32_t r;
     for (r = 0; r < job->world; r++)
         member_delete(c, job->members[r]);
+    if (job->mismatch_state == 1)
+        c->mismatches--;
+    job->mismatch_state = 0;
     job->session = 0;
 }
 
@@ -294,13 +297,14 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
     uint32_t kind = d[3], dtype = d[4], mode = d[5], slot = le16(d + 6);
     uint32_t session = le32(d + 8), msg = le32(d + 12), seq = le32(d + 16);
     uint32_t pkt_id = le32(d + 20), count = le16(d + 24), lanes = le16(d + 26);
+    uint32_t call = le32(d + 28);
     if (le16(d) != FP_MAGIC)
         DROP(C_DROPPED_BAD_MAGIC);
     if (d[2] != FP_VERSION)
         DROP(C_DROPPED_BAD_VERSION);
     if (kind != FP_KIND_CONTRIBUTION && kind != FP_KIND_RESULT)
         DROP(C_DROPPED_BAD_KIND);
-    if (dtype > 1)
+    if (dtype > 2) /* int32, float32, the 16-bit wire: the adds are the same */
         DROP(C_DROPPED_BAD_DTYPE);
     if (mode != 0 && mode != FP_MODE_SPARSE && mode != (FP_MODE_SPARSE | FP_MODE_SEED))
         DROP(C_DROPPED_BAD_MODE);
@@ -342,6 +346,7 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
         set->dtype = dtype;
         set->mode = mode;
         set->id_count = id_count;
+        set->call = call;
         set->bitmap = bit;
         set->count = 1;
         memcpy(regs, lane_table, FP_LANE_SIZE * (size_t)lanes);
@@ -358,7 +363,14 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
             DROP(C_DUPLICATES);
         }
         int mismatch = seq != set->seq || pkt_id != set->pkt_id || dtype != set->dtype ||
-                       mode != set->mode || id_count != set->id_count;
+                       mode != set->mode || id_count != set->id_count || call != set->call;
+        if (mismatch && !job->mismatch_state) { /* pipeline._record_mismatch */
+            uint32_t record[8] = {set->bitmap, set->seq, set->call, set->dtype,
+                                  rank,        seq,      call,      dtype};
+            memcpy(job->mismatch, record, sizeof record);
+            job->mismatch_state = 1;
+            c->mismatches++;
+        }
         for (i = 0; sparse && !mismatch && i < lanes; i++)
             mismatch = le32(lane_table + FP_LANE_SIZE * i + LANE_POS) !=
                        le32(regs + FP_LANE_SIZE * i + LANE_POS);
@@ -391,7 +403,6 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
     uint8_t *header = regs - FP_HEADER_SIZE;
     uint16_t magic = FP_MAGIC, slot16 = (uint16_t)slot, count16 = (uint16_t)set->id_count;
     uint16_t lanes16 = (uint16_t)lanes;
-    uint32_t reserved = 0;
     memcpy(header, &magic, 2);
     header[2] = FP_VERSION;
     header[3] = FP_KIND_RESULT;
@@ -404,7 +415,7 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
     memcpy(header + 20, &set->pkt_id, 4);
     memcpy(header + 24, &count16, 2);
     memcpy(header + 26, &lanes16, 2);
-    memcpy(header + 28, &reserved, 4);
+    memcpy(header + 28, &set->call, 4);
     fp_count(counters, C_RESULTS_COMPLETED, 1);
     return emit(c, job, set, row, UINT32_MAX, out);
 }

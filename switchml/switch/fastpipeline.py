@@ -27,7 +27,7 @@ import itertools
 import socket
 
 from ..config import DEFAULT_PACKET_ELEMENTS, DEFAULT_SLOTS, pure_python
-from .pipeline import MAX_WORKERS, Job, Pipeline
+from .pipeline import MAX_WORKERS, Job, Mismatch, Pipeline
 
 try:
     from . import _fastpath
@@ -112,6 +112,19 @@ class FastPipeline(Pipeline):
 
     def slot_state(self, slot: int, msg: int) -> tuple[bool, int]:
         return self._core.slot_state(slot, msg)
+
+    @property
+    def has_mismatches(self) -> bool:
+        return bool(self._core.mismatches)
+
+    def take_mismatches(self) -> list:
+        out = []
+        for base, bitmap, *first, rank, seq, call, dtype in self._core.take_mismatches():
+            job = self._job_at[base]
+            job.mismatch = Mismatch(tuple(r for r in range(job.world_size) if bitmap >> r & 1),
+                                    tuple(first), rank, (seq, call, dtype))
+            out.append((job, job.mismatch))
+        return out
 
     def totals(self):
         self.sync_counters()

@@ -20,6 +20,13 @@ Per slot and set ``v = msg & 1``, for a contribution from rank ``w``:
   dropped (counted as a duplicate).  Nothing is ever added twice;
 * an older message is stale and dropped.
 
+A contribution for the message a set holds whose ids (call number, packet,
+dtype, mode, count and the header's ``call``: element count and sparseness)
+differ from the set's is dropped, and, the first time in a job, recorded as a
+``Mismatch``: the ranks disagree on what they call.  The controller then fails
+the job with an error naming what each side asked for, at once, with no extra
+exchange on the normal path (the switch compares what the packets carry).
+
 Per lane, a contribution's exponent is maxed into the register.  A sparse
 contribution (OmniReduce) adds the blocks it flags into a zeroed set and keeps
 per lane the least next position reported; its result carries the present
@@ -41,6 +48,17 @@ from ..config import DEFAULT_BLOCK_ELEMENTS, DEFAULT_PACKET_ELEMENTS, DEFAULT_SL
 MAX_WORKERS = 32
 #: How many ended jobs keep their counters for ``stats()``.
 ENDED_JOBS_KEPT = 16
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Ranks of a job that disagree on a call: ``ranks`` contributed ``first`` to the
+    slot, ``rank`` sent ``other``; each is (call number, wire.call_id, dtype)."""
+
+    ranks: tuple
+    first: tuple
+    rank: int
+    other: tuple
 
 
 class SlotPoolExhausted(Exception):
@@ -66,6 +84,8 @@ class Job:
     lane_regs: np.ndarray | None = field(default=None, repr=False)
     values: np.ndarray | None = field(default=None, repr=False)
     lanes: int = field(init=False)  # blocks (lane records) per packet
+    # The first disagreement between ranks seen, until the controller takes it.
+    mismatch: Mismatch | None = None
 
     def __post_init__(self):
         self.lanes = self.packet_elements // self.block_elements if self.block_elements else 0
@@ -122,7 +142,9 @@ class Pipeline:
         self._bitmap = [[0] * slots for _ in range(2)]
         self._count = [[0] * slots for _ in range(2)]
         self._blocks = [[0] * slots for _ in range(2)]  # sparse blocks received this round
-        self._ids = [[(0, 0, 0, 0, 0)] * slots for _ in range(2)]  # seq, pkt_id, dtype, mode, count
+        # seq, pkt_id, dtype, mode, count, call
+        self._ids = [[(0, 0, 0, 0, 0, 0)] * slots for _ in range(2)]
+        self._mismatched: list[Job] = []  # jobs with a Mismatch not taken yet
         self._owner = [0] * slots  # session owning each slot, 0 = free
 
         self.jobs: dict[int, Job] = {}
@@ -307,7 +329,7 @@ class Pipeline:
         v = msg & 1
         bit = 1 << rank
         # Sparse contributions carry different blocks, hence different counts.
-        ids = (h.seq, h.pkt_id, h.dtype, h.mode, 0 if sparse else h.count)
+        ids = (h.seq, h.pkt_id, h.dtype, h.mode, 0 if sparse else h.count, h.call)
         regs = job.lane_regs[v, slot]
         if not self._valid[v][slot] or wire.msg_newer(msg, self._msg[v][slot]):
             self._valid[v][slot] = True
@@ -327,8 +349,12 @@ class Pipeline:
                     return self._emit(job, v, slot, [job.members[rank]])
                 counters["duplicates"] += 1
                 return []
-            if ids != self._ids[v][slot] or (sparse and not (lanes["pos"] == regs["pos"]).all()):
+            if ids != self._ids[v][slot]:
+                self._record_mismatch(job, v, slot, rank, ids)
                 counters["dropped_mismatch"] += 1
+                return []
+            if sparse and not (lanes["pos"] == regs["pos"]).all():
+                counters["dropped_mismatch"] += 1  # the same call, out of step: no misuse
                 return []
             if sparse:
                 self._add_sparse(job, v, slot, regs, lanes, flagged, payload)
@@ -345,12 +371,32 @@ class Pipeline:
         if self._count[v][slot] < job.world_size:
             return []
         count = self._finish_sparse(job, v, slot, regs, h.mode) if sparse else h.count
-        seq, pkt_id, dtype, mode, _ = ids
-        self._ids[v][slot] = (seq, pkt_id, dtype, mode, count)
+        seq, pkt_id, dtype, mode, _, call = ids
+        self._ids[v][slot] = (seq, pkt_id, dtype, mode, count, call)
         wire.encode_header(self._rows[v, slot], wire.KIND_RESULT, dtype, mode, slot,
-                           job.session, msg, seq, pkt_id, count, job.lanes)
+                           job.session, msg, seq, pkt_id, count, job.lanes, call=call)
         counters["results_completed"] += 1
         return self._emit(job, v, slot, job.members)
+
+    def _record_mismatch(self, job: Job, v: int, slot: int, rank: int, ids: tuple) -> None:
+        if job.mismatch is not None:
+            return
+        first = self._ids[v][slot]
+        bitmap = self._bitmap[v][slot]
+        job.mismatch = Mismatch(tuple(r for r in range(job.world_size) if bitmap >> r & 1),
+                                (first[0], first[5], first[2]), rank, (ids[0], ids[5], ids[2]))
+        self._mismatched.append(job)
+
+    @property
+    def has_mismatches(self) -> bool:
+        """Whether take_mismatches() has something (cheap: the server asks per batch)."""
+        return bool(self._mismatched)
+
+    def take_mismatches(self) -> list:
+        """[(job, Mismatch)] recorded since the last call, for the controller."""
+        out = [(job, job.mismatch) for job in self._mismatched if job.session in self.jobs]
+        self._mismatched = []
+        return out
 
     # ------------------------------------------------------------------ sparse lanes
     def _start_sparse(self, job: Job, v, slot, regs, flagged, payload) -> None:

@@ -212,6 +212,8 @@ class Switch:
                         busy = self._drain_fast()
                     else:
                         busy = self._drain(buf, view)
+                    if self.pipeline.has_mismatches:  # ranks disagree: fail their job now
+                        self._send(self.controller.handle_mismatches())
                 now = time.monotonic()
                 if now >= next_cpu_read:  # a syscall: not once per batch of datagrams
                     next_cpu_read = now + CPU_READ_INTERVAL

@@ -3,8 +3,10 @@
     import switchml.torch
     torch.distributed.init_process_group("switchml")      # torchrun's env:// as usual
 
-allreduce SUM and AVG of float32 and int32 tensors go through the switch (CUDA
-tensors staged through host memory); every other collective, op and dtype goes to
+allreduce SUM and AVG of float32, int32, float16 and bfloat16 tensors go through
+the switch (CUDA tensors staged through host memory; 16-bit ones summed as float32
+and rounded back once, so within the float32 bound plus half a 16-bit ulp of the
+result); every other collective, op and dtype goes to
 an inner gloo group, which is registered as this group's backend for its devices,
 so any torch code runs unchanged.  The switch is ``SWITCHML_SWITCH`` when set;
 otherwise rank 0 of each group starts a switch in a child process and publishes
@@ -28,7 +30,9 @@ from ..worker.client import Worker
 
 __all__ = ["ProcessGroupSwitchML", "HookState", "allreduce_hook", "sparse_mode"]
 
-_SWITCHED_DTYPES = (torch.float32, torch.int32)
+_SWITCHED_DTYPES = (torch.float32, torch.int32, torch.float16, torch.bfloat16)
+#: Summed as float32 (their values are exact in it), rounded back by _write_back.
+_WIDENED_DTYPES = (torch.float16, torch.bfloat16)
 #: Devices whose tensors the group takes: CUDA ones are staged through host memory.
 _DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
@@ -36,7 +40,10 @@ _DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     """The switch's input: ``tensor`` itself (detached) when it is a dense CPU tensor in
     row-major order, else a contiguous copy in host memory (a CUDA tensor, a strided
-    view, channels_last).  The caller copies the result back when they differ."""
+    view, channels_last), as float32 for a 16-bit tensor.  The caller copies the result back when they differ."""
+    if tensor.dtype in _WIDENED_DTYPES:
+        return tensor.detach().to("cpu", torch.float32, memory_format=torch.contiguous_format,
+                                  copy=True)
     if tensor.device.type == "cpu" and tensor.is_contiguous():
         return tensor.detach()
     # .to() synchronises with a CUDA tensor's stream: its values are final
@@ -49,7 +56,8 @@ def _as_array(staged: torch.Tensor):
 
 
 def _write_back(staged: torch.Tensor, tensor: torch.Tensor) -> None:
-    """Put the result into the caller's tensor when it was staged in a copy."""
+    """Put the result into the caller's tensor when it was staged in a copy (a 16-bit
+    tensor takes the float32 sum rounded to nearest, once)."""
     if staged.data_ptr() != tensor.data_ptr() or staged.device != tensor.device:
         with torch.no_grad():  # a requires_grad leaf takes the result as gloo gives it
             tensor.copy_(staged)
@@ -291,11 +299,15 @@ class HookState:
     the address travels over ``process_group`` (the default group if None).  The
     state may be built before ``init_process_group`` (PyTorch Lightning does, as
     torch's ``PowerSGDState`` allows): it then joins on DDP's first bucket.
+    ``bits=16`` puts the gradients on the 16-bit wire (half the bytes; dense).
     """
 
-    def __init__(self, process_group=None, sparse="auto", timeout: float | None = None):
+    def __init__(self, process_group=None, sparse="auto", timeout: float | None = None,
+                 bits: int | None = None):
         self.process_group = process_group
         self.sparse = sparse
+        #: 16: the gradients on the 16-bit wire (None: SWITCHML_WIRE_BITS, else 32)
+        self.bits = bits
         self.timeout = timeout
         self.switch: SwitchProcess | None = None
         self.worker: Worker | None = None
@@ -340,7 +352,7 @@ def allreduce_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tenso
     worker = state.joined()
     staged = _to_host(buffer)
     array = _as_array(staged)
-    handle = worker.allreduce_async(array, out=array, sparse=state.sparse)
+    handle = worker.allreduce_async(array, out=array, sparse=state.sparse, bits=state.bits)
 
     def result():
         staged.div_(state.world_size)

@@ -40,6 +40,7 @@
 #define KIND_RESULT 2
 #define DTYPE_INT32 0
 #define DTYPE_FLOAT32 1
+#define DTYPE_FLOAT16_WIRE 2 /* two biased 16-bit values a 32-bit word */
 #define EXP_ZERO (-32768)
 #define EXP_NONFINITE 32767
 #define LEAST_EXPONENT (-148)
@@ -97,6 +98,16 @@ static void quantize_into(const float *src, int64_t n, int exponent, int bits, i
         for (int64_t i = 0; i < n; i++)
             dst[i] = float_to_int32(round_half_even(src[i] * first * second));
     }
+}
+
+/* quant.quantize16_into: quantize_into's rounding, then biased by 2**bits into
+ * uint16 (0 .. 2**(bits+1) with bits = quant.scale_bits16(n)). */
+static void quantize16_into(const float *src, int64_t n, int exponent, int bits, uint16_t *dst,
+                            int32_t *wide) {
+    quantize_into(src, n, exponent, bits, wide);
+    int32_t bias = (int32_t)1 << bits;
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = (uint16_t)(wide[i] + bias);
 }
 
 /* quant.dequantize_into: float32(sum) * 2**(exponent - bits). */
@@ -228,6 +239,8 @@ typedef struct {
     Py_buffer src, out;
     int have_src, have_out;
     int is_float, dtype_code, lag, bits, lanes;
+    int per_word, world_size; /* values a 32-bit word: 2 on the 16-bit wire */
+    int32_t *wide;            /* the 16-bit wire's int32 scratch, a chunk long */
     uint32_t session, seq;
     int slot_base, width;
     int64_t k, size, chunks;
@@ -410,15 +423,23 @@ static int send_message(DenseCore *c, int j, double now) {
     if (c->is_float && following < c->chunks)
         put_u16(lanes + 8, (uint16_t)c->local_exp[following]);
     int64_t chunk = j + (m - c->lag) * W;
-    int64_t count = chunk_count(c, chunk);
+    int64_t count = chunk_count(c, chunk); /* values */
     uint8_t *values = lanes + (size_t)c->lanes * LANE_SIZE;
     if (count) {
-        if (c->is_float)
+        if (c->per_word == 2) {
+            uint16_t *halves = (uint16_t *)values;
+            quantize16_into((const float *)c->src.buf + chunk * c->k, count, c->global_exp[j],
+                            c->bits, halves, c->wide);
+            if (count % 2)
+                halves[count] = 0; /* the last word's idle half */
+        } else if (c->is_float) {
             quantize_into((const float *)c->src.buf + chunk * c->k, count, c->global_exp[j],
                           c->bits, (int32_t *)values);
-        else
+        } else {
             memcpy(values, (const int32_t *)c->src.buf + chunk * c->k, (size_t)count * 4);
+        }
     }
+    count = (count + c->per_word - 1) / c->per_word; /* words */
     put_u16(packet, MAGIC);
     packet[2] = VERSION;
     packet[3] = KIND_CONTRIBUTION;
@@ -431,7 +452,7 @@ static int send_message(DenseCore *c, int j, double now) {
     put_u32(packet + 20, (uint32_t)(m * W + j));
     put_u16(packet + 24, (uint16_t)count);
     put_u16(packet + 26, (uint16_t)c->lanes);
-    put_u32(packet + 28, 0);
+    put_u32(packet + 28, (uint32_t)(c->size & 0x7FFFFFFF)); /* wire.call_id: a dense call */
     c->datagram_len[j] = (uint32_t)(HEADER_SIZE + LANE_SIZE * c->lanes + 4 * count);
     c->inflight[j] = 1;
     c->inflight_count++;
@@ -598,7 +619,7 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
     uint16_t count = get_u16(data + 24), lanes = get_u16(data + 26);
     if (get_u16(data) != MAGIC || data[2] != VERSION ||
         (kind != KIND_CONTRIBUTION && kind != KIND_RESULT) ||
-        (dtype != DTYPE_INT32 && dtype != DTYPE_FLOAT32) || (mode != 0 && mode != 1 && mode != 3) ||
+        dtype > DTYPE_FLOAT16_WIRE || (mode != 0 && mode != 1 && mode != 3) ||
         len != HEADER_SIZE + LANE_SIZE * (Py_ssize_t)lanes + 4 * (Py_ssize_t)count) {
         c->counters[COUNTER_MALFORMED]++;
         return 0;
@@ -613,7 +634,8 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
                get_u32(data + 12) == c->slot_msgs[j] &&
                (int64_t)get_u32(data + 20) == m * c->width + j && dtype == c->dtype_code &&
                mode == 0 && lanes == c->lanes &&
-               count == chunk_count(c, j + (m - c->lag) * c->width);
+               count == (chunk_count(c, j + (m - c->lag) * c->width) + c->per_word - 1) /
+                            c->per_word;
     int exponent = 0;
     if (fits) {
         exponent = (int16_t)get_u16(data + HEADER_SIZE + 8);
@@ -642,7 +664,14 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
     c->last_progress = now;
     /* absorb */
     int64_t chunk = j + (m - c->lag) * c->width;
-    if (count) {
+    if (count && c->per_word == 2) { /* quant.dequantize16_into */
+        const uint16_t *halves = (const uint16_t *)(data + HEADER_SIZE + LANE_SIZE * lanes);
+        int64_t n = chunk_count(c, chunk);
+        int32_t bias = (int32_t)c->world_size << c->bits;
+        for (int64_t i = 0; i < n; i++)
+            c->wide[i] = (int32_t)halves[i] - bias;
+        dequantize_into(c->wide, n, c->global_exp[j], c->bits, (float *)c->out.buf + chunk * c->k);
+    } else if (count) {
         const int32_t *values = (const int32_t *)(data + HEADER_SIZE + LANE_SIZE * lanes);
         if (c->is_float) {
             dequantize_into(values, count, c->global_exp[j], c->bits,
@@ -725,6 +754,7 @@ static void core_dealloc(DenseCore *c) {
     if (c->have_out)
         PyBuffer_Release(&c->out);
     PyMem_RawFree(c->local_exp);
+    PyMem_RawFree(c->wide);
     PyMem_RawFree(c->slot_msgs);
     PyMem_RawFree(c->round);
     PyMem_RawFree(c->messages);
@@ -751,17 +781,26 @@ static void core_dealloc(DenseCore *c) {
 static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"src", "out", "is_float", "session", "slot_base", "width",
                              "packet_elements", "lanes", "bits", "seq", "slot_msgs", "now",
-                             "progress_timeout", "rtt", "window", NULL};
+                             "progress_timeout", "rtt", "window", "wire_bits", "world_size",
+                             NULL};
     PyObject *src, *out, *slot_msgs, *rtt_state, *window_state;
-    int is_float;
+    int is_float, wire_bits = 32;
     unsigned int session, seq;
     long long k;
     double now;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOpIiiLiiIOddOO", kwlist, &src, &out,
+    c->world_size = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOpIiiLiiIOddOO|ii", kwlist, &src, &out,
                                      &is_float, &session, &c->slot_base, &c->width, &k,
                                      &c->lanes, &c->bits, &seq, &slot_msgs, &now,
-                                     &c->progress_timeout, &rtt_state, &window_state))
+                                     &c->progress_timeout, &rtt_state, &window_state,
+                                     &wire_bits, &c->world_size))
         return -1;
+    if ((wire_bits != 32 && wire_bits != 16) || (wire_bits == 16 && !is_float) ||
+        c->world_size < 1) {
+        PyErr_SetString(PyExc_ValueError, "wire_bits: 32, or 16 for floats; world_size >= 1");
+        return -1;
+    }
+    c->per_word = wire_bits == 16 ? 2 : 1;
     if (c->have_src || c->have_out) {
         PyErr_SetString(PyExc_RuntimeError, "DenseCore is initialised once");
         return -1;
@@ -777,13 +816,13 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
         return -1;
     }
     c->is_float = is_float;
-    c->dtype_code = is_float ? DTYPE_FLOAT32 : DTYPE_INT32;
+    c->dtype_code = c->per_word == 2 ? DTYPE_FLOAT16_WIRE : is_float ? DTYPE_FLOAT32 : DTYPE_INT32;
     c->lag = is_float ? 1 : 0;
     c->session = session;
     c->seq = seq;
-    c->k = k;
+    c->k = k * c->per_word; /* values a chunk; a packet holds k words */
     c->size = c->src.len / 4;
-    c->chunks = (c->size + k - 1) / k;
+    c->chunks = (c->size + c->k - 1) / c->k;
     int W = c->width;
     if (!PyList_Check(slot_msgs) || PyList_GET_SIZE(slot_msgs) < W) {
         PyErr_SetString(PyExc_ValueError, "slot_msgs: a list of at least width numbers");
@@ -800,6 +839,7 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
         return -1;
     size_t n = W ? (size_t)W : 1;
     c->packet_size = HEADER_SIZE + LANE_SIZE * (size_t)c->lanes + 4 * (size_t)k;
+    c->wide = PyMem_RawMalloc(c->per_word == 2 ? (size_t)c->k * sizeof(int32_t) : 1);
     c->slot_msgs = PyMem_RawCalloc(n, sizeof(uint32_t));
     c->round = PyMem_RawCalloc(n, sizeof(int64_t));
     c->messages = PyMem_RawCalloc(n, sizeof(int64_t));
@@ -820,7 +860,7 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
     c->local_exp = PyMem_RawCalloc(c->chunks ? (size_t)c->chunks : 1, sizeof(int16_t));
     if (!c->slot_msgs || !c->round || !c->messages || !c->global_exp || !c->inflight || !c->lost ||
         !c->backoff || !c->sent_at || !c->deadline || !c->decreased_at || !c->send_no || !c->fast_copies || !c->copy || !c->packets || !c->datagram_len ||
-        !c->local_exp) {
+        !c->local_exp || !c->wide) {
         PyErr_NoMemory();
         return -1;
     }
@@ -838,7 +878,7 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
         const float *values = c->src.buf;
         Py_BEGIN_ALLOW_THREADS
         for (int64_t chunk = 0; chunk < c->chunks; chunk++)
-            c->local_exp[chunk] = chunk_exponent(values + chunk * k, chunk_count(c, chunk));
+            c->local_exp[chunk] = chunk_exponent(values + chunk * c->k, chunk_count(c, chunk));
         Py_END_ALLOW_THREADS
     }
     c->remaining = W;

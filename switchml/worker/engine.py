@@ -51,8 +51,8 @@ import heapq
 import numpy as np
 
 from .. import wire
-from ..quant import (EXP_NONFINITE, EXP_ZERO, chunk_exponents, dequantize_into, quantize_into,
-                     scale_bits)
+from ..quant import (EXP_NONFINITE, EXP_ZERO, chunk_exponents, dequantize16_into,
+                     dequantize_into, quantize16_into, quantize_into, scale_bits, scale_bits16)
 from .recovery import (COPY_PROBE_ROUND_TRIPS, FAST_RETRANSMIT_THRESHOLD, TAIL_PROBE_MARGIN,
                        TAIL_PROBE_ROUND_TRIPS, CongestionWindow, RttEstimator)
 
@@ -100,6 +100,7 @@ class Session:
         self.rtt = rtt or RttEstimator()
         self.window = window or CongestionWindow(slot_count)
         self.bits = scale_bits(world_size)
+        self.bits16 = scale_bits16(world_size)
         self.slot_msgs = [0] * slot_count
         self.next_seq = 0
         size = wire.packet_size(self.lanes, packet_elements)
@@ -108,7 +109,8 @@ class Session:
                              for j in range(slot_count)]
         self.lane_views = [wire.lane_table(v, self.lanes) for v in self.packet_views]
         self.value_views = [wire.values(v, self.lanes, packet_elements) for v in self.packet_views]
-        self.scratch = np.empty(packet_elements, dtype=np.float32)
+        self.scratch = np.empty(2 * packet_elements, dtype=np.float32)
+        self.wide_scratch = np.empty(2 * packet_elements, dtype=np.int32)  # the 16-bit wire
         self.blank_lanes = np.zeros(self.lanes, dtype=wire.LANE)
         self.blank_lanes["exp"] = EXP_ZERO
         self.counters = {"results_in": 0, "retransmissions": 0, "fast_retransmissions": 0,
@@ -120,12 +122,25 @@ class Session:
                          "bytes_sent": 0, "bytes_received": 0}
 
     def allreduce(self, array: np.ndarray, out: np.ndarray, now: float, sparse: bool = False,
-                  compiled: bool = False):
+                  compiled: bool = False, wire_bits: int = 32):
         """Start an allreduce of ``array`` into ``out``; returns its state machine.
 
         ``compiled``: a dense call runs on the C engine (``compiled.py``) when it
-        is built; the same datagrams and results either way.
+        is built; the same datagrams and results either way.  ``wire_bits=16``:
+        a dense float32 call on the 16-bit wire (``DenseAllreduce``).
         """
+        if wire_bits == 16:
+            if sparse or array.dtype != np.float32:
+                raise ValueError("the 16-bit wire carries dense float32 calls only")
+            if compiled and _compiled_supports(self):
+                from .compiled import CompiledDenseAllreduce
+                op = CompiledDenseAllreduce(self, array, out, self.next_seq, now, wire_bits=16)
+            else:
+                op = DenseAllreduce(self, array, out, self.next_seq, now, wire_bits=16)
+            self.next_seq = (self.next_seq + 1) & 0xFFFFFFFF
+            return op
+        if wire_bits != 32:
+            raise ValueError(f"wire_bits must be 32 or 16, not {wire_bits!r}")
         if sparse:
             from .sparse import SparseAllreduce
             op = SparseAllreduce(self, array, out, self.next_seq, now)
@@ -147,6 +162,7 @@ class Stream:
     """What dense and sparse calls share: slots, the window, timers, result matching."""
 
     mode = 0
+    sparse = False
 
     def __init__(self, session: Session, array: np.ndarray, out: np.ndarray, seq: int,
                  now: float, width: int):
@@ -158,6 +174,7 @@ class Stream:
         self.is_float = array.dtype == np.float32
         self.dtype_code = wire.DTYPE_FLOAT32 if self.is_float else wire.DTYPE_INT32
         self.size = self.src.size
+        self.call = wire.call_id(self.size, self.sparse)
         self.width = width
         self._round = [0] * width  # message number (within this call) per slot
         self._inflight: list = [None] * width
@@ -489,7 +506,7 @@ class Stream:
         count = self._fill(j, self._round[j])
         wire.encode_header(s.packet_views[j], wire.KIND_CONTRIBUTION, self.dtype_code,
                            self._mode(j), s.slot_base + j, s.session, s.slot_msgs[j], self.seq,
-                           self._round[j] * self.width + j, count, s.lanes)
+                           self._round[j] * self.width + j, count, s.lanes, call=self.call)
         datagram = s.packet_views[j][: wire.packet_size(s.lanes, count)]
         self._inflight[j] = datagram
         self.inflight_count += 1
@@ -518,13 +535,26 @@ class Stream:
 
 
 class DenseAllreduce(Stream):
-    """SwitchML streaming of every chunk of the tensor."""
+    """SwitchML streaming of every chunk of the tensor.
+
+    ``wire_bits=16`` (float32 only): a packet's ``packet_elements`` words carry
+    twice as many values, each quantised to ``scale_bits16`` bits and biased to be
+    non-negative, two to a word (``quant.quantize16_into``); the switch's 32-bit
+    adds sum both halves at once, and no half can carry into the other.  Half the
+    bytes each way for the same values; the bound is ``quant.error_bound16``.
+    """
 
     def __init__(self, session: Session, array: np.ndarray, out: np.ndarray, seq: int,
-                 now: float):
-        k = session.packet_elements
+                 now: float, wire_bits: int = 32):
+        self.per_word = 2 if wire_bits == 16 else 1
+        k = session.packet_elements * self.per_word  # values per chunk
         self.chunks = -(-array.size // k)
         super().__init__(session, array, out, seq, now, min(session.slot_count, self.chunks))
+        if self.per_word == 2:
+            self.dtype_code = wire.DTYPE_FLOAT16_WIRE
+            self._bits = session.bits16
+        else:
+            self._bits = session.bits
         self.local_exp = chunk_exponents(self.src, k) if self.is_float else None
         self._lag = 1 if self.is_float else 0
         W = self.width
@@ -535,12 +565,16 @@ class DenseAllreduce(Stream):
         self._start(now)
 
     def _chunk_count(self, c: int) -> int:
-        k = self.s.packet_elements
+        """Values in chunk ``c``."""
+        k = self.s.packet_elements * self.per_word
         return 0 if c < 0 else min(k, self.size - c * k)
+
+    def _words(self, values: int) -> int:
+        return -(-values // self.per_word)
 
     def _fill(self, j: int, m: int) -> int:
         s = self.s
-        W, k = self.width, s.packet_elements
+        W, k = self.width, s.packet_elements * self.per_word
         lanes = s.lane_views[j]
         lanes[:] = s.blank_lanes
         following = j + m * W
@@ -550,15 +584,22 @@ class DenseAllreduce(Stream):
         count = self._chunk_count(c)
         if count:
             src = self.src[c * k: c * k + count]
-            dst = s.value_views[j][:count]
-            if self.is_float:
-                quantize_into(src, self._global_exp[j], s.bits, dst, s.scratch)
+            if self.per_word == 2:
+                halves = s.value_views[j].view(np.uint16)
+                quantize16_into(src, self._global_exp[j], self._bits, halves, s.scratch,
+                                s.wide_scratch)
+                if count % 2:
+                    halves[count] = 0  # the last word's idle half
+            elif self.is_float:
+                quantize_into(src, self._global_exp[j], s.bits, s.value_views[j][:count],
+                              s.scratch)
             else:
-                dst[:] = src
-        return count
+                s.value_views[j][:count] = src
+        return self._words(count)
 
     def _result_fits(self, j: int, h: wire.Header, data) -> bool:
-        if h.count != self._chunk_count(j + (self._round[j] - self._lag) * self.width):
+        values = self._chunk_count(j + (self._round[j] - self._lag) * self.width)
+        if h.count != self._words(values):
             return False
         # The switch returns the max of exponents workers computed: anything else
         # is forged, and would scale by a power of two beyond float range.
@@ -566,12 +607,16 @@ class DenseAllreduce(Stream):
 
     def _absorb(self, j: int, m: int, h: wire.Header, data) -> None:
         s = self.s
-        k = s.packet_elements
+        k = s.packet_elements * self.per_word
         c = j + (m - self._lag) * self.width
         if h.count:
             values = wire.values(data, h.lanes, h.count)
-            target = self.out[c * k: c * k + h.count]
-            if self.is_float:
+            count = self._chunk_count(c)
+            target = self.out[c * k: c * k + count]
+            if self.per_word == 2:
+                dequantize16_into(values.view(np.uint16)[:count], self._global_exp[j],
+                                  self._bits, s.world_size, target, s.wide_scratch)
+            elif self.is_float:
                 dequantize_into(values, self._global_exp[j], s.bits, target)
             else:
                 target[:] = values

@@ -64,6 +64,8 @@ class SparseAllreduce(Stream):
     non-zero blocks, so a round's lookups are single gathers over the lanes.
     """
 
+    sparse = True
+
     def __init__(self, session: Session, array: np.ndarray, out: np.ndarray, seq: int,
                  now: float):
         b, F = session.block_elements, session.lanes
