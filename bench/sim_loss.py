@@ -82,11 +82,11 @@ def main() -> None:
         if free_time is None:
             free_time = mean
         per = n * WORLD
-        retx = counters["retransmissions"] / per
-        fast = counters["fast_retransmissions"] / per
-        probe = counters.get("probe_retransmissions", 0) / per
-        print(f"{loss:>6.3f} {mean:>8.4f} {free_time / mean:>8.1%} {retx:>7.1f} {fast:>7.1f} "
-              f"{probe:>7.1f} {retx - fast - probe:>7.1f} "
+        retx, fast = counters["retransmissions"], counters["fast_retransmissions"]
+        probe = counters.get("probe_retransmissions", 0)  # none before the probes
+        timer = retx - fast - probe
+        print(f"{loss:>6.3f} {mean:>8.4f} {free_time / mean:>8.1%} {retx / per:>7.1f} "
+              f"{fast / per:>7.1f} {probe / per:>7.1f} {timer / per:>7.1f} "
               f"{counters['spurious_retransmissions'] / per:>7.1f}")
 
 
