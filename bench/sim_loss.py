@@ -6,11 +6,12 @@ A model of the testbed's 4 hosts at 1 Gbit/s with MTU 9000: 4 workers of 32
 slots, 8320-byte packets (2048 float32 values in 8 blocks), 64 MiB a call; the
 four 1 Gbit/s uplinks with their 256 KiB queues are one bottleneck of their sum
 (4 Gbit/s, 1 MiB) into the switch; 50 µs one way (0.1 ms base round trip) and
-``--loss`` on every datagram, both ways (``--jitter``: reordering as well).  Per loss rate: the mean time of a call,
-goodput against the loss-free run, and per worker and call the
-retransmissions, how many of them were fast (results of later messages), tail
-probes and timeouts, and the spurious ones.  Every result is checked against the
-loss-free run's, bit for bit.  ``--compiled``: the C engine (the same figures).
+``--loss`` on every datagram, both ways (``--jitter``: reordering as well).  Per
+loss rate: the mean time of a call, goodput against the loss-free run, and per
+worker and call the retransmissions, how many of them were fast (results of
+later messages), probes and the timer's, and the spurious ones.  Every result
+is checked against the loss-free run's, bit for bit.  ``--compiled``: the C
+engine (the same figures).
 """
 
 from __future__ import annotations
