@@ -233,15 +233,23 @@ static void heap_pop(Heap *h) {
 /* recovery.FAST_RETRANSMIT_THRESHOLD (exported as the module's constant, and
  * tests/test_fastengine.py checks they agree) */
 #define FAST_RETRANSMIT_THRESHOLD 3
+/* recovery.TAIL_PROBE_ROUND_TRIPS, COPY_PROBE_ROUND_TRIPS, TAIL_PROBE_MARGIN (exported
+ * too, checked against them) */
+#define TAIL_PROBE_ROUND_TRIPS 2
+#define COPY_PROBE_ROUND_TRIPS 8
+#define TAIL_PROBE_MARGIN 0.00025
+/* How a message's latest transmission went out (engine.py's SENT, FAST, PROBE). */
+enum { COPY_SENT, COPY_FAST, COPY_PROBE };
 
 enum { COUNTER_RESULTS_IN, COUNTER_RETRANSMISSIONS, COUNTER_SPURIOUS, COUNTER_WINDOW_DECREASES,
        COUNTER_RANDOM_LOSSES, COUNTER_STALE, COUNTER_MALFORMED, COUNTER_FOREIGN,
-       COUNTER_BYTES_SENT, COUNTER_BYTES_RECEIVED, COUNTER_FAST_RETRANSMISSIONS, COUNTER_COUNT };
+       COUNTER_BYTES_SENT, COUNTER_BYTES_RECEIVED, COUNTER_FAST_RETRANSMISSIONS,
+       COUNTER_PROBE_RETRANSMISSIONS, COUNTER_COUNT };
 
 static const char *counter_names[COUNTER_COUNT] = {
     "results_in", "retransmissions", "spurious_retransmissions", "window_decreases",
     "random_losses", "dropped_stale", "dropped_malformed", "dropped_foreign", "bytes_sent",
-    "bytes_received", "fast_retransmissions"};
+    "bytes_received", "fast_retransmissions", "probe_retransmissions"};
 
 typedef struct {
     PyObject_HEAD
@@ -270,7 +278,8 @@ typedef struct {
     /* fast retransmit (Stream's): send numbers, the candidates by send number,
      * the greatest send numbers answered (least first) */
     int64_t sends, *send_no;
-    int32_t *fast_copies; /* per slot: fast retransmissions of its message */
+    int32_t *fast_copies; /* per slot: fast retransmissions and probes of its message */
+    uint8_t *copy;        /* per slot: how its latest transmission went out (COPY_*) */
     Heap by_send;
     int64_t latest_results[FAST_RETRANSMIT_THRESHOLD];
     int latest_len;
@@ -474,6 +483,7 @@ static int send_message(DenseCore *c, int j, double now) {
 
 static int resend_message(DenseCore *c, int j, double now) {
     c->lost[j] = 0;
+    c->copy[j] = COPY_SENT;
     c->backoff[j]++;
     c->inflight_count++;
     c->sent_at[j] = now;
@@ -524,6 +534,7 @@ static int fast_resend(DenseCore *c, int j, double now) {
     c->deadline[j] = now + rto(c, c->backoff[j]) + (c->have_srtt ? c->srtt : 0.0);
     c->backoff[j]++;
     c->fast_copies[j]++;
+    c->copy[j] = COPY_FAST;
     c->sent_at[j] = now;
     c->send_no[j] = ++c->sends; /* not a candidate again until its timer fires */
     c->counters[COUNTER_RETRANSMISSIONS]++;
@@ -551,6 +562,30 @@ static int fast_retransmit(DenseCore *c, double now) {
             return -1;
     }
     return 0;
+}
+
+/* Stream._probe_at: when message j is probed (INFINITY: it is not). */
+static double probe_at(DenseCore *c, int j) {
+    if (!c->have_srtt || !c->inflight[j] || c->lost[j] || c->copy[j] == COPY_PROBE)
+        return INFINITY;
+    if (c->copy[j] == COPY_FAST)
+        return c->sent_at[j] +
+               (COPY_PROBE_ROUND_TRIPS * c->srtt + 4 * c->rttvar + TAIL_PROBE_MARGIN);
+    double since = c->sent_at[j] > c->last_progress ? c->sent_at[j] : c->last_progress;
+    return since + (TAIL_PROBE_ROUND_TRIPS * c->srtt + TAIL_PROBE_MARGIN);
+}
+
+/* Stream._probe: not a loss for the window; its timer stays. */
+static int probe(DenseCore *c, int j, double now) {
+    c->backoff[j]++;
+    c->fast_copies[j]++;
+    c->copy[j] = COPY_PROBE;
+    c->sent_at[j] = now;
+    if (number_send(c, j) < 0)
+        return -1;
+    c->counters[COUNTER_RETRANSMISSIONS]++;
+    c->counters[COUNTER_PROBE_RETRANSMISSIONS]++;
+    return outbox_add(c, j);
 }
 
 static int has_message(DenseCore *c, int j) { return c->round[j] < c->messages[j]; }
@@ -676,6 +711,7 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
     c->deadline[j] = INFINITY;
     c->backoff[j] = 0;
     c->fast_copies[j] = 0;
+    c->copy[j] = COPY_SENT;
     c->decreased_at[j] = NAN;
     if (has_message(c, j)) {
         if (heap_push(&c->ready, pkt_id_of(c, j), j) < 0)
@@ -694,9 +730,13 @@ static double get_timer(DenseCore *c) { /* NAN: none */
     if (c->remaining == 0 || c->stalled)
         return NAN;
     double timer = c->last_progress + c->progress_timeout;
-    for (int j = 0; j < c->width; j++)
+    for (int j = 0; j < c->width; j++) {
         if (c->deadline[j] < timer)
             timer = c->deadline[j];
+        double probe_time = probe_at(c, j);
+        if (probe_time < timer)
+            timer = probe_time;
+    }
     return timer;
 }
 
@@ -719,7 +759,12 @@ static int handle_timer(DenseCore *c, double now) {
             expired = 1;
         }
     }
-    return expired ? send_ready(c, now) : 0;
+    if (expired && send_ready(c, now) < 0)
+        return -1;
+    for (int j = 0; j < c->width; j++)
+        if (probe_at(c, j) <= now && probe(c, j, now) < 0)
+            return -1;
+    return 0;
 }
 
 /* ------------------------------------------------------------ Python glue */
@@ -749,6 +794,7 @@ static void core_dealloc(DenseCore *c) {
     PyMem_RawFree(c->by_send.items);
     PyMem_RawFree(c->send_no);
     PyMem_RawFree(c->fast_copies);
+    PyMem_RawFree(c->copy);
     PyMem_RawFree(c->recv_buffers);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
@@ -827,6 +873,7 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
     c->decreased_at = PyMem_RawCalloc(n, sizeof(double));
     c->send_no = PyMem_RawCalloc(n, sizeof(int64_t));
     c->fast_copies = PyMem_RawCalloc(n, sizeof(int32_t));
+    c->copy = PyMem_RawCalloc(n, 1); /* COPY_SENT */
     /* malloc, not calloc: every byte is written before it is sent, and memory
      * freed by the previous call is reused without being zeroed again */
     c->packets = PyMem_RawMalloc(n * c->packet_size);
@@ -834,8 +881,9 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
     c->local_exp = PyMem_RawCalloc(c->chunks ? (size_t)c->chunks : 1, sizeof(int16_t));
     c->nonfinite = PyMem_RawCalloc(c->chunks ? (size_t)c->chunks : 1, 1);
     if (!c->slot_msgs || !c->round || !c->messages || !c->global_exp || !c->inflight || !c->lost ||
-        !c->backoff || !c->sent_at || !c->deadline || !c->decreased_at || !c->send_no || !c->fast_copies || !c->packets || !c->datagram_len ||
-        !c->local_exp || !c->wide || !c->nonfinite) {
+        !c->backoff || !c->sent_at || !c->deadline || !c->decreased_at || !c->send_no ||
+        !c->fast_copies || !c->copy || !c->packets || !c->datagram_len || !c->local_exp ||
+        !c->wide || !c->nonfinite) {
         PyErr_NoMemory();
         return -1;
     }
@@ -1282,7 +1330,10 @@ PyMODINIT_FUNC PyInit__fastengine(void) {
         Py_DECREF(m);
         return NULL;
     }
-    if (PyModule_AddIntConstant(m, "FAST_RETRANSMIT_THRESHOLD", FAST_RETRANSMIT_THRESHOLD) < 0) {
+    if (PyModule_AddIntConstant(m, "FAST_RETRANSMIT_THRESHOLD", FAST_RETRANSMIT_THRESHOLD) < 0 ||
+        PyModule_AddIntConstant(m, "TAIL_PROBE_ROUND_TRIPS", TAIL_PROBE_ROUND_TRIPS) < 0 ||
+        PyModule_AddIntConstant(m, "COPY_PROBE_ROUND_TRIPS", COPY_PROBE_ROUND_TRIPS) < 0 ||
+        PyModule_AddObject(m, "TAIL_PROBE_MARGIN", PyFloat_FromDouble(TAIL_PROBE_MARGIN)) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -25,6 +25,15 @@ timeout (not again until its result comes or its timer fires).  The window
 takes it as a loss like a timeout (``CongestionWindow.on_timeout``, judged as a
 first timeout: the results that overtook it show the path answers).
 
+Probes (``recovery.TAIL_PROBE_ROUND_TRIPS``, ``COPY_PROBE_ROUND_TRIPS``): what
+no later result can reveal is sent again after a few round trips rather than
+the timeout (at least 10 ms): a message once no result at all came for 2
+smoothed round trips (+0.25 ms) since it went out (the call's last messages:
+TCP's tail loss probe), and a fast retransmission 8 round trips and 4
+deviations (+0.25 ms) after it went out (its loss, or its result's, or a
+peer's copy's).  A probe is not a loss for the window (silence is no evidence
+of a queue); each transmission is probed at most once, and the timer stays.
+
 Dense: tensor chunk ``c`` (``packet_elements`` values) goes through local slot
 ``c mod W``, W = min(slots, chunks).  int32: message m of slot j carries chunk
 ``j + m*W``.  float32: message m carries the values of chunk ``j + (m-1)*W``,
@@ -44,7 +53,11 @@ import numpy as np
 from .. import wire
 from ..quant import (EXP_NONFINITE, EXP_ZERO, chunk_exponents, dequantize16_into,
                      dequantize_into, quantize16_into, quantize_into, scale_bits, scale_bits16)
-from .recovery import FAST_RETRANSMIT_THRESHOLD, CongestionWindow, RttEstimator
+from .recovery import (COPY_PROBE_ROUND_TRIPS, FAST_RETRANSMIT_THRESHOLD, TAIL_PROBE_MARGIN,
+                       TAIL_PROBE_ROUND_TRIPS, CongestionWindow, RttEstimator)
+
+#: How a message's latest transmission went out (``Stream._copy``).
+SENT, FAST, PROBE = 0, 1, 2
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.int32))
 
@@ -101,6 +114,7 @@ class Session:
         self.blank_lanes = np.zeros(self.lanes, dtype=wire.LANE)
         self.blank_lanes["exp"] = EXP_ZERO
         self.counters = {"results_in": 0, "retransmissions": 0, "fast_retransmissions": 0,
+                         "probe_retransmissions": 0,
                          "spurious_retransmissions": 0,
                          "window_decreases": 0, "random_losses": 0, "dropped_stale": 0,
                          "dropped_malformed": 0, "dropped_foreign": 0,
@@ -191,6 +205,10 @@ class Stream:
         # Per slot: fast retransmissions of its message; the window judges a
         # timeout by the timer's retransmissions only (they are the silence).
         self._fast_copies = [0] * width
+        # Per slot: how its latest transmission went out (SENT: first sent or
+        # resent by the timer, FAST: fast retransmission, PROBE: tail loss probe),
+        # for when it is probed (``_probe_at``).
+        self._copy = [SENT] * width
         self._by_send: list = []
         self._latest_results: list = []
         self._outbox: list = []
@@ -229,7 +247,10 @@ class Stream:
         """Earliest time at which ``handle_timer`` must run, or None when finished."""
         if self.done or self.error:
             return None
-        return min(min(self._deadline), self.last_progress + self.s.progress_timeout)
+        timer = min(min(self._deadline), self.last_progress + self.s.progress_timeout)
+        for j in range(self.width):
+            timer = min(timer, self._probe_at(j))
+        return timer
 
     def handle_timer(self, now: float) -> None:
         """Presume lost every message whose deadline passed and resend what the
@@ -250,6 +271,9 @@ class Stream:
                 expired = True
         if expired:
             self._send_ready(now)
+        for j in range(self.width):
+            if self._probe_at(j) <= now:
+                self._probe(j, now)
 
     def pending(self) -> list[tuple[int, int]]:
         """(absolute slot, message number) of every message still awaiting its result."""
@@ -302,6 +326,7 @@ class Stream:
         self._deadline[j] = float("inf")
         self._backoff[j] = 0
         self._fast_copies[j] = 0
+        self._copy[j] = SENT
         self._decreased_at[j] = None
         if self._has_message(j):
             heapq.heappush(self._ready, (self._round[j] * self.width + j, j))
@@ -373,12 +398,41 @@ class Stream:
         self._deadline[j] = now + s.rtt.rto(self._backoff[j]) + (s.rtt.srtt or 0.0)
         self._backoff[j] += 1
         self._fast_copies[j] += 1
+        self._copy[j] = FAST
         self._sent_at[j] = now
         self._sends += 1
         self._send_no[j] = self._sends  # not a candidate again until its timer fires
         self._enqueue(j, self._inflight[j])
         s.counters["retransmissions"] += 1
         s.counters["fast_retransmissions"] += 1
+
+    # ------------------------------------------------------------ tail loss probe
+    def _probe_at(self, j: int) -> float:
+        """When message j is probed: a probe time after its latest transmission or
+        the latest result, whichever came last (inf: it is not probed)."""
+        srtt = self.s.rtt.srtt
+        copy = self._copy[j]
+        if srtt is None or self._inflight[j] is None or self._lost[j] or copy == PROBE:
+            return float("inf")
+        if copy == FAST:
+            return self._sent_at[j] + (
+                COPY_PROBE_ROUND_TRIPS * srtt + 4 * self.s.rtt.rttvar + TAIL_PROBE_MARGIN)
+        return max(self._sent_at[j], self.last_progress) + (
+            TAIL_PROBE_ROUND_TRIPS * srtt + TAIL_PROBE_MARGIN)
+
+    def _probe(self, j: int, now: float) -> None:
+        """Send message j again: no result for a probe time, so none will reveal
+        its loss (the call's last messages).  Not a loss for the window (nothing
+        says one happened); its timer stays."""
+        s = self.s
+        self._backoff[j] += 1  # the result is ambiguous (Karn)
+        self._fast_copies[j] += 1  # the window judges timeouts by the timer's copies
+        self._copy[j] = PROBE
+        self._sent_at[j] = now
+        self._number_send(j)
+        self._enqueue(j, self._inflight[j])
+        s.counters["retransmissions"] += 1
+        s.counters["probe_retransmissions"] += 1
 
     def _number_send(self, j: int) -> None:
         self._sends += 1
@@ -434,6 +488,7 @@ class Stream:
     def _resend(self, j: int, now: float) -> None:
         """Send a message presumed lost again, the same bytes, with a longer timeout."""
         self._lost[j] = False
+        self._copy[j] = SENT
         self._backoff[j] += 1
         self.inflight_count += 1
         self._sent_at[j] = now

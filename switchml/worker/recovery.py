@@ -19,6 +19,27 @@ import math
 #: instead of a timeout (at least 10 ms).
 FAST_RETRANSMIT_THRESHOLD = 3
 
+#: Probes (engine.py): what no timeout need wait for.  A message in flight is
+#: sent again once ``TAIL_PROBE_ROUND_TRIPS`` smoothed round trips plus
+#: ``TAIL_PROBE_MARGIN`` passed with no result at all since it went out (TCP's
+#: tail loss probe, RFC 8985: 2 SRTT): with no result coming, none of a later
+#: message will reveal its loss (a call's last messages).  A fast
+#: retransmission is probed ``COPY_PROBE_ROUND_TRIPS`` smoothed round trips
+#: plus 4 deviations (the RTO's, RFC 6298) plus the margin after it went out,
+#: results or not: it is not fast-retransmitted again, and its loss (or its
+#: result's, or a peer's copy's) would wait for the timer, 10 ms.  So many
+#: round trips because every rank's copy must reach the switch, and the ranks
+#: see a loss at different times (their windows, hence their send orders,
+#: differ), behind a queue the copies share: probing copies 2 round trips after
+#: they went out sent 192 probes a worker in a 64 MiB call at 1% loss in the
+#: simulator (bench/sim_loss.py), 4 round trips 7 but 1535 on a loss-free run
+#: reordered by 0.2 ms, where 8 round trips and 4 deviations send 19 (and, at
+#: 1%, 10).  The margin (0.25 ms, the window's QUEUE_MARGIN) is for ranks out
+#: of step.
+TAIL_PROBE_ROUND_TRIPS = 2
+COPY_PROBE_ROUND_TRIPS = 8
+TAIL_PROBE_MARGIN = 0.00025
+
 
 class RttEstimator:
     """Smoothed RTT, the minimum RTT seen, and the retransmission timeout derived from them.
@@ -104,6 +125,10 @@ class CongestionWindow:
       same ``on_timeout``, with ``retries`` 0: the results that overtook it show
       the path is not silent.  A later timeout of the message counts the
       timer's retransmissions only.
+    * A probe (engine.py: a message sent again after round trips without its
+      result, see ``TAIL_PROBE_ROUND_TRIPS``) is no loss for the window:
+      silence says nothing of a queue.  The timeout that may follow it is one,
+      counted as the timer's.
     * A timeout that proves premature (its result comes sooner after the
       retransmission than any round trip) takes its decrease back, as Eifel
       does (RFC 4015): on a loaded host a late result is no sign of a full queue.
