@@ -109,10 +109,13 @@ class Session:
                   compiled: bool = False):
         """Start an allreduce of ``array`` into ``out``; returns its state machine.
 
-        ``compiled``: a dense call runs on the C engine (``compiled.py``) when it
-        is built; the same datagrams and results either way.
+        ``compiled``: the call runs on the C engine (``compiled.py``) when it is
+        built; the same datagrams and results either way.
         """
-        if sparse:
+        if sparse and compiled and _compiled_supports(self, sparse=True):
+            from .compiled import CompiledSparseAllreduce
+            op = CompiledSparseAllreduce(self, array, out, self.next_seq, now)
+        elif sparse:
             from .sparse import SparseAllreduce
             op = SparseAllreduce(self, array, out, self.next_seq, now)
         elif compiled and _compiled_supports(self):
@@ -124,9 +127,9 @@ class Session:
         return op
 
 
-def _compiled_supports(session: Session) -> bool:
-    from .compiled import supports  # imported late: compiled.py imports this module
-    return supports(session)
+def _compiled_supports(session: Session, sparse: bool = False) -> bool:
+    from .compiled import supports, supports_sparse  # late: compiled.py imports this module
+    return supports_sparse(session) if sparse else supports(session)
 
 
 class Stream:
