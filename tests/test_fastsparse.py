@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import threading
+import zlib
 
 import numpy as np
 import pytest
@@ -18,6 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from switchml import quant, wire
+from switchml.quant import EXP_NONFINITE, EXP_ZERO
 from switchml.sim import SWITCH, Bottleneck, Faults, Simulation, StalledSimulation
 from switchml.worker import compiled
 from switchml.worker.sparse import SparseAllreduce
@@ -56,10 +59,43 @@ def sparse_arrays(draw, world, size, block, dtype):
     return arrays
 
 
+def forger(seed: int, bits: int, specials=None, exp_rate=0.3, nxt_rate=0.1):
+    """A switch that lies alike to every rank: a result's exponents and next
+    positions rewritten, as a function of its bytes (every rank gets the same ones).
+
+    Exponents: the ones at the edges of quant.py's cases, which no honest switch
+    returns for the chunks at hand (EXP_ZERO over non-zero blocks, tiny, beyond
+    float32's range); positions: forward only (a lane skips blocks, never loops).
+    """
+    specials = specials or [EXP_ZERO, EXP_NONFINITE, bits - 127, bits - 126, bits - 128,
+                            bits + 127, bits + 200, -148, 128, -32767, 0]
+
+    def forge(data: bytes) -> bytes:
+        if len(data) < wire.HEADER_SIZE:
+            return data
+        h = wire.HEADER.unpack_from(data)
+        lanes, mode = h[11], h[4]
+        if len(data) < wire.HEADER_SIZE + wire.LANE_SIZE * lanes:
+            return data
+        rng = random.Random(zlib.crc32(data) ^ seed)
+        d = bytearray(data)
+        for i in range(lanes):
+            at = wire.HEADER_SIZE + wire.LANE_SIZE * i
+            if mode != wire.MODE_SPARSE and rng.random() < exp_rate:  # exponent, seed rounds
+                e = rng.choice(specials) if rng.random() < 0.8 else rng.randrange(-32768, 32768)
+                d[at + 8: at + 10] = e.to_bytes(2, "little", signed=True)
+            if mode & wire.MODE_SPARSE and rng.random() < nxt_rate:
+                nxt = int.from_bytes(d[at + 4: at + 8], "little")
+                nxt = rng.choice([nxt + 1, nxt + 2, 0xFFFFFFFE, wire.POS_END])
+                d[at + 4: at + 8] = min(nxt, wire.POS_END).to_bytes(4, "little")
+        return bytes(d)
+    return forge
+
+
 def run_sparse(compiled_engine, calls, world, slots, k, block, faults, seed, bottleneck,
-               hostile_rate, in_place=False):
+               hostile_rate, in_place=False, forge=None):
     """Every datagram sent, every result, and the Sessions' state after ``calls``
-    (each ``(arrays, sparse)``)."""
+    (each ``(arrays, sparse)``); ``forge``: rewrites every result the switch sends."""
     sim = Simulation(world, slots=slots, packet_elements=k, block_elements=block, faults=faults,
                      seed=seed, bottleneck=bottleneck, compiled=compiled_engine)
     if in_place:
@@ -73,6 +109,8 @@ def run_sparse(compiled_engine, calls, world, slots, k, block, faults, seed, bot
 
     def record(data, src, dst):
         data = bytes(data)
+        if forge is not None and src == SWITCH:
+            data = forge(data)
         if src != SWITCH:
             sent.append((src[1], data))
         deliver(data, src, dst)
@@ -129,9 +167,11 @@ def scenarios(draw):
     return calls, world, slots, k, block, faults, seed, bottleneck, hostile_rate, in_place
 
 
-def assert_same_runs(args, in_place=False):
-    py_sent, py_results, py_state, py_kinds = run_sparse(False, *args, in_place=in_place)
-    c_sent, c_results, c_state, c_kinds = run_sparse(True, *args, in_place=in_place)
+def assert_same_runs(args, in_place=False, forge=None):
+    py_sent, py_results, py_state, py_kinds = run_sparse(False, *args, in_place=in_place,
+                                                         forge=forge)
+    c_sent, c_results, c_state, c_kinds = run_sparse(True, *args, in_place=in_place,
+                                                     forge=forge)
     calls = args[0]
     for (_, sparse), py_kind, c_kind in zip(calls, py_kinds, c_kinds):
         if sparse:  # the comparison is between the two engines, not Python twice
@@ -195,6 +235,39 @@ def test_c_sparse_engine_on_calls_of_many_rounds(seed, dtype):
     args = ([(arrays, True), (arrays, False), (arrays, True)], world, 8, k, block, faults,
             seed, None, 0.05 * seed)
     assert_same_runs(args, in_place=bool(seed % 2))
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(scenario=scenarios())
+def test_c_sparse_engine_does_what_python_does_with_a_lying_switch(scenario):
+    """sparse.py takes the switch's exponents and positions unchecked: whatever they
+    are, C must scale, write, skip and finish as it does (quant.py's special cases
+    for EXP_ZERO, tiny, huge and non-finite exponents, on ordinary slots or not)."""
+    calls, world, slots, k, block, faults, seed, bottleneck, hostile_rate, in_place = scenario
+    bits = quant.scale_bits(world)
+    calls = [(arrays, True) for arrays, _ in calls]
+    assert_same_runs((calls, world, slots, k, block, faults, seed, bottleneck, 0.0), in_place,
+                     forge=forger(seed, bits))
+
+
+@pytest.mark.parametrize("also_tiny", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_c_sparse_engine_scales_by_forged_zero_exponents_as_python_does(seed, also_tiny):
+    """EXP_ZERO for chunks with non-zero blocks: quantize_rows and dequantize_rows
+    (a slot of ordinary exponents) scale by 2**127 and 2**-126, dequantize_blocks
+    (a slot with a tiny exponent too) writes 0."""
+    rng = np.random.default_rng(seed)
+    world, k, block = 2, 16, 4
+    arrays = sparse_case(rng, world, k * 40 + 2, block, 0.6, np.float32)
+    bits = quant.scale_bits(world)
+    specials = [EXP_ZERO, EXP_ZERO, EXP_ZERO, bits - 140] if also_tiny else [EXP_ZERO]
+    args = ([(arrays, True)], world, 3, k, block, None, seed, None, 0.0)
+    forge = forger(seed, bits, specials, exp_rate=0.5, nxt_rate=0.0)
+    assert_same_runs(args, forge=forge)
+    # and the forgery did reach the output: not the honest sums
+    honest = run_sparse(False, *args)[1]
+    assert run_sparse(False, *args, forge=forge)[1] != honest
 
 
 def sparse_case(rng, world, size, block, density, dtype):
