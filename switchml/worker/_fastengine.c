@@ -830,7 +830,7 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
         c->deadline[j] = INFINITY;
         c->decreased_at[j] = NAN;
     }
-    if (is_float) {
+    if (is_float && !sparse) { /* sparse_init computes them in its own pass */
         const float *values = c->src.buf;
         Py_BEGIN_ALLOW_THREADS
         for (int64_t chunk = 0; chunk < c->chunks; chunk++)

@@ -132,7 +132,21 @@ static void sparse_dequantize_block(const int32_t *src, int64_t n, int e, int bi
         dst[i] = (float)src[i] * factor;
 }
 
-/* SparseAllreduce.__init__'s precompute; returns -1 when out of memory. */
+/* quant.exponents_of_peaks of one chunk's peak (bits of its greatest magnitude) */
+static int16_t exponent_of_peak(int32_t peak) {
+    if (peak == 0)
+        return EXP_ZERO;
+    if (peak >= 0x7F800000)
+        return EXP_NONFINITE;
+    float f;
+    memcpy(&f, &peak, 4);
+    int e;
+    frexpf(f, &e);
+    return (int16_t)e;
+}
+
+/* SparseAllreduce.__init__'s precompute, the chunks' local exponents included
+ * (c->local_exp); returns -1 when out of memory. */
 static int sparse_init(DenseCore *c, int64_t b) {
     struct SparseState *sp = PyMem_RawCalloc(1, sizeof(*sp));
     if (!sp)
@@ -172,17 +186,34 @@ static int sparse_init(DenseCore *c, int64_t b) {
         sp->chunk_exp[chunk] = EXP_ZERO;
     for (int64_t lane = 0; lane < G; lane++)
         sp->column_length[lane] = (uint32_t)(sp->blocks > lane ? (sp->blocks - lane + G - 1) / G : 0);
-    const uint32_t *bits = c->src.buf;
-    /* float32: a block is non-zero when a value's bits without the sign are
-     * (NaN counts, -0.0 does not), as block_peaks(...) != 0; int32: any bit */
-    uint32_t mask = c->is_float ? 0x7FFFFFFFu : 0xFFFFFFFFu;
+    const int32_t *bits = c->src.buf;
+    int is_float = c->is_float;
+    int64_t size = c->size;
     Py_BEGIN_ALLOW_THREADS
+    /* One pass over the input, as sparse.py's block_peaks: per block the peak of
+     * its values' bits with the sign cleared (float32: they grow with the
+     * magnitude, NaNs above inf; int32: any bit), the block non-zero when it is
+     * (NaN counts, -0.0 does not); for float32 the chunk's exponent is its
+     * blocks' greatest peak's, as quant.chunk_exponents would compute. */
+    int32_t chunk_peak = 0;
     for (int64_t block = 0; block < sp->blocks; block++) {
-        int64_t first = block * b, last = first + b < c->size ? first + b : c->size;
-        uint32_t any = 0;
-        for (int64_t i = first; i < last; i++)
-            any |= bits[i] & mask;
-        sp->grid[block] = any != 0;
+        int64_t first = block * b, last = first + b < size ? first + b : size;
+        int32_t peak = 0;
+        if (is_float) {
+            for (int64_t i = first; i < last; i++) {
+                int32_t magnitude = bits[i] & 0x7FFFFFFF;
+                peak = magnitude > peak ? magnitude : peak;
+            }
+            chunk_peak = peak > chunk_peak ? peak : chunk_peak;
+            if ((block + 1) % F == 0 || block + 1 == sp->blocks) {
+                c->local_exp[block / F] = exponent_of_peak(chunk_peak);
+                chunk_peak = 0;
+            }
+        } else {
+            for (int64_t i = first; i < last; i++)
+                peak |= bits[i];
+        }
+        sp->grid[block] = peak != 0;
     }
     /* From the last row up: the rows past every column's end find none. */
     for (int64_t p = sp->rows + 1; p >= 0; p--) {
