@@ -127,7 +127,7 @@ class Simulation:
                                  progress_timeout=progress_timeout)
                          for r in range(world_size)]
         self.ops: list = []
-        self.compiled = compiled  # dense calls on the C engine (worker/compiled.py)
+        self.compiled = compiled  # calls on the C engine (worker/compiled.py)
 
     @property
     def now(self) -> float:
