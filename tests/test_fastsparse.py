@@ -315,6 +315,17 @@ def test_sessions_whose_packet_is_not_whole_blocks_stay_on_python():
     assert isinstance(op, SparseAllreduce)
 
 
+def test_c_sparse_engine_refuses_what_python_refuses():
+    sim = Simulation(1, slots=2, packet_elements=8, block_elements=4, compiled=True)
+    s = sim.sessions[0]
+    with pytest.raises(TypeError):
+        s.allreduce(np.zeros(3, np.float64), np.zeros(3, np.float64), 0.0, sparse=True,
+                    compiled=True)
+    a = np.zeros(8, np.float32)
+    with pytest.raises(ValueError):
+        s.allreduce(a[:6], a[2:], 0.0, sparse=True, compiled=True)
+
+
 # ---------------------------------------------------------------- behind sockets
 def _two_ranks(switch, arrays, monkeypatch, pure):
     import switchml
