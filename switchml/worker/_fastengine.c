@@ -438,7 +438,8 @@ static int send_message(DenseCore *c, int j, double now) {
     put_u32(packet + 20, (uint32_t)(m * W + j));
     put_u16(packet + 24, (uint16_t)count);
     put_u16(packet + 26, (uint16_t)c->lanes);
-    put_u32(packet + 28, (uint32_t)(c->size & 0x7FFFFFFF)); /* wire.call_id: a dense call */
+    /* wire.call_id: the element count, bit 31 for a sparse call */
+    put_u32(packet + 28, (uint32_t)(c->size & 0x7FFFFFFF) | (c->sp ? 0x80000000u : 0));
     c->datagram_len[j] = (uint32_t)(HEADER_SIZE + LANE_SIZE * c->lanes + 4 * count);
     c->inflight[j] = 1;
     c->inflight_count++;
