@@ -52,6 +52,10 @@ def lower_bound_s(system, world, nbytes, link_bps, density=None):
         return None
     if system == "gloo":
         busiest = ring_bytes(world, nbytes)
+    elif system == "gloo-fp16":
+        busiest = ring_bytes(world, nbytes / 2)
+    elif system == "switchml-dense16":
+        busiest = nbytes / 2  # two values a 32-bit word
     elif system == "switchml-sparse":
         busiest = union_density(density, world) * nbytes  # the union comes back down
     else:

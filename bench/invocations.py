@@ -47,10 +47,15 @@ def summarize_runs(runs: list) -> list:
                         [r["retransmissions_per_worker"] or 0 for r in rows]),
                     "checked": all(r["checked"] is not False for r in rows),
                     "ranks_bit_identical": all(r["ranks_bit_identical"] for r in rows)})
-    gloo = {(r["workers"], r["size_mib"]): r["median_s"] for r in out if r["system"] == "gloo"}
+    def medians(system):
+        return {(r["workers"], r["size_mib"]): r["median_s"] for r in out if r["system"] == system}
+    gloo, fp16 = medians("gloo"), medians("gloo-fp16")
     for r in out:
         g = gloo.get((r["workers"], r["size_mib"]))
         r["speedup_over_gloo"] = g / r["median_s"] if g and r["system"] != "gloo" else None
+        h = fp16.get((r["workers"], r["size_mib"]))
+        if h and r["system"] == "switchml-dense16":  # the same bytes as gloo-fp16
+            r["speedup_over_gloo_fp16"] = h / r["median_s"]
     return sorted(out, key=lambda r: (r["workers"], r["size_mib"], r["system"],
                                       r["density"] or 0))
 
@@ -67,7 +72,9 @@ def format_summary(rows: list) -> str:
             f"{'-' if r['of_bound'] is None else format(r['of_bound'], '.0%'):>8} "
             f"{'-' if r['speedup_over_gloo'] is None else format(r['speedup_over_gloo'], '.2f') + 'x':>8} "
             f"{r['retransmissions_per_worker']:>6.1f} "
-            f"{'ok' if r['checked'] and r['ranks_bit_identical'] else 'FAIL'}")
+            f"{'ok' if r['checked'] and r['ranks_bit_identical'] else 'FAIL'}"
+            + (f"  {r['speedup_over_gloo_fp16']:.2f}x gloo-fp16"
+               if r.get("speedup_over_gloo_fp16") else ""))
     return "\n".join(lines)
 
 

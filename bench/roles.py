@@ -74,7 +74,7 @@ def _time(fn, warmup, repeats, before=None):
 
 def switchml_role(spec) -> None:
     import switchml
-    from switchml.quant import error_bound
+    from switchml.quant import error_bound, error_bound16
 
     rank, world = spec["rank"], spec["world"]
     with switchml.Worker(spec["switch"], rank, world, job=spec["job"],
@@ -83,18 +83,21 @@ def switchml_role(spec) -> None:
         for case in spec["cases"]:
             data = make_tensor(rank, case["elements"], case.get("density"), block, spec["seed"])
             out = np.empty_like(data)
-            sparse = case["sparse"]
+            sparse, bits = case["sparse"], case.get("bits", 32)
             for _ in range(spec["warmup"]):
-                w.allreduce(data, out=out, sparse=sparse)
+                w.allreduce(data, out=out, sparse=sparse, bits=bits)
             c0, l0 = w.counters, link_bytes(spec.get("ifname"))
-            times = _time(lambda: w.allreduce(data, out=out, sparse=sparse), 0, spec["repeats"])
+            times = _time(lambda: w.allreduce(data, out=out, sparse=sparse, bits=bits), 0,
+                          spec["repeats"])
             c1, l1 = w.counters, link_bytes(spec.get("ifname"))
             ok = None
             if spec.get("check") and rank == 0 and data.size:
                 inputs = inputs_of_all(spec, case, block)
                 exact = np.sum(np.array(inputs, np.float64), axis=0)
                 err = np.abs(out.astype(np.float64) - exact)
-                ok = bool(np.all(err <= error_bound(inputs, w.session.packet_elements)))
+                k = w.session.packet_elements
+                bound = error_bound16(inputs, 2 * k) if bits == 16 else error_bound(inputs, k)
+                ok = bool(np.all(err <= bound))
             n = spec["repeats"]
             emit(event="case", id=case["id"], rank=rank, times=times, ok=ok,
                  digest=hashlib.sha256(out.tobytes()).hexdigest(),
@@ -128,7 +131,12 @@ def gloo_role(spec) -> None:
             dist.barrier()
 
         def once():
-            dist.all_reduce(holder["x"])
+            if case.get("fp16"):  # fp16_compress_hook: cast, allreduce, cast back
+                half = holder["x"].to(torch.float16)
+                dist.all_reduce(half)
+                holder["x"].copy_(half)
+            else:
+                dist.all_reduce(holder["x"])
 
         for _ in range(spec["warmup"]):
             fresh_copy()
@@ -142,8 +150,8 @@ def gloo_role(spec) -> None:
             inputs = inputs_of_all(spec, case, spec["block"])
             exact = np.sum(np.array(inputs, np.float64), axis=0)
             # float32 additions in ring order: at most n-1 roundings of partial sums
-            tol = world * np.finfo(np.float32).eps * np.sum(np.abs(inputs), axis=0,
-                                                            dtype=np.float64)
+            eps = np.finfo(np.float16 if case.get("fp16") else np.float32).eps
+            tol = (world + 1) * eps * np.sum(np.abs(inputs), axis=0, dtype=np.float64)
             ok = bool(np.all(np.abs(out.astype(np.float64) - exact) <= tol + 1e-30))
         n = spec["repeats"]
         emit(event="case", id=case["id"], rank=rank, times=times, ok=ok,

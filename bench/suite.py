@@ -32,7 +32,10 @@ from bench.common import lower_bound_s, ring_bytes, summarize
 from bench.launch import ROOT, BenchError, Loopback, OnTestbed, Roles
 from switchml.config import DEFAULT_BLOCK_ELEMENTS
 
-SYSTEMS = ("dense", "sparse", "gloo")
+#: dense16: switchml's dense path on the 16-bit wire; gloo-fp16: gloo's allreduce
+#: of the tensor cast to float16 and back, as PyTorch's fp16_compress_hook does.
+SYSTEMS = ("dense", "sparse", "gloo", "dense16", "gloo-fp16")
+DEFAULT_SYSTEMS = ("dense", "sparse", "gloo")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,8 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tensor sizes in MiB of float32 (default: 4 16 64)")
     p.add_argument("--densities", type=float, nargs="*", default=[], metavar="D",
                    help="block densities for switchml's sparse path (default: none)")
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
-                   help="what to run (default: all; sparse needs --densities)")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS),
+                   help="what to run (default: dense sparse gloo; sparse needs --densities; "
+                        "dense16 is the 16-bit wire, gloo-fp16 gloo as fp16_compress_hook)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--testbed", action="store_true",
@@ -75,6 +79,8 @@ def _cases(args, mib) -> list:
     cases = []
     if "dense" in args.systems:
         cases.append({"elements": elements, "density": None, "sparse": False})
+    if "dense16" in args.systems:
+        cases.append({"elements": elements, "density": None, "sparse": False, "bits": 16})
     if "sparse" in args.systems:
         cases += [{"elements": elements, "density": d, "sparse": True} for d in args.densities]
     return cases
@@ -108,7 +114,8 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
     rows = []
     for i, case in enumerate(cases):
         items = sorted(reports[i], key=lambda m: m["rank"])
-        system = "switchml-sparse" if case["sparse"] else "switchml-dense"
+        system = ("switchml-sparse" if case["sparse"] else "switchml-dense16"
+                  if case.get("bits") == 16 else "switchml-dense")
         rows.append(_row(system, world, case, items, cluster, args,
                          sent=_mean(items, "bytes_sent"), received=_mean(items, "bytes_received"),
                          retransmissions=_mean(items, "retransmissions")))
@@ -131,10 +138,12 @@ def _gather_reports(roles, world: int, progress) -> dict:
 
 
 def run_gloo(cluster, world, sizes, args, progress) -> list:
-    """``world`` gloo ranks, the dense tensor of every size."""
+    """``world`` gloo ranks, the dense tensor of every size (and as float16 for gloo-fp16)."""
     addr, port = cluster.master()
-    cases = [{"id": i, "elements": int(mib * 2**20) // 4, "density": None}
-             for i, mib in enumerate(sizes)]
+    kinds = [k for k in ("gloo", "gloo-fp16") if k in args.systems]
+    cases = [{"id": i, "elements": int(mib * 2**20) // 4, "density": None,
+              "fp16": kind == "gloo-fp16"}
+             for i, (kind, mib) in enumerate((k, m) for k in kinds for m in sizes)]
     with Roles(cluster, args.timeout) as roles:
         for rank in range(world):
             roles.start(rank, rank, "gloo", {
@@ -146,8 +155,9 @@ def run_gloo(cluster, world, sizes, args, progress) -> list:
     rows = []
     for case in cases:
         items = sorted(reports[case["id"]], key=lambda m: m["rank"])
-        ring = ring_bytes(world, case["elements"] * 4)
-        rows.append(_row("gloo", world, dict(case, sparse=False), items, cluster, args,
+        system = "gloo-fp16" if case["fp16"] else "gloo"
+        ring = ring_bytes(world, case["elements"] * (2 if case["fp16"] else 4))
+        rows.append(_row(system, world, dict(case, sparse=False), items, cluster, args,
                          sent=ring, received=ring, retransmissions=None))
     return rows
 
@@ -179,11 +189,18 @@ def _row(system, world, case, items, cluster, args, *, sent, received, retransmi
 
 
 def _speedups(rows) -> None:
-    gloo = {(r["workers"], r["size_bytes"]): r["median_s"] for r in rows if r["system"] == "gloo"}
+    """Over gloo for every system; the 16-bit wire also over gloo-fp16 (the same bytes)."""
+    def times(system):
+        return {(r["workers"], r["size_bytes"]): r["median_s"] for r in rows
+                if r["system"] == system}
+    gloo, fp16 = times("gloo"), times("gloo-fp16")
     for r in rows:
         g = gloo.get((r["workers"], r["size_bytes"]))
         if g and r["system"] != "gloo":
             r["speedup_over_gloo"] = g / r["median_s"]
+        h = fp16.get((r["workers"], r["size_bytes"]))
+        if h and r["system"] == "switchml-dense16":
+            r["speedup_over_gloo_fp16"] = h / r["median_s"]
 
 
 def format_table(rows, link_bps) -> str:
@@ -216,7 +233,7 @@ def format_table(rows, link_bps) -> str:
 
 
 def _preflight(args) -> None:
-    if "gloo" in args.systems and importlib.util.find_spec("torch") is None:
+    if {"gloo", "gloo-fp16"} & set(args.systems) and importlib.util.find_spec("torch") is None:
         raise SystemExit("switchml bench: gloo needs torch (pip install 'switchml[torch]'), "
                          "or leave it out with --systems dense sparse")
     if "sparse" in args.systems and not args.densities and args.systems == ["sparse"]:
@@ -229,7 +246,8 @@ def run(args, cluster) -> dict:
     from tqdm import tqdm
 
     per_world = sum(len(_cases(args, mib)) for mib in args.sizes)
-    per_world += len(args.sizes) if "gloo" in args.systems else 0
+    glooish = [k for k in ("gloo", "gloo-fp16") if k in args.systems]
+    per_world += len(args.sizes) * len(glooish)
     rows, counters = [], {}
     with tqdm(total=per_world * len(args.workers), unit="case", file=sys.stderr,
               desc="bench") as bar:
@@ -239,11 +257,12 @@ def run(args, cluster) -> dict:
                 bar.set_postfix_str(f"n={world} switchml")
                 got, counters[world] = run_switchml(cluster, world, cases, args, bar.update)
                 rows += got
-            if "gloo" in args.systems:
+            if glooish:
                 bar.set_postfix_str(f"n={world} gloo")
                 rows += run_gloo(cluster, world, args.sizes, args, bar.update)
     _speedups(rows)
-    order = {"switchml-dense": 0, "switchml-sparse": 1, "gloo": 2}
+    order = {"switchml-dense": 0, "switchml-dense16": 1, "switchml-sparse": 2, "gloo": 3,
+             "gloo-fp16": 4}
     rows.sort(key=lambda r: (r["workers"], r["size_bytes"], order[r["system"]],
                              r["density"] or 0))
     return {"rows": rows, "switch_job_counters": counters}

@@ -4,7 +4,8 @@
     python bench/train.py --workers 4 --testbed --link 1gbit      # root: emulated cluster
 
 For every worker count it runs, one after the other on the same machine:
-examples/train_ddp.py (digits MLP) on gloo and on switchml (sparse "auto"), and
+examples/train_ddp.py (digits MLP) on gloo, on switchml (sparse "auto") and on
+switchml's 16-bit wire, and
 examples/train_sparse.py (bag-of-words embedding table) on gloo and on switchml
 with the sparse path and with the dense path.  Each run reports samples/s over
 its training epochs, allreduce time per step (DDP buckets timed by a comm hook,
@@ -42,6 +43,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = [
     ("digits gloo", "train_ddp.py", ["--backend", "gloo"]),
     ("digits switchml", "train_ddp.py", ["--backend", "switchml", "--sparse", "auto"]),
+    ("digits switchml 16-bit wire", "train_ddp.py",
+     ["--backend", "switchml", "--sparse", "false", "--bits", "16"]),
     ("bag-of-words gloo", "train_sparse.py", ["--backend", "gloo"]),
     ("bag-of-words switchml sparse", "train_sparse.py",
      ["--backend", "switchml", "--sparse", "true"]),

@@ -28,6 +28,9 @@ def parser(description: str, *, epochs: int, batch_size: int, lr: float) -> argp
                         "switchml.torch.allreduce_hook")
     p.add_argument("--sparse", choices=["auto", "true", "false"], default=None,
                    help="switchml path for gradients (default: $SWITCHML_SPARSE or auto)")
+    p.add_argument("--bits", type=int, choices=[32, 16], default=None,
+                   help="switchml wire for gradients: 32, or 16 (half the bytes; "
+                        "default: $SWITCHML_WIRE_BITS or 32)")
     p.add_argument("--epochs", type=int, default=epochs)
     p.add_argument("--batch-size", type=int, default=batch_size, help="per rank")
     p.add_argument("--lr", type=float, default=lr)
@@ -41,6 +44,8 @@ def init(args) -> None:
     """Join the torchrun job on the chosen backend (env:// rendezvous)."""
     if args.sparse is not None:
         os.environ["SWITCHML_SPARSE"] = args.sparse
+    if args.bits is not None:
+        os.environ["SWITCHML_WIRE_BITS"] = str(args.bits)
     if args.backend == "switchml" or args.hook:
         import switchml.torch  # noqa: F401  registers the "switchml" backend
     if args.hook and args.backend != "gloo":
@@ -123,6 +128,8 @@ def train(model, ddp, state, opt, data: DataLoader, test: tuple, args, durations
         "switchml_mb_received_per_step": counters.get("bytes_received", 0) / 1e6 / max(steps, 1),
         "switchml_sparse_blocks_sent": counters.get("sparse_blocks_sent", 0),
         "backend": args.backend + ("+switchml-hook" if args.hook else ""),
+        "wire_bits": (args.bits or int(os.environ.get("SWITCHML_WIRE_BITS", 32))
+                      if (args.backend == "switchml" or args.hook) else None),
         "sparse": _sparse_setting(args) if (args.backend == "switchml" or args.hook) else None,
         "workers": world, "epochs": args.epochs, "batch_size_per_rank": args.batch_size,
         "steps": steps, "samples_per_s": samples / train_time if train_time else 0.0,

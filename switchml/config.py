@@ -29,6 +29,9 @@ SWITCHML_SPARSE_AUTO_MIN_   ``sparse="auto"`` stays dense when a     32
                             bytes they save)
 SWITCHML_SPARSE_AUTO_EVERY  ``sparse="auto"`` measures again after   20
                             this many calls of one size and dtype
+SWITCHML_WIRE_BITS          16: float allreduces on the 16-bit wire  32
+                            (half the bytes; dense; quant's
+                            error_bound16)
 SWITCHML_PURE_PYTHON        1: the Python data plane and engine      0
                             even where the C ones are built
 ==========================  =======================================  ==========

@@ -39,6 +39,53 @@ def scale_bits(world_size: int) -> int:
     return ((2**31 - 1) // world_size).bit_length() - 1
 
 
+def scale_bits16(world_size: int) -> int:
+    """The 16-bit wire's B: world_size contributions, each biased to 0 .. 2**(B+1),
+    sum to at most 65535, so two of them share a 32-bit word without a carry
+    crossing from one half into the other."""
+    if world_size < 1:
+        raise ValueError("world_size must be at least 1")
+    if world_size > 16383:
+        raise ValueError("the 16-bit wire holds at most 16383 contributions")
+    return (65535 // world_size).bit_length() - 2
+
+
+def quantize16_into(src: np.ndarray, exponent: int, bits: int, dst: np.ndarray,
+                    scratch: np.ndarray, wide: np.ndarray) -> None:
+    """uint16 ``dst`` = round(src * 2**(bits - exponent)) + 2**bits: the 16-bit wire.
+
+    ``bits`` is ``scale_bits16(n)``; the rounding is ``quantize_into``'s, then the
+    bias makes every value non-negative (0 .. 2**(bits+1)).  ``wide``: int32
+    scratch as long as ``src``.
+    """
+    if src.size == 0:
+        return
+    q = wide[: src.size]
+    quantize_into(src, exponent, bits, q, scratch)
+    q += 1 << bits
+    np.copyto(dst[: src.size], q, casting="unsafe")
+
+
+def dequantize16_into(src: np.ndarray, exponent: int, bits: int, world_size: int,
+                      dst: np.ndarray, wide: np.ndarray) -> None:
+    """float32 ``dst`` from the uint16 sums ``src`` of ``world_size`` biased values."""
+    if src.size == 0:
+        return
+    q = wide[: src.size]
+    np.copyto(q, src, casting="unsafe")
+    q -= world_size << bits
+    dequantize_into(q, exponent, bits, dst)
+
+
+def error_bound16(inputs: list, chunk: int) -> np.ndarray:
+    """``error_bound`` of the 16-bit wire: chunks of ``chunk`` values (two a word)."""
+    n = len(inputs)
+    bits = scale_bits16(n)
+    exps = np.max([chunk_exponents(np.asarray(a, np.float32).reshape(-1), chunk)
+                   for a in inputs], axis=0) if inputs[0].size else np.zeros(0, np.int16)
+    return _bound(inputs, chunk, exps, bits)
+
+
 #: Values per piece of ``block_peaks``: big enough to amortise the calls, small
 #: enough that the piece stays in cache between its two passes.
 _PEAK_PIECE = 1 << 17
@@ -265,21 +312,32 @@ def error_bound(inputs: list, chunk: int) -> np.ndarray:
     bits = scale_bits(n)
     exps = np.max([chunk_exponents(np.asarray(a, np.float32).reshape(-1), chunk)
                    for a in inputs], axis=0) if inputs[0].size else np.zeros(0, np.int16)
+    return _bound(inputs, chunk, exps, bits)
+
+
+def _bound(inputs: list, chunk: int, exps: np.ndarray, bits: int) -> np.ndarray:
+    n = len(inputs)
     exact = np.sum([np.asarray(a, np.float64).reshape(-1) for a in inputs], axis=0)
     per_chunk = np.where(exps == EXP_NONFINITE, np.inf,
                          np.where(exps == EXP_ZERO, 0.0,
                                   n * np.ldexp(1.0, exps.astype(np.int64) - bits - 1)))
     quantisation = np.repeat(per_chunk, chunk)[: exact.size]
-    rounding = np.spacing(np.abs(exact + quantisation).astype(np.float32)).astype(np.float64) / 2
-    return quantisation + rounding
+    reach = np.abs(exact) + quantisation  # the most the result's magnitude can be
+    # Where the quantised sum may reach float32's overflow threshold the result
+    # may be inf, as IEEE rounding of that sum gives: no finite bound there.
+    overflow = reach >= 2.0**128 - 2.0**103
+    with np.errstate(over="ignore", invalid="ignore"):
+        rounding = np.spacing(reach.astype(np.float32)).astype(np.float64) / 2
+    return np.where(overflow, np.inf, quantisation + rounding)
 
 
-def error_bound_float16(inputs: list, chunk: int) -> np.ndarray:
+def error_bound_float16(inputs: list, chunk: int, wire_bits: int = 32) -> np.ndarray:
     """``error_bound`` for float16 inputs: they are summed as float32 (exactly
     widened) and the float32 result is rounded to float16 once, which adds at most
-    half a float16 ulp of it; past float16's range the result is +-inf."""
+    half a float16 ulp of it; past float16's range the result is +-inf.
+    ``wire_bits=16``: ``chunk`` values a packet on the 16-bit wire."""
     wide = [np.asarray(a, np.float32) for a in inputs]
-    bound = error_bound(wide, chunk)
+    bound = (error_bound16 if wire_bits == 16 else error_bound)(wide, chunk)
     exact = np.sum([a.reshape(-1).astype(np.float64) for a in wide], axis=0)
     with np.errstate(over="ignore"):
         reach = (np.abs(exact) + bound).astype(np.float16)

@@ -140,10 +140,13 @@ class Simulation:
     def _send(self, data, src, dst) -> None:
         self.network.send(data, src, dst)
 
-    def begin(self, arrays: list[np.ndarray], sparse: bool = False) -> list[np.ndarray]:
+    def begin(self, arrays: list[np.ndarray], sparse: bool = False,
+              wire_bits: int = 32) -> list[np.ndarray]:
         """Start an allreduce of ``arrays[r]`` on every rank r; return the outputs."""
         outs = [np.empty_like(a) for a in arrays]
         extra = {"compiled": True} if self.compiled else {}
+        if wire_bits != 32:
+            extra["wire_bits"] = wire_bits
         self.ops = [s.allreduce(a, o, self.now, sparse, **extra)
                     for s, a, o in zip(self.sessions, arrays, outs)]
         for addr, op in zip(self.job.members, self.ops):
@@ -156,13 +159,13 @@ class Simulation:
         return all(op.done for op in self.ops)
 
     def allreduce(self, arrays: list[np.ndarray], max_time: float = 600.0,
-                  sparse: bool = False) -> list[np.ndarray]:
+                  sparse: bool = False, wire_bits: int = 32) -> list[np.ndarray]:
         """Run one allreduce of ``arrays[r]`` on every rank r; return each rank's result.
 
         Raises StalledSimulation when it takes more than ``max_time`` virtual seconds.
         """
         give_up = self.now + max_time
-        outs = self.begin(arrays, sparse)
+        outs = self.begin(arrays, sparse, wire_bits)
         while not self.finished:
             self.step(give_up, max_time)
         return outs

@@ -7,7 +7,8 @@ records, then ``count`` int32 values, all little-endian::
          0    2 magic      0x4D53 ("SM")
          2    1 version    2
          3    1 kind       1 = contribution (worker -> switch), 2 = result (switch -> worker)
-         4    1 dtype      0 = int32, 1 = float32 as block floating point
+         4    1 dtype      0 = int32, 1 = float32 as block floating point,
+                           2 = floats as 16-bit block floating point, two a word
          5    1 mode       bit 0: sparse (OmniReduce); bit 1: sparse seed round
          6    2 slot       absolute slot index in the switch's pool
          8    4 session    random id of the job, given at join
@@ -47,6 +48,9 @@ KIND_CONTRIBUTION = 1
 KIND_RESULT = 2
 DTYPE_INT32 = 0
 DTYPE_FLOAT32 = 1
+#: The 16-bit wire: each int32 "value" is a word of two biased uint16 values (low
+#: half first), which the switch's 32-bit adds sum without a carry between them.
+DTYPE_FLOAT16_WIRE = 2
 MODE_SPARSE = 1
 MODE_SEED = 2
 FLAG_BLOCK = 1
@@ -99,7 +103,8 @@ def call_id(elements: int, sparse: bool) -> int:
 def describe_call(call: int, dtype: int) -> str:
     """``call_id`` and dtype in words, for an error naming what each rank asked for."""
     kind = "sparse" if call & CALL_SPARSE else "dense"
-    name = "float32" if dtype == DTYPE_FLOAT32 else "int32" if dtype == DTYPE_INT32 else f"dtype {dtype}"
+    name = {DTYPE_FLOAT32: "float32", DTYPE_INT32: "int32",
+            DTYPE_FLOAT16_WIRE: "float (16-bit wire)"}.get(dtype, f"dtype {dtype}")
     return f"{call & 0x7FFFFFFF} {name} values, {kind}"
 
 
@@ -156,7 +161,7 @@ def decode_header(data) -> Header:
         raise MalformedPacket("bad_version")
     if kind not in (KIND_CONTRIBUTION, KIND_RESULT):
         raise MalformedPacket("bad_kind")
-    if dtype not in (DTYPE_INT32, DTYPE_FLOAT32):
+    if dtype not in (DTYPE_INT32, DTYPE_FLOAT32, DTYPE_FLOAT16_WIRE):
         raise MalformedPacket("bad_dtype")
     if mode not in (0, MODE_SPARSE, MODE_SPARSE | MODE_SEED):
         raise MalformedPacket("bad_mode")

@@ -125,7 +125,8 @@ def hostile(rng: random.Random, data: bytes) -> bytes:
     return bytes(data)  # a plain duplicate
 
 
-def run_calls(compiled_engine, calls, world, slots, k, faults, seed, bottleneck, hostile_rate):
+def run_calls(compiled_engine, calls, world, slots, k, faults, seed, bottleneck, hostile_rate,
+              wire_bits=32):
     """Every datagram sent, every result, and the Sessions' state after ``calls``."""
     sim = Simulation(world, slots=slots, packet_elements=k, faults=faults, seed=seed,
                      bottleneck=bottleneck, compiled=compiled_engine)
@@ -144,7 +145,7 @@ def run_calls(compiled_engine, calls, world, slots, k, faults, seed, bottleneck,
     sim._send = record
     results = []
     for arrays in calls:
-        outs = sim.allreduce(arrays, max_time=BIG_TIME)
+        outs = sim.allreduce(arrays, max_time=BIG_TIME, wire_bits=wire_bits)
         results.append([o.tobytes() for o in outs])
     state = [(dict(s.counters), list(s.slot_msgs), s.next_seq, s.rtt.srtt, s.rtt.rttvar,
               s.rtt.min_rtt, s.rtt.rto(), s.window.cwnd, s.window.ssthresh,
@@ -177,15 +178,16 @@ def scenarios(draw):
     bottleneck = draw(st.sampled_from([None, Bottleneck(rate=2e6, queue_bytes=6 * (44 + 4 * k))]))
     hostile_rate = draw(st.sampled_from([0.0, 0.3]))
     seed = draw(st.integers(0, 2**16))
-    return calls, world, slots, k, faults, seed, bottleneck, hostile_rate
+    wire_bits = draw(st.sampled_from([32, 32, 16])) if dtype == np.float32 else 32
+    return calls, world, slots, k, faults, seed, bottleneck, hostile_rate, wire_bits
 
 
 @settings(max_examples=80, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(scenario=scenarios())
 def test_c_engine_sends_and_computes_what_python_does(scenario):
-    calls, world, slots, k, faults, seed, bottleneck, hostile_rate = scenario
-    args = (calls, world, slots, k, faults, seed, bottleneck, hostile_rate)
+    calls, world, slots, k, faults, seed, bottleneck, hostile_rate, wire_bits = scenario
+    args = (calls, world, slots, k, faults, seed, bottleneck, hostile_rate, wire_bits)
     py_sent, py_results, py_state = run_calls(False, *args)
     c_sent, c_results, c_state = run_calls(True, *args)
     assert len(c_sent) == len(py_sent)

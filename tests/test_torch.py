@@ -85,6 +85,17 @@ def test_ddp_comm_hook_on_a_gloo_group_matches_gloo():
     assert all(r["switch_results"] > 0 for r in hooked)
 
 
+def test_ddp_comm_hook_on_the_16_bit_wire_trains_like_gloo_with_half_the_bytes():
+    narrow = launch(2, "hook16", "gloo", 10)
+    wide = launch(2, "hook", "gloo", 10)
+    plain = launch(2, "ddp", "gloo", 10)
+    a, b = torch.tensor(narrow[0]["params"]), torch.tensor(plain[0]["params"])
+    assert torch.equal(torch.tensor(narrow[1]["params"]), a)  # the same on every rank
+    assert torch.allclose(a, b, atol=1e-2) and not torch.equal(a, b)
+    # a 788-parameter model: headers are a third of the 32-bit bytes here
+    assert narrow[0]["bytes_sent"] < 0.7 * wide[0]["bytes_sent"]
+
+
 def test_a_rank_that_exits_early_makes_the_others_fail_clearly():
     start = time.monotonic()
     results = launch(3, "early-exit", "switchml", timeout=60, env={"SWITCHML_TIMEOUT": "5"})

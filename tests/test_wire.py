@@ -239,7 +239,7 @@ def test_bad_kind(kind):
     assert _reason(_raw_header(kind=kind)) == "bad_kind"
 
 
-@pytest.mark.parametrize("dtype", [2, 3, 255])
+@pytest.mark.parametrize("dtype", [3, 4, 255])
 def test_bad_dtype(dtype):
     assert _reason(_raw_header(dtype=dtype)) == "bad_dtype"
 

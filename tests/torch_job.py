@@ -10,13 +10,13 @@ import torch.distributed as dist
 import switchml.torch  # noqa: F401  registers the "switchml" backend
 
 
-def ddp(backend: str, steps: int, hook: bool):
+def ddp(backend: str, steps: int, hook: bool, bits=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     ddp_model = torch.nn.parallel.DistributedDataParallel(model)
     state = None
     if hook:
-        state = switchml.torch.HookState(sparse="auto")
+        state = switchml.torch.HookState(sparse="auto", bits=bits)
         ddp_model.register_comm_hook(state, switchml.torch.allreduce_hook)
     opt = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(100 + dist.get_rank())
@@ -30,9 +30,10 @@ def ddp(backend: str, steps: int, hook: bool):
     worker = state.worker if state is not None else getattr(
         dist.distributed_c10d._get_default_group(), "_worker", None)
     results = worker.counters["results_in"] if worker is not None else 0
+    sent = worker.counters["bytes_sent"] if worker is not None else 0
     if state is not None:
         state.close()
-    return {"params": params.tolist(), "switch_results": results}
+    return {"params": params.tolist(), "switch_results": results, "bytes_sent": sent}
 
 
 def collectives():
@@ -166,6 +167,8 @@ def main():
         result = cuda()
     elif scenario == "hook":
         result = ddp("gloo", int(sys.argv[3]), hook=True)
+    elif scenario == "hook16":
+        result = ddp("gloo", int(sys.argv[3]), hook=True, bits=16)
     else:
         result = collectives()
     print("RESULT " + json.dumps(result), flush=True)

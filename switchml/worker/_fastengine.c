@@ -26,11 +26,28 @@
 #include <math.h>
 #include <poll.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+
+/* UDP GSO (Linux 4.18): a run of equal-sized datagrams to the switch leaves in
+ * one send, cut into those datagrams by the kernel, as the switch sends results. */
+#ifndef SOL_UDP
+#define SOL_UDP 17
+#endif
+#ifndef UDP_SEGMENT
+#define UDP_SEGMENT 103
+#endif
+#define GSO_MAX_SEGMENTS 64
+#define GSO_MAX_BYTES 65000
+/* The kernel refused a GSO send once (an old kernel, a device without it): the
+ * worker's process sends one datagram a message from then on. */
+static int gso_refused = 0;
+/* SWITCHML_WORKER_GSO=0 turns it off (bench/ compares); read once at import. */
+static int gso_wanted = 1;
 
 #define HEADER_SIZE 32
 #define LANE_SIZE 12
@@ -40,6 +57,7 @@
 #define KIND_RESULT 2
 #define DTYPE_INT32 0
 #define DTYPE_FLOAT32 1
+#define DTYPE_FLOAT16_WIRE 2 /* two biased 16-bit values a 32-bit word */
 #define EXP_ZERO (-32768)
 #define EXP_NONFINITE 32767
 #define LEAST_EXPONENT (-148)
@@ -97,6 +115,16 @@ static void quantize_into(const float *src, int64_t n, int exponent, int bits, i
         for (int64_t i = 0; i < n; i++)
             dst[i] = float_to_int32(round_half_even(src[i] * first * second));
     }
+}
+
+/* quant.quantize16_into: quantize_into's rounding, then biased by 2**bits into
+ * uint16 (0 .. 2**(bits+1) with bits = quant.scale_bits16(n)). */
+static void quantize16_into(const float *src, int64_t n, int exponent, int bits, uint16_t *dst,
+                            int32_t *wide) {
+    quantize_into(src, n, exponent, bits, wide);
+    int32_t bias = (int32_t)1 << bits;
+    for (int64_t i = 0; i < n; i++)
+        dst[i] = (uint16_t)(wide[i] + bias);
 }
 
 /* quant.dequantize_into: float32(sum) * 2**(exponent - bits). */
@@ -223,6 +251,8 @@ typedef struct {
     Py_buffer src, out;
     int have_src, have_out;
     int is_float, dtype_code, lag, bits, lanes;
+    int per_word, world_size; /* values a 32-bit word: 2 on the 16-bit wire */
+    int32_t *wide;            /* the 16-bit wire's int32 scratch, a chunk long */
     uint32_t session, seq;
     int slot_base, width;
     int64_t k, size, chunks;
@@ -397,7 +427,7 @@ static int number_send(DenseCore *c, int j) {
 }
 
 /* DenseAllreduce._fill: records at ``lanes`` (the packet's table), values after
- * them; returns the value count. */
+ * them; returns the word count. */
 static int64_t dense_fill(DenseCore *c, int j, int64_t m, uint8_t *lanes) {
     int64_t W = c->width;
     for (int lane = 0; lane < c->lanes; lane++) { /* blank records: exp says "zero" */
@@ -409,23 +439,30 @@ static int64_t dense_fill(DenseCore *c, int j, int64_t m, uint8_t *lanes) {
     if (c->is_float && following < c->chunks)
         put_u16(lanes + 8, (uint16_t)c->local_exp[following]);
     int64_t chunk = j + (m - c->lag) * W;
-    int64_t count = chunk_count(c, chunk);
+    int64_t count = chunk_count(c, chunk); /* values */
     uint8_t *values = lanes + (size_t)c->lanes * LANE_SIZE;
     if (count) {
-        if (c->is_float)
+        if (c->per_word == 2) {
+            uint16_t *halves = (uint16_t *)values;
+            quantize16_into((const float *)c->src.buf + chunk * c->k, count, c->global_exp[j],
+                            c->bits, halves, c->wide);
+            if (count % 2)
+                halves[count] = 0; /* the last word's idle half */
+        } else if (c->is_float) {
             quantize_into((const float *)c->src.buf + chunk * c->k, count, c->global_exp[j],
                           c->bits, (int32_t *)values);
-        else
+        } else {
             memcpy(values, (const int32_t *)c->src.buf + chunk * c->k, (size_t)count * 4);
+        }
     }
-    return count;
+    return (count + c->per_word - 1) / c->per_word; /* words */
 }
 
 static int send_message(DenseCore *c, int j, double now) {
     uint8_t *packet = c->packets + (size_t)j * c->packet_size;
     int64_t m = c->round[j], W = c->width;
     uint8_t *lanes = packet + HEADER_SIZE;
-    int64_t count = c->sp ? sparse_fill(c, j, m, lanes) : dense_fill(c, j, m, lanes);
+    int64_t count = c->sp ? sparse_fill(c, j, m, lanes) : dense_fill(c, j, m, lanes); /* words */
     put_u16(packet, MAGIC);
     packet[2] = VERSION;
     packet[3] = KIND_CONTRIBUTION;
@@ -575,7 +612,14 @@ static int send_ready(DenseCore *c, double now) {
 /* DenseAllreduce._absorb */
 static void dense_absorb(DenseCore *c, int j, int64_t m, const uint8_t *data, int64_t count) {
     int64_t chunk = j + (m - c->lag) * c->width;
-    if (count) {
+    if (count && c->per_word == 2) { /* quant.dequantize16_into */
+        const uint16_t *halves = (const uint16_t *)(data + HEADER_SIZE + LANE_SIZE * c->lanes);
+        int64_t n = chunk_count(c, chunk);
+        int32_t bias = (int32_t)c->world_size << c->bits;
+        for (int64_t i = 0; i < n; i++)
+            c->wide[i] = (int32_t)halves[i] - bias;
+        dequantize_into(c->wide, n, c->global_exp[j], c->bits, (float *)c->out.buf + chunk * c->k);
+    } else if (count) {
         const int32_t *values = (const int32_t *)(data + HEADER_SIZE + LANE_SIZE * c->lanes);
         if (c->is_float) {
             dequantize_into(values, count, c->global_exp[j], c->bits,
@@ -598,7 +642,7 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
     uint16_t count = get_u16(data + 24), lanes = get_u16(data + 26);
     if (get_u16(data) != MAGIC || data[2] != VERSION ||
         (kind != KIND_CONTRIBUTION && kind != KIND_RESULT) ||
-        (dtype != DTYPE_INT32 && dtype != DTYPE_FLOAT32) || (mode != 0 && mode != 1 && mode != 3) ||
+        dtype > DTYPE_FLOAT16_WIRE || (mode != 0 && mode != 1 && mode != 3) ||
         len != HEADER_SIZE + LANE_SIZE * (Py_ssize_t)lanes + 4 * (Py_ssize_t)count) {
         c->counters[COUNTER_MALFORMED]++;
         return 0;
@@ -616,7 +660,9 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
     if (fits && c->sp) {
         fits = sparse_result_fits(c, j, data, mode, count);
     } else if (fits) {
-        fits = mode == 0 && count == chunk_count(c, j + (m - c->lag) * c->width);
+        fits = mode == 0 &&
+               count == (chunk_count(c, j + (m - c->lag) * c->width) + c->per_word - 1) /
+                            c->per_word;
     }
     int exponent = 0;
     if (fits && !c->sp) {
@@ -714,6 +760,7 @@ static void core_dealloc(DenseCore *c) {
     if (c->have_out)
         PyBuffer_Release(&c->out);
     PyMem_RawFree(c->local_exp);
+    PyMem_RawFree(c->wide);
     PyMem_RawFree(c->slot_msgs);
     PyMem_RawFree(c->round);
     PyMem_RawFree(c->messages);
@@ -740,21 +787,30 @@ static void core_dealloc(DenseCore *c) {
 static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"src", "out", "is_float", "session", "slot_base", "width",
                              "packet_elements", "lanes", "bits", "seq", "slot_msgs", "now",
-                             "progress_timeout", "rtt", "window", "sparse", "block_elements",
+                             "progress_timeout", "rtt", "window", "wire_bits", "world_size",
+                             "sparse", "block_elements",
                              NULL};
     PyObject *src, *out, *slot_msgs, *rtt_state, *window_state;
-    int is_float;
+    int is_float, wire_bits = 32;
     unsigned int session, seq;
     long long k;
     double now;
     int sparse = 0;
     long long block_elements = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOpIiiLiiIOddOO|pL", kwlist, &src, &out,
+    c->world_size = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOpIiiLiiIOddOO|iipL", kwlist, &src, &out,
                                      &is_float, &session, &c->slot_base, &c->width, &k,
                                      &c->lanes, &c->bits, &seq, &slot_msgs, &now,
-                                     &c->progress_timeout, &rtt_state, &window_state, &sparse,
-                                     &block_elements))
+                                     &c->progress_timeout, &rtt_state, &window_state,
+                                     &wire_bits, &c->world_size, &sparse, &block_elements))
         return -1;
+    if ((wire_bits != 32 && wire_bits != 16) || (wire_bits == 16 && (!is_float || sparse)) ||
+        c->world_size < 1) {
+        PyErr_SetString(PyExc_ValueError,
+                        "wire_bits: 32, or 16 for dense floats; world_size >= 1");
+        return -1;
+    }
+    c->per_word = wire_bits == 16 ? 2 : 1;
     if (c->have_src || c->have_out) {
         PyErr_SetString(PyExc_RuntimeError, "DenseCore is initialised once");
         return -1;
@@ -775,13 +831,13 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
         return -1;
     }
     c->is_float = is_float;
-    c->dtype_code = is_float ? DTYPE_FLOAT32 : DTYPE_INT32;
+    c->dtype_code = c->per_word == 2 ? DTYPE_FLOAT16_WIRE : is_float ? DTYPE_FLOAT32 : DTYPE_INT32;
     c->lag = is_float ? 1 : 0;
     c->session = session;
     c->seq = seq;
-    c->k = k;
+    c->k = k * c->per_word; /* values a chunk; a packet holds k words */
     c->size = c->src.len / 4;
-    c->chunks = (c->size + k - 1) / k;
+    c->chunks = (c->size + c->k - 1) / c->k;
     int W = c->width;
     if (!PyList_Check(slot_msgs) || PyList_GET_SIZE(slot_msgs) < W) {
         PyErr_SetString(PyExc_ValueError, "slot_msgs: a list of at least width numbers");
@@ -798,6 +854,7 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
         return -1;
     size_t n = W ? (size_t)W : 1;
     c->packet_size = HEADER_SIZE + LANE_SIZE * (size_t)c->lanes + 4 * (size_t)k;
+    c->wide = PyMem_RawMalloc(c->per_word == 2 ? (size_t)c->k * sizeof(int32_t) : 1);
     c->slot_msgs = PyMem_RawCalloc(n, sizeof(uint32_t));
     c->round = PyMem_RawCalloc(n, sizeof(int64_t));
     c->messages = PyMem_RawCalloc(n, sizeof(int64_t));
@@ -817,7 +874,7 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
     c->local_exp = PyMem_RawCalloc(c->chunks ? (size_t)c->chunks : 1, sizeof(int16_t));
     if (!c->slot_msgs || !c->round || !c->messages || !c->global_exp || !c->inflight || !c->lost ||
         !c->backoff || !c->sent_at || !c->deadline || !c->decreased_at || !c->send_no || !c->fast_copies || !c->packets || !c->datagram_len ||
-        !c->local_exp) {
+        !c->local_exp || !c->wide) {
         PyErr_NoMemory();
         return -1;
     }
@@ -835,7 +892,7 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
         const float *values = c->src.buf;
         Py_BEGIN_ALLOW_THREADS
         for (int64_t chunk = 0; chunk < c->chunks; chunk++)
-            c->local_exp[chunk] = chunk_exponent(values + chunk * k, chunk_count(c, chunk));
+            c->local_exp[chunk] = chunk_exponent(values + chunk * c->k, chunk_count(c, chunk));
         Py_END_ALLOW_THREADS
     }
     if (sparse && sparse_init(c, block_elements) < 0) {
@@ -965,22 +1022,53 @@ static double monotonic_now(void) { /* time.monotonic()'s clock */
 enum { IO_DONE = 0, IO_STALLED = 1, IO_CONTROL = 2, IO_SLICE = 3 };
 
 /* Send the outbox with sendmmsg; a full socket buffer waits a little, then what
- * is left counts as lost (the retransmission timer recovers it). */
+ * is left counts as lost (the retransmission timer recovers it).  Consecutive
+ * datagrams of one size (the last of a run may be shorter) go as one message
+ * of UDP GSO segments: the same datagrams in the same order, one trip through
+ * the kernel's UDP stack instead of one each. */
 static void flush_outbox(DenseCore *c, int fd, struct sockaddr_in *dst) {
     struct mmsghdr msgs[64];
-    struct iovec iov[64];
+    struct iovec iov[1024];
+    union {
+        char buf[CMSG_SPACE(sizeof(uint16_t))];
+        struct cmsghdr align;
+    } control[64];
+    int segments[64];
     Py_ssize_t done = 0;
     int waits = 0;
     while (done < c->outbox_len) {
-        int n = 0;
-        for (; n < 64 && done + n < c->outbox_len; n++) {
-            iov[n].iov_base = c->packets + (size_t)c->outbox[done + n].slot * c->packet_size;
-            iov[n].iov_len = c->outbox[done + n].len;
+        int n = 0, v = 0;
+        Py_ssize_t next = done;
+        for (; n < 64 && next < c->outbox_len && v + GSO_MAX_SEGMENTS <= 1024; n++) {
+            uint32_t size = c->outbox[next].len, bytes = 0;
+            struct iovec *first = &iov[v];
+            int segs = 0;
+            do { /* a run: every segment `size` bytes, the last one possibly less */
+                uint32_t len = c->outbox[next].len;
+                iov[v].iov_base = c->packets + (size_t)c->outbox[next].slot * c->packet_size;
+                iov[v].iov_len = len;
+                v++, segs++, next++, bytes += len;
+                if (len < size)
+                    break;
+            } while (gso_wanted && !gso_refused && next < c->outbox_len &&
+                     segs < GSO_MAX_SEGMENTS && c->outbox[next].len <= size &&
+                     bytes + c->outbox[next].len <= GSO_MAX_BYTES);
             memset(&msgs[n].msg_hdr, 0, sizeof(struct msghdr));
             msgs[n].msg_hdr.msg_name = dst;
             msgs[n].msg_hdr.msg_namelen = sizeof(*dst);
-            msgs[n].msg_hdr.msg_iov = &iov[n];
-            msgs[n].msg_hdr.msg_iovlen = 1;
+            msgs[n].msg_hdr.msg_iov = first;
+            msgs[n].msg_hdr.msg_iovlen = (size_t)segs;
+            segments[n] = segs;
+            if (segs > 1) {
+                uint16_t gso_size = (uint16_t)size;
+                struct cmsghdr *cm = &control[n].align;
+                msgs[n].msg_hdr.msg_control = control[n].buf;
+                msgs[n].msg_hdr.msg_controllen = sizeof control[n].buf;
+                cm->cmsg_level = SOL_UDP;
+                cm->cmsg_type = UDP_SEGMENT;
+                cm->cmsg_len = CMSG_LEN(sizeof gso_size);
+                memcpy(CMSG_DATA(cm), &gso_size, sizeof gso_size);
+            }
         }
         int sent = sendmmsg(fd, msgs, (unsigned int)n, 0);
         if (sent < 0) {
@@ -993,11 +1081,17 @@ static void flush_outbox(DenseCore *c, int fd, struct sockaddr_in *dst) {
                 continue;
             if (errno == ECONNREFUSED) /* an ICMP error queued: the next send goes */
                 continue;
+            if (segments[0] > 1 && (errno == EIO || errno == EINVAL || errno == ENOPROTOOPT ||
+                                    errno == EOPNOTSUPP)) {
+                gso_refused = 1; /* send them one a message */
+                continue;
+            }
             break; /* the rest is lost; timers resend it */
         }
-        for (int i = 0; i < sent; i++)
+        for (int i = 0; i < sent; i++) {
             c->counters[COUNTER_BYTES_SENT] += msgs[i].msg_len;
-        done += sent;
+            done += segments[i];
+        }
     }
     c->outbox_len = 0;
 }
@@ -1201,6 +1295,8 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastengine",
                                     "The worker's dense allreduce in C.", -1, module_methods};
 
 PyMODINIT_FUNC PyInit__fastengine(void) {
+    const char *gso = getenv("SWITCHML_WORKER_GSO");
+    gso_wanted = !(gso && strcmp(gso, "0") == 0);
     if (PyType_Ready(&DenseCoreType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);

@@ -89,6 +89,9 @@ class Worker:
         self._sparse_auto_min_lanes = env("SPARSE_AUTO_MIN_LANES", DEFAULT_SPARSE_AUTO_MIN_LANES,
                                           int)
         self._auto_every = max(1, env("SPARSE_AUTO_EVERY", DEFAULT_SPARSE_AUTO_EVERY, int))
+        self._wire_bits = env("WIRE_BITS", 32, int)
+        if self._wire_bits not in (16, 32):
+            raise ValueError(f"SWITCHML_WIRE_BITS={self._wire_bits}: use 32 or 16")
         self._auto_choices: dict = {}
         self.wait_for_slots = float(wait_for_slots if wait_for_slots is not None
                                     else env("WAIT_FOR_SLOTS", 0.0, float))
@@ -116,7 +119,7 @@ class Worker:
         atexit.register(self.close)
 
     # -------------------------------------------------------------- public API
-    def allreduce(self, array, out=None, sparse=False) -> np.ndarray:
+    def allreduce(self, array, out=None, sparse=False, bits=None) -> np.ndarray:
         """Sum ``array`` over all ranks; return the sum (in ``out`` if given).
 
         float32 and int32 arrays travel as they are; float16 ones are summed as
@@ -125,13 +128,21 @@ class Worker:
         blocks (OmniReduce); "auto" measures the block density over all ranks and
         takes the path that moves fewer bytes.  Results are bit-identical either way.
         Every rank must pass the same ``sparse`` for the same call.
-        """
-        return self.allreduce_async(array, out, sparse).wait()
 
-    def allreduce_async(self, array, out=None, sparse=False) -> AllreduceHandle:
+        ``bits``: 32 (default, or ``SWITCHML_WIRE_BITS``) or 16, the opt-in 16-bit
+        wire for float arrays: half the bytes each way, dense, within
+        ``quant.error_bound16`` (docs/protocol.md).  ``sparse="auto"`` stays dense
+        with it; ``sparse=True`` and int32 arrays refuse it.
+        """
+        return self.allreduce_async(array, out, sparse, bits).wait()
+
+    def allreduce_async(self, array, out=None, sparse=False, bits=None) -> AllreduceHandle:
         """Queue an allreduce; do not touch ``array`` or ``out`` before ``wait()``."""
         if sparse not in (False, True, "auto"):
             raise ValueError(f"sparse must be False, True or 'auto', not {sparse!r}")
+        bits = self._wire_bits if bits is None else bits
+        if bits not in (16, 32):
+            raise ValueError(f"bits must be 32 or 16, not {bits!r}")
         src = np.asarray(array)
         if not src.flags.c_contiguous:
             # (not np.ascontiguousarray: it turns a 0-d array, a scalar loss, into 1-d)
@@ -144,6 +155,12 @@ class Worker:
               or not out.flags.c_contiguous):
             raise ValueError(f"out must be a C-contiguous array of the input's shape {src.shape} "
                              f"and dtype {src.dtype}")
+        if bits == 16:
+            if src.dtype == np.int32:
+                raise ValueError("the 16-bit wire carries float arrays, not int32")
+            if sparse is True:
+                raise ValueError("the 16-bit wire is dense: pass sparse=False or 'auto'")
+            sparse = False
         narrow = None
         if src.dtype == np.float16:
             # Summed as float32 (float16 values are exact in it) and rounded back to
@@ -153,7 +170,7 @@ class Worker:
         future: Future = Future()
         if self._closed:
             raise SwitchMLError("this worker is closed")
-        self._queue.put((src, out, sparse, future, narrow))
+        self._queue.put((src, out, sparse, future, narrow, bits))
         self._wake()
         return AllreduceHandle(future)
 
@@ -296,14 +313,14 @@ class Worker:
                     continue
                 if item is None:
                     break
-                src, out, sparse, future, narrow = item
+                src, out, sparse, future, narrow, bits = item
                 if self._failure is not None:
                     future.set_exception(self._failure)
                     continue
                 try:
                     if sparse == "auto":
                         sparse = self._auto_choice(src)
-                    self._run(src, out, sparse)
+                    self._run(src, out, sparse, bits)
                 except SwitchMLError as exc:
                     self._failure = self._failure or exc
                     future.set_exception(exc)
@@ -448,10 +465,12 @@ class Worker:
         union = 1.0 - (1.0 - density) ** n
         return union <= self._sparse_auto_union
 
-    def _run(self, src: np.ndarray, out: np.ndarray, sparse: bool = False) -> np.ndarray:
+    def _run(self, src: np.ndarray, out: np.ndarray, sparse: bool = False,
+             bits: int = 32) -> np.ndarray:
         # The C loop drives a real socket by its descriptor (not a wrapper of one).
         use_c = compiled.enabled() and isinstance(self._udp, socket.socket)
-        op = self.session.allreduce(src, out, time.monotonic(), sparse, compiled=use_c)
+        op = self.session.allreduce(src, out, time.monotonic(), sparse, compiled=use_c,
+                                    wire_bits=bits)
         if isinstance(op, compiled.CompiledDenseAllreduce):
             return self._run_compiled(op, out)
         udp = self._udp

@@ -56,23 +56,25 @@ class CompiledDenseAllreduce:
     SPARSE = False
 
     def __init__(self, session: Session, array: np.ndarray, out: np.ndarray, seq: int,
-                 now: float):
+                 now: float, wire_bits: int = 32):
         check_arrays(array, out)
         self.s = session
         src, dst = array.reshape(-1), out.reshape(-1)
-        k = session.packet_elements
-        chunks = -(-src.size // k)
+        k = session.packet_elements  # words a packet; two values a word on the 16-bit wire
+        chunks = -(-src.size // (2 * k if wire_bits == 16 else k))
         rtt, window = session.rtt, session.window
         self._core = _fastengine.DenseCore(
             src, dst, is_float=array.dtype == np.float32, session=session.session,
             slot_base=session.slot_base, width=min(session.slot_count, chunks),
-            packet_elements=k, lanes=session.lanes, bits=session.bits, seq=seq,
+            packet_elements=k, lanes=session.lanes,
+            bits=session.bits16 if wire_bits == 16 else session.bits, seq=seq,
             slot_msgs=session.slot_msgs, now=now, progress_timeout=session.progress_timeout,
             rtt=(rtt.srtt is not None, rtt.srtt or 0.0, rtt.rttvar, rtt.min_rtt, rtt._rto,
                  rtt.min_rto, rtt.max_rto, window.DELAY_MARGIN, window.QUEUE_MARGIN),
             window=(window.cwnd, window.ssthresh, window._last_decrease, window.limit,
                     window._undo is not None, *(window._undo or (0.0, 0.0, 0.0)),
                     window._epoch_start, window._epoch_min, window._queue_at, window._clear_at),
+            wire_bits=wire_bits, world_size=session.world_size,
             # Sparse: W = min(slots, ceil(blocks / lanes)) is min(slots, chunks) too,
             # a packet being whole blocks (supports_sparse).
             sparse=self.SPARSE, block_elements=session.block_elements)

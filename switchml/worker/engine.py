@@ -42,8 +42,8 @@ import heapq
 import numpy as np
 
 from .. import wire
-from ..quant import (EXP_NONFINITE, EXP_ZERO, chunk_exponents, dequantize_into, quantize_into,
-                     scale_bits)
+from ..quant import (EXP_NONFINITE, EXP_ZERO, chunk_exponents, dequantize16_into,
+                     dequantize_into, quantize16_into, quantize_into, scale_bits, scale_bits16)
 from .recovery import FAST_RETRANSMIT_THRESHOLD, CongestionWindow, RttEstimator
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.int32))
@@ -87,6 +87,7 @@ class Session:
         self.rtt = rtt or RttEstimator()
         self.window = window or CongestionWindow(slot_count)
         self.bits = scale_bits(world_size)
+        self.bits16 = scale_bits16(world_size)
         self.slot_msgs = [0] * slot_count
         self.next_seq = 0
         size = wire.packet_size(self.lanes, packet_elements)
@@ -95,7 +96,8 @@ class Session:
                              for j in range(slot_count)]
         self.lane_views = [wire.lane_table(v, self.lanes) for v in self.packet_views]
         self.value_views = [wire.values(v, self.lanes, packet_elements) for v in self.packet_views]
-        self.scratch = np.empty(packet_elements, dtype=np.float32)
+        self.scratch = np.empty(2 * packet_elements, dtype=np.float32)
+        self.wide_scratch = np.empty(2 * packet_elements, dtype=np.int32)  # the 16-bit wire
         self.blank_lanes = np.zeros(self.lanes, dtype=wire.LANE)
         self.blank_lanes["exp"] = EXP_ZERO
         self.counters = {"results_in": 0, "retransmissions": 0, "fast_retransmissions": 0,
@@ -106,12 +108,25 @@ class Session:
                          "bytes_sent": 0, "bytes_received": 0}
 
     def allreduce(self, array: np.ndarray, out: np.ndarray, now: float, sparse: bool = False,
-                  compiled: bool = False):
+                  compiled: bool = False, wire_bits: int = 32):
         """Start an allreduce of ``array`` into ``out``; returns its state machine.
 
         ``compiled``: the call runs on the C engine (``compiled.py``) when it is
-        built; the same datagrams and results either way.
+        built; the same datagrams and results either way.  ``wire_bits=16``: a
+        dense float32 call on the 16-bit wire (``DenseAllreduce``).
         """
+        if wire_bits == 16:
+            if sparse or array.dtype != np.float32:
+                raise ValueError("the 16-bit wire carries dense float32 calls only")
+            if compiled and _compiled_supports(self):
+                from .compiled import CompiledDenseAllreduce
+                op = CompiledDenseAllreduce(self, array, out, self.next_seq, now, wire_bits=16)
+            else:
+                op = DenseAllreduce(self, array, out, self.next_seq, now, wire_bits=16)
+            self.next_seq = (self.next_seq + 1) & 0xFFFFFFFF
+            return op
+        if wire_bits != 32:
+            raise ValueError(f"wire_bits must be 32 or 16, not {wire_bits!r}")
         if sparse and compiled and _compiled_supports(self, sparse=True):
             from .compiled import CompiledSparseAllreduce
             op = CompiledSparseAllreduce(self, array, out, self.next_seq, now)
@@ -468,13 +483,26 @@ class Stream:
 
 
 class DenseAllreduce(Stream):
-    """SwitchML streaming of every chunk of the tensor."""
+    """SwitchML streaming of every chunk of the tensor.
+
+    ``wire_bits=16`` (float32 only): a packet's ``packet_elements`` words carry
+    twice as many values, each quantised to ``scale_bits16`` bits and biased to be
+    non-negative, two to a word (``quant.quantize16_into``); the switch's 32-bit
+    adds sum both halves at once, and no half can carry into the other.  Half the
+    bytes each way for the same values; the bound is ``quant.error_bound16``.
+    """
 
     def __init__(self, session: Session, array: np.ndarray, out: np.ndarray, seq: int,
-                 now: float):
-        k = session.packet_elements
+                 now: float, wire_bits: int = 32):
+        self.per_word = 2 if wire_bits == 16 else 1
+        k = session.packet_elements * self.per_word  # values per chunk
         self.chunks = -(-array.size // k)
         super().__init__(session, array, out, seq, now, min(session.slot_count, self.chunks))
+        if self.per_word == 2:
+            self.dtype_code = wire.DTYPE_FLOAT16_WIRE
+            self._bits = session.bits16
+        else:
+            self._bits = session.bits
         self.local_exp = chunk_exponents(self.src, k) if self.is_float else None
         self._lag = 1 if self.is_float else 0
         W = self.width
@@ -485,12 +513,16 @@ class DenseAllreduce(Stream):
         self._start(now)
 
     def _chunk_count(self, c: int) -> int:
-        k = self.s.packet_elements
+        """Values in chunk ``c``."""
+        k = self.s.packet_elements * self.per_word
         return 0 if c < 0 else min(k, self.size - c * k)
+
+    def _words(self, values: int) -> int:
+        return -(-values // self.per_word)
 
     def _fill(self, j: int, m: int) -> int:
         s = self.s
-        W, k = self.width, s.packet_elements
+        W, k = self.width, s.packet_elements * self.per_word
         lanes = s.lane_views[j]
         lanes[:] = s.blank_lanes
         following = j + m * W
@@ -500,15 +532,22 @@ class DenseAllreduce(Stream):
         count = self._chunk_count(c)
         if count:
             src = self.src[c * k: c * k + count]
-            dst = s.value_views[j][:count]
-            if self.is_float:
-                quantize_into(src, self._global_exp[j], s.bits, dst, s.scratch)
+            if self.per_word == 2:
+                halves = s.value_views[j].view(np.uint16)
+                quantize16_into(src, self._global_exp[j], self._bits, halves, s.scratch,
+                                s.wide_scratch)
+                if count % 2:
+                    halves[count] = 0  # the last word's idle half
+            elif self.is_float:
+                quantize_into(src, self._global_exp[j], s.bits, s.value_views[j][:count],
+                              s.scratch)
             else:
-                dst[:] = src
-        return count
+                s.value_views[j][:count] = src
+        return self._words(count)
 
     def _result_fits(self, j: int, h: wire.Header, data) -> bool:
-        if h.count != self._chunk_count(j + (self._round[j] - self._lag) * self.width):
+        values = self._chunk_count(j + (self._round[j] - self._lag) * self.width)
+        if h.count != self._words(values):
             return False
         # The switch returns the max of exponents workers computed: anything else
         # is forged, and would scale by a power of two beyond float range.
@@ -516,12 +555,16 @@ class DenseAllreduce(Stream):
 
     def _absorb(self, j: int, m: int, h: wire.Header, data) -> None:
         s = self.s
-        k = s.packet_elements
+        k = s.packet_elements * self.per_word
         c = j + (m - self._lag) * self.width
         if h.count:
             values = wire.values(data, h.lanes, h.count)
-            target = self.out[c * k: c * k + h.count]
-            if self.is_float:
+            count = self._chunk_count(c)
+            target = self.out[c * k: c * k + count]
+            if self.per_word == 2:
+                dequantize16_into(values.view(np.uint16)[:count], self._global_exp[j],
+                                  self._bits, s.world_size, target, s.wide_scratch)
+            elif self.is_float:
                 dequantize_into(values, self._global_exp[j], s.bits, target)
             else:
                 target[:] = values
