@@ -80,7 +80,8 @@ def run_engine(ctx, engine, address, args, elements):
     report_q = ctx.Queue()
     procs = [ctx.Process(target=_worker_main,
                          args=(engine, address, r, args.workers, elements, args.dtype,
-                               args.density, args.warmup, args.repeats, f"bench-{engine}", report_q))
+                               args.density, args.warmup, args.repeats, f"bench-{engine}",
+                               report_q))
              for r in range(args.workers)]
     for p in procs:
         p.start()
@@ -187,7 +188,8 @@ def main(argv=None):
               f"{sum(r['retransmissions']):8d}")
     record = {"argv": sys.argv[1:], "mib": args.mib, "workers": args.workers,
               "packet_elements": args.packet_elements, "slots": args.slots,
-              "dtype": args.dtype, "density": args.density, "host": platform.node(), "cpus": os.cpu_count(),
+              "dtype": args.dtype, "density": args.density, "host": platform.node(),
+              "cpus": os.cpu_count(),
               "results": results}
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     mib = elements * 4 / 2**20

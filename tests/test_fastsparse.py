@@ -28,8 +28,9 @@ from switchml.worker.sparse import SparseAllreduce
 from conftest import reference_sum
 from test_fastengine import BIG_TIME, any_float32, finite_float32, hostile
 
-pytestmark = pytest.mark.skipif(compiled._fastengine is None,
-                                reason="the C engine is not built (python setup.py build_ext --inplace)")
+pytestmark = pytest.mark.skipif(
+    compiled._fastengine is None,
+    reason="the C engine is not built (python setup.py build_ext --inplace)")
 
 #: (packet_elements, block_elements): 1 to 8 lanes, blocks of 1 to 16 values
 GEOMETRIES = [(4, 4), (4, 1), (8, 4), (16, 4), (16, 2), (64, 16), (64, 8)]

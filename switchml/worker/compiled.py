@@ -4,10 +4,11 @@
 same datagrams, results and counters (tests/test_fastengine.py);
 ``CompiledSparseAllreduce`` is ``SparseAllreduce`` the same way, on the same C
 stream machinery in its sparse mode (``fastsparse.c``, tests/test_fastsparse.py).
-``run_io`` drives either on a socket without the GIL.  The Session's state that lives across
-calls (message numbers, RTT estimate, window, counters) is handed to the C core
-at the start and written back when the call ends (done or stalled) and whenever
-``run_io`` returns, so the Python and the C engine can take turns on one session.
+``run_io`` drives either on a socket without the GIL.  The Session's state that
+lives across calls (message numbers, RTT estimate, window, counters) is handed
+to the C core at the start and written back when the call ends (done or
+stalled) and whenever ``run_io`` returns, so the Python and the C engine can
+take turns on one session.
 
 ``SWITCHML_PURE_PYTHON=1`` makes the worker use the Python engine only.
 """

@@ -185,7 +185,8 @@ static int sparse_init(DenseCore *c, int64_t b) {
     for (int64_t chunk = 0; chunk < c->chunks; chunk++)
         sp->chunk_exp[chunk] = EXP_ZERO;
     for (int64_t lane = 0; lane < G; lane++)
-        sp->column_length[lane] = (uint32_t)(sp->blocks > lane ? (sp->blocks - lane + G - 1) / G : 0);
+        sp->column_length[lane] =
+            (uint32_t)(sp->blocks > lane ? (sp->blocks - lane + G - 1) / G : 0);
     const int32_t *bits = c->src.buf;
     int is_float = c->is_float;
     int64_t size = c->size;
