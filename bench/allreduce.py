@@ -34,9 +34,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import switchml  # noqa: E402
+from bench.common import make_block_sparse, summarize  # noqa: E402
 from switchml import config  # noqa: E402
 from switchml.cli import fetch_stats  # noqa: E402
-from bench.common import make_block_sparse, summarize  # noqa: E402
 
 
 def _profile_text(prof) -> str:
@@ -82,7 +82,8 @@ def _worker_main(address, rank, world, elements, dtype, warmup, repeats, profile
             times.append(time.perf_counter() - start)
         cpu = time.process_time() - cpu0
         c1 = w.counters
-        sent = (c1["results_in"] - c0["results_in"]) + (c1["retransmissions"] - c0["retransmissions"])
+        sent = ((c1["results_in"] - c0["results_in"])
+                + (c1["retransmissions"] - c0["retransmissions"]))
         received = c1["results_in"] - c0["results_in"]
         prof = _profile_text(prof) if prof is not None else None
         report_q.put(("worker", rank, times, cpu, sent, received, prof))
@@ -280,7 +281,8 @@ def main(argv=None):
 
     elements = int(args.mib * 2**20) // 4
     ctx = mp.get_context("spawn")
-    results = {"command": "python bench/allreduce.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    arguments = sys.argv[1:] if argv is None else argv
+    results = {"command": "python bench/allreduce.py " + " ".join(arguments),
                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                            "python": platform.python_version()},
                "elements": elements, "dtype": args.dtype, "runs": []}
@@ -316,7 +318,8 @@ def main(argv=None):
               f"{r['worker_cpu_s_per_packet'] * 1e6:>10.1f}", flush=True)
         if args.gloo:
             g = run_gloo(ctx, world, elements, args)
-            g.update(workers=world, system="gloo", switchml_speedup_over_gloo=g["median_s"] / r["median_s"])
+            g.update(workers=world, system="gloo",
+                     switchml_speedup_over_gloo=g["median_s"] / r["median_s"])
             results["runs"].append(g)
             print(f"{world:>3} {'gloo':>9} {g['median_s']:>9.3f} {g['min_s']:>8.3f} "
                   f"{g['max_s']:>8.3f} {g['goodput_GBps_per_worker']:>12.3f}   "

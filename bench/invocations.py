@@ -65,12 +65,14 @@ def format_summary(rows: list) -> str:
              f"{'runs (s)':>26} {'of bound':>8} {'vs gloo':>8} {'retx':>6} check"]
     for r in rows:
         runs = " ".join(f"{t:.3f}" for t in r["run_medians_s"])
+        g = r["speedup_over_gloo"]
+        speedup = "-" if g is None else f"{g:.2f}x"
         lines.append(
             f"{r['workers']:>3} {r['size_mib']:>6g} {r['system']:>16} "
             f"{'-' if r['density'] is None else format(r['density'], 'g'):>7} "
             f"{r['median_s']:>9.4f} {runs:>26} "
             f"{'-' if r['of_bound'] is None else format(r['of_bound'], '.0%'):>8} "
-            f"{'-' if r['speedup_over_gloo'] is None else format(r['speedup_over_gloo'], '.2f') + 'x':>8} "
+            f"{speedup:>8} "
             f"{r['retransmissions_per_worker']:>6.1f} "
             f"{'ok' if r['checked'] and r['ranks_bit_identical'] else 'FAIL'}"
             + (f"  {r['speedup_over_gloo_fp16']:.2f}x gloo-fp16"

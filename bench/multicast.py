@@ -49,7 +49,7 @@ def receiver(bind_ip: str, group: str | None, port: int, expected: int, idle: fl
             start = start or time.monotonic()
             got += 1
             nbytes += n
-    except socket.timeout:
+    except TimeoutError:
         pass
     print(json.dumps({"datagrams": got, "bytes": nbytes}), flush=True)
 
@@ -156,7 +156,8 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['mode']:>9}: sender CPU {r['cpu_s'] * 1e3:8.1f} ms "
               f"({r['sender_cpu_ms_per_mib_each']:.2f} ms per MiB delivered to each), "
-              f"wall {r['wall_s']:.3f} s, delivered {r['delivered_share']:.1%} to the worst receiver")
+              f"wall {r['wall_s']:.3f} s, "
+              f"delivered {r['delivered_share']:.1%} to the worst receiver")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": "python bench/multicast.py " + " ".join(sys.argv[1:]),

@@ -31,8 +31,10 @@ def timing_table(data: dict) -> str:
 
 
 def switch_table(data: dict) -> str:
-    rows = [[r["workers"], f"{r['switch_packets_per_s']:.0f}", f"{r['switch_MBps_in_plus_out']:.0f}",
-             f"{r['switch_cpu_s_per_packet'] * 1e6:.1f}", f"{r['worker_cpu_s_per_packet'] * 1e6:.1f}",
+    rows = [[r["workers"], f"{r['switch_packets_per_s']:.0f}",
+             f"{r['switch_MBps_in_plus_out']:.0f}",
+             f"{r['switch_cpu_s_per_packet'] * 1e6:.1f}",
+             f"{r['worker_cpu_s_per_packet'] * 1e6:.1f}",
              r["switch_counters"].get("duplicates", 0)]
             for r in data["runs"] if r["system"] == "switchml"]
     return markdown_table(["n", "switch packets/s", "switch MB/s (in + out)",

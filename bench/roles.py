@@ -17,6 +17,7 @@ check they agree bit for bit.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -87,8 +88,8 @@ def switchml_role(spec) -> None:
             for _ in range(spec["warmup"]):
                 w.allreduce(data, out=out, sparse=sparse, bits=bits)
             c0, l0 = w.counters, link_bytes(spec.get("ifname"))
-            times = _time(lambda: w.allreduce(data, out=out, sparse=sparse, bits=bits), 0,
-                          spec["repeats"])
+            call = functools.partial(w.allreduce, data, out=out, sparse=sparse, bits=bits)
+            times = _time(call, 0, spec["repeats"])
             c1, l1 = w.counters, link_bytes(spec.get("ifname"))
             ok = None
             if spec.get("check") and rank == 0 and data.size:
@@ -124,14 +125,16 @@ def gloo_role(spec) -> None:
     for case in spec["cases"]:
         data = torch.from_numpy(make_tensor(rank, case["elements"], case.get("density"),
                                             spec["block"], spec["seed"]))
-        holder = {}
+        holder: dict = {}
 
-        def fresh_copy():  # the input, not the last result: outside the timed call
+        def fresh_copy(holder=holder, data=data):  # the input, outside the timed call
             holder["x"] = data.clone()
             dist.barrier()
 
-        def once():
-            if case.get("fp16"):  # fp16_compress_hook: cast, allreduce, cast back
+        fp16 = case.get("fp16")
+
+        def once(holder=holder, fp16=fp16):
+            if fp16:  # fp16_compress_hook: cast, allreduce, cast back
                 half = holder["x"].to(torch.float16)
                 dist.all_reduce(half)
                 holder["x"].copy_(half)

@@ -141,7 +141,7 @@ def run_gloo(cluster, world, sizes, args, progress) -> list:
     """``world`` gloo ranks, the dense tensor of every size (and as float16 for gloo-fp16)."""
     addr, port = cluster.master()
     kinds = [k for k in ("gloo", "gloo-fp16") if k in args.systems]
-    cases = [{"id": i, "elements": int(mib * 2**20) // 4, "density": None,
+    cases: list[dict] = [{"id": i, "elements": int(mib * 2**20) // 4, "density": None,
               "fp16": kind == "gloo-fp16"}
              for i, (kind, mib) in enumerate((k, m) for k in kinds for m in sizes)]
     with Roles(cluster, args.timeout) as roles:
@@ -273,7 +273,7 @@ def main(args, argv_text: str = "") -> int:
     out = args.out or os.path.join(ROOT, "bench", "results",
                                    f"bench-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(out, exist_ok=True)
-    results = {"command": "switchml bench " + argv_text,
+    results: dict = {"command": "switchml bench " + argv_text,
                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                            "python": platform.python_version()},
                "settings": {k: v for k, v in vars(args).items() if k != "func"}}
@@ -284,7 +284,7 @@ def main(args, argv_text: str = "") -> int:
             try:
                 with Testbed(max(args.workers), args.link, mtu=args.mtu, loss=args.loss,
                              prefix=args.prefix, queue=args.queue) as tb:
-                    cluster = OnTestbed(tb)
+                    cluster: OnTestbed | Loopback = OnTestbed(tb)
                     results["cluster"] = cluster.describe()
                     results.update(run(args, cluster))
                     results["loss_drops"] = tb.loss_drops() if args.loss else None

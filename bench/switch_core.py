@@ -89,7 +89,7 @@ def _sender(ranks, world, switch_addr, slots, packet_elements, block, conn):
     packets = np.zeros((rounds, len(ranks), slots, size), np.uint8)
     rng = np.random.default_rng(1)
     for r in range(rounds):
-        for i, rank in enumerate(ranks):
+        for i in range(len(ranks)):
             for slot in range(slots):
                 values = rng.integers(-1000, 1000, packet_elements).astype(np.int32)
                 packets[r, i, slot] = np.frombuffer(wire.encode(

@@ -73,6 +73,10 @@ def run_example(script: str, workers: int, args: list, extra: list) -> dict:
             return json.load(f)
 
 
+def _on_loopback(workers: int, script: str, args: list, extra: list) -> dict:
+    return run_example(script, workers, args, extra)
+
+
 def run_on_testbed(tb, script: str, args: list, extra: list) -> dict:
     """One torchrun per host namespace (``--nnodes``), as on separate machines."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -123,7 +127,7 @@ def main(argv=None) -> None:
                     _run_configs(workers, functools.partial(run_on_testbed, tb), args, extra,
                                  trials)
             else:
-                launch = lambda *a: run_example(a[0], workers, *a[1:])  # noqa: E731
+                launch = functools.partial(_on_loopback, workers)
                 _run_configs(workers, launch, args, extra, trials)
         runs += _medians(workers, trials)
     _finish(runs, args, argv)

@@ -69,7 +69,7 @@ def timed(hook, durations: list):
 
 
 def wrap(model: torch.nn.Module, args, durations: list):
-    """DDP over ``model`` with the allreduce of every bucket timed (and the switchml hook if asked)."""
+    """DDP over ``model``, every bucket's allreduce timed (and the switchml hook if asked)."""
     ddp = DDP(model)
     if args.hook:
         import switchml.torch

@@ -9,12 +9,11 @@ switch against float32 in gloo).  Rank 0 prints loss and test accuracy per epoch
 then one summary line: test accuracy, samples/s and allreduce time per step.
 """
 
+import ddp_common
 import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch.utils.data import TensorDataset
-
-import ddp_common
 
 
 def digits(seed: int):

@@ -12,10 +12,9 @@ generated: each class has a few topic words that its documents use among
 background words drawn from the whole vocabulary.
 """
 
+import ddp_common
 import torch
 from torch.utils.data import TensorDataset
-
-import ddp_common
 
 
 def documents(count: int, args, generator: torch.Generator):

@@ -6,8 +6,15 @@
         total = w.allreduce(np.ones(1000, np.float32))
 """
 
-from .errors import (CallMismatchError, JoinRefusedError, LimitExceededError, MetricsUnavailableError,
-                     SwitchMLError, SwitchMLTimeoutError, SwitchUnreachableError)
+from .errors import (
+                     CallMismatchError,
+                     JoinRefusedError,
+                     LimitExceededError,
+                     MetricsUnavailableError,
+                     SwitchMLError,
+                     SwitchMLTimeoutError,
+                     SwitchUnreachableError,
+)
 from .switch.server import Switch
 from .worker.client import AllreduceHandle, Worker
 

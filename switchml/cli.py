@@ -41,6 +41,7 @@ def _switch(args) -> int:
     except (ValueError, OSError, MetricsUnavailableError) as exc:
         print(f"switchml switch: {exc}", file=sys.stderr)
         return 2
+    assert switch.address is not None
     host, port = switch.address
     print(f"switchml switch listening on {host}:{port} (TCP control, UDP data); "
           f"export SWITCHML_SWITCH={host}:{port}", flush=True)
@@ -175,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_switch)
 
     p = sub.add_parser("stats", help="print a running switch's counters")
-    p.add_argument("--switch", default=config.env("SWITCH", None), required=config.env("SWITCH", None) is None,
+    p.add_argument("--switch", default=config.env("SWITCH", None),
+                   required=config.env("SWITCH", None) is None,
                    help="HOST:PORT of the switch (default $SWITCHML_SWITCH)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_stats)

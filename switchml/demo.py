@@ -21,7 +21,6 @@ from .quant import error_bound
 from .switch.server import Switch
 from .worker.client import Worker
 
-
 #: Block density of the demo's block-sparse inputs (random blocks per rank).
 SPARSE_DENSITY = 0.1
 
@@ -67,7 +66,8 @@ def _rank_main(address, rank, world, cases, repeats, seed, results, timeout):
                         ok &= bool(np.array_equal(out, exact))
                     elif size:
                         err = np.abs(out.astype(np.float64) - exact)
-                        ok &= bool(np.all(err <= error_bound(inputs, worker.session.packet_elements)))
+                        bound = error_bound(inputs, worker.session.packet_elements)
+                        ok &= bool(np.all(err <= bound))
                         worst = float(err.max())
                 results.put((rank, (size, dtype, sparse),
                              hashlib.sha256(out.tobytes()).hexdigest(), times, ok, worst))
@@ -85,6 +85,7 @@ def run_demo(workers: int = 4, sizes=(0, 1, 1000, 1_000_003), repeats: int = 3,
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with Switch(drop_rate=drop_rate, seed=seed, packet_elements=packet_elements) as switch:
+        assert switch.address is not None
         echo(f"switch on {switch.address[0]}:{switch.address[1]}, {workers} worker processes, "
              f"drop rate {drop_rate:g}")
         procs = [ctx.Process(target=_rank_main, args=(switch.address, r, workers, cases, repeats,

@@ -116,7 +116,7 @@ class LineReader:
     def feed(self, data: bytes) -> list:
         """Messages completed by ``data``; raises ValueError on an oversized or bad line."""
         self._buf += data
-        out = []
+        out: list = []
         while True:
             end = self._buf.find(b"\n")
             if end < 0:

@@ -86,7 +86,7 @@ class Header(NamedTuple):
     msg: int
     seq: int
     pkt_id: int
-    count: int
+    count: int  # type: ignore[assignment]  # the field shadows tuple.count, on purpose
     lanes: int
     call: int = 0
 
@@ -142,7 +142,8 @@ def packet_size(lanes: int, count: int) -> int:
 
 def max_packet_elements(block_elements: int) -> int:
     """Most values (whole blocks) one datagram can carry with its lane table."""
-    return (MAX_DATAGRAM - HEADER_SIZE) // (LANE_SIZE + VALUE_SIZE * block_elements) * block_elements
+    per_block = LANE_SIZE + VALUE_SIZE * block_elements
+    return (MAX_DATAGRAM - HEADER_SIZE) // per_block * block_elements
 
 
 def decode_header(data) -> Header:
@@ -182,7 +183,7 @@ def values(data, lanes: int, count: int) -> np.ndarray:
 
 
 _FIRST_EXP = struct.Struct("<h")
-_FIRST_EXP_OFFSET = HEADER_SIZE + LANE.fields["exp"][1]
+_FIRST_EXP_OFFSET = HEADER_SIZE + dict(LANE.fields or {})["exp"][1]
 
 
 def first_lane_exponent(data) -> int:

@@ -4,7 +4,6 @@ import socket
 import threading
 
 import numpy as np
-
 import pytest
 
 import switchml

@@ -9,13 +9,12 @@ import time
 
 import numpy as np
 import pytest
+from conftest import run_ranks
 
 import switchml
 from switchml.switch import control
 from switchml.switch.control import Controller
 from switchml.switch.pipeline import Pipeline
-
-from conftest import run_ranks
 
 
 def join(ctl, conn, rank, world, job, wait=False, **extra):

@@ -9,7 +9,6 @@ import time
 import urllib.request
 
 import numpy as np
-
 from conftest import interruptible
 
 import switchml

@@ -10,11 +10,10 @@ import threading
 import time
 
 import numpy as np
+from conftest import reference_sum, run_ranks
 
 import switchml
 from switchml import wire
-
-from conftest import reference_sum, run_ranks
 
 K = 1024
 JOBS = {"small": (2, [(np.float32, 50_000), (np.int32, 20_000)], 3),

@@ -361,10 +361,10 @@ def test_drain_sends_a_result_before_its_row_changes():
 
 # ---------------------------------------------------------------- the switch
 def test_switch_runs_its_data_plane_in_c_and_counts_it():
+    from conftest import run_ranks
+
     import switchml
     from switchml import netutil
-
-    from conftest import run_ranks
     world, size = 3, 5000
     rng = np.random.default_rng(4)
     arrays = [rng.integers(-1000, 1000, size).astype(np.int32) for _ in range(world)]

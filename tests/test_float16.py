@@ -6,14 +6,13 @@ the exact sum; it used to raise TypeError (only float32 and int32 were taken).
 
 import numpy as np
 import pytest
+from conftest import run_ranks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import switchml
 from switchml import quant
-
-from conftest import run_ranks
 
 WORLD = 3
 halves = hnp.arrays(np.float16, st.integers(0, 3000),

@@ -13,10 +13,9 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import pytest
 
 from switchml import wire
 from switchml.switch import fastpipeline

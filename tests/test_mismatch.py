@@ -10,13 +10,12 @@ import time
 
 import numpy as np
 import pytest
+from conftest import run_ranks
 
 import switchml
 from switchml import wire
 from switchml.switch import fastpipeline
 from switchml.switch.pipeline import Mismatch, Pipeline
-
-from conftest import run_ranks
 
 TIMEOUT = 20.0  # far longer than the error may take: it must not be the timeout
 SESSION = 0x5E55

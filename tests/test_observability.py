@@ -10,12 +10,11 @@ import urllib.request
 
 import numpy as np
 import pytest
+from conftest import job_whose_rank_1_vanishes, run_ranks
 from prometheus_client.parser import text_string_to_metric_families
 
 import switchml
 from switchml import wire
-
-from conftest import job_whose_rank_1_vanishes, run_ranks
 
 K = 1024
 

@@ -10,7 +10,8 @@ from hypothesis.extra import numpy as hnp
 
 from switchml import wire
 from switchml.quant import EXP_NONFINITE, EXP_ZERO
-from switchml.switch import fastpipeline, pipeline as pipeline_module
+from switchml.switch import fastpipeline
+from switchml.switch import pipeline as pipeline_module
 from switchml.switch.pipeline import Pipeline, SlotPoolExhausted
 
 #: Every test here runs on the Python reference and on the C core (where built).

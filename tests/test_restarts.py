@@ -16,13 +16,12 @@ import time
 
 import numpy as np
 import pytest
+from conftest import run_ranks
 
 import switchml
 from switchml import wire
 from switchml.cli import fetch_stats
 from switchml.netutil import LineReader, encode_line
-
-from conftest import run_ranks
 
 TIMEOUT = 2.0
 K = 1024

@@ -16,11 +16,17 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import interruptible, reference_sum
+
 from switchml import wire
-from switchml.testbed import (NotRootError, Testbed, TestbedExistsError, ToolMissingError,
-                              netns, parse_rate)
+from switchml.testbed import (
+    NotRootError,
+    Testbed,
+    TestbedExistsError,
+    ToolMissingError,
+    netns,
+    parse_rate,
+)
 
 HELPERS = os.path.join(os.path.dirname(__file__), "testbed_helpers.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -397,8 +403,8 @@ def test_gloo_runs_inside_the_namespaces_over_their_links():
 
 def fragments_made(tb, where) -> int:
     """IP fragments the namespace ``where`` has made (/proc/net/snmp, Ip FragCreates)."""
-    lines = [l.split() for l in tb.run(where, ["cat", "/proc/net/snmp"], capture_output=True,
-                                       text=True).stdout.splitlines() if l.startswith("Ip:")]
+    text = tb.run(where, ["cat", "/proc/net/snmp"], capture_output=True, text=True).stdout
+    lines = [line.split() for line in text.splitlines() if line.startswith("Ip:")]
     return int(lines[1][lines[0].index("FragCreates")])
 
 

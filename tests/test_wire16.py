@@ -9,6 +9,7 @@ sum, under loss, duplication and reordering; the same switch serves 32-bit and
 
 import numpy as np
 import pytest
+from conftest import run_ranks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -16,8 +17,6 @@ from hypothesis.extra import numpy as hnp
 import switchml
 from switchml import quant, wire
 from switchml.sim import Faults, Simulation
-
-from conftest import run_ranks
 
 SETTINGS = settings(max_examples=80, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -17,8 +17,9 @@ import torch
 from accelerate import Accelerator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import switchml.torch  # noqa: E402
 from common import BATCH, arguments, dataset, model, report, switch_results  # noqa: E402
+
+import switchml.torch  # noqa: E402
 
 
 def main():

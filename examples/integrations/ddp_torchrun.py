@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import switchml.torch  # noqa: E402,F401  registers the "switchml" backend
 from common import arguments, leave, model, report, sharded_loader, switch_results  # noqa: E402
+
+import switchml.torch  # noqa: E402,F401  registers the "switchml" backend
 
 
 def main():

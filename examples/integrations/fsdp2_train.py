@@ -15,8 +15,9 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import switchml.torch  # noqa: E402,F401  registers the "switchml" backend
 from common import arguments, leave, model, report, sharded_loader, switch_results  # noqa: E402
+
+import switchml.torch  # noqa: E402,F401  registers the "switchml" backend
 
 
 def main():

@@ -18,8 +18,9 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import switchml.torch  # noqa: E402  registers the "switchml" backend
 from common import BATCH, STEPS, arguments, dataset, model, report, switch_results  # noqa: E402
+
+import switchml.torch  # noqa: E402  registers the "switchml" backend
 
 
 class Classifier(L.LightningModule):

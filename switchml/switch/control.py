@@ -124,7 +124,7 @@ class Controller:
         self.jobs: dict[str, JobEntry] = {}
         self._conn_job: dict = {}  # connection id -> (job name, rank)
         self._queue: list[str] = []  # names of waiting jobs, in arrival order
-        self._recent = deque(maxlen=RECENT_SESSIONS_KEPT)
+        self._recent: deque[int] = deque(maxlen=RECENT_SESSIONS_KEPT)
         self.refused: Counter = Counter()  # joins refused, by reason
 
     def handle_message(self, conn, msg: dict) -> list:
@@ -379,11 +379,12 @@ class Controller:
         """A rank gave up (no progress within its timeout): the job fails for everyone."""
         entry = self._conn_job.get(conn)
         job = self.jobs.get(entry[0]) if entry else None
-        if job is None or not job.session:
+        if entry is None or job is None or not job.session:
             return []
         rank = entry[1]
-        missing = msg.get("missing") if isinstance(msg.get("missing"), list) else []
-        missing = sorted({r for r in missing if isinstance(r, int) and 0 <= r < job.world_size})
+        said = msg.get("missing")
+        missing = sorted({r for r in (said if isinstance(said, list) else [])
+                          if isinstance(r, int) and 0 <= r < job.world_size})
         reason = str(msg.get("reason", "no progress"))[:MAX_NAME]
         log.warning("job %s failed: rank %d gave up: %s", job.name, rank, reason)
         return self._fail(job, missing, f"rank {rank} of job '{job.name}' gave up: {reason}",
@@ -407,7 +408,7 @@ class Controller:
         conns = [c for r, c in job.conns.items() if r not in job.left and c != skip]
         out = self._end(job, "failed")
         self.pipeline.counters["jobs_failed"] += 1
-        event = {"event": "failed", "missing": missing, "reason": reason}
+        event: dict = {"event": "failed", "missing": missing, "reason": reason}
         if mismatch:
             event["mismatch"] = True
         return [(c, event) for c in conns] + out

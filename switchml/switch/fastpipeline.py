@@ -30,7 +30,7 @@ from ..config import DEFAULT_PACKET_ELEMENTS, DEFAULT_SLOTS, pure_python
 from .pipeline import MAX_WORKERS, Job, Mismatch, Pipeline
 
 try:
-    from . import _fastpath
+    from . import _fastpath  # type: ignore[attr-defined]  # compiled: no stubs
 except ImportError:  # not built (no C compiler where it was installed)
     _fastpath = None
 
@@ -72,7 +72,7 @@ class FastPipeline(Pipeline):
         self._core = _fastpath.Core(rows, slots, self.row_size, slots * MAX_WORKERS)
         self._core.set_drop_rates(self.ingress_drop_rate, self.egress_drop_rate,
                                   self._rng.getrandbits(64))
-        self._row_bytes = memoryview(rows)
+        self._row_bytes = rows.data
         self._keys: dict = {}  # member address -> key in the C member table
         self._other_keys = itertools.count(1)
         self._job_at: dict[int, Job] = {}  # slot_base -> running job

@@ -81,8 +81,11 @@ class Job:
     state: str = "running"  # then "ended" (every rank left) or "failed"
     # Views of the pipeline's slot rows laid out for this job's packet size:
     # (set, slot, lane) lane registers and (set, slot, value) values.
-    lane_regs: np.ndarray | None = field(default=None, repr=False)
-    values: np.ndarray | None = field(default=None, repr=False)
+    # (install_job lays them out; empty until then)
+    lane_regs: np.ndarray = field(default_factory=lambda: np.zeros((2, 0, 0), wire.LANE),
+                                  repr=False)
+    values: np.ndarray = field(default_factory=lambda: np.zeros((2, 0, 0), np.int32),
+                               repr=False)
     lanes: int = field(init=False)  # blocks (lane records) per packet
     # The first disagreement between ranks seen, until the controller takes it.
     mismatch: Mismatch | None = None
@@ -440,7 +443,7 @@ class Pipeline:
 
     def _emit(self, job: Job, v: int, slot: int, destinations: list) -> list:
         count = self._ids[v][slot][4]
-        datagram = memoryview(self._rows[v, slot, : wire.packet_size(job.lanes, count)])
+        datagram = self._rows[v, slot, : wire.packet_size(job.lanes, count)].data
         out = []
         for addr in destinations:
             if self.egress_drop_rate and self._rng.random() < self.egress_drop_rate:

@@ -19,19 +19,21 @@ from ..errors import SwitchMLError
 
 
 class SwitchProcess:
-    """``Switch(**options)`` run by ``python -m switchml.switch.process``; ``.address`` once started."""
+    """``Switch(**options)`` run by ``python -m switchml.switch.process``; ``.address``
+    once started."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, **options):
         self._options = dict(options, host=host, port=port)
         self._proc: subprocess.Popen | None = None
         self.address: tuple[str, int] | None = None
 
-    def start(self) -> "SwitchProcess":
+    def start(self) -> SwitchProcess:
         if self._proc is not None:
             return self
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "switchml.switch.process", json.dumps(self._options)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self._proc.stdout is not None
         line = self._proc.stdout.readline()
         if not line:
             code = self._proc.wait()
@@ -46,6 +48,7 @@ class SwitchProcess:
         if self._proc is None:
             return
         proc, self._proc = self._proc, None
+        assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.close()
         try:
             proc.wait(timeout)
@@ -54,7 +57,7 @@ class SwitchProcess:
             proc.wait()
         proc.stdout.close()
 
-    def __enter__(self) -> "SwitchProcess":
+    def __enter__(self) -> SwitchProcess:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -70,6 +73,7 @@ def main() -> None:
     # and its exit closes our stdin.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     switch = Switch(**json.loads(sys.argv[1])).start()
+    assert switch.address is not None
     print(json.dumps({"address": list(switch.address)}), flush=True)
     sys.stdin.buffer.read()  # until the parent closes the pipe or dies
     switch.stop()

@@ -19,14 +19,30 @@ import socket
 import threading
 import time
 from collections import Counter
+from typing import TYPE_CHECKING
 
-from ..config import (DEFAULT_KEEPALIVE, DEFAULT_MAX_JOBS, DEFAULT_PACKET_ELEMENTS, DEFAULT_SLOTS,
-                      DEFAULT_SLOTS_PER_JOB)
-from ..netutil import (LineReader, check_keepalive, enable_keepalive, encode_line,
-                       enlarge_buffers, forbid_fragmentation, route_mtu)
+from ..config import (
+    DEFAULT_KEEPALIVE,
+    DEFAULT_MAX_JOBS,
+    DEFAULT_PACKET_ELEMENTS,
+    DEFAULT_SLOTS,
+    DEFAULT_SLOTS_PER_JOB,
+)
+from ..netutil import (
+    LineReader,
+    check_keepalive,
+    enable_keepalive,
+    encode_line,
+    enlarge_buffers,
+    forbid_fragmentation,
+    route_mtu,
+)
 from . import fastpipeline
 from .control import Controller
 from .pipeline import Pipeline
+
+if TYPE_CHECKING:  # imported when metrics are asked for: it needs prometheus-client
+    from .metrics import MetricsServer
 
 log = logging.getLogger("switchml.switch")
 
@@ -106,13 +122,16 @@ class Switch:
         self._max_jobs = max_jobs
         self._metrics_port = metrics_port
         self._metrics_host = metrics_host or host
-        self._metrics = None
+        self._metrics: MetricsServer | None = None
         self.metrics_address: tuple[str, int] | None = None
         self.controller: Controller | None = None
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._running = False
-        self._tcp = self._udp = None
+        self._tcp: socket.socket | None = None
+        self._udp: socket.socket | None = None
+        self._wake_r: socket.socket | None = None
+        self._wake_w: socket.socket | None = None
         self.address: tuple[str, int] | None = None
         self._started_at = 0.0
         self._cpu_seconds = 0.0
@@ -122,26 +141,26 @@ class Switch:
         self._next_drop_log = 0.0
 
     # -------------------------------------------------------------- lifecycle
-    def start(self) -> "Switch":
+    def start(self) -> Switch:
         if self._thread is not None:
             return self
-        self._tcp, self._udp = _bind_pair(self._host, self._port)
-        self.address = (self._host, self._tcp.getsockname()[1])
+        tcp, udp = self._tcp, self._udp = _bind_pair(self._host, self._port)
+        self.address = (self._host, tcp.getsockname()[1])
         self.controller = Controller(self.pipeline, data_port=self.address[1],
                                      slots_per_job=self._slots_per_job, max_jobs=self._max_jobs,
                                      stats=self.stats,
-                                     rcvbuf=self._udp.getsockopt(socket.SOL_SOCKET,
-                                                                 socket.SO_RCVBUF),
+                                     rcvbuf=udp.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
                                      route_mtu=route_mtu)
         if self._metrics_port is not None:
             from .metrics import serve_metrics
             try:
-                self._metrics = serve_metrics(self.stats, self._metrics_host, self._metrics_port)
+                metrics = serve_metrics(self.stats, self._metrics_host, self._metrics_port)
             except BaseException:
-                self._tcp.close()
-                self._udp.close()
+                tcp.close()
+                udp.close()
                 raise
-            self.metrics_address = self._metrics.address
+            self._metrics = metrics
+            self.metrics_address = metrics.address
         self._wake_r, self._wake_w = socket.socketpair()
         self._running = True
         self._started_at = time.monotonic()
@@ -160,6 +179,7 @@ class Switch:
         if self._thread is None:
             return
         self._running = False
+        assert self._wake_w is not None
         self._wake_w.send(b"x")
         self._thread.join()
         self._thread = None
@@ -167,9 +187,10 @@ class Switch:
             self._metrics.close()
             self._metrics = None
         for s in (self._tcp, self._udp, self._wake_r, self._wake_w):
-            s.close()
+            if s is not None:
+                s.close()
 
-    def __enter__(self) -> "Switch":
+    def __enter__(self) -> Switch:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -190,17 +211,37 @@ class Switch:
     def serve_forever(self) -> None:
         """Run until KeyboardInterrupt (for the CLI)."""
         self.start()
+        assert self._thread is not None
         try:
             self._thread.join()
         finally:
             self.stop()
 
     # -------------------------------------------------------------- the loop
+    # What exists from start() on: the loop's methods run only then.
+    @property
+    def _sockets(self) -> tuple[socket.socket, socket.socket]:
+        assert self._tcp is not None and self._udp is not None, "the switch is not started"
+        return self._tcp, self._udp
+
+    @property
+    def _control(self) -> Controller:
+        assert self.controller is not None, "the switch is not started"
+        return self.controller
+
+    @property
+    def _selector(self) -> selectors.BaseSelector:
+        assert self._sel is not None, "the switch is not started"
+        return self._sel
+
     def _serve(self) -> None:
+        tcp, udp = self._sockets
+        wake = self._wake_r
+        assert wake is not None
         sel = self._sel = selectors.DefaultSelector()
-        sel.register(self._tcp, selectors.EVENT_READ, "accept")
-        sel.register(self._udp, selectors.EVENT_READ, "data")
-        sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        sel.register(tcp, selectors.EVENT_READ, "accept")
+        sel.register(udp, selectors.EVENT_READ, "data")
+        sel.register(wake, selectors.EVENT_READ, "wake")
         buf = bytearray(65536)
         view = memoryview(buf)
         accept_paused_until = None
@@ -213,7 +254,7 @@ class Switch:
                     else:
                         busy = self._drain(buf, view)
                     if self.pipeline.has_mismatches:  # ranks disagree: fail their job now
-                        self._send(self.controller.handle_mismatches())
+                        self._send(self._control.handle_mismatches())
                 now = time.monotonic()
                 if now >= next_cpu_read:  # a syscall: not once per batch of datagrams
                     next_cpu_read = now + CPU_READ_INTERVAL
@@ -224,17 +265,17 @@ class Switch:
                 wait = 0 if busy else min(1.0, self._next_drop_log - now)
                 if accept_paused_until is not None:
                     if now >= accept_paused_until:
-                        sel.register(self._tcp, selectors.EVENT_READ, "accept")
+                        sel.register(tcp, selectors.EVENT_READ, "accept")
                         accept_paused_until = None
                     else:
                         wait = min(wait, accept_paused_until - now)
                 for key, events in sel.select(max(0.0, wait)):
                     if key.data == "accept":
                         if not self._accept():
-                            sel.unregister(self._tcp)
+                            sel.unregister(tcp)
                             accept_paused_until = time.monotonic() + ACCEPT_PAUSE
                     elif key.data == "wake":
-                        key.fileobj.recv(64)
+                        wake.recv(64)
                     elif isinstance(key.data, _Connection):
                         if events & selectors.EVENT_READ:
                             self._on_control(key.data)
@@ -249,7 +290,7 @@ class Switch:
 
     def _drain(self, buf: bytearray, view: memoryview) -> bool:
         """The Python data plane: up to DRAIN_BATCH datagrams; True when there may be more."""
-        udp, pipeline = self._udp, self.pipeline
+        udp, pipeline = self._sockets[1], self.pipeline
         for _ in range(DRAIN_BATCH):
             try:
                 n, addr = udp.recvfrom_into(buf)
@@ -280,7 +321,7 @@ class Switch:
         workers did not ask for frame-sized packets.  It goes out fragmented,
         counted (``send_fragmented``), so that such a job still works; the C data
         plane does the same."""
-        udp = self._udp
+        udp = self._sockets[1]
         forbid_fragmentation(udp, False)
         try:
             udp.sendto(datagram, dst)
@@ -294,9 +335,11 @@ class Switch:
         """The C data plane: recvmmsg, the pipeline and sendmmsg of up to
         FAST_DRAIN_BATCH datagrams in one call that releases the GIL (control
         changes wait for it under the lock); True when there may be more."""
+        pipeline = self.pipeline
+        assert isinstance(pipeline, fastpipeline.FastPipeline)
         try:
-            received, _ = self.pipeline.drain(self._udp.fileno(), FAST_DRAIN_BATCH,
-                                              self.udp_gso)
+            received, _ = pipeline.drain(self._sockets[1].fileno(), FAST_DRAIN_BATCH,
+                                         self.udp_gso)
         except Exception:  # a bug must not take the switch down
             self.pipeline.counters["internal_errors"] += 1
             log.exception("the C data plane failed")
@@ -306,7 +349,7 @@ class Switch:
     def _accept(self) -> bool:
         """Accept one control connection; False when accept() failed (no descriptors)."""
         try:
-            sock, _ = self._tcp.accept()
+            sock, _ = self._sockets[0].accept()
         except BlockingIOError:
             return True
         except OSError as exc:
@@ -317,7 +360,7 @@ class Switch:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         enable_keepalive(sock, self.keepalive)
         conn = self._conns[sock] = _Connection(sock)
-        self._sel.register(sock, selectors.EVENT_READ, conn)
+        self._selector.register(sock, selectors.EVENT_READ, conn)
         return True
 
     def _on_control(self, conn: _Connection) -> None:
@@ -335,10 +378,10 @@ class Switch:
             if messages is None:
                 self._close(conn)
                 return
-            replies = []
+            replies: list = []
             for message in messages:
                 try:
-                    replies += self.controller.handle_message(conn.sock, message)
+                    replies += self._control.handle_message(conn.sock, message)
                 except Exception:  # a bug must not take the switch down
                     self.pipeline.counters["internal_errors"] += 1
                     log.exception("controller failed on %r", message)
@@ -349,8 +392,8 @@ class Switch:
         """Forget a control connection; the controller fails or shrinks its job."""
         if self._conns.pop(conn.sock, None) is None:
             return
-        self._sel.unregister(conn.sock)
-        replies = self.controller.handle_disconnect(conn.sock)
+        self._selector.unregister(conn.sock)
+        replies = self._control.handle_disconnect(conn.sock)
         conn.sock.close()
         self._send(replies)
 
@@ -378,8 +421,8 @@ class Switch:
                 self._close(conn)
             return
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbox else 0)
-        if self._sel.get_key(conn.sock).events != events:
-            self._sel.modify(conn.sock, events, conn)
+        if self._selector.get_key(conn.sock).events != events:
+            self._selector.modify(conn.sock, events, conn)
 
     def _log_drops(self) -> None:
         """One DEBUG line with the drops since the last one, by reason."""

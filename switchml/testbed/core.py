@@ -226,7 +226,7 @@ class Testbed:
         return f"{self.prefix}_loss"
 
     # ------------------------------------------------------------------ life cycle
-    def __enter__(self) -> "Testbed":
+    def __enter__(self) -> Testbed:
         self._catch_signals()
         try:
             return self.up()
@@ -240,7 +240,7 @@ class Testbed:
         finally:
             self._restore_signals()
 
-    def up(self) -> "Testbed":
+    def up(self) -> Testbed:
         """Create everything; on any failure (or Ctrl-C) remove what was made and raise."""
         netns.require_root()
         netns.require_tool("ip")
@@ -332,7 +332,7 @@ class Testbed:
             json.dump(state, f, indent=2)
 
     @classmethod
-    def from_state(cls, prefix: str = DEFAULT_PREFIX) -> "Testbed":
+    def from_state(cls, prefix: str = DEFAULT_PREFIX) -> Testbed:
         """A handle on a testbed that ``switchml testbed up`` left running (not owned:
         leaving a ``with`` block does not remove it)."""
         state = read_state(prefix)

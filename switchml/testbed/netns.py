@@ -31,7 +31,7 @@ def parse_rate(rate) -> float:
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", str(rate).lower())
         if not match or match.group(2) not in ("",) + tuple(_RATE_UNITS):
             raise ValueError(f"link rate must look like 1gbit, 200mbit or 500kbit, got {rate!r}")
-        value = float(match.group(1)) * _RATE_UNITS.get(match.group(2) or "bit")
+        value = float(match.group(1)) * _RATE_UNITS[match.group(2) or "bit"]
     if value <= 0:
         raise ValueError(f"link rate must be positive, got {rate!r}")
     return value
@@ -76,10 +76,11 @@ def ensure_nft(install: bool = True) -> str:
     if done.returncode != 0:  # the package lists may be missing: fetch them once and retry
         subprocess.run(["apt-get", "update"], capture_output=True, text=True, env=env)
         done = subprocess.run(install_cmd, capture_output=True, text=True, env=env)
-    if shutil.which("nft") is None:
+    path = shutil.which("nft")
+    if path is None:
         raise ToolMissingError("`nft` is not installed and `apt-get install nftables` failed: "
                                + (done.stderr.strip().splitlines() or ["(no output)"])[-1])
-    return shutil.which("nft")
+    return path
 
 
 def sh(argv, *, check: bool = True, input: str | None = None,
