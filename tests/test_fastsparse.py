@@ -15,18 +15,17 @@ import zlib
 
 import numpy as np
 import pytest
+from conftest import reference_sum
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from test_fastengine import BIG_TIME, any_float32, finite_float32, hostile
 
 from switchml import quant, wire
 from switchml.quant import EXP_NONFINITE, EXP_ZERO
 from switchml.sim import SWITCH, Bottleneck, Faults, Simulation, StalledSimulation
 from switchml.worker import compiled
 from switchml.worker.sparse import SparseAllreduce
-
-from conftest import reference_sum
-from test_fastengine import BIG_TIME, any_float32, finite_float32, hostile
 
 pytestmark = pytest.mark.skipif(
     compiled._fastengine is None,
@@ -223,7 +222,7 @@ def test_c_sparse_engine_on_calls_of_many_rounds(seed, dtype):
     k, block = ((16, 4), (64, 16), (64, 8), (8, 1))[seed]
     world, size = 3, k * 150 + 1 + seed  # a short last block where block > 1
     arrays = []
-    for rank, density in enumerate((0.0, 0.15, 1.0) if seed % 2 else (0.05, 0.4, 0.9)):
+    for density in (0.0, 0.15, 1.0) if seed % 2 else (0.05, 0.4, 0.9):
         if dtype == np.float32:
             scale = 2.0 ** rng.integers(-149, 100, -(-size // k)).astype(np.float64)
             a = (rng.standard_normal(size) * np.repeat(scale, k)[:size]).astype(np.float32)
