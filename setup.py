@@ -16,8 +16,10 @@ EXTENSIONS = [
               extra_compile_args=["-O2", "-std=gnu11", "-Wall",
                                   "-Wno-declaration-after-statement"],
               optional=True),
-    # the worker's dense engine and its GIL-free socket loop
+    # the worker's engine (dense, and sparse in fastsparse.c, which it includes)
+    # and its GIL-free socket loop
     Extension("switchml.worker._fastengine", ["switchml/worker/_fastengine.c"], optional=True,
+              depends=["switchml/worker/fastsparse.c"],
               extra_compile_args=["-O3", "-std=c11", "-D_GNU_SOURCE", "-ffp-contract=off",
                                   "-fno-trapping-math"]),
 ]

@@ -1,13 +1,15 @@
-"""Worker CPU and time of a dense allreduce: the Python engine against the C engine.
+"""Worker CPU and time of an allreduce: the Python engine against the C engine.
 
 A switch in its own process, ``--workers`` worker processes on loopback; each
 runs ``--warmup`` then ``--repeats`` allreduces of ``--mib`` MiB of float32 (or
 int32), once with ``SWITCHML_PURE_PYTHON=1`` and once on the C engine.  Per
 engine it reports the slowest rank's median time per call and the workers' CPU
 (user + sys, of the whole worker process: the I/O thread is where the work is)
-per MiB summed, and writes everything as JSON.
+per MiB summed, and writes everything as JSON.  With ``--density`` the calls are
+sparse (OmniReduce) on block-sparse tensors of that block density.
 
     python bench/worker_core.py --mib 64 --workers 2 --packet-elements 2048
+    python bench/worker_core.py --mib 64 --workers 4 --density 0.1
 
 Loopback on a shared host: the switch and the workers compete for the same
 cores, so times say more about CPU than about a network.
@@ -36,9 +38,10 @@ from bench.common import make_tensor  # noqa: E402
 ENGINES = ("python", "c")
 
 
-def make_input(rank, elements, dtype):
-    """Rank ``rank``'s tensor: normal float32, or int32 integers from it."""
-    values = make_tensor(rank, elements)
+def make_input(rank, elements, dtype, density=None):
+    """Rank ``rank``'s tensor: normal float32 (block-sparse at ``density``), or int32
+    integers from it."""
+    values = make_tensor(rank, elements, density)
     return values if dtype == "float32" else (values * 1000).astype(np.int32)
 
 
@@ -49,19 +52,21 @@ def _switch_main(options, address_q, stop_ev):
         stop_ev.wait()
 
 
-def _worker_main(engine, address, rank, world, elements, dtype, warmup, repeats, job, report_q):
+def _worker_main(engine, address, rank, world, elements, dtype, density, warmup, repeats, job,
+                 report_q):
     os.environ["SWITCHML_PURE_PYTHON"] = "1" if engine == "python" else "0"
     import switchml
     from switchml.worker import compiled
-    data = make_input(rank, elements, dtype)
+    data = make_input(rank, elements, dtype, density)
     out = np.empty_like(data)
+    sparse = density is not None
     with switchml.Worker(address, rank, world, job=job, timeout=60) as w:
         for _ in range(warmup):
-            w.allreduce(data, out)
+            w.allreduce(data, out, sparse=sparse)
         times, cpu, system = [], [], []
         for _ in range(repeats):
             c0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-            w.allreduce(data, out)
+            w.allreduce(data, out, sparse=sparse)
             t1, c1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
             times.append(t1 - t0)
             cpu.append((c1.ru_utime - c0.ru_utime) + (c1.ru_stime - c0.ru_stime))
@@ -75,7 +80,8 @@ def run_engine(ctx, engine, address, args, elements):
     report_q = ctx.Queue()
     procs = [ctx.Process(target=_worker_main,
                          args=(engine, address, r, args.workers, elements, args.dtype,
-                               args.warmup, args.repeats, f"bench-{engine}", report_q))
+                               args.density, args.warmup, args.repeats, f"bench-{engine}",
+                               report_q))
              for r in range(args.workers)]
     for p in procs:
         p.start()
@@ -101,23 +107,25 @@ def run_engine(ctx, engine, address, args, elements):
     }
 
 
-def engine_only(engine, elements, dtype, packet_elements, slots, repeats):
+def engine_only(engine, elements, dtype, packet_elements, slots, repeats, density=None):
     """Seconds of CPU per call of the sans-IO engine alone, against a world-1 echo.
 
     For a job of one worker the switch returns each contribution as its result
     (its own values and exponent): turning the kind byte into "result" is the
     switch, so this times the engine's per-packet work without sockets or switch.
+    Sparse too: one worker's least next position is its own.
     """
     from switchml import wire
     from switchml.worker.engine import Session
-    data = make_input(0, elements, dtype)
+    data = make_input(0, elements, dtype, density)
     out = np.empty_like(data)
     session = Session(session=1, rank=0, world_size=1, slot_base=0, slot_count=slots,
-                      packet_elements=packet_elements)
+                      packet_elements=packet_elements, block_elements=block_of(packet_elements))
     cpu = []
     for _ in range(repeats):
         c0 = time.process_time()
-        op = session.allreduce(data, out, 0.0, compiled=engine == "c")
+        op = session.allreduce(data, out, 0.0, sparse=density is not None,
+                               compiled=engine == "c")
         pending = op.datagrams_to_send()
         while pending:
             for d in pending:
@@ -128,6 +136,11 @@ def engine_only(engine, elements, dtype, packet_elements, slots, repeats):
         assert op.done
         cpu.append(time.process_time() - c0)
     return float(statistics.median(cpu))
+
+
+def block_of(packet_elements):
+    """The switch's block: 256 values where they divide the packet (the sparse unit)."""
+    return 256 if packet_elements % 256 == 0 else packet_elements
 
 
 def main(argv=None):
@@ -141,6 +154,8 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--density", type=float, default=None,
+                        help="sparse calls on block-sparse tensors of this block density")
     parser.add_argument("--json", default=os.path.join(ROOT, "bench", "results",
                                                        "worker-core.json"))
     args = parser.parse_args(argv)
@@ -150,9 +165,8 @@ def main(argv=None):
     elements = int(args.mib * 2**20 / 4)
     ctx = mp.get_context("spawn")
     address_q, stop_ev = ctx.Queue(), ctx.Event()
-    options = {"packet_elements": args.packet_elements, "block_elements": 256
-               if args.packet_elements % 256 == 0 else args.packet_elements,
-               "slots_per_job": args.slots}
+    options = {"packet_elements": args.packet_elements,
+               "block_elements": block_of(args.packet_elements), "slots_per_job": args.slots}
     switch = ctx.Process(target=_switch_main, args=(options, address_q, stop_ev), daemon=True)
     switch.start()
     address = address_q.get(timeout=60)
@@ -163,7 +177,8 @@ def main(argv=None):
     finally:
         stop_ev.set()
         switch.join(10)
-    print(f"dense allreduce of {args.mib:g} MiB {args.dtype}, {args.workers} workers, "
+    kind = "dense" if args.density is None else f"sparse (density {args.density:g})"
+    print(f"{kind} allreduce of {args.mib:g} MiB {args.dtype}, {args.workers} workers, "
           f"{args.packet_elements} values a packet, loopback ({os.cpu_count()} cores)")
     print(f"{'engine':8} {'median s':>9} {'MiB/s':>8} {'CPU ms/MiB':>11} {'of it sys':>10} "
           f"{'retrans':>8}")
@@ -173,14 +188,15 @@ def main(argv=None):
               f"{sum(r['retransmissions']):8d}")
     record = {"argv": sys.argv[1:], "mib": args.mib, "workers": args.workers,
               "packet_elements": args.packet_elements, "slots": args.slots,
-              "dtype": args.dtype, "host": platform.node(), "cpus": os.cpu_count(),
+              "dtype": args.dtype, "density": args.density, "host": platform.node(),
+              "cpus": os.cpu_count(),
               "results": results}
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     mib = elements * 4 / 2**20
     print("the engine alone (sans-IO, a world-1 echo for the switch), CPU ms/MiB:")
     for engine in args.engines.split(","):
         seconds = engine_only(engine, elements, args.dtype, args.packet_elements, args.slots,
-                              max(1, args.repeats))
+                              max(1, args.repeats), args.density)
         record.setdefault("engine_only_cpu_ms_per_MiB", {})[engine] = seconds / mib * 1e3
         print(f"{engine:8} {seconds / mib * 1e3:11.3f}")
     with open(args.json, "w") as f:

@@ -128,7 +128,8 @@ class Simulation:
                                  progress_timeout=progress_timeout)
                          for r in range(world_size)]
         self.ops: list = []
-        self.compiled = compiled  # dense calls on the C engine (worker/compiled.py)
+        self.call_ops: list = []
+        self.compiled = compiled  # calls on the C engine (worker/compiled.py)
 
     @property
     def now(self) -> float:
@@ -144,7 +145,7 @@ class Simulation:
     def begin(self, arrays: list[np.ndarray], sparse: bool = False,
               wire_bits: int = 32) -> list[np.ndarray]:
         """Start an allreduce of ``arrays[r]`` on every rank r; return the outputs."""
-        outs = [np.empty_like(a) for a in arrays]
+        outs = [np.zeros_like(a) for a in arrays]  # zeros: chunks left unwritten are 0
         extra = {"compiled": True} if self.compiled else {}
         if wire_bits != 32:
             extra["wire_bits"] = wire_bits
@@ -165,19 +166,27 @@ class Simulation:
 
         Raises StalledSimulation when it takes more than ``max_time`` virtual seconds.
         """
-        give_up = self.now + max_time
-        outs = self.begin(arrays, sparse, wire_bits)
-        while not self.finished:
-            self.step(give_up, max_time)
-        chunks = getattr(self.ops[0], "nonfinite_chunks", None)
-        if chunks:  # the follow-up exchange, as Worker._run runs it
-            assert all(op.nonfinite_chunks == chunks for op in self.ops)
-            index = nonfinite.positions(chunks, self.ops[0].chunk_values, arrays[0].size)
+        outs = self._run_call(arrays, max_time, sparse, wire_bits, main=True)
+        ops = self.call_ops
+        chunks = getattr(ops[0], "nonfinite_chunks", None)
+        # The follow-up exchange, as Worker._run runs it.  Ranks disagree on the
+        # flagged chunks only after a forged result; they are left as they are then.
+        if chunks and all(op.nonfinite_chunks == chunks for op in ops):
+            index = nonfinite.positions(chunks, ops[0].chunk_values, arrays[0].size)
             parts = [nonfinite.split(a.reshape(-1), index) for a in arrays]
-            value_sums = self.allreduce([v for v, _ in parts], max_time, wire_bits=wire_bits)
-            code_sums = self.allreduce([c for _, c in parts], max_time)
+            value_sums = self._run_call([v for v, _ in parts], max_time, False, wire_bits)
+            code_sums = self._run_call([c for _, c in parts], max_time, False, 32)
             for out, v, c in zip(outs, value_sums, code_sums):
                 nonfinite.apply(out.reshape(-1), index, v, c)
+        return outs
+
+    def _run_call(self, arrays, max_time, sparse, wire_bits, main=False) -> list[np.ndarray]:
+        give_up = self.now + max_time
+        outs = self.begin(arrays, sparse, wire_bits)
+        if main:
+            self.call_ops = self.ops  # the call's own, not its follow-ups
+        while not self.finished:
+            self.step(give_up, max_time)
         return outs
 
     def step(self, give_up: float = float("inf"), max_time: float = float("inf")) -> None:

@@ -210,7 +210,7 @@ def test_c_engine_results_are_the_reference_sum_under_faults(dtype):
     sim = Simulation(world, slots=8, packet_elements=k, seed=2, compiled=True,
                      faults=Faults(loss=0.1, duplicate=0.1, jitter=0.01))
     outs = sim.allreduce(arrays, max_time=BIG_TIME)
-    assert isinstance(sim.ops[0], compiled.CompiledDenseAllreduce)
+    assert isinstance(sim.call_ops[0], compiled.CompiledDenseAllreduce)
     expected = reference_sum(arrays, k)
     for out in outs:
         assert out.tobytes() == expected.tobytes()

@@ -143,5 +143,5 @@ def test_the_c_engine_carries_the_16_bit_wire_as_python_does():
         sim = Simulation(3, slots=4, packet_elements=128, seed=4, compiled=on_c,
                          faults=Faults(loss=0.1, duplicate=0.1, jitter=0.001))
         runs.append(sim.allreduce(arrays, wire_bits=16, max_time=1e9))
-        assert isinstance(sim.ops[0], compiled.CompiledDenseAllreduce) == on_c
+        assert isinstance(sim.call_ops[0], compiled.CompiledDenseAllreduce) == on_c
     assert [o.tobytes() for o in runs[0]] == [o.tobytes() for o in runs[1]]

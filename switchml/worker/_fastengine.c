@@ -244,12 +244,16 @@ enum { COPY_SENT, COPY_FAST, COPY_PROBE };
 enum { COUNTER_RESULTS_IN, COUNTER_RETRANSMISSIONS, COUNTER_SPURIOUS, COUNTER_WINDOW_DECREASES,
        COUNTER_RANDOM_LOSSES, COUNTER_STALE, COUNTER_MALFORMED, COUNTER_FOREIGN,
        COUNTER_BYTES_SENT, COUNTER_BYTES_RECEIVED, COUNTER_FAST_RETRANSMISSIONS,
-       COUNTER_PROBE_RETRANSMISSIONS, COUNTER_COUNT };
+       COUNTER_PROBE_RETRANSMISSIONS, COUNTER_SPARSE_BLOCKS_SENT,
+       COUNTER_SPARSE_BLOCKS_RECEIVED, COUNTER_COUNT };
 
 static const char *counter_names[COUNTER_COUNT] = {
     "results_in", "retransmissions", "spurious_retransmissions", "window_decreases",
     "random_losses", "dropped_stale", "dropped_malformed", "dropped_foreign", "bytes_sent",
-    "bytes_received", "fast_retransmissions", "probe_retransmissions"};
+    "bytes_received", "fast_retransmissions", "probe_retransmissions", "sparse_blocks_sent",
+    "sparse_blocks_received"};
+
+struct SparseState; /* fastsparse.c */
 
 typedef struct {
     PyObject_HEAD
@@ -306,7 +310,12 @@ typedef struct {
     double *decreased_at; /* per slot: when its timeout halved the window, or NAN */
     int64_t counters[COUNTER_COUNT]; /* since the last export_state() */
     uint8_t *recv_buffers;           /* run_io's */
+    /* the sparse mode (sparse.py's SparseAllreduce): its state, NULL when dense */
+    struct SparseState *sp;
 } DenseCore;
+
+/* the sparse mode's own parts; the stream machinery below serves both */
+#include "fastsparse.c"
 
 static double rto(DenseCore *c, int backoff) {
     double base = c->rto_value > c->min_rto ? c->rto_value : c->min_rto;
@@ -428,10 +437,10 @@ static int number_send(DenseCore *c, int j) {
     return heap_push(&c->by_send, c->sends, j);
 }
 
-static int send_message(DenseCore *c, int j, double now) {
-    uint8_t *packet = c->packets + (size_t)j * c->packet_size;
-    int64_t m = c->round[j], W = c->width;
-    uint8_t *lanes = packet + HEADER_SIZE;
+/* DenseAllreduce._fill: records at ``lanes`` (the packet's table), values after
+ * them; returns the word count. */
+static int64_t dense_fill(DenseCore *c, int j, int64_t m, uint8_t *lanes) {
+    int64_t W = c->width;
     for (int lane = 0; lane < c->lanes; lane++) { /* blank records: exp says "zero" */
         uint8_t *record = lanes + (size_t)lane * LANE_SIZE;
         memset(record, 0, LANE_SIZE);
@@ -457,12 +466,19 @@ static int send_message(DenseCore *c, int j, double now) {
             memcpy(values, (const int32_t *)c->src.buf + chunk * c->k, (size_t)count * 4);
         }
     }
-    count = (count + c->per_word - 1) / c->per_word; /* words */
+    return (count + c->per_word - 1) / c->per_word; /* words */
+}
+
+static int send_message(DenseCore *c, int j, double now) {
+    uint8_t *packet = c->packets + (size_t)j * c->packet_size;
+    int64_t m = c->round[j], W = c->width;
+    uint8_t *lanes = packet + HEADER_SIZE;
+    int64_t count = c->sp ? sparse_fill(c, j, m, lanes) : dense_fill(c, j, m, lanes); /* words */
     put_u16(packet, MAGIC);
     packet[2] = VERSION;
     packet[3] = KIND_CONTRIBUTION;
     packet[4] = (uint8_t)c->dtype_code;
-    packet[5] = 0;
+    packet[5] = (uint8_t)(c->sp ? sparse_mode(c, j) : 0);
     put_u16(packet + 6, (uint16_t)(c->slot_base + j));
     put_u32(packet + 8, c->session);
     put_u32(packet + 12, c->slot_msgs[j]);
@@ -470,7 +486,8 @@ static int send_message(DenseCore *c, int j, double now) {
     put_u32(packet + 20, (uint32_t)(m * W + j));
     put_u16(packet + 24, (uint16_t)count);
     put_u16(packet + 26, (uint16_t)c->lanes);
-    put_u32(packet + 28, (uint32_t)(c->size & 0x7FFFFFFF)); /* wire.call_id: a dense call */
+    /* wire.call_id: the element count, bit 31 for a sparse call */
+    put_u32(packet + 28, (uint32_t)(c->size & 0x7FFFFFFF) | (c->sp ? 0x80000000u : 0));
     c->datagram_len[j] = (uint32_t)(HEADER_SIZE + LANE_SIZE * c->lanes + 4 * count);
     c->inflight[j] = 1;
     c->inflight_count++;
@@ -588,7 +605,9 @@ static int probe(DenseCore *c, int j, double now) {
     return outbox_add(c, j);
 }
 
-static int has_message(DenseCore *c, int j) { return c->round[j] < c->messages[j]; }
+static int has_message(DenseCore *c, int j) {
+    return c->sp ? sparse_has_message(c, j) : c->round[j] < c->messages[j];
+}
 
 /* Stream._lowest_in_flight; -1 when none is. */
 static int64_t lowest_in_flight(DenseCore *c) {
@@ -627,7 +646,32 @@ static int send_ready(DenseCore *c, double now) {
     return 0;
 }
 
-/* Stream.receive_datagram + DenseAllreduce._result_fits/_absorb. -1: out of memory. */
+/* DenseAllreduce._absorb */
+static void dense_absorb(DenseCore *c, int j, int64_t m, const uint8_t *data, int64_t count) {
+    int64_t chunk = j + (m - c->lag) * c->width;
+    if (count && c->is_float && c->global_exp[j] == EXP_NONFINITE) {
+        c->nonfinite[chunk] = 1; /* untouched: the input stays for the follow-up */
+    } else if (count && c->per_word == 2) { /* quant.dequantize16_into */
+        const uint16_t *halves = (const uint16_t *)(data + HEADER_SIZE + LANE_SIZE * c->lanes);
+        int64_t n = chunk_count(c, chunk);
+        int32_t bias = (int32_t)c->world_size << c->bits;
+        for (int64_t i = 0; i < n; i++)
+            c->wide[i] = (int32_t)halves[i] - bias;
+        dequantize_into(c->wide, n, c->global_exp[j], c->bits, (float *)c->out.buf + chunk * c->k);
+    } else if (count) {
+        const int32_t *values = (const int32_t *)(data + HEADER_SIZE + LANE_SIZE * c->lanes);
+        if (c->is_float) {
+            dequantize_into(values, count, c->global_exp[j], c->bits,
+                            (float *)c->out.buf + chunk * c->k);
+        } else {
+            memcpy((int32_t *)c->out.buf + chunk * c->k, values, (size_t)count * 4);
+        }
+    }
+    c->global_exp[j] = (int16_t)get_u16(data + HEADER_SIZE + 8);
+}
+
+/* Stream.receive_datagram + the call's _result_fits/_absorb (dense here, sparse in
+ * fastsparse.c). -1: out of memory. */
 static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now) {
     if (len < HEADER_SIZE) {
         c->counters[COUNTER_MALFORMED]++;
@@ -651,11 +695,16 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
     int fits = c->inflight[j] && get_u32(data + 16) == c->seq &&
                get_u32(data + 12) == c->slot_msgs[j] &&
                (int64_t)get_u32(data + 20) == m * c->width + j && dtype == c->dtype_code &&
-               mode == 0 && lanes == c->lanes &&
+               lanes == c->lanes;
+    if (fits && c->sp) {
+        fits = sparse_result_fits(c, j, data, mode, count);
+    } else if (fits) {
+        fits = mode == 0 &&
                count == (chunk_count(c, j + (m - c->lag) * c->width) + c->per_word - 1) /
                             c->per_word;
+    }
     int exponent = 0;
-    if (fits) {
+    if (fits && !c->sp) {
         exponent = (int16_t)get_u16(data + HEADER_SIZE + 8);
         if (c->is_float && !((exponent >= LEAST_EXPONENT && exponent <= GREATEST_EXPONENT) ||
                              exponent == EXP_ZERO || exponent == EXP_NONFINITE))
@@ -680,27 +729,10 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
     }
     window_on_result(c, c->inflight_count >= window_allowed(c));
     c->last_progress = now;
-    /* absorb */
-    int64_t chunk = j + (m - c->lag) * c->width;
-    if (count && c->is_float && c->global_exp[j] == EXP_NONFINITE) {
-        c->nonfinite[chunk] = 1; /* untouched: the input stays for the follow-up */
-    } else if (count && c->per_word == 2) { /* quant.dequantize16_into */
-        const uint16_t *halves = (const uint16_t *)(data + HEADER_SIZE + LANE_SIZE * lanes);
-        int64_t n = chunk_count(c, chunk);
-        int32_t bias = (int32_t)c->world_size << c->bits;
-        for (int64_t i = 0; i < n; i++)
-            c->wide[i] = (int32_t)halves[i] - bias;
-        dequantize_into(c->wide, n, c->global_exp[j], c->bits, (float *)c->out.buf + chunk * c->k);
-    } else if (count) {
-        const int32_t *values = (const int32_t *)(data + HEADER_SIZE + LANE_SIZE * lanes);
-        if (c->is_float) {
-            dequantize_into(values, count, c->global_exp[j], c->bits,
-                            (float *)c->out.buf + chunk * c->k);
-        } else {
-            memcpy((int32_t *)c->out.buf + chunk * c->k, values, (size_t)count * 4);
-        }
-    }
-    c->global_exp[j] = (int16_t)get_u16(data + HEADER_SIZE + 8);
+    if (c->sp)
+        sparse_absorb(c, j, m, data);
+    else
+        dense_absorb(c, j, m, data, count);
     c->slot_msgs[j] = c->slot_msgs[j] + 1;
     c->round[j] = m + 1;
     c->inflight[j] = 0;
@@ -718,8 +750,11 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
             return -1;
     } else {
         c->remaining--;
-        if (!c->remaining)
+        if (!c->remaining) {
+            if (c->sp)
+                sparse_finish(c);
             return 0;
+        }
     }
     if (send_ready(c, now) < 0)
         return -1;
@@ -796,6 +831,7 @@ static void core_dealloc(DenseCore *c) {
     PyMem_RawFree(c->fast_copies);
     PyMem_RawFree(c->copy);
     PyMem_RawFree(c->recv_buffers);
+    sparse_free(c->sp);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
 
@@ -803,22 +839,26 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"src", "out", "is_float", "session", "slot_base", "width",
                              "packet_elements", "lanes", "bits", "seq", "slot_msgs", "now",
                              "progress_timeout", "rtt", "window", "wire_bits", "world_size",
+                             "sparse", "block_elements",
                              NULL};
     PyObject *src, *out, *slot_msgs, *rtt_state, *window_state;
     int is_float, wire_bits = 32;
     unsigned int session, seq;
     long long k;
     double now;
+    int sparse = 0;
+    long long block_elements = 0;
     c->world_size = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOpIiiLiiIOddOO|ii", kwlist, &src, &out,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOpIiiLiiIOddOO|iipL", kwlist, &src, &out,
                                      &is_float, &session, &c->slot_base, &c->width, &k,
                                      &c->lanes, &c->bits, &seq, &slot_msgs, &now,
                                      &c->progress_timeout, &rtt_state, &window_state,
-                                     &wire_bits, &c->world_size))
+                                     &wire_bits, &c->world_size, &sparse, &block_elements))
         return -1;
-    if ((wire_bits != 32 && wire_bits != 16) || (wire_bits == 16 && !is_float) ||
+    if ((wire_bits != 32 && wire_bits != 16) || (wire_bits == 16 && (!is_float || sparse)) ||
         c->world_size < 1) {
-        PyErr_SetString(PyExc_ValueError, "wire_bits: 32, or 16 for floats; world_size >= 1");
+        PyErr_SetString(PyExc_ValueError,
+                        "wire_bits: 32, or 16 for dense floats; world_size >= 1");
         return -1;
     }
     c->per_word = wire_bits == 16 ? 2 : 1;
@@ -834,6 +874,11 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
     c->have_out = 1;
     if (c->src.len != c->out.len || c->src.len % 4 || k < 1 || c->width < 0 || c->lanes < 1) {
         PyErr_SetString(PyExc_ValueError, "src and out: buffers of the same size, of 4-byte values");
+        return -1;
+    }
+    /* sparse: chunk c is blocks c*lanes .. c*lanes + lanes - 1 (sparse.py) */
+    if (sparse && (block_elements < 1 || block_elements * c->lanes != k)) {
+        PyErr_SetString(PyExc_ValueError, "sparse: packet_elements must be lanes * block_elements");
         return -1;
     }
     c->is_float = is_float;
@@ -897,12 +942,16 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
         c->deadline[j] = INFINITY;
         c->decreased_at[j] = NAN;
     }
-    if (is_float) {
+    if (is_float && !sparse) { /* sparse_init computes them in its own pass */
         const float *values = c->src.buf;
         Py_BEGIN_ALLOW_THREADS
         for (int64_t chunk = 0; chunk < c->chunks; chunk++)
             c->local_exp[chunk] = chunk_exponent(values + chunk * c->k, chunk_count(c, chunk));
         Py_END_ALLOW_THREADS
+    }
+    if (sparse && sparse_init(c, block_elements) < 0) {
+        PyErr_NoMemory();
+        return -1;
     }
     c->remaining = W;
     c->last_progress = now;
@@ -1262,7 +1311,8 @@ static PyGetSetDef core_getset[] = {
 static PyTypeObject DenseCoreType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "switchml.worker._fastengine.DenseCore",
-    .tp_doc = "The dense allreduce state machine of engine.DenseAllreduce, in C.",
+    .tp_doc = "The allreduce state machine of engine.DenseAllreduce, in C; with sparse=True "
+              "sparse.SparseAllreduce's.",
     .tp_basicsize = sizeof(DenseCore),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,

@@ -483,7 +483,7 @@ class Worker:
     def _run_once(self, src: np.ndarray, out: np.ndarray, sparse: bool, bits: int):
         """Drive one call to its end; returns its state machine."""
         # The C loop drives a real socket by its descriptor (not a wrapper of one).
-        use_c = not sparse and compiled.enabled() and isinstance(self._udp, socket.socket)
+        use_c = compiled.enabled() and isinstance(self._udp, socket.socket)
         op = self.session.allreduce(src, out, time.monotonic(), sparse, compiled=use_c,
                                     wire_bits=bits)
         if isinstance(op, compiled.CompiledDenseAllreduce):
@@ -529,9 +529,9 @@ class Worker:
         return op
 
     def _run_compiled(self, op, out: np.ndarray) -> np.ndarray:
-        """The dense call on the C engine: it receives, absorbs and sends without the
-        GIL (recvmmsg, sendmmsg) and comes back when the control connection has
-        news, when the call stalled, or every ``IO_SLICE`` seconds."""
+        """The call (dense or sparse) on the C engine: it receives, absorbs and sends
+        without the GIL (recvmmsg, sendmmsg) and comes back when the control
+        connection has news, when the call stalled, or every ``IO_SLICE`` seconds."""
         address = self._data_address
         while True:
             control_fd = self._control.fileno() if self._control_open else -1

@@ -1,11 +1,14 @@
-"""The dense allreduce on the compiled engine (``_fastengine.c``), when it is built.
+"""The allreduce on the compiled engine (``_fastengine.c``), when it is built.
 
 ``CompiledDenseAllreduce`` has ``DenseAllreduce``'s sans-IO API and produces the
-same datagrams, results and counters (tests/test_fastengine.py); ``run_io``
-drives it on a socket without the GIL.  The Session's state that lives across
-calls (message numbers, RTT estimate, window, counters) is handed to the C core
-at the start and written back when the call ends (done or stalled) and whenever
-``run_io`` returns, so the Python and the C engine can take turns on one session.
+same datagrams, results and counters (tests/test_fastengine.py);
+``CompiledSparseAllreduce`` is ``SparseAllreduce`` the same way, on the same C
+stream machinery in its sparse mode (``fastsparse.c``, tests/test_fastsparse.py).
+``run_io`` drives either on a socket without the GIL.  The Session's state that
+lives across calls (message numbers, RTT estimate, window, counters) is handed
+to the C core at the start and written back when the call ends (done or
+stalled) and whenever ``run_io`` returns, so the Python and the C engine can
+take turns on one session.
 
 ``SWITCHML_PURE_PYTHON=1`` makes the worker use the Python engine only.
 """
@@ -28,7 +31,7 @@ IO_DONE, IO_STALLED, IO_CONTROL, IO_SLICE = 0, 1, 2, 3
 
 
 def enabled() -> bool:
-    """Whether the worker should use the compiled engine for dense calls."""
+    """Whether the worker should use the compiled engine."""
     return _fastengine is not None and not pure_python()
 
 
@@ -39,8 +42,19 @@ def supports(session: Session) -> bool:
             and type(session.window) is CongestionWindow)
 
 
+def supports_sparse(session: Session) -> bool:
+    """``supports``, for sparse calls: the C core takes chunk c to be blocks
+    c*lanes .. c*lanes + lanes - 1, as sparse.py does, so a packet must be whole
+    blocks (a Session whose packet is not is left to the Python engine)."""
+    return (supports(session)
+            and session.packet_elements == session.lanes * session.block_elements)
+
+
 class CompiledDenseAllreduce:
     """``DenseAllreduce`` with its state machine in C."""
+
+    #: The C core's mode: SparseAllreduce's rounds instead of the dense stream.
+    SPARSE = False
 
     def __init__(self, session: Session, array: np.ndarray, out: np.ndarray, seq: int,
                  now: float, wire_bits: int = 32):
@@ -61,7 +75,10 @@ class CompiledDenseAllreduce:
             window=(window.cwnd, window.ssthresh, window._last_decrease, window.limit,
                     window._undo is not None, *(window._undo or (0.0, 0.0, 0.0)),
                     window._epoch_start, window._epoch_min, window._queue_at, window._clear_at),
-            wire_bits=wire_bits, world_size=session.world_size)
+            wire_bits=wire_bits, world_size=session.world_size,
+            # Sparse: W = min(slots, ceil(blocks / lanes)) is min(slots, chunks) too,
+            # a packet being whole blocks (supports_sparse).
+            sparse=self.SPARSE, block_elements=session.block_elements)
         self.width = self._core.width
         self.chunk_values = 2 * k if wire_bits == 16 else k
         self.sync()
@@ -138,3 +155,9 @@ class CompiledDenseAllreduce:
             return self._core.run_io(udp.fileno(), address, control_fd, slice_s)
         finally:
             self.sync()
+
+
+class CompiledSparseAllreduce(CompiledDenseAllreduce):
+    """``SparseAllreduce`` with its state machine in C: the same API and driver."""
+
+    SPARSE = True

@@ -125,9 +125,9 @@ class Session:
                   compiled: bool = False, wire_bits: int = 32):
         """Start an allreduce of ``array`` into ``out``; returns its state machine.
 
-        ``compiled``: a dense call runs on the C engine (``compiled.py``) when it
-        is built; the same datagrams and results either way.  ``wire_bits=16``:
-        a dense float32 call on the 16-bit wire (``DenseAllreduce``).
+        ``compiled``: the call runs on the C engine (``compiled.py``) when it is
+        built; the same datagrams and results either way.  ``wire_bits=16``: a
+        dense float32 call on the 16-bit wire (``DenseAllreduce``).
         """
         if wire_bits == 16:
             if sparse or array.dtype != np.float32:
@@ -141,7 +141,10 @@ class Session:
             return op
         if wire_bits != 32:
             raise ValueError(f"wire_bits must be 32 or 16, not {wire_bits!r}")
-        if sparse:
+        if sparse and compiled and _compiled_supports(self, sparse=True):
+            from .compiled import CompiledSparseAllreduce
+            op = CompiledSparseAllreduce(self, array, out, self.next_seq, now)
+        elif sparse:
             from .sparse import SparseAllreduce
             op = SparseAllreduce(self, array, out, self.next_seq, now)
         elif compiled and _compiled_supports(self):
@@ -153,9 +156,9 @@ class Session:
         return op
 
 
-def _compiled_supports(session: Session) -> bool:
-    from .compiled import supports  # imported late: compiled.py imports this module
-    return supports(session)
+def _compiled_supports(session: Session, sparse: bool = False) -> bool:
+    from .compiled import supports, supports_sparse  # late: compiled.py imports this module
+    return supports_sparse(session) if sparse else supports(session)
 
 
 class Stream:
