@@ -55,6 +55,24 @@ def test_ddp_on_switchml_matches_gloo(world):
     assert all(r["switch_results"] == 0 for r in theirs)
 
 
+def test_new_group_shares_the_jobs_switch():
+    """Without SWITCHML_SWITCH, every group of a job (new_group, whichever rank is its
+    rank 0) is a job on one switch: one process, one port, not one per group (was 7
+    switch processes for the default group and 6 new_groups, on ranks 0 and 1)."""
+    results = launch(3, "groups", "switchml")
+    addresses = {tuple(a) for r in results for a in r["addresses"]}
+    assert len(addresses) == 1, addresses
+    assert sum(r["switches"] for r in results) == 1
+    assert results[0]["switches"] == 1  # rank 0 runs it
+    # sums per group: the world (6), [1,2] (5), [0,2] (4), [0,1] (3), the world, [2,1]
+    assert results[0]["sums"] == [6.0, 4.0, 3.0, 6.0, 9.0]
+    assert results[1]["sums"] == [6.0, 5.0, 3.0, 6.0, 5.0, 9.0]
+    assert results[2]["sums"] == [6.0, 5.0, 4.0, 6.0, 5.0, 9.0]
+    # destroying three groups leaves the switch to the rest; destroying all stops it
+    assert results[0]["switches_after_destroy"] == 1
+    assert all(r["switches_at_end"] == 0 for r in results)
+
+
 def test_every_collective_works_through_the_backend():
     world = 3
     for rank, out in enumerate(launch(world, "collectives", "switchml")):

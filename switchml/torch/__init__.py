@@ -7,8 +7,9 @@ allreduce SUM and AVG of float32 and int32 tensors go through the switch (CUDA
 tensors staged through host memory); every other collective, op and dtype goes to
 an inner gloo group, which is registered as this group's backend for its devices,
 so any torch code runs unchanged.  The switch is ``SWITCHML_SWITCH`` when set;
-otherwise rank 0 of each group starts a switch in a child process and publishes
-its address through the store.  ``SWITCHML_SPARSE`` (false, true or auto: the
+otherwise the first group's rank 0 starts one in a child process, publishes its
+address through the store, and every later group (``new_group``) of the job uses
+the same switch, a job of its own on it.  ``SWITCHML_SPARSE`` (false, true or auto: the
 default) picks the dense or sparse path.
 
 ``allreduce_hook`` is a DDP communication hook for users who keep their gloo or
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from ..config import env
+from ..config import DEFAULT_MAX_JOBS, DEFAULT_SLOTS_PER_JOB, env
 from ..errors import SwitchMLError
 from ..switch.process import SwitchProcess
 from ..worker.client import Worker
@@ -72,19 +73,73 @@ def _embedded_switch() -> SwitchProcess:
     return SwitchProcess(host=env("HOST", "127.0.0.1")).start()
 
 
-def _connect(store, rank: int, size: int, timeout: float) -> tuple[Worker, SwitchProcess | None]:
-    """Join a job named through ``store``; rank 0 starts a switch when none is configured."""
-    embedded = None
+class _JobSwitch:
+    """The one switch of a job without ``SWITCHML_SWITCH``, shared by all its groups.
+
+    The first switchml group's rank 0 starts it (a child process with room for
+    ``max_jobs`` groups at ``slots_per_job`` slots each; pages of slots no group
+    uses are never touched) and publishes its address through the group's store;
+    every rank remembers the address it read, so the rank 0 of any later group
+    (``new_group``, whichever global rank it is) publishes the same switch.  The
+    process that started it stops it when its last group using it shuts down (or
+    when it exits); a later ``init_process_group`` starts a new one.
+    """
+
+    def __init__(self):
+        self.address: str | None = None  # the last job switch this process heard of
+        self.process: SwitchProcess | None = None  # the one this process started
+        self.users = 0  # this process's groups on self.process
+
+    def address_to_publish(self) -> tuple[str, bool]:
+        """(address, ours): the switch for a new group whose rank 0 this process is."""
+        if self.address is None:
+            self.process = SwitchProcess(host=env("HOST", "127.0.0.1"),
+                                         slots=DEFAULT_SLOTS_PER_JOB * DEFAULT_MAX_JOBS,
+                                         slots_per_job=DEFAULT_SLOTS_PER_JOB,
+                                         max_jobs=DEFAULT_MAX_JOBS).start()
+            self.address = "%s:%d" % self.process.address
+        return self.address, self.uses(self.address)
+
+    def uses(self, address: str) -> bool:
+        """Note a group on ``address``: True when it is the switch this process runs."""
+        self.address = address
+        ours = self.process is not None and address == "%s:%d" % self.process.address
+        self.users += ours
+        return ours
+
+    def release(self) -> None:
+        """One of this process's groups on its own switch shut down."""
+        self.users -= 1
+        if self.users <= 0 and self.process is not None:
+            process, self.process, self.address, self.users = self.process, None, None, 0
+            process.stop()
+
+
+_JOB_SWITCH = _JobSwitch()
+
+
+def _connect(store, rank: int, size: int, timeout: float) -> tuple[Worker, bool]:
+    """Join a job named through ``store``: (the worker, whether this process runs its
+    switch).  With ``SWITCHML_SWITCH`` unset, every group of the job shares one switch
+    (``_JobSwitch``)."""
+    configured = env("SWITCH", None)
+    ours = False
     if rank == 0:
-        address = env("SWITCH", None)
+        address = configured
         if address is None:
-            embedded = _embedded_switch()
-            address = "%s:%d" % embedded.address
+            address, ours = _JOB_SWITCH.address_to_publish()
         store.set("switchml/address", address)
         store.set("switchml/job", "torch-" + secrets.token_hex(6))
     address = store.get("switchml/address").decode()
     job = store.get("switchml/job").decode()
-    return Worker(address, rank, size, job=job, timeout=timeout), embedded
+    if configured is None and rank != 0:
+        ours = _JOB_SWITCH.uses(address)
+    try:
+        return Worker(address, rank, size, job=job, timeout=timeout), ours
+    except BaseException:
+        if ours:
+            _JOB_SWITCH.release()
+        raise
 
 
 class _SwitchWork(dist._Work):
@@ -182,8 +237,8 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
         for device in _DEVICES:
             self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.GLOO,
                                    self._gloo)
-        self._worker, self._switch = _connect(dist.PrefixStore("switchml", store), rank, size,
-                                              seconds)
+        self._worker, self._on_own_switch = _connect(dist.PrefixStore("switchml", store), rank,
+                                                     size, seconds)
         self._sparse = sparse_mode()
 
     def getBackendName(self) -> str:
@@ -273,8 +328,9 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         self._worker.close()
-        if self._switch is not None:
-            self._switch.stop()
+        if self._on_own_switch:
+            self._on_own_switch = False
+            _JOB_SWITCH.release()
 
 
 def _create(store, rank, size, timeout):
