@@ -263,8 +263,11 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
                     and not tensors[0].is_contiguous()):
                 return self._gloo_on_a_copy(tensors, opts)
             # detached views share the storage: gloo's in-place AVG would refuse a
-            # requires_grad leaf, which a sum through the switch takes
-            return self._gloo.allreduce([t.detach() for t in tensors], opts)
+            # requires_grad leaf, which a sum through the switch takes.  Not a sparse
+            # tensor: gloo writes its sum (new indices and values) into the tensor
+            # object it is given, which a detached alias would keep to itself.
+            return self._gloo.allreduce([t.detach() if t.layout == torch.strided else t
+                                         for t in tensors], opts)
         t = tensors[0]
         staged = _to_host(t)
         array = _as_array(staged)
