@@ -47,7 +47,7 @@ torch.backends.cuda.matmul.allow_tf32 = False
 
 #: Tests torch skips for any backend not named in a hard-coded set (mostly
 #: ``BACKEND != "gloo"``), and that pass on gloo here (their other conditions, CUDA
-#: or world size, hold).  The switchml backend claims gloo's behaviour for them, so
+#: or world size, hold: WORLD_SIZE 3 or 8).  The switchml backend claims gloo's behaviour for them, so
 #: it runs them too: only their skip marks (which skip_but_pass_in_sandcastle sets
 #: as attributes on the function) go; their bodies are torch's, with BACKEND as set.
 GATED_BY_NAME = (
@@ -75,6 +75,14 @@ GATED_BY_NAME = (
     "test_monitored_barrier_gloo_subgroup",
     "test_scatter_object_list",
     "test_sparse_all_reduce_sum",
+    # run from WORLD_SIZE=8 on (torch's [1, 2]-subgroup tests)
+    "test_all_reduce_coalesced_group_max",
+    "test_all_reduce_coalesced_group_min",
+    "test_all_reduce_coalesced_group_product",
+    "test_all_reduce_coalesced_group_sum",
+    "test_barrier_timeout_group",
+    "test_monitored_barrier_failure_order",
+    "test_monitored_barrier_wait_all_ranks",
 )
 
 #: Tests whose bodies pick their model and device by the backend's name (gloo and

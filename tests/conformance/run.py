@@ -2,6 +2,8 @@
 
     python tests/conformance/run.py                      # the whole suite, both backends
     python tests/conformance/run.py -k "all_reduce"      # a pytest -k selection
+    python tests/conformance/run.py --tests test_barrier # these tests (exact names)
+    python tests/conformance/run.py --world 8 -k group   # WORLD_SIZE (default 3)
     python tests/conformance/run.py --out DIR            # where the reports go
 
 Each backend runs ``tests/conformance/dist_suite.py`` under pytest (``WORLD_SIZE=3``)
@@ -42,7 +44,8 @@ def _needs_shim() -> bool:
 
 
 def run_backend(backend: str, out: str, select: str | None, world: int, start: str,
-                timeout: int, extra: list[str]) -> tuple[dict, float]:
+                timeout: int, extra: list[str], tests: list[str] | None = None
+                ) -> tuple[dict, float]:
     """Run the suite on ``backend``; {test: (outcome, message)} and the wall time."""
     xml = os.path.join(out, f"{backend}.xml")
     log = os.path.join(out, f"{backend}.log")
@@ -56,7 +59,9 @@ def run_backend(backend: str, out: str, select: str | None, world: int, start: s
                    DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=str(timeout),
                    OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         env.pop("SWITCHML_SWITCH", None)  # the backend's own switch, one for the job
-        cmd = [sys.executable, "-m", "pytest", SUITE, "-q", "-p", "no:cacheprovider",
+        targets = ([f"{SUITE}::TestDistBackendWithSpawn::{name}" for name in tests]
+                   if tests else [SUITE])
+        cmd = [sys.executable, "-m", "pytest", *targets, "-q", "-p", "no:cacheprovider",
                "-o", "addopts=", "-rN", f"--junitxml={xml}", *extra]
         if select:
             cmd += ["-k", select]
@@ -95,7 +100,7 @@ def compare(runs: dict) -> tuple[list, list, list]:
         differs = g == "pass" and s != "pass"
         if differs and name not in EXCEPTIONS:
             unexplained.append(name)
-        if name in EXCEPTIONS and not differs and name in gloo:
+        if name in EXCEPTIONS and g == "pass" and s == "pass":
             stale.append(name)
         rows.append((name, g, s, EXCEPTIONS.get(name, "") if differs else ""))
     return rows, unexplained, stale
@@ -108,9 +113,10 @@ def counts(results: dict) -> dict:
     return c
 
 
-def write_report(out: str, runs: dict, walls: dict, rows, unexplained, stale, select) -> str:
+def write_report(out: str, runs: dict, walls: dict, rows, unexplained, stale, select,
+                 world: int, start: str) -> str:
     lines = ["# torch DistributedTest: gloo vs switchml", "",
-             f"WORLD_SIZE={os.environ.get('WORLD_SIZE', '3')}, selection: "
+             f"WORLD_SIZE={world}, ranks started by {start}, selection: "
              f"{select or 'the whole suite'}", "",
              "| backend | pass | fail | skip | wall |", "|---|---|---|---|---|"]
     for b in BACKENDS:
@@ -142,21 +148,25 @@ def main(argv=None) -> int:
                    help="how each test's ranks start (spawn: torch's way, ~10x slower)")
     p.add_argument("--timeout", type=int, default=180, help="seconds a test may take")
     p.add_argument("--backends", nargs="+", default=list(BACKENDS))
+    p.add_argument("--tests", nargs="+", help="run these tests (exact names) only")
     args, extra = p.parse_known_args(argv)
     os.makedirs(args.out, exist_ok=True)
     runs, walls = {}, {}
     for backend in args.backends:
         runs[backend], walls[backend] = run_backend(backend, args.out, args.select, args.world,
-                                                    args.start, args.timeout, extra)
+                                                    args.start, args.timeout, extra,
+                                                    args.tests)
         c = counts(runs[backend])
         print(f"{backend}: {c['pass']} passed, {c['fail']} failed, {c['skip']} skipped "
               f"in {walls[backend]:.0f} s", flush=True)
     if set(BACKENDS) - set(runs):
         return 0
     rows, unexplained, stale = compare(runs)
-    if args.select:
+    if args.select or args.tests:
         stale = []  # a selection does not run every listed test
-    path = write_report(args.out, runs, walls, rows, unexplained, stale, args.select)
+    selection = args.select or (" ".join(args.tests) if args.tests else None)
+    path = write_report(args.out, runs, walls, rows, unexplained, stale, selection, args.world,
+                        args.start)
     print(f"comparison: {path}")
     for name in unexplained:
         print(f"NOT CONFORMING: {name} passes on gloo, switchml: "
