@@ -15,9 +15,16 @@ JOB = os.path.join(os.path.dirname(__file__), "torch_job.py")
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port whose successor is free too (a job may begin again on port + 1)."""
+    while True:
+        with socket.socket() as s, socket.socket() as t:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            try:
+                t.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
 
 
 def launch(world, *args, timeout=120, env=None):
@@ -71,6 +78,7 @@ def test_new_group_shares_the_jobs_switch():
     # destroying three groups leaves the switch to the rest; destroying all stops it
     assert results[0]["switches_after_destroy"] == 1
     assert all(r["switches_at_end"] == 0 for r in results)
+    assert [r.get("again") for r in results] == [None, 3.0, 3.0]
 
 
 def test_every_collective_works_through_the_backend():

@@ -198,6 +198,19 @@ def main():
     dist.destroy_process_group()
     if scenario == "groups":  # the job's switch stops with its groups
         result["switches_at_end"] = _switch_children()
+        # a job begun again, switchml on a subgroup only: rank 1 (its rank 0) must
+        # start a switch, not publish the one that stopped
+        # (a store of its own: the first one's keys would outlive it on its port)
+        dist.init_process_group("gloo", init_method="tcp://%s:%d" % (
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1),
+            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        g = dist.new_group([1, 2], backend="switchml")
+        if dist.get_rank() in (1, 2):
+            t = torch.full((1000,), float(dist.get_rank()))
+            dist.all_reduce(t, group=g)
+            result["again"] = t[0].item()
+        dist.barrier()
+        dist.destroy_process_group()
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -80,65 +80,61 @@ class _JobSwitch:
     ``max_jobs`` groups at ``slots_per_job`` slots each; pages of slots no group
     uses are never touched) and publishes its address through the group's store;
     every rank remembers the address it read, so the rank 0 of any later group
-    (``new_group``, whichever global rank it is) publishes the same switch.  The
-    process that started it stops it when its last group using it shuts down (or
-    when it exits); a later ``init_process_group`` starts a new one.
+    (``new_group``, whichever global rank it is) publishes the same switch.  When a
+    process's last switchml group shuts down it forgets the address, and stops the
+    switch if it runs it (its exit stops it too); a later ``init_process_group``
+    starts a new one.
     """
 
     def __init__(self):
-        self.address: str | None = None  # the last job switch this process heard of
-        self.process: SwitchProcess | None = None  # the one this process started
-        self.users = 0  # this process's groups on self.process
+        self.address: str | None = None  # the job's switch, while this process has groups
+        self.process: SwitchProcess | None = None  # the switch, when this process runs it
+        self.groups = 0  # this process's live groups on it
 
-    def address_to_publish(self) -> tuple[str, bool]:
-        """(address, ours): the switch for a new group whose rank 0 this process is."""
+    def publish(self) -> str:
+        """The address a new group's rank 0 publishes: the job's switch, started if none."""
         if self.address is None:
             self.process = SwitchProcess(host=env("HOST", "127.0.0.1"),
                                          slots=DEFAULT_SLOTS_PER_JOB * DEFAULT_MAX_JOBS,
                                          slots_per_job=DEFAULT_SLOTS_PER_JOB,
                                          max_jobs=DEFAULT_MAX_JOBS).start()
             self.address = "%s:%d" % self.process.address
-        return self.address, self.uses(self.address)
+        return self.address
 
-    def uses(self, address: str) -> bool:
-        """Note a group on ``address``: True when it is the switch this process runs."""
+    def joined(self, address: str) -> None:
         self.address = address
-        ours = self.process is not None and address == "%s:%d" % self.process.address
-        self.users += ours
-        return ours
+        self.groups += 1
 
-    def release(self) -> None:
-        """One of this process's groups on its own switch shut down."""
-        self.users -= 1
-        if self.users <= 0 and self.process is not None:
-            process, self.process, self.address, self.users = self.process, None, None, 0
-            process.stop()
+    def left(self) -> None:
+        self.groups -= 1
+        if self.groups <= 0:
+            process, self.process, self.address, self.groups = self.process, None, None, 0
+            if process is not None:
+                process.stop()
 
 
 _JOB_SWITCH = _JobSwitch()
 
 
 def _connect(store, rank: int, size: int, timeout: float) -> tuple[Worker, bool]:
-    """Join a job named through ``store``: (the worker, whether this process runs its
-    switch).  With ``SWITCHML_SWITCH`` unset, every group of the job shares one switch
-    (``_JobSwitch``)."""
+    """Join a job named through ``store``: (the worker, whether it is on the job's
+    shared switch).  With ``SWITCHML_SWITCH`` unset, every group of the job shares one
+    switch (``_JobSwitch``)."""
     configured = env("SWITCH", None)
-    ours = False
     if rank == 0:
-        address = configured
-        if address is None:
-            address, ours = _JOB_SWITCH.address_to_publish()
-        store.set("switchml/address", address)
+        store.set("switchml/address", configured if configured is not None
+                  else _JOB_SWITCH.publish())
         store.set("switchml/job", "torch-" + secrets.token_hex(6))
     address = store.get("switchml/address").decode()
     job = store.get("switchml/job").decode()
-    if configured is None and rank != 0:
-        ours = _JOB_SWITCH.uses(address)
+    shared = configured is None
+    if shared:
+        _JOB_SWITCH.joined(address)
     try:
-        return Worker(address, rank, size, job=job, timeout=timeout), ours
+        return Worker(address, rank, size, job=job, timeout=timeout), shared
     except BaseException:
-        if ours:
-            _JOB_SWITCH.release()
+        if shared:
+            _JOB_SWITCH.left()
         raise
 
 
@@ -237,7 +233,7 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
         for device in _DEVICES:
             self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.GLOO,
                                    self._gloo)
-        self._worker, self._on_own_switch = _connect(dist.PrefixStore("switchml", store), rank,
+        self._worker, self._on_job_switch = _connect(dist.PrefixStore("switchml", store), rank,
                                                      size, seconds)
         self._sparse = sparse_mode()
 
@@ -331,9 +327,9 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         self._worker.close()
-        if self._on_own_switch:
-            self._on_own_switch = False
-            _JOB_SWITCH.release()
+        if self._on_job_switch:
+            self._on_job_switch = False
+            _JOB_SWITCH.left()
 
 
 def _create(store, rank, size, timeout):
