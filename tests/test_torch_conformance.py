@@ -32,7 +32,8 @@ SUBSET = {
         "test_broadcast", "test_all_gather", "test_reduce_sum", "test_scatter_object_list",
     ],
     # torch runs its [1, 2]-subgroup tests from 8 ranks on
-    8: ["test_all_reduce_group_sum", "test_barrier_group"],
+    8: ["test_all_reduce_group_sum", "test_all_reduce_group_max",
+        "test_all_reduce_coalesced_group_sum", "test_broadcast_group", "test_barrier_group"],
 }
 
 
