@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # torch==2.13.0 (the torch extra) installs its CPU build from a local wheel where there is one
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: demo test install bench clean nft
+.PHONY: demo test install bench clean nft conformance
 
 # the compiled cores (setup.py) are built by the editable install: a change rebuilds them
 $(STAMP): pyproject.toml setup.py $(wildcard switchml/switch/*.c switchml/switch/*.h switchml/worker/*.c)
@@ -26,6 +26,15 @@ demo: $(STAMP)
 test: $(STAMP) nft
 	$(PY) -m pytest -q
 
+# torch's own DistributedTest on gloo and on switchml, compared test by test, at
+# WORLD_SIZE=3 and at 8 (where torch runs its subgroup tests): docs/conformance.md.
+# Fails when a test passes on gloo and not on switchml without a listed reason.
+conformance: $(STAMP)
+	@status=0; \
+	$(PY) tests/conformance/run.py --world 3 --out conformance-results/world3 || status=1; \
+	$(PY) tests/conformance/run.py --world 8 --out conformance-results/world8 || status=1; \
+	exit $$status
+
 # The testbed's loss tests need nftables: as root, install it when it is missing
 # (elsewhere those tests skip and say why).
 nft:
@@ -39,4 +48,4 @@ bench: $(STAMP)
 	$(PY) bench/allreduce.py --workers 2 4 8 --mib 64 --repeats 5 --gloo
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis switchml/switch/*.so
+	rm -rf $(VENV) build conformance-results *.egg-info .pytest_cache .hypothesis switchml/switch/*.so

@@ -15,9 +15,16 @@ JOB = os.path.join(os.path.dirname(__file__), "torch_job.py")
 
 
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port whose successor is free too (a job may begin again on port + 1)."""
+    while True:
+        with socket.socket() as s, socket.socket() as t:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            try:
+                t.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
 
 
 def launch(world, *args, timeout=120, env=None):
@@ -53,6 +60,25 @@ def test_ddp_on_switchml_matches_gloo(world):
     assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
     assert all(r["switch_results"] > 0 for r in ours)  # the gradients went through the switch
     assert all(r["switch_results"] == 0 for r in theirs)
+
+
+def test_new_group_shares_the_jobs_switch():
+    """Without SWITCHML_SWITCH, every group of a job (new_group, whichever rank is its
+    rank 0) is a job on one switch: one process, one port, not one per group (was 7
+    switch processes for the default group and 6 new_groups, on ranks 0 and 1)."""
+    results = launch(3, "groups", "switchml")
+    addresses = {tuple(a) for r in results for a in r["addresses"]}
+    assert len(addresses) == 1, addresses
+    assert sum(r["switches"] for r in results) == 1
+    assert results[0]["switches"] == 1  # rank 0 runs it
+    # sums per group: the world (6), [1,2] (5), [0,2] (4), [0,1] (3), the world, [2,1]
+    assert results[0]["sums"] == [6.0, 4.0, 3.0, 6.0, 9.0]
+    assert results[1]["sums"] == [6.0, 5.0, 3.0, 6.0, 5.0, 9.0]
+    assert results[2]["sums"] == [6.0, 5.0, 4.0, 6.0, 5.0, 9.0]
+    # destroying three groups leaves the switch to the rest; destroying all stops it
+    assert results[0]["switches_after_destroy"] == 1
+    assert all(r["switches_at_end"] == 0 for r in results)
+    assert [r.get("again") for r in results] == [None, 3.0, 3.0]
 
 
 def test_every_collective_works_through_the_backend():

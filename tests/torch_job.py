@@ -115,6 +115,48 @@ def cuda():
                 "results_in"]}
 
 
+def _switch_children() -> int:
+    """How many embedded switch processes this rank started (children running one)."""
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if ppid == os.getpid() and b"switchml.switch.process" in cmd:
+            count += 1
+    return count
+
+
+def groups():
+    """new_group without SWITCHML_SWITCH: the switches the job starts, and whose each uses."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    subsets = [list(range(size)), [1, 2], [0, 2], [0, 1], list(range(size)), [2, 1]]
+    sums, addresses, made = [], [], []
+    default = dist.distributed_c10d._get_default_group()
+    addresses.append(list(default._worker.switch_address))
+    for members in subsets:
+        g = dist.new_group(members)  # every rank calls new_group, members or not
+        made.append(g)
+        if rank in members:
+            t = torch.full((1000,), float(rank + 1))
+            dist.all_reduce(t, group=g)
+            sums.append(t[0].item())
+            addresses.append(list(g._worker.switch_address))
+    switches = _switch_children()
+    for g in made[:3]:  # destroying groups leaves the job's switch to the others
+        dist.destroy_process_group(g)
+    t = torch.ones(1000)
+    dist.all_reduce(t)
+    dist.all_reduce(t, group=made[4])
+    sums.append(t[0].item())
+    return {"sums": sums, "addresses": addresses, "switches": switches,
+            "switches_after_destroy": _switch_children()}
+
+
 def early_exit():
     """The last rank leaves abruptly; the others' next allreduce must fail, not hang."""
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -163,6 +205,8 @@ def main():
         mismatch()
     if scenario == "ddp":
         result = ddp(backend, int(sys.argv[3]), hook=False)
+    elif scenario == "groups":
+        result = groups()
     elif scenario == "cuda":
         result = cuda()
     elif scenario == "hook":
@@ -171,9 +215,24 @@ def main():
         result = ddp("gloo", int(sys.argv[3]), hook=True, bits=16)
     else:
         result = collectives()
-    print("RESULT " + json.dumps(result), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    if scenario == "groups":  # the job's switch stops with its groups
+        result["switches_at_end"] = _switch_children()
+        # a job begun again, switchml on a subgroup only: rank 1 (its rank 0) must
+        # start a switch, not publish the one that stopped
+        # (a store of its own: the first one's keys would outlive it on its port)
+        dist.init_process_group("gloo", init_method="tcp://%s:%d" % (
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1),
+            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        g = dist.new_group([1, 2], backend="switchml")
+        if dist.get_rank() in (1, 2):
+            t = torch.full((1000,), float(dist.get_rank()))
+            dist.all_reduce(t, group=g)
+            result["again"] = t[0].item()
+        dist.barrier()
+        dist.destroy_process_group()
+    print("RESULT " + json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

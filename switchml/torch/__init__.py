@@ -9,8 +9,9 @@ and rounded back once, so within the float32 bound plus half a 16-bit ulp of the
 result); every other collective, op and dtype goes to
 an inner gloo group, which is registered as this group's backend for its devices,
 so any torch code runs unchanged.  The switch is ``SWITCHML_SWITCH`` when set;
-otherwise rank 0 of each group starts a switch in a child process and publishes
-its address through the store.  ``SWITCHML_SPARSE`` (false, true or auto: the
+otherwise the first group's rank 0 starts one in a child process, publishes its
+address through the store, and every later group (``new_group``) of the job uses
+the same switch, a job of its own on it.  ``SWITCHML_SPARSE`` (false, true or auto: the
 default) picks the dense or sparse path.
 
 ``allreduce_hook`` is a DDP communication hook for users who keep their gloo or
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from ..config import env
+from ..config import DEFAULT_MAX_JOBS, DEFAULT_SLOTS_PER_JOB, env
 from ..errors import SwitchMLError
 from ..switch.process import SwitchProcess
 from ..worker.client import Worker
@@ -80,19 +81,69 @@ def _embedded_switch() -> SwitchProcess:
     return SwitchProcess(host=env("HOST", "127.0.0.1")).start()
 
 
-def _connect(store, rank: int, size: int, timeout: float) -> tuple[Worker, SwitchProcess | None]:
-    """Join a job named through ``store``; rank 0 starts a switch when none is configured."""
-    embedded = None
+class _JobSwitch:
+    """The one switch of a job without ``SWITCHML_SWITCH``, shared by all its groups.
+
+    The first switchml group's rank 0 starts it (a child process with room for
+    ``max_jobs`` groups at ``slots_per_job`` slots each; pages of slots no group
+    uses are never touched) and publishes its address through the group's store;
+    every rank remembers the address it read, so the rank 0 of any later group
+    (``new_group``, whichever global rank it is) publishes the same switch.  When a
+    process's last switchml group shuts down it forgets the address, and stops the
+    switch if it runs it (its exit stops it too); a later ``init_process_group``
+    starts a new one.
+    """
+
+    def __init__(self):
+        self.address: str | None = None  # the job's switch, while this process has groups
+        self.process: SwitchProcess | None = None  # the switch, when this process runs it
+        self.groups = 0  # this process's live groups on it
+
+    def publish(self) -> str:
+        """The address a new group's rank 0 publishes: the job's switch, started if none."""
+        if self.address is None:
+            self.process = SwitchProcess(host=env("HOST", "127.0.0.1"),
+                                         slots=DEFAULT_SLOTS_PER_JOB * DEFAULT_MAX_JOBS,
+                                         slots_per_job=DEFAULT_SLOTS_PER_JOB,
+                                         max_jobs=DEFAULT_MAX_JOBS).start()
+            self.address = "%s:%d" % self.process.address
+        return self.address
+
+    def joined(self, address: str) -> None:
+        self.address = address
+        self.groups += 1
+
+    def left(self) -> None:
+        self.groups -= 1
+        if self.groups <= 0:
+            process, self.process, self.address, self.groups = self.process, None, None, 0
+            if process is not None:
+                process.stop()
+
+
+_JOB_SWITCH = _JobSwitch()
+
+
+def _connect(store, rank: int, size: int, timeout: float) -> tuple[Worker, bool]:
+    """Join a job named through ``store``: (the worker, whether it is on the job's
+    shared switch).  With ``SWITCHML_SWITCH`` unset, every group of the job shares one
+    switch (``_JobSwitch``)."""
+    configured = env("SWITCH", None)
     if rank == 0:
-        address = env("SWITCH", None)
-        if address is None:
-            embedded = _embedded_switch()
-            address = "%s:%d" % embedded.address
-        store.set("switchml/address", address)
+        store.set("switchml/address", configured if configured is not None
+                  else _JOB_SWITCH.publish())
         store.set("switchml/job", "torch-" + secrets.token_hex(6))
     address = store.get("switchml/address").decode()
     job = store.get("switchml/job").decode()
-    return Worker(address, rank, size, job=job, timeout=timeout), embedded
+    shared = configured is None
+    if shared:
+        _JOB_SWITCH.joined(address)
+    try:
+        return Worker(address, rank, size, job=job, timeout=timeout), shared
+    except BaseException:
+        if shared:
+            _JOB_SWITCH.left()
+        raise
 
 
 class _SwitchWork(dist._Work):
@@ -190,8 +241,8 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
         for device in _DEVICES:
             self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.GLOO,
                                    self._gloo)
-        self._worker, self._switch = _connect(dist.PrefixStore("switchml", store), rank, size,
-                                              seconds)
+        self._worker, self._on_job_switch = _connect(dist.PrefixStore("switchml", store), rank,
+                                                     size, seconds)
         self._sparse = sparse_mode()
 
     def getBackendName(self) -> str:
@@ -216,8 +267,11 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
                     and not tensors[0].is_contiguous()):
                 return self._gloo_on_a_copy(tensors, opts)
             # detached views share the storage: gloo's in-place AVG would refuse a
-            # requires_grad leaf, which a sum through the switch takes
-            return self._gloo.allreduce([t.detach() for t in tensors], opts)
+            # requires_grad leaf, which a sum through the switch takes.  Not a sparse
+            # tensor: gloo writes its sum (new indices and values) into the tensor
+            # object it is given, which a detached alias would keep to itself.
+            return self._gloo.allreduce([t.detach() if t.layout == torch.strided else t
+                                         for t in tensors], opts)
         t = tensors[0]
         staged = _to_host(t)
         array = _as_array(staged)
@@ -281,8 +335,9 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         self._worker.close()
-        if self._switch is not None:
-            self._switch.stop()
+        if self._on_job_switch:
+            self._on_job_switch = False
+            _JOB_SWITCH.left()
 
 
 def _create(store, rank, size, timeout):
