@@ -8,10 +8,9 @@ import time
 
 import numpy as np
 import pytest
+from conftest import job_whose_rank_1_vanishes, run_ranks
 
 import switchml
-
-from conftest import job_whose_rank_1_vanishes, run_ranks
 
 TIMEOUT = 2.0
 

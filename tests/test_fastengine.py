@@ -12,6 +12,7 @@ import random
 
 import numpy as np
 import pytest
+from conftest import reference_sum
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -21,10 +22,9 @@ from switchml.quant import EXP_NONFINITE, EXP_ZERO
 from switchml.sim import SWITCH, Bottleneck, Faults, Simulation
 from switchml.worker import compiled
 
-from conftest import reference_sum
-
 pytestmark = pytest.mark.skipif(compiled._fastengine is None,
-                                reason="the C engine is not built (python setup.py build_ext --inplace)")
+                                reason="the C engine is not built "
+                                       "(python setup.py build_ext --inplace)")
 fast = compiled._fastengine
 
 BIG_TIME = 1e9
@@ -165,7 +165,8 @@ def scenarios(draw):
     for _ in range(draw(st.integers(1, 3))):
         size = draw(st.one_of(st.integers(0, 3 * k), st.integers(0, 40 * k)))
         if dtype == np.float32:
-            values = st.one_of(finite_float32, any_float32) if draw(st.booleans()) else finite_float32
+            values = (st.one_of(finite_float32, any_float32) if draw(st.booleans())
+                      else finite_float32)
             arrays = [draw(hnp.arrays(np.float32, size, elements=values)) for _ in range(world)]
         else:
             arrays = [draw(hnp.arrays(np.int32, size)) for _ in range(world)]

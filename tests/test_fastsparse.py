@@ -290,7 +290,8 @@ def test_c_sparse_results_are_the_dense_sums_under_faults(dtype):
     world, k, block = 3, 64, 16
     size = k * 8 * 5 + 3  # a short last block
     arrays = sparse_case(rng, world, size, block, 0.3, dtype)
-    arrays[1][5] = np.float32(np.inf) if dtype == np.float32 else 7  # an inf: summed apart, element by element
+    # an inf: summed apart, element by element
+    arrays[1][5] = np.float32(np.inf) if dtype == np.float32 else 7
     sim = Simulation(world, slots=8, packet_elements=k, block_elements=block, seed=2,
                      compiled=True, faults=Faults(loss=0.1, duplicate=0.1, jitter=0.01))
     outs = sim.allreduce(arrays, max_time=BIG_TIME, sparse=True)

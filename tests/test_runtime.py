@@ -1,15 +1,13 @@
 """Real sockets on loopback: a running switch and worker threads."""
 
-import os
 import socket
 
 import numpy as np
 import pytest
+from conftest import run_ranks
 
 import switchml
 from switchml.quant import error_bound
-
-from conftest import run_ranks
 
 K = 1024  # packet_elements of the test switch
 SIZES = [0, 1, K - 1, K + 1, 16 * K * 3 + 5]
@@ -190,7 +188,7 @@ def test_garbage_during_a_job_changes_no_sum(switch):
         with switchml.Worker(switch.address, rank, 2, timeout=20) as w:
             worker_addrs.append(w._udp.getsockname())
             out = []
-            for i in range(5):
+            for _i in range(5):
                 if rank == 0 and len(worker_addrs) == 2:
                     spray([switch.address] + worker_addrs)
                 out.append(w.allreduce(data[rank]))
@@ -198,7 +196,7 @@ def test_garbage_during_a_job_changes_no_sum(switch):
 
     results = run_ranks(2, body)
     reference = None
-    for outs, counters in results:
+    for outs, _counters in results:
         for o in outs:
             reference = reference if reference is not None else o
             assert o.tobytes() == reference.tobytes()

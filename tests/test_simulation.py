@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import reference_sum
 
 from switchml import quant, wire
 from switchml.quant import EXP_ZERO
 from switchml.sim import Faults, Simulation
 from switchml.switch.pipeline import Pipeline
-
-from conftest import reference_sum
 from switchml.worker.engine import Session
 from switchml.worker.recovery import RttEstimator
 
@@ -252,7 +251,7 @@ def test_nonfinite_values_are_summed_element_by_element(world, faults):
         a[a == 0] = 1.0
     poisoned = {0: (0, 3, -np.inf), 2: (world - 1, 2 * K + 5, np.nan),
                 6: (world // 2, 6 * K + 4, np.inf)}
-    for chunk, (rank, index, value) in poisoned.items():
+    for _chunk, (rank, index, value) in poisoned.items():
         arrays[rank][index] = value
     sim = Simulation(world, slots=SLOTS, packet_elements=K, faults=faults, seed=world)
     outs = sim.allreduce(arrays, max_time=BIG_TIME)

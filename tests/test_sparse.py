@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import reference_sum
 
-from switchml import quant, wire
+from switchml import wire
 from switchml.quant import EXP_NONFINITE, EXP_ZERO
 from switchml.sim import Faults, Simulation
 from switchml.switch.pipeline import Pipeline
-
-from conftest import reference_sum
 
 K = 64       # packet_elements
 BLK = 16     # block_elements: 4 lanes per packet

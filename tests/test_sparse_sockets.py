@@ -2,10 +2,9 @@
 
 import numpy as np
 import pytest
+from conftest import run_ranks
 
 import switchml
-
-from conftest import run_ranks
 
 K, BLOCK = 1024, 256  # the test switch's packet and block sizes
 

@@ -35,7 +35,8 @@ def launch(world, *args, timeout=120, env=None):
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=os.pathsep.join(
-                       [os.path.dirname(os.path.dirname(__file__)), os.environ.get("PYTHONPATH", "")]))
+                       [os.path.dirname(os.path.dirname(__file__)),
+                        os.environ.get("PYTHONPATH", "")]))
         env.pop("SWITCHML_SWITCH", None)
         env.update(extra)
         procs.append(subprocess.Popen([sys.executable, JOB, *map(str, args)], env=env,
@@ -44,7 +45,7 @@ def launch(world, *args, timeout=120, env=None):
     for p in procs:
         out, err = p.communicate(timeout=timeout)
         assert p.returncode == 0, err[-3000:]
-        lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
         results.append(json.loads(lines[-1][len("RESULT "):]) if lines else None)
     return results
 

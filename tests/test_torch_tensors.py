@@ -19,7 +19,6 @@ import pytest
 pytest.importorskip("torch", reason="the torch extra is not installed")
 from hypothesis import HealthCheck, Phase, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
 from test_torch import free_port  # noqa: E402
 
 RANKS = os.path.join(os.path.dirname(__file__), "torch_cases.py")
@@ -109,7 +108,7 @@ def launch(cases_: list, tmp_path) -> list:
     for p in procs:
         out, err = p.communicate(timeout=180)
         assert p.returncode == 0, err[-3000:]
-        line = [l for l in out.splitlines() if l.startswith("RESULT ")][-1]
+        line = [each for each in out.splitlines() if each.startswith("RESULT ")][-1]
         results.append(json.loads(line[len("RESULT "):]))
     return results
 

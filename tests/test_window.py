@@ -10,16 +10,20 @@ import math
 
 import numpy as np
 import pytest
+from conftest import reference_sum
 
 from switchml import wire
 from switchml.sim import SWITCH, Bottleneck, Faults, Network, Simulation, run_concurrently
 from switchml.switch.pipeline import Pipeline
 from switchml.worker.engine import Session
-from switchml.worker.recovery import (COPY_PROBE_ROUND_TRIPS, FAST_RETRANSMIT_THRESHOLD,
-                                      TAIL_PROBE_MARGIN, TAIL_PROBE_ROUND_TRIPS,
-                                      CongestionWindow, RttEstimator)
-
-from conftest import reference_sum
+from switchml.worker.recovery import (
+    COPY_PROBE_ROUND_TRIPS,
+    FAST_RETRANSMIT_THRESHOLD,
+    TAIL_PROBE_MARGIN,
+    TAIL_PROBE_ROUND_TRIPS,
+    CongestionWindow,
+    RttEstimator,
+)
 
 SAME_EVENT, DECREASED, RANDOM_LOSS = (CongestionWindow.SAME_EVENT, CongestionWindow.DECREASED,
                                       CongestionWindow.RANDOM_LOSS)

@@ -104,7 +104,7 @@ def collectives():
 
 def cuda():
     """allreduce of CUDA tensors: staged through host memory, results back on the device."""
-    rank, size = dist.get_rank(), dist.get_world_size()
+    rank, _size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", rank % torch.cuda.device_count())
     t = torch.full((100_000,), float(rank + 1), device=device)
     dist.all_reduce(t)

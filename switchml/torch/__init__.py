@@ -41,7 +41,8 @@ _DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     """The switch's input: ``tensor`` itself (detached) when it is a dense CPU tensor in
     row-major order, else a contiguous copy in host memory (a CUDA tensor, a strided
-    view, channels_last), as float32 for a 16-bit tensor.  The caller copies the result back when they differ."""
+    view, channels_last), as float32 for a 16-bit tensor.  The caller copies the
+    result back when they differ."""
     if tensor.dtype in _WIDENED_DTYPES:
         return tensor.detach().to("cpu", torch.float32, memory_format=torch.contiguous_format,
                                   copy=True)

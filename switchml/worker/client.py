@@ -19,13 +19,31 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from ..config import (DEFAULT_KEEPALIVE, DEFAULT_SPARSE_AUTO_EVERY,
-                      DEFAULT_SPARSE_AUTO_MIN_LANES, DEFAULT_SPARSE_AUTO_UNION,
-                      DEFAULT_TIMEOUT, env, parse_address)
-from ..errors import (CallMismatchError, JoinRefusedError, LimitExceededError, SwitchMLError,
-                      SwitchMLTimeoutError, SwitchUnreachableError)
-from ..netutil import (LineReader, enable_keepalive, encode_line, enlarge_buffers,
-                       forbid_fragmentation, route_mtu)
+from ..config import (
+    DEFAULT_KEEPALIVE,
+    DEFAULT_SPARSE_AUTO_EVERY,
+    DEFAULT_SPARSE_AUTO_MIN_LANES,
+    DEFAULT_SPARSE_AUTO_UNION,
+    DEFAULT_TIMEOUT,
+    env,
+    parse_address,
+)
+from ..errors import (
+    CallMismatchError,
+    JoinRefusedError,
+    LimitExceededError,
+    SwitchMLError,
+    SwitchMLTimeoutError,
+    SwitchUnreachableError,
+)
+from ..netutil import (
+    LineReader,
+    enable_keepalive,
+    encode_line,
+    enlarge_buffers,
+    forbid_fragmentation,
+    route_mtu,
+)
 from . import compiled, nonfinite
 from .engine import SUPPORTED_DTYPES, Session
 from .sparse import nonzero_blocks
@@ -84,7 +102,8 @@ class Worker:
         self.rank = rank
         self.world_size = world_size
         self.job = job if job is not None else env("JOB", "default")
-        self.timeout = float(timeout if timeout is not None else env("TIMEOUT", DEFAULT_TIMEOUT, float))
+        self.timeout = float(timeout if timeout is not None
+                             else env("TIMEOUT", DEFAULT_TIMEOUT, float))
         self._sparse_auto_union = env("SPARSE_AUTO_UNION", DEFAULT_SPARSE_AUTO_UNION, float)
         self._sparse_auto_min_lanes = env("SPARSE_AUTO_MIN_LANES", DEFAULT_SPARSE_AUTO_MIN_LANES,
                                           int)
@@ -186,7 +205,7 @@ class Worker:
         for s in (self._control, self._udp, self._wake_r, self._wake_w):
             s.close()
 
-    def __enter__(self) -> "Worker":
+    def __enter__(self) -> Worker:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -257,7 +276,7 @@ class Worker:
             control.settimeout(left)
             try:
                 data = control.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError as exc:
                 raise SwitchUnreachableError(f"lost the {where} while joining: {exc}") from None

@@ -51,10 +51,25 @@ import heapq
 import numpy as np
 
 from .. import wire
-from ..quant import (EXP_NONFINITE, EXP_ZERO, chunk_exponents, dequantize16_into,
-                     dequantize_into, quantize16_into, quantize_into, scale_bits, scale_bits16)
-from .recovery import (COPY_PROBE_ROUND_TRIPS, FAST_RETRANSMIT_THRESHOLD, TAIL_PROBE_MARGIN,
-                       TAIL_PROBE_ROUND_TRIPS, CongestionWindow, RttEstimator)
+from ..quant import (
+    EXP_NONFINITE,
+    EXP_ZERO,
+    chunk_exponents,
+    dequantize16_into,
+    dequantize_into,
+    quantize16_into,
+    quantize_into,
+    scale_bits,
+    scale_bits16,
+)
+from .recovery import (
+    COPY_PROBE_ROUND_TRIPS,
+    FAST_RETRANSMIT_THRESHOLD,
+    TAIL_PROBE_MARGIN,
+    TAIL_PROBE_ROUND_TRIPS,
+    CongestionWindow,
+    RttEstimator,
+)
 
 #: How a message's latest transmission went out (``Stream._copy``).
 SENT, FAST, PROBE = 0, 1, 2

@@ -32,9 +32,19 @@ from __future__ import annotations
 import numpy as np
 
 from .. import wire
-from ..quant import (EXP_NONFINITE, EXP_ZERO, block_peaks, dequantize_blocks, dequantize_factors,
-                     dequantize_rows, exponents_of_peaks, ordinary_exponents, quantize_blocks,
-                     quantize_factors, quantize_rows)
+from ..quant import (
+    EXP_NONFINITE,
+    EXP_ZERO,
+    block_peaks,
+    dequantize_blocks,
+    dequantize_factors,
+    dequantize_rows,
+    exponents_of_peaks,
+    ordinary_exponents,
+    quantize_blocks,
+    quantize_factors,
+    quantize_rows,
+)
 from .engine import Session, Stream
 
 

@@ -47,7 +47,8 @@ torch.backends.cuda.matmul.allow_tf32 = False
 
 #: Tests torch skips for any backend not named in a hard-coded set (mostly
 #: ``BACKEND != "gloo"``), and that pass on gloo here (their other conditions, CUDA
-#: or world size, hold: WORLD_SIZE 3 or 8).  The switchml backend claims gloo's behaviour for them, so
+#: or world size, hold: WORLD_SIZE 3 or 8).  The switchml backend claims gloo's
+#: behaviour for them, so
 #: it runs them too: only their skip marks (which skip_but_pass_in_sandcastle sets
 #: as attributes on the function) go; their bodies are torch's, with BACKEND as set.
 GATED_BY_NAME = (
