@@ -24,6 +24,8 @@ demo: $(STAMP)
 		examples/train_ddp.py --backend switchml --epochs 5
 
 test: $(STAMP) nft
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 # torch's own DistributedTest on gloo and on switchml, compared test by test, at

@@ -146,7 +146,7 @@ class Simulation:
               wire_bits: int = 32) -> list[np.ndarray]:
         """Start an allreduce of ``arrays[r]`` on every rank r; return the outputs."""
         outs = [np.zeros_like(a) for a in arrays]  # zeros: chunks left unwritten are 0
-        extra = {"compiled": True} if self.compiled else {}
+        extra: dict = {"compiled": True} if self.compiled else {}
         if wire_bits != 32:
             extra["wire_bits"] = wire_bits
         self.ops = [s.allreduce(a, o, self.now, sparse, **extra)
@@ -210,16 +210,15 @@ def _step(sims: list[Simulation], give_up: float, max_time: float) -> None:
         if dst == SWITCH:
             pipeline = sims[0].pipeline
             for out, addr in pipeline.receive_datagram(data, src):
-                sim = _owner(sims, addr)
-                (sim or sims[0])._send(out, SWITCH, addr)
+                (_owner(sims, addr) or sims[0])._send(out, SWITCH, addr)
         else:
-            sim = _owner(sims, dst)
-            if sim is None or not sim.ops:
+            owner = _owner(sims, dst)
+            if owner is None or not owner.ops:
                 return  # a job between calls: a late datagram, dropped
-            op = sim.ops[sim.rank_of[dst]]
+            op = owner.ops[owner.rank_of[dst]]
             op.receive_datagram(data, network.now)
             for d in op.datagrams_to_send():
-                sim._send(d, dst, SWITCH)
+                owner._send(d, dst, SWITCH)
     else:
         network.now = next_timer
         for sim in sims:

@@ -19,6 +19,7 @@ nccl group for everything else.
 """
 
 import secrets
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -107,6 +108,7 @@ class _JobSwitch:
                                          slots=DEFAULT_SLOTS_PER_JOB * DEFAULT_MAX_JOBS,
                                          slots_per_job=DEFAULT_SLOTS_PER_JOB,
                                          max_jobs=DEFAULT_MAX_JOBS).start()
+            assert self.process.address is not None
             self.address = "%s:%d" % self.process.address
         return self.address
 
@@ -187,7 +189,7 @@ class _AllWorks(dist._Work):
 
 def _future_from(handle, result) -> torch.futures.Future:
     """A torch Future set to ``result()`` when the switchml call ends (or to its error)."""
-    fut = torch.futures.Future()
+    fut: torch.futures.Future = torch.futures.Future()
 
     def done(_):
         try:
@@ -230,13 +232,14 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
     """The "switchml" process group: allreduce through the switch, the rest via gloo."""
 
     def __init__(self, store, rank: int, size: int, timeout):
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # type: ignore[call-arg]  # torch's Python-subclass form
         seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
         # The group's timeout (init_process_group(timeout=...)), unless SWITCHML_TIMEOUT
         # asks for a shorter wait before naming a silent rank or switch.
         seconds = env("TIMEOUT", seconds, float)
-        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("switchml-gloo", store), rank, size,
-                                           timeout)
+        # Any: torch's stubs lack the collectives the C++ class has
+        self._gloo: Any = dist.ProcessGroupGloo(dist.PrefixStore("switchml-gloo", store), rank,
+                                                size, timeout)
         # C++ helpers (DDP's parameter check, for one) look the backend of a device up
         # directly; gloo also serves CUDA tensors for the collectives we delegate.
         for device in _DEVICES:
@@ -260,7 +263,7 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
                 # ==, not `in`: RedOpType == ReduceOp is False the other way round
                 and (op == dist.ReduceOp.SUM or op == dist.ReduceOp.AVG))
 
-    def allreduce(self, tensors, opts=None):
+    def allreduce(self, tensors, opts=None):  # type: ignore[override]  # the trampoline's form
         if opts is None:
             opts = dist.AllreduceOptions()
         if not self._switched(tensors, opts):
@@ -375,6 +378,7 @@ class HookState:
         """The worker, joining the job first if this state has not joined yet."""
         if self.worker is None:
             self._join()
+        assert self.worker is not None
         return self.worker
 
     def _join(self) -> None:
@@ -384,10 +388,11 @@ class HookState:
                                 "init_process_group before DDP's first backward pass")
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         address = env("SWITCH", None)
-        box = [None, None]
+        box: list = [None, None]
         if rank == 0:
             if address is None:
                 self.switch = _embedded_switch()
+                assert self.switch.address is not None
                 address = "%s:%d" % self.switch.address
             box = [address, "ddp-hook-" + secrets.token_hex(6)]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0,
@@ -410,8 +415,11 @@ def allreduce_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tenso
     array = _as_array(staged)
     handle = worker.allreduce_async(array, out=array, sparse=state.sparse, bits=state.bits)
 
+    world = state.world_size
+    assert world is not None  # joined
+
     def result():
-        staged.div_(state.world_size)
+        staged.div_(world)
         _write_back(staged, buffer)
         return buffer
 

@@ -374,7 +374,7 @@ class Worker:
 
         Datagrams that arrive while no allreduce runs are late duplicates: dropped.
         """
-        events = []
+        events: list = []
         ready = self._sel.select(max(0.0, timeout))
         if not drain_udp and any(key.fileobj is self._udp for key, _ in ready):
             # Results first: a result that completes the call may sit behind news

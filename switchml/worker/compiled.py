@@ -22,7 +22,7 @@ from .engine import Session, check_arrays
 from .recovery import CongestionWindow, RttEstimator
 
 try:
-    from . import _fastengine
+    from . import _fastengine  # type: ignore[attr-defined]  # compiled: no stubs
 except ImportError:  # not built (a source checkout without build_ext)
     _fastengine = None
 

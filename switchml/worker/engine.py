@@ -47,6 +47,7 @@ The engine never reads a clock or touches a socket: callers pass ``now``.
 from __future__ import annotations
 
 import heapq
+from typing import Any
 
 import numpy as np
 
@@ -144,6 +145,7 @@ class Session:
         built; the same datagrams and results either way.  ``wire_bits=16``: a
         dense float32 call on the 16-bit wire (``DenseAllreduce``).
         """
+        op: Any  # a Stream or its compiled twin: the same sans-IO API
         if wire_bits == 16:
             if sparse or array.dtype != np.float32:
                 raise ValueError("the 16-bit wire carries dense float32 calls only")
@@ -573,7 +575,8 @@ class DenseAllreduce(Stream):
             self._bits = session.bits16
         else:
             self._bits = session.bits
-        self.local_exp = chunk_exponents(self.src, k) if self.is_float else None
+        self.local_exp = (chunk_exponents(self.src, k) if self.is_float
+                          else np.zeros(0, np.int16))
         self._lag = 1 if self.is_float else 0
         W = self.width
         # Messages per local slot: its chunks, plus the exponent seed for floats.
@@ -631,7 +634,7 @@ class DenseAllreduce(Stream):
         s = self.s
         k = s.packet_elements * self.per_word
         c = j + (m - self._lag) * self.width
-        if h.count and self._global_exp[j] == EXP_NONFINITE:
+        if h.count and self.is_float and self._global_exp[j] == EXP_NONFINITE:
             self.nonfinite_chunks.append(c)  # untouched: the input stays for the follow-up
         elif h.count:
             values = wire.values(data, h.lanes, h.count)

@@ -103,8 +103,8 @@ class SparseAllreduce(Stream):
         self._grid = grid
         # Cell p*G + L of next_nonzero: the first position >= p of lane L holding a
         # local non-zero block, or the column's length when none is left.
-        grid = grid.reshape(rows + 2, G)
-        candidates = np.where(grid, np.arange(rows + 2)[:, None], column_length[None, :])
+        rows_of = grid.reshape(rows + 2, G)
+        candidates = np.where(rows_of, np.arange(rows + 2)[:, None], column_length[None, :])
         next_nonzero = np.minimum.accumulate(candidates[::-1], axis=0)[::-1].reshape(-1)
         self._next_nonzero = next_nonzero
         self._next_after = next_nonzero[G:]  # cell p*G + L: the first position > p
@@ -114,14 +114,14 @@ class SparseAllreduce(Stream):
         self._cells = [np.zeros(F, np.int64) for _ in range(self.width)]  # of the round in flight
         self._live = [True] * self.width
         self._present = np.zeros(0, np.int64)  # flagged lanes of the result being taken
-        self._records = None  # its lane table, decoded once by _result_fits
+        self._records = np.zeros(0, wire.LANE)  # its lane table, decoded by _result_fits
         self._full_blocks = n // b
         # Row p of slot j's lanes is exactly dense chunk j + p*W (block i is in
         # chunk i // F): its exponent scales those blocks, as in the dense path.
         # Exponent rounds gather the chunks' exponents from the switch.
         k = session.packet_elements
         self.chunks = -(-n // k)
-        self._local_chunk_exp = chunk_exp if self.is_float else None
+        self._local_chunk_exp = chunk_exp if self.is_float else np.zeros(0, np.int16)
         self._chunk_exp = np.full(self.chunks, EXP_ZERO, np.int16)
         # Per block, its chunk's scale factors, filled in by the exponent rounds;
         # a slot whose chunks are all ordinary scales with one gather a round.
