@@ -105,11 +105,17 @@ def launch(cases_: list, tmp_path) -> list:
         procs.append(subprocess.Popen([sys.executable, RANKS, str(path)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
-    for p in procs:
-        out, err = p.communicate(timeout=180)
-        assert p.returncode == 0, err[-3000:]
-        line = [each for each in out.splitlines() if each.startswith("RESULT ")][-1]
-        results.append(json.loads(line[len("RESULT "):]))
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=180)
+            assert p.returncode == 0, err[-3000:]
+            line = [each for each in out.splitlines() if each.startswith("RESULT ")][-1]
+            results.append(json.loads(line[len("RESULT "):]))
+    finally:  # a rank that failed leaves the others waiting in a collective
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     return results
 
 
