@@ -105,6 +105,9 @@ def switchml_role(spec) -> None:
                  bytes_sent=(c1["bytes_sent"] - c0["bytes_sent"]) / n,
                  bytes_received=(c1["bytes_received"] - c0["bytes_received"]) / n,
                  retransmissions=(c1.get("retransmissions", 0) - c0.get("retransmissions", 0)) / n,
+                 recovery={k: (c1.get(k, 0) - c0.get(k, 0)) / n for k in (
+                     "fast_retransmissions", "probe_retransmissions", "spurious_retransmissions",
+                     "window_decreases", "random_losses")},
                  link_tx=(l1[0] - l0[0]) / n if l0 else None,
                  link_rx=(l1[1] - l0[1]) / n if l0 else None)
     emit(event="done", rank=rank)

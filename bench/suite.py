@@ -183,6 +183,9 @@ def _row(system, world, case, items, cluster, args, *, sent, received, retransmi
     row["wire_tx_bytes_per_worker"] = _mean(items, "link_tx")
     row["wire_rx_bytes_per_worker"] = _mean(items, "link_rx")
     row["retransmissions_per_worker"] = retransmissions
+    recovery = [m["recovery"] for m in items if m.get("recovery")]
+    row["recovery_per_worker"] = ({k: sum(r[k] for r in recovery) / len(recovery)
+                                   for k in recovery[0]} if recovery else None)
     row["checked"] = items[0].get("ok")
     row["ranks_bit_identical"] = len({m["digest"] for m in items}) == 1 and len(items) == world
     return row

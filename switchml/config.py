@@ -23,10 +23,9 @@ SWITCHML_DROP_RATE          simulated drop probability               0
 SWITCHML_SPARSE_AUTO_UNION  ``sparse="auto"`` goes sparse when the   0.5
                             union of non-zero blocks is at most
                             this share of the tensor
-SWITCHML_SPARSE_AUTO_MIN_   ``sparse="auto"`` stays dense when a     32
-  LANES                     packet holds fewer blocks (frame-sized
-                            packets: the rounds cost more than the
-                            bytes they save)
+SWITCHML_SPARSE_AUTO_MIN_   ``sparse="auto"`` stays dense when a     8 (C),
+  LANES                     packet holds fewer blocks (the rounds     32
+                            cost more than the bytes they save)       (Python)
 SWITCHML_SPARSE_AUTO_EVERY  ``sparse="auto"`` measures again after   20
                             this many calls of one size and dtype
 SWITCHML_WIRE_BITS          16: float allreduces on the 16-bit wire  32
@@ -56,8 +55,10 @@ DEFAULT_KEEPALIVE = 20.0
 DEFAULT_SPARSE_AUTO_UNION = 0.5
 #: ... and measures again after this many calls of the same size and dtype.
 DEFAULT_SPARSE_AUTO_EVERY = 20
-#: ... and stays dense with fewer blocks than this per packet (Worker._sparse_pays).
+#: ... and stays dense with fewer blocks than this per packet (Worker._sparse_pays):
+#: on the Python engine, and on the C engine.
 DEFAULT_SPARSE_AUTO_MIN_LANES = 32
+DEFAULT_SPARSE_AUTO_MIN_LANES_COMPILED = 8
 
 
 def pure_python() -> bool:

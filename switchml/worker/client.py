@@ -23,6 +23,7 @@ from ..config import (
     DEFAULT_KEEPALIVE,
     DEFAULT_SPARSE_AUTO_EVERY,
     DEFAULT_SPARSE_AUTO_MIN_LANES,
+    DEFAULT_SPARSE_AUTO_MIN_LANES_COMPILED,
     DEFAULT_SPARSE_AUTO_UNION,
     DEFAULT_TIMEOUT,
     env,
@@ -105,8 +106,12 @@ class Worker:
         self.timeout = float(timeout if timeout is not None
                              else env("TIMEOUT", DEFAULT_TIMEOUT, float))
         self._sparse_auto_union = env("SPARSE_AUTO_UNION", DEFAULT_SPARSE_AUTO_UNION, float)
-        self._sparse_auto_min_lanes = env("SPARSE_AUTO_MIN_LANES", DEFAULT_SPARSE_AUTO_MIN_LANES,
-                                          int)
+        # The C sparse engine makes a round cost microseconds: 8-lane packets pay
+        # there (MTU 9000); the Python engine's rounds need 32 (docs/benchmarks.md).
+        self._sparse_auto_min_lanes = env(
+            "SPARSE_AUTO_MIN_LANES",
+            DEFAULT_SPARSE_AUTO_MIN_LANES_COMPILED if compiled.enabled()
+            else DEFAULT_SPARSE_AUTO_MIN_LANES, int)
         self._auto_every = max(1, env("SPARSE_AUTO_EVERY", DEFAULT_SPARSE_AUTO_EVERY, int))
         self._wire_bits = env("WIRE_BITS", 32, int)
         if self._wire_bits not in (16, 32):
@@ -467,11 +472,11 @@ class Worker:
         default) because every round also costs lane tables and per-packet work
         that a byte count does not show.
 
-        Not with packets of fewer than ``SWITCHML_SPARSE_AUTO_MIN_LANES`` blocks (frame-sized
-        packets on an Ethernet path): every chunk's exponent then takes its own
-        lane of an exponent round, and the rounds cost what the bytes save
-        (measured on the testbed at MTU 9000, 8 lanes, d = 0.1: sparse 0.549 s
-        against dense 0.580 s, where its bytes promised a third; docs/benchmarks.md).
+        Not with packets of fewer than ``SWITCHML_SPARSE_AUTO_MIN_LANES`` blocks: the
+        rounds then cost more than the bytes save.  With the C engine, 8 (one
+        frame at MTU 9000: on the testbed at d = 0.1 sparse took 0.253 s against
+        dense's 0.590 s); fewer, at MTU 1500, is not measured and stays dense.  On
+        the Python engine, 32 (8 lanes: 0.549 s against 0.580 s; docs/benchmarks.md).
         """
         b = self.session.block_elements
         blocks = -(-src.size // b)
