@@ -152,6 +152,19 @@ static void dequantize_into(const int32_t *src, int64_t n, int exponent, int bit
     }
 }
 
+/* quant.exponents_of_peaks of one chunk's peak (bits of its greatest magnitude) */
+static int16_t exponent_of_peak(int32_t peak) {
+    if (peak == 0)
+        return EXP_ZERO;
+    if (peak >= 0x7F800000)
+        return EXP_NONFINITE;
+    float f;
+    memcpy(&f, &peak, 4);
+    int e;
+    frexpf(f, &e);
+    return (int16_t)e;
+}
+
 /* quant.chunk_exponents of one chunk: smallest e with 2**e > max|x|, or a special. */
 static int16_t chunk_exponent(const float *values, int64_t n) {
     /* With the sign cleared, a float32's bits as an int32 grow with its
@@ -162,15 +175,7 @@ static int16_t chunk_exponent(const float *values, int64_t n) {
         int32_t magnitude = bits[i] & 0x7FFFFFFF;
         peak = magnitude > peak ? magnitude : peak;
     }
-    if (peak == 0)
-        return EXP_ZERO;
-    if (peak >= 0x7F800000)
-        return EXP_NONFINITE;
-    float f;
-    memcpy(&f, &peak, 4);
-    int e;
-    frexpf(f, &e);
-    return (int16_t)e;
+    return exponent_of_peak(peak);
 }
 
 /* ------------------------------------------------------------ (pkt_id, slot) min-heap */

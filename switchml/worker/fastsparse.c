@@ -132,19 +132,6 @@ static void sparse_dequantize_block(const int32_t *src, int64_t n, int e, int bi
         dst[i] = (float)src[i] * factor;
 }
 
-/* quant.exponents_of_peaks of one chunk's peak (bits of its greatest magnitude) */
-static int16_t exponent_of_peak(int32_t peak) {
-    if (peak == 0)
-        return EXP_ZERO;
-    if (peak >= 0x7F800000)
-        return EXP_NONFINITE;
-    float f;
-    memcpy(&f, &peak, 4);
-    int e;
-    frexpf(f, &e);
-    return (int16_t)e;
-}
-
 /* SparseAllreduce.__init__'s precompute, the chunks' local exponents included
  * (c->local_exp); returns -1 when out of memory. */
 static int sparse_init(DenseCore *c, int64_t b) {
