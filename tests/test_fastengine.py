@@ -125,17 +125,18 @@ def hostile(rng: random.Random, data: bytes) -> bytes:
     return bytes(data)  # a plain duplicate
 
 
-def run_calls(compiled_engine, calls, world, slots, k, faults, seed, bottleneck, hostile_rate,
-              wire_bits=32):
-    """Every datagram sent, every result, and the Sessions' state after ``calls``."""
-    sim = Simulation(world, slots=slots, packet_elements=k, faults=faults, seed=seed,
-                     bottleneck=bottleneck, compiled=compiled_engine)
-    sent = []
+def tap(sim: Simulation, seed: int, hostile_rate: float, forge=None) -> list:
+    """Record every datagram the workers send (the list returned fills as the run
+    goes); after ``hostile_rate`` of the datagrams to a worker deliver a hostile one
+    made from it; ``forge`` rewrites every result the switch sends."""
+    sent: list = []
     attacker = random.Random(seed)
     deliver = sim._send
 
     def record(data, src, dst):
         data = bytes(data)
+        if forge is not None and src == SWITCH:
+            data = forge(data)
         if src != SWITCH:
             sent.append((src[1], data))
         deliver(data, src, dst)
@@ -143,6 +144,15 @@ def run_calls(compiled_engine, calls, world, slots, k, faults, seed, bottleneck,
             deliver(hostile(attacker, data), src, dst)
 
     sim._send = record
+    return sent
+
+
+def run_calls(compiled_engine, calls, world, slots, k, faults, seed, bottleneck, hostile_rate,
+              wire_bits=32):
+    """Every datagram sent, every result, and the Sessions' state after ``calls``."""
+    sim = Simulation(world, slots=slots, packet_elements=k, faults=faults, seed=seed,
+                     bottleneck=bottleneck, compiled=compiled_engine)
+    sent = tap(sim, seed, hostile_rate)
     results = []
     for arrays in calls:
         outs = sim.allreduce(arrays, max_time=BIG_TIME, wire_bits=wire_bits)

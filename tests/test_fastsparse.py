@@ -19,11 +19,11 @@ from conftest import reference_sum
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-from test_fastengine import BIG_TIME, any_float32, finite_float32, hostile
+from test_fastengine import BIG_TIME, any_float32, finite_float32, tap
 
 from switchml import quant, wire
 from switchml.quant import EXP_NONFINITE, EXP_ZERO
-from switchml.sim import SWITCH, Bottleneck, Faults, Simulation, StalledSimulation
+from switchml.sim import Bottleneck, Faults, Simulation, StalledSimulation
 from switchml.worker import compiled
 from switchml.worker.sparse import SparseAllreduce
 
@@ -103,21 +103,7 @@ def run_sparse(compiled_engine, calls, world, slots, k, block, faults, seed, bot
             def allreduce(array, out, now, sparse=False, _orig=s.allreduce, **kw):
                 return _orig(array, array, now, sparse, **kw)
             s.allreduce = allreduce
-    sent = []
-    attacker = random.Random(seed)
-    deliver = sim._send
-
-    def record(data, src, dst):
-        data = bytes(data)
-        if forge is not None and src == SWITCH:
-            data = forge(data)
-        if src != SWITCH:
-            sent.append((src[1], data))
-        deliver(data, src, dst)
-        if dst != SWITCH and attacker.random() < hostile_rate:
-            deliver(hostile(attacker, data), src, dst)
-
-    sim._send = record
+    sent = tap(sim, seed, hostile_rate, forge)
     results, kinds = [], []
     for arrays, sparse in calls:
         arrays = [a.copy() for a in arrays]  # in place: each engine its own inputs

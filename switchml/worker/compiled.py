@@ -62,7 +62,8 @@ class CompiledDenseAllreduce:
         self.s = session
         src, dst = array.reshape(-1), out.reshape(-1)
         k = session.packet_elements  # words a packet; two values a word on the 16-bit wire
-        chunks = -(-src.size // (2 * k if wire_bits == 16 else k))
+        self.chunk_values = 2 * k if wire_bits == 16 else k
+        chunks = -(-src.size // self.chunk_values)
         rtt, window = session.rtt, session.window
         self._core = _fastengine.DenseCore(
             src, dst, is_float=array.dtype == np.float32, session=session.session,
@@ -80,7 +81,6 @@ class CompiledDenseAllreduce:
             # a packet being whole blocks (supports_sparse).
             sparse=self.SPARSE, block_elements=session.block_elements)
         self.width = self._core.width
-        self.chunk_values = 2 * k if wire_bits == 16 else k
         self.sync()
         self._sync_when_over()  # an empty call is over at once
 

@@ -146,18 +146,10 @@ class Session:
         dense float32 call on the 16-bit wire (``DenseAllreduce``).
         """
         op: Any  # a Stream or its compiled twin: the same sans-IO API
-        if wire_bits == 16:
-            if sparse or array.dtype != np.float32:
-                raise ValueError("the 16-bit wire carries dense float32 calls only")
-            if compiled and _compiled_supports(self):
-                from .compiled import CompiledDenseAllreduce
-                op = CompiledDenseAllreduce(self, array, out, self.next_seq, now, wire_bits=16)
-            else:
-                op = DenseAllreduce(self, array, out, self.next_seq, now, wire_bits=16)
-            self.next_seq = (self.next_seq + 1) & 0xFFFFFFFF
-            return op
-        if wire_bits != 32:
+        if wire_bits not in (16, 32):
             raise ValueError(f"wire_bits must be 32 or 16, not {wire_bits!r}")
+        if wire_bits == 16 and (sparse or array.dtype != np.float32):
+            raise ValueError("the 16-bit wire carries dense float32 calls only")
         if sparse and compiled and _compiled_supports(self, sparse=True):
             from .compiled import CompiledSparseAllreduce
             op = CompiledSparseAllreduce(self, array, out, self.next_seq, now)
@@ -166,9 +158,9 @@ class Session:
             op = SparseAllreduce(self, array, out, self.next_seq, now)
         elif compiled and _compiled_supports(self):
             from .compiled import CompiledDenseAllreduce
-            op = CompiledDenseAllreduce(self, array, out, self.next_seq, now)
+            op = CompiledDenseAllreduce(self, array, out, self.next_seq, now, wire_bits)
         else:
-            op = DenseAllreduce(self, array, out, self.next_seq, now)
+            op = DenseAllreduce(self, array, out, self.next_seq, now, wire_bits)
         self.next_seq = (self.next_seq + 1) & 0xFFFFFFFF
         return op
 
@@ -567,7 +559,7 @@ class DenseAllreduce(Stream):
     def __init__(self, session: Session, array: np.ndarray, out: np.ndarray, seq: int,
                  now: float, wire_bits: int = 32):
         self.per_word = 2 if wire_bits == 16 else 1
-        k = session.packet_elements * self.per_word  # values per chunk
+        k = self.chunk_values = session.packet_elements * self.per_word  # values a chunk
         self.chunks = -(-array.size // k)
         super().__init__(session, array, out, seq, now, min(session.slot_count, self.chunks))
         if self.per_word == 2:
@@ -584,14 +576,13 @@ class DenseAllreduce(Stream):
         # Per slot: the exponent of the chunk it sends next, from the switch.
         self._global_exp = [EXP_ZERO] * W
         #: Chunks with an inf or NaN on some rank, left as they were in the output
-        #: for the follow-up exchange (worker/nonfinite.py); values a chunk.
+        #: for the follow-up exchange (worker/nonfinite.py).
         self.nonfinite_chunks: list[int] = []
-        self.chunk_values = k
         self._start(now)
 
     def _chunk_count(self, c: int) -> int:
         """Values in chunk ``c``."""
-        k = self.s.packet_elements * self.per_word
+        k = self.chunk_values
         return 0 if c < 0 else min(k, self.size - c * k)
 
     def _words(self, values: int) -> int:
@@ -599,7 +590,7 @@ class DenseAllreduce(Stream):
 
     def _fill(self, j: int, m: int) -> int:
         s = self.s
-        W, k = self.width, s.packet_elements * self.per_word
+        W, k = self.width, self.chunk_values
         lanes = s.lane_views[j]
         lanes[:] = s.blank_lanes
         following = j + m * W
@@ -632,7 +623,7 @@ class DenseAllreduce(Stream):
 
     def _absorb(self, j: int, m: int, h: wire.Header, data) -> None:
         s = self.s
-        k = s.packet_elements * self.per_word
+        k = self.chunk_values
         c = j + (m - self._lag) * self.width
         if h.count and self.is_float and self._global_exp[j] == EXP_NONFINITE:
             self.nonfinite_chunks.append(c)  # untouched: the input stays for the follow-up

@@ -131,7 +131,6 @@ class SparseAllreduce(Stream):
         self._written = np.zeros(self.blocks, bool)  # blocks of the output already final
         self.nonfinite_chunks: list[int] = []  # see DenseAllreduce
         self.chunk_values = k
-        self._flagged_blocks = False
         self._slot_chunks = [len(range(j, self.chunks, self.width)) for j in range(self.width)]
         # Exponent rounds before the seed, which carries the last batch itself.
         self._exp_rounds = [max(0, -(-c // F) - 1) if self.is_float else 0
@@ -258,7 +257,6 @@ class SparseAllreduce(Stream):
             self._dequant_factor.reshape(-1, F)[chunks] = dequantize_factors(exps, s.bits)[:, None]
             self._ordinary[j] = self._ordinary[j] and bool(ordinary_exponents(exps, s.bits).all())
             self._fill_nonfinite_chunks(chunks)
-            self._flagged_blocks = bool(self.nonfinite_chunks)
         if m < seed:
             return
         present = self._present
@@ -266,7 +264,7 @@ class SparseAllreduce(Stream):
             s.counters["sparse_blocks_received"] += len(present)
             index = self._cells[j][present]
             sums = wire.values(data, h.lanes, h.count)
-            if self._flagged_blocks:  # blocks of chunks left for the follow-up: skip them
+            if self.nonfinite_chunks:  # blocks of chunks left for the follow-up: skip them
                 keep = self._chunk_exp[index // s.lanes] != EXP_NONFINITE
                 if not keep.all():
                     rows = sums.reshape(-1, b)[keep].reshape(-1)
