@@ -31,6 +31,9 @@ def parser(description: str, *, epochs: int, batch_size: int, lr: float) -> argp
     p.add_argument("--bits", type=int, choices=[32, 16], default=None,
                    help="switchml wire for gradients: 32, or 16 (half the bytes; "
                         "default: $SWITCHML_WIRE_BITS or 32)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the model trains (cuda: the GPU LOCAL_RANK mod the GPUs; "
+                        "switchml stages its gradients through pinned host memory)")
     p.add_argument("--epochs", type=int, default=epochs)
     p.add_argument("--batch-size", type=int, default=batch_size, help="per rank")
     p.add_argument("--lr", type=float, default=lr)
@@ -50,7 +53,15 @@ def init(args) -> None:
         import switchml.torch  # noqa: F401  registers the "switchml" backend
     if args.hook and args.backend != "gloo":
         raise SystemExit("--hook goes with --backend gloo (the hook replaces gloo's allreduce)")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
     dist.init_process_group(args.backend)
+
+
+def device(args) -> torch.device:
+    """The device this rank trains on (its GPU once ``init`` chose it)."""
+    return torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" \
+        else torch.device("cpu")
 
 
 def timed(hook, durations: list):
@@ -69,8 +80,11 @@ def timed(hook, durations: list):
 
 
 def wrap(model: torch.nn.Module, args, durations: list):
-    """DDP over ``model``, every bucket's allreduce timed (and the switchml hook if asked)."""
-    ddp = DDP(model)
+    """DDP over ``model`` (moved to the rank's device), every bucket's allreduce timed
+    (and the switchml hook if asked)."""
+    where = device(args)
+    model.to(where)
+    ddp = DDP(model, device_ids=[where.index] if where.type == "cuda" else None)
     if args.hook:
         import switchml.torch
 
@@ -99,6 +113,8 @@ def train(model, ddp, state, opt, data: DataLoader, test: tuple, args, durations
     rank, world = dist.get_rank(), dist.get_world_size()
     samples = steps = 0
     train_time = 0.0
+    where = device(args)
+    test = tuple(t.to(where) for t in test)
     history = []
     for epoch in range(args.epochs):
         data.sampler.set_epoch(epoch)
@@ -106,6 +122,7 @@ def train(model, ddp, state, opt, data: DataLoader, test: tuple, args, durations
         loss_sum = torch.zeros(2, dtype=torch.float64)
         start = time.perf_counter()
         for x, y in data:
+            x, y = x.to(where, non_blocking=True), y.to(where, non_blocking=True)
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(ddp(x), y)
             loss.backward()
@@ -121,7 +138,7 @@ def train(model, ddp, state, opt, data: DataLoader, test: tuple, args, durations
         if rank == 0 and not args.quiet:
             print(f"epoch {epoch + 1:3d}  loss {history[-1]['loss']:.4f}  "
                   f"test accuracy {100 * accuracy:.2f}%", flush=True)
-    compute_s = compute_time(ddp, data, loss_fn)
+    compute_s = compute_time(ddp, data, loss_fn, where)
     counters = switchml_counters(state)
     summary = {
         "switchml_mb_sent_per_step": counters.get("bytes_sent", 0) / 1e6 / max(steps, 1),
@@ -131,7 +148,8 @@ def train(model, ddp, state, opt, data: DataLoader, test: tuple, args, durations
         "wire_bits": (args.bits or int(os.environ.get("SWITCHML_WIRE_BITS", 32))
                       if (args.backend == "switchml" or args.hook) else None),
         "sparse": _sparse_setting(args) if (args.backend == "switchml" or args.hook) else None,
-        "workers": world, "epochs": args.epochs, "batch_size_per_rank": args.batch_size,
+        "device": args.device, "workers": world, "epochs": args.epochs,
+        "batch_size_per_rank": args.batch_size,
         "steps": steps, "samples_per_s": samples / train_time if train_time else 0.0,
         "allreduce_ms_per_step": 1e3 * sum(durations) / steps if steps else 0.0,
         "step_ms": 1e3 * train_time / steps if steps else 0.0,
@@ -154,7 +172,7 @@ def train(model, ddp, state, opt, data: DataLoader, test: tuple, args, durations
     return summary
 
 
-def compute_time(ddp, data: DataLoader, loss_fn, steps: int = 20) -> float:
+def compute_time(ddp, data: DataLoader, loss_fn, where: torch.device, steps: int = 20) -> float:
     """Seconds a step's forward and backward take without communication (median).
 
     Under ``no_sync`` DDP skips the allreduce; no optimizer step, so the trained
@@ -167,8 +185,11 @@ def compute_time(ddp, data: DataLoader, loss_fn, steps: int = 20) -> float:
         for i, (x, y) in enumerate(data):
             if i == steps:
                 break
+            x, y = x.to(where), y.to(where)
             start = time.perf_counter()
             loss_fn(ddp(x), y).backward()
+            if where.type == "cuda":
+                torch.cuda.synchronize(where)
             times.append(time.perf_counter() - start)
     ddp.zero_grad(set_to_none=True)
     times.sort()

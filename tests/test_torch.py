@@ -27,8 +27,9 @@ def free_port():
             return port
 
 
-def launch(world, *args, timeout=120, env=None):
-    """Run tests/torch_job.py as ``world`` ranks; return each rank's RESULT (if it printed one)."""
+def launch(world, *args, timeout=120, env=None, job=JOB):
+    """Run ``job`` (tests/torch_job.py) as ``world`` ranks; return each rank's RESULT
+    (if it printed one)."""
     port = free_port()
     extra = env or {}
     procs = []
@@ -39,7 +40,7 @@ def launch(world, *args, timeout=120, env=None):
                         os.environ.get("PYTHONPATH", "")]))
         env.pop("SWITCHML_SWITCH", None)
         env.update(extra)
-        procs.append(subprocess.Popen([sys.executable, JOB, *map(str, args)], env=env,
+        procs.append(subprocess.Popen([sys.executable, job, *map(str, args)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     for p in procs:

@@ -4,9 +4,10 @@
     torch.distributed.init_process_group("switchml")      # torchrun's env:// as usual
 
 allreduce SUM and AVG of float32, int32, float16 and bfloat16 tensors go through
-the switch (CUDA tensors staged through host memory; 16-bit ones summed as float32
-and rounded back once, so within the float32 bound plus half a 16-bit ulp of the
-result); every other collective, op and dtype goes to
+the switch (16-bit ones summed as float32 and rounded back once, so within the
+float32 bound plus half a 16-bit ulp of the result; CUDA tensors through pinned
+host memory on a side stream, the call completing on the tensor's stream as
+NCCL's do: staging.py); every other collective, op and dtype goes to
 an inner gloo group, which is registered as this group's backend for its devices,
 so any torch code runs unchanged.  The switch is ``SWITCHML_SWITCH`` when set;
 otherwise the first group's rank 0 starts one in a child process, publishes its
@@ -29,41 +30,14 @@ from ..config import DEFAULT_MAX_JOBS, DEFAULT_SLOTS_PER_JOB, env
 from ..errors import SwitchMLError
 from ..switch.process import SwitchProcess
 from ..worker.client import Worker
+from .staging import stage
 
 __all__ = ["ProcessGroupSwitchML", "HookState", "allreduce_hook", "sparse_mode"]
 
 _SWITCHED_DTYPES = (torch.float32, torch.int32, torch.float16, torch.bfloat16)
-#: Summed as float32 (their values are exact in it), rounded back by _write_back.
-_WIDENED_DTYPES = (torch.float16, torch.bfloat16)
-#: Devices whose tensors the group takes: CUDA ones are staged through host memory.
+#: Devices whose tensors the group takes: CUDA ones are staged through pinned host
+#: memory on a side stream (staging.py).
 _DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
-
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """The switch's input: ``tensor`` itself (detached) when it is a dense CPU tensor in
-    row-major order, else a contiguous copy in host memory (a CUDA tensor, a strided
-    view, channels_last), as float32 for a 16-bit tensor.  The caller copies the
-    result back when they differ."""
-    if tensor.dtype in _WIDENED_DTYPES:
-        return tensor.detach().to("cpu", torch.float32, memory_format=torch.contiguous_format,
-                                  copy=True)
-    if tensor.device.type == "cpu" and tensor.is_contiguous():
-        return tensor.detach()
-    # .to() synchronises with a CUDA tensor's stream: its values are final
-    return tensor.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
-
-
-def _as_array(staged: torch.Tensor):
-    """A flat numpy view of a staged tensor (0-d scalars included)."""
-    return staged.reshape(-1).numpy()
-
-
-def _write_back(staged: torch.Tensor, tensor: torch.Tensor) -> None:
-    """Put the result into the caller's tensor when it was staged in a copy (a 16-bit
-    tensor takes the float32 sum rounded to nearest, once)."""
-    if staged.data_ptr() != tensor.data_ptr() or staged.device != tensor.device:
-        with torch.no_grad():  # a requires_grad leaf takes the result as gloo gives it
-            tensor.copy_(staged)
 
 
 def sparse_mode():
@@ -187,14 +161,20 @@ class _AllWorks(dist._Work):
         return all(work.is_completed() for work in self._works)
 
 
-def _future_from(handle, result) -> torch.futures.Future:
-    """A torch Future set to ``result()`` when the switchml call ends (or to its error)."""
-    fut: torch.futures.Future = torch.futures.Future()
+def _future_from(handle, staging, result) -> torch.futures.Future:
+    """A torch Future set to ``result()`` when the switchml call ends (or to its error).
+
+    For a CUDA tensor the future is CUDA-aware: ``result()`` enqueues the copy back on
+    the staging's side stream, and the future records that stream, so a waiter's
+    current stream (not its thread) waits for the copy.
+    """
+    fut: torch.futures.Future = torch.futures.Future(devices=staging.devices)
 
     def done(_):
         try:
             handle.wait()
-            fut.set_result(result())
+            with staging.context():
+                fut.set_result(result())
         except BaseException as exc:  # surfaces in wait() / the DDP reducer
             fut.set_exception(exc)
 
@@ -276,20 +256,16 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
             # object it is given, which a detached alias would keep to itself.
             return self._gloo.allreduce([t.detach() if t.layout == torch.strided else t
                                          for t in tensors], opts)
-        t = tensors[0]
-        staged = _to_host(t)
-        array = _as_array(staged)
-        handle = self._worker.allreduce_async(array, out=array, sparse=self._sparse)
-        average = opts.reduceOp == dist.ReduceOp.AVG
+        staging = stage(tensors[0])
+        handle = self._worker.allreduce_async(staging.array, out=staging.array,
+                                              sparse=self._sparse, ready=staging.ready)
+        divisor = self.size() if opts.reduceOp == dist.ReduceOp.AVG else None
 
         def result():
-            if average:  # integers as NCCL's average does: the sum divided, truncated
-                staged.div_(self.size(), rounding_mode=None if staged.is_floating_point()
-                            else "trunc")
-            _write_back(staged, t)
+            staging.finish(divisor)
             return tensors
 
-        return _SwitchWork(_future_from(handle, result))
+        return _SwitchWork(_future_from(handle, staging, result))
 
     def _gloo_on_a_copy(self, tensors, opts):
         """gloo's allreduce of a non-contiguous tensor, on a contiguous copy: gloo itself
@@ -300,7 +276,8 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
 
         def result(fut):
             fut.value()  # raises gloo's error
-            _write_back(staged, t)
+            with torch.no_grad():  # a requires_grad leaf takes the result as gloo gives it
+                t.copy_(staged)
             return tensors
 
         return _SwitchWork(work.get_future().then(result))
@@ -411,16 +388,14 @@ def allreduce_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tenso
     """DDP comm hook: average the bucket through the switch (dense, sparse or auto)."""
     buffer = bucket.buffer()
     worker = state.joined()
-    staged = _to_host(buffer)
-    array = _as_array(staged)
-    handle = worker.allreduce_async(array, out=array, sparse=state.sparse, bits=state.bits)
-
+    staging = stage(buffer)
+    handle = worker.allreduce_async(staging.array, out=staging.array, sparse=state.sparse,
+                                    bits=state.bits, ready=staging.ready)
     world = state.world_size
     assert world is not None  # joined
 
     def result():
-        staged.div_(world)
-        _write_back(staged, buffer)
+        staging.finish(world)
         return buffer
 
-    return _future_from(handle, result)
+    return _future_from(handle, staging, result)

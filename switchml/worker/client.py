@@ -160,14 +160,27 @@ class Worker:
         """
         return self.allreduce_async(array, out, sparse, bits).wait()
 
-    def allreduce_async(self, array, out=None, sparse=False, bits=None) -> AllreduceHandle:
-        """Queue an allreduce; do not touch ``array`` or ``out`` before ``wait()``."""
+    def allreduce_async(self, array, out=None, sparse=False, bits=None,
+                        ready=None) -> AllreduceHandle:
+        """Queue an allreduce; do not touch ``array`` or ``out`` before ``wait()``.
+
+        ``ready``: a callable the worker's thread calls before it first reads
+        ``array`` (a C-contiguous float32 or int32 array then), so a caller can queue
+        the call while the input is still being written, e.g. copied from a GPU: the
+        torch backend passes the copy's CUDA event's ``synchronize``.
+        """
         if sparse not in (False, True, "auto"):
             raise ValueError(f"sparse must be False, True or 'auto', not {sparse!r}")
         bits = self._wire_bits if bits is None else bits
         if bits not in (16, 32):
             raise ValueError(f"bits must be 32 or 16, not {bits!r}")
         src = np.asarray(array)
+        if ready is not None and (src.dtype not in SUPPORTED_DTYPES
+                                  or not src.flags.c_contiguous):
+            # (the copies below would read the array before it is ready)
+            raise ValueError("allreduce_async(ready=...) takes a C-contiguous float32 or "
+                             f"int32 array, not a {'' if src.flags.c_contiguous else 'strided '}"
+                             f"{src.dtype} one")
         if not src.flags.c_contiguous:
             # (not np.ascontiguousarray: it turns a 0-d array, a scalar loss, into 1-d)
             src = src.copy(order="C")
@@ -194,7 +207,7 @@ class Worker:
         future: Future = Future()
         if self._closed:
             raise SwitchMLError("this worker is closed")
-        self._queue.put((src, out, sparse, future, narrow, bits))
+        self._queue.put((src, out, sparse, future, narrow, bits, ready))
         self._wake()
         return AllreduceHandle(future)
 
@@ -337,11 +350,13 @@ class Worker:
                     continue
                 if item is None:
                     break
-                src, out, sparse, future, narrow, bits = item
+                src, out, sparse, future, narrow, bits, ready = item
                 if self._failure is not None:
                     future.set_exception(self._failure)
                     continue
                 try:
+                    if ready is not None:
+                        ready()
                     if sparse == "auto":
                         sparse = self._auto_choice(src)
                     self._run(src, out, sparse, bits)

@@ -1,0 +1,41 @@
+"""The backend and the DDP hook on CUDA tensors: real processes on the machine's GPU,
+a real switch.  Skipped where torch sees no CUDA device (CI); run on a GPU machine
+with ``pytest tests/test_torch_cuda.py``."""
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="no CUDA device on this machine")
+
+from test_torch import launch  # noqa: E402  (after the skip: it imports torch's extras)
+
+JOB = os.path.join(os.path.dirname(__file__), "cuda_job.py")
+
+
+def test_cuda_calls_equal_the_cpu_path_wait_for_their_stream_and_complete_on_it():
+    for out in launch(3, "calls", "switchml", job=JOB, timeout=300):
+        failed = sorted(name for name, ok in out.items() if ok is not True)
+        assert not failed, out
+
+
+def test_ddp_on_cuda_matches_gloo_on_cuda():
+    ours = launch(3, "ddp", "switchml", job=JOB, timeout=300)
+    theirs = launch(3, "ddp", "gloo", job=JOB, timeout=300)
+    a = torch.tensor(ours[0]["params"])
+    for r in ours[1:]:
+        assert torch.equal(torch.tensor(r["params"]), a)  # replicas stay identical
+    assert torch.allclose(a, torch.tensor(theirs[0]["params"]), atol=1e-4)
+
+
+@pytest.mark.parametrize("bits", [32, 16])
+def test_the_ddp_hook_on_cuda_buckets_trains_like_gloo(bits):
+    ours = launch(3, "hook", "gloo", bits, job=JOB, timeout=300)
+    theirs = launch(3, "ddp", "gloo", job=JOB, timeout=300)
+    a = torch.tensor(ours[0]["params"])
+    for r in ours[1:]:
+        assert torch.equal(torch.tensor(r["params"]), a)
+    assert torch.allclose(a, torch.tensor(theirs[0]["params"]), atol=1e-4 if bits == 32 else 1e-2)
