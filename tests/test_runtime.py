@@ -1,6 +1,7 @@
 """Real sockets on loopback: a running switch and worker threads."""
 
 import socket
+import threading
 
 import numpy as np
 import pytest
@@ -113,6 +114,31 @@ def test_async_calls_are_served_in_call_order(switch):
     for results in run_ranks(2, body):
         for i, r in enumerate(results):
             assert np.array_equal(r, np.full(5000 + i, 2 * i, dtype=np.int32))
+
+
+def test_ready_runs_on_the_workers_thread_before_the_input_is_read(switch):
+    """allreduce_async(ready=...): the call is queued before its input exists (as the
+    torch backend queues a CUDA tensor's copy); ready() fills it first, on the I/O
+    thread.  A strided or float16 input, which would be copied at once, is refused."""
+    def body(rank):
+        x = np.zeros(70_000, np.float32)
+        seen = []
+
+        def ready():
+            seen.append(threading.current_thread().name)
+            x[:] = np.arange(x.size, dtype=np.float32) * (rank + 1)
+
+        with switchml.Worker(switch.address, rank, 2) as w:
+            out = w.allreduce_async(x, out=x, ready=ready).wait()
+            with pytest.raises(ValueError, match="ready"):
+                w.allreduce_async(np.zeros(8, np.float16), ready=ready)
+            with pytest.raises(ValueError, match="ready"):
+                w.allreduce_async(np.zeros((4, 4), np.float32)[:, ::2], ready=ready)
+        return out, seen
+
+    for out, seen in run_ranks(2, body):
+        assert np.array_equal(out, np.arange(70_000, dtype=np.float32) * 3)
+        assert seen and seen[0].startswith("switchml-worker")
 
 
 def test_out_argument_and_in_place(switch):
