@@ -245,6 +245,26 @@ def _preflight(args) -> None:
         raise SystemExit("switchml bench: --loss must be in [0, 1)")
 
 
+def _drops(cluster):
+    """The testbed's drop counters (None on loopback)."""
+    if not isinstance(cluster, OnTestbed):
+        return None
+    from bench import drops
+
+    return drops.snapshot(cluster.tb)
+
+
+def _note_drops(rows, before, cluster) -> None:
+    """Where the datagrams of these rows' run were lost (all its cases together)."""
+    if before is None:
+        return
+    from bench import drops
+
+    lost = drops.delta(before, _drops(cluster))
+    for row in rows:
+        row["testbed_drops_in_run"] = lost
+
+
 def run(args, cluster) -> dict:
     from tqdm import tqdm
 
@@ -258,11 +278,16 @@ def run(args, cluster) -> dict:
             cases = [c for mib in args.sizes for c in _cases(args, mib)]
             if cases:
                 bar.set_postfix_str(f"n={world} switchml")
+                before = _drops(cluster)
                 got, counters[world] = run_switchml(cluster, world, cases, args, bar.update)
+                _note_drops(got, before, cluster)
                 rows += got
             if glooish:
                 bar.set_postfix_str(f"n={world} gloo")
-                rows += run_gloo(cluster, world, args.sizes, args, bar.update)
+                before = _drops(cluster)
+                got = run_gloo(cluster, world, args.sizes, args, bar.update)
+                _note_drops(got, before, cluster)
+                rows += got
     _speedups(rows)
     order = {"switchml-dense": 0, "switchml-dense16": 1, "switchml-sparse": 2, "gloo": 3,
              "gloo-fp16": 4}
