@@ -7,6 +7,7 @@ Each uses its own prefix, so they never touch a testbed someone else has up.
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -135,6 +136,9 @@ def test_up_builds_the_layout_and_down_leaves_nothing_behind():
         for ns, dev in ((tb.namespace(1), tb.ifname(1)), (tb.switch_namespace, tb.port(1))):
             (qd,) = netns.qdisc(ns, dev)
             assert qd["kind"] == "tbf" and qd["options"]["rate"] == 100_000_000 // 8
+            # UDP GSO runs are cut into frames at every link; TCP keeps its offload
+            features = netns.offloads(ns, dev)
+            assert not features["tx-udp-segmentation"] and features["tx-tcp-segmentation"]
         with pytest.raises(TestbedExistsError):
             Testbed(hosts=1, prefix=p).up()
         with Testbed(hosts=1, link=None, prefix=q):  # a second testbed coexists
@@ -335,24 +339,112 @@ def test_shaping_limits_the_rate_of_uplink_and_downlink():
         assert 0.3 * link < rate < 1.3 * link, (up, down)
 
 
+def assert_near_rate(drops, arrivals, loss, where=""):
+    """``drops`` of ``arrivals`` datagrams is what dropping each one with probability
+    ``loss`` gives: within 4.5 standard deviations of the binomial (a false alarm about
+    once in 150,000). A rule that drops whole GSO runs counts one drop per run, far
+    below; a missing rule none."""
+    mean, sd = arrivals * loss, math.sqrt(arrivals * loss * (1 - loss))
+    assert abs(drops - mean) <= 4.5 * sd, (
+        f"{where}: {drops} of {arrivals} datagrams dropped, want {mean:.0f} +- {4.5 * sd:.0f}")
+
+
+def udp_arrivals(before, after, dropped):
+    """Datagrams that met a namespace's loss rule: those it dropped, plus those that
+    passed (read by a socket, refused by a full one, or for no socket)."""
+    return dropped + sum(after[k] - before[k] for k in ("InDatagrams", "InErrors", "NoPorts"))
+
+
 @needs_root
 @needs_nft
 def test_loss_rule_drops_datagrams_and_switchml_still_sums_exactly(tmp_path):
-    size = 200_000
-    with Testbed(hosts=2, link="500mbit", loss=0.05, prefix=prefix("h")) as tb:
+    size, loss = 200_000, 0.05
+    with Testbed(hosts=2, link="500mbit", loss=loss, prefix=prefix("h")) as tb:
         start_switch(tb)
+        where = ["switch", 0, 1]
+        before = {w: tb.udp_counters(w) for w in where}
         results, counters = run_workers(tb, 2, size, "float32", tmp_path)
+        after = {w: tb.udp_counters(w) for w in where}
         stats = json.loads(tb.run("switch", [sys.executable, "-m", "switchml.cli", "stats",
                                              "--switch", tb.switch, "--json"],
                                   capture_output=True, text=True, cwd=ROOT).stdout)
         drops = tb.loss_drops()
+        names = {w: tb.namespace(w) for w in where}
     want = expected(2, size, "float32")
     for got in results:
         assert got.tobytes() == want.tobytes()
     assert all(c["retransmissions"] > 0 for c in counters)
-    assert drops[tb.switch_namespace] > 0 and drops[tb.namespace(0)] > 0
+    # Each datagram that reached a namespace (some hundreds per host, twice that at
+    # the switch) was dropped with probability `loss` on its own: the workers and the
+    # switch send runs of datagrams with UDP GSO, and a rule that met a run as one
+    # packet would drop a few runs whole and count a few drops (the flakiness of old).
+    for w in where:
+        assert_near_rate(drops[names[w]], udp_arrivals(before[w], after[w], drops[names[w]]),
+                         loss, names[w])
     job = stats["ended_jobs"]["testbed"]["counters"]
     assert job.get("retransmissions_answered", 0) > 0  # lost results sent again from the copy
+
+
+def gso_loss(tb, receiver, sender, runs, per_run, payload):
+    """Send ``runs`` UDP GSO runs of ``per_run`` datagrams from ``sender`` to ``receiver``:
+    the datagrams lost of each run, the loss rule's count and the receiver's own drops."""
+    ns = tb.namespace(receiver)
+    rx = tb.popen(receiver, [sys.executable, HELPERS, "gso_receive", tb.address(receiver),
+                             "7399", str(runs)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert rx.stdout.readline().strip() == "ready"
+        counted = tb.loss_drops()[ns]
+        tb.run(sender, [sys.executable, HELPERS, "gso_send", tb.address(receiver), "7399",
+                        str(runs), str(per_run), str(payload)], timeout=60)
+        out = json.loads(rx.stdout.readline())
+        assert rx.wait(timeout=10) == 0
+    finally:
+        if rx.poll() is None:
+            rx.kill()
+    return [per_run - n for n in out["got"]], tb.loss_drops()[ns] - counted, out["rcvbuf_errors"]
+
+
+def assert_loss_per_datagram(lost, per_run, counted, own_drops, loss):
+    """The datagrams lost of each GSO run are what losing each with probability
+    ``loss`` gives: the rule counted every one, their number is near the rate, and
+    they spread over the runs as a binomial does (variance over mean near 1), not in
+    whole runs (variance ``per_run`` times larger)."""
+    total, n = sum(lost), per_run * len(lost)
+    assert total == counted + own_drops, (total, counted, own_drops)
+    assert_near_rate(total, n, loss, "datagrams of GSO runs")
+    mean = total / len(lost)
+    variance = sum((x - mean) ** 2 for x in lost) / len(lost)
+    assert variance < 1.5 * per_run * loss * (1 - loss), (variance, sorted(lost)[-5:])
+    assert max(lost) < per_run
+
+
+@needs_root
+@needs_nft
+def test_loss_is_per_datagram_though_the_sender_sends_gso_runs():
+    """44 datagrams per ``send`` (UDP_SEGMENT, 1500-byte frames), both ways: the veths
+    cut each run into its frames, so the rule drops datagrams, not runs."""
+    loss, runs, payload = 0.05, 400, 1500 - 28
+    per_run = 65507 // payload
+    with Testbed(hosts=1, link=None, loss=loss, prefix=prefix("d")) as tb:
+        up = gso_loss(tb, "switch", 0, runs, per_run, payload)    # at the switch namespace
+        down = gso_loss(tb, 0, "switch", runs, per_run, payload)  # at the host, via a port
+    for lost, counted, own in (up, down):
+        assert_loss_per_datagram(lost, per_run, counted, own, loss)
+
+
+@needs_root
+@needs_nft
+def test_with_the_veths_udp_offload_on_the_rule_drops_whole_runs_and_the_checks_see_it():
+    """What the testbed turns off (``udp_offload=False``): with the veths' UDP
+    segmentation offload on, a GSO run crosses the link as one packet and the rule
+    drops it whole or not at all. The checks above must fail on that."""
+    loss, runs, payload = 0.05, 400, 1500 - 28
+    per_run = 65507 // payload
+    with Testbed(hosts=1, link=None, loss=loss, prefix=prefix("o"), udp_offload=True) as tb:
+        lost, counted, own = gso_loss(tb, "switch", 0, runs, per_run, payload)
+    assert sum(lost) == per_run * counted + own  # one count per run dropped whole
+    with pytest.raises(AssertionError):
+        assert_loss_per_datagram(lost, per_run, counted, own, loss)
 
 
 @needs_root

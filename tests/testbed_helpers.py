@@ -10,6 +10,11 @@
 - ``sink HOST PORT``: accept one TCP connection, print bytes received and seconds
   from first to last byte.
 - ``source HOST PORT BYTES``: connect and send BYTES.
+- ``gso_receive HOST PORT RUNS``: count UDP datagrams per run (the first 4 bytes of
+  each), from "ready" until 1 s passes without one; print the counts and the
+  socket's drops (RcvbufErrors) as JSON.
+- ``gso_send HOST PORT RUNS PER_RUN PAYLOAD``: send RUNS runs of PER_RUN datagrams
+  of PAYLOAD bytes, each run one ``send`` with UDP_SEGMENT (as switchml sends).
 - ``gloo RANK WORLD SIZE``: one torch gloo rank (MASTER_ADDR, MASTER_PORT and
   GLOO_SOCKET_IFNAME from the environment); prints its all_reduce result's sum.
 """
@@ -106,6 +111,51 @@ def source(host, port, nbytes):
             left -= len(chunk)
 
 
+def _rcvbuf_errors():
+    with open("/proc/net/snmp") as f:
+        lines = [line.split() for line in f if line.startswith("Udp:")]
+    return int(lines[1][lines[0].index("RcvbufErrors")])
+
+
+def gso_receive(host, port, runs):
+    from switchml.netutil import enlarge_buffers
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    enlarge_buffers(sock, 64 << 20)  # holds every run: no drop of its own
+    sock.bind((host, int(port)))
+    errors = _rcvbuf_errors()
+    got = [0] * int(runs)
+    buf = bytearray(1 << 16)
+    print("ready", flush=True)
+    sock.settimeout(30)
+    try:
+        while True:
+            if sock.recv_into(buf) >= 4:
+                run = int.from_bytes(buf[:4], "big")
+                if run < len(got):
+                    got[run] += 1
+            sock.settimeout(1.0)
+    except TimeoutError:
+        pass
+    print(json.dumps({"got": got, "rcvbuf_errors": _rcvbuf_errors() - errors}), flush=True)
+
+
+def gso_send(host, port, runs, per_run, payload):
+    from switchml.netutil import enlarge_buffers
+
+    per_run, payload = int(per_run), int(payload)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    enlarge_buffers(sock, 64 << 20)
+    sock.setsockopt(socket.IPPROTO_UDP, 103, payload)  # UDP_SEGMENT
+    sock.connect((host, int(port)))
+    body = bytearray(per_run * payload)
+    for run in range(int(runs)):
+        for i in range(per_run):
+            body[i * payload:i * payload + 4] = run.to_bytes(4, "big")
+        sock.send(body)
+        time.sleep(0.0005)  # the receiver, one Python process, keeps up
+
+
 def gloo(rank, world, size):
     import torch
     import torch.distributed as dist
@@ -120,4 +170,4 @@ def gloo(rank, world, size):
 
 if __name__ == "__main__":
     {"worker": worker, "repeat": repeat, "idle": idle, "sink": sink, "source": source,
-     "gloo": gloo}[sys.argv[1]](*sys.argv[2:])
+     "gloo": gloo, "gso_receive": gso_receive, "gso_send": gso_send}[sys.argv[1]](*sys.argv[2:])

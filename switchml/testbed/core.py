@@ -16,7 +16,9 @@ prefix, so ``down`` finds leftovers of a crashed run and two testbeds with
 different prefixes coexist.  A worker's traffic leaves through its uplink, is
 switched (or received by the switch process on the bridge address) and reaches
 other hosts through their downlinks: the switch process itself is not behind a
-shaped link, as an aggregating switch is not.
+shaped link, as an aggregating switch is not.  Every veth has its UDP
+segmentation offload off: a sender's UDP GSO run leaves a link as its datagrams,
+one frame each, so the loss rule (``loss``) drops datagrams, not whole runs.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ DEFAULT_BURST = 256 * 1024
 #: tbf queue of every link: about what a real switch's port buffers (a shared
 #: buffer of a few MB over dozens of ports), not sized to fit any protocol's window.
 DEFAULT_QUEUE = 256 * 1024
+#: The veth offload that carries a run of UDP GSO datagrams as one packet. Off on
+#: every testbed veth, so the kernel cuts each run into its datagrams when it
+#: leaves through a link (as for a NIC without UDP segmentation offload, most of
+#: them): the wire, the link counters and the loss rule see one frame per datagram.
+UDP_SEGMENTATION = "tx-udp-segmentation"
 #: Where ``up`` records a testbed's settings for ``status``, ``run`` and ``down``.
 STATE_DIR = "/run/switchml-testbed"
 SWITCH = "switch"
@@ -107,13 +114,18 @@ class Testbed:
     its first addresses, the switch (bridge) its last usable one.  ``burst``: tbf
     bucket; ``queue``: bytes a link holds waiting for the wire (tbf ``limit``;
     256 KiB by default, a switch port's buffer), beyond which it drops.
+    ``udp_offload``: leave the veths' UDP segmentation offload on, so a sender's
+    UDP GSO run (up to 64 datagrams in one ``sendmsg``) crosses the links and
+    meets the loss rule as one packet, dropped or kept whole; off by default, so
+    that loss is per datagram, as on a wire (kept to show the difference).
     """
 
     __test__ = False  # not a pytest test class, despite the name
 
     def __init__(self, hosts: int = 4, link="1gbit", *, mtu: int | None = None,
                  loss: float = 0.0, prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET,
-                 burst=DEFAULT_BURST, queue=None, install_nft: bool = True):
+                 burst=DEFAULT_BURST, queue=None, install_nft: bool = True,
+                 udp_offload: bool = False):
         self.prefix = _check_prefix(prefix)
         net = ipaddress.ip_network(subnet)
         if not 1 <= hosts <= min(255, net.num_addresses - 3):
@@ -135,6 +147,7 @@ class Testbed:
             raise ValueError(f"queue must hold at least two jumbo frames (18000 bytes), "
                              f"got {self.queue}")
         self.install_nft = install_nft
+        self.udp_offload = bool(udp_offload)
         self._procs: list = []
         self._up = False
         self._saved_handlers: dict = {}
@@ -215,6 +228,11 @@ class Testbed:
     def link_counters(self, host) -> dict:
         """Bytes and packets host ``i``'s veth sent (uplink) and received (downlink)."""
         return netns.link_counters(self.namespace(host), self.ifname(host))
+
+    def udp_counters(self, host) -> dict:
+        """The UDP counters of ``host``'s namespace (or the switch's): InDatagrams
+        (datagrams its sockets read), InErrors, RcvbufErrors, NoPorts, ..."""
+        return netns.udp_counters(self.namespace(host))
 
     def loss_drops(self) -> dict:
         """Datagrams the loss rules dropped so far, per namespace."""
@@ -304,6 +322,8 @@ class Testbed:
             if self.mtu:
                 sh(["ip", "-n", ns, "link", "set", dev, "mtu", str(self.mtu)])
                 sh(["ip", "-n", sw, "link", "set", port, "mtu", str(self.mtu)])
+            if not self.udp_offload:
+                netns.set_offloads(ns, [dev], {UDP_SEGMENTATION: False})
             sh(["ip", "-n", sw, "link", "set", port, "master", self.bridge])
             sh(["ip", "-n", ns, "addr", "add", f"{self.address(h)}/{prefix_len}", "dev", dev])
             sh(["ip", "-n", sw, "link", "set", port, "up"])
@@ -313,6 +333,9 @@ class Testbed:
                 netns.shape(sw, port, self.link_bps, self.burst, self.queue)   # downlink
             if self.loss > 0:
                 netns.add_udp_loss(ns, self._loss_table, self.loss)
+        if not self.udp_offload:  # downlinks: the bridge ports
+            netns.set_offloads(sw, [self.port(h) for h in range(self.hosts)],
+                               {UDP_SEGMENTATION: False})
         if self.mtu:
             sh(["ip", "-n", sw, "link", "set", self.bridge, "mtu", str(self.mtu)])
         sh(["ip", "-n", sw, "addr", "add", f"{self.switch_address}/{prefix_len}",
@@ -327,7 +350,8 @@ class Testbed:
         state = {"prefix": self.prefix, "hosts": self.hosts, "link": self.link,
                  "link_bps": self.link_bps, "mtu": self.mtu, "loss": self.loss,
                  "subnet": str(self.subnet), "burst": self.burst, "queue": self.queue,
-                 "switch": self.switch, "created": time.time()}
+                 "udp_offload": self.udp_offload, "switch": self.switch,
+                 "created": time.time()}
         with open(os.path.join(STATE_DIR, f"{self.prefix}.json"), "w") as f:
             json.dump(state, f, indent=2)
 
@@ -341,7 +365,7 @@ class Testbed:
                                f"(start one with `switchml testbed up`)")
         return cls(state["hosts"], state["link"], mtu=state["mtu"], loss=state["loss"],
                    prefix=prefix, subnet=state["subnet"], burst=state["burst"],
-                   queue=state["queue"])
+                   queue=state["queue"], udp_offload=state.get("udp_offload", False))
 
     # ------------------------------------------------------------------ signals
     def _catch_signals(self) -> None:

@@ -154,6 +154,15 @@ def link_counters(ns: str, dev: str) -> dict:
             "tx_dropped": stats["tx"]["dropped"], "rx_dropped": stats["rx"]["dropped"]}
 
 
+def udp_counters(ns: str) -> dict:
+    """The UDP counters of namespace ``ns`` (/proc/net/snmp's Udp line: InDatagrams,
+    NoPorts, InErrors, RcvbufErrors, OutDatagrams, ...), one per datagram."""
+    text = sh(["ip", "netns", "exec", ns, "cat", "/proc/net/snmp"]).stdout
+    names, values = [line.split()[1:] for line in text.splitlines()
+                     if line.startswith("Udp:")][:2]
+    return {name: int(value) for name, value in zip(names, values)}
+
+
 def qdisc(ns: str, dev: str) -> list:
     """The qdiscs on a device, as ``tc -j`` reports them."""
     return json.loads(sh(["tc", "-n", ns, "-j", "-s", "qdisc", "show", "dev", dev]).stdout or "[]")
@@ -165,8 +174,33 @@ def shape(ns: str, dev: str, rate_bps: float, burst: int, limit: int) -> None:
         "rate", f"{int(rate_bps)}bit", "burst", str(burst), "limit", str(limit)])
 
 
+#: Run as a script inside a namespace: the ethtool ioctl acts on the caller's namespace.
+OFFLOAD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "offload.py")
+
+
+def set_offloads(ns: str, devs, wanted: dict) -> None:
+    """Turn offload features (ethtool names: on) of devices in ``ns`` on or off.
+
+    Through the ethtool ioctl (``offload.py``), since the machine may have no
+    ``ethtool``; a device that keeps a feature as it was raises CommandError.
+    """
+    pairs = [word for name, on in wanted.items() for word in (name, "on" if on else "off")]
+    sh(["ip", "netns", "exec", ns, sys.executable, OFFLOAD_SCRIPT, ",".join(devs), *pairs])
+
+
+def offloads(ns: str, dev: str) -> dict:
+    """Every offload feature of ``dev`` in ``ns``: whether it is on (``ethtool -k``)."""
+    out = sh(["ip", "netns", "exec", ns, sys.executable, OFFLOAD_SCRIPT, dev]).stdout
+    return {line.split()[1].rstrip(":"): line.split()[2] == "on" for line in out.splitlines()}
+
+
 def add_udp_loss(ns: str, table: str, loss: float) -> None:
-    """Drop each incoming UDP datagram with probability ``loss`` (nftables numgen)."""
+    """Drop each incoming UDP datagram with probability ``loss`` (nftables numgen).
+
+    The rule decides per packet the hook sees: a UDP GSO run that reaches it
+    uncut is one packet, dropped whole or kept. The testbed's veths cut runs
+    into datagrams at transmit (``tx-udp-segmentation`` off), so it is per datagram.
+    """
     threshold = round(loss * 1_000_000)
     ruleset = (f"table inet {table} {{\n"
                f"  chain input {{\n"
