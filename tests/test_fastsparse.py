@@ -124,7 +124,7 @@ def run_sparse(compiled_engine, calls, world, slots, k, block, faults, seed, bot
     state = [(dict(s.counters), list(s.slot_msgs), s.next_seq, s.rtt.srtt, s.rtt.rttvar,
               s.rtt.min_rtt, s.rtt.rto(), s.window.cwnd, s.window.ssthresh,
               s.window._last_decrease, s.window._undo, s.window._epoch_start,
-              s.window._epoch_min, s.window._queue_at, s.window._clear_at)
+              s.window._epoch_min, s.window._queue_at, s.window._clear_at, s.reordering)
              for s in sim.sessions]
     return sent, results, state, kinds
 

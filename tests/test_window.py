@@ -19,6 +19,7 @@ from switchml.worker.engine import Session
 from switchml.worker.recovery import (
     COPY_PROBE_ROUND_TRIPS,
     FAST_RETRANSMIT_THRESHOLD,
+    MAX_REORDERING,
     TAIL_PROBE_MARGIN,
     TAIL_PROBE_ROUND_TRIPS,
     CongestionWindow,
@@ -448,7 +449,8 @@ def test_a_message_overtaken_by_three_results_goes_again_at_once(engine):
     if engine == "c" and compiled._fastengine is None:
         pytest.skip("the C engine is not built")
     assert compiled._fastengine is None or (
-        compiled._fastengine.FAST_RETRANSMIT_THRESHOLD == FAST_RETRANSMIT_THRESHOLD == 3)
+        compiled._fastengine.FAST_RETRANSMIT_THRESHOLD == FAST_RETRANSMIT_THRESHOLD == 3
+        and compiled._fastengine.MAX_REORDERING == MAX_REORDERING)
     width = 8
     pipeline = Pipeline(slots=width, packet_elements=K)
     pipeline.install_job("one", 0x55, [("w", 0)], 0, width)
@@ -498,6 +500,49 @@ def test_a_message_overtaken_by_three_results_goes_again_at_once(engine):
     assert (out == data).all()
     assert s.counters["fast_retransmissions"] == 1 and s.counters["retransmissions"] == 2
     assert s.counters["probe_retransmissions"] == 1
+
+
+@pytest.mark.parametrize("engine", ["python", "c"])
+def test_a_spurious_fast_retransmission_raises_the_reordering_threshold(engine):
+    """Message 0 was only late: its result comes 0.05 ms after its fast retransmission,
+    sooner than any round trip could answer the copy.  The three results that
+    overtook it were reordering, so the session lets four overtake a message from
+    then on (this call and the next): three results after message 4's leave it
+    waiting, the fourth sends it again."""
+    from switchml.worker import compiled
+
+    if engine == "c" and compiled._fastengine is None:
+        pytest.skip("the C engine is not built")
+    width = 8
+    pipeline = Pipeline(slots=width, packet_elements=K)
+    pipeline.install_job("one", 0x55, [("w", 0)], 0, width)
+    s = Session(session=0x55, rank=0, world_size=1, slot_base=0, slot_count=width,
+                packet_elements=K, window=CongestionWindow(width, initial=width))
+    assert s.reordering == FAST_RETRANSMIT_THRESHOLD
+    data = np.arange(2 * width * K, dtype=np.int32)
+    out = np.zeros_like(data)
+    op = s.allreduce(data, out, now=0.0, compiled=engine == "c")
+    sent = [bytes(d) for d in op.datagrams_to_send()]
+
+    def answer(datagram, now):
+        ((result, _),) = pipeline.receive_datagram(datagram, ("w", 0))
+        op.receive_datagram(bytes(result), now)
+        return [bytes(d) for d in op.datagrams_to_send()]
+
+    def ids(datagrams):
+        return [wire.decode_header(d).pkt_id for d in datagrams]
+
+    later = answer(sent[1], 0.001) + answer(sent[2], 0.0011)
+    assert 0 in ids(answer(sent[3], 0.0012))  # overtaken by three: sent again
+    answer(sent[0], 0.00125)  # the original's result (the copy never arrives)
+    getattr(op, "sync", lambda: None)()
+    assert s.counters["spurious_retransmissions"] == 1
+    assert s.reordering == 4
+    overtaking = answer(sent[5], 0.0013) + answer(sent[6], 0.0014) + answer(sent[7], 0.0015)
+    assert 4 not in ids(overtaking)  # three overtook message 4: reordering, as learnt
+    assert 4 in ids(answer(later[0], 0.0016))  # the fourth: presumed lost
+    getattr(op, "sync", lambda: None)()
+    assert s.counters["fast_retransmissions"] == 2 and s.reordering == 4
 
 
 def random_loss_calls_without_fast_retransmit(monkeypatch, *args, **kwargs):

@@ -235,9 +235,10 @@ static void heap_pop(Heap *h) {
 }
 
 /* ------------------------------------------------------------ the engine */
-/* recovery.FAST_RETRANSMIT_THRESHOLD (exported as the module's constant, and
- * tests/test_fastengine.py checks they agree) */
+/* recovery.FAST_RETRANSMIT_THRESHOLD and MAX_REORDERING (exported as the module's
+ * constants, and tests/test_fastengine.py checks they agree) */
 #define FAST_RETRANSMIT_THRESHOLD 3
+#define MAX_REORDERING 16
 /* recovery.TAIL_PROBE_ROUND_TRIPS, COPY_PROBE_ROUND_TRIPS, TAIL_PROBE_MARGIN (exported
  * too, checked against them) */
 #define TAIL_PROBE_ROUND_TRIPS 2
@@ -285,12 +286,14 @@ typedef struct {
     Heap ready, inflight_ids;
     int64_t inflight_count, remaining;
     /* fast retransmit (Stream's): send numbers, the candidates by send number,
-     * the greatest send numbers answered (least first) */
-    int64_t sends, *send_no;
+     * the greatest send numbers answered (least first), the Session's reordering
+     * threshold, and per slot the send number a fast retransmission followed */
+    int64_t sends, *send_no, *overtaken_send_no;
+    int reordering;
     int32_t *fast_copies; /* per slot: fast retransmissions and probes of its message */
     uint8_t *copy;        /* per slot: how its latest transmission went out (COPY_*) */
     Heap by_send;
-    int64_t latest_results[FAST_RETRANSMIT_THRESHOLD];
+    int64_t latest_results[MAX_REORDERING];
     int latest_len;
     /* datagrams to send: (slot, length); the bytes are the slot's buffer when
      * sent, as the reference's outbox holds views of its packet buffers */
@@ -520,13 +523,13 @@ static int resend_message(DenseCore *c, int j, double now) {
 static void note_result(DenseCore *c, int64_t send_no) {
     int64_t *latest = c->latest_results;
     int i;
-    if (c->latest_len < FAST_RETRANSMIT_THRESHOLD) {
+    if (c->latest_len < MAX_REORDERING) {
         i = c->latest_len++;
     } else if (send_no > latest[0]) {
         /* drop the least, then insert */
-        for (i = 0; i + 1 < FAST_RETRANSMIT_THRESHOLD; i++)
+        for (i = 0; i + 1 < MAX_REORDERING; i++)
             latest[i] = latest[i + 1];
-        i = FAST_RETRANSMIT_THRESHOLD - 1;
+        i = MAX_REORDERING - 1;
     } else {
         return;
     }
@@ -535,6 +538,16 @@ static void note_result(DenseCore *c, int64_t send_no) {
         i--;
     }
     latest[i] = send_no;
+}
+
+/* Stream._learn_reordering */
+static void learn_reordering(DenseCore *c, int j) {
+    int overtaken_by = 0;
+    for (int i = c->latest_len - 1; i >= 0 && c->latest_results[i] > c->overtaken_send_no[j]; i--)
+        overtaken_by++;
+    int want = overtaken_by + 1 < MAX_REORDERING ? overtaken_by + 1 : MAX_REORDERING;
+    if (want > c->reordering)
+        c->reordering = want;
 }
 
 /* Stream._judge_loss */
@@ -558,6 +571,7 @@ static int fast_resend(DenseCore *c, int j, double now) {
     c->fast_copies[j]++;
     c->copy[j] = COPY_FAST;
     c->sent_at[j] = now;
+    c->overtaken_send_no[j] = c->send_no[j];
     c->send_no[j] = ++c->sends; /* not a candidate again until its timer fires */
     c->counters[COUNTER_RETRANSMISSIONS]++;
     c->counters[COUNTER_FAST_RETRANSMISSIONS]++;
@@ -566,9 +580,9 @@ static int fast_resend(DenseCore *c, int j, double now) {
 
 /* Stream._fast_retransmit */
 static int fast_retransmit(DenseCore *c, double now) {
-    if (c->latest_len < FAST_RETRANSMIT_THRESHOLD)
+    if (c->latest_len < c->reordering)
         return 0;
-    int64_t bound = c->latest_results[0];
+    int64_t bound = c->latest_results[c->latest_len - c->reordering];
     Heap *candidates = &c->by_send;
     while (candidates->len) {
         HeapItem top = candidates->items[0];
@@ -720,7 +734,7 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
         return 0;
     }
     c->counters[COUNTER_RESULTS_IN]++;
-    note_result(c, c->send_no[j]);
+    int64_t answered = c->send_no[j]; /* the latest transmission's, unless proven otherwise */
     double elapsed = now - c->sent_at[j];
     if (c->backoff[j] == 0) {
         if (!c->lost[j]) { /* Karn: only unambiguous samples */
@@ -729,9 +743,14 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
         }
     } else if (!c->lost[j] && elapsed < c->min_rtt) {
         c->counters[COUNTER_SPURIOUS]++;
+        if (c->copy[j] == COPY_FAST) {
+            learn_reordering(c, j);
+            answered = c->overtaken_send_no[j]; /* the original's result */
+        }
         if (!isnan(c->decreased_at[j]))
             window_undo_decrease(c, c->decreased_at[j]);
     }
+    note_result(c, answered);
     window_on_result(c, c->inflight_count >= window_allowed(c));
     c->last_progress = now;
     if (c->sp)
@@ -833,6 +852,7 @@ static void core_dealloc(DenseCore *c) {
     PyMem_RawFree(c->inflight_ids.items);
     PyMem_RawFree(c->by_send.items);
     PyMem_RawFree(c->send_no);
+    PyMem_RawFree(c->overtaken_send_no);
     PyMem_RawFree(c->fast_copies);
     PyMem_RawFree(c->copy);
     PyMem_RawFree(c->recv_buffers);
@@ -844,7 +864,7 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"src", "out", "is_float", "session", "slot_base", "width",
                              "packet_elements", "lanes", "bits", "seq", "slot_msgs", "now",
                              "progress_timeout", "rtt", "window", "wire_bits", "world_size",
-                             "sparse", "block_elements",
+                             "sparse", "block_elements", "reordering",
                              NULL};
     PyObject *src, *out, *slot_msgs, *rtt_state, *window_state;
     int is_float, wire_bits = 32;
@@ -854,12 +874,18 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
     int sparse = 0;
     long long block_elements = 0;
     c->world_size = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOpIiiLiiIOddOO|iipL", kwlist, &src, &out,
+    c->reordering = FAST_RETRANSMIT_THRESHOLD;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOpIiiLiiIOddOO|iipLi", kwlist, &src, &out,
                                      &is_float, &session, &c->slot_base, &c->width, &k,
                                      &c->lanes, &c->bits, &seq, &slot_msgs, &now,
                                      &c->progress_timeout, &rtt_state, &window_state,
-                                     &wire_bits, &c->world_size, &sparse, &block_elements))
+                                     &wire_bits, &c->world_size, &sparse, &block_elements,
+                                     &c->reordering))
         return -1;
+    if (c->reordering < 1 || c->reordering > MAX_REORDERING) {
+        PyErr_SetString(PyExc_ValueError, "reordering: 1 to MAX_REORDERING");
+        return -1;
+    }
     if ((wire_bits != 32 && wire_bits != 16) || (wire_bits == 16 && (!is_float || sparse)) ||
         c->world_size < 1) {
         PyErr_SetString(PyExc_ValueError,
@@ -922,6 +948,7 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
     c->deadline = PyMem_RawCalloc(n, sizeof(double));
     c->decreased_at = PyMem_RawCalloc(n, sizeof(double));
     c->send_no = PyMem_RawCalloc(n, sizeof(int64_t));
+    c->overtaken_send_no = PyMem_RawCalloc(n, sizeof(int64_t));
     c->fast_copies = PyMem_RawCalloc(n, sizeof(int32_t));
     c->copy = PyMem_RawCalloc(n, 1); /* COPY_SENT */
     /* malloc, not calloc: every byte is written before it is sent, and memory
@@ -931,7 +958,7 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
     c->local_exp = PyMem_RawCalloc(c->chunks ? (size_t)c->chunks : 1, sizeof(int16_t));
     c->nonfinite = PyMem_RawCalloc(c->chunks ? (size_t)c->chunks : 1, 1);
     if (!c->slot_msgs || !c->round || !c->messages || !c->global_exp || !c->inflight || !c->lost ||
-        !c->backoff || !c->sent_at || !c->deadline || !c->decreased_at || !c->send_no ||
+        !c->backoff || !c->sent_at || !c->deadline || !c->decreased_at || !c->send_no || !c->overtaken_send_no ||
         !c->fast_copies || !c->copy || !c->packets || !c->datagram_len || !c->local_exp ||
         !c->wide || !c->nonfinite) {
         PyErr_NoMemory();
@@ -1036,7 +1063,8 @@ static PyObject *core_pending(DenseCore *c, PyObject *unused) {
     return list;
 }
 
-/* (slot_msgs, rtt, window, counters): what the Session keeps; counters since the last call. */
+/* (slot_msgs, rtt, window, counters, reordering): what the Session keeps; counters since
+ * the last call. */
 static PyObject *core_export_state(DenseCore *c, PyObject *unused) {
     PyObject *msgs = PyList_New(c->width);
     if (!msgs)
@@ -1065,10 +1093,10 @@ static PyObject *core_export_state(DenseCore *c, PyObject *unused) {
         Py_DECREF(v);
         c->counters[i] = 0;
     }
-    return Py_BuildValue("(N(idddd)(dddiddddddd)N)", msgs, c->have_srtt, c->srtt, c->rttvar,
+    return Py_BuildValue("(N(idddd)(dddiddddddd)Ni)", msgs, c->have_srtt, c->srtt, c->rttvar,
                          c->min_rtt, c->rto_value, c->cwnd, c->ssthresh, c->last_decrease,
                          c->has_undo, c->undo_at, c->undo_cwnd, c->undo_ssthresh, c->epoch_start,
-                         c->epoch_min, c->queue_at, c->clear_at, counters);
+                         c->epoch_min, c->queue_at, c->clear_at, counters, c->reordering);
 }
 
 /* ------------------------------------------------------------ the socket driver */
@@ -1386,6 +1414,7 @@ PyMODINIT_FUNC PyInit__fastengine(void) {
         return NULL;
     }
     if (PyModule_AddIntConstant(m, "FAST_RETRANSMIT_THRESHOLD", FAST_RETRANSMIT_THRESHOLD) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_REORDERING", MAX_REORDERING) < 0 ||
         PyModule_AddIntConstant(m, "TAIL_PROBE_ROUND_TRIPS", TAIL_PROBE_ROUND_TRIPS) < 0 ||
         PyModule_AddIntConstant(m, "COPY_PROBE_ROUND_TRIPS", COPY_PROBE_ROUND_TRIPS) < 0 ||
         PyModule_AddObject(m, "TAIL_PROBE_MARGIN", PyFloat_FromDouble(TAIL_PROBE_MARGIN)) < 0) {

@@ -79,17 +79,21 @@ class CompiledDenseAllreduce:
             wire_bits=wire_bits, world_size=session.world_size,
             # Sparse: W = min(slots, ceil(blocks / lanes)) is min(slots, chunks) too,
             # a packet being whole blocks (supports_sparse).
-            sparse=self.SPARSE, block_elements=session.block_elements)
+            sparse=self.SPARSE, block_elements=session.block_elements,
+            reordering=session.reordering)
         self.width = self._core.width
         self.sync()
         self._sync_when_over()  # an empty call is over at once
 
     def sync(self) -> None:
-        """Write the core's message numbers, RTT, window and counters to the Session."""
+        """Write the core's message numbers, RTT, window, reordering threshold and
+        counters to the Session."""
         msgs, (have_srtt, srtt, rttvar, min_rtt, rto), (
             cwnd, ssthresh, last_decrease, has_undo, *undo,
-            epoch_start, epoch_min, queue_at, clear_at), counters = self._core.export_state()
+            epoch_start, epoch_min, queue_at, clear_at), counters, reordering = \
+            self._core.export_state()
         s = self.s
+        s.reordering = reordering
         s.slot_msgs[: len(msgs)] = msgs
         rtt = s.rtt
         rtt.srtt = srtt if have_srtt else None

@@ -17,9 +17,11 @@ makes the call fail as stalled.
 
 Fast retransmit: a slot's result comes when every rank's contribution reached
 the switch, and slots complete roughly in the order their messages went out, so
-a message still unanswered when the results of ``FAST_RETRANSMIT_THRESHOLD``
-messages sent after it (later (re)transmissions, counted by a send number) have
-come was probably lost (its datagram, a peer's, or its result): it is sent
+a message still unanswered when the results of ``Session.reordering`` messages
+sent after it (later (re)transmissions, counted by a send number) have come was
+probably lost (``FAST_RETRANSMIT_THRESHOLD`` at first; a fast retransmission
+that proves spurious raises it past the reordering it saw, up to
+``MAX_REORDERING``) (its datagram, a peer's, or its result): it is sent
 again at once, the same bytes, instead of after its timeout, at most once per
 timeout (not again until its result comes or its timer fires).  The window
 takes it as a loss like a timeout (``CongestionWindow.on_timeout``, judged as a
@@ -46,6 +48,7 @@ The engine never reads a clock or touches a socket: callers pass ``now``.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from typing import Any
 
@@ -66,6 +69,7 @@ from ..quant import (
 from .recovery import (
     COPY_PROBE_ROUND_TRIPS,
     FAST_RETRANSMIT_THRESHOLD,
+    MAX_REORDERING,
     TAIL_PROBE_MARGIN,
     TAIL_PROBE_ROUND_TRIPS,
     CongestionWindow,
@@ -115,6 +119,10 @@ class Session:
         self.progress_timeout = progress_timeout
         self.rtt = rtt or RttEstimator()
         self.window = window or CongestionWindow(slot_count)
+        #: Results that may overtake a message before it is fast-retransmitted:
+        #: FAST_RETRANSMIT_THRESHOLD, raised by the reordering a spurious fast
+        #: retransmission shows, up to MAX_REORDERING (recovery.py says why).
+        self.reordering = FAST_RETRANSMIT_THRESHOLD
         self.bits = scale_bits(world_size)
         self.bits16 = scale_bits16(world_size)
         self.slot_msgs = [0] * slot_count
@@ -208,12 +216,15 @@ class Stream:
         # Fast retransmit: every (re)transmission takes the next send number;
         # (send number, slot) of the messages that may still be fast-retransmitted
         # (sent, or resent by the timer, and not fast-retransmitted since), and the
-        # FAST_RETRANSMIT_THRESHOLD greatest send numbers whose results came,
-        # least first.  A message in flight has had results of as many messages
-        # sent after it as there are results with a greater send number (those
-        # were sent after it, so they came after it went out).
+        # MAX_REORDERING greatest send numbers whose results came, least first.
+        # A message in flight has had results of as many messages sent after it
+        # as there are results with a greater send number (those were sent after
+        # it, so they came after it went out).
         self._sends = 0
         self._send_no = [0] * width
+        # Per slot: the send number of the transmission a fast retransmission
+        # followed, to measure the reordering if the copy proves spurious.
+        self._overtaken_send_no = [0] * width
         # Per slot: fast retransmissions of its message; the window judges a
         # timeout by the timer's retransmissions only (they are the silence).
         self._fast_copies = [0] * width
@@ -313,18 +324,23 @@ class Stream:
             s.counters["dropped_stale"] += 1
             return
         s.counters["results_in"] += 1
-        self._note_result(self._send_no[j])
         rtt = s.rtt
+        answered = self._send_no[j]  # the latest transmission's, unless proven otherwise
         if self._backoff[j] == 0:
             if not self._lost[j]:  # Karn: only unambiguous samples
                 rtt.add_sample(now - self._sent_at[j])
                 s.window.on_rtt_sample(now - self._sent_at[j], rtt.min_rtt, self._sent_at[j], now)
         elif not self._lost[j] and now - self._sent_at[j] < rtt.min_rtt:
             # Sooner after the retransmission than any round trip: the answer to
-            # an earlier copy, so the timeout fired too early.
+            # an earlier copy, so the timeout (or the fast retransmission) came
+            # too early.
             s.counters["spurious_retransmissions"] += 1
+            if self._copy[j] == FAST:
+                self._learn_reordering(j)
+                answered = self._overtaken_send_no[j]  # the original's result
             if self._decreased_at[j] is not None:
                 s.window.undo_decrease(self._decreased_at[j])
+        self._note_result(answered)
         s.window.on_result(self.inflight_count >= s.window.allowed(self.width))
         self.last_progress = now
         self._absorb(j, m, h, data)
@@ -353,22 +369,29 @@ class Stream:
 
     # ------------------------------------------------------------ fast retransmit
     def _note_result(self, send_no: int) -> None:
-        """Keep the FAST_RETRANSMIT_THRESHOLD greatest send numbers answered."""
+        """Keep the MAX_REORDERING greatest send numbers answered."""
         latest = self._latest_results
-        if len(latest) < FAST_RETRANSMIT_THRESHOLD:
-            latest.append(send_no)
-            latest.sort()
+        if len(latest) < MAX_REORDERING:
+            bisect.insort(latest, send_no)
         elif send_no > latest[0]:
-            latest[0] = send_no
-            latest.sort()
+            del latest[0]
+            bisect.insort(latest, send_no)
+
+    def _learn_reordering(self, j: int) -> None:
+        """Message j's fast retransmission was spurious: its original's result came
+        after the results of as many later sends as are answered above it.  Let
+        that many (and one more) overtake a message before it counts as lost."""
+        overtaken_by = len(self._latest_results) - bisect.bisect_right(
+            self._latest_results, self._overtaken_send_no[j])
+        self.s.reordering = min(MAX_REORDERING, max(self.s.reordering, overtaken_by + 1))
 
     def _fast_retransmit(self, now: float) -> None:
         """Resend, lowest send number first, every message in flight that results of
-        FAST_RETRANSMIT_THRESHOLD messages sent after it have overtaken."""
+        ``Session.reordering`` messages sent after it have overtaken."""
         latest = self._latest_results
-        if len(latest) < FAST_RETRANSMIT_THRESHOLD:
+        if len(latest) < self.s.reordering:
             return
-        bound = latest[0]
+        bound = latest[-self.s.reordering]
         candidates = self._by_send
         while candidates:
             send_no, j = candidates[0]
@@ -413,6 +436,7 @@ class Stream:
         self._copy[j] = FAST
         self._sent_at[j] = now
         self._sends += 1
+        self._overtaken_send_no[j] = self._send_no[j]
         self._send_no[j] = self._sends  # not a candidate again until its timer fires
         self._enqueue(j, self._inflight[j])
         s.counters["retransmissions"] += 1
