@@ -31,6 +31,7 @@ import time
 from bench.common import lower_bound_s, ring_bytes, summarize
 from bench.launch import ROOT, BenchError, Loopback, OnTestbed, Roles
 from switchml.config import DEFAULT_BLOCK_ELEMENTS
+from switchml.testbed.core import OFFLOAD
 
 #: dense16: switchml's dense path on the 16-bit wire; gloo-fp16: gloo's allreduce
 #: of the tensor cast to float16 and back, as PyTorch's fp16_compress_hook does.
@@ -59,6 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="testbed UDP loss probability per link (default: 0)")
     p.add_argument("--queue", default="256kb",
                    help="testbed: bytes each link queues before dropping (default: 256kb)")
+    p.add_argument("--udp-offload", choices=["auto", "on", "off"], default="auto",
+                   help="the veths' UDP segmentation offload: on (a GSO run crosses the "
+                        "emulated wire as one packet), off (cut into frames at the first "
+                        "link: per-datagram loss, and frame-by-frame work on this machine), "
+                        "or auto: on without loss, off with it (default)")
     p.add_argument("--prefix", default="smlbench", help="testbed name prefix (default: smlbench)")
     p.add_argument("--packet-elements", type=int, default=None,
                    help="switch: int32 values per packet (default: the switch's)")
@@ -311,6 +317,7 @@ def main(args, argv_text: str = "") -> int:
 
             try:
                 with Testbed(max(args.workers), args.link, mtu=args.mtu, loss=args.loss,
+                             udp_offload=OFFLOAD[args.udp_offload],
                              prefix=args.prefix, queue=args.queue) as tb:
                     cluster: OnTestbed | Loopback = OnTestbed(tb)
                     results["cluster"] = cluster.describe()

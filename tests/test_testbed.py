@@ -120,12 +120,21 @@ def test_a_missing_tool_is_a_clear_error_before_anything_is_made(monkeypatch):
         Testbed(hosts=2, loss=0.01, prefix="zztool", install_nft=False).up()
 
 
+def test_the_udp_offload_is_on_without_loss_and_off_with_it_unless_told():
+    """Per-datagram loss needs the runs cut into frames; without loss that only
+    costs this machine's cores frame-by-frame work a real switch's fabric does not."""
+    assert Testbed(hosts=1, prefix="zzoff").udp_offload is True
+    assert Testbed(hosts=1, loss=0.01, prefix="zzoff").udp_offload is False
+    assert Testbed(hosts=1, prefix="zzoff", udp_offload=False).udp_offload is False
+    assert Testbed(hosts=1, loss=0.01, prefix="zzoff", udp_offload=True).udp_offload is True
+
+
 # ---------------------------------------------------------------- root
 @needs_root
 def test_up_builds_the_layout_and_down_leaves_nothing_behind():
     before = machine_state()
     p, q = prefix("a"), prefix("b")
-    with Testbed(hosts=3, link="100mbit", mtu=9000, prefix=p) as tb:
+    with Testbed(hosts=3, link="100mbit", mtu=9000, prefix=p, udp_offload=False) as tb:
         assert set(netns.list_namespaces()) >= {f"{p}-sw", f"{p}-h0", f"{p}-h1", f"{p}-h2"}
         # nothing in the machine's own namespace
         assert not [dev for dev in machine_state()[1] if dev.startswith(p)]
@@ -136,7 +145,8 @@ def test_up_builds_the_layout_and_down_leaves_nothing_behind():
         for ns, dev in ((tb.namespace(1), tb.ifname(1)), (tb.switch_namespace, tb.port(1))):
             (qd,) = netns.qdisc(ns, dev)
             assert qd["kind"] == "tbf" and qd["options"]["rate"] == 100_000_000 // 8
-            # UDP GSO runs are cut into frames at every link; TCP keeps its offload
+            # UDP GSO runs are cut into frames at every link (as with loss, by
+            # default); TCP keeps its offload
             features = netns.offloads(ns, dev)
             assert not features["tx-udp-segmentation"] and features["tx-tcp-segmentation"]
         with pytest.raises(TestbedExistsError):

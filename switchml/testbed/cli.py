@@ -16,13 +16,13 @@ DEFAULT_PREFIX = "smltb"
 
 
 def _testbed_up(args) -> int:
-    from .core import STATE_DIR, Testbed
+    from .core import OFFLOAD, STATE_DIR, Testbed
     from .errors import TestbedError
 
     try:
         tb = Testbed(args.hosts, None if args.link == "none" else args.link, mtu=args.mtu,
                      loss=args.loss, prefix=args.prefix, subnet=args.subnet, burst=args.burst,
-                     queue=args.queue)
+                     queue=args.queue, udp_offload=OFFLOAD[args.udp_offload])
     except ValueError as exc:
         print(f"switchml testbed: {exc}", file=sys.stderr)
         return 2
@@ -204,6 +204,11 @@ def add_parsers(sub) -> None:
     p.add_argument("--queue", default="256kb",
                    help="bytes each link queues before it drops, as a switch port's buffer "
                         "(tbf limit; default %(default)s)")
+    p.add_argument("--udp-offload", choices=["auto", "on", "off"], default="auto",
+                   help="the veths' UDP segmentation offload: on (a GSO run crosses the "
+                        "emulated wire as one packet), off (cut into frames at the first "
+                        "link: per-datagram loss, and frame-by-frame work on this machine), "
+                        "or auto: on without loss, off with it (default)")
     p.add_argument("--switch", action="store_true",
                    help="also start a switchml switch on the bridge (in the background)")
     p.add_argument("--slots-per-job", type=int, default=None,
