@@ -501,10 +501,10 @@ def test_a_message_overtaken_by_three_results_goes_again_at_once(engine):
 
 
 def random_loss_calls_without_fast_retransmit(monkeypatch, *args, **kwargs):
-    from switchml.worker import engine
+    from switchml.worker import stream
 
     with monkeypatch.context() as m:
-        m.setattr(engine, "FAST_RETRANSMIT_THRESHOLD", 10**9)  # never overtaken enough
+        m.setattr(stream, "FAST_RETRANSMIT_THRESHOLD", 10**9)  # never overtaken enough
         return random_loss_calls(*args, **kwargs)
 
 
