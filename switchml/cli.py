@@ -8,9 +8,9 @@ import logging
 import socket
 import sys
 
-from . import config
+from . import config, protocol
 from .errors import MetricsUnavailableError
-from .netutil import LineReader, encode_line
+from .netutil import LineReader
 from .switch.pipeline import MAX_WORKERS
 from .wire import max_packet_elements
 
@@ -57,15 +57,16 @@ def _switch(args) -> int:
 def fetch_stats(address, timeout: float = 5.0) -> dict:
     """Ask a running switch for its counters over its control port."""
     with socket.create_connection(config.parse_address(address), timeout=timeout) as conn:
-        conn.sendall(encode_line({"op": "stats"}))
+        conn.sendall(protocol.StatsQuery().encode())
         reader = LineReader()
         while True:
             data = conn.recv(65536)
             if not data:
                 raise ConnectionError("switch closed the connection")
             for msg in reader.feed(data):
-                if msg.get("event") == "stats":
-                    return msg["stats"]
+                event = protocol.decode_event(msg)  # a malformed one: ValueError
+                if isinstance(event, protocol.StatsReply):
+                    return event.stats
 
 
 def _table(header: list, rows: list) -> list:

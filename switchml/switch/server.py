@@ -37,6 +37,7 @@ from ..netutil import (
     forbid_fragmentation,
     route_mtu,
 )
+from ..protocol import Error
 from . import fastpipeline
 from .control import Controller
 from .pipeline import Pipeline
@@ -385,7 +386,7 @@ class Switch:
                 except Exception:  # a bug must not take the switch down
                     self.pipeline.counters["internal_errors"] += 1
                     log.exception("controller failed on %r", message)
-                    replies.append((conn.sock, {"event": "error", "message": "internal error"}))
+                    replies.append((conn.sock, Error("internal error").to_dict()))
             self._send(replies)
 
     def _close(self, conn: _Connection) -> None:
