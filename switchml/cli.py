@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
+import os
 import socket
 import sys
 
@@ -205,12 +207,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=30.0)
     p.set_defaults(func=_demo)
 
-    from .testbed.cli import add_parsers  # testbed up|run|status|down, bench
+    from .testbed.cli import add_parsers  # testbed up|run|status|down
     add_parsers(sub)
+
+    # Listed for --help; main() hands its arguments to the benchmark as they are.
+    sub.add_parser("bench", add_help=False,
+                   help="switchml dense/sparse against gloo (python -m bench, from a source "
+                        "checkout; switchml bench --help for its flags)")
     return parser
 
 
+#: The source checkout the package sits in, where bench/ is (not installed with it).
+SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench(argv: list) -> int:
+    """``switchml bench ARGS``: ``python -m bench ARGS``, when bench/ can be imported
+    (on the path, or next to the package in its source checkout); else say so."""
+    try:
+        suite = importlib.import_module("bench.suite")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("bench", "bench.suite"):  # bench/ is there but needs more
+            raise
+        if not os.path.isfile(os.path.join(SOURCE_ROOT, "bench", "suite.py")):
+            print("switchml bench: the benchmarks are not installed with the package; from "
+                  "a source checkout's root run `python -m bench ...` (bench/suite.py)",
+                  file=sys.stderr)
+            return 2
+        sys.path.insert(0, SOURCE_ROOT)
+        suite = importlib.import_module("bench.suite")
+    return suite.cli(argv, prog="switchml bench")
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 
