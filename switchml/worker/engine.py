@@ -39,9 +39,18 @@ from .compiled import (
     supports_sparse,
 )
 from .sparse import SparseAllreduce
-from .stream import SUPPORTED_DTYPES, SessionState, Stream, check_arrays, valid_exponent
+from .stream import SUPPORTED_DTYPES, SessionState, Stream, check_arrays
 
 __all__ = ["Session", "DenseAllreduce", "Stream", "SUPPORTED_DTYPES", "check_arrays"]
+
+#: Exponents of non-zero finite float32 chunks: frexp of the least subnormal
+#: (2**-149) is -148, of the largest float32 128.
+LEAST_EXPONENT, GREATEST_EXPONENT = -148, 128
+
+
+def valid_exponent(e: int) -> bool:
+    """Whether ``e`` is a chunk exponent some worker could have computed."""
+    return LEAST_EXPONENT <= e <= GREATEST_EXPONENT or e in (EXP_ZERO, EXP_NONFINITE)
 
 
 class Session(SessionState):

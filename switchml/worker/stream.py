@@ -49,7 +49,6 @@ import numpy as np
 
 from .. import wire
 from ..quant import (
-    EXP_NONFINITE,
     EXP_ZERO,
     scale_bits,
     scale_bits16,
@@ -67,16 +66,6 @@ from .recovery import (
 SENT, FAST, PROBE = 0, 1, 2
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.int32))
-
-#: Exponents of non-zero finite float32 chunks: frexp of the least subnormal
-#: (2**-149) is -148, of the largest float32 128.
-LEAST_EXPONENT, GREATEST_EXPONENT = -148, 128
-
-
-def valid_exponent(e: int) -> bool:
-    """Whether ``e`` is a chunk exponent some worker could have computed."""
-    return LEAST_EXPONENT <= e <= GREATEST_EXPONENT or e in (EXP_ZERO, EXP_NONFINITE)
-
 
 def check_arrays(array: np.ndarray, out: np.ndarray) -> None:
     """Raise unless ``array`` is of a summed dtype and ``out`` is it or apart from it."""
