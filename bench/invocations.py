@@ -1,4 +1,4 @@
-"""Run one ``switchml bench`` several times and report the median of the invocations.
+"""Run one ``python -m bench`` several times and report the median of the invocations.
 
     python bench/invocations.py --runs 3 --out bench/results/aim-mtu9000 -- \\
         --testbed --link 1gbit --mtu 9000 --workers 4 --sizes 64 --densities 0.1
@@ -85,14 +85,14 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="invocations (default 3)")
     parser.add_argument("--out", required=True, help="folder for the runs and summary.json")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER,
-                        help="-- then the arguments of `switchml bench`")
+                        help="-- then the arguments of `python -m bench`")
     args = parser.parse_args(argv)
     bench_args = [a for a in args.bench_args if a != "--"]
     os.makedirs(args.out, exist_ok=True)
     runs = []
     for i in range(args.runs):
         folder = os.path.join(args.out, f"run{i + 1}")
-        command = [sys.executable, "-m", "switchml.cli", "bench", *bench_args,
+        command = [sys.executable, "-m", "bench", *bench_args,
                    "--out", folder, "--no-plots"]
         print(f"run {i + 1}/{args.runs}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
         started = time.monotonic()

@@ -1,4 +1,4 @@
-"""PNG plots of a ``switchml bench`` run (matplotlib, the ``bench`` extra).
+"""PNG plots of a ``python -m bench`` run (matplotlib, the ``bench`` extra).
 
 - time_vs_size.png: median time against tensor size, one panel per worker count;
 - speedup_vs_workers.png: gloo's time over switchml's against the worker count;

@@ -1,5 +1,5 @@
 """Print a benchmark JSON as tables: Markdown for bench/allreduce.py's, the
-``switchml bench`` table for results.json files of bench/suite.py.
+``python -m bench`` table for results.json files of bench/suite.py.
 
     python bench/report.py bench/results/allreduce-64mib.json
     python bench/report.py bench/results/smoke-testbed-200mbit/results.json
@@ -57,7 +57,7 @@ def density_table(data: dict) -> str:
 def main(path: str) -> None:
     with open(path) as f:
         data = json.load(f)
-    if "rows" in data:  # from `switchml bench` (bench/suite.py)
+    if "rows" in data:  # from `python -m bench` (bench/suite.py)
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
         from bench.suite import format_table
 

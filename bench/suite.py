@@ -1,7 +1,9 @@
-"""``switchml bench``: switchml dense, switchml sparse and gloo side by side.
+"""``python -m bench``: switchml dense, switchml sparse and gloo side by side.
 
-    switchml bench --workers 2 4 --sizes 1 4 --densities 0.1 --repeats 3
-    switchml bench --testbed --link 1gbit --mtu 9000 --workers 4 --sizes 64 --densities 0.1
+    python -m bench --workers 2 4 --sizes 1 4 --densities 0.1 --repeats 3
+    python -m bench --testbed --link 1gbit --mtu 9000 --workers 4 --sizes 64 --densities 0.1
+
+From the source checkout's root; ``switchml bench`` runs the same from there.
 
 For every worker count and tensor size, on the same float32 tensors (bench/common.py):
 switchml's dense path, switchml's sparse path at each block density (non-zero
@@ -243,12 +245,12 @@ def format_table(rows, link_bps) -> str:
 
 def _preflight(args) -> None:
     if {"gloo", "gloo-fp16"} & set(args.systems) and importlib.util.find_spec("torch") is None:
-        raise SystemExit("switchml bench: gloo needs torch (pip install 'switchml[torch]'), "
+        raise SystemExit("bench: gloo needs torch (pip install 'switchml[torch]'), "
                          "or leave it out with --systems dense sparse")
     if "sparse" in args.systems and not args.densities and args.systems == ["sparse"]:
-        raise SystemExit("switchml bench: --systems sparse needs --densities")
+        raise SystemExit("bench: --systems sparse needs --densities")
     if args.testbed and not 0.0 <= args.loss < 1.0:
-        raise SystemExit("switchml bench: --loss must be in [0, 1)")
+        raise SystemExit("bench: --loss must be in [0, 1)")
 
 
 def _drops(cluster):
@@ -307,7 +309,7 @@ def main(args, argv_text: str = "") -> int:
     out = args.out or os.path.join(ROOT, "bench", "results",
                                    f"bench-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(out, exist_ok=True)
-    results: dict = {"command": "switchml bench " + argv_text,
+    results: dict = {"command": "python -m bench " + argv_text,
                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                            "python": platform.python_version()},
                "settings": {k: v for k, v in vars(args).items() if k != "func"}}
@@ -324,17 +326,17 @@ def main(args, argv_text: str = "") -> int:
                     results.update(run(args, cluster))
                     results["loss_drops"] = tb.loss_drops() if args.loss else None
             except TestbedError as exc:
-                print(f"switchml bench: {exc}", file=sys.stderr)
+                print(f"bench: {exc}", file=sys.stderr)
                 return 2
         else:
             cluster = Loopback()
             results["cluster"] = cluster.describe()
             results.update(run(args, cluster))
     except BenchError as exc:
-        print(f"switchml bench: {exc}", file=sys.stderr)
+        print(f"bench: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # processes and testbed are gone by now
-        print("switchml bench: interrupted", file=sys.stderr)
+        print("bench: interrupted", file=sys.stderr)
         return 130
     link_bps = results["cluster"].get("link_bps")
     print(format_table(results["rows"], link_bps))
@@ -348,13 +350,13 @@ def main(args, argv_text: str = "") -> int:
     print(f"wrote {path}" + "".join(f"\nwrote {p}" for p in results.get("plots", [])))
     failed = [r for r in results["rows"] if r["checked"] is False or not r["ranks_bit_identical"]]
     if failed:
-        print(f"switchml bench: {len(failed)} result(s) FAILED their check", file=sys.stderr)
+        print(f"bench: {len(failed)} result(s) FAILED their check", file=sys.stderr)
         return 1
     return 0
 
 
-def cli(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="switchml bench", description=__doc__,
+def cli(argv=None, prog: str = "python -m bench") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     argv = sys.argv[1:] if argv is None else argv

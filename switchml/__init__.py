@@ -11,6 +11,7 @@ from .errors import (
                      JoinRefusedError,
                      LimitExceededError,
                      MetricsUnavailableError,
+                     ProtocolVersionError,
                      SwitchMLError,
                      SwitchMLTimeoutError,
                      SwitchUnreachableError,
@@ -20,5 +21,5 @@ from .worker.client import AllreduceHandle, Worker
 
 __all__ = ["Switch", "Worker", "AllreduceHandle", "SwitchMLError", "SwitchMLTimeoutError",
            "JoinRefusedError", "LimitExceededError", "MetricsUnavailableError",
-           "SwitchUnreachableError", "CallMismatchError"]
+           "SwitchUnreachableError", "CallMismatchError", "ProtocolVersionError"]
 __version__ = "0.1.0"

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
+import os
 import socket
 import sys
 
-from . import config
+from . import config, protocol
 from .errors import MetricsUnavailableError
-from .netutil import LineReader, encode_line
+from .netutil import LineReader
 from .switch.pipeline import MAX_WORKERS
 from .wire import max_packet_elements
 
@@ -26,17 +28,27 @@ LIMITS = f"""limits (each refused with an error that names it):
   at most 65535 slots in the pool."""
 
 
+#: ``switchml switch``'s flags that are settings of the switch (SwitchConfiguration).
+SWITCH_FLAGS = ("host", "port", "slots", "packet_elements", "block_elements", "slots_per_job",
+                "max_jobs", "metrics_port", "metrics_host", "keepalive", "drop_rate", "seed")
+
+
+def switch_configuration(args, environ=None) -> config.SwitchConfiguration:
+    """``switchml switch``'s settings: the flags given, then SWITCHML_*, then the
+    defaults, the port's being 7300 (a switch a host runs, not a test's)."""
+    given = {name: getattr(args, name) for name in SWITCH_FLAGS
+             if getattr(args, name) is not None}
+    return config.SwitchConfiguration.from_env(defaults={"port": config.DEFAULT_PORT},
+                                               environ=environ, **given)
+
+
 def _switch(args) -> int:
     from .switch.server import Switch
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        switch = Switch(args.host, args.port, drop_rate=args.drop_rate, slots=args.slots,
-                        packet_elements=args.packet_elements, block_elements=args.block_elements,
-                        slots_per_job=args.slots_per_job, max_jobs=args.max_jobs,
-                        seed=args.seed, metrics_port=args.metrics_port,
-                        metrics_host=args.metrics_host, keepalive=args.keepalive)
+        switch = Switch(configuration=switch_configuration(args))
         switch.start()
     except (ValueError, OSError, MetricsUnavailableError) as exc:
         print(f"switchml switch: {exc}", file=sys.stderr)
@@ -57,15 +69,16 @@ def _switch(args) -> int:
 def fetch_stats(address, timeout: float = 5.0) -> dict:
     """Ask a running switch for its counters over its control port."""
     with socket.create_connection(config.parse_address(address), timeout=timeout) as conn:
-        conn.sendall(encode_line({"op": "stats"}))
+        conn.sendall(protocol.StatsQuery().encode())
         reader = LineReader()
         while True:
             data = conn.recv(65536)
             if not data:
                 raise ConnectionError("switch closed the connection")
             for msg in reader.feed(data):
-                if msg.get("event") == "stats":
-                    return msg["stats"]
+                event = protocol.decode_event(msg)  # a malformed one: ValueError
+                if isinstance(event, protocol.StatsReply):
+                    return event.stats
 
 
 def _table(header: list, rows: list) -> list:
@@ -142,35 +155,39 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("switch", help="run a software switch in the foreground until Ctrl-C",
                        epilog=LIMITS, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--host", default=config.env("HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=config.env("PORT", config.DEFAULT_PORT, int))
-    p.add_argument("--slots", type=int, default=config.env("SLOTS", config.DEFAULT_SLOTS, int),
-                   help="slots in the pool (default %(default)s)")
+    # No defaults here: a flag not given is SWITCHML_<FLAG> or the default
+    # (switch_configuration), as for every switch.
+    p.add_argument("--host", help="address to bind ($SWITCHML_HOST, default 127.0.0.1)")
+    p.add_argument("--port", type=int,
+                   help=f"TCP control and UDP data port ($SWITCHML_PORT, default "
+                        f"{config.DEFAULT_PORT}; 0: any free port)")
+    p.add_argument("--slots", type=int,
+                   help=f"slots in the pool ($SWITCHML_SLOTS, default {config.DEFAULT_SLOTS})")
     p.add_argument("--packet-elements", type=int,
-                   default=config.env("PACKET_ELEMENTS", config.DEFAULT_PACKET_ELEMENTS, int),
                    help="int32 values per packet, a multiple of --block-elements "
-                        "(default %(default)s)")
+                        f"($SWITCHML_PACKET_ELEMENTS, default {config.DEFAULT_PACKET_ELEMENTS})")
     p.add_argument("--block-elements", type=int,
-                   default=config.env("BLOCK_ELEMENTS", config.DEFAULT_BLOCK_ELEMENTS, int),
-                   help="values per block: the sparse path's unit "
-                        "(default %(default)s)")
+                   help="values per block: the sparse path's unit ($SWITCHML_BLOCK_ELEMENTS, "
+                        f"default {config.DEFAULT_BLOCK_ELEMENTS})")
     p.add_argument("--slots-per-job", type=int,
-                   default=config.env("SLOTS_PER_JOB", config.DEFAULT_SLOTS_PER_JOB, int),
-                   help="slots each job gets: its window (default %(default)s)")
+                   help=f"slots each job gets: its window ($SWITCHML_SLOTS_PER_JOB, default "
+                        f"{config.DEFAULT_SLOTS_PER_JOB})")
     p.add_argument("--max-jobs", type=int,
-                   default=config.env("MAX_JOBS", config.DEFAULT_MAX_JOBS, int),
-                   help="jobs running at once; more are refused or wait (default %(default)s)")
-    p.add_argument("--metrics-port", type=int, default=config.env("METRICS_PORT", None, int),
+                   help=f"jobs running at once; more are refused or wait ($SWITCHML_MAX_JOBS, "
+                        f"default {config.DEFAULT_MAX_JOBS})")
+    p.add_argument("--metrics-port", type=int,
                    help="serve Prometheus metrics on http://HOST:PORT/metrics "
-                        "(0: any free port; needs pip install 'switchml[metrics]')")
-    p.add_argument("--metrics-host", default=None,
+                        "($SWITCHML_METRICS_PORT; 0: any free port; needs pip install "
+                        "'switchml[metrics]')")
+    p.add_argument("--metrics-host",
                    help="address the metrics endpoint binds (default: --host)")
     p.add_argument("--keepalive", type=float,
-                   default=config.env("KEEPALIVE", config.DEFAULT_KEEPALIVE, float),
                    help="seconds within which a worker whose host vanished without closing "
-                        "its connection is noticed and its job failed (default %(default)s)")
-    p.add_argument("--drop-rate", type=float, default=config.env("DROP_RATE", 0.0, float),
-                   help="simulated drop probability on ingress and on egress")
+                        f"its connection is noticed and its job failed ($SWITCHML_KEEPALIVE, "
+                        f"default {config.DEFAULT_KEEPALIVE:g})")
+    p.add_argument("--drop-rate", type=float,
+                   help="simulated drop probability on ingress and on egress "
+                        "($SWITCHML_DROP_RATE, default 0)")
     p.add_argument("--seed", type=int, default=None, help="seed of the drop simulator")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_switch)
@@ -190,12 +207,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=30.0)
     p.set_defaults(func=_demo)
 
-    from .testbed.cli import add_parsers  # testbed up|run|status|down, bench
+    from .testbed.cli import add_parsers  # testbed up|run|status|down
     add_parsers(sub)
+
+    # Listed for --help; main() hands its arguments to the benchmark as they are.
+    sub.add_parser("bench", add_help=False,
+                   help="switchml dense/sparse against gloo (python -m bench, from a source "
+                        "checkout; switchml bench --help for its flags)")
     return parser
 
 
+#: The source checkout the package sits in, where bench/ is (not installed with it).
+SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench(argv: list) -> int:
+    """``switchml bench ARGS``: ``python -m bench ARGS``, when bench/ can be imported
+    (on the path, or next to the package in its source checkout); else say so."""
+    try:
+        suite = importlib.import_module("bench.suite")
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("bench", "bench.suite"):  # bench/ is there but needs more
+            raise
+        if not os.path.isfile(os.path.join(SOURCE_ROOT, "bench", "suite.py")):
+            print("switchml bench: the benchmarks are not installed with the package; from "
+                  "a source checkout's root run `python -m bench ...` (bench/suite.py)",
+                  file=sys.stderr)
+            return 2
+        sys.path.insert(0, SOURCE_ROOT)
+        suite = importlib.import_module("bench.suite")
+    return suite.cli(argv, prog="switchml bench")
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

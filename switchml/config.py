@@ -6,9 +6,13 @@ variable                    meaning                                  default
 SWITCHML_SWITCH             switch control address, host:port        (none)
 SWITCHML_TIMEOUT            seconds without progress before error    30
 SWITCHML_JOB                job name shared by a job's workers       default
-SWITCHML_HOST               ``switchml switch`` bind address         127.0.0.1
-SWITCHML_PORT               ``switchml switch`` port                 7300
-SWITCHML_SLOTS              slots in the switch's pool               256
+SWITCHML_HOST               bind address of a switch this process    127.0.0.1
+                            starts (SwitchConfiguration, below)
+SWITCHML_PORT               its port (0: any free one)               7300 (CLI),
+                                                                     0 (Python)
+SWITCHML_SLOTS              slots in the switch's pool (a torch      256
+                            job's own switch: slots_per_job x
+                            max_jobs unless this is set)
 SWITCHML_PACKET_ELEMENTS    the switch's limit on values per packet  16128
                             (a job's packets fit one frame of its
                             path: see SWITCHML_MTU)
@@ -17,9 +21,12 @@ SWITCHML_BLOCK_ELEMENTS     values per block of the sparse path      256
 SWITCHML_SLOTS_PER_JOB      slots a job gets (the most its           32
                             adaptive window may use)
 SWITCHML_MAX_JOBS           jobs a switch runs at once               64
-SWITCHML_METRICS_PORT       ``switchml switch`` Prometheus port      (none)
+SWITCHML_METRICS_PORT       a switch's Prometheus port               (none)
+SWITCHML_KEEPALIVE          seconds within which a vanished peer     20
+                            of a control connection is noticed
+                            (switch and worker)
 SWITCHML_WAIT_FOR_SLOTS     seconds a worker waits for room          0
-SWITCHML_DROP_RATE          simulated drop probability               0
+SWITCHML_DROP_RATE          a switch's simulated drop probability    0
 SWITCHML_SPARSE_AUTO_UNION  ``sparse="auto"`` goes sparse when the   0.5
                             union of non-zero blocks is at most
                             this share of the tensor
@@ -34,11 +41,18 @@ SWITCHML_WIRE_BITS          16: float allreduces on the 16-bit wire  32
 SWITCHML_PURE_PYTHON        1: the Python data plane and engine      0
                             even where the C ones are built
 ==========================  =======================================  ==========
+
+A switch's settings are one ``SwitchConfiguration``, whichever way it starts
+(``switchml.Switch``, ``SwitchProcess``, the switch a torch job starts,
+``switchml switch``): what the caller passes (keyword argument or flag) wins,
+then the SWITCHML_* variable, then the default.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass
 
 DEFAULT_PORT = 7300
 DEFAULT_SLOTS = 256
@@ -50,6 +64,8 @@ DEFAULT_TIMEOUT = 30.0
 #: Seconds within which a control connection's peer that vanished without
 #: closing it (host down, cable cut) is noticed, by TCP keepalive probes.
 DEFAULT_KEEPALIVE = 20.0
+#: Largest keepalive bound: Linux refuses a TCP_KEEPIDLE above 32767 s.
+MAX_KEEPALIVE = 32767
 #: sparse="auto" goes sparse when the union of non-zero blocks (what every worker
 #: receives) is at most this share of all blocks; see Worker._sparse_pays.
 DEFAULT_SPARSE_AUTO_UNION = 0.5
@@ -61,15 +77,22 @@ DEFAULT_SPARSE_AUTO_MIN_LANES = 32
 DEFAULT_SPARSE_AUTO_MIN_LANES_COMPILED = 8
 
 
+def check_keepalive(seconds: float) -> float:
+    """``seconds`` as a float if the kernel can take it as a keepalive bound, else ValueError."""
+    if not 0 < seconds <= MAX_KEEPALIVE:  # also refuses NaN
+        raise ValueError(f"keepalive must be in (0, {MAX_KEEPALIVE}] seconds, got {seconds}")
+    return float(seconds)
+
+
 def pure_python() -> bool:
     """SWITCHML_PURE_PYTHON=1: the Python data plane and engine even where the C
     ones are built."""
     return env("PURE_PYTHON", "0") == "1"
 
 
-def env(name: str, default, cast=str):
+def env(name: str, default, cast=str, environ=None):
     """Value of SWITCHML_<name>, cast, or ``default`` when unset or empty."""
-    raw = os.environ.get("SWITCHML_" + name, "")
+    raw = (os.environ if environ is None else environ).get("SWITCHML_" + name, "")
     if raw == "":
         return default
     try:
@@ -87,3 +110,93 @@ def parse_address(address) -> tuple[str, int]:
         if port.isdigit() and host:
             return host.strip("[]"), int(port)
     raise ValueError(f"switch address must be 'host:port' or (host, port), got {address!r}")
+
+
+#: The switch settings a SWITCHML_* variable gives: field -> (variable, type).
+SWITCH_VARIABLES = {
+    "host": ("HOST", str),
+    "port": ("PORT", int),
+    "slots": ("SLOTS", int),
+    "packet_elements": ("PACKET_ELEMENTS", int),
+    "block_elements": ("BLOCK_ELEMENTS", int),
+    "slots_per_job": ("SLOTS_PER_JOB", int),
+    "max_jobs": ("MAX_JOBS", int),
+    "drop_rate": ("DROP_RATE", float),
+    "metrics_port": ("METRICS_PORT", int),
+    "keepalive": ("KEEPALIVE", float),
+}
+
+
+@dataclass(frozen=True)
+class SwitchConfiguration:
+    """Every setting of a software switch, as aioquic's QuicConfiguration is of a
+    connection.  ``from_env`` reads it: arguments first, then SWITCHML_*, then
+    these defaults.
+
+    ``slots`` (pool size), ``packet_elements`` (int32 values per packet),
+    ``block_elements`` (values per block: the unit of the sparse path; None: 256,
+    or one block per packet where 256 does not divide it), ``slots_per_job``
+    (window a job gets), ``max_jobs`` (jobs running at once), ``drop_rate`` and
+    ``egress_drop_rate`` (simulated drops, ingress and egress; egress defaults
+    to ``drop_rate``), ``seed`` (of the drop simulator), ``metrics_port``
+    (serve Prometheus metrics over HTTP on this port; 0 picks a free one; needs
+    the ``metrics`` extra) and ``metrics_host`` (defaults to ``host``),
+    ``keepalive`` (seconds within which a worker whose host vanished without
+    closing its control connection is noticed and its job failed),
+    ``fastpath`` (run the data plane in C: None does when the extension is
+    built and SWITCHML_PURE_PYTHON is not 1; False never does; True requires it).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    slots: int = DEFAULT_SLOTS
+    packet_elements: int = DEFAULT_PACKET_ELEMENTS
+    block_elements: int | None = None
+    slots_per_job: int = DEFAULT_SLOTS_PER_JOB
+    max_jobs: int = DEFAULT_MAX_JOBS
+    drop_rate: float = 0.0
+    egress_drop_rate: float | None = None
+    seed: int | None = None
+    metrics_port: int | None = None
+    metrics_host: str | None = None
+    keepalive: float = DEFAULT_KEEPALIVE
+    fastpath: bool | None = None
+
+    def __post_init__(self):
+        # Checked here, so that a switch started in a child process (SwitchProcess)
+        # fails in its parent, with the parent's traceback.
+        if not 0.0 <= self.drop_rate < 1.0:
+            raise ValueError(f"drop_rate must be in [0, 1), got {self.drop_rate}")
+        if self.slots_per_job < 1:
+            raise ValueError(f"slots_per_job must be at least 1, got {self.slots_per_job}")
+        if self.max_jobs < 1:
+            raise ValueError(f"max_jobs must be at least 1, got {self.max_jobs}")
+        check_keepalive(self.keepalive)
+
+    @classmethod
+    def from_env(cls, defaults: dict | None = None, environ=None,
+                 **given) -> SwitchConfiguration:
+        """The settings ``given`` (a caller's keyword arguments or flags), the rest
+        from SWITCHML_* variables (``environ``: os.environ), the rest from
+        ``defaults`` (an entry point's own: the CLI's port 7300), the rest from
+        the class's.  An unknown setting is a TypeError naming it."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted((given.keys() | (defaults or {}).keys()) - names)
+        if unknown:
+            raise TypeError(f"unknown switch setting(s): {', '.join(unknown)}; "
+                            f"known: {', '.join(sorted(names))}")
+        settings = dict(defaults or {})
+        for name, (variable, cast) in SWITCH_VARIABLES.items():
+            value = env(variable, None, cast, environ)
+            if value is not None:
+                settings[name] = value
+        settings.update(given)
+        return cls(**settings)
+
+    def replace(self, **changes) -> SwitchConfiguration:
+        """A copy with ``changes``."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        """The settings as plain values (JSON for a child process's switch)."""
+        return dataclasses.asdict(self)

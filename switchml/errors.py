@@ -49,3 +49,13 @@ class MetricsUnavailableError(SwitchMLError, ImportError):
 
 class SwitchUnreachableError(SwitchMLError, ConnectionError):
     """The switch could not be reached, or closed its connection during the job."""
+
+
+class ProtocolVersionError(JoinRefusedError):
+    """The switch speaks another version of the control protocol than this worker:
+    the message names both (``switch_version``, ``worker_version``)."""
+
+    def __init__(self, message: str, switch_version: int, worker_version: int):
+        super().__init__(message)
+        self.switch_version = switch_version
+        self.worker_version = worker_version

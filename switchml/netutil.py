@@ -6,6 +6,8 @@ import json
 import socket
 import sys
 
+from .config import check_keepalive
+
 #: Socket buffer we ask for: a window of 64 KiB datagrams from many workers must fit.
 SOCKET_BUFFER = 32 * 1024 * 1024
 #: Longest control message accepted, in bytes.
@@ -35,15 +37,6 @@ def enlarge_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> int:
     return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
 
 
-#: Largest keepalive bound: Linux refuses a TCP_KEEPIDLE above 32767 s.
-MAX_KEEPALIVE = 32767
-
-
-def check_keepalive(seconds: float) -> float:
-    """``seconds`` as a float if the kernel can take it as a keepalive bound, else ValueError."""
-    if not 0 < seconds <= MAX_KEEPALIVE:  # also refuses NaN
-        raise ValueError(f"keepalive must be in (0, {MAX_KEEPALIVE}] seconds, got {seconds}")
-    return float(seconds)
 
 
 def enable_keepalive(sock: socket.socket, seconds: float) -> None:

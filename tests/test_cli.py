@@ -1,6 +1,8 @@
 """The `switchml` command: a real switch process, stats from outside, the demo."""
 
 import json
+import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -76,3 +78,21 @@ def test_demo_checks_its_sums():
     assert "demo passed" in result.stdout
     assert result.stdout.count(" ok ") == 8  # 3 sizes x 2 dtypes dense, 2 sparse
     assert result.stdout.count("sparse (d=0.1)") == 2
+
+
+def test_bench_runs_the_source_checkouts_bench_and_says_where_there_is_none(tmp_path):
+    """`switchml bench` is `python -m bench` (bench/ is not in the package): from a
+    source checkout it hands its arguments over; an installed package without
+    bench/ next to it says how to run it."""
+    shown = subprocess.run(CLI + ["bench", "--help"], capture_output=True, text=True,
+                           timeout=60, cwd=tmp_path)  # not from the root: found next to it
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("usage: switchml bench") and "--densities" in shown.stdout
+    package = os.path.dirname(switchml.__file__)
+    shutil.copytree(package, tmp_path / "site" / "switchml",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.c", "*.h"))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    alone = subprocess.run(CLI + ["bench", "--workers", "2"], capture_output=True, text=True,
+                           timeout=60, cwd=tmp_path, env=env)
+    assert alone.returncode == 2, alone.stdout + alone.stderr
+    assert "run `python -m bench ...`" in alone.stderr

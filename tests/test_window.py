@@ -546,10 +546,10 @@ def test_a_spurious_fast_retransmission_raises_the_reordering_threshold(engine):
 
 
 def random_loss_calls_without_fast_retransmit(monkeypatch, *args, **kwargs):
-    from switchml.worker import engine
+    from switchml.worker import stream
 
     with monkeypatch.context() as m:
-        m.setattr(engine, "FAST_RETRANSMIT_THRESHOLD", 10**9)  # never overtaken enough
+        m.setattr(stream, "FAST_RETRANSMIT_THRESHOLD", 10**9)  # never overtaken enough
         return random_loss_calls(*args, **kwargs)
 
 

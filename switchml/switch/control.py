@@ -1,8 +1,10 @@
 """The switch's control plane, sans-IO: admission, joins, leaves and failures of jobs.
 
 It plays the part of a switch controller installing table entries.  It takes
-control messages (dicts) per connection and returns (connection, message) pairs to
-send; the server does the TCP and JSON framing.
+control messages per connection (decoded JSON lines, or ``protocol`` requests)
+and returns (connection, message) pairs to send, each message the JSON object
+of a ``protocol`` event; the server does the TCP and JSON framing.  The
+messages' fields and their checks are in ``protocol.py``.
 
 Job life cycle:
 
@@ -36,14 +38,25 @@ import secrets
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from .. import wire
+from .. import protocol, wire
 from ..config import DEFAULT_MAX_JOBS
 from ..netutil import datagrams_that_fit
+from ..protocol import (
+    PROTOCOL_VERSION,
+    Error,
+    Failed,
+    Joined,
+    Ready,
+    StatsReply,
+    StatusReply,
+    Waiting,
+)
 from .pipeline import MAX_WORKERS, Pipeline, SlotPoolExhausted
 
 log = logging.getLogger("switchml.switch")
 
-PROTOCOL_VERSION = 1
+__all__ = ["Controller", "describe_mismatch", "PROTOCOL_VERSION", "LIMIT_MAX_WORKERS",
+           "LIMIT_MAX_JOBS", "LIMIT_SLOTS"]
 
 #: Names of the limits a join can hit (``limit`` of ``error`` and ``waiting`` events).
 LIMIT_MAX_WORKERS = "max_workers"
@@ -51,10 +64,6 @@ LIMIT_MAX_JOBS = "max_jobs"
 LIMIT_SLOTS = "slots"
 #: Sessions of recently ended jobs that a new job never gets.
 RECENT_SESSIONS_KEPT = 4096
-#: Longest job name and abort reason kept, in characters.
-MAX_NAME = 200
-#: Smallest MTU a worker may report: IPv4's minimum.
-MIN_MTU = 68
 
 
 def describe_mismatch(name: str, m) -> str:
@@ -70,10 +79,6 @@ def describe_mismatch(name: str, m) -> str:
     return (f"ranks of job '{name}' disagree on allreduce #{seq}: {first} asked for "
             f"{wire.describe_call(call, dtype)}, rank {m.rank} for "
             f"{wire.describe_call(other_call, other_dtype)}")
-
-
-class BadRequest(ValueError):
-    """A control message with a missing or invalid field."""
 
 
 @dataclass
@@ -92,16 +97,6 @@ class JobEntry:
     block_elements: int = 0
     slot_count: int = 0                           # the window, fixed once every rank joined
     waiting: bool = False                         # complete, queued for room
-
-
-def _integer(msg: dict, key: str, low: int, high: int, default=None) -> int:
-    """Field ``key`` as an int in [low, high]; JSON floats, NaN and Infinity refused."""
-    value = msg.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"{key} must be an integer, got {value!r}"[:MAX_NAME])
-    if not low <= value <= high:
-        raise BadRequest(f"{key} {value} is outside {low}..{high}"[:MAX_NAME])
-    return value
 
 
 class Controller:
@@ -127,22 +122,39 @@ class Controller:
         self._recent: deque[int] = deque(maxlen=RECENT_SESSIONS_KEPT)
         self.refused: Counter = Counter()  # joins refused, by reason
 
-    def handle_message(self, conn, msg: dict) -> list:
-        op = msg.get("op") if isinstance(msg, dict) else None
-        if op == "join":
-            return self._join(conn, msg)
-        if op == "leave":
-            return self._leave(conn)
-        if op == "abort":
-            return self._abort(conn, msg)
-        if op == "status":
-            return self._status(conn, msg)
-        if op == "stats":
-            return [(conn, {"event": "stats", "stats": self._stats()})]
-        self.pipeline.counters["control_bad_message"] += 1
-        return [(conn, {"event": "error", "message": f"unknown control message {op!r}"[:MAX_NAME]})]
+    def handle_message(self, conn, msg) -> list:
+        """Answer one message: a decoded JSON line (a dict, as the server reads it) or a
+        ``protocol.Request``.  Returns (connection, event's JSON object) pairs."""
+        return _on_wire(self.handle_request(conn, msg))
 
     def handle_disconnect(self, conn) -> list:
+        """A control connection closed: fail or shrink its job.  (connection, JSON) pairs."""
+        return _on_wire(self._disconnect(conn))
+
+    def handle_request(self, conn, msg) -> list:
+        """``handle_message`` with the answers as ``protocol`` events."""
+        try:
+            request = msg if isinstance(msg, protocol.Request) else protocol.decode_request(msg)
+        except protocol.UnknownMessage as exc:
+            self.pipeline.counters["control_bad_message"] += 1
+            return [(conn, Error(str(exc)))]
+        except protocol.VersionMismatch as exc:
+            return self._refuse(conn, "version", str(exc), version=PROTOCOL_VERSION)
+        except protocol.BadRequest as exc:
+            if conn in self._conn_job:  # as for a good join: that it joined comes first
+                return self._refuse(conn, "bad_request", "this connection already joined a job")
+            return self._refuse(conn, "bad_request", str(exc))
+        if isinstance(request, protocol.Join):
+            return self._join(conn, request)
+        if isinstance(request, protocol.Leave):
+            return self._leave(conn)
+        if isinstance(request, protocol.Abort):
+            return self._abort(conn, request)
+        if isinstance(request, protocol.StatusQuery):
+            return self._status(conn, request)
+        return [(conn, StatsReply(self._stats()))]
+
+    def _disconnect(self, conn) -> list:
         entry = self._conn_job.pop(conn, None)
         if entry is None:
             return []
@@ -185,37 +197,19 @@ class Controller:
         }
 
     # ------------------------------------------------------------------ joining
-    def _refuse(self, conn, reason: str, why: str, limit: str | None = None) -> list:
+    def _refuse(self, conn, reason: str, why: str, limit: str | None = None,
+                version: int | None = None) -> list:
         self.pipeline.counters["control_join_refused"] += 1
         self.refused[limit or reason] += 1
         log.warning("join refused: %s", why)
-        event = {"event": "error", "message": why}
-        if limit:
-            event["limit"] = limit
-        return [(conn, event)]
+        return [(conn, Error(why, limit, version))]
 
-    def _join(self, conn, msg: dict) -> list:
-        if msg.get("version", PROTOCOL_VERSION) != PROTOCOL_VERSION:
-            return self._refuse(conn, "version", f"protocol version {msg.get('version')!r} "
-                                f"unsupported (switch speaks {PROTOCOL_VERSION})"[:MAX_NAME])
+    def _join(self, conn, join: protocol.Join) -> list:
         if conn in self._conn_job:
             return self._refuse(conn, "bad_request", "this connection already joined a job")
-        try:
-            if not {"job", "rank", "world_size", "data_addr"} <= msg.keys():
-                raise BadRequest("join needs job, rank, world_size and data_addr")
-            name = str(msg["job"])[:MAX_NAME]
-            world = _integer(msg, "world_size", 1, 2**31)
-            rank = _integer(msg, "rank", 0, 2**31)
-            addr = msg["data_addr"]
-            if not (isinstance(addr, list) and len(addr) == 2 and isinstance(addr[0], str)):
-                raise BadRequest("data_addr must be [host, port]")
-            addr = (addr[0][:MAX_NAME], _integer({"port": addr[1]}, "port", 1, 65535))
-            request = _integer(msg, "slots", 1, 2**31, None) if msg.get("slots") is not None \
-                else self.slots_per_job
-            rcvbuf = _integer(msg, "rcvbuf", 0, 2**62, 0) if msg.get("rcvbuf") is not None else 0
-            mtu = _integer(msg, "mtu", MIN_MTU, 1 << 20) if msg.get("mtu") is not None else None
-        except BadRequest as exc:
-            return self._refuse(conn, "bad_request", str(exc))
+        name, world, rank, addr = join.job, join.world_size, join.rank, join.data_addr
+        request = join.slots if join.slots is not None else self.slots_per_job
+        rcvbuf, mtu = join.rcvbuf, join.mtu
         if world > MAX_WORKERS:
             return self._refuse(
                 conn, "max_workers", f"world_size {world} exceeds the limit of {MAX_WORKERS} "
@@ -246,7 +240,7 @@ class Controller:
             job.rcvbufs[rank] = rcvbuf
         if mtu is not None:
             job.mtus[rank] = mtu
-        if msg.get("wait") is True:
+        if join.wait:
             job.patient.add(rank)
         self._conn_job[conn] = (name, rank)
         log.info("job %s: rank %d/%d joined from %s:%d", name, rank, world, *addr)
@@ -272,9 +266,8 @@ class Controller:
         return wire.frame_geometry(min(mtus), p.packet_elements, p.block_elements)
 
     def _announce_present(self, job: JobEntry) -> list:
-        present = sorted(job.conns)
-        return [(c, {"event": "joined", "job": job.name, "present": present})
-                for c in job.conns.values()]
+        present = tuple(sorted(job.conns))
+        return [(c, Joined(job.name, present)) for c in job.conns.values()]
 
     def _admit_or_refuse(self, job: JobEntry) -> list:
         blocked = self._blocking_limit(job)
@@ -285,8 +278,8 @@ class Controller:
             job.waiting = True
             self._queue.append(job.name)
             log.info("job %s waits for room: %s", job.name, why)
-            event = {"event": "waiting", "job": job.name, "limit": limit, "message": why}
-            return [(c, event) for c in job.conns.values()]
+            waiting = Waiting(job.name, limit, why)
+            return [(c, waiting) for c in job.conns.values()]
         conns = list(job.conns.values())
         for c in conns:
             self._conn_job.pop(c, None)
@@ -294,10 +287,9 @@ class Controller:
         self.pipeline.counters["control_join_refused"] += len(conns)
         self.refused[limit] += len(conns)
         log.warning("job %s refused: %s", job.name, why)
-        event = {"event": "error", "limit": limit,
-                 "message": f"job '{job.name}' refused: {why} (workers may wait for room: "
-                            f"wait_for_slots)"}
-        return [(c, event) for c in conns]
+        error = Error(f"job '{job.name}' refused: {why} (workers may wait for room: "
+                      f"wait_for_slots)", limit)
+        return [(c, error) for c in conns]
 
     def _blocking_limit(self, job: JobEntry):
         """None when ``job`` can start now, else (limit, why not)."""
@@ -329,9 +321,8 @@ class Controller:
         self.pipeline.counters["jobs_started"] += 1
         log.info("job %s started: session %08x, %d ranks, slots %d..%d", job.name, session,
                  job.world_size, base, base + job.slot_count - 1)
-        ready = {"event": "ready", "session": session, "slot_base": base,
-                 "slot_count": job.slot_count, "packet_elements": job.packet_elements,
-                 "block_elements": job.block_elements, "data_port": self.data_port}
+        ready = Ready(session, base, job.slot_count, job.packet_elements, job.block_elements,
+                      self.data_port)
         return [(c, ready) for c in job.conns.values()]
 
     def _admit_waiting(self) -> list:
@@ -362,37 +353,35 @@ class Controller:
     def _leave(self, conn) -> list:
         entry = self._conn_job.get(conn)
         if entry is None:  # the job already ended or failed
-            return [(conn, {"event": "left"})]
+            return [(conn, protocol.Left())]
         name, rank = entry
         job = self.jobs[name]
         if not job.session:
-            return self.handle_disconnect(conn)
+            return self._disconnect(conn)
         job.left.add(rank)
         log.info("job %s: rank %d left", name, rank)
-        out = [(conn, {"event": "left"})]
+        out: list = [(conn, protocol.Left())]
         if len(job.left) == job.world_size:
             out += self._end(job, "ended")
             log.info("job %s ended; its slots are free", name)
         return out
 
-    def _abort(self, conn, msg: dict) -> list:
+    def _abort(self, conn, abort: protocol.Abort) -> list:
         """A rank gave up (no progress within its timeout): the job fails for everyone."""
         entry = self._conn_job.get(conn)
         job = self.jobs.get(entry[0]) if entry else None
         if entry is None or job is None or not job.session:
             return []
         rank = entry[1]
-        said = msg.get("missing")
-        missing = sorted({r for r in (said if isinstance(said, list) else [])
-                          if isinstance(r, int) and 0 <= r < job.world_size})
-        reason = str(msg.get("reason", "no progress"))[:MAX_NAME]
+        missing = sorted({r for r in abort.missing if 0 <= r < job.world_size})
+        reason = abort.reason
         log.warning("job %s failed: rank %d gave up: %s", job.name, rank, reason)
         return self._fail(job, missing, f"rank {rank} of job '{job.name}' gave up: {reason}",
                           skip=conn)
 
     def handle_mismatches(self) -> list:
         """Fail every job whose ranks the pipeline saw disagree on a call."""
-        out = []
+        out: list = []
         for installed, m in self.pipeline.take_mismatches():
             job = self.jobs.get(installed.name)
             if job is None or job.session != installed.session:
@@ -401,17 +390,15 @@ class Controller:
             log.warning("job %s failed: %s", job.name, reason)
             self.pipeline.counters["jobs_mismatched"] += 1
             out += self._fail(job, [], reason, mismatch=True)
-        return out
+        return _on_wire(out)
 
     def _fail(self, job: JobEntry, missing: list, reason: str, skip=None,
               mismatch: bool = False) -> list:
         conns = [c for r, c in job.conns.items() if r not in job.left and c != skip]
         out = self._end(job, "failed")
         self.pipeline.counters["jobs_failed"] += 1
-        event: dict = {"event": "failed", "missing": missing, "reason": reason}
-        if mismatch:
-            event["mismatch"] = True
-        return [(c, event) for c in conns] + out
+        failed = Failed(tuple(missing), reason, mismatch)
+        return [(c, failed) for c in conns] + out
 
     def _end(self, job: JobEntry, state: str) -> list:
         """Free the job's slots and connections; start waiting jobs that now fit."""
@@ -424,21 +411,21 @@ class Controller:
             self.pipeline.counters["jobs_ended"] += 1
         return self._admit_waiting()
 
-    def _status(self, conn, msg: dict) -> list:
+    def _status(self, conn, query: protocol.StatusQuery) -> list:
         entry = self._conn_job.get(conn)
         job = self.jobs.get(entry[0]) if entry else None
-        slots = msg.get("slots")
-        if job is None or not job.session or not isinstance(slots, list):
-            return [(conn, {"event": "status", "slots": []})]
+        if job is None or not job.session:
+            return [(conn, StatusReply())]
         rows = []
         installed = self.pipeline.jobs[job.session]
         low, high = installed.slot_base, installed.slot_base + installed.slot_count
-        for item in slots[:4096]:
-            if not (isinstance(item, list) and len(item) == 2
-                    and all(isinstance(x, int) and not isinstance(x, bool) for x in item)):
-                continue
-            slot, number = item
-            if low <= slot < high and 0 <= number <= 0xFFFFFFFF:
+        for slot, number in query.slots:
+            if low <= slot < high:
                 holds, bitmap = self.pipeline.slot_state(slot, number)
-                rows.append([slot, number, holds, bitmap])
-        return [(conn, {"event": "status", "slots": rows})]
+                rows.append((slot, number, holds, bitmap))
+        return [(conn, StatusReply(tuple(rows)))]
+
+
+def _on_wire(out: list) -> list:
+    """(connection, event) pairs as (connection, the event's JSON object)."""
+    return [(conn, event.to_dict()) for conn, event in out]

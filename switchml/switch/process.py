@@ -15,15 +15,24 @@ import signal
 import subprocess
 import sys
 
+from ..config import SwitchConfiguration
 from ..errors import SwitchMLError
 
 
 class SwitchProcess:
-    """``Switch(**options)`` run by ``python -m switchml.switch.process``; ``.address``
-    once started."""
+    """``Switch(...)`` run by ``python -m switchml.switch.process``; ``.address`` once
+    started.  Takes what ``Switch`` takes; the settings are resolved here, in the
+    parent (a bad one raises here, and the child reads no variable of its own)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, **options):
-        self._options = dict(options, host=host, port=port)
+    def __init__(self, host: str | None = None, port: int | None = None, *,
+                 configuration: SwitchConfiguration | None = None, **settings):
+        if host is not None:
+            settings["host"] = host
+        if port is not None:
+            settings["port"] = port
+        #: The settings the child's switch runs with.
+        self.configuration = (configuration.replace(**settings) if configuration is not None
+                              else SwitchConfiguration.from_env(**settings))
         self._proc: subprocess.Popen | None = None
         self.address: tuple[str, int] | None = None
 
@@ -31,7 +40,8 @@ class SwitchProcess:
         if self._proc is not None:
             return self
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "switchml.switch.process", json.dumps(self._options)],
+            [sys.executable, "-m", "switchml.switch.process",
+             json.dumps(self.configuration.to_dict())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         assert self._proc.stdout is not None
         line = self._proc.stdout.readline()
@@ -72,7 +82,7 @@ def main() -> None:
     # Ctrl-C in a terminal reaches the whole process group: the parent decides,
     # and its exit closes our stdin.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    switch = Switch(**json.loads(sys.argv[1])).start()
+    switch = Switch(configuration=SwitchConfiguration(**json.loads(sys.argv[1]))).start()
     assert switch.address is not None
     print(json.dumps({"address": list(switch.address)}), flush=True)
     sys.stdin.buffer.read()  # until the parent closes the pipe or dies

@@ -21,22 +21,16 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from ..config import (
-    DEFAULT_KEEPALIVE,
-    DEFAULT_MAX_JOBS,
-    DEFAULT_PACKET_ELEMENTS,
-    DEFAULT_SLOTS,
-    DEFAULT_SLOTS_PER_JOB,
-)
+from ..config import SwitchConfiguration
 from ..netutil import (
     LineReader,
-    check_keepalive,
     enable_keepalive,
     encode_line,
     enlarge_buffers,
     forbid_fragmentation,
     route_mtu,
 )
+from ..protocol import Error
 from . import fastpipeline
 from .control import Controller
 from .pipeline import Pipeline
@@ -74,17 +68,11 @@ class _Connection:
 class Switch:
     """A software switch: ``with Switch() as sw: ...`` or ``start()`` / ``stop()``.
 
-    Options: ``slots`` (pool size), ``packet_elements`` (int32 values per packet),
-    ``block_elements`` (values per block: the unit of the sparse path),
-    ``slots_per_job`` (window a job gets), ``max_jobs`` (jobs running at once),
-    ``egress_drop_rate`` (defaults to ``drop_rate``), ``seed`` (of the drop
-    simulator), ``metrics_port`` (serve Prometheus metrics over HTTP on this port;
-    0 picks a free one, see ``metrics_address``; needs the ``metrics`` extra) and
-    ``metrics_host`` (defaults to ``host``), ``keepalive`` (seconds within which a
-    worker whose host vanished without closing its control connection is noticed
-    and its job failed, as if it had left), ``fastpath`` (run the data plane in C:
-    None, the default, does when the extension is built and SWITCHML_PURE_PYTHON
-    is not 1; False never does; True requires it).
+    Its settings are a ``config.SwitchConfiguration``: the keyword arguments
+    given (``slots=64``, ... every field of it; ``host`` and ``port`` also by
+    position), then SWITCHML_* variables, then the defaults; or
+    ``configuration`` as it is, with the keyword arguments given over it.  The
+    port defaults to 0: any free one (``address`` once started).
     """
 
     #: Seconds between DEBUG summaries of dropped packets; tests shorten it.
@@ -92,36 +80,35 @@ class Switch:
     #: C data plane: results to one worker leave as UDP GSO segments (bench compares).
     udp_gso = True
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, drop_rate: float = 0.0,
-                 slots: int = DEFAULT_SLOTS, packet_elements: int = DEFAULT_PACKET_ELEMENTS,
-                 block_elements: int | None = None, slots_per_job: int = DEFAULT_SLOTS_PER_JOB,
-                 max_jobs: int = DEFAULT_MAX_JOBS, egress_drop_rate: float | None = None,
-                 seed: int | None = None, metrics_port: int | None = None,
-                 metrics_host: str | None = None, keepalive: float = DEFAULT_KEEPALIVE,
-                 fastpath: bool | None = None):
-        if not 0.0 <= drop_rate < 1.0:
-            raise ValueError(f"drop_rate must be in [0, 1), got {drop_rate}")
-        if slots_per_job < 1:
-            raise ValueError(f"slots_per_job must be at least 1, got {slots_per_job}")
-        if max_jobs < 1:
-            raise ValueError(f"max_jobs must be at least 1, got {max_jobs}")
-        self.keepalive = check_keepalive(keepalive)  # here, not at the first connection
-        if metrics_port is not None:
+    def __init__(self, host: str | None = None, port: int | None = None, *,
+                 configuration: SwitchConfiguration | None = None, **settings):
+        if host is not None:
+            settings["host"] = host
+        if port is not None:
+            settings["port"] = port
+        config = (configuration.replace(**settings) if configuration is not None
+                  else SwitchConfiguration.from_env(**settings))
+        #: The settings it runs with, wherever each came from.
+        self.configuration = config
+        self.keepalive = config.keepalive
+        if config.metrics_port is not None:
             from .metrics import require_prometheus_client
             require_prometheus_client()  # fail here, not after the switch started
+        fastpath = config.fastpath
         if fastpath is None:
             fastpath = fastpipeline.available()
         #: True when the data plane runs in C (FastPipeline and its socket loop).
         self.fastpath = bool(fastpath)
         self.pipeline = (fastpipeline.FastPipeline if self.fastpath else Pipeline)(
-            slots, packet_elements, block_elements=block_elements, drop_rate=drop_rate,
-            egress_drop_rate=egress_drop_rate, seed=seed)
-        self._host = host
-        self._port = port
-        self._slots_per_job = slots_per_job
-        self._max_jobs = max_jobs
-        self._metrics_port = metrics_port
-        self._metrics_host = metrics_host or host
+            config.slots, config.packet_elements, block_elements=config.block_elements,
+            drop_rate=config.drop_rate, egress_drop_rate=config.egress_drop_rate,
+            seed=config.seed)
+        self._host = config.host
+        self._port = config.port
+        self._slots_per_job = config.slots_per_job
+        self._max_jobs = config.max_jobs
+        self._metrics_port = config.metrics_port
+        self._metrics_host = config.metrics_host or config.host
         self._metrics: MetricsServer | None = None
         self.metrics_address: tuple[str, int] | None = None
         self.controller: Controller | None = None
@@ -385,7 +372,7 @@ class Switch:
                 except Exception:  # a bug must not take the switch down
                     self.pipeline.counters["internal_errors"] += 1
                     log.exception("controller failed on %r", message)
-                    replies.append((conn.sock, {"event": "error", "message": "internal error"}))
+                    replies.append((conn.sock, Error("internal error").to_dict()))
             self._send(replies)
 
     def _close(self, conn: _Connection) -> None:

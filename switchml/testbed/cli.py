@@ -1,4 +1,4 @@
-"""``switchml testbed up|run|status|down`` and ``switchml bench``: their argparse set-up.
+"""``switchml testbed up|run|status|down``: their argparse set-up.
 
 ``switchml.cli.build_parser`` calls ``add_parsers``; nothing here is imported
 beyond argparse until a command runs.
@@ -154,35 +154,8 @@ def _testbed_down(args) -> int:
     return 0
 
 
-def _bench(args) -> int:
-    from bench.suite import main
-
-    return main(args, " ".join(sys.argv[2:]))
-
-
-def _bench_arguments(parser) -> None:
-    """The bench's own flags, from bench/suite.py in the source tree (not installed)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    if not os.path.isfile(os.path.join(root, "bench", "suite.py")):
-        parser.set_defaults(func=lambda _: _no_bench(root))
-        return
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    import bench.suite
-
-    parser.description = bench.suite.__doc__
-    bench.suite.add_arguments(parser)
-    parser.set_defaults(func=_bench)
-
-
-def _no_bench(root) -> int:
-    print(f"switchml bench runs from a source checkout: no bench/suite.py next to the switchml "
-          f"package ({root})", file=sys.stderr)
-    return 2
-
-
 def add_parsers(sub) -> None:
-    """Add ``testbed`` (with up, run, status, down) and ``bench`` to ``switchml``'s commands."""
+    """Add ``testbed`` (with up, run, status, down) to ``switchml``'s commands."""
     tb = sub.add_parser("testbed", help="an emulated cluster: network namespaces, shaped links "
                                         "(root)")
     tsub = tb.add_subparsers(dest="testbed_command", required=True)
@@ -228,8 +201,3 @@ def add_parsers(sub) -> None:
     p = prefixed(tsub.add_parser("down", help="end its processes, remove its namespaces "
                                               "(also after a crash)"))
     p.set_defaults(func=_testbed_down)
-
-    p = sub.add_parser("bench", help="switchml dense/sparse against gloo, on loopback or the "
-                                     "testbed; JSON, PNG plots, a table",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    _bench_arguments(p)

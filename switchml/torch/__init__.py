@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from ..config import DEFAULT_MAX_JOBS, DEFAULT_SLOTS_PER_JOB, env
+from ..config import SwitchConfiguration, env
 from ..errors import SwitchMLError
 from ..switch.process import SwitchProcess
 from ..worker.client import Worker
@@ -53,8 +53,9 @@ def sparse_mode():
 
 
 def _embedded_switch() -> SwitchProcess:
-    """A switch of this job's own, in a child process (not competing for our GIL)."""
-    return SwitchProcess(host=env("HOST", "127.0.0.1")).start()
+    """A switch of this job's own, in a child process (not competing for our GIL);
+    its settings as any switch's (SwitchConfiguration: SWITCHML_* or the defaults)."""
+    return SwitchProcess().start()
 
 
 class _JobSwitch:
@@ -75,13 +76,18 @@ class _JobSwitch:
         self.process: SwitchProcess | None = None  # the switch, when this process runs it
         self.groups = 0  # this process's live groups on it
 
+    @staticmethod
+    def configuration() -> SwitchConfiguration:
+        """Its settings, as any switch's (SWITCHML_* or the defaults), but for the pool:
+        without SWITCHML_SLOTS, room for ``max_jobs`` groups of ``slots_per_job``."""
+        settings = SwitchConfiguration.from_env()
+        return SwitchConfiguration.from_env(
+            defaults={"slots": settings.slots_per_job * settings.max_jobs})
+
     def publish(self) -> str:
         """The address a new group's rank 0 publishes: the job's switch, started if none."""
         if self.address is None:
-            self.process = SwitchProcess(host=env("HOST", "127.0.0.1"),
-                                         slots=DEFAULT_SLOTS_PER_JOB * DEFAULT_MAX_JOBS,
-                                         slots_per_job=DEFAULT_SLOTS_PER_JOB,
-                                         max_jobs=DEFAULT_MAX_JOBS).start()
+            self.process = SwitchProcess(configuration=self.configuration()).start()
             assert self.process.address is not None
             self.address = "%s:%d" % self.process.address
         return self.address

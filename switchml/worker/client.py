@@ -3,7 +3,8 @@
 A worker joins its job over the switch's TCP control port, then one background
 thread serves its allreduces in call order: it feeds the sans-IO engine with
 datagrams and timer events, and watches the control connection for the failure
-of another rank or of the switch.
+of another rank or of the switch.  The control protocol itself is the sans-IO
+``control.ControlClient``: this module only moves its bytes and raises its errors.
 """
 
 from __future__ import annotations
@@ -29,23 +30,11 @@ from ..config import (
     env,
     parse_address,
 )
-from ..errors import (
-    CallMismatchError,
-    JoinRefusedError,
-    LimitExceededError,
-    SwitchMLError,
-    SwitchMLTimeoutError,
-    SwitchUnreachableError,
-)
-from ..netutil import (
-    LineReader,
-    enable_keepalive,
-    encode_line,
-    enlarge_buffers,
-    forbid_fragmentation,
-    route_mtu,
-)
+from ..errors import SwitchMLError, SwitchMLTimeoutError, SwitchUnreachableError
+from ..netutil import enable_keepalive, enlarge_buffers, forbid_fragmentation, route_mtu
+from ..protocol import Left, StatusReply
 from . import compiled, nonfinite
+from .control import ControlClient, JobFailed
 from .engine import SUPPORTED_DTYPES, Session
 from .sparse import nonzero_blocks
 
@@ -122,19 +111,23 @@ class Worker:
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
         self._failure: SwitchMLError | None = None
-        # One reader from the join on: news that follows "ready" in the same read
-        # (a rank that left at once) must reach the I/O thread, not be dropped.
-        self._reader = LineReader()
+        host, port = self.switch_address
+        self._protocol = ControlClient(self.job, rank, world_size, timeout=self.timeout,
+                                       wait_for_slots=self.wait_for_slots,
+                                       where=f"switch at {host}:{port}")
+        # News that follows "ready" in the same read (a rank that left at once) must
+        # reach the I/O thread, not be dropped.
         self._early_events: list = []
-        self._control, self._udp, ready = self._join(slots)
-        self.session = Session(session=ready["session"], rank=rank, world_size=world_size,
-                               slot_base=ready["slot_base"], slot_count=ready["slot_count"],
-                               packet_elements=ready["packet_elements"],
-                               block_elements=ready["block_elements"],
+        self._control, self._udp = self._join(slots)
+        ready = self._protocol.ready
+        assert ready is not None
+        self.session = Session(session=ready.session, rank=rank, world_size=world_size,
+                               slot_base=ready.slot_base, slot_count=ready.slot_count,
+                               packet_elements=ready.packet_elements,
+                               block_elements=ready.block_elements,
                                progress_timeout=self.timeout)
         # An IPv4 address, resolved once: the C loop takes one, and no send needs a lookup.
-        self._data_address = (socket.gethostbyname(self.switch_address[0]),
-                              int(ready["data_port"]))
+        self._data_address = (socket.gethostbyname(host), ready.data_port)
         self._wake_r, self._wake_w = socket.socketpair()
         self._thread = threading.Thread(target=self._serve, name=f"switchml-worker-{rank}",
                                         daemon=True)
@@ -261,64 +254,44 @@ class Worker:
             rcvbuf = enlarge_buffers(udp)
             forbid_fragmentation(udp)
             udp.setblocking(False)
-            control.sendall(encode_line({
-                "op": "join", "version": 1, "job": self.job, "rank": self.rank,
-                "world_size": self.world_size, "data_addr": list(udp.getsockname()),
-                "slots": slots, "rcvbuf": rcvbuf, "mtu": mtu, "wait": self.wait_for_slots > 0}))
-            ready = self._await_ready(control, where)
+            self._protocol.join(udp.getsockname(), time.monotonic(), slots=slots,
+                                rcvbuf=rcvbuf, mtu=mtu)
+            control.sendall(self._protocol.data_to_send())
+            self._await_ready(control)
         except BaseException:
             control.close()
             udp.close()
             raise
         control.setblocking(False)
-        return control, udp, ready
+        return control, udp
 
-    def _await_ready(self, control, where) -> dict:
-        reader = self._reader
-        join_deadline = time.monotonic() + self.timeout
-        deadline = join_deadline
-        present = [self.rank]
-        waiting = None  # the switch's "waiting" event while the job waits for room
-        while True:
-            left = deadline - time.monotonic()
+    def _await_ready(self, control) -> None:
+        """Read the switch's answers until the job is ready; its refusal raises."""
+        proto = self._protocol
+        while proto.ready is None:
+            if proto.error is not None:
+                raise proto.error
+            timer = proto.get_timer()
+            left = timer - time.monotonic() if timer is not None else 1.0
             if left <= 0:
-                if waiting is not None:
-                    raise LimitExceededError(
-                        f"job '{self.job}' waited {self.wait_for_slots:g}s for room in the "
-                        f"{where}: {waiting['message']} (limit: {waiting['limit']})",
-                        waiting["limit"])
-                missing = sorted(set(range(self.world_size)) - set(present))
-                raise SwitchMLTimeoutError(
-                    f"job '{self.job}': ranks {missing} did not join within {self.timeout:g}s",
-                    missing)
-            control.settimeout(left)
-            try:
-                data = control.recv(65536)
-            except TimeoutError:
-                continue
-            except OSError as exc:
-                raise SwitchUnreachableError(f"lost the {where} while joining: {exc}") from None
-            if not data:
-                raise SwitchUnreachableError(f"the {where} closed the connection while joining")
-            messages = reader.feed(data)
-            for i, msg in enumerate(messages):
-                event = msg.get("event")
-                if event == "ready":
-                    self._early_events = messages[i + 1:]
-                    return msg
-                if event == "joined":  # (again) gathering ranks: the join deadline holds
-                    present = msg["present"]
-                    waiting, deadline = None, join_deadline
-                elif event == "waiting":
-                    if waiting is None:
-                        deadline = time.monotonic() + self.wait_for_slots
-                    waiting = msg
-                    log.info("job '%s' waits for room in the switch: %s", self.job,
-                             msg.get("message"))
-                elif event == "error":
-                    if msg.get("limit"):
-                        raise LimitExceededError(msg["message"], msg["limit"])
-                    raise JoinRefusedError(msg["message"])
+                events = proto.handle_timer(time.monotonic())
+            else:
+                control.settimeout(left)
+                try:
+                    data = control.recv(65536)
+                except TimeoutError:
+                    continue
+                except OSError as exc:
+                    events = proto.connection_lost(exc)
+                else:
+                    events = (proto.receive_data(data, time.monotonic()) if data
+                              else proto.connection_lost())
+            for i, event in enumerate(events):
+                if proto.ready is event:  # what came with it is the I/O thread's
+                    self._early_events = events[i + 1:]
+                    return
+                if isinstance(event, JobFailed):
+                    raise event.error
 
     # -------------------------------------------------------------- the I/O thread
     def _wake(self) -> None:
@@ -382,9 +355,10 @@ class Worker:
         """Tell the switch we are done and wait (briefly) until it has taken note."""
         deadline = time.monotonic() + STATUS_TIMEOUT
         try:
-            self._control.sendall(encode_line({"op": "leave"}))
+            self._protocol.leave()
+            self._control.sendall(self._protocol.data_to_send())
             while time.monotonic() < deadline:
-                if any(m.get("event") == "left" for m in self._wait(deadline - time.monotonic())):
+                if any(isinstance(e, Left) for e in self._wait(deadline - time.monotonic())):
                     return
         except (OSError, SwitchMLError) as exc:
             log.debug("leaving the job: %s", exc)
@@ -422,46 +396,26 @@ class Worker:
 
     def _read_control(self) -> list:
         """Read control events; a failure event or a closed connection raises."""
-        host, port = self.switch_address
-        lost = None
         try:
             data = self._control.recv(65536)
         except BlockingIOError:
             return []
         except OSError as exc:  # ETIMEDOUT: keepalive probes went unanswered
-            data, lost = b"", exc
             log.debug("control connection error: %s", exc)
-        try:
-            events = self._reader.feed(data) if data else None
-        except ValueError:
-            events = None
-        if events is None:
-            self._sel.unregister(self._control)
-            self._control_open = False
-            if lost is not None:
-                why = f"the control connection to the switch at {host}:{port} failed: {lost}"
-            elif not data:
-                why = (f"the switch at {host}:{port} closed the control connection "
-                       f"(switch stopped or crashed?)")
-            else:
-                why = f"the switch at {host}:{port} sent a malformed control message"
-            self._failure = SwitchUnreachableError(why)
-            raise self._failure
+            events = self._protocol.connection_lost(exc)
+        else:
+            events = (self._protocol.receive_data(data, time.monotonic()) if data
+                      else self._protocol.connection_lost())
         self._control_events(events)
         return events
 
     def _control_events(self, events: list) -> None:
         """Raise (and record) the job's failure if the switch announced one."""
-        for msg in events:
-            if msg.get("event") == "failed":
+        for event in events:
+            if isinstance(event, JobFailed):
                 self._sel.unregister(self._control)
                 self._control_open = False
-                if msg.get("mismatch"):
-                    self._failure = CallMismatchError(f"job '{self.job}' failed: "
-                                                      f"{msg.get('reason')}")
-                else:
-                    self._failure = SwitchMLTimeoutError(
-                        f"job '{self.job}' failed: {msg.get('reason')}", msg.get("missing", []))
+                self._failure = event.error
                 raise self._failure
 
     def _auto_choice(self, src: np.ndarray) -> bool:
@@ -591,23 +545,22 @@ class Worker:
 
     def _abort(self, error: SwitchMLError) -> None:
         """Tell the switch this rank gives up: it fails the job and frees its slots."""
-        missing = getattr(error, "missing_ranks", [])
         try:
-            self._control.sendall(encode_line({"op": "abort", "reason": str(error),
-                                               "missing": list(missing)}))
+            self._protocol.abort(error)
+            self._control.sendall(self._protocol.data_to_send())
         except OSError as exc:
             log.debug("aborting the job: %s", exc)
 
     def _diagnose(self, op) -> SwitchMLError:
         """Ask the switch which ranks are missing from the stalled slots."""
-        pending = op.pending()
         try:
-            self._control.sendall(encode_line({"op": "status", "slots": pending}))
+            self._protocol.query_status(op.pending())
+            self._control.sendall(self._protocol.data_to_send())
             deadline = time.monotonic() + STATUS_TIMEOUT
             while time.monotonic() < deadline:
-                for msg in self._wait(deadline - time.monotonic()):
-                    if msg.get("event") == "status":
-                        return self._stalled_error(msg["slots"])
+                for event in self._wait(deadline - time.monotonic()):
+                    if isinstance(event, StatusReply):
+                        return self._protocol.stall_error(event, self.timeout)
         except SwitchMLError as exc:
             return exc
         except OSError as exc:
@@ -616,15 +569,3 @@ class Worker:
             f"job '{self.job}': no progress for {self.timeout:g}s and the switch at "
             f"{self.switch_address[0]}:{self.switch_address[1]} did not answer within "
             f"{STATUS_TIMEOUT:g}s")
-
-    def _stalled_error(self, rows) -> SwitchMLTimeoutError:
-        everyone = set(range(self.world_size))
-        missing = set()
-        for _slot, _msg, holds, bitmap in rows:
-            if holds:
-                missing |= {r for r in everyone if not bitmap >> r & 1}
-        if not missing:
-            missing = everyone
-        return SwitchMLTimeoutError(
-            f"job '{self.job}': no progress for {self.timeout:g}s; ranks {sorted(missing)} "
-            f"did not contribute", missing)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import pure_python
-from .engine import Session, check_arrays
 from .recovery import CongestionWindow, RttEstimator
+from .stream import SessionState, check_arrays
 
 try:
     from . import _fastengine  # type: ignore[attr-defined]  # compiled: no stubs
@@ -35,14 +35,14 @@ def enabled() -> bool:
     return _fastengine is not None and not pure_python()
 
 
-def supports(session: Session) -> bool:
+def supports(session: SessionState) -> bool:
     """Whether the C core can stand in for the Python engine on ``session``: it
     implements the stock RTT estimator and window, not subclasses of them."""
     return (_fastengine is not None and type(session.rtt) is RttEstimator
             and type(session.window) is CongestionWindow)
 
 
-def supports_sparse(session: Session) -> bool:
+def supports_sparse(session: SessionState) -> bool:
     """``supports``, for sparse calls: the C core takes chunk c to be blocks
     c*lanes .. c*lanes + lanes - 1, as sparse.py does, so a packet must be whole
     blocks (a Session whose packet is not is left to the Python engine)."""
@@ -56,7 +56,7 @@ class CompiledDenseAllreduce:
     #: The C core's mode: SparseAllreduce's rounds instead of the dense stream.
     SPARSE = False
 
-    def __init__(self, session: Session, array: np.ndarray, out: np.ndarray, seq: int,
+    def __init__(self, session: SessionState, array: np.ndarray, out: np.ndarray, seq: int,
                  now: float, wire_bits: int = 32):
         check_arrays(array, out)
         self.s = session

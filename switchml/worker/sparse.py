@@ -45,7 +45,7 @@ from ..quant import (
     quantize_factors,
     quantize_rows,
 )
-from .engine import Session, Stream
+from .stream import SessionState, Stream
 
 
 def nonzero_blocks(values: np.ndarray, block: int) -> np.ndarray:
@@ -76,7 +76,7 @@ class SparseAllreduce(Stream):
 
     sparse = True
 
-    def __init__(self, session: Session, array: np.ndarray, out: np.ndarray, seq: int,
+    def __init__(self, session: SessionState, array: np.ndarray, out: np.ndarray, seq: int,
                  now: float):
         b, F = session.block_elements, session.lanes
         n = array.size

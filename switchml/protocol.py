@@ -1,0 +1,374 @@
+"""The control protocol's messages: one typed class each, and its version.
+
+Control messages travel as JSON objects, one per line, over the switch's TCP
+control port (docs/protocol.md, "Joining").  A worker's requests carry ``"op"``
+(``Join``, ``Leave``, ``Abort``, ``StatusQuery``, ``StatsQuery``); the switch's
+answers carry ``"event"`` (``Joined``, ``Ready``, ``Waiting``, ``Error``,
+``Failed``, ``Left``, ``StatusReply``, ``StatsReply``).  Every field name and
+every check of a field lives here, so that the switch's controller
+(``switch/control.py``), the worker's client (``worker/control.py``) and the CLI
+build and read the same messages.  Data packets are another format
+(``wire.py``).
+
+``to_dict`` gives the JSON object, ``encode`` the line; ``decode_request`` and
+``decode_event`` read one back, checking every field: a peer is never trusted
+with a type or a range.
+
+A ``Join`` carries ``version``; a switch that speaks another version refuses it
+with an ``Error`` naming both (and its own in ``version``).  A join without one
+is taken as version 1, what clients sent before the field existed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from .netutil import encode_line
+
+#: Version of the control protocol this code speaks (``Join.version``).
+PROTOCOL_VERSION = 1
+#: Longest job name, abort reason and error message kept, in characters.
+MAX_NAME = 200
+#: Smallest MTU a worker may report: IPv4's minimum.
+MIN_MTU = 68
+#: Most rows a status query asks for; the rest are ignored.
+MAX_STATUS_ROWS = 4096
+
+
+class BadRequest(ValueError):
+    """A control message with a missing or invalid field."""
+
+
+class UnknownMessage(BadRequest):
+    """Not a control request at all: not a JSON object, or an ``op`` nobody knows."""
+
+
+class VersionMismatch(BadRequest):
+    """A join in a protocol version this code does not speak; names both."""
+
+    def __init__(self, theirs):
+        self.theirs = theirs
+        super().__init__(f"protocol version {theirs!r} unsupported: this switch speaks "
+                         f"version {PROTOCOL_VERSION}; run the same switchml on the "
+                         f"switch and the workers"[:MAX_NAME])
+
+
+class MalformedMessage(ValueError):
+    """An answer from the switch with a missing or mistyped field."""
+
+
+def _integer(msg: dict, key: str, low: int, high: int, default=None) -> int:
+    """Field ``key`` as an int in [low, high]; JSON floats, NaN and Infinity refused."""
+    value = msg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"{key} must be an integer, got {value!r}"[:MAX_NAME])
+    if not low <= value <= high:
+        raise BadRequest(f"{key} {value} is outside {low}..{high}"[:MAX_NAME])
+    return value
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class Message:
+    """A control message: ``to_dict`` is its JSON object, ``encode`` its line."""
+
+    #: "op" for requests, "event" for answers; and the value it takes.
+    kind: ClassVar[str]
+    name: ClassVar[str]
+
+    def fields(self) -> dict:
+        """The message's own fields, as they go on the wire."""
+        return {}
+
+    def to_dict(self) -> dict:
+        return {self.kind: self.name, **self.fields()}
+
+    def encode(self) -> bytes:
+        return encode_line(self.to_dict())
+
+
+# ---------------------------------------------------------------- requests (worker -> switch)
+class Request(Message):
+    kind = "op"
+
+
+@dataclass(frozen=True)
+class Join(Request):
+    """A rank asks to join its job: where its data socket is and what its path allows."""
+
+    name = "join"
+    job: str
+    rank: int
+    world_size: int
+    data_addr: tuple[str, int]
+    slots: int | None = None      # the window it asks for; None: the switch's slots_per_job
+    rcvbuf: int = 0               # its data socket's receive buffer, bytes (0: unknown)
+    mtu: int | None = None        # MTU of its route to the switch (None: unknown)
+    wait: bool = False            # wait for room rather than be refused
+    version: int = PROTOCOL_VERSION
+
+    def fields(self) -> dict:
+        return {"version": self.version, "job": self.job, "rank": self.rank,
+                "world_size": self.world_size, "data_addr": list(self.data_addr),
+                "slots": self.slots, "rcvbuf": self.rcvbuf, "mtu": self.mtu, "wait": self.wait}
+
+    @classmethod
+    def from_dict(cls, msg: dict) -> Join:
+        """The checks a switch makes of a join; BadRequest (or VersionMismatch) names
+        the first field that fails."""
+        if msg.get("version", PROTOCOL_VERSION) != PROTOCOL_VERSION:
+            raise VersionMismatch(msg.get("version"))
+        if not {"job", "rank", "world_size", "data_addr"} <= msg.keys():
+            raise BadRequest("join needs job, rank, world_size and data_addr")
+        job = str(msg["job"])[:MAX_NAME]
+        world = _integer(msg, "world_size", 1, 2**31)
+        rank = _integer(msg, "rank", 0, 2**31)
+        addr = msg["data_addr"]
+        if not (isinstance(addr, list) and len(addr) == 2 and isinstance(addr[0], str)):
+            raise BadRequest("data_addr must be [host, port]")
+        address = (addr[0][:MAX_NAME], _integer({"port": addr[1]}, "port", 1, 65535))
+        slots = _integer(msg, "slots", 1, 2**31) if msg.get("slots") is not None else None
+        rcvbuf = _integer(msg, "rcvbuf", 0, 2**62) if msg.get("rcvbuf") is not None else 0
+        mtu = _integer(msg, "mtu", MIN_MTU, 1 << 20) if msg.get("mtu") is not None else None
+        return cls(job, rank, world, address, slots, rcvbuf, mtu, msg.get("wait") is True)
+
+
+@dataclass(frozen=True)
+class Leave(Request):
+    """The rank is done with the job (its slots are freed once every rank left)."""
+
+    name = "leave"
+
+
+@dataclass(frozen=True)
+class Abort(Request):
+    """The rank gave up (no progress within its timeout): the job fails for all."""
+
+    name = "abort"
+    reason: str = "no progress"
+    missing: tuple[int, ...] = ()  # the ranks it saw missing
+
+    def fields(self) -> dict:
+        return {"reason": self.reason, "missing": list(self.missing)}
+
+    @classmethod
+    def from_dict(cls, msg: dict) -> Abort:
+        """Lenient: a gone rank's last word is never refused; what is not a rank is
+        left out (the controller also drops ranks outside the job)."""
+        said = msg.get("missing")
+        missing = tuple(r for r in (said if isinstance(said, list) else []) if _is_int(r))
+        return cls(str(msg.get("reason", "no progress"))[:MAX_NAME], missing)
+
+
+@dataclass(frozen=True)
+class StatusQuery(Request):
+    """Which ranks contributed to these (slot, message number) pairs: a stalled
+    rank's question before it names the missing ranks."""
+
+    name = "status"
+    slots: tuple[tuple[int, int], ...] = ()
+
+    def fields(self) -> dict:
+        return {"slots": [list(pair) for pair in self.slots]}
+
+    @classmethod
+    def from_dict(cls, msg: dict) -> StatusQuery:
+        """Lenient: rows that are not [slot, number] in range are left out."""
+        asked = msg.get("slots")
+        rows = []
+        for item in (asked if isinstance(asked, list) else [])[:MAX_STATUS_ROWS]:
+            if (isinstance(item, list) and len(item) == 2 and all(map(_is_int, item))
+                    and 0 <= item[1] <= 0xFFFFFFFF):
+                rows.append((item[0], item[1]))
+        return cls(tuple(rows))
+
+
+@dataclass(frozen=True)
+class StatsQuery(Request):
+    """The switch's counters (``switchml stats``)."""
+
+    name = "stats"
+
+
+REQUESTS: dict[str, Any] = {"join": Join, "leave": Leave, "abort": Abort,
+                            "status": StatusQuery, "stats": StatsQuery}
+
+
+def decode_request(msg) -> Request:
+    """A decoded JSON line as a request; UnknownMessage, BadRequest or VersionMismatch."""
+    op = msg.get("op") if isinstance(msg, dict) else None
+    cls = REQUESTS.get(op) if isinstance(op, str) else None
+    if cls is None:
+        raise UnknownMessage(f"unknown control message {op!r}"[:MAX_NAME])
+    from_dict = getattr(cls, "from_dict", None)
+    return from_dict(msg) if from_dict else cls()
+
+
+# ---------------------------------------------------------------- events (switch -> worker)
+class Event(Message):
+    kind = "event"
+
+
+@dataclass(frozen=True)
+class Joined(Event):
+    """Who of the job is present so far (while ranks are missing)."""
+
+    name = "joined"
+    job: str
+    present: tuple[int, ...]
+
+    def fields(self) -> dict:
+        return {"job": self.job, "present": list(self.present)}
+
+
+@dataclass(frozen=True)
+class Ready(Event):
+    """Every rank joined and the job fits: its session, slots and packet geometry."""
+
+    name = "ready"
+    session: int
+    slot_base: int
+    slot_count: int
+    packet_elements: int
+    block_elements: int
+    data_port: int
+
+    def fields(self) -> dict:
+        return {"session": self.session, "slot_base": self.slot_base,
+                "slot_count": self.slot_count, "packet_elements": self.packet_elements,
+                "block_elements": self.block_elements, "data_port": self.data_port}
+
+
+@dataclass(frozen=True)
+class Waiting(Event):
+    """The job is complete but waits for room (every rank asked to wait)."""
+
+    name = "waiting"
+    job: str
+    limit: str
+    message: str
+
+    def fields(self) -> dict:
+        return {"job": self.job, "limit": self.limit, "message": self.message}
+
+
+@dataclass(frozen=True)
+class Error(Event):
+    """A refused or unknown request; ``limit`` names the limit a join hit, ``version``
+    the switch's protocol version when the join's was another."""
+
+    name = "error"
+    message: str
+    limit: str | None = None
+    version: int | None = None
+
+    def fields(self) -> dict:
+        out: dict = {"message": self.message}
+        if self.limit is not None:
+            out["limit"] = self.limit
+        if self.version is not None:
+            out["version"] = self.version
+        return out
+
+
+@dataclass(frozen=True)
+class Failed(Event):
+    """The running job failed: ``missing`` ranks, why, and whether ranks disagreed on a
+    call (``mismatch``) rather than went away."""
+
+    name = "failed"
+    missing: tuple[int, ...]
+    reason: str
+    mismatch: bool = False
+
+    def fields(self) -> dict:
+        out: dict = {"missing": list(self.missing), "reason": self.reason}
+        if self.mismatch:
+            out["mismatch"] = True
+        return out
+
+
+@dataclass(frozen=True)
+class Left(Event):
+    """The switch took note of a ``Leave``."""
+
+    name = "left"
+
+
+@dataclass(frozen=True)
+class StatusReply(Event):
+    """Rows [slot, number, holds, bitmap]: whether the slot holds that message's
+    partial sum, and which ranks' contributions it has."""
+
+    name = "status"
+    slots: tuple[tuple[int, int, bool, int], ...] = ()
+
+    def fields(self) -> dict:
+        return {"slots": [list(row) for row in self.slots]}
+
+
+@dataclass(frozen=True)
+class StatsReply(Event):
+    """The switch's counters, as ``Switch.stats()`` gives them."""
+
+    name = "stats"
+    stats: dict = field(default_factory=dict)
+
+    def fields(self) -> dict:
+        return {"stats": self.stats}
+
+
+def _field(msg: dict, key: str, check, what: str, default: Any = ...):
+    value = msg.get(key, default)
+    if value is ... or not check(value):
+        raise MalformedMessage(f"'{msg.get('event')}' needs {key} ({what}), got {value!r}"
+                               [:MAX_NAME])
+    return value
+
+
+def _ints(value) -> bool:
+    return isinstance(value, list) and all(map(_is_int, value))
+
+
+def _text(value) -> bool:
+    return isinstance(value, str)
+
+
+def decode_event(msg) -> Event | None:
+    """A decoded JSON line from the switch as an event; None for an event this code
+    does not know (a newer switch's news), MalformedMessage for a known one with
+    a missing or mistyped field, or for a line that is not an event at all."""
+    if not isinstance(msg, dict) or not isinstance(msg.get("event"), str):
+        raise MalformedMessage(f"not a control event: {msg!r}"[:MAX_NAME])
+    name = msg["event"]
+    if name == "joined":
+        return Joined(str(msg.get("job", "")), tuple(_field(msg, "present", _ints, "ranks")))
+    if name == "ready":
+        return Ready(*(_field(msg, key, _is_int, "an integer") for key in (
+            "session", "slot_base", "slot_count", "packet_elements", "block_elements",
+            "data_port")))
+    if name == "waiting":
+        return Waiting(str(msg.get("job", "")), str(msg.get("limit")),
+                       _field(msg, "message", _text, "text"))
+    if name == "error":
+        limit, version = msg.get("limit"), msg.get("version")
+        return Error(_field(msg, "message", _text, "text"),
+                     limit if isinstance(limit, str) and limit else None,
+                     version if _is_int(version) else None)
+    if name == "failed":
+        return Failed(tuple(_field(msg, "missing", _ints, "ranks", [])),
+                      str(msg.get("reason", "")), msg.get("mismatch") is True)
+    if name == "left":
+        return Left()
+    if name == "status":
+        rows = _field(msg, "slots", lambda v: isinstance(v, list) and all(
+            isinstance(r, list) and len(r) == 4 and isinstance(r[2], (bool, int))
+            and all(map(_is_int, (r[0], r[1], r[3]))) for r in v),
+            "rows [slot, number, holds, bitmap]")
+        return StatusReply(tuple((s, n, bool(h), b) for s, n, h, b in rows))
+    if name == "stats":
+        return StatsReply(_field(msg, "stats", lambda v: isinstance(v, dict), "an object"))
+    return None

@@ -1,0 +1,221 @@
+"""The worker's half of the control protocol, sans-IO: bytes and times in, events out.
+
+The switch's half is ``switch/control.py``; the messages are ``protocol.py``'s.
+A ``ControlClient`` never touches a socket and never reads a clock: the worker
+(``client.py``) feeds it what its control connection received (``receive_data``)
+or that the connection was lost (``connection_lost``), with the time; sends
+what ``data_to_send`` returns; and calls ``handle_timer`` at ``get_timer``.  So
+every answer a switch can give, and every way a switch can fail, is tested
+without sockets (tests/test_control_client.py).
+
+What it returns are ``protocol`` events (``Joined``, ``Waiting``, ``Ready``,
+``Left``, ``StatusReply``) and ``JobFailed``: the job is over for this rank, with
+the error the worker raises (``error``):
+
+* joining: refused (``JoinRefusedError``; ``LimitExceededError`` naming the
+  limit; ``ProtocolVersionError`` naming both versions), ranks missing at the
+  join deadline (``SwitchMLTimeoutError`` naming them), room not found within
+  ``wait_for_slots`` (``LimitExceededError``), or the switch gone
+  (``SwitchUnreachableError``);
+* running: another rank failed the job (``SwitchMLTimeoutError`` naming the
+  missing ranks), the ranks disagreed on a call (``CallMismatchError``), or the
+  switch went away or sent what is not a control message
+  (``SwitchUnreachableError``).
+
+After ``JobFailed`` the client takes no more input: the connection is done.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from .. import protocol
+from ..errors import (
+    CallMismatchError,
+    JoinRefusedError,
+    LimitExceededError,
+    ProtocolVersionError,
+    SwitchMLError,
+    SwitchMLTimeoutError,
+    SwitchUnreachableError,
+)
+from ..netutil import LineReader
+from ..protocol import PROTOCOL_VERSION, Error, Failed, Joined, Ready, StatusReply, Waiting
+
+log = logging.getLogger("switchml.worker")
+
+#: States of a ControlClient.
+JOINING, RUNNING, CLOSED = "joining", "running", "closed"
+
+
+@dataclass(frozen=True)
+class JobFailed:
+    """The job is over for this rank; ``error`` says why (the worker raises it)."""
+
+    error: SwitchMLError
+
+
+class ControlClient:
+    """One rank's control conversation with the switch, from join to leave.
+
+    ``where`` names the switch in errors ("switch at HOST:PORT"); ``timeout`` bounds
+    the wait for the other ranks to join, ``wait_for_slots`` the wait for room
+    once the job is complete (0: a job that does not fit is refused).
+    ``version`` is the protocol version the join claims (a test's stand-in for
+    another release).
+    """
+
+    def __init__(self, job: str, rank: int, world_size: int, *, timeout: float,
+                 wait_for_slots: float = 0.0, where: str = "switch",
+                 version: int = PROTOCOL_VERSION):
+        self.job = job
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.wait_for_slots = wait_for_slots
+        self.where = where
+        self.version = version
+        self.state = JOINING
+        #: The job's session and slots, once every rank joined and it was admitted.
+        self.ready: Ready | None = None
+        #: Why the job is over for this rank, once it is.
+        self.error: SwitchMLError | None = None
+        self._reader = LineReader()
+        self._outbox = bytearray()
+        self._present: tuple[int, ...] = (rank,)
+        self._waiting: Waiting | None = None  # while the complete job waits for room
+        self._join_deadline: float | None = None
+        self._deadline: float | None = None
+
+    # ------------------------------------------------------------ what to send
+    def join(self, data_addr: tuple[str, int], now: float, *, slots: int | None = None,
+             rcvbuf: int = 0, mtu: int | None = None) -> None:
+        """Ask to join; the other ranks must join within ``timeout`` of ``now``."""
+        host, port = data_addr
+        self._send(protocol.Join(self.job, self.rank, self.world_size, (str(host), int(port)),
+                                 slots, rcvbuf, mtu, self.wait_for_slots > 0, self.version))
+        self._join_deadline = self._deadline = now + self.timeout
+
+    def leave(self) -> None:
+        """This rank is done (the switch answers ``Left``)."""
+        self._send(protocol.Leave())
+
+    def abort(self, error: SwitchMLError) -> None:
+        """This rank gives up on the job: the switch fails it for every rank."""
+        self._send(protocol.Abort(str(error), tuple(getattr(error, "missing_ranks", ()))))
+
+    def query_status(self, pending) -> None:
+        """Ask which ranks contributed to ``pending`` (slot, message number) pairs."""
+        self._send(protocol.StatusQuery(tuple((int(s), int(m)) for s, m in pending)))
+
+    def data_to_send(self) -> bytes:
+        """The bytes to write to the control connection now."""
+        out, self._outbox = bytes(self._outbox), bytearray()
+        return out
+
+    def _send(self, message: protocol.Request) -> None:
+        self._outbox += message.encode()
+
+    # ------------------------------------------------------------ what came in
+    def receive_data(self, data: bytes, now: float) -> list:
+        """Events in the bytes the control connection delivered (lines may be split
+        across reads, or several in one)."""
+        if self.state == CLOSED:
+            return []
+        try:
+            lines = self._reader.feed(data)
+            events = [protocol.decode_event(line) for line in lines]
+        except ValueError as exc:  # not JSON lines, or not the events we know the form of
+            log.debug("malformed control message: %s", exc)
+            return self._fail(SwitchUnreachableError(
+                f"the {self.where} sent a malformed control message: {exc}"))
+        out: list = []
+        for event in events:
+            if self.state == CLOSED:
+                break
+            if event is not None:  # None: news of a newer switch, not for us
+                out += self._on_event(event, now)
+        return out
+
+    def connection_lost(self, exc: OSError | None = None) -> list:
+        """The control connection closed (``exc``: or failed)."""
+        if self.state == CLOSED:
+            return []
+        if self.state == JOINING:
+            why = (f"lost the {self.where} while joining: {exc}" if exc is not None
+                   else f"the {self.where} closed the connection while joining")
+        elif exc is not None:  # ETIMEDOUT: keepalive probes went unanswered
+            why = f"the control connection to the {self.where} failed: {exc}"
+        else:
+            why = (f"the {self.where} closed the control connection "
+                   f"(switch stopped or crashed?)")
+        return self._fail(SwitchUnreachableError(why))
+
+    def get_timer(self) -> float | None:
+        """When ``handle_timer`` must run: the join's deadline, None once running."""
+        return self._deadline if self.state == JOINING else None
+
+    def handle_timer(self, now: float) -> list:
+        """Past the join's deadline: the ranks missing, or the room not found."""
+        if self.state != JOINING or self._deadline is None or now < self._deadline:
+            return []
+        waiting = self._waiting
+        if waiting is not None:
+            return self._fail(LimitExceededError(
+                f"job '{self.job}' waited {self.wait_for_slots:g}s for room in the "
+                f"{self.where}: {waiting.message} (limit: {waiting.limit})", waiting.limit))
+        missing = sorted(set(range(self.world_size)) - set(self._present))
+        return self._fail(SwitchMLTimeoutError(
+            f"job '{self.job}': ranks {missing} did not join within {self.timeout:g}s",
+            missing))
+
+    def _on_event(self, event, now: float) -> list:
+        if isinstance(event, Failed):
+            if event.mismatch:
+                return self._fail(CallMismatchError(f"job '{self.job}' failed: {event.reason}"))
+            return self._fail(SwitchMLTimeoutError(f"job '{self.job}' failed: {event.reason}",
+                                                   event.missing))
+        if self.state == JOINING:
+            if isinstance(event, Ready):
+                self.state, self.ready = RUNNING, event
+            elif isinstance(event, Joined):  # (again) gathering ranks: the join deadline holds
+                self._present, self._waiting = event.present, None
+                self._deadline = self._join_deadline
+            elif isinstance(event, Waiting):
+                if self._waiting is None:
+                    self._deadline = now + self.wait_for_slots
+                self._waiting = event
+                log.info("job '%s' waits for room in the switch: %s", self.job, event.message)
+            elif isinstance(event, Error):
+                return self._fail(self._refusal(event))
+        return [event]
+
+    def _refusal(self, error: Error) -> JoinRefusedError:
+        if error.version is not None and error.version != self.version:
+            return ProtocolVersionError(
+                f"the {self.where} speaks control protocol version {error.version} and this "
+                f"worker version {self.version}: run the same switchml release on both "
+                f"({error.message})", switch_version=error.version, worker_version=self.version)
+        if error.limit:
+            return LimitExceededError(error.message, error.limit)
+        return JoinRefusedError(error.message)
+
+    def _fail(self, error: SwitchMLError) -> list:
+        self.state, self.error = CLOSED, error
+        return [JobFailed(error)]
+
+    # ------------------------------------------------------------ diagnosis
+    def stall_error(self, status: StatusReply, timeout: float) -> SwitchMLTimeoutError:
+        """The error of a call without progress for ``timeout`` s, naming the ranks
+        whose contributions the switch's stalled slots lack (all, if it cannot tell)."""
+        everyone = set(range(self.world_size))
+        missing = set()
+        for _slot, _number, holds, bitmap in status.slots:
+            if holds:
+                missing |= {r for r in everyone if not bitmap >> r & 1}
+        if not missing:
+            missing = everyone
+        return SwitchMLTimeoutError(
+            f"job '{self.job}': no progress for {timeout:g}s; ranks {sorted(missing)} "
+            f"did not contribute", missing)

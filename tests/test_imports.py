@@ -1,0 +1,99 @@
+"""The package's modules import one another without a circle.
+
+A circle (``engine`` importing ``sparse`` importing ``engine``) works only while
+the late imports that break it stay late; it also ties the modules' order of
+initialisation to whoever imports first.  Imports inside functions count too:
+they are the usual way a circle is hidden.
+"""
+
+import ast
+import pathlib
+
+import switchml
+
+PACKAGE = pathlib.Path(switchml.__file__).parent
+
+
+def modules() -> dict:
+    """Dotted module name -> (path, is a package)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        package = parts[-1] == "__init__"
+        found[".".join(parts[:-1] if package else parts)] = (path, package)
+    return found
+
+
+def import_graph() -> dict:
+    """Module -> the package's modules it imports anywhere in its body.
+
+    ``from pkg import name`` is an edge to ``pkg.name`` when that is a module,
+    else to ``pkg``; a package's parent is not counted (Python imports it before
+    any submodule, whoever asks).
+    """
+    found = modules()
+    graph = {}
+    for name, (path, package) in found.items():
+        here = name.split(".") if package else name.split(".")[:-1]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in found}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = here[:len(here) - node.level + 1]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module or ""
+                for a in node.names:
+                    if f"{source}.{a.name}" in found:
+                        edges.add(f"{source}.{a.name}")
+                    elif source in found:
+                        edges.add(source)
+        edges.discard(name)
+        graph[name] = edges
+    return graph
+
+
+def find_cycle(graph: dict) -> list | None:
+    """One circle of the graph as a list of modules, or None."""
+    state: dict = {}  # module -> "open" while on the path, "done" once explored
+    path: list = []
+
+    def visit(node):
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_checker_sees_a_circle_and_function_level_imports():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    graph = import_graph()
+    # engine.Session starts every kind of call; none of them imports engine back
+    assert {"switchml.worker.sparse", "switchml.worker.compiled",
+            "switchml.worker.stream"} <= graph["switchml.worker.engine"]
+    assert "switchml.worker.engine" not in graph["switchml.worker.sparse"]
+    # an import inside a function is an edge (cli imports the switch in _switch)
+    assert "switchml.switch.server" in graph["switchml.cli"]
+
+
+def test_no_module_of_the_package_imports_itself_back():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle)

@@ -1,0 +1,90 @@
+"""The control messages: each one's JSON object, and read back the same."""
+
+import json
+
+import pytest
+
+from switchml import protocol
+from switchml.protocol import (
+    Abort,
+    Error,
+    Failed,
+    Join,
+    Joined,
+    Leave,
+    Left,
+    Ready,
+    StatsQuery,
+    StatsReply,
+    StatusQuery,
+    StatusReply,
+    Waiting,
+)
+
+REQUESTS = [
+    Join("j", 1, 4, ("10.0.0.2", 4000), slots=8, rcvbuf=1 << 20, mtu=9000, wait=True),
+    Join("j", 0, 1, ("h", 1)),
+    Leave(),
+    Abort("no progress for 30s", (2, 3)),
+    StatusQuery(((0, 1), (5, 7))),
+    StatsQuery(),
+]
+EVENTS = [
+    Joined("j", (0, 2)),
+    Ready(0xDEADBEEF, 32, 16, 16128, 256, 7300),
+    Waiting("j", "slots", "its window does not fit"),
+    Error("refused"),
+    Error("job 'j' refused: ...", limit="max_jobs"),
+    Error("protocol version 2 unsupported", version=1),
+    Failed((1,), "rank 1 of job 'j' disconnected"),
+    Failed((), "ranks disagree", mismatch=True),
+    Left(),
+    StatusReply(((3, 4, True, 0b101),)),
+    StatsReply({"slots": 256}),
+]
+
+
+@pytest.mark.parametrize("message", REQUESTS, ids=lambda m: type(m).__name__)
+def test_requests_read_back_as_sent(message):
+    line = message.encode()
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert protocol.decode_request(json.loads(line)) == message
+
+
+@pytest.mark.parametrize("message", EVENTS, ids=lambda m: type(m).__name__)
+def test_events_read_back_as_sent(message):
+    assert protocol.decode_event(json.loads(message.encode())) == message
+
+
+def test_the_json_objects_are_those_of_docs_protocol_md():
+    assert Failed((1,), "gone").to_dict() == {"event": "failed", "missing": [1], "reason": "gone"}
+    assert Error("x").to_dict() == {"event": "error", "message": "x"}
+    assert Left().to_dict() == {"event": "left"}
+    assert Leave().to_dict() == {"op": "leave"}
+    assert Join("j", 0, 1, ("h", 1)).to_dict()["version"] == protocol.PROTOCOL_VERSION
+
+
+def test_a_join_without_a_version_is_version_1():
+    join = protocol.decode_request({"op": "join", "job": "j", "rank": 0, "world_size": 1,
+                                    "data_addr": ["h", 1]})
+    assert join.version == 1 == protocol.PROTOCOL_VERSION
+
+
+@pytest.mark.parametrize("msg, error, words", [
+    ({"op": "join", "version": 7, "job": "j"}, protocol.VersionMismatch, "version 7"),
+    ({"op": "join", "job": "j"}, protocol.BadRequest, "needs"),
+    ({"op": "join", "job": "j", "rank": -1, "world_size": 2, "data_addr": ["h", 1]},
+     protocol.BadRequest, "rank -1 is outside"),
+    ({"op": "teleport"}, protocol.UnknownMessage, "unknown control message 'teleport'"),
+    ([], protocol.UnknownMessage, "unknown control message None"),
+])
+def test_bad_requests_name_what_is_wrong(msg, error, words):
+    with pytest.raises(error, match=words):
+        protocol.decode_request(msg)
+
+
+def test_lenient_requests_keep_what_is_sound():
+    abort = protocol.decode_request({"op": "abort", "missing": [1, "2", True, 3]})
+    assert abort == Abort("no progress", (1, 3))
+    query = protocol.decode_request({"op": "status", "slots": [[1, 2], [0.5, 1], [3, -1], 7]})
+    assert query == StatusQuery(((1, 2),))
