@@ -4,6 +4,8 @@
 variable                    meaning                                  default
 ==========================  =======================================  ==========
 SWITCHML_SWITCH             switch control address, host:port        (none)
+                            (one job over several switches:
+                            host:port,host:port)
 SWITCHML_TIMEOUT            seconds without progress before error    30
 SWITCHML_JOB                job name shared by a job's workers       default
 SWITCHML_HOST               bind address of a switch this process    127.0.0.1
@@ -53,6 +55,8 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+
+from .errors import SwitchMLError
 
 DEFAULT_PORT = 7300
 DEFAULT_SLOTS = 256
@@ -110,6 +114,45 @@ def parse_address(address) -> tuple[str, int]:
         if port.isdigit() and host:
             return host.strip("[]"), int(port)
     raise ValueError(f"switch address must be 'host:port' or (host, port), got {address!r}")
+
+
+def _is_pair(address) -> bool:
+    """Whether a 2-sequence is one (host, port) rather than two addresses."""
+    port = address[1]
+    return isinstance(port, int) or (isinstance(port, str) and port.isdigit())
+
+
+def switch_addresses(switch) -> list[tuple[str, int]]:
+    """The switches of a job, in order: ``switch`` as a ``Worker`` takes it.
+
+    One address ("host:port" or (host, port)), several ("a:7300,b:7300", or a list
+    of addresses), or None: ``SWITCHML_SWITCH`` (one address or several, commas
+    between).  Every rank must name the same switches in the same order: part k
+    of every call is summed on switch k.
+    """
+    if switch is None:
+        switch = env("SWITCH", None)
+        if switch is None:
+            raise SwitchMLError("no switch address: pass one or set SWITCHML_SWITCH=host:port "
+                                "(several switches: host:port,host:port)")
+    items: list
+    if isinstance(switch, str):
+        items = [part.strip() for part in switch.split(",")]
+        if "" in items:
+            raise ValueError(f"switch addresses must be 'host:port,host:port', got {switch!r}")
+    elif isinstance(switch, (tuple, list)) and len(switch) == 2 and _is_pair(switch):
+        items = [switch]
+    elif isinstance(switch, (tuple, list)) and switch:
+        items = list(switch)
+    else:
+        raise ValueError("switch address must be 'host:port', (host, port) or a list of "
+                         f"them, got {switch!r}")
+    addresses = [parse_address(item) for item in items]
+    repeated = {a for a in addresses if addresses.count(a) > 1}
+    if repeated:
+        # Two parts of one call would join the same job twice on one switch.
+        raise ValueError(f"switch addresses repeat {sorted(repeated)}: name each switch once")
+    return addresses
 
 
 #: The switch settings a SWITCHML_* variable gives: field -> (variable, type).

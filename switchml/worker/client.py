@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 
@@ -28,15 +29,19 @@ from ..config import (
     DEFAULT_SPARSE_AUTO_UNION,
     DEFAULT_TIMEOUT,
     env,
-    parse_address,
+    switch_addresses,
 )
 from ..errors import SwitchMLError, SwitchMLTimeoutError, SwitchUnreachableError
 from ..netutil import enable_keepalive, enlarge_buffers, forbid_fragmentation, route_mtu
 from ..protocol import Left, StatusReply
 from . import compiled, nonfinite
+from .calls import AllreduceHandle, check_call
 from .control import ControlClient, JobFailed
-from .engine import SUPPORTED_DTYPES, Session
+from .engine import Session
+from .multi import MultiSwitchWorker
 from .sparse import nonzero_blocks
+
+__all__ = ["Worker", "AllreduceHandle"]
 
 log = logging.getLogger("switchml.worker")
 
@@ -48,27 +53,15 @@ IO_SLICE = 0.02
 STATUS_TIMEOUT = 2.0
 
 
-class AllreduceHandle:
-    """What ``allreduce_async`` returns: ``wait()`` gives the result or raises."""
-
-    def __init__(self, future: Future):
-        self._future = future
-
-    def wait(self, timeout: float | None = None) -> np.ndarray:
-        return self._future.result(timeout)
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def add_done_callback(self, fn) -> None:
-        """Call ``fn(handle)`` when the allreduce finishes (on the worker's I/O thread)."""
-        self._future.add_done_callback(lambda _: fn(self))
-
-
 class Worker:
-    """One rank of a job aggregating through a switch.
+    """One rank of a job aggregating through a switch, or through several.
 
     ``switch`` is "host:port" or (host, port); None reads ``SWITCHML_SWITCH``.
+    Several switches ("a:7300,b:7300", a list of addresses, or the same in
+    ``SWITCHML_SWITCH``) make one job over all of them: ``Worker(...)`` then
+    returns a ``multi.MultiSwitchWorker``, which has this class's API and splits
+    each call among one such worker per switch (docs/protocol.md, "One job, K
+    switches").
     ``timeout`` bounds, in seconds, the wait for the other ranks to join and any
     stretch of an allreduce without progress; past it the call raises
     ``SwitchMLTimeoutError`` naming the ranks that did not contribute, and the
@@ -81,14 +74,21 @@ class Worker:
     to end (default ``SWITCHML_WAIT_FOR_SLOTS``, 0: do not wait).
     """
 
+    def __new__(cls, switch=None, rank: int = 0, world_size: int = 1, job: str | None = None,
+                timeout: float | None = None, *, slots: int | None = None,
+                wait_for_slots: float | None = None) -> Any:
+        addresses = switch_addresses(switch)
+        if len(addresses) > 1:
+            # Not an instance of cls, so Python does not run __init__ on it: one
+            # switch keeps exactly this class, and K switches get K of them.
+            return MultiSwitchWorker(addresses, rank, world_size, job, timeout, slots=slots,
+                                     wait_for_slots=wait_for_slots, channel=cls)
+        return super().__new__(cls)
+
     def __init__(self, switch=None, rank: int = 0, world_size: int = 1, job: str | None = None,
                  timeout: float | None = None, *, slots: int | None = None,
                  wait_for_slots: float | None = None):
-        if switch is None:
-            switch = env("SWITCH", None)
-            if switch is None:
-                raise SwitchMLError("no switch address: pass one or set SWITCHML_SWITCH=host:port")
-        self.switch_address = parse_address(switch)
+        (self.switch_address,) = switch_addresses(switch)  # several: __new__ took them
         self.rank = rank
         self.world_size = world_size
         self.job = job if job is not None else env("JOB", "default")
@@ -111,6 +111,8 @@ class Worker:
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
         self._failure: SwitchMLError | None = None
+        #: Set by ``abort`` (any thread); the I/O thread acts on it.
+        self._abort_request: SwitchMLError | None = None
         host, port = self.switch_address
         self._protocol = ControlClient(self.job, rank, world_size, timeout=self.timeout,
                                        wait_for_slots=self.wait_for_slots,
@@ -162,35 +164,8 @@ class Worker:
         the call while the input is still being written, e.g. copied from a GPU: the
         torch backend passes the copy's CUDA event's ``synchronize``.
         """
-        if sparse not in (False, True, "auto"):
-            raise ValueError(f"sparse must be False, True or 'auto', not {sparse!r}")
         bits = self._wire_bits if bits is None else bits
-        if bits not in (16, 32):
-            raise ValueError(f"bits must be 32 or 16, not {bits!r}")
-        src = np.asarray(array)
-        if ready is not None and (src.dtype not in SUPPORTED_DTYPES
-                                  or not src.flags.c_contiguous):
-            # (the copies below would read the array before it is ready)
-            raise ValueError("allreduce_async(ready=...) takes a C-contiguous float32 or "
-                             f"int32 array, not a {'' if src.flags.c_contiguous else 'strided '}"
-                             f"{src.dtype} one")
-        if not src.flags.c_contiguous:
-            # (not np.ascontiguousarray: it turns a 0-d array, a scalar loss, into 1-d)
-            src = src.copy(order="C")
-        if src.dtype not in SUPPORTED_DTYPES and src.dtype != np.float16:
-            raise TypeError(f"switchml sums float32, float16 and int32 arrays, not {src.dtype}")
-        if out is None:
-            out = np.empty_like(src)
-        elif (not isinstance(out, np.ndarray) or out.shape != src.shape or out.dtype != src.dtype
-              or not out.flags.c_contiguous):
-            raise ValueError(f"out must be a C-contiguous array of the input's shape {src.shape} "
-                             f"and dtype {src.dtype}")
-        if bits == 16:
-            if src.dtype == np.int32:
-                raise ValueError("the 16-bit wire carries float arrays, not int32")
-            if sparse is True:
-                raise ValueError("the 16-bit wire is dense: pass sparse=False or 'auto'")
-            sparse = False
+        src, out, sparse = check_call(array, out, sparse, bits, ready)
         narrow = None
         if src.dtype == np.float16:
             # Summed as float32 (float16 values are exact in it) and rounded back to
@@ -221,6 +196,14 @@ class Worker:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def abort(self, error: SwitchMLError) -> None:
+        """Give up on the job, from any thread: the call running and every one queued
+        raise ``error``, and the switch fails the job for every rank and frees its
+        slots.  (A job over several switches aborts its part on the others when one
+        fails.)  Within ``IO_SLICE`` of a running call; ``close`` still leaves."""
+        self._abort_request = error
+        self._wake()
 
     @property
     def counters(self) -> dict:
@@ -318,12 +301,17 @@ class Worker:
                 except queue.Empty:
                     try:
                         self._wait(1.0)
+                        self._honour_abort()
                     except SwitchMLError:
                         pass  # recorded in self._failure; the next call raises it
                     continue
                 if item is None:
                     break
                 src, out, sparse, future, narrow, bits, ready = item
+                try:
+                    self._honour_abort()
+                except SwitchMLError:
+                    pass  # recorded in self._failure
                 if self._failure is not None:
                     future.set_exception(self._failure)
                     continue
@@ -350,6 +338,17 @@ class Worker:
                 self._leave()
         finally:
             sel.close()
+
+    def _honour_abort(self) -> None:
+        """Act on ``abort``: fail the job on the switch (once) and raise its error."""
+        error = self._abort_request
+        if error is None:
+            return
+        if self._failure is None:
+            self._failure = error
+            if self._control_open:
+                self._abort(error)
+        raise self._failure
 
     def _leave(self) -> None:
         """Tell the switch we are done and wait (briefly) until it has taken note."""
@@ -494,6 +493,7 @@ class Worker:
 
         flush()
         while not op.done:
+            self._honour_abort()
             received = 0
             for _ in range(DRAIN_BATCH):
                 try:
@@ -527,6 +527,7 @@ class Worker:
         connection has news, when the call stalled, or every ``IO_SLICE`` seconds."""
         address = self._data_address
         while True:
+            self._honour_abort()
             control_fd = self._control.fileno() if self._control_open else -1
             status = op.run_io(self._udp, address, control_fd, IO_SLICE)
             if status == compiled.IO_DONE:

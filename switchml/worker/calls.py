@@ -1,0 +1,69 @@
+"""What a worker's caller hands in and gets back: checked arguments, a handle.
+
+Shared by ``client.Worker`` (one switch) and ``multi.MultiSwitchWorker`` (one
+job over several switches), so that both accept and refuse the same calls
+before anything is queued.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import numpy as np
+
+from .stream import SUPPORTED_DTYPES
+
+
+class AllreduceHandle:
+    """What ``allreduce_async`` returns: ``wait()`` gives the result or raises."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        return self._future.result(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def add_done_callback(self, fn) -> None:
+        """Call ``fn(handle)`` when the allreduce finishes (on the worker's I/O thread)."""
+        self._future.add_done_callback(lambda _: fn(self))
+
+
+def check_call(array, out, sparse, bits: int, ready) -> tuple[np.ndarray, np.ndarray, object]:
+    """An allreduce's arguments checked: (a C-contiguous input, its output, ``sparse``).
+
+    ``bits`` is the wire already resolved (16 or 32); a 16-bit call is dense, so
+    ``sparse`` comes back False for it.  Raises ValueError or TypeError for a call
+    no rank could run.
+    """
+    if sparse not in (False, True, "auto"):
+        raise ValueError(f"sparse must be False, True or 'auto', not {sparse!r}")
+    if bits not in (16, 32):
+        raise ValueError(f"bits must be 32 or 16, not {bits!r}")
+    src = np.asarray(array)
+    if ready is not None and (src.dtype not in SUPPORTED_DTYPES
+                              or not src.flags.c_contiguous):
+        # (the copies below would read the array before it is ready)
+        raise ValueError("allreduce_async(ready=...) takes a C-contiguous float32 or "
+                         f"int32 array, not a {'' if src.flags.c_contiguous else 'strided '}"
+                         f"{src.dtype} one")
+    if not src.flags.c_contiguous:
+        # (not np.ascontiguousarray: it turns a 0-d array, a scalar loss, into 1-d)
+        src = src.copy(order="C")
+    if src.dtype not in SUPPORTED_DTYPES and src.dtype != np.float16:
+        raise TypeError(f"switchml sums float32, float16 and int32 arrays, not {src.dtype}")
+    if out is None:
+        out = np.empty_like(src)
+    elif (not isinstance(out, np.ndarray) or out.shape != src.shape or out.dtype != src.dtype
+          or not out.flags.c_contiguous):
+        raise ValueError(f"out must be a C-contiguous array of the input's shape {src.shape} "
+                         f"and dtype {src.dtype}")
+    if bits == 16:
+        if src.dtype == np.int32:
+            raise ValueError("the 16-bit wire carries float arrays, not int32")
+        if sparse is True:
+            raise ValueError("the 16-bit wire is dense: pass sparse=False or 'auto'")
+        sparse = False
+    return src, out, sparse

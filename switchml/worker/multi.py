@@ -1,0 +1,275 @@
+"""One job over K switches: ``Worker("a:7300,b:7300", rank, world_size)``.
+
+A job that outgrows one switch process (one core, one link), or a cluster with
+no programmable switch at all, spreads its aggregation over several switches, as
+BytePS spreads its sums over servers.  Every rank joins the same job (same name,
+same ranks) on every switch, one single-switch worker ("channel") each, with its
+own sockets and I/O thread; each call is cut into K contiguous parts, part k
+summed on switch k, all parts at once.  The C engine runs without the GIL, so the
+K channels run in parallel.
+
+The cuts fall on chunk boundaries: a chunk is what one packet carries and what
+one exponent scales (``packet_elements`` values; twice that on the 16-bit wire,
+two values a word; the sparse path's packet is ``lanes`` blocks, the same
+``packet_elements`` values).  Every chunk is quantised on its own, so part k's
+sums are bit for bit those of the same chunks summed on one switch; the
+follow-up exchange of chunks with an inf or NaN (``nonfinite.py``) runs within
+the part, on its switch, over the same whole chunks.  Hence the switches must
+cut the same packets: a job whose switches disagree on ``packet_elements`` or
+``block_elements`` is refused at join, naming both.
+
+Parts are as even as whole chunks allow: their sizes differ by at most one
+packet, and each worker sends S/K bytes to each switch, S in all.  A call of
+fewer chunks than switches uses the first ones only.  ``sparse="auto"`` is
+decided per part, by the channel that carries it (the part's own density, a
+tiny allreduce on its switch): the results are bit-identical either way.
+
+Failures: a part that fails (its switch gone, a stalled or mismatched call)
+fails the call, and the worker aborts the job on every other switch at once, so
+each frees the job's slots (and the other ranks' parts there fail too, relaying
+this rank's error).  The call raises the most telling of its parts' errors,
+naming the switch and the part: a mismatch, else an unreachable switch, else the
+first in time (a timeout on one switch may only relay another rank's giving up
+over a dead switch); every later call raises it again.  A job formed again (new
+workers) on the switches left works.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+import numpy as np
+
+from ..config import env
+from ..errors import CallMismatchError, JoinRefusedError, SwitchMLError, SwitchUnreachableError
+from .calls import AllreduceHandle, check_call
+
+__all__ = ["MultiSwitchWorker", "part_bounds"]
+
+
+def part_bounds(size: int, unit: int, parts: int) -> list[tuple[int, int]]:
+    """[start, stop) of each of ``parts`` parts of ``size`` values cut at multiples of
+    ``unit``: chunk counts differ by at most one (the first parts take the extra
+    chunks; the last non-empty one ends with the array's partial chunk)."""
+    chunks = -(-size // unit)
+    bounds = []
+    first = 0
+    for k in range(parts):
+        last = first + chunks // parts + (k < chunks % parts)
+        bounds.append((min(first * unit, size), min(last * unit, size)))
+        first = last
+    return bounds
+
+
+class MultiSwitchWorker:
+    """One rank of a job over several switches, with ``client.Worker``'s API.
+
+    ``Worker(addresses, ...)`` makes it; ``channel`` is the single-switch worker
+    class, one per address.  What other code reads:
+
+    * ``counters``: the channels' counters summed (packets, bytes, retransmissions
+      over all switches); ``channels[k].counters`` per switch;
+    * ``session``: the first switch's (``packet_elements``, ``block_elements`` and
+      ``lanes`` are every switch's, checked at join); ``sessions``: all of them;
+    * ``switch_address``: the first switch's; ``switch_addresses``: all, in part order;
+    * ``rank``, ``world_size``, ``job``, ``timeout``: as given, the same on every switch.
+    """
+
+    def __init__(self, addresses, rank: int, world_size: int, job: str | None = None,
+                 timeout: float | None = None, *, slots: int | None = None,
+                 wait_for_slots: float | None = None, channel):
+        self.switch_addresses: list[tuple[str, int]] = list(addresses)
+        self.switch_address = self.switch_addresses[0]
+        self.rank = rank
+        self.world_size = world_size
+        self.channels: list = []
+        try:
+            # In the same order on every rank: each join waits for every rank.
+            for address in self.switch_addresses:
+                self.channels.append(channel(address, rank, world_size, job, timeout,
+                                             slots=slots, wait_for_slots=wait_for_slots))
+            self._check_geometry()
+        except BaseException:
+            for joined in self.channels:
+                joined.close()  # leaving: the job's slots on it are freed
+            raise
+        first = self.channels[0]
+        self.job = first.job
+        self.timeout = first.timeout
+        self.wait_for_slots = first.wait_for_slots
+        self._wire_bits = env("WIRE_BITS", 32, int)  # checked by the channels
+        self._lock = threading.Lock()
+        self._failure: SwitchMLError | None = None
+        self._closed = False
+
+    def _check_geometry(self) -> None:
+        """Bit-identical to one switch only if every switch cuts the same chunks."""
+        def geometry(k):
+            s = self.channels[k].session
+            return s.packet_elements, s.block_elements
+
+        for k in range(1, len(self.channels)):
+            if geometry(k) != geometry(0):
+                (p0, b0), (pk, bk) = geometry(0), geometry(k)
+                raise JoinRefusedError(
+                    f"job '{self.channels[0].job}': the switches cut different packets: "
+                    f"{self._name(0)} gives packet_elements={p0}, block_elements={b0}, "
+                    f"{self._name(k)} packet_elements={pk}, block_elements={bk}; a job over "
+                    "several switches needs them alike (start the switches with the same "
+                    "--packet-elements and --block-elements, on paths of the same MTU)")
+
+    def _name(self, k: int) -> str:
+        host, port = self.switch_addresses[k]
+        return f"the switch at {host}:{port}"
+
+    # -------------------------------------------------------------- public API
+    def allreduce(self, array, out=None, sparse=False, bits=None) -> np.ndarray:
+        """``client.Worker.allreduce``, over every switch: the same result, bit for bit."""
+        return self.allreduce_async(array, out, sparse, bits).wait()
+
+    def allreduce_async(self, array, out=None, sparse=False, bits=None,
+                        ready=None) -> AllreduceHandle:
+        """``client.Worker.allreduce_async``: part k of the call queued on switch k.
+
+        ``ready`` is called by each channel before it reads its part."""
+        bits = self._wire_bits if bits is None else bits
+        src, out, sparse = check_call(array, out, sparse, bits, ready)
+        if self._closed:
+            raise SwitchMLError("this worker is closed")
+        future: Future = Future()
+        if self._failure is not None:
+            future.set_exception(self._failure)
+            return AllreduceHandle(future)
+        unit = self.session.packet_elements * (2 if bits == 16 else 1)
+        flat_src, flat_out = src.reshape(-1), out.reshape(-1)
+        parts = [(k, start, stop) for k, (start, stop)
+                 in enumerate(part_bounds(src.size, unit, len(self.channels)))
+                 if stop > start]
+        if not parts:  # an empty array: nothing to sum, as on one switch
+            future.set_result(out)
+            return AllreduceHandle(future)
+        gather = _Gather(self, future, out, src.size, len(parts))
+        for k, start, stop in parts:
+            handle = self.channels[k].allreduce_async(flat_src[start:stop], flat_out[start:stop],
+                                                      sparse, bits, ready)
+            handle.add_done_callback(
+                lambda h, k=k, start=start, stop=stop: gather.part_done(h, k, start, stop))
+        return AllreduceHandle(future)
+
+    def close(self) -> None:
+        """Leave the job on every switch (after queued allreduces finish)."""
+        if self._closed:
+            return
+        self._closed = True
+        for channel in self.channels:
+            channel.close()
+
+    def __enter__(self) -> MultiSwitchWorker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def counters(self) -> dict:
+        """Every channel's counters, summed."""
+        total: dict = {}
+        for channel in self.channels:
+            for name, value in channel.counters.items():
+                total[name] = total.get(name, 0) + value
+        return total
+
+    @property
+    def session(self):
+        return self.channels[0].session
+
+    @property
+    def sessions(self) -> list:
+        return [channel.session for channel in self.channels]
+
+    # -------------------------------------------------------------- failures
+    def _part_error(self, error: BaseException, k: int, start: int, stop: int,
+                    size: int) -> BaseException:
+        """``error`` of part k, of the same type, its message naming the switch and
+        the part (once: the same error raised again by later calls stays as it is)."""
+        if not isinstance(error, SwitchMLError) or getattr(error, "_switchml_part", False):
+            return error  # a bug's exception, or named already (an abort's error)
+        named = getattr(error, "_switchml_named", None)
+        if named is not None:  # the same error raised again by a later call
+            return named
+        where = self._name(k)
+        host, port = self.switch_addresses[k]
+        part = (f"part {k + 1} of {len(self.channels)}: elements {start} to {stop - 1} of "
+                f"{size}")
+        suffix = f" ({part})" if f"{host}:{port}" in str(error) else f" (on {where}, {part})"
+        named = error.__class__.__new__(error.__class__)
+        named.__dict__.update(error.__dict__)
+        named.args = (f"{error}{suffix}",)
+        named.__cause__ = error
+        named._switchml_part = True  # type: ignore[attr-defined]
+        error._switchml_named = named  # type: ignore[attr-defined]
+        return named
+
+    def _fail(self, error: SwitchMLError, origin: int) -> None:
+        """The job is over: abort it on every switch but the one that failed it."""
+        with self._lock:
+            if self._failure is not None:
+                return
+            self._failure = error
+        for k, channel in enumerate(self.channels):
+            if k != origin:
+                channel.abort(error)
+
+    def _settle(self, error: BaseException) -> None:
+        """A call's chosen error: later calls raise it, if it tells more than the first."""
+        with self._lock:
+            if (isinstance(error, SwitchMLError)
+                    and telling(error) > telling(self._failure)):
+                self._failure = error
+
+
+def telling(error: BaseException | None) -> int:
+    """How directly an error names what went wrong; relays of it rank lowest."""
+    if isinstance(error, CallMismatchError):
+        return 3
+    if isinstance(error, SwitchUnreachableError):
+        return 2
+    return 0 if error is None else 1
+
+
+class _Gather:
+    """One call's parts: the call completes when every part has; its error is the
+    most ``telling`` of its parts' errors, the first in time among equals."""
+
+    def __init__(self, worker: MultiSwitchWorker, future: Future, out: np.ndarray, size: int,
+                 parts: int):
+        self._worker = worker
+        self._future = future
+        self._out = out
+        self._size = size
+        self._pending = parts
+        self._errors: list[BaseException] = []  # in the order the parts failed
+        self._lock = threading.Lock()
+
+    def part_done(self, handle: AllreduceHandle, k: int, start: int, stop: int) -> None:
+        """On part k's channel thread, once its part finished."""
+        try:
+            handle.wait(0)
+            failure = None
+        except BaseException as exc:  # the part's error, passed on to the caller
+            failure = self._worker._part_error(exc, k, start, stop, self._size)
+        with self._lock:
+            if failure is not None:
+                self._errors.append(failure)
+            self._pending -= 1
+            last = self._pending == 0
+        if isinstance(failure, SwitchMLError):
+            self._worker._fail(failure, k)  # (the first failure only aborts)
+        if last:
+            if self._errors:
+                error = max(self._errors, key=telling)  # the first of the most telling
+                self._worker._settle(error)
+                self._future.set_exception(error)
+            else:
+                self._future.set_result(self._out)

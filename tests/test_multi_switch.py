@@ -1,0 +1,398 @@
+"""One job over K switches (issue 15, parts 1 and 4): real switches on loopback.
+
+The same inputs summed through one switch and through two and three must give the
+same bytes on every rank: a part cut anywhere but at a chunk boundary changes the
+exponents of the chunks it splits (the inputs below have spikes where a misplaced
+cut would show), a part summed on the wrong switch or not at all changes values.
+"""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import run_ranks
+
+import switchml
+from switchml.config import switch_addresses
+from switchml.switch.process import SwitchProcess
+from switchml.worker.multi import MultiSwitchWorker, part_bounds
+
+PACKET, BLOCK = 256, 64  # 4 lanes a packet: the sparse path fuses blocks
+SLOTS, SLOTS_PER_JOB = 64, 16
+TIMEOUT = 2.0
+
+
+def make_switch(**settings):
+    settings = {"packet_elements": PACKET, "block_elements": BLOCK, "slots": SLOTS,
+                "slots_per_job": SLOTS_PER_JOB, **settings}
+    return switchml.Switch(**settings).start()
+
+
+@pytest.fixture
+def switches():
+    started = [make_switch() for _ in range(3)]
+    try:
+        yield started
+    finally:
+        for sw in started:
+            sw.stop()
+
+
+def address(sw) -> str:
+    return "%s:%d" % sw.address
+
+
+_jobs = iter(range(10**6))
+
+
+def run_job(addresses, inputs, timeout=10.0, **call):
+    """Each rank's result of one allreduce of its input over ``addresses``, and the
+    rank-0 worker's per-switch bytes sent."""
+    job = f"job-{next(_jobs)}"
+
+    def body(rank):
+        with switchml.Worker(addresses, rank, len(inputs), job=job, timeout=timeout) as w:
+            result = w.allreduce(inputs[rank], **call)
+            sent = ([c.counters["bytes_sent"] for c in w.channels]
+                    if isinstance(w, MultiSwitchWorker) else [w.counters["bytes_sent"]])
+            return result, sent
+
+    results = run_ranks(len(inputs), body)
+    return [r for r, _ in results], results[0][1]
+
+
+def spiky(rng, size, dtype=np.float32):
+    """Values of many magnitudes, with a spike every few hundred elements: chunks of
+    different exponents, so where a chunk begins matters."""
+    values = rng.standard_normal(size) * np.exp(rng.uniform(-8, 8, size))
+    values[rng.integers(0, size, max(1, size // 300))] *= 1e4
+    return values.astype(dtype)
+
+
+def assert_same_bytes(results, expected):
+    for rank, result in enumerate(results):
+        assert result.dtype == expected.dtype and result.shape == expected.shape
+        assert result.tobytes() == expected.tobytes(), f"rank {rank} differs"
+
+
+def assert_like_one_switch(switches, inputs, **call):
+    """Through 1, 2 and 3 switches: the same bytes on every rank."""
+    one, _ = run_job(address(switches[0]), inputs, **call)
+    assert_same_bytes(one, one[0])
+    for k in (2, 3):
+        addresses = [address(sw) for sw in switches[:k]]
+        many, sent = run_job(addresses, inputs, **call)
+        assert_same_bytes(many, one[0])
+        assert all(s > 0 for s in sent), sent  # every switch carried a part
+
+
+# ------------------------------------------------------------------ addresses, cuts
+def test_addresses_one_or_several():
+    assert switch_addresses("a:1") == [("a", 1)]
+    assert switch_addresses(("a", 1)) == [("a", 1)]
+    assert switch_addresses(["a", "1"]) == [("a", 1)]  # (host, port), not two addresses
+    assert switch_addresses("a:1, b:2") == [("a", 1), ("b", 2)]
+    assert switch_addresses(["a:1", "b:2"]) == [("a", 1), ("b", 2)]
+    assert switch_addresses([("a", 1), "b:2", ("c", 3)]) == [("a", 1), ("b", 2), ("c", 3)]
+    for bad in ("a:1,", "a:1,,b:2", [], "a:1,a:1", ["a:1", "nope"]):
+        with pytest.raises(ValueError):
+            switch_addresses(bad)
+
+
+def test_addresses_from_the_environment(monkeypatch):
+    monkeypatch.setenv("SWITCHML_SWITCH", "a:1,b:2")
+    assert switch_addresses(None) == [("a", 1), ("b", 2)]
+    monkeypatch.delenv("SWITCHML_SWITCH")
+    with pytest.raises(switchml.SwitchMLError, match="SWITCHML_SWITCH"):
+        switch_addresses(None)
+
+
+@pytest.mark.parametrize("size", [0, 1, 255, 256, 257, 1000, 10 * 256, 10 * 256 + 1, 99_999])
+@pytest.mark.parametrize("parts", [1, 2, 3, 4])
+def test_parts_are_whole_chunks_in_order_and_even(size, parts):
+    unit = 256
+    bounds = part_bounds(size, unit, parts)
+    assert len(bounds) == parts
+    assert bounds[0][0] == 0 and bounds[-1][1] == size
+    for (_, stop), (start, _) in zip(bounds, bounds[1:]):
+        assert stop == start  # contiguous, in order
+    for start, stop in bounds:
+        assert start % unit == 0 or start == stop == size  # (an empty part at the end)
+        assert stop % unit == 0 or stop == size
+    chunks = [-(-(stop - start) // unit) for start, stop in bounds]
+    assert max(chunks) - min(chunks) <= 1  # within one packet of equal
+
+
+# ------------------------------------------------------------------ bit for bit
+def test_dense_float32_is_bit_identical_to_one_switch(switches):
+    rng = np.random.default_rng(1)
+    inputs = [spiky(rng, 25_000 + 37) for _ in range(3)]
+    assert_like_one_switch(switches, inputs)
+
+
+def test_int32_is_bit_identical_to_one_switch(switches):
+    rng = np.random.default_rng(2)
+    inputs = [rng.integers(-2**31, 2**31, 9_999, dtype=np.int64).astype(np.int32)
+              for _ in range(3)]
+    assert_like_one_switch(switches, inputs)
+
+
+@pytest.mark.parametrize("sparse", [True, "auto"])
+def test_sparse_is_bit_identical_to_one_switch(switches, sparse, monkeypatch):
+    # "auto" decides per part; 4-lane packets take the sparse path only when let
+    monkeypatch.setenv("SWITCHML_SPARSE_AUTO_MIN_LANES", "1")
+    rng = np.random.default_rng(3)
+    inputs = []
+    for _ in range(3):
+        x = spiky(rng, 40_000 + 5)
+        blocks = -(-x.size // BLOCK)
+        zero = np.repeat(rng.random(blocks) > 0.05, BLOCK)[: x.size]  # 5% of blocks live
+        x[zero] = 0
+        inputs.append(x)
+    assert_like_one_switch(switches, inputs, sparse=sparse)
+    # and the dense path's bytes too
+    dense, dense_sent = run_job([address(sw) for sw in switches], inputs)
+    sparse_many, sparse_sent = run_job([address(sw) for sw in switches], inputs, sparse=sparse)
+    assert_same_bytes(sparse_many, dense[0])
+    for k in range(3):  # every part went sparse: a fraction of the dense bytes
+        assert sparse_sent[k] < dense_sent[k] / 2, (sparse_sent, dense_sent)
+
+
+def test_16_bit_wire_is_bit_identical_to_one_switch(switches):
+    """Its chunk is two packets' worth of values: cut at 256, it would differ."""
+    rng = np.random.default_rng(4)
+    inputs = [spiky(rng, 20_000 + 3) for _ in range(3)]
+    assert_like_one_switch(switches, inputs, bits=16)
+
+
+def test_float16_is_bit_identical_to_one_switch(switches):
+    rng = np.random.default_rng(5)
+    inputs = [(rng.standard_normal(12_345) * 100).astype(np.float16) for _ in range(3)]
+    assert_like_one_switch(switches, inputs)
+    assert_like_one_switch(switches, inputs, bits=16)
+
+
+def test_inf_and_nan_are_bit_identical_to_one_switch(switches):
+    """The follow-up exchange runs within each part, on its own switch."""
+    rng = np.random.default_rng(6)
+    size = 30_000
+    inputs = [spiky(rng, size) for _ in range(3)]
+    inputs[0][[5, 9_000, 29_999]] = np.inf  # in the first, middle and last parts
+    inputs[1][[5, 20_100]] = -np.inf         # +inf and -inf: NaN
+    inputs[2][[9_001, 15_000]] = np.nan
+    assert_like_one_switch(switches, inputs)
+    result, _ = run_job([address(sw) for sw in switches], inputs)
+    assert np.isnan(result[0][5]) and result[0][9_000] == np.inf
+    assert result[0][20_100] == -np.inf and np.isnan(result[0][15_000])
+    assert_like_one_switch(switches, inputs, bits=16)
+
+
+def test_in_place_shapes_scalars_and_async_calls(switches):
+    """2-d and 0-d arrays, out= the input, several calls in flight: as on one switch."""
+    addresses = ",".join(address(sw) for sw in switches)
+    rng = np.random.default_rng(7)
+    inputs = [(spiky(rng, 3_000).reshape(50, 60), np.float32(rank + 0.5)) for rank in range(2)]
+
+    def body(rank, where):
+        matrix, scalar = inputs[rank]
+        with switchml.Worker(where, rank, 2, job=f"shapes-{len(where)}", timeout=10) as w:
+            inplace = matrix.copy()
+            handles = [w.allreduce_async(inplace, out=inplace),
+                       w.allreduce_async(np.array(scalar)),
+                       w.allreduce_async(matrix.T)]  # strided: copied first
+            return [h.wait() for h in handles]
+
+    one = run_ranks(2, lambda rank: body(rank, address(switches[0])))
+    many = run_ranks(2, lambda rank: body(rank, addresses))
+    for a, b in zip(one[0], many[1]):
+        assert_same_bytes([b], a)
+    assert many[0][1].shape == () and many[0][1] == np.float32(2.0)
+
+
+def test_a_small_call_uses_the_first_switches_only(switches):
+    """One chunk, three switches: switch 0 carries it, the others see nothing."""
+    inputs = [np.full(100, rank, np.float32) for rank in range(2)]
+    result, sent = run_job([address(sw) for sw in switches], inputs)
+    assert_same_bytes(result, np.full(100, 1, np.float32))
+    assert sent[0] > 0 and sent[1:] == [0, 0]
+
+
+def test_bytes_per_switch_are_even(switches):
+    """Each switch gets S/K: within one packet, retransmissions aside."""
+    inputs = [np.ones(10 * PACKET * 3, np.int32) for _ in range(2)]
+    addresses = [address(sw) for sw in switches]
+    _, sent = run_job(addresses, inputs)
+    assert max(sent) == min(sent), sent  # ten full packets each, int32: no seeds
+    for sw in switches:
+        assert sum(j["counters"]["packets_in"] for j in sw.stats()["ended_jobs"].values()) > 0
+
+
+def test_workers_read_as_one_worker(switches):
+    """What bench/, examples/ and the torch backend read from a worker."""
+    addresses = [address(sw) for sw in switches[:2]]
+
+    def body(rank):
+        with switchml.Worker(addresses, rank, 2, job="attrs", timeout=7) as w:
+            w.allreduce(np.ones(4 * PACKET, np.float32))
+            per_switch = [c.counters for c in w.channels]
+            return (w.rank, w.world_size, w.timeout, w.job, w.switch_address,
+                    w.switch_addresses, w.session.packet_elements, w.session.block_elements,
+                    w.session.lanes, w.counters, per_switch)
+
+    for rank, out in enumerate(run_ranks(2, body)):
+        (r, world, timeout, job, first, every, packet, block, lanes, counters, parts) = out
+        assert (r, world, timeout, job) == (rank, 2, 7.0, "attrs")
+        assert first == switches[0].address and every == [sw.address for sw in switches[:2]]
+        assert (packet, block, lanes) == (PACKET, BLOCK, PACKET // BLOCK)
+        assert counters["results_in"] == sum(p["results_in"] for p in parts) > 0
+        assert all(p["results_in"] > 0 for p in parts)
+
+
+def test_switches_cutting_different_packets_are_refused_naming_both(switches):
+    other = make_switch(packet_elements=512)
+    try:
+        addresses = [address(switches[0]), address(other)]
+
+        def body(rank):
+            with pytest.raises(switchml.JoinRefusedError) as info:
+                switchml.Worker(addresses, rank, 2, job="geometry", timeout=5)
+            return str(info.value)
+
+        for message in run_ranks(2, body):
+            assert address(switches[0]) in message and address(other) in message
+            assert "packet_elements=256" in message and "packet_elements=512" in message
+        for sw in (switches[0], other):  # both left: nothing held
+            assert wait_for(lambda sw=sw: sw.stats()["free_slots"] == SLOTS)
+            assert sw.stats()["admission"]["running"] == 0
+    finally:
+        other.stop()
+
+
+def test_ranks_that_disagree_fail_on_every_rank_naming_the_switch(switches):
+    """Rank 1 sums one more element (the same 12 chunks): only the last part's switch
+    sees the mismatch; the job fails on every switch, and the error says which switch
+    and which part, on both ranks."""
+    addresses = [address(sw) for sw in switches]
+
+    def body(rank):
+        with switchml.Worker(addresses, rank, 2, job="mismatch", timeout=TIMEOUT) as w:
+            with pytest.raises(switchml.SwitchMLError) as info:
+                w.allreduce(np.ones(3 * 4 * PACKET - 10 + rank, np.float32))
+            with pytest.raises(switchml.SwitchMLError):  # the worker stays failed
+                w.allreduce(np.ones(10, np.float32))
+            return info.value
+
+    for error in run_ranks(2, body):
+        assert isinstance(error, switchml.CallMismatchError), error
+        assert address(switches[2]) in str(error) and "part 3 of 3" in str(error)
+    for sw in switches:
+        assert wait_for(lambda sw=sw: sw.stats()["free_slots"] == SLOTS)
+
+
+# ------------------------------------------------------------------ a switch dies
+def wait_for(condition, seconds=5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_a_switch_killed_mid_call_fails_every_rank_naming_it_and_frees_the_others():
+    """Three switches, the middle one a process killed (SIGKILL) while rank 0's call
+    is in flight (rank 1 holds back its contribution): both ranks raise naming it
+    within the timeout, the other two switches free the job's slots, and the job
+    formed again on those two sums."""
+    survivors = [make_switch(), make_switch()]
+    victim = SwitchProcess(packet_elements=PACKET, block_elements=BLOCK, slots=SLOTS,
+                           slots_per_job=SLOTS_PER_JOB).start()
+    try:
+        dead = "%s:%d" % victim.address
+        addresses = [address(survivors[0]), dead, address(survivors[1])]
+        killed = threading.Event()
+        both_done = threading.Barrier(2)
+        size = 3 * 8 * PACKET
+
+        def body(rank):
+            with switchml.Worker(addresses, rank, 2, job="victim", timeout=TIMEOUT) as w:
+                w.allreduce(np.ones(size, np.float32))  # every switch works
+                both_done.wait(10)
+                start = time.monotonic()
+                if rank == 0:
+                    handle = w.allreduce_async(np.ones(size, np.float32))
+                    time.sleep(0.2)  # in flight: waiting for rank 1
+                    os.kill(victim._proc.pid, signal.SIGKILL)
+                    killed.set()
+                else:
+                    assert killed.wait(10)
+                    time.sleep(0.1)
+                    handle = w.allreduce_async(np.ones(size, np.float32))
+                with pytest.raises(switchml.SwitchMLError) as info:
+                    handle.wait()
+                elapsed = time.monotonic() - start
+                # still in the job: the worker itself made the other switches let go
+                freed = all(wait_for(lambda sw=sw: sw.stats()["free_slots"] == SLOTS)
+                            for sw in survivors)
+                return info.value, elapsed, freed
+
+        for error, elapsed, freed in run_ranks(2, body):
+            assert dead in str(error), error
+            assert isinstance(error, (switchml.SwitchUnreachableError,
+                                      switchml.SwitchMLTimeoutError)), error
+            assert elapsed < TIMEOUT + 1.0
+            assert freed
+        for sw in survivors:
+            assert wait_for(lambda sw=sw: sw.stats()["free_slots"] == SLOTS), sw.stats()
+            assert sw.stats()["admission"]["running"] == 0
+            assert sw.stats()["counters"]["jobs_failed"] == 1  # aborted, not left hanging
+        # the job formed again on the switches left
+        rng = np.random.default_rng(8)
+        inputs = [spiky(rng, 5_000) for _ in range(2)]
+        again, _ = run_job([address(sw) for sw in survivors], inputs)
+        one, _ = run_job(address(survivors[0]), inputs)
+        assert_same_bytes(again, one[0])
+    finally:
+        victim.stop()
+        for sw in survivors:
+            sw.stop()
+
+
+def test_a_switch_gone_between_calls_fails_the_next_call_naming_it(switches):
+    addresses = [address(sw) for sw in switches]
+    both_done = threading.Barrier(2)
+
+    def body(rank):
+        with switchml.Worker(addresses, rank, 2, job="gone", timeout=TIMEOUT) as w:
+            w.allreduce(np.ones(10 * PACKET, np.int32))
+            both_done.wait(10)
+            if rank == 0:
+                switches[2].stop()
+            time.sleep(0.3)
+            start = time.monotonic()
+            with pytest.raises(switchml.SwitchMLError) as info:
+                w.allreduce(np.ones(10 * PACKET, np.int32))
+            elapsed = time.monotonic() - start
+            freed = all(wait_for(lambda sw=sw: sw.stats()["free_slots"] == SLOTS)
+                        for sw in switches[:2])
+            return info.value, elapsed, freed
+
+    for error, elapsed, freed in run_ranks(2, body):
+        assert isinstance(error, switchml.SwitchUnreachableError), error
+        assert address(switches[2]) in str(error), error
+        assert elapsed < TIMEOUT + 1.0
+        assert freed  # before the workers closed
+
+
+def test_an_unreachable_switch_at_join_names_it_and_leaves_the_others(switches):
+    with switchml.Switch() as gone:
+        dead = address(gone)
+    addresses = [address(switches[0]), dead]
+
+    with pytest.raises(switchml.SwitchUnreachableError, match=dead):
+        switchml.Worker(addresses, 0, 1, job="unreachable", timeout=2)
+    assert switches[0].stats()["free_slots"] == SLOTS
+    assert switches[0].stats()["admission"]["running"] == 0
