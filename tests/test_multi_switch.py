@@ -396,3 +396,41 @@ def test_an_unreachable_switch_at_join_names_it_and_leaves_the_others(switches):
         switchml.Worker(addresses, 0, 1, job="unreachable", timeout=2)
     assert switches[0].stats()["free_slots"] == SLOTS
     assert switches[0].stats()["admission"]["running"] == 0
+
+
+@pytest.mark.parametrize("engine", ["c", "python"])
+def test_abort_from_another_thread_fails_the_call_and_frees_the_slots(switches, engine,
+                                                                      monkeypatch):
+    """``Worker.abort``, what a job over several switches does to the others: the call
+    in flight (stalled on rank 1, which never calls) raises the error at once, not
+    after the timeout; the switch fails the job for rank 1 too and frees its slots."""
+    if engine == "python":
+        monkeypatch.setenv("SWITCHML_PURE_PYTHON", "1")
+    sw = switches[0]
+    given_up = switchml.SwitchUnreachableError("the switch at elsewhere:1 went away")
+
+    def body(rank):
+        with switchml.Worker(address(sw), rank, 2, job="abort", timeout=30) as w:
+            start = time.monotonic()
+            if rank == 0:
+                handle = w.allreduce_async(np.ones(50 * PACKET, np.float32))
+                time.sleep(0.3)
+                w.abort(given_up)
+                with pytest.raises(switchml.SwitchMLError) as info:
+                    handle.wait()
+                with pytest.raises(switchml.SwitchMLError):  # and every later call
+                    w.allreduce(np.ones(10, np.float32))
+            else:  # never calls; learns of the failure from the switch, between calls
+                assert wait_for(lambda: w._failure is not None, 10)
+                elapsed = time.monotonic() - start
+                with pytest.raises(switchml.SwitchMLError) as info:
+                    w.allreduce(np.ones(10, np.float32))
+                return info.value, elapsed
+            return info.value, time.monotonic() - start
+
+    (mine, elapsed), (theirs, their_elapsed) = run_ranks(2, body)
+    assert mine is given_up and elapsed < 1.0
+    assert isinstance(theirs, switchml.SwitchMLTimeoutError) and "rank 0" in str(theirs)
+    assert "elsewhere:1" in str(theirs) and their_elapsed < 2.0
+    assert wait_for(lambda: sw.stats()["free_slots"] == SLOTS)
+    assert sw.stats()["counters"]["jobs_failed"] == 1

@@ -100,6 +100,24 @@ def test_names_fit_linux_interface_names_and_prefixes_are_checked():
         Testbed(hosts=300)  # more hosts than a /24 has addresses
 
 
+def test_switch_servers_are_named_and_addressed_below_the_bridge():
+    tb = Testbed(hosts=4, switches=2, prefix="abcdefgh", subnet="10.9.0.0/24")
+    assert tb.nodes == [0, 1, 2, 3, "s0", "s1"]
+    assert (tb.server_address(0), tb.server_address(1)) == ("10.9.0.253", "10.9.0.252")
+    assert tb.namespace("s1") == "abcdefgh-s1" and tb.ifname("s1") == "abcdefgh-s1"
+    assert max(len(tb.port("s1")), len(tb.ifname("s1"))) <= 15
+    # workers find the one job spread over both servers' switches
+    assert tb.switch == "10.9.0.253:7300,10.9.0.252:7300" == tb.env(3)["SWITCHML_SWITCH"]
+    assert tb.env("s1") == {"SWITCHML_HOST": "10.9.0.252", "SWITCHML_PORT": "7300"}
+    with pytest.raises(ValueError, match="s0..s1"):
+        tb.namespace("s2")
+    assert Testbed(hosts=4, prefix="abc").switch.count(",") == 0  # the bridge, by default
+    with pytest.raises(ValueError, match="no switch servers"):
+        Testbed(hosts=4, prefix="abc").namespace("s0")
+    with pytest.raises(ValueError, match="switches"):
+        Testbed(hosts=252, switches=2, subnet="10.9.0.0/24")  # no addresses left
+
+
 def test_not_root_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(NotRootError, match="needs root"):
@@ -541,3 +559,64 @@ def test_every_packet_is_one_frame_whatever_the_switchs_packet_limit(tmp_path, p
             assert counters["results_out"] > 0 and not counters.get("send_errors")
             assert not counters.get("send_fragmented")
             assert [fragments_made(tb, w) for w in ("switch", 0, 1)] == before
+
+
+@needs_root
+def test_a_job_runs_over_two_switch_servers_behind_links_of_their_own(tmp_path):
+    """Issue 15, part 2: two switch processes in server namespaces, each behind a
+    shaped link like a host's; one job of two hosts over both: the sums one switch
+    gives, and each server's link carried about half of every host's bytes."""
+    size = 100_003
+    with Testbed(hosts=2, link="200mbit", switches=2, prefix=prefix("k")) as tb:
+        for k in range(2):
+            server = f"s{k}"
+            sw = tb.popen(server, [sys.executable, "-m", "switchml.cli", "switch", "--host",
+                                   tb.address(server), "--port", "7300", "--packet-elements",
+                                   str(PACKET), "--slots", "64", "--log-level", "warning"],
+                          stdout=subprocess.PIPE, text=True, cwd=ROOT)
+            assert "listening on" in sw.stdout.readline()
+        before = {node: tb.link_counters(node) for node in tb.nodes}
+        results, counters = run_workers(tb, 2, size, "float32", tmp_path)
+        after = {node: tb.link_counters(node) for node in tb.nodes}
+        for got in results:
+            assert got.tobytes() == expected(2, size, "float32").tobytes()
+        assert all(c["results_in"] > 0 for c in counters)
+    tensor = size * 4
+    for host in (0, 1):  # S up and S down through each host's own link
+        assert after[host]["tx_bytes"] - before[host]["tx_bytes"] >= tensor
+        assert after[host]["rx_bytes"] - before[host]["rx_bytes"] >= tensor
+    for server in ("s0", "s1"):  # n·S/K in and out of each server, within a packet
+        received = after[server]["rx_bytes"] - before[server]["rx_bytes"]
+        sent = after[server]["tx_bytes"] - before[server]["tx_bytes"]
+        assert 0.9 * tensor <= received <= 1.3 * tensor, received
+        assert 0.9 * tensor <= sent <= 1.3 * tensor, sent
+
+
+@needs_root
+def test_cli_up_with_switch_servers_runs_a_job_over_them():
+    p = prefix("l")
+    try:
+        up = subprocess.run(CLI + ["testbed", "up", "--prefix", p, "--hosts", "1", "--link",
+                                   "100mbit", "--switches", "2", "--switch"],
+                            capture_output=True, text=True, timeout=60)
+        assert up.returncode == 0, up.stderr
+        assert f"namespace {p}-s1" in up.stdout and "(switch running)" in up.stdout
+        code = ("import numpy as np, switchml; "
+                "w = switchml.Worker(None, 0, 1, job='cli'); "
+                "print(len(w.channels), int(w.allreduce(np.arange(50000, dtype=np.int32))"
+                ".sum())); w.close()")
+        run = subprocess.run(CLI + ["testbed", "run", "--prefix", p, "0", "--",
+                                    sys.executable, "-c", code], capture_output=True,
+                             text=True, timeout=60)
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.split() == ["2", str(sum(range(50000)))]
+        status = subprocess.run(CLI + ["testbed", "status", "--prefix", p],
+                                capture_output=True, text=True, timeout=30)
+        assert "server 1: sent" in status.stdout
+    finally:
+        down = subprocess.run(CLI + ["testbed", "down", "--prefix", p], capture_output=True,
+                              text=True, timeout=30)
+    assert down.returncode == 0, down.stderr
+    assert_gone(p)
+    records = os.listdir("/run/switchml-testbed") if os.path.isdir("/run/switchml-testbed") else []
+    assert not [f for f in records if f.startswith(p + "-")]  # the servers' switch logs

@@ -161,3 +161,32 @@ def test_cuda_tensors_are_staged_through_host_memory():
         assert out == {"sum": 3.0, "device": "cuda", "avg": 1.5,
                        "switch_results": out["switch_results"]}
         assert out["switch_results"] > 0
+
+
+@pytest.mark.parametrize("scenario", ["ddp", "hook"])
+def test_a_job_over_two_switches_trains_bit_for_bit_as_over_one(scenario):
+    """SWITCHML_SWITCH=a,b through the backend's _connect and through HookState: the
+    same weights as the same job through switch a alone, and both switches summed
+    (packets of 128 values: the model's 788 gradients are 7 of them, 4 and 3)."""
+    import switchml
+
+    def switch():
+        return switchml.Switch(packet_elements=128, block_elements=64).start()
+
+    a, b = switch(), switch()
+    try:
+        backend = "switchml" if scenario == "ddp" else "gloo"
+        one = launch(2, scenario, backend, 5, env={"SWITCHML_SWITCH": "%s:%d" % a.address})
+        two = launch(2, scenario, backend, 5,
+                     env={"SWITCHML_SWITCH": "%s:%d,%s:%d" % (a.address + b.address)})
+        for run in (one, two):
+            assert all(r["switch_results"] > 0 for r in run)
+        params = torch.tensor(one[0]["params"])
+        for r in two:
+            assert torch.equal(torch.tensor(r["params"]), params)
+        for sw in (a, b):
+            jobs = sw.stats()["ended_jobs"]
+            assert sum(j["counters"]["packets_in"] for j in jobs.values()) > 0
+    finally:
+        a.stop()
+        b.stop()

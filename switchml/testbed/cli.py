@@ -16,13 +16,14 @@ DEFAULT_PREFIX = "smltb"
 
 
 def _testbed_up(args) -> int:
-    from .core import OFFLOAD, STATE_DIR, Testbed
+    from .core import OFFLOAD, STATE_DIR, SWITCH_PORT, Testbed
     from .errors import TestbedError
 
     try:
         tb = Testbed(args.hosts, None if args.link == "none" else args.link, mtu=args.mtu,
                      loss=args.loss, prefix=args.prefix, subnet=args.subnet, burst=args.burst,
-                     queue=args.queue, udp_offload=OFFLOAD[args.udp_offload])
+                     queue=args.queue, udp_offload=OFFLOAD[args.udp_offload],
+                     switches=args.switches)
     except ValueError as exc:
         print(f"switchml testbed: {exc}", file=sys.stderr)
         return 2
@@ -32,20 +33,27 @@ def _testbed_up(args) -> int:
         # it made if it fails or is interrupted half way.
         tb.up()
         if args.switch:
-            log = os.path.join(STATE_DIR, f"{args.prefix}-switch.log")
-            command = [sys.executable, "-m", "switchml.cli", "switch", "--host",
-                       tb.switch_address, "--port", str(tb.switch.split(":")[1])]
-            if args.slots_per_job is not None:
-                command += ["--slots-per-job", str(args.slots_per_job)]
-            with open(log, "w") as f:
-                subprocess.Popen(tb.command("switch", command),
-                                 stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 start_new_session=True)
-            if not _wait_for(log, "listening on", 15.0):
-                tb.down()
-                print(f"switchml testbed: the switch did not start; its log:\n"
-                      f"{open(log).read()}", file=sys.stderr)
-                return 1
+            # On the bridge, or one on each switch server (one job over all of them).
+            where = ([f"s{k}" for k in range(tb.switches)] if tb.switches else ["switch"])
+            logs = {}
+            for node in where:
+                log = logs[node] = os.path.join(
+                    STATE_DIR, f"{args.prefix}-{node}-switch.log" if tb.switches
+                    else f"{args.prefix}-switch.log")
+                command = [sys.executable, "-m", "switchml.cli", "switch", "--host",
+                           tb.address(node), "--port", str(SWITCH_PORT)]
+                if args.slots_per_job is not None:
+                    command += ["--slots-per-job", str(args.slots_per_job)]
+                with open(log, "w") as f:
+                    subprocess.Popen(tb.command(node, command),
+                                     stdout=f, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+            for node, log in logs.items():
+                if not _wait_for(log, "listening on", 15.0):
+                    tb.down()
+                    print(f"switchml testbed: the switch in {node} did not start; its log:\n"
+                          f"{open(log).read()}", file=sys.stderr)
+                    return 1
     except TestbedError as exc:
         print(f"switchml testbed: {exc}", file=sys.stderr)
         return 2
@@ -74,15 +82,22 @@ def _describe(tb, running_switch=False) -> str:
              f"UDP loss {tb.loss:g}",
              f"  switch   namespace {tb.switch_namespace:<12} bridge {tb.bridge} "
              f"{tb.switch_address}" + (f"  (switch running on {tb.switch})"
-                                        if running_switch else "")]
+                                        if running_switch and not tb.switches else "")]
     for h in range(tb.hosts):
         lines.append(f"  host {h:<3} namespace {tb.namespace(h):<12} veth   {tb.ifname(h)} "
                      f"{tb.address(h)}")
+    for k in range(tb.switches):
+        node = f"s{k}"
+        lines.append(f"  server {k:<1} namespace {tb.namespace(node):<12} veth   "
+                     f"{tb.ifname(node)} {tb.address(node)}"
+                     + ("  (switch running)" if running_switch else ""))
     lines.append(f"run a command in a host:  switchml testbed run --prefix {tb.prefix} 0 -- CMD"
                  f"  (SWITCHML_SWITCH={tb.switch}, GLOO_SOCKET_IFNAME set)")
     if not running_switch:
+        where = "s0" if tb.switches else "switch"
         lines.append(f"start the switch:         switchml testbed run --prefix {tb.prefix} "
-                     f"switch -- switchml switch")
+                     f"{where} -- switchml switch" + ("  (and in s1, ...)" if tb.switches > 1
+                                                       else ""))
     lines.append(f"remove it:                switchml testbed down --prefix {tb.prefix}")
     return "\n".join(lines)
 
@@ -135,6 +150,11 @@ def _testbed_status(args) -> int:
             pids = netns.namespace_pids(tb.namespace(h))
             print(f"  host {h}: sent {c['tx_bytes']} B, received {c['rx_bytes']} B, "
                   f"processes {pids or 'none'}")
+        for k in range(tb.switches):
+            c = tb.link_counters(f"s{k}")
+            pids = netns.namespace_pids(tb.namespace(f"s{k}"))
+            print(f"  server {k}: sent {c['tx_bytes']} B, received {c['rx_bytes']} B, "
+                  f"processes {pids or 'none'}")
         print(f"  switch processes: {netns.namespace_pids(tb.switch_namespace) or 'none'}")
         if tb.loss:
             print(f"  datagrams dropped by the loss rules: {tb.loss_drops()}")
@@ -182,15 +202,21 @@ def add_parsers(sub) -> None:
                         "emulated wire as one packet), off (cut into frames at the first "
                         "link: per-datagram loss, and frame-by-frame work on this machine), "
                         "or auto: on without loss, off with it (default)")
+    p.add_argument("--switches", type=int, default=0,
+                   help="switch servers: namespaces s0..s<K-1> behind shaped links like "
+                        "hosts', for one job over K switch processes (default 0: the "
+                        "switch on the bridge)")
     p.add_argument("--switch", action="store_true",
-                   help="also start a switchml switch on the bridge (in the background)")
+                   help="also start a switchml switch on the bridge, or one on each switch "
+                        "server (in the background)")
     p.add_argument("--slots-per-job", type=int, default=None,
                    help="that switch's slots per job (default: the switch's own; a job's "
                         "window adapts to the path within them)")
     p.set_defaults(func=_testbed_up)
 
-    p = prefixed(tsub.add_parser("run", help="run a command in a host (0, 1, ...) or 'switch'"))
-    p.add_argument("host", help="host index (0, h0, ...) or 'switch'")
+    p = prefixed(tsub.add_parser("run", help="run a command in a host (0, 1, ...), a switch "
+                                             "server (s0, ...) or 'switch'"))
+    p.add_argument("host", help="host index (0, h0, ...), switch server (s0, ...) or 'switch'")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     p.set_defaults(func=_testbed_run)
 

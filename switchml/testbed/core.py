@@ -11,6 +11,16 @@ Layout, for prefix P (default ``smltb``):
     namespace P-sw     device P-p<i>  (veth peer, bridge port; tbf = downlink)
                        device P-br    (bridge; address switch_address: the switch)
 
+With ``switches=K`` there are also K switch servers, each wired to the bridge as a
+host is (``server_address(k)``, counting down from below the bridge's; tbf both
+ways), for switch processes on servers of their own, as a cluster without a
+programmable switch runs them; ``switch`` is then their K addresses, the one job
+spread over them (docs/protocol.md, "One job, K switches"):
+
+    namespace P-s<k>   device P-s<k>  (veth; address server_address(k); tbf = uplink)
+          |
+    namespace P-sw     device P-ps<k> (veth peer, bridge port; tbf = downlink)
+
 Nothing is created in the machine's own namespace, and every name starts with the
 prefix, so ``down`` finds leftovers of a crashed run and two testbeds with
 different prefixes coexist.  A worker's traffic leaves through its uplink, is
@@ -67,7 +77,7 @@ def find_testbeds() -> dict:
     """Prefixes of testbeds whose namespaces exist, each with its namespace names."""
     found: dict = {}
     for name in netns.list_namespaces():
-        match = re.fullmatch(r"([a-z][a-z0-9]{0,7})-(sw|h\d+)", name)
+        match = re.fullmatch(r"([a-z][a-z0-9]{0,7})-(sw|h\d+|s\d+)", name)
         if match:
             found.setdefault(match.group(1), []).append(name)
     return found
@@ -86,7 +96,9 @@ def teardown(prefix: str = DEFAULT_PREFIX) -> list:
     # Hosts first, then the switch: a host's deletion takes its veth pair with it.
     for name in sorted(names, key=lambda n: n.endswith("-sw")):
         netns.delete_namespace(name)
-    for record in (f"{prefix}.json", f"{prefix}-switch.log"):
+    logs = [r for r in (os.listdir(STATE_DIR) if os.path.isdir(STATE_DIR) else [])
+            if re.fullmatch(re.escape(prefix) + r"-s\d+-switch\.log", r)]
+    for record in [f"{prefix}.json", f"{prefix}-switch.log", *logs]:
         try:
             os.unlink(os.path.join(STATE_DIR, record))
         except FileNotFoundError:
@@ -128,6 +140,8 @@ class Testbed:
     switch's fabric does not: 4 hosts at 1 Gbit/s and MTU 1500 took 0.78 s for a
     64 MiB switchml allreduce against 0.60 s with it on.  None (the default): on
     without loss, off with loss, where per-datagram loss needs it.
+    ``switches``: switch servers (0: none, the switch on the bridge as before);
+    each is a namespace ``"s<k>"`` behind a shaped link like a host's.
     """
 
     __test__ = False  # not a pytest test class, despite the name
@@ -135,12 +149,16 @@ class Testbed:
     def __init__(self, hosts: int = 4, link="1gbit", *, mtu: int | None = None,
                  loss: float = 0.0, prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET,
                  burst=DEFAULT_BURST, queue=None, install_nft: bool = True,
-                 udp_offload: bool | None = None):
+                 udp_offload: bool | None = None, switches: int = 0):
         self.prefix = _check_prefix(prefix)
         net = ipaddress.ip_network(subnet)
         if not 1 <= hosts <= min(255, net.num_addresses - 3):
             raise ValueError(f"hosts must be between 1 and {min(255, net.num_addresses - 3)} "
                              f"for subnet {subnet}, got {hosts}")
+        if not 0 <= switches <= net.num_addresses - 3 - hosts:
+            raise ValueError(f"switches must be between 0 and {net.num_addresses - 3 - hosts} "
+                             f"beside {hosts} hosts in subnet {subnet}, got {switches}")
+        self.switches = switches
         if not 0.0 <= loss < 1.0:
             raise ValueError(f"loss must be in [0, 1), got {loss}")
         if mtu is not None and not 68 <= mtu <= 65535:
@@ -178,8 +196,28 @@ class Testbed:
 
     @property
     def switch(self) -> str:
-        """'host:port' of a switch started on the bridge with ``SWITCH_PORT``."""
+        """'host:port' of a switch started on the bridge with ``SWITCH_PORT``; with
+        switch servers, theirs, commas between (one job over all of them)."""
+        if self.switches:
+            return ",".join(f"{self.server_address(k)}:{SWITCH_PORT}"
+                            for k in range(self.switches))
         return f"{self.switch_address}:{SWITCH_PORT}"
+
+    def server_address(self, k: int) -> str:
+        """Switch server ``k``'s address: below the bridge's, counting down."""
+        return self.address(f"s{k}")
+
+    def _server(self, host) -> int | None:
+        """Switch server ``k`` for ``"s<k>"``, or None for anything else."""
+        match = re.fullmatch(r"s(\d+)", host) if isinstance(host, str) else None
+        if match is None:
+            return None
+        k = int(match.group(1))
+        if not 0 <= k < self.switches:
+            raise ValueError(f"switch servers are s0..s{self.switches - 1}, got {host!r}"
+                             if self.switches else
+                             f"this testbed has no switch servers (switches=0), got {host!r}")
+        return k
 
     def _index(self, host) -> int:
         if isinstance(host, str) and re.fullmatch(r"h?\d+", host):
@@ -192,27 +230,46 @@ class Testbed:
         """Namespace of host ``i`` (0-based), or of the switch for 'switch'."""
         if host in (SWITCH, "sw"):
             return self.switch_namespace
+        server = self._server(host)
+        if server is not None:
+            return f"{self.prefix}-s{server}"
         return f"{self.prefix}-h{self._index(host)}"
 
     def address(self, host) -> str:
         if host in (SWITCH, "sw"):
             return self.switch_address
+        server = self._server(host)
+        if server is not None:
+            return str(self.subnet.network_address + self.subnet.num_addresses - 3 - server)
         return str(self.subnet.network_address + 1 + self._index(host))
 
     def ifname(self, host) -> str:
-        """Host ``i``'s veth inside its namespace (GLOO_SOCKET_IFNAME), or the bridge."""
+        """Host ``i``'s (or server ``"s<k>"``'s) veth inside its namespace
+        (GLOO_SOCKET_IFNAME), or the bridge."""
         if host in (SWITCH, "sw"):
             return self.bridge
+        server = self._server(host)
+        if server is not None:
+            return f"{self.prefix}-s{server}"
         return f"{self.prefix}-h{self._index(host)}"
 
     def port(self, host) -> str:
-        """The bridge port (in the switch namespace) of host ``i``'s link."""
+        """The bridge port (in the switch namespace) of host ``i``'s (or server
+        ``"s<k>"``'s) link."""
+        server = self._server(host)
+        if server is not None:
+            return f"{self.prefix}-ps{server}"
         return f"{self.prefix}-p{self._index(host)}"
+
+    @property
+    def nodes(self) -> list:
+        """Every namespace behind a link: hosts 0..N-1, then servers "s0".."s<K-1>"."""
+        return list(range(self.hosts)) + [f"s{k}" for k in range(self.switches)]
 
     def env(self, host) -> dict:
         """Environment variables that point programs in ``host`` at the testbed."""
-        if host in (SWITCH, "sw"):
-            return {"SWITCHML_HOST": self.switch_address, "SWITCHML_PORT": str(SWITCH_PORT)}
+        if host in (SWITCH, "sw") or self._server(host) is not None:
+            return {"SWITCHML_HOST": self.address(host), "SWITCHML_PORT": str(SWITCH_PORT)}
         return {"SWITCHML_SWITCH": self.switch, "GLOO_SOCKET_IFNAME": self.ifname(host),
                 "MASTER_ADDR": self.address(0)}
 
@@ -246,7 +303,7 @@ class Testbed:
 
     def loss_drops(self) -> dict:
         """Datagrams the loss rules dropped so far, per namespace."""
-        names = [self.namespace(h) for h in range(self.hosts)] + [self.switch_namespace]
+        names = [self.namespace(h) for h in self.nodes] + [self.switch_namespace]
         return {ns: netns.udp_loss_drops(ns, self._loss_table) for ns in names}
 
     @property
@@ -314,7 +371,7 @@ class Testbed:
     def _create(self) -> None:
         sw = self.switch_namespace
         prefix_len = self.subnet.prefixlen
-        for ns in [sw] + [self.namespace(h) for h in range(self.hosts)]:
+        for ns in [sw] + [self.namespace(h) for h in self.nodes]:
             sh(["ip", "netns", "add", ns])
             # No IPv6: its router solicitations and MLD reports would add stray
             # bytes to the link counters.
@@ -323,7 +380,7 @@ class Testbed:
                check=False)
             sh(["ip", "-n", ns, "link", "set", "lo", "up"])
         sh(["ip", "-n", sw, "link", "add", self.bridge, "type", "bridge"])
-        for h in range(self.hosts):
+        for h in self.nodes:  # a switch server is wired as a host is
             ns, dev, port = self.namespace(h), self.ifname(h), self.port(h)
             # Both ends are created inside their namespaces: the machine's own
             # namespace never sees a testbed device.
@@ -344,7 +401,7 @@ class Testbed:
             if self.loss > 0:
                 netns.add_udp_loss(ns, self._loss_table, self.loss)
         if not self.udp_offload:  # downlinks: the bridge ports
-            netns.set_offloads(sw, [self.port(h) for h in range(self.hosts)],
+            netns.set_offloads(sw, [self.port(h) for h in self.nodes],
                                {UDP_SEGMENTATION: False})
         if self.mtu:
             sh(["ip", "-n", sw, "link", "set", self.bridge, "mtu", str(self.mtu)])
@@ -360,7 +417,8 @@ class Testbed:
         state = {"prefix": self.prefix, "hosts": self.hosts, "link": self.link,
                  "link_bps": self.link_bps, "mtu": self.mtu, "loss": self.loss,
                  "subnet": str(self.subnet), "burst": self.burst, "queue": self.queue,
-                 "udp_offload": self.udp_offload, "switch": self.switch,
+                 "udp_offload": self.udp_offload, "switches": self.switches,
+                 "switch": self.switch,
                  "created": time.time()}
         with open(os.path.join(STATE_DIR, f"{self.prefix}.json"), "w") as f:
             json.dump(state, f, indent=2)
@@ -375,7 +433,8 @@ class Testbed:
                                f"(start one with `switchml testbed up`)")
         return cls(state["hosts"], state["link"], mtu=state["mtu"], loss=state["loss"],
                    prefix=prefix, subnet=state["subnet"], burst=state["burst"],
-                   queue=state["queue"], udp_offload=state.get("udp_offload", False))
+                   queue=state["queue"], udp_offload=state.get("udp_offload", False),
+                   switches=state.get("switches", 0))
 
     # ------------------------------------------------------------------ signals
     def _catch_signals(self) -> None:
