@@ -251,6 +251,29 @@ def test_workers_read_as_one_worker(switches):
         assert all(p["results_in"] > 0 for p in parts)
 
 
+def test_one_address_in_a_list_is_todays_worker(switches):
+    with switchml.Worker([address(switches[0])], 0, 1, job="single") as w:
+        assert type(w) is switchml.Worker and w.switch_address == switches[0].address
+        assert w.allreduce(np.arange(10, dtype=np.int32)).tolist() == list(range(10))
+
+
+def test_ranks_listing_the_switches_in_other_orders_fail_at_join_saying_so(switches):
+    """Joined at once, rank 0's part 1 would meet rank 1's part 2 on one switch: same
+    sizes, no mismatch seen, wrong sums.  One join after the other, they time out."""
+    orders = [[address(switches[0]), address(switches[1])],
+              [address(switches[1]), address(switches[0])]]
+
+    def body(rank):
+        with pytest.raises(switchml.SwitchMLTimeoutError) as info:
+            switchml.Worker(orders[rank], rank, 2, job="order", timeout=1.0)
+        return str(info.value)
+
+    for message in run_ranks(2, body):
+        assert "same order" in message and "switch 1 of 2" in message
+    for sw in switches[:2]:
+        assert wait_for(lambda sw=sw: not sw.stats()["admission"]["gathering"])
+
+
 def test_switches_cutting_different_packets_are_refused_naming_both(switches):
     other = make_switch(packet_elements=512)
     try:

@@ -42,7 +42,13 @@ from concurrent.futures import Future
 import numpy as np
 
 from ..config import env
-from ..errors import CallMismatchError, JoinRefusedError, SwitchMLError, SwitchUnreachableError
+from ..errors import (
+    CallMismatchError,
+    JoinRefusedError,
+    SwitchMLError,
+    SwitchMLTimeoutError,
+    SwitchUnreachableError,
+)
 from .calls import AllreduceHandle, check_call
 
 __all__ = ["MultiSwitchWorker", "part_bounds"]
@@ -85,10 +91,17 @@ class MultiSwitchWorker:
         self.world_size = world_size
         self.channels: list = []
         try:
-            # In the same order on every rank: each join waits for every rank.
-            for address in self.switch_addresses:
-                self.channels.append(channel(address, rank, world_size, job, timeout,
-                                             slots=slots, wait_for_slots=wait_for_slots))
+            # One after the other, in the order given: each join waits for every rank,
+            # so ranks that list the switches in different orders time out at the
+            # first difference instead of summing one part with another unseen.
+            for k, address in enumerate(self.switch_addresses):
+                try:
+                    self.channels.append(channel(address, rank, world_size, job, timeout,
+                                                 slots=slots, wait_for_slots=wait_for_slots))
+                except SwitchMLTimeoutError as exc:
+                    raise renamed(exc, f"{exc} (joining {self._name(k)}, switch {k + 1} of "
+                                       f"{len(self.switch_addresses)}: every rank must list "
+                                       "the same switches in the same order)") from exc
             self._check_geometry()
         except BaseException:
             for joined in self.channels:
@@ -203,9 +216,7 @@ class MultiSwitchWorker:
         part = (f"part {k + 1} of {len(self.channels)}: elements {start} to {stop - 1} of "
                 f"{size}")
         suffix = f" ({part})" if f"{host}:{port}" in str(error) else f" (on {where}, {part})"
-        named = error.__class__.__new__(error.__class__)
-        named.__dict__.update(error.__dict__)
-        named.args = (f"{error}{suffix}",)
+        named = renamed(error, f"{error}{suffix}")
         named.__cause__ = error
         named._switchml_part = True  # type: ignore[attr-defined]
         error._switchml_named = named  # type: ignore[attr-defined]
@@ -227,6 +238,15 @@ class MultiSwitchWorker:
             if (isinstance(error, SwitchMLError)
                     and telling(error) > telling(self._failure)):
                 self._failure = error
+
+
+def renamed(error: SwitchMLError, message: str) -> SwitchMLError:
+    """A copy of ``error`` (its type and attributes: ``missing_ranks``, ``limit``)
+    with another message; built without its class's own ``__init__`` arguments."""
+    copy = error.__class__.__new__(error.__class__)
+    copy.__dict__.update(error.__dict__)
+    copy.args = (message,)
+    return copy
 
 
 def telling(error: BaseException | None) -> int:
