@@ -16,6 +16,7 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -113,6 +114,10 @@ class Worker:
         self._failure: SwitchMLError | None = None
         #: Set by ``abort`` (any thread); the I/O thread acts on it.
         self._abort_request: SwitchMLError | None = None
+        #: Called on the I/O thread with the error when the switch fails the job or
+        #: goes away, between calls too (a job over several switches then lets go
+        #: of the others at once).
+        self.on_failure: Callable[[SwitchMLError], None] | None = None
         host, port = self.switch_address
         self._protocol = ControlClient(self.job, rank, world_size, timeout=self.timeout,
                                        wait_for_slots=self.wait_for_slots,
@@ -415,6 +420,8 @@ class Worker:
                 self._sel.unregister(self._control)
                 self._control_open = False
                 self._failure = event.error
+                if self.on_failure is not None:
+                    self.on_failure(self._failure)
                 raise self._failure
 
     def _auto_choice(self, src: np.ndarray) -> bool:

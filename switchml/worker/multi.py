@@ -30,8 +30,9 @@ each frees the job's slots (and the other ranks' parts there fail too, relaying
 this rank's error).  The call raises the most telling of its parts' errors,
 naming the switch and the part: a mismatch, else an unreachable switch, else the
 first in time (a timeout on one switch may only relay another rank's giving up
-over a dead switch); every later call raises it again.  A job formed again (new
-workers) on the switches left works.
+over a dead switch); every later call raises it again.  A switch that fails the
+job or goes away between calls makes the worker let go of the others at once
+too.  A job formed again (new workers) on the switches left works.
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ class MultiSwitchWorker:
         self._lock = threading.Lock()
         self._failure: SwitchMLError | None = None
         self._closed = False
+        for k, joined in enumerate(self.channels):
+            joined.on_failure = lambda error, k=k: self._switch_failed(error, k)
 
     def _check_geometry(self) -> None:
         """Bit-identical to one switch only if every switch cuts the same chunks."""
@@ -231,6 +234,13 @@ class MultiSwitchWorker:
         for k, channel in enumerate(self.channels):
             if k != origin:
                 channel.abort(error)
+
+    def _switch_failed(self, error: SwitchMLError, k: int) -> None:
+        """Switch k failed the job or went away, maybe between calls: let go of the
+        others now, not at the next call."""
+        if f"{self.switch_addresses[k][0]}:{self.switch_addresses[k][1]}" not in str(error):
+            error = renamed(error, f"{error} (on {self._name(k)})")
+        self._fail(error, k)
 
     def _settle(self, error: BaseException) -> None:
         """A call's chosen error: later calls raise it, if it tells more than the first."""
