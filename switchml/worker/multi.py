@@ -226,28 +226,28 @@ class MultiSwitchWorker:
         return named
 
     def _fail(self, error: SwitchMLError, origin: int) -> None:
-        """The job is over: abort it on every switch but the one that failed it."""
+        """The job is over: abort it on every switch but the one that failed it (at
+        the first failure); later calls raise the most ``telling`` error seen."""
         with self._lock:
-            if self._failure is not None:
-                return
-            self._failure = error
-        for k, channel in enumerate(self.channels):
-            if k != origin:
-                channel.abort(error)
+            first = self._failure is None
+            if first or telling(error) > telling(self._failure):
+                self._failure = error
+        if first:
+            for k, channel in enumerate(self.channels):
+                if k != origin:
+                    channel.abort(error)
 
     def _switch_failed(self, error: SwitchMLError, k: int) -> None:
         """Switch k failed the job or went away, maybe between calls: let go of the
         others now, not at the next call."""
-        if f"{self.switch_addresses[k][0]}:{self.switch_addresses[k][1]}" not in str(error):
-            error = renamed(error, f"{error} (on {self._name(k)})")
-        self._fail(error, k)
+        host, port = self.switch_addresses[k]
+        named = renamed(error, str(error) if f"{host}:{port}" in str(error)
+                        else f"{error} (on {self._name(k)})")
+        named.__cause__ = error
+        # (the other switches' parts raise it as it is: it did not happen there)
+        named._switchml_part = True  # type: ignore[attr-defined]
+        self._fail(named, k)
 
-    def _settle(self, error: BaseException) -> None:
-        """A call's chosen error: later calls raise it, if it tells more than the first."""
-        with self._lock:
-            if (isinstance(error, SwitchMLError)
-                    and telling(error) > telling(self._failure)):
-                self._failure = error
 
 
 def renamed(error: SwitchMLError, message: str) -> SwitchMLError:
@@ -295,11 +295,10 @@ class _Gather:
             self._pending -= 1
             last = self._pending == 0
         if isinstance(failure, SwitchMLError):
-            self._worker._fail(failure, k)  # (the first failure only aborts)
+            self._worker._fail(failure, k)
         if last:
             if self._errors:
                 error = max(self._errors, key=telling)  # the first of the most telling
-                self._worker._settle(error)
                 self._future.set_exception(error)
             else:
                 self._future.set_result(self._out)
