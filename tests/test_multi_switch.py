@@ -165,7 +165,10 @@ def test_parts_under_seeded_loss_sum_as_one_switch_in_the_simulator(case, parts)
     assert_same_bytes(want, want[0])
 
 
-def test_dense_float32_is_bit_identical_to_one_switch(switches):
+@pytest.mark.parametrize("engine", ["c", "python"])
+def test_dense_float32_is_bit_identical_to_one_switch(switches, engine, monkeypatch):
+    if engine == "python":  # the workers' reference engine (the switches stay C)
+        monkeypatch.setenv("SWITCHML_PURE_PYTHON", "1")
     rng = np.random.default_rng(1)
     inputs = [spiky(rng, 25_000 + 37) for _ in range(3)]
     assert_like_one_switch(switches, inputs)
