@@ -492,8 +492,8 @@ def test_abort_from_another_thread_fails_the_call_and_frees_the_slots(switches, 
             return info.value, time.monotonic() - start
 
     (mine, elapsed), (theirs, their_elapsed) = run_ranks(2, body)
-    assert mine is given_up and elapsed < 1.0
+    assert mine is given_up and elapsed < 3.0  # not after the 30 s timeout
     assert isinstance(theirs, switchml.SwitchMLTimeoutError) and "rank 0" in str(theirs)
-    assert "elsewhere:1" in str(theirs) and their_elapsed < 2.0
+    assert "elsewhere:1" in str(theirs) and their_elapsed < 5.0
     assert wait_for(lambda: sw.stats()["free_slots"] == SLOTS)
     assert sw.stats()["counters"]["jobs_failed"] == 1
