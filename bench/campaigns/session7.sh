@@ -1,0 +1,34 @@
+#!/bin/sh
+# The measurements of docs/benchmarks.md's "Session 7" section, one after the
+# other, on a quiet machine (root, for the testbed).  Each line is the median of
+# 3 invocations (bench/invocations.py); results in bench/results/s7/.
+# Session 7's code: the learnt fast-retransmit threshold, per-datagram testbed
+# loss (the veths' UDP segmentation offload off where there is loss, on without).
+set -e
+cd "$(dirname "$0")/../.."
+PY=${PY:-.venv/bin/python}
+OUT=bench/results/s7
+inv() { name=$1; shift; $PY bench/invocations.py --runs 3 --out $OUT/$name -- "$@"; }
+case "${1:-all}" in
+  all|core)
+    inv tb-n4-mtu9000 --testbed --link 1gbit --mtu 9000 --workers 4 --sizes 64 --repeats 5 --systems dense gloo
+    inv tb-n4-mtu1500 --testbed --link 1gbit --workers 4 --sizes 64 --repeats 5 --systems dense gloo
+    inv tb-n4-mtu9000-loss1 --testbed --link 1gbit --mtu 9000 --workers 4 --sizes 64 --repeats 5 --loss 0.01 --systems dense
+    # the loss run's own loss-free reference: the same testbed (offload off)
+    inv tb-n4-mtu9000-offload-off --testbed --link 1gbit --mtu 9000 --workers 4 --sizes 64 --repeats 5 --udp-offload off --systems dense gloo
+    inv tb-n4-mtu9000-sparse --testbed --link 1gbit --mtu 9000 --workers 4 --sizes 64 --repeats 3 --densities 0.1 --systems sparse dense
+    ;;
+esac
+case "${1:-all}" in
+  all|more)
+    inv tb-n8-500mbit-mtu1500 --testbed --link 500mbit --workers 8 --sizes 64 --repeats 3 --systems dense gloo
+    inv lo-n4-100mib --workers 4 --sizes 100 --repeats 5 --systems dense gloo
+    ;;
+esac
+case "${1:-all}" in
+  all|ddp)
+    $PY bench/train.py --workers 4 --testbed --link 1gbit --mtu 9000 --runs 3 \
+        --only 'digits gloo' 'digits switchml' \
+        --digits-args '--epochs 3 --hidden 2048' --out $OUT/train-testbed-digits-hidden2048.json
+    ;;
+esac
