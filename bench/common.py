@@ -46,10 +46,15 @@ def union_density(density, world):
     return 1.0 - (1.0 - density) ** world
 
 
-def lower_bound_s(system, world, nbytes, link_bps, density=None):
-    """The least time the links allow: bytes over the busier direction of a worker's link."""
+def lower_bound_s(system, world, nbytes, link_bps, density=None, switch_servers=0):
+    """The least time the links allow: bytes over the busier direction of a worker's
+    link, or, with ``switch_servers`` K (switches on servers behind links of the same
+    rate), of a server's, which carries n·S/K each way: max(S, n·S/K)/B."""
     if not link_bps:
         return None
+    if switch_servers and system.startswith("switchml"):
+        per_worker = lower_bound_s(system, world, nbytes, link_bps, density)
+        return per_worker * max(1.0, world / switch_servers)
     if system == "gloo":
         busiest = ring_bytes(world, nbytes)
     elif system == "gloo-fp16":

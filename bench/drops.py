@@ -1,6 +1,6 @@
 """Where on the testbed datagrams were lost: a snapshot of the drop counters.
 
-Per host namespace: its uplink's queue (the tbf on its veth, a NIC's queue) and
+Per host namespace (and switch server's, after the hosts): its uplink's queue (the tbf on its veth, a NIC's queue) and
 UDP's send-buffer errors (a datagram its own queue refused: Linux counts a local
 qdisc drop of a UDP datagram there); per switch port: the downlink's queue (a
 switch port's buffer); per veth pair: its ends' drops (a receiving CPU's
@@ -31,7 +31,7 @@ def _udp(ns: str) -> dict:
 def snapshot(tb) -> dict:
     """Every drop counter of testbed ``tb`` now."""
     hosts = []
-    for h in range(tb.hosts):
+    for h in getattr(tb, "nodes", range(tb.hosts)):  # hosts, then any switch servers
         ns = tb.namespace(h)
         udp = _udp(ns)
         host_end = netns.link_counters(ns, tb.ifname(h))

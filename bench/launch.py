@@ -32,7 +32,8 @@ class Loopback:
 
     name = "loopback"
     link_bps = None
-    switch_bind = ("127.0.0.1", 0)
+    #: (where, host, port) of each switch the job spreads over
+    switch_binds = [("switch", "127.0.0.1", 0)]
 
     def popen(self, where, argv, **kw) -> subprocess.Popen:
         return subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, **kw)
@@ -59,6 +60,12 @@ class OnTestbed:
         self.link_bps = testbed.link_bps
         from switchml.testbed import SWITCH_PORT
         self.switch_bind = (testbed.switch_address, SWITCH_PORT)
+        # switch servers, each in its namespace behind a shaped link, or the
+        # switch on the bridge
+        self.switch_servers = testbed.switches
+        self.switch_binds = ([(f"s{k}", testbed.address(f"s{k}"), SWITCH_PORT)
+                              for k in range(testbed.switches)]
+                             or [("switch", testbed.switch_address, SWITCH_PORT)])
 
     def popen(self, where, argv, **kw) -> subprocess.Popen:
         return self.tb.popen(where, argv, cwd=ROOT, env={"PYTHONPATH": ROOT}, **kw)
@@ -71,7 +78,8 @@ class OnTestbed:
 
     def describe(self) -> dict:
         tb = self.tb
-        return {"kind": self.name, "hosts": tb.hosts, "link": tb.link, "link_bps": tb.link_bps,
+        return {"kind": self.name, "hosts": tb.hosts, "switch_servers": tb.switches,
+                "link": tb.link, "link_bps": tb.link_bps,
                 "mtu": tb.mtu or 1500, "loss": tb.loss, "tbf_burst_bytes": tb.burst,
                 "tbf_queue_bytes": tb.queue, "prefix": tb.prefix}
 

@@ -67,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "emulated wire as one packet), off (cut into frames at the first "
                         "link: per-datagram loss, and frame-by-frame work on this machine), "
                         "or auto: on without loss, off with it (default)")
+    p.add_argument("--switches", type=int, default=0, metavar="K",
+                   help="testbed: K switch servers, each in its own namespace behind a link "
+                        "like a host's, one job over all of them (default 0: the switch on "
+                        "the bridge, as a programmable switch)")
     p.add_argument("--prefix", default="smlbench", help="testbed name prefix (default: smlbench)")
     p.add_argument("--packet-elements", type=int, default=None,
                    help="switch: int32 values per packet (default: the switch's)")
@@ -95,16 +99,25 @@ def _cases(args, mib) -> list:
 
 
 def run_switchml(cluster, world, cases, args, progress) -> tuple:
-    """One switch, ``world`` worker processes, every case; rows and the switch's job counters."""
+    """The cluster's switches (one, or its switch servers: one job over all of
+    them), ``world`` worker processes, every case; rows and the switches' job
+    counters (summed)."""
     options = {k: v for k, v in (("packet_elements", args.packet_elements),
                                  ("slots_per_job", args.slots_per_job)) if v is not None}
-    host, port = cluster.switch_bind
     job = f"bench-{world}"
     with Roles(cluster, args.timeout) as roles:
-        switch = roles.start("switch", "switch", "switch",
-                             {"host": host, "port": port, "options": options}, stdin=True)
-        _, msg = roles.next()
-        address = "{}:{}".format(*msg["address"])
+        switches, addresses = [], []
+        for k, (where, host, port) in enumerate(cluster.switch_binds):
+            name = "switch" if k == 0 else f"switch{k}"
+            switches.append(roles.start(name, where, "switch",
+                                        {"host": host, "port": port, "options": options},
+                                        stdin=True))
+            while True:  # its address (the others' lines wait in the queue)
+                got, msg = roles.next()
+                if got == name and "address" in msg:
+                    addresses.append("{}:{}".format(*msg["address"]))
+                    break
+        address = ",".join(addresses)
         for rank in range(world):
             roles.start(rank, rank, "switchml", {
                 "switch": address, "rank": rank, "world": world, "job": job,
@@ -112,13 +125,19 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
                 "check": args.check, "seed": args.seed, "timeout": min(args.timeout, 120),
                 "cases": [dict(c, id=i) for i, c in enumerate(cases)]})
         reports = _gather_reports(roles, world, progress)
-        switch.stdin.write("stop\n")
-        switch.stdin.flush()
-        while True:
+        for switch in switches:
+            switch.stdin.write("stop\n")
+            switch.stdin.flush()
+        counters: dict = {}
+        stopped = 0
+        while stopped < len(switches):
             name, msg = roles.next()
-            if name == "switch" and msg["event"] == "stats":
-                counters = msg["stats"]["ended_jobs"].get(job, {}).get("counters", {})
-                break
+            if name.startswith("switch") and msg["event"] == "stats":
+                stopped += 1
+                for key, value in msg["stats"]["ended_jobs"].get(job, {}).get(
+                        "counters", {}).items():
+                    counters[key] = (counters.get(key, 0) + value
+                                     if isinstance(value, (int, float)) else value)
     rows = []
     for i, case in enumerate(cases):
         items = sorted(reports[i], key=lambda m: m["rank"])
@@ -181,7 +200,8 @@ def _row(system, world, case, items, cluster, args, *, sent, received, retransmi
            "size_mib": nbytes / 2**20, "density": case.get("density")}
     row.update(summarize([m["times"] for m in items], nbytes))
     row["goodput_Gbps_per_worker"] = nbytes * 8 / row["median_s"] / 1e9
-    bound = lower_bound_s(system, world, nbytes, cluster.link_bps, case.get("density"))
+    bound = lower_bound_s(system, world, nbytes, cluster.link_bps, case.get("density"),
+                          getattr(cluster, "switch_servers", 0))
     row["bound_s"] = bound
     row["goodput_over_link_rate"] = (row["goodput_Gbps_per_worker"] * 1e9 / cluster.link_bps
                                      if cluster.link_bps else None)
@@ -252,6 +272,8 @@ def _preflight(args) -> None:
                          "or leave it out with --systems dense sparse")
     if "sparse" in args.systems and not args.densities and args.systems == ["sparse"]:
         raise SystemExit("bench: --systems sparse needs --densities")
+    if args.switches and not args.testbed:
+        raise SystemExit("switchml bench: --switches needs --testbed (switch servers)")
     if args.testbed and not 0.0 <= args.loss < 1.0:
         raise SystemExit("bench: --loss must be in [0, 1)")
 
@@ -322,7 +344,7 @@ def main(args, argv_text: str = "") -> int:
 
             try:
                 with Testbed(max(args.workers), args.link, mtu=args.mtu, loss=args.loss,
-                             udp_offload=OFFLOAD[args.udp_offload],
+                             udp_offload=OFFLOAD[args.udp_offload], switches=args.switches,
                              prefix=args.prefix, queue=args.queue) as tb:
                     cluster: OnTestbed | Loopback = OnTestbed(tb)
                     results["cluster"] = cluster.describe()
