@@ -1,12 +1,12 @@
 """Where on the testbed datagrams were lost: a snapshot of the drop counters.
 
-Per host namespace (and switch server's, after the hosts): its uplink's queue (the tbf on its veth, a NIC's queue) and
-UDP's send-buffer errors (a datagram its own queue refused: Linux counts a local
-qdisc drop of a UDP datagram there); per switch port: the downlink's queue (a
-switch port's buffer); per veth pair: its ends' drops (a receiving CPU's
-backlog full); in every namespace: UDP's receive-buffer errors (a socket
-that did not read fast enough) and the loss rule's drops.  ``delta`` of two
-snapshots says where one run's losses were.
+Per host namespace (then per switch server's): its uplink's queue (the tbf on
+its veth, a NIC's queue) and UDP's send-buffer errors (a datagram its own queue
+refused: Linux counts a local qdisc drop of a UDP datagram there); per switch
+port: the downlink's queue (a switch port's buffer); per veth pair: its ends'
+drops (a receiving CPU's backlog full); in every namespace: UDP's receive-buffer
+errors (a socket that did not read fast enough) and the loss rule's drops.
+``delta`` of two snapshots says where one run's losses were.
 """
 
 from __future__ import annotations
