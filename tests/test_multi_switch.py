@@ -271,6 +271,24 @@ def test_bytes_per_switch_are_even(switches):
         assert sum(j["counters"]["packets_in"] for j in sw.stats()["ended_jobs"].values()) > 0
 
 
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_the_parts_share_one_jobs_window(switches, parts):
+    """The K parts leave through one link: together they keep in flight what one
+    switch's job would (SLOTS_PER_JOB), each channel at most its share of it."""
+    addresses = [address(sw) for sw in switches[:parts]]
+
+    def body(rank):
+        with switchml.Worker(addresses, rank, 2, job=f"window-{parts}", timeout=7) as w:
+            w.allreduce(np.ones(20 * PACKET, np.float32))
+            channels = w.channels if isinstance(w, MultiSwitchWorker) else [w]
+            return [(c.session.window.limit, c.session.window.cwnd) for c in channels]
+
+    for windows in run_ranks(2, body):
+        share = -(-SLOTS_PER_JOB // parts)
+        assert [limit for limit, _ in windows] == [share] * parts
+        assert all(cwnd <= share for _, cwnd in windows)
+
+
 def test_workers_read_as_one_worker(switches):
     """What bench/, examples/ and the torch backend read from a worker."""
     addresses = [address(sw) for sw in switches[:2]]
