@@ -32,3 +32,11 @@ case "${1:-all}" in
         --digits-args '--epochs 3 --hidden 2048' --out $OUT/train-testbed-digits-hidden2048.json
     ;;
 esac
+case "${1:-all}" in
+  all|servers)
+    # issue 15: no programmable switch, K switch servers behind links like the hosts'
+    inv tb-n4-servers4-mtu9000 --testbed --link 1gbit --mtu 9000 --workers 4 --switches 4 --sizes 64 --repeats 5 --systems dense gloo
+    inv tb-n4-servers2-mtu9000 --testbed --link 1gbit --mtu 9000 --workers 4 --switches 2 --sizes 64 --repeats 3 --systems dense
+    inv tb-n4-servers1-mtu9000 --testbed --link 1gbit --mtu 9000 --workers 4 --switches 1 --sizes 64 --repeats 3 --systems dense
+    ;;
+esac
