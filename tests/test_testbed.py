@@ -581,15 +581,23 @@ def test_a_job_runs_over_two_switch_servers_behind_links_of_their_own(tmp_path):
         for got in results:
             assert got.tobytes() == expected(2, size, "float32").tobytes()
         assert all(c["results_in"] > 0 for c in counters)
+    def moved(node, key):
+        return after[node][key] - before[node][key]
+
     tensor = size * 4
     for host in (0, 1):  # S up and S down through each host's own link
-        assert after[host]["tx_bytes"] - before[host]["tx_bytes"] >= tensor
-        assert after[host]["rx_bytes"] - before[host]["rx_bytes"] >= tensor
-    for server in ("s0", "s1"):  # n·S/K in and out of each server, within a packet
-        received = after[server]["rx_bytes"] - before[server]["rx_bytes"]
-        sent = after[server]["tx_bytes"] - before[server]["tx_bytes"]
-        assert 0.9 * tensor <= received <= 1.3 * tensor, received
-        assert 0.9 * tensor <= sent <= 1.3 * tensor, sent
+        assert moved(host, "tx_bytes") >= tensor and moved(host, "rx_bytes") >= tensor
+    # Every byte the hosts sent went to a server (none to the bridge), each server
+    # getting about half: n·S/K = S each, and sending as much back.  (Bytes, not
+    # exact: a worker's first call on a cold RTT estimate probes, the bridge's
+    # switch alike: up to half as many again at this size.)
+    up = moved(0, "tx_bytes") + moved(1, "tx_bytes")
+    into_servers = moved("s0", "rx_bytes") + moved("s1", "rx_bytes")
+    assert 0.95 * up <= into_servers <= 1.05 * up, (up, into_servers)
+    for server in ("s0", "s1"):
+        assert moved(server, "rx_bytes") >= 0.9 * tensor
+        assert moved(server, "tx_bytes") >= 0.9 * tensor
+        assert 0.35 <= moved(server, "rx_bytes") / into_servers <= 0.65
 
 
 @needs_root
