@@ -90,6 +90,9 @@ def test_two_jobs_stay_exact_while_garbage_is_sprayed_at_the_switch():
         assert report.get(timeout=30) == "started"
         members = {}  # job -> list of Workers, as they join
         ready = {name: [] for name in JOBS}
+        # the workers stay joined (their sockets open) until the forged datagrams
+        # below went out through one of them: a small job may be done by then
+        forged_sent = threading.Event()
 
         def run(job):
             world, cases, iterations = JOBS[job]
@@ -98,8 +101,10 @@ def test_two_jobs_stay_exact_while_garbage_is_sprayed_at_the_switch():
                 with switchml.Worker(sw.address, rank, world, job=job, timeout=20) as w:
                     members.setdefault(job, []).append(w)
                     ready[job].append(w.session)
-                    return [[w.allreduce(x) for x in inputs(job, rank, it)]
+                    sums = [[w.allreduce(x) for x in inputs(job, rank, it)]
                             for it in range(iterations)]
+                    forged_sent.wait(60)
+                    return sums
             return run_ranks(world, body)
 
         outcome = {}
@@ -127,6 +132,7 @@ def test_two_jobs_stay_exact_while_garbage_is_sprayed_at_the_switch():
         for job, (datagram, _) in forged.items():
             for _ in range(40):
                 members[job][0]._udp.sendto(datagram, sw.address)
+        forged_sent.set()
         for t in threads:
             t.join(120)
             assert not t.is_alive(), "a job hung"
