@@ -132,7 +132,7 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
         stopped = 0
         while stopped < len(switches):
             name, msg = roles.next()
-            if name.startswith("switch") and msg["event"] == "stats":
+            if isinstance(name, str) and name.startswith("switch") and msg["event"] == "stats":
                 stopped += 1
                 for key, value in msg["stats"]["ended_jobs"].get(job, {}).get(
                         "counters", {}).items():

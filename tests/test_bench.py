@@ -58,8 +58,11 @@ def check_results(out, systems):
     by = {(r["system"], r["density"]): r for r in rows}
     dense, sparse = by[("switchml-dense", None)], by[("switchml-sparse", 0.1)]
     size = dense["size_bytes"]
-    # switchml sends the tensor once (plus headers); the sparse path about a tenth of it
-    assert size <= dense["bytes_sent_per_worker"] < 1.2 * size
+    # switchml sends the tensor once (plus headers and what it sent again: on a busy
+    # machine a 4-packet call may probe a late result, a 64 KiB datagram at most);
+    # the sparse path about a tenth of it
+    resent = dense["retransmissions_per_worker"] * 65536
+    assert size <= dense["bytes_sent_per_worker"] < 1.2 * size + resent
     assert sparse["bytes_sent_per_worker"] < 0.25 * size
     if "gloo" in systems:
         assert by[("gloo", None)]["bytes_sent_per_worker"] == ring_bytes(2, size)
