@@ -113,9 +113,10 @@ def test_a_client_that_never_reads_cannot_stall_the_switch(switch, monkeypatch):
             f"{[len(c.outbox) for c in list(switch._conns.values())]}, counters: "
             f"{switch.stats()['counters']}, serving thread alive: {switch._thread.is_alive()}")
         time.sleep(0.05)
-    start = time.monotonic()
+    # the others are served: a join and a call, each given 2 s without progress
+    # (the worker's timeout) before it raises; no wall-clock bound beyond that,
+    # which a loaded machine would break
     job_still_works(switch.address)
-    assert time.monotonic() - start < 2.0
     hog.close()
     assert switch.stats()["counters"]["control_slow_reader"] == 1
 
