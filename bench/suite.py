@@ -71,6 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="testbed: K switch servers, each in its own namespace behind a link "
                         "like a host's, one job over all of them (default 0: the switch on "
                         "the bridge, as a programmable switch)")
+    p.add_argument("--striped", type=int, default=1, metavar="K",
+                   help="K switch processes where the one switch would run (the bridge, or "
+                        "loopback), one job striped over all of them (default 1)")
     p.add_argument("--prefix", default="smlbench", help="testbed name prefix (default: smlbench)")
     p.add_argument("--packet-elements", type=int, default=None,
                    help="switch: int32 values per packet (default: the switch's)")
@@ -107,7 +110,10 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
     job = f"bench-{world}"
     with Roles(cluster, args.timeout) as roles:
         switches, addresses = [], []
-        for k, (where, host, port) in enumerate(cluster.switch_binds):
+        binds = cluster.switch_binds
+        if args.striped > 1:  # K processes in the one switch's place, ports of their own
+            binds = [(where, host, 0) for where, host, _ in binds[:1]] * args.striped
+        for k, (where, host, port) in enumerate(binds):
             name = "switch" if k == 0 else f"switch{k}"
             switches.append(roles.start(name, where, "switch",
                                         {"host": host, "port": port, "options": options},
@@ -272,6 +278,8 @@ def _preflight(args) -> None:
                          "or leave it out with --systems dense sparse")
     if "sparse" in args.systems and not args.densities and args.systems == ["sparse"]:
         raise SystemExit("bench: --systems sparse needs --densities")
+    if args.striped < 1 or (args.striped > 1 and args.switches):
+        raise SystemExit("switchml bench: --striped K takes K >= 1, and not with --switches")
     if args.switches and not args.testbed:
         raise SystemExit("switchml bench: --switches needs --testbed (switch servers)")
     if args.testbed and not 0.0 <= args.loss < 1.0:

@@ -40,3 +40,13 @@ case "${1:-all}" in
     inv tb-n4-servers1-mtu9000 --testbed --link 1gbit --mtu 9000 --workers 4 --switches 1 --sizes 64 --repeats 3 --systems dense
     ;;
 esac
+case "${1:-all}" in
+  all|scale)
+    # issue 15: 16 hosts at a rate two cores carry; one switch on the bridge, K
+    # striped switch processes on the bridge, K = 4 switch servers
+    inv tb-n16-100mbit --testbed --link 100mbit --mtu 9000 --workers 16 --sizes 64 --repeats 3 --systems dense gloo
+    inv tb-n16-100mbit-striped2 --testbed --link 100mbit --mtu 9000 --workers 16 --sizes 64 --repeats 3 --striped 2 --systems dense
+    inv tb-n16-100mbit-striped4 --testbed --link 100mbit --mtu 9000 --workers 16 --sizes 64 --repeats 3 --striped 4 --systems dense
+    inv tb-n16-100mbit-servers4 --testbed --link 100mbit --mtu 9000 --workers 16 --sizes 64 --repeats 2 --switches 4 --systems dense
+    ;;
+esac
