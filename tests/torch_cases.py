@@ -86,6 +86,16 @@ def outside(tensor: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     return base.detach().reshape(-1)[mask]
 
 
+def same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal element by element, a NaN equal to a NaN (torch.equal says NaN != NaN:
+    an inf or NaN outside a view, left untouched, read as changed)."""
+    if a.is_floating_point() and a.shape == b.shape:
+        return torch.equal(a.isnan(), b.isnan()) and torch.equal(
+            a.nan_to_num(0.0, posinf=float("inf"), neginf=float("-inf")),
+            b.nan_to_num(0.0, posinf=float("inf"), neginf=float("-inf")))
+    return torch.equal(a, b)
+
+
 def switched(case: dict) -> bool:
     """Whether the backend should send this case through the switch."""
     return (case["dtype"] in SWITCHED and case["op"] in ("sum", "avg")
@@ -118,15 +128,17 @@ def check(case: dict, ref_group, world: int, rank: int, worker) -> str | None:
             return None
         return "integer AVG on gloo's dtypes did not raise as gloo does"
     ours, before, after = run(case, None, rank)
+    # gloo's reference call before any verdict: every rank makes it, whatever its
+    # own findings (a rank that returned early left the others waiting in it)
+    ref_case = dict(case, op="sum") if int_avg else case
+    theirs = run(ref_case, ref_group, rank, detach=True)[0]
     went_through = worker.counters["results_in"] > results_before
     if went_through != switched(case):
         return f"switch used: {went_through}, expected {switched(case)}"
     if before[0] != after[0]:
         return f"tensor metadata changed: {before[0]} -> {after[0]}"
-    if not torch.equal(before[1], after[1]):
+    if not same_elements(before[1], after[1]):
         return "elements outside the tensor's view changed"
-    ref_case = dict(case, op="sum") if int_avg else case
-    theirs = run(ref_case, ref_group, rank, detach=True)[0]
     if int_avg:  # gloo refuses; switchml averages integers as NCCL does (truncated)
         theirs = torch.div(theirs, world, rounding_mode="trunc")
     if ours.dtype != theirs.dtype or ours.shape != theirs.shape:
