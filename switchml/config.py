@@ -236,6 +236,20 @@ class SwitchConfiguration:
         settings.update(given)
         return cls(**settings)
 
+    @classmethod
+    def given(cls, host: str | None, port: int | None,
+              configuration: SwitchConfiguration | None, settings: dict) -> SwitchConfiguration:
+        """What ``Switch(host, port, configuration=..., **settings)`` (and
+        ``SwitchProcess``) runs with: ``configuration`` with the rest applied, or
+        else the rest over SWITCHML_* variables and the defaults (``from_env``)."""
+        settings = dict(settings)
+        if host is not None:
+            settings["host"] = host
+        if port is not None:
+            settings["port"] = port
+        return (configuration.replace(**settings) if configuration is not None
+                else cls.from_env(**settings))
+
     def replace(self, **changes) -> SwitchConfiguration:
         """A copy with ``changes``."""
         return dataclasses.replace(self, **changes)

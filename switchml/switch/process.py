@@ -26,13 +26,8 @@ class SwitchProcess:
 
     def __init__(self, host: str | None = None, port: int | None = None, *,
                  configuration: SwitchConfiguration | None = None, **settings):
-        if host is not None:
-            settings["host"] = host
-        if port is not None:
-            settings["port"] = port
         #: The settings the child's switch runs with.
-        self.configuration = (configuration.replace(**settings) if configuration is not None
-                              else SwitchConfiguration.from_env(**settings))
+        self.configuration = SwitchConfiguration.given(host, port, configuration, settings)
         self._proc: subprocess.Popen | None = None
         self.address: tuple[str, int] | None = None
 

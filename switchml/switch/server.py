@@ -82,12 +82,7 @@ class Switch:
 
     def __init__(self, host: str | None = None, port: int | None = None, *,
                  configuration: SwitchConfiguration | None = None, **settings):
-        if host is not None:
-            settings["host"] = host
-        if port is not None:
-            settings["port"] = port
-        config = (configuration.replace(**settings) if configuration is not None
-                  else SwitchConfiguration.from_env(**settings))
+        config = SwitchConfiguration.given(host, port, configuration, settings)
         #: The settings it runs with, wherever each came from.
         self.configuration = config
         self.keepalive = config.keepalive
