@@ -437,6 +437,34 @@ def test_a_message_supersedes_its_slots_datagram_still_waiting_to_leave(engine):
 
 
 # ---------------------------------------------------------------- fast retransmit
+def one_rank_call(engine: str, width: int = 8):
+    """A one-rank job's int32 call of two messages a slot, its window the whole width,
+    on a switch pipeline the test drives: (session, call, input, output, the first
+    datagrams, ``answer``: the switch's result for a datagram given to the call at
+    a time, returning what the call sends next)."""
+    pipeline = Pipeline(slots=width, packet_elements=K)
+    pipeline.install_job("one", 0x55, [("w", 0)], 0, width)
+    s = Session(session=0x55, rank=0, world_size=1, slot_base=0, slot_count=width,
+                packet_elements=K, window=CongestionWindow(width, initial=width))
+    assert s.reordering == FAST_RETRANSMIT_THRESHOLD
+    data = np.arange(2 * width * K, dtype=np.int32)
+    out = np.zeros_like(data)
+    op = s.allreduce(data, out, now=0.0, compiled=engine == "c")
+    sent = [bytes(d) for d in op.datagrams_to_send()]
+
+    def answer(datagram, now):
+        ((result, _),) = pipeline.receive_datagram(datagram, ("w", 0))
+        op.receive_datagram(bytes(result), now)
+        return [bytes(d) for d in op.datagrams_to_send()]
+
+    return s, op, data, out, sent, answer
+
+
+def ids(datagrams) -> list:
+    """The pkt_ids of datagrams."""
+    return [wire.decode_header(d).pkt_id for d in datagrams]
+
+
 @pytest.mark.parametrize("engine", ["python", "c"])
 def test_a_message_overtaken_by_three_results_goes_again_at_once(engine):
     """Message 0 lost: the results of messages 1 and 2 leave it waiting (reordering,
@@ -451,24 +479,8 @@ def test_a_message_overtaken_by_three_results_goes_again_at_once(engine):
     assert compiled._fastengine is None or (
         compiled._fastengine.FAST_RETRANSMIT_THRESHOLD == FAST_RETRANSMIT_THRESHOLD == 3
         and compiled._fastengine.MAX_REORDERING == MAX_REORDERING)
-    width = 8
-    pipeline = Pipeline(slots=width, packet_elements=K)
-    pipeline.install_job("one", 0x55, [("w", 0)], 0, width)
-    s = Session(session=0x55, rank=0, world_size=1, slot_base=0, slot_count=width,
-                packet_elements=K, window=CongestionWindow(width, initial=width))
-    data = np.arange(2 * width * K, dtype=np.int32)
-    out = np.zeros_like(data)
-    op = s.allreduce(data, out, now=0.0, compiled=engine == "c")
-    sent = [bytes(d) for d in op.datagrams_to_send()]
-    assert [wire.decode_header(d).pkt_id for d in sent] == list(range(width))
-
-    def answer(datagram, now):
-        ((result, _),) = pipeline.receive_datagram(datagram, ("w", 0))
-        op.receive_datagram(bytes(result), now)
-        return [bytes(d) for d in op.datagrams_to_send()]
-
-    def ids(datagrams):
-        return [wire.decode_header(d).pkt_id for d in datagrams]
+    s, op, data, out, sent, answer = one_rank_call(engine)
+    assert ids(sent) == list(range(8))
 
     later = answer(sent[1], 0.001) + answer(sent[2], 0.0011)
     assert ids(later) == [9, 10]  # two results overtook message 0: not yet
@@ -513,24 +525,7 @@ def test_a_spurious_fast_retransmission_raises_the_reordering_threshold(engine):
 
     if engine == "c" and compiled._fastengine is None:
         pytest.skip("the C engine is not built")
-    width = 8
-    pipeline = Pipeline(slots=width, packet_elements=K)
-    pipeline.install_job("one", 0x55, [("w", 0)], 0, width)
-    s = Session(session=0x55, rank=0, world_size=1, slot_base=0, slot_count=width,
-                packet_elements=K, window=CongestionWindow(width, initial=width))
-    assert s.reordering == FAST_RETRANSMIT_THRESHOLD
-    data = np.arange(2 * width * K, dtype=np.int32)
-    out = np.zeros_like(data)
-    op = s.allreduce(data, out, now=0.0, compiled=engine == "c")
-    sent = [bytes(d) for d in op.datagrams_to_send()]
-
-    def answer(datagram, now):
-        ((result, _),) = pipeline.receive_datagram(datagram, ("w", 0))
-        op.receive_datagram(bytes(result), now)
-        return [bytes(d) for d in op.datagrams_to_send()]
-
-    def ids(datagrams):
-        return [wire.decode_header(d).pkt_id for d in datagrams]
+    s, op, _, _, sent, answer = one_rank_call(engine)
 
     later = answer(sent[1], 0.001) + answer(sent[2], 0.0011)
     assert 0 in ids(answer(sent[3], 0.0012))  # overtaken by three: sent again
