@@ -59,13 +59,14 @@ class OnTestbed:
         self.tb = testbed
         self.link_bps = testbed.link_bps
         from switchml.testbed import SWITCH_PORT
-        self.switch_bind = (testbed.switch_address, SWITCH_PORT)
         # switch servers, each in its namespace behind a shaped link, or the
         # switch on the bridge
         self.switch_servers = testbed.switches
         self.switch_binds = ([(f"s{k}", testbed.address(f"s{k}"), SWITCH_PORT)
                               for k in range(testbed.switches)]
                              or [("switch", testbed.switch_address, SWITCH_PORT)])
+        #: (host, port) of the first (bench/two_jobs.py's one switch)
+        self.switch_bind = self.switch_binds[0][1:]
 
     def popen(self, where, argv, **kw) -> subprocess.Popen:
         return self.tb.popen(where, argv, cwd=ROOT, env={"PYTHONPATH": ROOT}, **kw)
