@@ -244,6 +244,8 @@ static void heap_pop(Heap *h) {
 #define TAIL_PROBE_ROUND_TRIPS 2
 #define COPY_PROBE_ROUND_TRIPS 8
 #define TAIL_PROBE_MARGIN 0.00025
+/* recovery.CongestionWindow.QUEUE_FACTOR (exported; a test compares them) */
+#define QUEUE_FACTOR 1.5
 /* How a message's latest transmission went out (engine.py's SENT, FAST, PROBE). */
 enum { COPY_SENT, COPY_FAST, COPY_PROBE };
 
@@ -370,7 +372,7 @@ static void window_on_rtt_sample(DenseCore *c, double rtt, double sent_at, doubl
     if (rtt < c->epoch_min)
         c->epoch_min = rtt;
     if (sent_at >= c->epoch_start) {
-        if (c->epoch_min > 2 * c->min_rtt + c->queue_margin) /* a standing queue */
+        if (c->epoch_min > QUEUE_FACTOR * c->min_rtt + c->queue_margin) /* a standing queue */
             c->queue_at = now;
         else
             c->clear_at = now;
@@ -611,6 +613,15 @@ static double probe_at(DenseCore *c, int j) {
     return since + (TAIL_PROBE_ROUND_TRIPS * c->srtt + TAIL_PROBE_MARGIN);
 }
 
+/* Stream._probe_room: tail probes the window has room for. */
+static int64_t probe_room(DenseCore *c) {
+    int64_t probes = 0;
+    for (int j = 0; j < c->width; j++)
+        probes += c->copy[j] == COPY_PROBE && c->inflight[j] && !c->lost[j];
+    int64_t room = (int64_t)c->cwnd - c->inflight_count; /* not capped by the width */
+    return (room < 1 ? 1 : room) - probes;
+}
+
 /* Stream._probe: not a loss for the window; its timer stays. */
 static int probe(DenseCore *c, int j, double now) {
     c->backoff[j]++;
@@ -741,7 +752,7 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
             rtt_sample(c, elapsed);
             window_on_rtt_sample(c, elapsed, c->sent_at[j], now);
         }
-    } else if (!c->lost[j] && elapsed < c->min_rtt) {
+    } else if (!c->lost[j] && c->have_srtt && elapsed < c->min_rtt) {
         c->counters[COUNTER_SPURIOUS]++;
         if (c->copy[j] == COPY_FAST) {
             learn_reordering(c, j);
@@ -789,9 +800,12 @@ static double get_timer(DenseCore *c) { /* NAN: none */
     if (c->remaining == 0 || c->stalled)
         return NAN;
     double timer = c->last_progress + c->progress_timeout;
+    int64_t room = probe_room(c);
     for (int j = 0; j < c->width; j++) {
         if (c->deadline[j] < timer)
             timer = c->deadline[j];
+        if (room <= 0 && c->copy[j] != COPY_FAST)
+            continue;
         double probe_time = probe_at(c, j);
         if (probe_time < timer)
             timer = probe_time;
@@ -820,9 +834,14 @@ static int handle_timer(DenseCore *c, double now) {
     }
     if (expired && send_ready(c, now) < 0)
         return -1;
-    for (int j = 0; j < c->width; j++)
-        if (probe_at(c, j) <= now && probe(c, j, now) < 0)
-            return -1;
+    int64_t room = probe_room(c);
+    for (int j = 0; j < c->width; j++) {
+        if ((room > 0 || c->copy[j] == COPY_FAST) && probe_at(c, j) <= now) {
+            room -= c->copy[j] == COPY_SENT;
+            if (probe(c, j, now) < 0)
+                return -1;
+        }
+    }
     return 0;
 }
 
@@ -1417,7 +1436,8 @@ PyMODINIT_FUNC PyInit__fastengine(void) {
         PyModule_AddIntConstant(m, "MAX_REORDERING", MAX_REORDERING) < 0 ||
         PyModule_AddIntConstant(m, "TAIL_PROBE_ROUND_TRIPS", TAIL_PROBE_ROUND_TRIPS) < 0 ||
         PyModule_AddIntConstant(m, "COPY_PROBE_ROUND_TRIPS", COPY_PROBE_ROUND_TRIPS) < 0 ||
-        PyModule_AddObject(m, "TAIL_PROBE_MARGIN", PyFloat_FromDouble(TAIL_PROBE_MARGIN)) < 0) {
+        PyModule_AddObject(m, "TAIL_PROBE_MARGIN", PyFloat_FromDouble(TAIL_PROBE_MARGIN)) < 0 ||
+        PyModule_AddObject(m, "QUEUE_FACTOR", PyFloat_FromDouble(QUEUE_FACTOR)) < 0) {
         Py_DECREF(m);
         return NULL;
     }

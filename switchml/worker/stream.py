@@ -39,6 +39,8 @@ TCP's tail loss probe), and a fast retransmission 8 round trips and 4
 deviations (+0.25 ms) after it went out (its loss, or its result's, or a
 peer's copy's).  A probe is not a loss for the window (silence is no evidence
 of a queue); each transmission is probed at most once, and the timer stays.
+Tail probes fill the window's room and, past it, go one at a time
+(``Stream._probe_room``).
 
 The engine never reads a clock or touches a socket: callers pass ``now``.
 """
@@ -221,8 +223,10 @@ class Stream:
         if self.done or self.error:
             return None
         timer = min(min(self._deadline), self.last_progress + self.s.progress_timeout)
+        room = self._probe_room()
         for j in range(self.width):
-            timer = min(timer, self._probe_at(j))
+            if room > 0 or self._copy[j] == FAST:
+                timer = min(timer, self._probe_at(j))
         return timer
 
     def handle_timer(self, now: float) -> None:
@@ -244,8 +248,10 @@ class Stream:
                 expired = True
         if expired:
             self._send_ready(now)
+        room = self._probe_room()
         for j in range(self.width):
-            if self._probe_at(j) <= now:
+            if (room > 0 or self._copy[j] == FAST) and self._probe_at(j) <= now:
+                room -= self._copy[j] == SENT
                 self._probe(j, now)
 
     def pending(self) -> list[tuple[int, int]]:
@@ -280,10 +286,10 @@ class Stream:
             if not self._lost[j]:  # Karn: only unambiguous samples
                 rtt.add_sample(now - self._sent_at[j])
                 s.window.on_rtt_sample(now - self._sent_at[j], rtt.min_rtt, self._sent_at[j], now)
-        elif not self._lost[j] and now - self._sent_at[j] < rtt.min_rtt:
+        elif not self._lost[j] and rtt.srtt is not None and now - self._sent_at[j] < rtt.min_rtt:
             # Sooner after the retransmission than any round trip: the answer to
             # an earlier copy, so the timeout (or the fast retransmission) came
-            # too early.
+            # too early.  (Before any round trip is measured nothing tells.)
             s.counters["spurious_retransmissions"] += 1
             if self._copy[j] == FAST:
                 self._learn_reordering(j)
@@ -405,6 +411,19 @@ class Stream:
                 COPY_PROBE_ROUND_TRIPS * srtt + 4 * self.s.rtt.rttvar + TAIL_PROBE_MARGIN)
         return max(self._sent_at[j], self.last_progress) + (
             TAIL_PROBE_ROUND_TRIPS * srtt + TAIL_PROBE_MARGIN)
+
+    def _probe_room(self) -> int:
+        """How many more tail probes may go out: a probe is one more datagram in
+        flight, so probes fill the window's room (its own, not capped by the call's
+        width), and past it one probe at a time may be unanswered (TCP's tail loss
+        probe, RFC 8985).  Probing every message of a full window after two round
+        trips of silence doubled the load of a congested port: 16 workers into
+        one switch server at 100 Mbit/s sent 12,747 probes a worker a call and
+        collapsed (docs/benchmarks.md, session 7)."""
+        probes = sum(1 for j in range(self.width) if self._copy[j] == PROBE
+                     and self._inflight[j] is not None and not self._lost[j])
+        window = self.s.window
+        return max(window.allowed(window.limit) - self.inflight_count, 1) - probes
 
     def _probe(self, j: int, now: float) -> None:
         """Send message j again: no result for a probe time, so none will reveal
