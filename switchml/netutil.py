@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import socket
+import struct
 import sys
 
 from .config import check_keepalive
@@ -59,6 +61,27 @@ def enable_keepalive(sock: socket.socket, seconds: float) -> None:
         option = getattr(socket, name, None)
         if option is not None:  # Linux has them all; elsewhere the system's defaults
             sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+#: Linux's ioctl for the bytes of a TCP socket's send queue that its peer has not
+#: acknowledged (SIOCOUTQ, the same number as TIOCOUTQ); None elsewhere.
+SIOCOUTQ = 0x5411 if sys.platform.startswith("linux") else None
+
+
+def unacknowledged(sock: socket.socket) -> int:
+    """Bytes written to a TCP socket that its peer has not acknowledged, sent or not.
+
+    What the peer's kernel did not take: a peer that does not read its replies
+    stops acknowledging once its receive buffer is full, and the rest waits in
+    this socket's send buffer (up to net.ipv4.tcp_wmem's maximum, 4 MiB by
+    default).  0 where the system cannot tell (not Linux).
+    """
+    if SIOCOUTQ is None:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), SIOCOUTQ, bytes(4)))[0]
+    except OSError:
+        return 0
 
 
 #: Linux's socket options for the path MTU (Python's socket module lacks some).

@@ -24,7 +24,8 @@ dropped_packets_total              reason                 every drop since the s
                                                           with or without a job (monotonic)
 packets_in_total                                          every admitted contribution (monotonic)
 control_events_total               event                  jobs started / ended / failed, joins
-                                                          refused, bad control messages, errors
+                                                          refused, control connections hung up
+                                                          (bad message, slow reader, lost), errors
 joins_refused_total                reason                 refused joins by reason or limit
 slots / slots_free                                        the pool and its free part
 jobs                               state                  running, waiting for room, gathering

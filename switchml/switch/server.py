@@ -4,7 +4,10 @@ One thread runs everything: it drains the UDP socket through the pipeline and
 serves control connections in between, so the sans-IO pipeline and controller
 never see concurrent calls.  The control port and the data port have the same
 number (TCP and UDP).  Control replies are queued per connection and sent without
-blocking: a client that does not read them is hung up on, never waited for.
+blocking: a client that does not read them is hung up on, never waited for.  Every
+hang-up is counted by its reason: ``control_bad_message`` (not JSON lines),
+``control_slow_reader`` (replies not read), ``control_lost`` (the connection
+failed: reset, or timed out by TCP keepalive); a client closing is not one.
 Optionally, Prometheus metrics are served over HTTP on their own thread; they are
 read from the counters at scrape time (see ``metrics.py``).
 """
@@ -29,6 +32,7 @@ from ..netutil import (
     enlarge_buffers,
     forbid_fragmentation,
     route_mtu,
+    unacknowledged,
 )
 from ..protocol import Error
 from . import fastpipeline
@@ -46,7 +50,8 @@ DRAIN_BATCH = 256
 FAST_DRAIN_BATCH = 2048
 #: Seconds between readings of the serving thread's CPU time (``cpu_s`` in stats).
 CPU_READ_INTERVAL = 0.1
-#: Bytes of unsent control replies after which a connection that does not read is closed.
+#: Bytes of control replies its client has not acknowledged, queued in the switch or
+#: in its kernel's send buffer, after which a connection that does not read is closed.
 MAX_CONTROL_BACKLOG = 4 << 20
 #: Seconds the listener rests after accept() failed (out of file descriptors, say).
 ACCEPT_PAUSE = 0.2
@@ -350,14 +355,14 @@ class Switch:
             data = conn.sock.recv(65536)
             messages = conn.reader.feed(data) if data else None
         except OSError as exc:
-            log.info("control connection lost: %s", exc)
-            messages = None
+            self._hang_up(conn, "control_lost", logging.INFO, "control connection lost: %s", exc)
+            return
         except ValueError as exc:  # not JSON lines: hang up on it
-            log.info("closing a control connection that sent a bad message: %s", exc)
-            self.pipeline.counters["control_bad_message"] += 1
-            messages = None
+            self._hang_up(conn, "control_bad_message", logging.INFO,
+                          "closing a control connection that sent a bad message: %s", exc)
+            return
         with self._lock:
-            if messages is None:
+            if messages is None:  # the client closed it
                 self._close(conn)
                 return
             replies: list = []
@@ -369,6 +374,16 @@ class Switch:
                     log.exception("controller failed on %r", message)
                     replies.append((conn.sock, Error("internal error").to_dict()))
             self._send(replies)
+
+    def _hang_up(self, conn: _Connection, counter: str, level: int, why: str, *args) -> None:
+        """Close a control connection for a reason, counted as ``counter`` and logged;
+        the count and the close are one step for ``stats()``."""
+        with self._lock:
+            if conn.sock not in self._conns:  # closed already
+                return
+            self.pipeline.counters[counter] += 1
+            log.log(level, why, *args)
+            self._close(conn)
 
     def _close(self, conn: _Connection) -> None:
         """Forget a control connection; the controller fails or shrinks its job."""
@@ -387,20 +402,26 @@ class Switch:
                 self._flush(conn)
 
     def _flush(self, conn: _Connection) -> None:
-        """Send what the socket takes now; watch for writability while replies remain."""
+        """Send what the socket takes now; watch for writability while replies remain.
+
+        The backlog bound counts the replies the kernel took but the client did not
+        acknowledge: the kernel's send buffer grows to some MiB, and a client that
+        does not read could otherwise fill it, stall its side of the exchange, and
+        be timed out by TCP (``control_lost``) before the switch's own queue grew.
+        """
         try:
             while conn.outbox:
                 del conn.outbox[: conn.sock.send(conn.outbox)]
         except BlockingIOError:
             pass
-        except OSError:
-            conn.outbox.clear()  # the peer is gone; reading will tell
-        if len(conn.outbox) > MAX_CONTROL_BACKLOG:
-            self.pipeline.counters["control_slow_reader"] += 1
-            log.warning("closing a control connection that does not read its replies "
-                        "(%d bytes queued)", len(conn.outbox))
-            with self._lock:
-                self._close(conn)
+        except OSError as exc:  # reset, or timed out: the client is gone
+            self._hang_up(conn, "control_lost", logging.INFO, "control connection lost: %s", exc)
+            return
+        backlog = len(conn.outbox) + unacknowledged(conn.sock)
+        if backlog > MAX_CONTROL_BACKLOG:
+            self._hang_up(conn, "control_slow_reader", logging.WARNING,
+                          "closing a control connection that does not read its replies "
+                          "(%d bytes not acknowledged)", backlog)
             return
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbox else 0)
         if self._selector.get_key(conn.sock).events != events:
