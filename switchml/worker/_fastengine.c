@@ -244,8 +244,10 @@ static void heap_pop(Heap *h) {
 #define TAIL_PROBE_ROUND_TRIPS 2
 #define COPY_PROBE_ROUND_TRIPS 8
 #define TAIL_PROBE_MARGIN 0.00025
-/* recovery.CongestionWindow.QUEUE_FACTOR (exported; a test compares them) */
+/* recovery.CongestionWindow.QUEUE_FACTOR, RttEstimator.MAX_KEPT_BACKOFF (exported; a
+   test compares them) */
 #define QUEUE_FACTOR 1.5
+#define MAX_KEPT_BACKOFF 3
 /* How a message's latest transmission went out (engine.py's SENT, FAST, PROBE). */
 enum { COPY_SENT, COPY_FAST, COPY_PROBE };
 
@@ -309,6 +311,8 @@ typedef struct {
     /* RttEstimator */
     int have_srtt;
     double srtt, rttvar, min_rtt, rto_value, min_rto, max_rto;
+    int kept_backoff;  /* RttEstimator.kept_backoff */
+    double kept_since; /* RttEstimator._kept_since */
     /* CongestionWindow */
     double cwnd, ssthresh, last_decrease, delay_margin, queue_margin;
     int64_t window_limit;
@@ -329,11 +333,22 @@ typedef struct {
 
 static double rto(DenseCore *c, int backoff) {
     double base = c->rto_value > c->min_rto ? c->rto_value : c->min_rto;
-    double value = base * ldexp(1.0, backoff);
+    double value = base * ldexp(1.0, backoff + c->kept_backoff);
     return value < c->max_rto ? value : c->max_rto;
 }
 
-static void rtt_sample(DenseCore *c, double rtt) {
+/* RttEstimator.on_premature_timeout */
+static void rtt_on_premature_timeout(DenseCore *c, double sent_at, double now) {
+    if (sent_at >= c->kept_since) {
+        if (c->kept_backoff < MAX_KEPT_BACKOFF)
+            c->kept_backoff++;
+        c->kept_since = now;
+    }
+}
+
+static void rtt_sample(DenseCore *c, double rtt, double sent_at) {
+    if (sent_at >= c->kept_since)
+        c->kept_backoff = 0;
     if (!c->have_srtt) {
         c->have_srtt = 1;
         c->srtt = rtt;
@@ -749,7 +764,7 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
     double elapsed = now - c->sent_at[j];
     if (c->backoff[j] == 0) {
         if (!c->lost[j]) { /* Karn: only unambiguous samples */
-            rtt_sample(c, elapsed);
+            rtt_sample(c, elapsed, c->sent_at[j]);
             window_on_rtt_sample(c, elapsed, c->sent_at[j], now);
         }
     } else if (!c->lost[j] && c->have_srtt && elapsed < c->min_rtt) {
@@ -757,6 +772,8 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
         if (c->copy[j] == COPY_FAST) {
             learn_reordering(c, j);
             answered = c->overtaken_send_no[j]; /* the original's result */
+        } else if (c->copy[j] == COPY_SENT) { /* the timer's copy: the RTO was too short */
+            rtt_on_premature_timeout(c, c->sent_at[j], now);
         }
         if (!isnan(c->decreased_at[j]))
             window_undo_decrease(c, c->decreased_at[j]);
@@ -944,9 +961,9 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "slot_msgs: a list of at least width numbers");
         return -1;
     }
-    if (!PyArg_ParseTuple(rtt_state, "pdddddddd", &c->have_srtt, &c->srtt, &c->rttvar, &c->min_rtt,
-                          &c->rto_value, &c->min_rto, &c->max_rto, &c->delay_margin,
-                          &c->queue_margin))
+    if (!PyArg_ParseTuple(rtt_state, "pddddddddid", &c->have_srtt, &c->srtt, &c->rttvar,
+                          &c->min_rtt, &c->rto_value, &c->min_rto, &c->max_rto, &c->delay_margin,
+                          &c->queue_margin, &c->kept_backoff, &c->kept_since))
         return -1;
     if (!PyArg_ParseTuple(window_state, "dddLpddddddd", &c->cwnd, &c->ssthresh,
                           &c->last_decrease, &c->window_limit, &c->has_undo, &c->undo_at,
@@ -1112,8 +1129,8 @@ static PyObject *core_export_state(DenseCore *c, PyObject *unused) {
         Py_DECREF(v);
         c->counters[i] = 0;
     }
-    return Py_BuildValue("(N(idddd)(dddiddddddd)Ni)", msgs, c->have_srtt, c->srtt, c->rttvar,
-                         c->min_rtt, c->rto_value, c->cwnd, c->ssthresh, c->last_decrease,
+    return Py_BuildValue("(N(iddddid)(dddiddddddd)Ni)", msgs, c->have_srtt, c->srtt, c->rttvar,
+                         c->min_rtt, c->rto_value, c->kept_backoff, c->kept_since, c->cwnd, c->ssthresh, c->last_decrease,
                          c->has_undo, c->undo_at, c->undo_cwnd, c->undo_ssthresh, c->epoch_start,
                          c->epoch_min, c->queue_at, c->clear_at, counters, c->reordering);
 }
@@ -1437,7 +1454,8 @@ PyMODINIT_FUNC PyInit__fastengine(void) {
         PyModule_AddIntConstant(m, "TAIL_PROBE_ROUND_TRIPS", TAIL_PROBE_ROUND_TRIPS) < 0 ||
         PyModule_AddIntConstant(m, "COPY_PROBE_ROUND_TRIPS", COPY_PROBE_ROUND_TRIPS) < 0 ||
         PyModule_AddObject(m, "TAIL_PROBE_MARGIN", PyFloat_FromDouble(TAIL_PROBE_MARGIN)) < 0 ||
-        PyModule_AddObject(m, "QUEUE_FACTOR", PyFloat_FromDouble(QUEUE_FACTOR)) < 0) {
+        PyModule_AddObject(m, "QUEUE_FACTOR", PyFloat_FromDouble(QUEUE_FACTOR)) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_KEPT_BACKOFF", MAX_KEPT_BACKOFF) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -72,7 +72,8 @@ class CompiledDenseAllreduce:
             bits=session.bits16 if wire_bits == 16 else session.bits, seq=seq,
             slot_msgs=session.slot_msgs, now=now, progress_timeout=session.progress_timeout,
             rtt=(rtt.srtt is not None, rtt.srtt or 0.0, rtt.rttvar, rtt.min_rtt, rtt._rto,
-                 rtt.min_rto, rtt.max_rto, window.DELAY_MARGIN, window.QUEUE_MARGIN),
+                 rtt.min_rto, rtt.max_rto, window.DELAY_MARGIN, window.QUEUE_MARGIN,
+                 rtt.kept_backoff, rtt._kept_since),
             window=(window.cwnd, window.ssthresh, window._last_decrease, window.limit,
                     window._undo is not None, *(window._undo or (0.0, 0.0, 0.0)),
                     window._epoch_start, window._epoch_min, window._queue_at, window._clear_at),
@@ -88,7 +89,7 @@ class CompiledDenseAllreduce:
     def sync(self) -> None:
         """Write the core's message numbers, RTT, window, reordering threshold and
         counters to the Session."""
-        msgs, (have_srtt, srtt, rttvar, min_rtt, rto), (
+        msgs, (have_srtt, srtt, rttvar, min_rtt, rto, kept_backoff, kept_since), (
             cwnd, ssthresh, last_decrease, has_undo, *undo,
             epoch_start, epoch_min, queue_at, clear_at), counters, reordering = \
             self._core.export_state()
@@ -98,6 +99,7 @@ class CompiledDenseAllreduce:
         rtt = s.rtt
         rtt.srtt = srtt if have_srtt else None
         rtt.rttvar, rtt.min_rtt, rtt._rto = rttvar, min_rtt, rto
+        rtt.kept_backoff, rtt._kept_since = kept_backoff, kept_since
         window = s.window
         window.cwnd, window.ssthresh, window._last_decrease = cwnd, ssthresh, last_decrease
         window._undo = tuple(undo) if has_undo else None

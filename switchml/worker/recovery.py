@@ -64,7 +64,24 @@ class RttEstimator:
     milliseconds, and a timeout below that retransmits packets that were never
     lost (counted as ``spurious_retransmissions``).  ``initial_rto`` (50 ms)
     holds until the first sample.
+
+    A timeout that proves premature (the original's result comes sooner after the
+    timer's copy than any round trip) doubles the RTO of the messages sent after
+    it too (``kept_backoff``, at most ``MAX_KEPT_BACKOFF`` times), until one of
+    them answers in time, as TCP keeps its backed-off RTO until a new sample
+    (RFC 6298, 5.5 and 5.7).  Without it the estimate is censored: Karn takes no
+    sample from a message that timed out, so the longest round trips never reach
+    it, and where they are common the RTO stays below them.  Four parts striped
+    over four switches on two cores (16 workers at 100 Mbit/s) timed out 634
+    messages a worker a call while the testbed dropped 31 datagrams a run (each
+    timeout also halving a window): 6.77 s a call, 6.03 s with this.  Only proven
+    premature timeouts: backing off after every timeout slowed the recovery of
+    real losses (16 ranks into one port in the simulator: 47% of its rate
+    against 52%).
     """
+
+    #: The most doublings a timeout leaves on the RTO of later messages.
+    MAX_KEPT_BACKOFF = 3
 
     def __init__(self, initial_rto: float = 0.05, min_rto: float = 0.01, max_rto: float = 1.0):
         self.min_rto = min_rto
@@ -73,8 +90,13 @@ class RttEstimator:
         self.rttvar = 0.0
         self.min_rtt = math.inf
         self._rto = initial_rto
+        self.kept_backoff = 0
+        self._kept_since = -math.inf  # when a timeout last raised kept_backoff
 
-    def add_sample(self, rtt: float) -> None:
+    def add_sample(self, rtt: float, sent_at: float = math.inf) -> None:
+        """An unambiguous RTT sample, of a message sent at ``sent_at``."""
+        if sent_at >= self._kept_since:  # it had the backed-off RTO, and answered in time
+            self.kept_backoff = 0
         if self.srtt is None:
             self.srtt, self.rttvar = rtt, rtt / 2
         else:
@@ -83,9 +105,19 @@ class RttEstimator:
         self.min_rtt = min(self.min_rtt, rtt)
         self._rto = self.srtt + 4 * self.rttvar
 
+    def on_premature_timeout(self, sent_at: float, now: float) -> None:
+        """A timeout proved premature (the timer's copy, sent at ``sent_at``, was
+        answered at ``now`` sooner than any round trip): later messages wait twice as
+        long, once per such event (only a copy sent after the last doubling doubles
+        again), until one answers in time."""
+        if sent_at >= self._kept_since:
+            self.kept_backoff = min(self.kept_backoff + 1, self.MAX_KEPT_BACKOFF)
+            self._kept_since = now
+
     def rto(self, backoff: int = 0) -> float:
         """Timeout for a packet already retransmitted ``backoff`` times."""
-        return min(self.max_rto, max(self.min_rto, self._rto) * (2 ** backoff))
+        return min(self.max_rto,
+                   max(self.min_rto, self._rto) * (2 ** (backoff + self.kept_backoff)))
 
 
 class CongestionWindow:

@@ -284,7 +284,7 @@ class Stream:
         answered = self._send_no[j]  # the latest transmission's, unless proven otherwise
         if self._backoff[j] == 0:
             if not self._lost[j]:  # Karn: only unambiguous samples
-                rtt.add_sample(now - self._sent_at[j])
+                rtt.add_sample(now - self._sent_at[j], self._sent_at[j])
                 s.window.on_rtt_sample(now - self._sent_at[j], rtt.min_rtt, self._sent_at[j], now)
         elif not self._lost[j] and rtt.srtt is not None and now - self._sent_at[j] < rtt.min_rtt:
             # Sooner after the retransmission than any round trip: the answer to
@@ -294,6 +294,8 @@ class Stream:
             if self._copy[j] == FAST:
                 self._learn_reordering(j)
                 answered = self._overtaken_send_no[j]  # the original's result
+            elif self._copy[j] == SENT:  # the timer's copy: the RTO was too short
+                rtt.on_premature_timeout(self._sent_at[j], now)
             if self._decreased_at[j] is not None:
                 s.window.undo_decrease(self._decreased_at[j])
         self._note_result(answered)
