@@ -62,9 +62,10 @@ class Network:
         self.datagrams = 0
         self.bottleneck_drops = 0
 
-    def send(self, data, src, dst) -> None:
-        """Put a copy of ``data`` on the wire, subject to the faults and the bottleneck."""
-        f = self.faults
+    def send(self, data, src, dst, faults: Faults | None = None) -> None:
+        """Put a copy of ``data`` on the wire, subject to the faults (the network's, or
+        ``faults`` for this link) and the bottleneck."""
+        f = faults or self.faults
         if f.loss and self.rng.random() < f.loss:
             return
         data = bytes(data)
@@ -92,44 +93,17 @@ class Network:
         return src, dst, data
 
 
-class Simulation:
-    """n workers of one job and a switch pipeline, driven by a virtual clock.
+class CallDriver:
+    """Whole allreduces of one job's workers on a virtual clock: what a job needs
+    from its simulation is ``network``, ``sessions``, ``addresses`` (each rank's
+    data address), ``compiled``, ``_send`` and ``step``."""
 
-    Several jobs share one switch and one network when built with the same
-    ``pipeline`` and ``network``; ``run_concurrently`` drives them together.
-    """
-
-    def __init__(self, world_size: int, *, slots: int = 8, packet_elements: int | None = None,
-                 faults: Faults | None = None, seed: int = 0, pipeline: Pipeline | None = None,
-                 session: int = 0x5EED, slot_base: int | None = None,
-                 progress_timeout: float = 60.0, block_elements: int | None = None,
-                 bottleneck: Bottleneck | None = None, network: Network | None = None,
-                 compiled: bool = False, addresses: list | None = None):
-        """``packet_elements`` and ``block_elements`` are the job's packet size: with a
-        given ``pipeline`` they may be smaller than its own (its defaults when None);
-        without one, the pipeline built here has that size (64 values by default).
-        ``addresses``: the workers' data addresses, by rank (names by default)."""
-        self.network = network or Network(faults, seed, bottleneck)
-        self.faults = self.network.faults
-        if pipeline is None:
-            pipeline = Pipeline(slots=slots, packet_elements=packet_elements or 64,
-                                block_elements=block_elements)
-            packet_elements, block_elements = pipeline.packet_elements, pipeline.block_elements
-        self.pipeline = pipeline
-        addrs = addresses or [("worker", r, session) for r in range(world_size)]
-        self.rank_of = {addr: rank for rank, addr in enumerate(addrs)}
-        base = self.pipeline.allocate(slots) if slot_base is None else slot_base
-        self.job = self.pipeline.install_job(f"sim-{session}", session, addrs, base, slots,
-                                             packet_elements, block_elements)
-        self.sessions = [Session(session=session, rank=r, world_size=world_size,
-                                 slot_base=base, slot_count=slots,
-                                 packet_elements=self.job.packet_elements,
-                                 block_elements=self.job.block_elements,
-                                 progress_timeout=progress_timeout)
-                         for r in range(world_size)]
-        self.ops: list = []
-        self.call_ops: list = []
-        self.compiled = compiled  # calls on the C engine (worker/compiled.py)
+    network: Network
+    sessions: list
+    addresses: list
+    compiled: bool
+    ops: list
+    call_ops: list
 
     @property
     def now(self) -> float:
@@ -140,7 +114,10 @@ class Simulation:
         return self.network.datagrams
 
     def _send(self, data, src, dst) -> None:
-        self.network.send(data, src, dst)
+        raise NotImplementedError
+
+    def step(self, give_up: float = float("inf"), max_time: float = float("inf")) -> None:
+        raise NotImplementedError
 
     def begin(self, arrays: list[np.ndarray], sparse: bool = False,
               wire_bits: int = 32) -> list[np.ndarray]:
@@ -151,7 +128,7 @@ class Simulation:
             extra["wire_bits"] = wire_bits
         self.ops = [s.allreduce(a, o, self.now, sparse, **extra)
                     for s, a, o in zip(self.sessions, arrays, outs)]
-        for addr, op in zip(self.job.members, self.ops):
+        for addr, op in zip(self.addresses, self.ops):
             for d in op.datagrams_to_send():
                 self._send(d, addr, SWITCH)
         return outs
@@ -188,6 +165,50 @@ class Simulation:
         while not self.finished:
             self.step(give_up, max_time)
         return outs
+
+
+class Simulation(CallDriver):
+    """n workers of one job and a switch pipeline, driven by a virtual clock.
+
+    Several jobs share one switch and one network when built with the same
+    ``pipeline`` and ``network``; ``run_concurrently`` drives them together.
+    """
+
+    def __init__(self, world_size: int, *, slots: int = 8, packet_elements: int | None = None,
+                 faults: Faults | None = None, seed: int = 0, pipeline: Pipeline | None = None,
+                 session: int = 0x5EED, slot_base: int | None = None,
+                 progress_timeout: float = 60.0, block_elements: int | None = None,
+                 bottleneck: Bottleneck | None = None, network: Network | None = None,
+                 compiled: bool = False, addresses: list | None = None):
+        """``packet_elements`` and ``block_elements`` are the job's packet size: with a
+        given ``pipeline`` they may be smaller than its own (its defaults when None);
+        without one, the pipeline built here has that size (64 values by default).
+        ``addresses``: the workers' data addresses, by rank (names by default)."""
+        self.network = network or Network(faults, seed, bottleneck)
+        self.faults = self.network.faults
+        if pipeline is None:
+            pipeline = Pipeline(slots=slots, packet_elements=packet_elements or 64,
+                                block_elements=block_elements)
+            packet_elements, block_elements = pipeline.packet_elements, pipeline.block_elements
+        self.pipeline = pipeline
+        addrs = addresses or [("worker", r, session) for r in range(world_size)]
+        self.rank_of = {addr: rank for rank, addr in enumerate(addrs)}
+        self.addresses = list(addrs)
+        base = self.pipeline.allocate(slots) if slot_base is None else slot_base
+        self.job = self.pipeline.install_job(f"sim-{session}", session, addrs, base, slots,
+                                             packet_elements, block_elements)
+        self.sessions = [Session(session=session, rank=r, world_size=world_size,
+                                 slot_base=base, slot_count=slots,
+                                 packet_elements=self.job.packet_elements,
+                                 block_elements=self.job.block_elements,
+                                 progress_timeout=progress_timeout)
+                         for r in range(world_size)]
+        self.ops: list = []
+        self.call_ops: list = []
+        self.compiled = compiled  # calls on the C engine (worker/compiled.py)
+
+    def _send(self, data, src, dst) -> None:
+        self.network.send(data, src, dst)
 
     def step(self, give_up: float = float("inf"), max_time: float = float("inf")) -> None:
         """Deliver the next datagram or fire the next timers of the call running."""
