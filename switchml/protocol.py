@@ -142,9 +142,20 @@ class RackJoin(Join):
     """A rack switch relays one of its workers' joins to the spine (docs/protocol.md,
     "Two levels"): ``data_addr`` is the rack's own address in the spine's job, the
     same for every rank it relays on one connection; ``mtu`` the least of the
-    worker's path and the rack's path to the spine."""
+    worker's path and the rack's path to the spine; ``rack`` the rack switch's
+    own "host:port", which names it in errors."""
 
     name = "rack_join"
+    rack: str = ""
+
+    def fields(self) -> dict:
+        return {**super().fields(), "rack": self.rack}
+
+    @classmethod
+    def from_dict(cls, msg: dict) -> RackJoin:
+        join = Join.from_dict(msg)
+        return cls(join.job, join.rank, join.world_size, join.data_addr, join.slots,
+                   join.rcvbuf, join.mtu, join.wait, rack=str(msg.get("rack", ""))[:MAX_NAME])
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,22 @@ and must give bit for bit what one flat switch gives the same inputs.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
+
 import numpy as np
 import pytest
-from conftest import reference_sum
+from conftest import reference_sum, run_ranks
 
-from switchml import wire
+import switchml
+from switchml import Switch, protocol, wire
 from switchml.sim import Faults, Simulation
 from switchml.sim_racks import SPINE, Fabric, RackedJob, RackFailure, run_together
+from switchml.switch.control import Controller
+from switchml.switch.pipeline import Pipeline
 from switchml.switch.rack import RackPipeline, Uplink
+from switchml.switch.rack_control import CloseUplink, RackController, ToSpine
 
 K = 16       # packet_elements
 SLOTS = 4    # a job's window
@@ -320,10 +328,6 @@ class Relay:
     worker connection got, in order."""
 
     def __init__(self, racks=2, slots=16):
-        from switchml.switch.control import Controller
-        from switchml.switch.pipeline import Pipeline
-        from switchml.switch.rack_control import RackController
-
         self.spine = Controller(Pipeline(slots, K), data_port=7300, slots_per_job=4)
         self.racks = []
         for r in range(racks):
@@ -346,8 +350,6 @@ class Relay:
         self.spine_replies(self.spine.handle_disconnect((rack, job)))
 
     def route(self, rack, out):
-        from switchml.switch.rack_control import CloseUplink, ToSpine
-
         for item in out:
             if isinstance(item, ToSpine):
                 self.open_uplinks.add((rack, item.job))
@@ -406,7 +408,7 @@ def test_a_rack_switch_that_dies_fails_the_job_on_the_other_racks_naming_it():
         failed = relay.told[("j", rank)][-1]
         assert failed["event"] == "failed"
         assert failed["missing"] == [2, 3]
-        assert "the rack switch at 10.0.1.1:9001 (ranks 2, 3)" in failed["reason"]
+        assert "the rack switch at 10.0.1.1:7401 (ranks 2, 3)" in failed["reason"]
     assert relay.racks[0].pipeline.jobs == {} and relay.spine.pipeline.jobs == {}
     assert relay.open_uplinks == set()
 
@@ -468,11 +470,81 @@ def test_a_rank_gone_before_the_job_started_makes_its_rack_join_again():
 
 
 def test_rack_ready_and_rack_join_round_trip():
-    from switchml import protocol
-
     ready = protocol.RackReady(5, 0, 4, 64, 64, 7300, 1, 2)
     assert protocol.decode_event(ready.to_dict()) == ready
-    rack_join = protocol.RackJoin("j", 3, 4, ("10.0.1.1", 9001), mtu=1500)
+    rack_join = protocol.RackJoin("j", 3, 4, ("10.0.1.1", 9001), mtu=1500, rack="10.0.1.1:7301")
     assert protocol.decode_request(rack_join.to_dict()) == rack_join
     assert isinstance(protocol.decode_request(join(0)), protocol.Join)
     assert not isinstance(protocol.decode_request(join(0)), protocol.RackJoin)
+
+
+# ---------------------------------------------------------------- real sockets
+def rack_switches(racks=2, **settings):
+    """A spine switch and ``racks`` rack switches under it, in this process."""
+    stack = contextlib.ExitStack()
+    geometry = {"packet_elements": 512, "slots": 64, **settings}
+    spine = stack.enter_context(Switch(slots_per_job=8, **geometry))
+    under = [stack.enter_context(Switch(upstream="%s:%d" % spine.address, **geometry))
+             for _ in range(racks)]
+    return stack, spine, under
+
+
+def test_two_levels_over_sockets_give_the_flat_sums():
+    placement = [0, 1, 0, 1]
+    stack, spine, racks = rack_switches()
+    with stack:
+        assert not racks[0].fastpath and racks[0].stats()["admission"]["upstream"]
+        calls = [make_inputs(4, size, dtype, seed=size)
+                 for size, dtype in ((5000, np.float32), (1, np.float32), (3000, np.int32))]
+
+        def body(rank):
+            with switchml.Worker(racks[placement[rank]].address, rank, 4, job="two-level",
+                                 timeout=20) as w:
+                return w.session.packet_elements, [w.allreduce(c[rank]) for c in calls]
+
+        results = run_ranks(4, body)
+        packet = results[0][0]
+        for inputs, *outs in zip(calls, *(r[1] for r in results)):
+            same_bits(outs, reference_sum(inputs, packet))
+        stats = spine.stats()
+        spine_job = stats["ended_jobs"]["two-level"]
+        assert spine_job["world_size"] == 2  # two racks, one member each
+        for rack in racks:
+            job = rack.stats()["ended_jobs"]["two-level"]
+            assert job["counters"]["partials_up"] == job["counters"]["results_from_spine"] > 0
+
+
+def test_a_rack_switch_stopped_fails_the_job_on_the_other_rack_naming_it():
+    stack, spine, racks = rack_switches()
+    with stack:
+        rack1 = "%s:%d" % racks[1].address
+        first_done = threading.Barrier(5)
+        killed = threading.Event()
+
+        def body(rank):
+            with switchml.Worker(racks[rank // 2].address, rank, 4, job="dies",
+                                 timeout=10) as w:
+                w.allreduce(np.ones(2000, np.float32))
+                first_done.wait(20)
+                killed.wait(20)
+                started = time.monotonic()
+                with pytest.raises(switchml.SwitchMLError) as failure:
+                    w.allreduce(np.ones(2000, np.float32))
+                return str(failure.value), time.monotonic() - started
+
+        def kill():
+            first_done.wait(20)
+            racks[1].stop()
+            time.sleep(0.2)  # the spine hears of it, and rack 0 from the spine
+            killed.set()
+
+        killer = threading.Thread(target=kill)
+        killer.start()
+        results = run_ranks(4, body, timeout=40)
+        killer.join()
+        for rank in (0, 1):
+            message, took = results[rank]
+            assert f"the rack switch at {rack1} (ranks 2, 3)" in message, message
+            assert took < 5
+        for rank in (2, 3):
+            assert rack1 in results[rank][0], results[rank][0]

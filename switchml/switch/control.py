@@ -118,7 +118,7 @@ class Controller:
         self.max_jobs = max_jobs
         self.jobs: dict[str, JobEntry] = {}
         self._conn_job: dict = {}  # connection id -> (job name, its first rank)
-        self._racks: set = set()  # connections of rack switches: several ranks each
+        self._racks: dict = {}  # connections of rack switches (several ranks each) -> name
         self._queue: list[str] = []  # names of waiting jobs, in arrival order
         self._recent: deque[int] = deque(maxlen=RECENT_SESSIONS_KEPT)
         self.refused: Counter = Counter()  # joins refused, by reason
@@ -159,8 +159,7 @@ class Controller:
         entry = self._conn_job.pop(conn, None)
         if entry is None:
             return []
-        rack = conn in self._racks
-        self._racks.discard(conn)
+        rack = self._racks.pop(conn, None)
         name, rank = entry
         job = self.jobs.get(name)
         if job is None:
@@ -185,12 +184,11 @@ class Controller:
                 return []
             return self._announce_present(job)
         if rack:
-            host, port = job.addrs[rank]
-            why = (f"the rack switch at {host}:{port} (ranks {', '.join(map(str, ranks))}) "
-                   f"of job '{name}' disconnected")
+            who = f"the rack switch at {rack} (ranks {', '.join(map(str, ranks))})"
+            why = f"{who} of job '{name}' disconnected"
         else:
-            why = f"rank {rank} of job '{name}' disconnected"
-        log.warning("job %s failed: %s without leaving", name, why)
+            who, why = f"rank {rank}", f"rank {rank} of job '{name}' disconnected"
+        log.warning("job %s failed: %s disconnected without leaving", name, who)
         return self._fail(job, ranks, why)
 
     def admission(self) -> dict:
@@ -260,8 +258,8 @@ class Controller:
         if join.wait:
             job.patient.add(rank)
         self._conn_job.setdefault(conn, (name, rank))
-        if relayed:
-            self._racks.add(conn)
+        if isinstance(join, protocol.RackJoin):
+            self._racks[conn] = join.rack or "%s:%d" % addr
         log.info("job %s: rank %d/%d joined from %s:%d%s", name, rank, world, *addr,
                  " (a rack switch)" if relayed else "")
         if len(job.conns) < world:
@@ -303,7 +301,7 @@ class Controller:
         conns = _members(job)
         for c in conns:
             self._conn_job.pop(c, None)
-            self._racks.discard(c)
+            self._racks.pop(c, None)
         del self.jobs[job.name]
         self.pipeline.counters["control_join_refused"] += len(job.conns)
         self.refused[limit] += len(job.conns)
@@ -433,7 +431,7 @@ class Controller:
         self.jobs.pop(job.name, None)
         for c in job.conns.values():
             self._conn_job.pop(c, None)
-            self._racks.discard(c)
+            self._racks.pop(c, None)
         if state == "ended":
             self.pipeline.counters["jobs_ended"] += 1
         return self._admit_waiting()

@@ -90,6 +90,15 @@ class RackController:
         self.jobs: dict[str, RackJob] = {}
         self._conn_job: dict = {}  # worker connection -> (job name, rank)
 
+    def admission(self) -> dict:
+        """The jobs of this rack: running (with their spine) and gathering."""
+        return {
+            "upstream": "%s:%d" % self.spine,
+            "running": sum(1 for j in self.jobs.values() if j.session),
+            "gathering": [{"job": j.name, "world_size": j.world_size, "present": j.ranks}
+                          for j in self.jobs.values() if not j.session],
+        }
+
     # ------------------------------------------------------------------ from workers
     def handle_message(self, conn, msg) -> list:
         try:
@@ -141,7 +150,8 @@ class RackController:
             except OSError as exc:
                 log.warning("job %s: no MTU for the routes of rank %d: %s", name, rank, exc)
         relayed = protocol.RackJoin(name, rank, world, job.uplink_addr, join.slots,
-                                    join.rcvbuf, mtu, join.wait)
+                                    join.rcvbuf, mtu, join.wait,
+                                    rack=f"{job.uplink_addr[0]}:{self.data_port}")
         job.conns[rank], job.addrs[rank] = conn, join.data_addr
         self._conn_job[conn] = (name, rank)
         log.info("job %s: rank %d/%d joined the rack from %s:%d; relayed to the spine",
@@ -280,9 +290,13 @@ class RackController:
             session = secrets.randbits(32)
         uplink = Uplink((self.spine[0], ready.data_port), job.uplink_addr, ready.session,
                         ready.slot_base, ready.member)
-        self.pipeline.install_job(job.name, session, [job.addrs[r] for r in job.ranks], base,
-                                  ready.slot_count, ready.packet_elements, ready.block_elements,
-                                  uplink=uplink)
+        try:
+            self.pipeline.install_job(job.name, session, [job.addrs[r] for r in job.ranks],
+                                      base, ready.slot_count, ready.packet_elements,
+                                      ready.block_elements, uplink=uplink)
+        except ValueError as exc:  # the spine's packets do not fit this rack's slots
+            reason = f"job '{job.name}': the rack switch cannot take the spine's job: {exc}"
+            return self._fail(job, Failed((), reason), up=protocol.Abort(reason))
         job.session = session
         self.pipeline.counters["jobs_started"] += 1
         log.info("job %s started on the rack: ranks %s, rack %d of %d, slots %d..%d",
