@@ -548,3 +548,19 @@ def test_a_rack_switch_stopped_fails_the_job_on_the_other_rack_naming_it():
             assert took < 5
         for rank in (2, 3):
             assert rack1 in results[rank][0], results[rank][0]
+
+
+def test_ranks_of_two_racks_that_disagree_raise_a_mismatch_naming_them():
+    stack, spine, racks = rack_switches()
+    with stack:
+        def body(rank):
+            with switchml.Worker(racks[rank // 2].address, rank, 4, job="odd",
+                                 timeout=10) as w:
+                with pytest.raises(switchml.CallMismatchError) as failure:
+                    w.allreduce(np.ones(1000 if rank < 2 else 2000, np.float32))
+                return str(failure.value)
+
+        for message in run_ranks(4, body, timeout=30):
+            assert "ranks 0, 1 asked for 1000 float32 values" in message or \
+                "ranks 2, 3 asked for 2000 float32 values" in message, message
+            assert "rank 2 for 2000" in message or "rank 0 for 1000" in message, message

@@ -51,7 +51,7 @@ from ..protocol import (
     StatusReply,
     Waiting,
 )
-from .pipeline import MAX_WORKERS, Pipeline, SlotPoolExhausted
+from .pipeline import MAX_WORKERS, Mismatch, Pipeline, SlotPoolExhausted
 
 log = logging.getLogger("switchml.switch")
 
@@ -409,6 +409,11 @@ class Controller:
             job = self.jobs.get(installed.name)
             if job is None or job.session != installed.session:
                 continue
+            members = [_ranks_of(job, c) for c in _members(job)]
+            if len(members) < job.world_size:  # rack switches: the pipeline's members
+                # are racks; name the ranks behind them (each rack's agree: it checked)
+                m = Mismatch(tuple(g for i in m.ranks for g in members[i]), m.first,
+                             members[m.rank][0], m.other)
             reason = describe_mismatch(job.name, m)
             log.warning("job %s failed: %s", job.name, reason)
             self.pipeline.counters["jobs_mismatched"] += 1
