@@ -313,3 +313,29 @@ def test_the_spine_is_an_ordinary_switch_whose_members_are_the_racks():
     assert job.spine_job.members == [("uplink", 1, 0x5EED), ("uplink", 0, 0x5EED)]
     assert fab.racks[1].uplinks[0x5EED].member == 0
     assert fab.racks[1].stats()["jobs"][job.name]["uplink"]["spine"] == list(SPINE)
+
+
+def test_hostile_datagrams_from_the_spine_and_the_workers_are_dropped_never_raised():
+    """Random headers (right magic and version, anything else random) and junk, from
+    the spine's address and from the workers': counted drops, and nothing goes
+    anywhere but to the job's workers or up its uplink."""
+    rng = np.random.default_rng(11)
+    p, job = rack_with_job()
+    send(p, contribution(3, 5, [1, 2, 3, 4]), W[0])
+    send(p, contribution(3, 5, [1, 2, 3, 4]), W[1])  # a set waiting for the spine
+    for i in range(3000):
+        lanes = np.zeros(int(rng.integers(0, 3)), wire.LANE)
+        lanes["flag"] = rng.integers(0, 2, lanes.size)
+        values = rng.integers(-9, 9, int(rng.integers(0, 6)), dtype=np.int32)
+        kind = int(rng.choice([wire.KIND_RESULT, wire.KIND_CONTRIBUTION]))
+        datagram = wire.encode(kind, int(rng.integers(0, 3)), int(rng.integers(0, 16)),
+                               int(rng.choice([S, 0xBEEF, 7])), int(rng.integers(0, 8)),
+                               int(rng.integers(0, 5)), int(rng.integers(0, 3)), lanes, values,
+                               mode=int(rng.choice([0, wire.MODE_SPARSE])))
+        if i % 7 == 0:
+            datagram = datagram[: int(rng.integers(0, len(datagram)))]
+        source = [SPINE_ADDR, W[0], W[1], ("stranger", 1)][i % 4]
+        for _, to in send(p, datagram, source):
+            assert to in W[:2] or to == UP
+    totals = p.totals()
+    assert sum(v for k, v in totals.items() if k.startswith("dropped_")) > 2000

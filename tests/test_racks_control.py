@@ -265,3 +265,27 @@ def test_ranks_of_two_racks_that_disagree_raise_a_mismatch_naming_them():
             assert "ranks 0, 1 asked for 1000 float32 values" in message or \
                 "ranks 2, 3 asked for 2000 float32 values" in message, message
             assert "rank 2 for 2000" in message or "rank 0 for 1000" in message, message
+
+
+def test_two_jobs_share_the_rack_switches_and_the_spine_over_sockets():
+    stack, spine, racks = rack_switches()
+    with stack:
+        inputs = {job: make_inputs(4, 4000 + 1000 * i, np.float32, seed=i)
+                  for i, job in enumerate(("first", "second"))}
+
+        def body(index):
+            job, rank = ("first", "second")[index // 4], index % 4
+            with switchml.Worker(racks[rank % 2].address, rank, 4, job=job, timeout=20) as w:
+                return job, w.session.packet_elements, [w.allreduce(inputs[job][rank])
+                                                        for _ in range(3)]
+
+        results = run_ranks(8, body)
+        for job, packet, outs in results:
+            for out in outs:
+                same_bits([out], reference_sum(inputs[job], packet))
+        ended = spine.stats()["ended_jobs"]
+        assert ended["first"]["world_size"] == ended["second"]["world_size"] == 2
+        for rack in racks:
+            up = {job: rack.stats()["ended_jobs"][job]["counters"]["partials_up"]
+                  for job in ("first", "second")}
+            assert all(count > 0 for count in up.values())

@@ -137,6 +137,8 @@ class RackController:
             refused = f"job '{name}' has world_size {job.world_size}, this worker says {world}"
         elif job is not None and rank in job.conns:
             refused = f"rank {rank} of job '{name}' has already joined"
+        elif job is not None and join.data_addr in job.addrs.values():
+            refused = f"data address {join.data_addr} is already used by another rank"
         if refused is not None:
             self.pipeline.counters["control_join_refused"] += 1
             return self._to(conn, Error(refused, "max_workers" if world > MAX_WORKERS else None))
