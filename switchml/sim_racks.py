@@ -162,33 +162,41 @@ class RackedJob(CallDriver):
 
     def why_stalled(self, g: int) -> StalledSimulation:
         """Why rank ``g``'s call makes no progress, found as its status query would:
-        its rack switch is dead, ranks of its rack did not contribute, or racks'
-        partial sums are missing at the spine."""
+        its rack switch is dead, racks' partial sums are missing at the spine, or
+        ranks of its rack did not contribute.  Those missing from every stalled
+        slot are named (a rank or rack merely slow misses only some), else those
+        missing from any."""
         fabric = self.fabric
         r = self.placement[g]
         if r in fabric.dead:
             return RackFailure(f"job '{self.name}': rank {g} lost its switch, rack {r} at "
                                f"{fabric.rack_addresses[r]}", [r], self.ranks_behind[r])
-        job = self.rack_jobs[r]
+        job, local = self.rack_jobs[r], self.ranks_behind[r]
+        ranks_missing, racks_missing = [], []
         for slot, msg in self.ops[g].pending():
             _, bitmap = fabric.racks[r].slot_state(slot, msg)
-            local = self.ranks_behind[r]
-            missing = [local[i] for i in range(len(local)) if not bitmap >> i & 1]
+            missing = {local[i] for i in range(len(local)) if not bitmap >> i & 1}
             if missing:
-                return RackFailure(f"job '{self.name}': ranks {missing} did not contribute "
-                                   f"to slot {slot} message {msg} at rack {r}", [], missing)
+                ranks_missing.append(missing)
+                continue
             spine_slot = self.spine_job.slot_base + slot - job.slot_base
             _, bitmap = fabric.spine.slot_state(spine_slot, msg)
-            racks = [rack for i, rack in enumerate(self.racks) if not bitmap >> i & 1]
+            racks = {rack for i, rack in enumerate(self.racks) if not bitmap >> i & 1}
             if racks:
-                named = ", ".join(
-                    f"rack {rack} at {fabric.rack_addresses[rack]}"
-                    f"{' (dead)' if rack in fabric.dead else ''} with ranks "
-                    f"{self.ranks_behind[rack]}" for rack in racks)
-                return RackFailure(
-                    f"job '{self.name}': the spine has no partial sum for slot "
-                    f"{spine_slot} message {msg} from {named}", racks,
-                    sorted(g for rack in racks for g in self.ranks_behind[rack]))
+                racks_missing.append(racks)
+        if racks_missing:
+            racks = sorted(set.intersection(*racks_missing) or set.union(*racks_missing))
+            named = ", ".join(
+                f"rack {rack} at {fabric.rack_addresses[rack]}"
+                f"{' (dead)' if rack in fabric.dead else ''} with ranks "
+                f"{self.ranks_behind[rack]}" for rack in racks)
+            return RackFailure(f"job '{self.name}': the spine has no partial sums from "
+                               f"{named}", racks,
+                               sorted(h for rack in racks for h in self.ranks_behind[rack]))
+        if ranks_missing:
+            ranks = sorted(set.intersection(*ranks_missing) or set.union(*ranks_missing))
+            return RackFailure(f"job '{self.name}': ranks {ranks} did not contribute at "
+                               f"rack {r}", [], ranks)
         return StalledSimulation(f"job '{self.name}': rank {g} stalled at "
                                  f"t={self.network.now:.3f}")
 

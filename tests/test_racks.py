@@ -302,7 +302,7 @@ def test_a_dead_rack_fails_the_job_naming_it():
         assert isinstance(why, RackFailure), why
         assert (why.racks, why.ranks) == ([1], [2, 3])
         assert "rack 1 at ('rack', 1) (dead) with ranks [2, 3]" in str(why)
-        assert "the spine has no partial sum" in str(why)
+        assert "the spine has no partial sums from" in str(why)
 
 
 def test_the_spine_is_an_ordinary_switch_whose_members_are_the_racks():
