@@ -185,14 +185,14 @@ class RackedJob(CallDriver):
             if racks:
                 racks_missing.append(racks)
         if racks_missing:
-            racks = sorted(set.intersection(*racks_missing) or set.union(*racks_missing))
+            culprits = sorted(set.intersection(*racks_missing) or set.union(*racks_missing))
             named = ", ".join(
                 f"rack {rack} at {fabric.rack_addresses[rack]}"
                 f"{' (dead)' if rack in fabric.dead else ''} with ranks "
-                f"{self.ranks_behind[rack]}" for rack in racks)
+                f"{self.ranks_behind[rack]}" for rack in culprits)
             return RackFailure(f"job '{self.name}': the spine has no partial sums from "
-                               f"{named}", racks,
-                               sorted(h for rack in racks for h in self.ranks_behind[rack]))
+                               f"{named}", culprits,
+                               sorted(h for rack in culprits for h in self.ranks_behind[rack]))
         if ranks_missing:
             ranks = sorted(set.intersection(*ranks_missing) or set.union(*ranks_missing))
             return RackFailure(f"job '{self.name}': ranks {ranks} did not contribute at "

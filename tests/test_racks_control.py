@@ -15,11 +15,12 @@ from conftest import reference_sum, run_ranks
 from test_racks import K, make_inputs, same_bits
 
 import switchml
-from switchml import Switch, protocol
+from switchml import Switch, protocol, wire
 from switchml.switch.control import Controller
 from switchml.switch.pipeline import Pipeline
 from switchml.switch.rack import RackPipeline, Uplink
 from switchml.switch.rack_control import CloseUplink, RackController, ToSpine
+from switchml.worker.control import ControlClient
 
 
 # ---------------------------------------------------------------- the control relay (sans-IO)
@@ -289,3 +290,29 @@ def test_two_jobs_share_the_rack_switches_and_the_spine_over_sockets():
             up = {job: rack.stats()["ended_jobs"][job]["counters"]["partials_up"]
                   for job in ("first", "second")}
             assert all(count > 0 for count in up.values())
+
+
+def test_a_status_query_at_a_rack_asks_the_spine_which_ranks_it_has():
+    """A stalled worker names who did not contribute: for a message complete at its
+    rack, the spine answers with the ranks behind the racks it heard from."""
+    relay = joined_cluster((0, 0, 1, 1, 2, 2))
+    lanes = np.zeros(1, wire.LANE)
+    slots = {}
+    for r, ranks in ((0, (0, 1)), (2, (4, 5))):  # racks 0 and 2 complete slot 1's message 0
+        ready = relay.told[("j", ranks[0])][-1]
+        slots[r] = ready["slot_base"] + 1
+        for g in ranks:
+            up = relay.racks[r].pipeline.receive_datagram(wire.encode(
+                wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, slots[r], ready["session"], 0, 0, 1,
+                lanes, np.ones(K, np.int32)), (f"10.0.2.{g}", 5000 + g))
+        [(partial, uplink)] = up
+        assert relay.spine.pipeline.receive_datagram(bytes(partial), uplink.source) == []
+    relay.worker(0, ("j", 0), {"op": "status", "slots": [[slots[0], 0], [slots[0] - 1, 0]]})
+    reply = relay.told[("j", 0)][-1]
+    # slot 1: ranks 0, 1, 4 and 5 (racks 0 and 2 at the spine); slot 0: nothing yet
+    assert reply == {"event": "status", "slots": [[slots[0], 0, True, 0b110011],
+                                                  [slots[0] - 1, 0, False, 0]]}
+    # what the worker then says: ranks 2 and 3 did not contribute
+    client = ControlClient("j", 0, 6, timeout=5.0)
+    error = client.stall_error(protocol.decode_event(reply), 5.0)
+    assert sorted(error.missing_ranks) == [2, 3]

@@ -449,9 +449,15 @@ class Controller:
         rows = []
         installed = self.pipeline.jobs[job.session]
         low, high = installed.slot_base, installed.slot_base + installed.slot_count
+        # Bitmaps are of the pipeline's members: with rack switches, of racks, which
+        # the answer gives as the ranks behind them.
+        members = [_ranks_of(job, c) for c in _members(job)]
         for slot, number in query.slots:
             if low <= slot < high:
                 holds, bitmap = self.pipeline.slot_state(slot, number)
+                if len(members) < job.world_size:
+                    bitmap = sum(1 << g for i, ranks in enumerate(members)
+                                 if bitmap >> i & 1 for g in ranks)
                 rows.append((slot, number, holds, bitmap))
         return [(conn, StatusReply(tuple(rows)))]
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -65,6 +66,9 @@ class RackJob:
     addrs: dict = field(default_factory=dict)   # global rank -> worker data address
     left: set = field(default_factory=set)
     session: int = 0                            # the local job's, once running
+    # Workers' status queries waiting for the spine's answer, in the order asked:
+    # (connection, rows so far, [(row index, spine's (slot, number))]).
+    statuses: deque = field(default_factory=deque)
 
     @property
     def ranks(self) -> list:
@@ -213,21 +217,41 @@ class RackController:
                           up=protocol.Abort("disconnected from its rack switch", (rank,)))
 
     def _status(self, conn, query: protocol.StatusQuery) -> list:
-        """The rack's own contributor bitmaps, its local ranks' bits as the job's ranks."""
+        """The rack's own contributor bitmaps, its local ranks' bits as the job's
+        ranks; for a message complete here, the spine is asked which racks' ranks
+        it has (the answer comes back through ``handle_upstream``)."""
         entry = self._conn_job.get(conn)
         job = self.jobs.get(entry[0]) if entry else None
         if job is None or not job.session:
             return self._to(conn, StatusReply())
         installed = self.pipeline.jobs[job.session]
+        uplink = self.pipeline.uplinks[job.session]
         low, high = installed.slot_base, installed.slot_base + installed.slot_count
         ranks = job.ranks
-        rows = []
+        rows: list = []
+        ask = []
         for slot, number in query.slots:
             if low <= slot < high:
                 holds, bitmap = self.pipeline.slot_state(slot, number)
-                rows.append((slot, number, holds,
-                             sum(1 << g for i, g in enumerate(ranks) if bitmap >> i & 1)))
-        return self._to(conn, StatusReply(tuple(rows)))
+                rows.append([slot, number, holds,
+                             sum(1 << g for i, g in enumerate(ranks) if bitmap >> i & 1)])
+                if holds and bitmap == (1 << len(ranks)) - 1:
+                    ask.append((len(rows) - 1, (uplink.slot_base + slot - low, number)))
+        if not ask:
+            return self._to(conn, StatusReply(tuple(map(tuple, rows))))
+        job.statuses.append((conn, rows, ask))
+        return [ToSpine(job.name, protocol.StatusQuery(tuple(spine for _, spine in ask)))]
+
+    def _spine_status(self, job: RackJob, reply: StatusReply) -> list:
+        """The spine's answer to the oldest status query relayed: its ranks added."""
+        if not job.statuses:
+            return []
+        conn, rows, ask = job.statuses.popleft()
+        spine = {(slot, number): bitmap for slot, number, holds, bitmap in reply.slots
+                 if holds}
+        for index, key in ask:
+            rows[index][3] |= spine.get(key, 0)
+        return self._to(conn, StatusReply(tuple(map(tuple, rows))))
 
     def handle_mismatches(self) -> list:
         """Ranks of this rack disagree on a call: fail the job here and at the spine."""
@@ -265,7 +289,9 @@ class RackController:
             return self._to_all(job, event) + [CloseUplink(name)]
         if isinstance(event, Failed):
             return self._fail(job, event, up=None)
-        return []  # left, status, stats: nothing for the workers
+        if isinstance(event, StatusReply):
+            return self._spine_status(job, event)
+        return []  # left, stats: nothing for the workers
 
     def handle_uplink_closed(self, name: str, why: str = "closed the connection") -> list:
         """Job ``name``'s connection to the spine ended (or could not be opened)."""
