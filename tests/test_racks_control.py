@@ -316,3 +316,42 @@ def test_a_status_query_at_a_rack_asks_the_spine_which_ranks_it_has():
     client = ControlClient("j", 0, 6, timeout=5.0)
     error = client.stall_error(protocol.decode_event(reply), 5.0)
     assert sorted(error.missing_ranks) == [2, 3]
+
+
+def test_a_hung_rack_switch_is_named_by_the_other_racks_ranks_within_the_timeout():
+    """A rack switch that stops serving but keeps its connections open (its lock
+    held: a hung process): the ranks of the other rack see no progress for their
+    timeout, ask their rack, which asks the spine, and name the hung rack's ranks."""
+    stack, spine, racks = rack_switches(racks=3)
+    with stack:
+        first_done = threading.Barrier(7)
+        hung = threading.Event()
+
+        def body(rank):
+            with switchml.Worker(racks[rank // 2].address, rank, 6, job="hangs",
+                                 timeout=2) as w:
+                w.allreduce(np.ones(3000, np.float32))
+                first_done.wait(20)
+                hung.wait(20)
+                started = time.monotonic()
+                try:
+                    w.allreduce(np.ones(3000, np.float32))
+                except switchml.SwitchMLError as exc:
+                    return exc, time.monotonic() - started
+                return None, 0.0
+
+        def hang():
+            first_done.wait(20)
+            with racks[1]._lock:  # its serving thread waits here: it hangs
+                hung.set()
+                time.sleep(6)
+
+        hanger = threading.Thread(target=hang)
+        hanger.start()
+        results = run_ranks(6, body, timeout=40)
+        hanger.join()
+        for rank in (0, 1, 4, 5):  # not all the others: the spine heard from rack 2
+            error, took = results[rank]
+            assert isinstance(error, switchml.SwitchMLTimeoutError), error
+            assert sorted(error.missing_ranks) == [2, 3], error
+            assert took < 2 + 3, took
