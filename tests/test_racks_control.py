@@ -355,3 +355,18 @@ def test_a_hung_rack_switch_is_named_by_the_other_racks_ranks_within_the_timeout
             assert isinstance(error, switchml.SwitchMLTimeoutError), error
             assert sorted(error.missing_ranks) == [2, 3], error
             assert took < 2 + 3, took
+
+
+def test_a_worker_joined_to_the_spine_directly_is_a_member_beside_the_racks():
+    relay = Relay(racks=1)
+    relay.worker(0, ("j", 1), join(1, world=3))
+    relay.worker(0, ("j", 2), join(2, world=3))
+    out = relay.spine.handle_message("direct", join(0, world=3))
+    direct = [(c, event) for c, event in out if c == "direct"]
+    relay.spine_replies([(c, event) for c, event in out if c != "direct"])
+    spine_job = next(iter(relay.spine.pipeline.jobs.values()))
+    assert spine_job.members == [("10.0.2.0", 5000), ("10.0.1.0", 9000)]  # rank 0 first
+    assert [event["event"] for _, event in direct] == ["ready"]
+    assert "member" not in direct[0][1]
+    assert [relay.told[("j", g)][-1]["event"] for g in (1, 2)] == ["ready", "ready"]
+    assert relay.racks[0].pipeline.uplinks[relay.told[("j", 1)][-1]["session"]].member == 1
