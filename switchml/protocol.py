@@ -267,14 +267,17 @@ class Ready(Event):
 @dataclass(frozen=True)
 class RackReady(Ready):
     """``Ready`` for a rack switch: the spine's job, in which the rack is member
-    ``member`` of ``members`` (its partial sums go to the spine's slots)."""
+    ``member`` of ``members`` (its partial sums go to the spine's slots) for the
+    job's ranks ``ranks``, which the rack checks are the ones it has."""
 
     name = "rack_ready"
     member: int
     members: int
+    ranks: tuple[int, ...] = ()
 
     def fields(self) -> dict:
-        return {**super().fields(), "member": self.member, "members": self.members}
+        return {**super().fields(), "member": self.member, "members": self.members,
+                "ranks": list(self.ranks)}
 
 
 @dataclass(frozen=True)
@@ -386,9 +389,12 @@ def decode_event(msg) -> Event | None:
             "session", "slot_base", "slot_count", "packet_elements", "block_elements",
             "data_port")))
     if name == "rack_ready":
-        return RackReady(*(_field(msg, key, _is_int, "an integer") for key in (
-            "session", "slot_base", "slot_count", "packet_elements", "block_elements",
-            "data_port", "member", "members")))
+        session, base, count, packet, block, port, member, members = (
+            _field(msg, key, _is_int, "an integer") for key in (
+                "session", "slot_base", "slot_count", "packet_elements", "block_elements",
+                "data_port", "member", "members"))
+        return RackReady(session, base, count, packet, block, port, member, members,
+                         tuple(_field(msg, "ranks", _ints, "ranks")))
     if name == "waiting":
         return Waiting(str(msg.get("job", "")), str(msg.get("limit")),
                        _field(msg, "message", _text, "text"))

@@ -172,7 +172,7 @@ def test_a_rank_gone_before_the_job_started_makes_its_rack_join_again():
 
 
 def test_rack_ready_and_rack_join_round_trip():
-    ready = protocol.RackReady(5, 0, 4, 64, 64, 7300, 1, 2)
+    ready = protocol.RackReady(5, 0, 4, 64, 64, 7300, 1, 2, (2, 3))
     assert protocol.decode_event(ready.to_dict()) == ready
     rack_join = protocol.RackJoin("j", 3, 4, ("10.0.1.1", 9001), mtu=1500, rack="10.0.1.1:7301")
     assert protocol.decode_request(rack_join.to_dict()) == rack_join
@@ -370,3 +370,17 @@ def test_a_worker_joined_to_the_spine_directly_is_a_member_beside_the_racks():
     assert "member" not in direct[0][1]
     assert [relay.told[("j", g)][-1]["event"] for g in (1, 2)] == ["ready", "ready"]
     assert relay.racks[0].pipeline.uplinks[relay.told[("j", 1)][-1]["session"]].member == 1
+
+
+def test_a_rack_whose_ranks_are_not_those_the_spine_started_with_fails_the_job():
+    relay = Relay()
+    for rank, rack in enumerate((0, 0, 1)):
+        relay.worker(rack, ("j", rank), join(rank))
+    rack = relay.racks[1]
+    out = rack.handle_upstream("j", protocol.RackReady(5, 0, 4, K, K, 7300, 1, 2, (2, 3)))
+    failed = [event for item in out if isinstance(item, tuple) for event in item[1:]]
+    assert failed[0]["event"] == "failed"
+    assert "ranks [2, 3] behind this rack switch, which has ranks [2]" in failed[0]["reason"]
+    assert any(isinstance(item, ToSpine) and isinstance(item.request, protocol.Abort)
+               for item in out)
+    assert rack.pipeline.jobs == {}

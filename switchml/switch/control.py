@@ -345,8 +345,8 @@ class Controller:
                  job.world_size, base, base + job.slot_count - 1)
         geometry = (session, base, job.slot_count, job.packet_elements, job.block_elements,
                     self.data_port)
-        return [(c, protocol.RackReady(*geometry, i, len(conns)) if c in self._racks
-                 else Ready(*geometry)) for i, c in enumerate(conns)]
+        return [(c, protocol.RackReady(*geometry, i, len(conns), tuple(_ranks_of(job, c)))
+                 if c in self._racks else Ready(*geometry)) for i, c in enumerate(conns)]
 
     def _admit_waiting(self) -> list:
         """Start the waiting jobs that fit now, in arrival order."""

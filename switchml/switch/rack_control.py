@@ -307,6 +307,10 @@ class RackController:
         return self._fail(job, Failed((), reason), up=None)
 
     def _start(self, job: RackJob, ready: protocol.RackReady) -> list:
+        if list(ready.ranks) != job.ranks:  # a rank came or went as the job started
+            reason = (f"job '{job.name}': the spine started it with ranks {list(ready.ranks)} "
+                      f"behind this rack switch, which has ranks {job.ranks}")
+            return self._fail(job, Failed((), reason), up=protocol.Abort(reason))
         try:
             base = self.pipeline.allocate(ready.slot_count)
         except SlotPoolExhausted as exc:
