@@ -30,7 +30,8 @@ LIMITS = f"""limits (each refused with an error that names it):
 
 #: ``switchml switch``'s flags that are settings of the switch (SwitchConfiguration).
 SWITCH_FLAGS = ("host", "port", "slots", "packet_elements", "block_elements", "slots_per_job",
-                "max_jobs", "metrics_port", "metrics_host", "keepalive", "drop_rate", "seed")
+                "max_jobs", "metrics_port", "metrics_host", "keepalive", "drop_rate", "seed",
+                "upstream")
 
 
 def switch_configuration(args, environ=None) -> config.SwitchConfiguration:
@@ -189,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulated drop probability on ingress and on egress "
                         "($SWITCHML_DROP_RATE, default 0)")
     p.add_argument("--seed", type=int, default=None, help="seed of the drop simulator")
+    p.add_argument("--upstream", metavar="HOST:PORT",
+                   help="a spine switch: run as a rack switch whose jobs' partial sums go "
+                        "up to it (two levels; Python data plane) ($SWITCHML_UPSTREAM)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_switch)
 

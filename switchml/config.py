@@ -167,6 +167,7 @@ SWITCH_VARIABLES = {
     "drop_rate": ("DROP_RATE", float),
     "metrics_port": ("METRICS_PORT", int),
     "keepalive": ("KEEPALIVE", float),
+    "upstream": ("UPSTREAM", str),
 }
 
 
@@ -187,7 +188,10 @@ class SwitchConfiguration:
     ``keepalive`` (seconds within which a worker whose host vanished without
     closing its control connection is noticed and its job failed),
     ``fastpath`` (run the data plane in C: None does when the extension is
-    built and SWITCHML_PURE_PYTHON is not 1; False never does; True requires it).
+    built and SWITCHML_PURE_PYTHON is not 1; False never does; True requires it),
+    ``upstream`` ("host:port" of a spine switch: this switch is then a rack
+    switch, whose jobs' partial sums go up to the spine; its data plane runs in
+    Python).
     """
 
     host: str = "127.0.0.1"
@@ -204,6 +208,7 @@ class SwitchConfiguration:
     metrics_host: str | None = None
     keepalive: float = DEFAULT_KEEPALIVE
     fastpath: bool | None = None
+    upstream: str | None = None
 
     def __post_init__(self):
         # Checked here, so that a switch started in a child process (SwitchProcess)
@@ -215,6 +220,11 @@ class SwitchConfiguration:
         if self.max_jobs < 1:
             raise ValueError(f"max_jobs must be at least 1, got {self.max_jobs}")
         check_keepalive(self.keepalive)
+        if self.upstream is not None:
+            parse_address(self.upstream)  # 'host:port', or a clear error now
+            if self.fastpath:
+                raise ValueError("a rack switch (upstream) runs its data plane in Python: "
+                                 "fastpath=True cannot be kept")
 
     @classmethod
     def from_env(cls, defaults: dict | None = None, environ=None,

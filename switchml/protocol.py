@@ -2,9 +2,10 @@
 
 Control messages travel as JSON objects, one per line, over the switch's TCP
 control port (docs/protocol.md, "Joining").  A worker's requests carry ``"op"``
-(``Join``, ``Leave``, ``Abort``, ``StatusQuery``, ``StatsQuery``); the switch's
-answers carry ``"event"`` (``Joined``, ``Ready``, ``Waiting``, ``Error``,
-``Failed``, ``Left``, ``StatusReply``, ``StatsReply``).  Every field name and
+(``Join``, ``Leave``, ``Abort``, ``StatusQuery``, ``StatsQuery``; a rack switch's
+``RackJoin``); the switch's answers carry ``"event"`` (``Joined``, ``Ready``,
+``Waiting``, ``Error``, ``Failed``, ``Left``, ``StatusReply``, ``StatsReply``; to a
+rack switch, ``RackReady``).  Every field name and
 every check of a field lives here, so that the switch's controller
 (``switch/control.py``), the worker's client (``worker/control.py``) and the CLI
 build and read the same messages.  Data packets are another format
@@ -137,6 +138,27 @@ class Join(Request):
 
 
 @dataclass(frozen=True)
+class RackJoin(Join):
+    """A rack switch relays one of its workers' joins to the spine (docs/protocol.md,
+    "Two levels"): ``data_addr`` is the rack's own address in the spine's job, the
+    same for every rank it relays on one connection; ``mtu`` the least of the
+    worker's path and the rack's path to the spine; ``rack`` the rack switch's
+    own "host:port", which names it in errors."""
+
+    name = "rack_join"
+    rack: str = ""
+
+    def fields(self) -> dict:
+        return {**super().fields(), "rack": self.rack}
+
+    @classmethod
+    def from_dict(cls, msg: dict) -> RackJoin:
+        join = Join.from_dict(msg)
+        return cls(join.job, join.rank, join.world_size, join.data_addr, join.slots,
+                   join.rcvbuf, join.mtu, join.wait, rack=str(msg.get("rack", ""))[:MAX_NAME])
+
+
+@dataclass(frozen=True)
 class Leave(Request):
     """The rank is done with the job (its slots are freed once every rank left)."""
 
@@ -193,8 +215,8 @@ class StatsQuery(Request):
     name = "stats"
 
 
-REQUESTS: dict[str, Any] = {"join": Join, "leave": Leave, "abort": Abort,
-                            "status": StatusQuery, "stats": StatsQuery}
+REQUESTS: dict[str, Any] = {"join": Join, "rack_join": RackJoin, "leave": Leave,
+                            "abort": Abort, "status": StatusQuery, "stats": StatsQuery}
 
 
 def decode_request(msg) -> Request:
@@ -240,6 +262,22 @@ class Ready(Event):
         return {"session": self.session, "slot_base": self.slot_base,
                 "slot_count": self.slot_count, "packet_elements": self.packet_elements,
                 "block_elements": self.block_elements, "data_port": self.data_port}
+
+
+@dataclass(frozen=True)
+class RackReady(Ready):
+    """``Ready`` for a rack switch: the spine's job, in which the rack is member
+    ``member`` of ``members`` (its partial sums go to the spine's slots) for the
+    job's ranks ``ranks``, which the rack checks are the ones it has."""
+
+    name = "rack_ready"
+    member: int
+    members: int
+    ranks: tuple[int, ...] = ()
+
+    def fields(self) -> dict:
+        return {**super().fields(), "member": self.member, "members": self.members,
+                "ranks": list(self.ranks)}
 
 
 @dataclass(frozen=True)
@@ -350,6 +388,13 @@ def decode_event(msg) -> Event | None:
         return Ready(*(_field(msg, key, _is_int, "an integer") for key in (
             "session", "slot_base", "slot_count", "packet_elements", "block_elements",
             "data_port")))
+    if name == "rack_ready":
+        session, base, count, packet, block, port, member, members = (
+            _field(msg, key, _is_int, "an integer") for key in (
+                "session", "slot_base", "slot_count", "packet_elements", "block_elements",
+                "data_port", "member", "members"))
+        return RackReady(session, base, count, packet, block, port, member, members,
+                         tuple(_field(msg, "ranks", _ints, "ranks")))
     if name == "waiting":
         return Waiting(str(msg.get("job", "")), str(msg.get("limit")),
                        _field(msg, "message", _text, "text"))

@@ -19,6 +19,7 @@ import numpy as np
 from .switch.pipeline import Pipeline
 from .worker import nonfinite
 from .worker.engine import Session
+from .worker.multi import part_bounds
 
 SWITCH = ("switch", 0)
 
@@ -62,9 +63,10 @@ class Network:
         self.datagrams = 0
         self.bottleneck_drops = 0
 
-    def send(self, data, src, dst) -> None:
-        """Put a copy of ``data`` on the wire, subject to the faults and the bottleneck."""
-        f = self.faults
+    def send(self, data, src, dst, faults: Faults | None = None) -> None:
+        """Put a copy of ``data`` on the wire, subject to the faults (the network's, or
+        ``faults`` for this link) and the bottleneck."""
+        f = faults or self.faults
         if f.loss and self.rng.random() < f.loss:
             return
         data = bytes(data)
@@ -92,44 +94,19 @@ class Network:
         return src, dst, data
 
 
-class Simulation:
-    """n workers of one job and a switch pipeline, driven by a virtual clock.
+class CallDriver:
+    """Whole allreduces of one job's workers on a virtual clock: what a job needs
+    from its simulation is ``network``, ``sessions``, ``addresses`` (each rank's
+    data address), ``compiled``, ``_send`` and ``step``."""
 
-    Several jobs share one switch and one network when built with the same
-    ``pipeline`` and ``network``; ``run_concurrently`` drives them together.
-    """
-
-    def __init__(self, world_size: int, *, slots: int = 8, packet_elements: int | None = None,
-                 faults: Faults | None = None, seed: int = 0, pipeline: Pipeline | None = None,
-                 session: int = 0x5EED, slot_base: int | None = None,
-                 progress_timeout: float = 60.0, block_elements: int | None = None,
-                 bottleneck: Bottleneck | None = None, network: Network | None = None,
-                 compiled: bool = False, addresses: list | None = None):
-        """``packet_elements`` and ``block_elements`` are the job's packet size: with a
-        given ``pipeline`` they may be smaller than its own (its defaults when None);
-        without one, the pipeline built here has that size (64 values by default).
-        ``addresses``: the workers' data addresses, by rank (names by default)."""
-        self.network = network or Network(faults, seed, bottleneck)
-        self.faults = self.network.faults
-        if pipeline is None:
-            pipeline = Pipeline(slots=slots, packet_elements=packet_elements or 64,
-                                block_elements=block_elements)
-            packet_elements, block_elements = pipeline.packet_elements, pipeline.block_elements
-        self.pipeline = pipeline
-        addrs = addresses or [("worker", r, session) for r in range(world_size)]
-        self.rank_of = {addr: rank for rank, addr in enumerate(addrs)}
-        base = self.pipeline.allocate(slots) if slot_base is None else slot_base
-        self.job = self.pipeline.install_job(f"sim-{session}", session, addrs, base, slots,
-                                             packet_elements, block_elements)
-        self.sessions = [Session(session=session, rank=r, world_size=world_size,
-                                 slot_base=base, slot_count=slots,
-                                 packet_elements=self.job.packet_elements,
-                                 block_elements=self.job.block_elements,
-                                 progress_timeout=progress_timeout)
-                         for r in range(world_size)]
-        self.ops: list = []
-        self.call_ops: list = []
-        self.compiled = compiled  # calls on the C engine (worker/compiled.py)
+    network: Network
+    #: Where this job's workers send: its switch's address on the network.
+    switch_address: tuple = SWITCH
+    sessions: list
+    addresses: list
+    compiled: bool
+    ops: list
+    call_ops: list
 
     @property
     def now(self) -> float:
@@ -140,7 +117,10 @@ class Simulation:
         return self.network.datagrams
 
     def _send(self, data, src, dst) -> None:
-        self.network.send(data, src, dst)
+        raise NotImplementedError
+
+    def step(self, give_up: float = float("inf"), max_time: float = float("inf")) -> None:
+        raise NotImplementedError
 
     def begin(self, arrays: list[np.ndarray], sparse: bool = False,
               wire_bits: int = 32) -> list[np.ndarray]:
@@ -151,9 +131,9 @@ class Simulation:
             extra["wire_bits"] = wire_bits
         self.ops = [s.allreduce(a, o, self.now, sparse, **extra)
                     for s, a, o in zip(self.sessions, arrays, outs)]
-        for addr, op in zip(self.job.members, self.ops):
+        for addr, op in zip(self.addresses, self.ops):
             for d in op.datagrams_to_send():
-                self._send(d, addr, SWITCH)
+                self._send(d, addr, self.switch_address)
         return outs
 
     @property
@@ -167,8 +147,14 @@ class Simulation:
         Raises StalledSimulation when it takes more than ``max_time`` virtual seconds.
         """
         outs = self._run_call(arrays, max_time, sparse, wire_bits, main=True)
+        self.follow_up(arrays, outs, max_time, wire_bits)
+        return outs
+
+    def follow_up(self, arrays, outs, max_time: float = 600.0, wire_bits: int = 32) -> None:
+        """After the call of ``arrays`` into ``outs``: the exchange of its chunks that
+        held an inf or a NaN, if any (nonfinite.py)."""
         ops = self.call_ops
-        chunks = getattr(ops[0], "nonfinite_chunks", None)
+        chunks = getattr(ops[0], "nonfinite_chunks", None) if ops else None
         # The follow-up exchange, as Worker._run runs it.  Ranks disagree on the
         # flagged chunks only after a forged result; they are left as they are then.
         if chunks and all(op.nonfinite_chunks == chunks for op in ops):
@@ -178,7 +164,6 @@ class Simulation:
             code_sums = self._run_call([c for _, c in parts], max_time, False, 32)
             for out, v, c in zip(outs, value_sums, code_sums):
                 nonfinite.apply(out.reshape(-1), index, v, c)
-        return outs
 
     def _run_call(self, arrays, max_time, sparse, wire_bits, main=False) -> list[np.ndarray]:
         give_up = self.now + max_time
@@ -188,6 +173,53 @@ class Simulation:
         while not self.finished:
             self.step(give_up, max_time)
         return outs
+
+
+class Simulation(CallDriver):
+    """n workers of one job and a switch pipeline, driven by a virtual clock.
+
+    Several jobs share one switch and one network when built with the same
+    ``pipeline`` and ``network``; ``run_concurrently`` drives them together.
+    """
+
+    def __init__(self, world_size: int, *, slots: int = 8, packet_elements: int | None = None,
+                 faults: Faults | None = None, seed: int = 0, pipeline: Pipeline | None = None,
+                 session: int = 0x5EED, slot_base: int | None = None,
+                 progress_timeout: float = 60.0, block_elements: int | None = None,
+                 bottleneck: Bottleneck | None = None, network: Network | None = None,
+                 compiled: bool = False, addresses: list | None = None,
+                 switch_address: tuple = SWITCH):
+        """``packet_elements`` and ``block_elements`` are the job's packet size: with a
+        given ``pipeline`` they may be smaller than its own (its defaults when None);
+        without one, the pipeline built here has that size (64 values by default).
+        ``addresses``: the workers' data addresses, by rank (names by default);
+        ``switch_address``: the switch's, for several switches on one network."""
+        self.switch_address = switch_address
+        self.network = network or Network(faults, seed, bottleneck)
+        self.faults = self.network.faults
+        if pipeline is None:
+            pipeline = Pipeline(slots=slots, packet_elements=packet_elements or 64,
+                                block_elements=block_elements)
+            packet_elements, block_elements = pipeline.packet_elements, pipeline.block_elements
+        self.pipeline = pipeline
+        addrs = addresses or [("worker", r, session) for r in range(world_size)]
+        self.rank_of = {addr: rank for rank, addr in enumerate(addrs)}
+        self.addresses = list(addrs)
+        base = self.pipeline.allocate(slots) if slot_base is None else slot_base
+        self.job = self.pipeline.install_job(f"sim-{session}", session, addrs, base, slots,
+                                             packet_elements, block_elements)
+        self.sessions = [Session(session=session, rank=r, world_size=world_size,
+                                 slot_base=base, slot_count=slots,
+                                 packet_elements=self.job.packet_elements,
+                                 block_elements=self.job.block_elements,
+                                 progress_timeout=progress_timeout)
+                         for r in range(world_size)]
+        self.ops: list = []
+        self.call_ops: list = []
+        self.compiled = compiled  # calls on the C engine (worker/compiled.py)
+
+    def _send(self, data, src, dst) -> None:
+        self.network.send(data, src, dst)
 
     def step(self, give_up: float = float("inf"), max_time: float = float("inf")) -> None:
         """Deliver the next datagram or fire the next timers of the call running."""
@@ -207,10 +239,10 @@ def _step(sims: list[Simulation], give_up: float, max_time: float) -> None:
         raise StalledSimulation(f"not finished after {max_time} virtual seconds")
     if next_packet <= next_timer:
         src, dst, data = network.pop()
-        if dst == SWITCH:
-            pipeline = sims[0].pipeline
-            for out, addr in pipeline.receive_datagram(data, src):
-                (_owner(sims, addr) or sims[0])._send(out, SWITCH, addr)
+        switch = next((sim for sim in sims if sim.switch_address == dst), None)
+        if switch is not None:
+            for out, addr in switch.pipeline.receive_datagram(data, src):
+                (_owner(sims, addr) or switch)._send(out, dst, addr)
         else:
             owner = _owner(sims, dst)
             if owner is None or not owner.ops:
@@ -218,14 +250,14 @@ def _step(sims: list[Simulation], give_up: float, max_time: float) -> None:
             op = owner.ops[owner.rank_of[dst]]
             op.receive_datagram(data, network.now)
             for d in op.datagrams_to_send():
-                owner._send(d, dst, SWITCH)
+                owner._send(d, dst, owner.switch_address)
     else:
         network.now = next_timer
         for sim in sims:
             for addr, op in zip(sim.job.members, sim.ops):
                 op.handle_timer(network.now)
                 for d in op.datagrams_to_send():
-                    sim._send(d, addr, SWITCH)
+                    sim._send(d, addr, sim.switch_address)
 
 
 def _owner(sims: list[Simulation], addr) -> Simulation | None:
@@ -269,3 +301,45 @@ def run_concurrently(sims: list[Simulation], arrays: list[list[np.ndarray]], unt
                 finished[i].append(network.now)
                 sim.begin(arrays[i])
     return finished
+
+
+class StripedSimulation:
+    """One job over K switches on one network, as ``worker/multi.py`` runs it with
+    sockets: each call cut at chunk boundaries into K parts (``part_bounds``), part
+    k summed on switch k, all parts at once; then each part's follow-up exchange
+    of chunks with an inf or a NaN, on its switch.  ``parts[k]`` is the
+    ``Simulation`` of switch k (its pipeline, its workers' sessions)."""
+
+    def __init__(self, world_size: int, switches: int, *, slots: int = 8,
+                 packet_elements: int = 64, block_elements: int | None = None,
+                 faults: Faults | None = None, seed: int = 0, compiled: bool = False):
+        self.network = Network(faults, seed)
+        self.parts = [Simulation(world_size, slots=slots, packet_elements=packet_elements,
+                                 block_elements=block_elements, network=self.network,
+                                 session=0x5EED + k, compiled=compiled,
+                                 switch_address=("switch", k),
+                                 addresses=[("worker", r, k) for r in range(world_size)])
+                      for k in range(switches)]
+
+    def allreduce(self, arrays: list[np.ndarray], max_time: float = 600.0,
+                  sparse: bool = False, wire_bits: int = 32) -> list[np.ndarray]:
+        """Every rank's result: bit for bit what one switch gives."""
+        unit = self.parts[0].job.packet_elements * (2 if wire_bits == 16 else 1)
+        outs = [np.zeros_like(a) for a in arrays]
+        flat = [a.reshape(-1) for a in arrays]
+        running = []
+        for sim, (start, stop) in zip(self.parts, part_bounds(arrays[0].size, unit,
+                                                              len(self.parts))):
+            if stop > start:
+                part = [a[start:stop] for a in flat]
+                running.append((sim, start, stop, part, sim.begin(part, sparse, wire_bits)))
+                sim.call_ops = sim.ops
+        give_up = self.network.now + max_time
+        sims = [sim for sim, *_ in running]
+        while not all(sim.finished for sim in sims):
+            _step(sims, give_up, max_time)
+        for sim, start, stop, part, part_outs in running:
+            sim.follow_up(part, part_outs, max_time, wire_bits)
+            for out, part_out in zip(outs, part_outs):
+                out.reshape(-1)[start:stop] = part_out
+        return outs

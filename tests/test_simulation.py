@@ -9,7 +9,7 @@ from conftest import reference_sum
 
 from switchml import quant, wire
 from switchml.quant import EXP_ZERO
-from switchml.sim import Faults, Simulation
+from switchml.sim import Faults, Simulation, StripedSimulation
 from switchml.switch.pipeline import Pipeline
 from switchml.worker.engine import Session
 from switchml.worker.recovery import RttEstimator
@@ -430,3 +430,30 @@ def test_engine_drops_results_that_do_not_match_the_outstanding_message():
     assert outs[0].tolist() == (3 * np.arange(K)).tolist()
     ops[0].receive_datagram(good, 0.3)  # a duplicate of the result changes nothing
     assert c["dropped_stale"] == 8 and c["results_in"] == 1
+
+
+# ---------------------------------------------------------------- one job over K switches
+@pytest.mark.parametrize("switches", [1, 2, 3])
+@pytest.mark.parametrize("faults", [None, FAULTS[0]], ids=["clean", "faulty"])
+def test_a_job_striped_over_switches_gets_one_switchs_bits(switches, faults):
+    """``StripedSimulation``: worker/multi.py's cut, the parts summed at once on K
+    pipelines sharing one seeded network; every kind of call gives one switch's bits."""
+    world = 3
+    sim = StripedSimulation(world, switches, slots=SLOTS, packet_elements=K, faults=faults,
+                            seed=switches)
+    one = Simulation(world, slots=SLOTS, packet_elements=K)
+    for call, (size, dtype) in enumerate([(K * SLOTS * 3 + 5, np.float32), (K - 1, np.float32),
+                                          (K * 7, np.int32), (0, np.float32)]):
+        arrays = make_inputs(world, size, dtype, 300 + call)
+        for out in sim.allreduce(arrays, max_time=BIG_TIME):
+            assert same_bits(out, reference(arrays))
+    arrays = make_inputs(world, K * 9 + 3, np.float32, 5)
+    for a in arrays:
+        a[np.arange(a.size) % 3 == 0] = 0  # some blocks all zero, for the sparse path
+    arrays[1][K + 2], arrays[2][8 * K] = np.nan, -np.inf
+    for kind in ({"sparse": True}, {"wire_bits": 16}, {}):
+        expected = one.allreduce(arrays, max_time=BIG_TIME, **kind)[0]
+        for out in sim.allreduce(arrays, max_time=BIG_TIME, **kind):
+            assert same_bits(out, expected), kind
+    busy = [part.job.counters["packets_in"] > 0 for part in sim.parts]
+    assert all(busy)  # every switch carried its part

@@ -51,7 +51,7 @@ from ..protocol import (
     StatusReply,
     Waiting,
 )
-from .pipeline import MAX_WORKERS, Pipeline, SlotPoolExhausted
+from .pipeline import MAX_WORKERS, Mismatch, Pipeline, SlotPoolExhausted
 
 log = logging.getLogger("switchml.switch")
 
@@ -117,7 +117,8 @@ class Controller:
         self.slots_per_job = slots_per_job
         self.max_jobs = max_jobs
         self.jobs: dict[str, JobEntry] = {}
-        self._conn_job: dict = {}  # connection id -> (job name, rank)
+        self._conn_job: dict = {}  # connection id -> (job name, its first rank)
+        self._racks: dict = {}  # connections of rack switches (several ranks each) -> name
         self._queue: list[str] = []  # names of waiting jobs, in arrival order
         self._recent: deque[int] = deque(maxlen=RECENT_SESSIONS_KEPT)
         self.refused: Counter = Counter()  # joins refused, by reason
@@ -158,28 +159,37 @@ class Controller:
         entry = self._conn_job.pop(conn, None)
         if entry is None:
             return []
+        rack = self._racks.pop(conn, None)
         name, rank = entry
         job = self.jobs.get(name)
         if job is None:
             return []
-        job.conns.pop(rank, None)
-        if rank in job.left:
+        ranks = _ranks_of(job, conn)
+        for r in ranks:
+            job.conns.pop(r, None)
+        if set(ranks) <= job.left:
             return []
         if not job.session:
-            job.addrs.pop(rank, None)
-            job.rcvbufs.pop(rank, None)
-            job.mtus.pop(rank, None)
-            job.patient.discard(rank)
+            for r in ranks:
+                job.addrs.pop(r, None)
+                job.rcvbufs.pop(r, None)
+                job.mtus.pop(r, None)
+                job.patient.discard(r)
             if job.waiting:
                 job.waiting = False
                 self._queue.remove(name)
-            log.info("job %s: rank %d went away before the job started", name, rank)
+            log.info("job %s: ranks %s went away before the job started", name, ranks)
             if not job.conns:
                 del self.jobs[name]
                 return []
             return self._announce_present(job)
-        log.warning("job %s failed: rank %d disconnected without leaving", name, rank)
-        return self._fail(job, [rank], f"rank {rank} of job '{name}' disconnected")
+        if rack:
+            who = f"the rack switch at {rack} (ranks {', '.join(map(str, ranks))})"
+            why = f"{who} of job '{name}' disconnected"
+        else:
+            who, why = f"rank {rank}", f"rank {rank} of job '{name}' disconnected"
+        log.warning("job %s failed: %s disconnected without leaving", name, who)
+        return self._fail(job, ranks, why)
 
     def admission(self) -> dict:
         """Limits, and the jobs running, waiting for room and gathering ranks."""
@@ -205,7 +215,11 @@ class Controller:
         return [(conn, Error(why, limit, version))]
 
     def _join(self, conn, join: protocol.Join) -> list:
-        if conn in self._conn_job:
+        # A rack switch relays its ranks' joins on one connection (several ranks, one
+        # data address: the rack's in this job); any other connection holds one rank.
+        relayed = isinstance(join, protocol.RackJoin)
+        if conn in self._conn_job and not (relayed and conn in self._racks
+                                           and self._conn_job[conn][0] == join.job):
             return self._refuse(conn, "bad_request", "this connection already joined a job")
         name, world, rank, addr = join.job, join.world_size, join.rank, join.data_addr
         request = join.slots if join.slots is not None else self.slots_per_job
@@ -231,7 +245,8 @@ class Controller:
         if rank in job.conns:
             return self._refuse(conn, "duplicate_rank",
                                 f"rank {rank} of job '{name}' has already joined")
-        if addr in job.addrs.values():
+        if addr in job.addrs.values() and not (relayed and {
+                job.conns.get(r) for r, a in job.addrs.items() if a == addr} == {conn}):
             return self._refuse(conn, "duplicate_address",
                                 f"data address {addr} is already used by another rank")
         job.conns[rank] = conn
@@ -242,8 +257,11 @@ class Controller:
             job.mtus[rank] = mtu
         if join.wait:
             job.patient.add(rank)
-        self._conn_job[conn] = (name, rank)
-        log.info("job %s: rank %d/%d joined from %s:%d", name, rank, world, *addr)
+        self._conn_job.setdefault(conn, (name, rank))
+        if isinstance(join, protocol.RackJoin):
+            self._racks[conn] = join.rack or "%s:%d" % addr
+        log.info("job %s: rank %d/%d joined from %s:%d%s", name, rank, world, *addr,
+                 " (a rack switch)" if relayed else "")
         if len(job.conns) < world:
             return self._announce_present(job)
         job.packet_elements, job.block_elements = self._geometry(job)
@@ -267,7 +285,7 @@ class Controller:
 
     def _announce_present(self, job: JobEntry) -> list:
         present = tuple(sorted(job.conns))
-        return [(c, Joined(job.name, present)) for c in job.conns.values()]
+        return [(c, Joined(job.name, present)) for c in _members(job)]
 
     def _admit_or_refuse(self, job: JobEntry) -> list:
         blocked = self._blocking_limit(job)
@@ -279,13 +297,14 @@ class Controller:
             self._queue.append(job.name)
             log.info("job %s waits for room: %s", job.name, why)
             waiting = Waiting(job.name, limit, why)
-            return [(c, waiting) for c in job.conns.values()]
-        conns = list(job.conns.values())
+            return [(c, waiting) for c in _members(job)]
+        conns = _members(job)
         for c in conns:
             self._conn_job.pop(c, None)
+            self._racks.pop(c, None)
         del self.jobs[job.name]
-        self.pipeline.counters["control_join_refused"] += len(conns)
-        self.refused[limit] += len(conns)
+        self.pipeline.counters["control_join_refused"] += len(job.conns)
+        self.refused[limit] += len(job.conns)
         log.warning("job %s refused: %s", job.name, why)
         error = Error(f"job '{job.name}' refused: {why} (workers may wait for room: "
                       f"wait_for_slots)", limit)
@@ -313,7 +332,10 @@ class Controller:
         session = 0
         while session == 0 or session in self.pipeline.jobs or session in self._recent:
             session = secrets.randbits(32)
-        members = [job.addrs[r] for r in range(job.world_size)]
+        # The pipeline's members: a worker, or a rack switch for the ranks behind it
+        # (their partial sum), in the order of their lowest rank.
+        conns = _members(job)
+        members = [job.addrs[_ranks_of(job, c)[0]] for c in conns]
         self.pipeline.install_job(job.name, session, members, base, job.slot_count,
                                   packet_elements=job.packet_elements,
                                   block_elements=job.block_elements)
@@ -321,9 +343,10 @@ class Controller:
         self.pipeline.counters["jobs_started"] += 1
         log.info("job %s started: session %08x, %d ranks, slots %d..%d", job.name, session,
                  job.world_size, base, base + job.slot_count - 1)
-        ready = Ready(session, base, job.slot_count, job.packet_elements, job.block_elements,
-                      self.data_port)
-        return [(c, ready) for c in job.conns.values()]
+        geometry = (session, base, job.slot_count, job.packet_elements, job.block_elements,
+                    self.data_port)
+        return [(c, protocol.RackReady(*geometry, i, len(conns), tuple(_ranks_of(job, c)))
+                 if c in self._racks else Ready(*geometry)) for i, c in enumerate(conns)]
 
     def _admit_waiting(self) -> list:
         """Start the waiting jobs that fit now, in arrival order."""
@@ -358,7 +381,7 @@ class Controller:
         job = self.jobs[name]
         if not job.session:
             return self._disconnect(conn)
-        job.left.add(rank)
+        job.left.update(_ranks_of(job, conn))
         log.info("job %s: rank %d left", name, rank)
         out: list = [(conn, protocol.Left())]
         if len(job.left) == job.world_size:
@@ -386,6 +409,11 @@ class Controller:
             job = self.jobs.get(installed.name)
             if job is None or job.session != installed.session:
                 continue
+            members = [_ranks_of(job, c) for c in _members(job)]
+            if len(members) < job.world_size:  # rack switches: the pipeline's members
+                # are racks; name the ranks behind them (each rack's agree: it checked)
+                m = Mismatch(tuple(g for i in m.ranks for g in members[i]), m.first,
+                             members[m.rank][0], m.other)
             reason = describe_mismatch(job.name, m)
             log.warning("job %s failed: %s", job.name, reason)
             self.pipeline.counters["jobs_mismatched"] += 1
@@ -394,7 +422,8 @@ class Controller:
 
     def _fail(self, job: JobEntry, missing: list, reason: str, skip=None,
               mismatch: bool = False) -> list:
-        conns = [c for r, c in job.conns.items() if r not in job.left and c != skip]
+        conns = list(dict.fromkeys(c for r, c in sorted(job.conns.items())
+                                   if r not in job.left and c != skip))
         out = self._end(job, "failed")
         self.pipeline.counters["jobs_failed"] += 1
         failed = Failed(tuple(missing), reason, mismatch)
@@ -407,6 +436,7 @@ class Controller:
         self.jobs.pop(job.name, None)
         for c in job.conns.values():
             self._conn_job.pop(c, None)
+            self._racks.pop(c, None)
         if state == "ended":
             self.pipeline.counters["jobs_ended"] += 1
         return self._admit_waiting()
@@ -419,11 +449,27 @@ class Controller:
         rows = []
         installed = self.pipeline.jobs[job.session]
         low, high = installed.slot_base, installed.slot_base + installed.slot_count
+        # Bitmaps are of the pipeline's members: with rack switches, of racks, which
+        # the answer gives as the ranks behind them.
+        members = [_ranks_of(job, c) for c in _members(job)]
         for slot, number in query.slots:
             if low <= slot < high:
                 holds, bitmap = self.pipeline.slot_state(slot, number)
+                if len(members) < job.world_size:
+                    bitmap = sum(1 << g for i, ranks in enumerate(members)
+                                 if bitmap >> i & 1 for g in ranks)
                 rows.append((slot, number, holds, bitmap))
         return [(conn, StatusReply(tuple(rows)))]
+
+
+def _ranks_of(job: JobEntry, conn) -> list:
+    """The ranks a connection holds: one, or a rack switch's several."""
+    return sorted(r for r, c in job.conns.items() if c == conn)
+
+
+def _members(job: JobEntry) -> list:
+    """The job's connections, each once, in the order of their lowest rank."""
+    return list(dict.fromkeys(job.conns[r] for r in sorted(job.conns)))
 
 
 def _on_wire(out: list) -> list:

@@ -348,8 +348,7 @@ class Pipeline:
         elif msg == self._msg[v][slot]:
             if self._bitmap[v][slot] & bit:
                 if self._count[v][slot] == job.world_size:
-                    counters["retransmissions_answered"] += 1
-                    return self._emit(job, v, slot, [job.members[rank]])
+                    return self._answer_retransmission(job, v, slot, rank)
                 counters["duplicates"] += 1
                 return []
             if ids != self._ids[v][slot]:
@@ -376,10 +375,23 @@ class Pipeline:
         count = self._finish_sparse(job, v, slot, regs, h.mode) if sparse else h.count
         seq, pkt_id, dtype, mode, _, call = ids
         self._ids[v][slot] = (seq, pkt_id, dtype, mode, count, call)
+        return self._complete(job, v, slot)
+
+    def _complete(self, job: Job, v: int, slot: int) -> list:
+        """Every rank's contribution is in set ``v`` of ``slot``: it is the result,
+        sent to every rank.  (A rack switch sends it up instead: ``rack.py``.)"""
+        seq, pkt_id, dtype, mode, count, call = self._ids[v][slot]
         wire.encode_header(self._rows[v, slot], wire.KIND_RESULT, dtype, mode, slot,
-                           job.session, msg, seq, pkt_id, count, job.lanes, call=call)
-        counters["results_completed"] += 1
+                           job.session, self._msg[v][slot], seq, pkt_id, count, job.lanes,
+                           call=call)
+        job.counters["results_completed"] += 1
         return self._emit(job, v, slot, job.members)
+
+    def _answer_retransmission(self, job: Job, v: int, slot: int, rank: int) -> list:
+        """A rank sent again a contribution the complete set already holds: its
+        result was lost, so the stored result goes back to that rank alone."""
+        job.counters["retransmissions_answered"] += 1
+        return self._emit(job, v, slot, [job.members[rank]])
 
     def _record_mismatch(self, job: Job, v: int, slot: int, rank: int, ids: tuple) -> None:
         if job.mismatch is not None:

@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from ..config import SwitchConfiguration
+from ..config import SwitchConfiguration, parse_address
 from ..netutil import (
     LineReader,
     enable_keepalive,
@@ -38,6 +38,9 @@ from ..protocol import Error
 from . import fastpipeline
 from .control import Controller
 from .pipeline import Pipeline
+from .rack import RackPipeline, Uplink
+from .rack_control import RackController
+from .uplinks import Uplinks
 
 if TYPE_CHECKING:  # imported when metrics are asked for: it needs prometheus-client
     from .metrics import MetricsServer
@@ -96,13 +99,18 @@ class Switch:
             require_prometheus_client()  # fail here, not after the switch started
         fastpath = config.fastpath
         if fastpath is None:
-            fastpath = fastpipeline.available()
+            fastpath = fastpipeline.available() and config.upstream is None
         #: True when the data plane runs in C (FastPipeline and its socket loop).
         self.fastpath = bool(fastpath)
-        self.pipeline = (fastpipeline.FastPipeline if self.fastpath else Pipeline)(
+        #: A rack switch's spine (host, port); None: a switch of one level.
+        self.upstream = parse_address(config.upstream) if config.upstream else None
+        pipeline_class = (RackPipeline if self.upstream else
+                          fastpipeline.FastPipeline if self.fastpath else Pipeline)
+        self.pipeline = pipeline_class(
             config.slots, config.packet_elements, block_elements=config.block_elements,
             drop_rate=config.drop_rate, egress_drop_rate=config.egress_drop_rate,
             seed=config.seed)
+        self._uplinks: Uplinks | None = None
         self._host = config.host
         self._port = config.port
         self._slots_per_job = config.slots_per_job
@@ -111,7 +119,7 @@ class Switch:
         self._metrics_host = config.metrics_host or config.host
         self._metrics: MetricsServer | None = None
         self.metrics_address: tuple[str, int] | None = None
-        self.controller: Controller | None = None
+        self.controller: Controller | RackController | None = None
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._running = False
@@ -133,11 +141,18 @@ class Switch:
             return self
         tcp, udp = self._tcp, self._udp = _bind_pair(self._host, self._port)
         self.address = (self._host, tcp.getsockname()[1])
-        self.controller = Controller(self.pipeline, data_port=self.address[1],
-                                     slots_per_job=self._slots_per_job, max_jobs=self._max_jobs,
-                                     stats=self.stats,
-                                     rcvbuf=udp.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF),
-                                     route_mtu=route_mtu)
+        if self.upstream is not None:
+            assert isinstance(self.pipeline, RackPipeline)
+            uplinks = self._uplinks = Uplinks(self, self.upstream, self.keepalive)
+            self.controller = RackController(self.pipeline, data_port=self.address[1],
+                                             spine=uplinks.spine,
+                                             uplink_address=uplinks.address_for,
+                                             route_mtu=route_mtu, stats=self.stats)
+        else:
+            self.controller = Controller(
+                self.pipeline, data_port=self.address[1], slots_per_job=self._slots_per_job,
+                max_jobs=self._max_jobs, stats=self.stats,
+                rcvbuf=udp.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF), route_mtu=route_mtu)
         if self._metrics_port is not None:
             from .metrics import serve_metrics
             try:
@@ -155,9 +170,11 @@ class Switch:
         self._thread = threading.Thread(target=self._serve, name="switchml-switch", daemon=True)
         self._thread.start()
         log.info("switch listening on %s:%d (slots=%d, packet_elements=%d, max_jobs=%d, "
-                 "data plane in %s)", *self.address, self.pipeline.slots,
+                 "data plane in %s)%s", *self.address, self.pipeline.slots,
                  self.pipeline.packet_elements, self._max_jobs,
-                 "C" if self.fastpath else "Python")
+                 "C" if self.fastpath else "Python",
+                 " as a rack switch under the spine at %s:%d" % self.upstream
+                 if self.upstream else "")
         if self.metrics_address:
             log.info("Prometheus metrics on http://%s:%d/metrics", *self.metrics_address)
         return self
@@ -212,8 +229,13 @@ class Switch:
         return self._tcp, self._udp
 
     @property
-    def _control(self) -> Controller:
+    def _control(self) -> Controller | RackController:
         assert self.controller is not None, "the switch is not started"
+        return self.controller
+
+    @property
+    def _rack_control(self) -> RackController:
+        assert isinstance(self.controller, RackController), "not a rack switch"
         return self.controller
 
     @property
@@ -268,7 +290,11 @@ class Switch:
                             self._on_control(key.data)
                         if events & selectors.EVENT_WRITE and key.data.sock in self._conns:
                             self._flush(key.data)
+                    elif callable(key.data):  # a rack switch's socket toward its spine
+                        key.data(events)
         finally:
+            if self._uplinks is not None:
+                self._uplinks.close_all()
             for conn in list(self._conns.values()):
                 sel.unregister(conn.sock)
                 conn.sock.close()
@@ -293,15 +319,24 @@ class Switch:
                 pipeline.counters["internal_errors"] += 1
                 log.exception("pipeline failed on a datagram from %s", addr)
                 continue
-            for datagram, dst in replies:
-                try:
-                    udp.sendto(datagram, dst)
-                except OSError as exc:
-                    if exc.errno == errno.EMSGSIZE:
-                        self._send_fragmented(datagram, dst)
-                    else:
-                        pipeline.counters["send_errors"] += 1
+            self._send_datagrams(replies)
         return True
+
+    def _send_datagrams(self, replies) -> None:
+        """What the pipeline answered: to workers, or up to a rack switch's spine."""
+        udp = self._sockets[1]
+        for datagram, dst in replies:
+            if isinstance(dst, Uplink):
+                assert self._uplinks is not None
+                self._uplinks.send_datagram(datagram, dst)
+                continue
+            try:
+                udp.sendto(datagram, dst)
+            except OSError as exc:
+                if exc.errno == errno.EMSGSIZE:
+                    self._send_fragmented(datagram, dst)
+                else:
+                    self.pipeline.counters["send_errors"] += 1
 
     def _send_fragmented(self, datagram, dst) -> None:
         """A result larger than the path MTU, which IP_PMTUDISC_DO refuses: a job whose
@@ -395,6 +430,8 @@ class Switch:
         self._send(replies)
 
     def _send(self, replies) -> None:
+        if self._uplinks is not None:  # a rack switch's requests for its spine
+            replies = self._uplinks.carry_out(replies)
         for sock, message in replies:
             conn = self._conns.get(sock)
             if conn is not None:

@@ -23,7 +23,8 @@ def _testbed_up(args) -> int:
         tb = Testbed(args.hosts, None if args.link == "none" else args.link, mtu=args.mtu,
                      loss=args.loss, prefix=args.prefix, subnet=args.subnet, burst=args.burst,
                      queue=args.queue, udp_offload=OFFLOAD[args.udp_offload],
-                     switches=args.switches)
+                     switches=args.switches, racks=args.racks,
+                     oversubscription=args.oversubscription)
     except ValueError as exc:
         print(f"switchml testbed: {exc}", file=sys.stderr)
         return 2
@@ -33,15 +34,19 @@ def _testbed_up(args) -> int:
         # it made if it fails or is interrupted half way.
         tb.up()
         if args.switch:
-            # On the bridge, or one on each switch server (one job over all of them).
-            where = ([f"s{k}" for k in range(tb.switches)] if tb.switches else ["switch"])
+            # On the bridge, or one on each switch server (one job over all of them);
+            # with racks, the spine on the bridge and a rack switch in each rack.
+            where = ([f"s{k}" for k in range(tb.switches)] if tb.switches else
+                     ["switch"] + [f"r{k}" for k in range(tb.racks)])
             logs = {}
             for node in where:
                 log = logs[node] = os.path.join(
-                    STATE_DIR, f"{args.prefix}-{node}-switch.log" if tb.switches
-                    else f"{args.prefix}-switch.log")
+                    STATE_DIR, f"{args.prefix}-switch.log" if node == "switch"
+                    else f"{args.prefix}-{node}-switch.log")
                 command = [sys.executable, "-m", "switchml.cli", "switch", "--host",
                            tb.address(node), "--port", str(SWITCH_PORT)]
+                if node.startswith("r"):
+                    command += ["--upstream", tb.switch]
                 if args.slots_per_job is not None:
                     command += ["--slots-per-job", str(args.slots_per_job)]
                 with open(log, "w") as f:
@@ -76,7 +81,12 @@ def _wait_for(path, text, timeout) -> bool:
     return False
 
 
+def _rate(bps) -> str:
+    return "unshaped" if bps is None else f"{bps / 1e6:g} Mbit/s"
+
+
 def _describe(tb, running_switch=False) -> str:
+    from . import racks
     link = f"{tb.link} each way" if tb.link_bps else "unshaped"
     lines = [f"testbed '{tb.prefix}': {tb.hosts} hosts, links {link}, mtu {tb.mtu or 1500}, "
              f"UDP loss {tb.loss:g}",
@@ -91,12 +101,22 @@ def _describe(tb, running_switch=False) -> str:
         lines.append(f"  server {k:<1} namespace {tb.namespace(node):<12} veth   "
                      f"{tb.ifname(node)} {tb.address(node)}"
                      + ("  (switch running)" if running_switch else ""))
+    for k in range(tb.racks):
+        node = f"r{k}"
+        lines.append(f"  rack {k:<3} namespace {tb.namespace(node):<12} bridge "
+                     f"{tb.prefix}-rb{k} {tb.address(node)}, hosts "
+                     f"{[h for h in range(tb.hosts) if tb.rack_of(h) == k]}, uplink "
+                     f"{_rate(racks.uplink_bps(tb, k))} ({tb.oversubscription:g}:1)"
+                     + ("  (rack switch running)" if running_switch else ""))
+    where = "its rack's switch" if tb.racks else tb.switch
     lines.append(f"run a command in a host:  switchml testbed run --prefix {tb.prefix} 0 -- CMD"
-                 f"  (SWITCHML_SWITCH={tb.switch}, GLOO_SOCKET_IFNAME set)")
+                 f"  (SWITCHML_SWITCH={where}, GLOO_SOCKET_IFNAME set)")
     if not running_switch:
         where = "s0" if tb.switches else "switch"
         lines.append(f"start the switch:         switchml testbed run --prefix {tb.prefix} "
                      f"{where} -- switchml switch" + ("  (and in s1, ...)" if tb.switches > 1
+                                                       else "  (and in r0, ...: rack "
+                                                       "switches under it)" if tb.racks
                                                        else ""))
     lines.append(f"remove it:                switchml testbed down --prefix {tb.prefix}")
     return "\n".join(lines)
@@ -121,7 +141,7 @@ def _testbed_run(args) -> int:
 
 
 def _testbed_status(args) -> int:
-    from . import netns
+    from . import netns, racks
     from .core import Testbed, find_testbeds, read_state
     from .errors import TestbedError
 
@@ -154,6 +174,11 @@ def _testbed_status(args) -> int:
             c = tb.link_counters(f"s{k}")
             pids = netns.namespace_pids(tb.namespace(f"s{k}"))
             print(f"  server {k}: sent {c['tx_bytes']} B, received {c['rx_bytes']} B, "
+                  f"processes {pids or 'none'}")
+        for k in range(tb.racks):
+            c = racks.uplink_counters(tb, k)
+            pids = netns.namespace_pids(tb.namespace(f"r{k}"))
+            print(f"  rack {k}: uplink sent {c['tx_bytes']} B, received {c['rx_bytes']} B, "
                   f"processes {pids or 'none'}")
         print(f"  switch processes: {netns.namespace_pids(tb.switch_namespace) or 'none'}")
         if tb.loss:
@@ -206,9 +231,17 @@ def add_parsers(sub) -> None:
                    help="switch servers: namespaces s0..s<K-1> behind shaped links like "
                         "hosts', for one job over K switch processes (default 0: the "
                         "switch on the bridge)")
+    p.add_argument("--racks", type=int, default=0,
+                   help="racks: R namespaces r0..r<R-1>, each a bridge with its hosts and "
+                        "a rack switch, wired to the spine's bridge by a shaped uplink "
+                        "(default 0: one flat bridge)")
+    p.add_argument("--oversubscription", type=float, default=1.0,
+                   help="with --racks: a rack's uplink carries its hosts' links' rate "
+                        "divided by this (default 1: 1:1; 4: 4:1)")
     p.add_argument("--switch", action="store_true",
                    help="also start a switchml switch on the bridge, or one on each switch "
-                        "server (in the background)")
+                        "server, or the spine and a rack switch in each rack (in the "
+                        "background)")
     p.add_argument("--slots-per-job", type=int, default=None,
                    help="that switch's slots per job (default: the switch's own; a job's "
                         "window adapts to the path within them)")

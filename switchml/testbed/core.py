@@ -43,6 +43,7 @@ import threading
 import time
 
 from . import netns
+from . import racks as rack_layout
 from .errors import TestbedError, TestbedExistsError
 from .netns import parse_rate, parse_size, sh
 
@@ -77,7 +78,7 @@ def find_testbeds() -> dict:
     """Prefixes of testbeds whose namespaces exist, each with its namespace names."""
     found: dict = {}
     for name in netns.list_namespaces():
-        match = re.fullmatch(r"([a-z][a-z0-9]{0,7})-(sw|h\d+|s\d+)", name)
+        match = re.fullmatch(r"([a-z][a-z0-9]{0,7})-(sw|h\d+|s\d+|r\d+)", name)
         if match:
             found.setdefault(match.group(1), []).append(name)
     return found
@@ -97,7 +98,7 @@ def teardown(prefix: str = DEFAULT_PREFIX) -> list:
     for name in sorted(names, key=lambda n: n.endswith("-sw")):
         netns.delete_namespace(name)
     logs = [r for r in (os.listdir(STATE_DIR) if os.path.isdir(STATE_DIR) else [])
-            if re.fullmatch(re.escape(prefix) + r"-s\d+-switch\.log", r)]
+            if re.fullmatch(re.escape(prefix) + r"-[sr]\d+-switch\.log", r)]
     for record in [f"{prefix}.json", f"{prefix}-switch.log", *logs]:
         try:
             os.unlink(os.path.join(STATE_DIR, record))
@@ -142,14 +143,19 @@ class Testbed:
     without loss, off with loss, where per-datagram loss needs it.
     ``switches``: switch servers (0: none, the switch on the bridge as before);
     each is a namespace ``"s<k>"`` behind a shaped link like a host's.
+    ``racks``: R racks under the spine on the bridge, each a namespace ``"r<k>"``
+    with a bridge and a rack switch of its own, joined to the spine by an uplink
+    of the rack's hosts' rate over ``oversubscription`` (``racks.py``).
     """
 
     __test__ = False  # not a pytest test class, despite the name
+    UDP_SEGMENTATION = UDP_SEGMENTATION
 
     def __init__(self, hosts: int = 4, link="1gbit", *, mtu: int | None = None,
                  loss: float = 0.0, prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET,
                  burst=DEFAULT_BURST, queue=None, install_nft: bool = True,
-                 udp_offload: bool | None = None, switches: int = 0):
+                 udp_offload: bool | None = None, switches: int = 0, racks: int = 0,
+                 oversubscription: float = 1.0):
         self.prefix = _check_prefix(prefix)
         net = ipaddress.ip_network(subnet)
         if not 1 <= hosts <= min(255, net.num_addresses - 3):
@@ -159,6 +165,15 @@ class Testbed:
             raise ValueError(f"switches must be between 0 and {net.num_addresses - 3 - hosts} "
                              f"beside {hosts} hosts in subnet {subnet}, got {switches}")
         self.switches = switches
+        if racks and (switches or not 1 <= racks <= min(hosts, 99)
+                      or racks > net.num_addresses - 3 - hosts):
+            raise ValueError(f"racks must be between 1 and the number of hosts ({hosts}), "
+                             f"at most 99, without switch servers; got {racks}")
+        if not oversubscription >= 1.0:
+            raise ValueError(f"oversubscription must be 1 (1:1) or more, got "
+                             f"{oversubscription}")
+        self.racks = racks
+        self.oversubscription = float(oversubscription)
         if not 0.0 <= loss < 1.0:
             raise ValueError(f"loss must be in [0, 1), got {loss}")
         if mtu is not None and not 68 <= mtu <= 65535:
@@ -197,7 +212,8 @@ class Testbed:
     @property
     def switch(self) -> str:
         """'host:port' of a switch started on the bridge with ``SWITCH_PORT``; with
-        switch servers, theirs, commas between (one job over all of them)."""
+        switch servers, theirs, commas between (one job over all of them); with
+        racks, the spine's (each host's own switch is its rack's: ``env``)."""
         if self.switches:
             return ",".join(f"{self.server_address(k)}:{SWITCH_PORT}"
                             for k in range(self.switches))
@@ -219,6 +235,20 @@ class Testbed:
                              f"this testbed has no switch servers (switches=0), got {host!r}")
         return k
 
+    def _rack(self, host) -> int | None:
+        """Rack ``k`` for ``"r<k>"``, or None for anything else."""
+        return rack_layout.parse_rack(self, host)
+
+    def rack_of(self, host) -> int | None:
+        """The rack of host ``i``, or None without racks."""
+        return rack_layout.rack_of(self, host) if self.racks else None
+
+    def port_namespace(self, host) -> str:
+        """The namespace where host ``i``'s link ends: its rack's, or the switch's."""
+        rack = self.rack_of(host) if self._server(host) is None else None
+        return (rack_layout.rack_namespace(self, rack) if rack is not None
+                else self.switch_namespace)
+
     def _index(self, host) -> int:
         if isinstance(host, str) and re.fullmatch(r"h?\d+", host):
             host = int(host.lstrip("h"))
@@ -230,6 +260,9 @@ class Testbed:
         """Namespace of host ``i`` (0-based), or of the switch for 'switch'."""
         if host in (SWITCH, "sw"):
             return self.switch_namespace
+        rack = self._rack(host)
+        if rack is not None:
+            return rack_layout.rack_namespace(self, rack)
         server = self._server(host)
         if server is not None:
             return f"{self.prefix}-s{server}"
@@ -238,6 +271,9 @@ class Testbed:
     def address(self, host) -> str:
         if host in (SWITCH, "sw"):
             return self.switch_address
+        rack = self._rack(host)
+        if rack is not None:
+            return rack_layout.rack_address(self, rack)
         server = self._server(host)
         if server is not None:
             return str(self.subnet.network_address + self.subnet.num_addresses - 3 - server)
@@ -270,7 +306,12 @@ class Testbed:
         """Environment variables that point programs in ``host`` at the testbed."""
         if host in (SWITCH, "sw") or self._server(host) is not None:
             return {"SWITCHML_HOST": self.address(host), "SWITCHML_PORT": str(SWITCH_PORT)}
-        return {"SWITCHML_SWITCH": self.switch, "GLOO_SOCKET_IFNAME": self.ifname(host),
+        if self._rack(host) is not None:  # a rack switch, under the spine
+            return {"SWITCHML_HOST": self.address(host), "SWITCHML_PORT": str(SWITCH_PORT),
+                    "SWITCHML_UPSTREAM": self.switch}
+        rack = self.rack_of(host)
+        switch = self.switch if rack is None else f"{self.address(f'r{rack}')}:{SWITCH_PORT}"
+        return {"SWITCHML_SWITCH": switch, "GLOO_SOCKET_IFNAME": self.ifname(host),
                 "MASTER_ADDR": self.address(0)}
 
     # ------------------------------------------------------------------ running
@@ -303,7 +344,8 @@ class Testbed:
 
     def loss_drops(self) -> dict:
         """Datagrams the loss rules dropped so far, per namespace."""
-        names = [self.namespace(h) for h in self.nodes] + [self.switch_namespace]
+        names = ([self.namespace(h) for h in self.nodes] + [self.switch_namespace]
+                 + [self.namespace(f"r{k}") for k in range(self.racks)])
         return {ns: netns.udp_loss_drops(ns, self._loss_table) for ns in names}
 
     @property
@@ -371,7 +413,8 @@ class Testbed:
     def _create(self) -> None:
         sw = self.switch_namespace
         prefix_len = self.subnet.prefixlen
-        for ns in [sw] + [self.namespace(h) for h in self.nodes]:
+        for ns in ([sw] + [self.namespace(f"r{k}") for k in range(self.racks)]
+                   + [self.namespace(h) for h in self.nodes]):
             sh(["ip", "netns", "add", ns])
             # No IPv6: its router solicitations and MLD reports would add stray
             # bytes to the link counters.
@@ -380,8 +423,12 @@ class Testbed:
                check=False)
             sh(["ip", "-n", ns, "link", "set", "lo", "up"])
         sh(["ip", "-n", sw, "link", "add", self.bridge, "type", "bridge"])
+        rack_layout.create(self)  # racks' bridges and uplinks, before their hosts' links
         for h in self.nodes:  # a switch server is wired as a host is
             ns, dev, port = self.namespace(h), self.ifname(h), self.port(h)
+            sw = self.port_namespace(h)  # where the link ends: its rack, or the switch
+            rack = self.rack_of(h) if self._server(h) is None else None
+            bridge = self.bridge if rack is None else rack_layout.rack_bridge(self, rack)
             # Both ends are created inside their namespaces: the machine's own
             # namespace never sees a testbed device.
             sh(["ip", "-n", ns, "link", "add", dev, "type", "veth", "peer", "name", port,
@@ -391,7 +438,7 @@ class Testbed:
                 sh(["ip", "-n", sw, "link", "set", port, "mtu", str(self.mtu)])
             if not self.udp_offload:
                 netns.set_offloads(ns, [dev], {UDP_SEGMENTATION: False})
-            sh(["ip", "-n", sw, "link", "set", port, "master", self.bridge])
+            sh(["ip", "-n", sw, "link", "set", port, "master", bridge])
             sh(["ip", "-n", ns, "addr", "add", f"{self.address(h)}/{prefix_len}", "dev", dev])
             sh(["ip", "-n", sw, "link", "set", port, "up"])
             sh(["ip", "-n", ns, "link", "set", dev, "up"])
@@ -401,8 +448,10 @@ class Testbed:
             if self.loss > 0:
                 netns.add_udp_loss(ns, self._loss_table, self.loss)
         if not self.udp_offload:  # downlinks: the bridge ports
-            netns.set_offloads(sw, [self.port(h) for h in self.nodes],
-                               {UDP_SEGMENTATION: False})
+            for h in self.nodes:
+                netns.set_offloads(self.port_namespace(h), [self.port(h)],
+                                   {UDP_SEGMENTATION: False})
+        sw = self.switch_namespace
         if self.mtu:
             sh(["ip", "-n", sw, "link", "set", self.bridge, "mtu", str(self.mtu)])
         sh(["ip", "-n", sw, "addr", "add", f"{self.switch_address}/{prefix_len}",
@@ -418,6 +467,7 @@ class Testbed:
                  "link_bps": self.link_bps, "mtu": self.mtu, "loss": self.loss,
                  "subnet": str(self.subnet), "burst": self.burst, "queue": self.queue,
                  "udp_offload": self.udp_offload, "switches": self.switches,
+                 "racks": self.racks, "oversubscription": self.oversubscription,
                  "switch": self.switch,
                  "created": time.time()}
         with open(os.path.join(STATE_DIR, f"{self.prefix}.json"), "w") as f:
@@ -434,7 +484,8 @@ class Testbed:
         return cls(state["hosts"], state["link"], mtu=state["mtu"], loss=state["loss"],
                    prefix=prefix, subnet=state["subnet"], burst=state["burst"],
                    queue=state["queue"], udp_offload=state.get("udp_offload", False),
-                   switches=state.get("switches", 0))
+                   switches=state.get("switches", 0), racks=state.get("racks", 0),
+                   oversubscription=state.get("oversubscription", 1.0))
 
     # ------------------------------------------------------------------ signals
     def _catch_signals(self) -> None:

@@ -1,0 +1,386 @@
+"""Two levels over the control plane: a rack switch relays its workers' joins to the
+spine (switch/rack_control.py, the spine's control.py), without sockets and then
+with them: racks under a spine in this process, real workers, real failures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import reference_sum, run_ranks
+from test_racks import K, make_inputs, same_bits
+
+import switchml
+from switchml import Switch, protocol, wire
+from switchml.switch.control import Controller
+from switchml.switch.pipeline import Pipeline
+from switchml.switch.rack import RackPipeline, Uplink
+from switchml.switch.rack_control import CloseUplink, RackController, ToSpine
+from switchml.worker.control import ControlClient
+
+
+# ---------------------------------------------------------------- the control relay (sans-IO)
+class Relay:
+    """A spine ``Controller`` and rack ``RackController``s wired by hand: what the
+    servers do with sockets, here with lists.  ``told[conn]``: the events each
+    worker connection got, in order."""
+
+    def __init__(self, racks=2, slots=16):
+        self.spine = Controller(Pipeline(slots, K), data_port=7300, slots_per_job=4)
+        self.racks = []
+        for r in range(racks):
+            rack = RackController(RackPipeline(slots, K), data_port=7400 + r,
+                                  spine=("10.0.0.1", 7300),
+                                  uplink_address=lambda job, r=r: (f"10.0.1.{r}", 9000 + r))
+            self.racks.append(rack)
+        self.told: dict = {}
+        self.open_uplinks: set = set()  # (rack, job) connections to the spine
+
+    def worker(self, rack, conn, msg):
+        self.route(rack, self.racks[rack].handle_message(conn, msg))
+
+    def worker_gone(self, rack, conn):
+        self.route(rack, self.racks[rack].handle_disconnect(conn))
+
+    def rack_gone(self, rack, job):
+        """Rack ``rack``'s switch dies: the spine sees its connection drop."""
+        self.open_uplinks.discard((rack, job))
+        self.spine_replies(self.spine.handle_disconnect((rack, job)))
+
+    def route(self, rack, out):
+        for item in out:
+            if isinstance(item, ToSpine):
+                self.open_uplinks.add((rack, item.job))
+                self.spine_replies(self.spine.handle_message((rack, item.job),
+                                                             item.request.to_dict()))
+            elif isinstance(item, CloseUplink):
+                if (rack, item.job) in self.open_uplinks:
+                    self.open_uplinks.discard((rack, item.job))
+                    self.spine_replies(self.spine.handle_disconnect((rack, item.job)))
+            else:
+                conn, event = item
+                self.told.setdefault(conn, []).append(event)
+
+    def spine_replies(self, out):
+        for (rack, job), event in out:
+            if (rack, job) in self.open_uplinks:
+                self.route(rack, self.racks[rack].handle_upstream(job, event))
+
+
+def join(rank, world=4, job="j", mtu=None):
+    return {"op": "join", "job": job, "rank": rank, "world_size": world,
+            "data_addr": [f"10.0.2.{rank}", 5000 + rank], "mtu": mtu}
+
+
+def joined_cluster(placement=(0, 0, 1, 1), job="j"):
+    relay = Relay(racks=max(placement) + 1)
+    for rank, rack in enumerate(placement):
+        relay.worker(rack, (job, rank), join(rank, len(placement), job))
+    return relay
+
+
+def test_racks_join_the_spine_as_one_member_each_and_their_workers_get_ready():
+    relay = joined_cluster((1, 0, 1, 0))
+    spine_job = next(iter(relay.spine.pipeline.jobs.values()))
+    # rack 1 holds rank 0: it is the spine's member 0
+    assert spine_job.members == [("10.0.1.1", 9001), ("10.0.1.0", 9000)]
+    assert spine_job.world_size == 2
+    for rank, rack in enumerate((1, 0, 1, 0)):
+        events = relay.told[("j", rank)]
+        assert [e["event"] for e in events][-1] == "ready"
+        ready = events[-1]
+        local = relay.racks[rack].pipeline.jobs[ready["session"]]
+        assert ready["data_port"] == 7400 + rack and ready["slot_count"] == 4
+        assert local.members == [("10.0.2.%d" % g, 5000 + g) for g in (rack ^ 1, (rack ^ 1) + 2)]
+        uplink = relay.racks[rack].pipeline.uplinks[ready["session"]]
+        assert uplink == Uplink(("10.0.0.1", 7300), (f"10.0.1.{rack}", 9000 + rack),
+                                spine_job.session, spine_job.slot_base, 1 - rack)
+    # the ranks joined before the world was complete heard who was present, from the spine
+    assert relay.told[("j", 0)][0] == {"event": "joined", "job": "j", "present": [0]}
+
+
+def test_a_rack_switch_that_dies_fails_the_job_on_the_other_racks_naming_it():
+    relay = joined_cluster()
+    relay.rack_gone(1, "j")
+    for rank in (0, 1):
+        failed = relay.told[("j", rank)][-1]
+        assert failed["event"] == "failed"
+        assert failed["missing"] == [2, 3]
+        assert "the rack switch at 10.0.1.1:7401 (ranks 2, 3)" in failed["reason"]
+    assert relay.racks[0].pipeline.jobs == {} and relay.spine.pipeline.jobs == {}
+    assert relay.open_uplinks == set()
+
+
+def test_a_worker_that_gives_up_fails_the_job_on_every_rack():
+    relay = joined_cluster()
+    relay.worker(0, ("j", 1), {"op": "abort", "reason": "no progress", "missing": [3]})
+    assert relay.told[("j", 0)][-1]["event"] == "failed"
+    for rank in (2, 3):
+        failed = relay.told[("j", rank)][-1]
+        assert failed["event"] == "failed" and failed["missing"] == [3]
+        assert "no progress" in failed["reason"]
+    assert all(not rack.pipeline.jobs for rack in relay.racks)
+    assert relay.spine.pipeline.jobs == {}
+
+
+def test_a_worker_that_disconnects_is_named_on_every_rack():
+    relay = joined_cluster()
+    relay.worker_gone(1, ("j", 2))
+    for rank in (0, 1, 3):
+        failed = relay.told[("j", rank)][-1]
+        assert failed["event"] == "failed" and failed["missing"] == [2], failed
+
+
+def test_the_spine_lost_fails_the_rack_job_naming_the_spine():
+    relay = joined_cluster()
+    out = relay.racks[0].handle_uplink_closed("j", "closed the connection")
+    relay.route(0, out)
+    for rank in (0, 1):
+        failed = relay.told[("j", rank)][-1]
+        assert failed["event"] == "failed"
+        assert "the spine switch at 10.0.0.1:7300 closed the connection" in failed["reason"]
+
+
+def test_every_worker_leaving_ends_the_job_at_the_racks_and_the_spine():
+    relay = joined_cluster()
+    for rank, rack in enumerate((0, 0, 1, 1)):
+        relay.worker(rack, ("j", rank), {"op": "leave"})
+        assert relay.told[("j", rank)][-1] == {"event": "left"}
+    assert relay.spine.pipeline.counters["jobs_ended"] == 1
+    assert all(rack.pipeline.counters["jobs_ended"] == 1 for rack in relay.racks)
+    assert relay.spine.jobs == {} and relay.open_uplinks == set()
+
+
+def test_a_rank_gone_before_the_job_started_makes_its_rack_join_again():
+    relay = Relay()
+    relay.worker(0, ("j", 0), join(0))
+    relay.worker(0, ("j", 1), join(1))
+    relay.worker(1, ("j", 2), join(2))
+    relay.worker_gone(0, ("j", 0))
+    error = relay.told[("j", 1)][-1]
+    assert error["event"] == "error" and "must join again" in error["message"]
+    # the spine forgot rack 0's ranks: the job forms when they join again
+    assert relay.spine.jobs["j"].conns.keys() == {2}
+    relay.worker(0, ("j", 10), join(0))
+    relay.worker(0, ("j", 11), join(1))
+    relay.worker(1, ("j", 3), join(3))
+    assert all(relay.told[("j", c)][-1]["event"] == "ready" for c in (10, 11, 2, 3))
+
+
+def test_rack_ready_and_rack_join_round_trip():
+    ready = protocol.RackReady(5, 0, 4, 64, 64, 7300, 1, 2, (2, 3))
+    assert protocol.decode_event(ready.to_dict()) == ready
+    rack_join = protocol.RackJoin("j", 3, 4, ("10.0.1.1", 9001), mtu=1500, rack="10.0.1.1:7301")
+    assert protocol.decode_request(rack_join.to_dict()) == rack_join
+    assert isinstance(protocol.decode_request(join(0)), protocol.Join)
+    assert not isinstance(protocol.decode_request(join(0)), protocol.RackJoin)
+
+
+# ---------------------------------------------------------------- real sockets
+def rack_switches(racks=2, **settings):
+    """A spine switch and ``racks`` rack switches under it, in this process."""
+    stack = contextlib.ExitStack()
+    geometry = {"packet_elements": 512, "slots": 64, **settings}
+    spine = stack.enter_context(Switch(slots_per_job=8, **geometry))
+    under = [stack.enter_context(Switch(upstream="%s:%d" % spine.address, **geometry))
+             for _ in range(racks)]
+    return stack, spine, under
+
+
+def test_two_levels_over_sockets_give_the_flat_sums():
+    placement = [0, 1, 0, 1]
+    stack, spine, racks = rack_switches()
+    with stack:
+        assert not racks[0].fastpath and racks[0].stats()["admission"]["upstream"]
+        calls = [make_inputs(4, size, dtype, seed=size)
+                 for size, dtype in ((5000, np.float32), (1, np.float32), (3000, np.int32))]
+
+        def body(rank):
+            with switchml.Worker(racks[placement[rank]].address, rank, 4, job="two-level",
+                                 timeout=20) as w:
+                return w.session.packet_elements, [w.allreduce(c[rank]) for c in calls]
+
+        results = run_ranks(4, body)
+        packet = results[0][0]
+        for inputs, *outs in zip(calls, *(r[1] for r in results)):
+            same_bits(outs, reference_sum(inputs, packet))
+        stats = spine.stats()
+        spine_job = stats["ended_jobs"]["two-level"]
+        assert spine_job["world_size"] == 2  # two racks, one member each
+        for rack in racks:
+            job = rack.stats()["ended_jobs"]["two-level"]
+            assert job["counters"]["partials_up"] == job["counters"]["results_from_spine"] > 0
+
+
+def test_a_rack_switch_stopped_fails_the_job_on_the_other_rack_naming_it():
+    stack, spine, racks = rack_switches()
+    with stack:
+        rack1 = "%s:%d" % racks[1].address
+        first_done = threading.Barrier(5)
+        killed = threading.Event()
+
+        def body(rank):
+            with switchml.Worker(racks[rank // 2].address, rank, 4, job="dies",
+                                 timeout=10) as w:
+                w.allreduce(np.ones(2000, np.float32))
+                first_done.wait(20)
+                killed.wait(20)
+                started = time.monotonic()
+                with pytest.raises(switchml.SwitchMLError) as failure:
+                    w.allreduce(np.ones(2000, np.float32))
+                return str(failure.value), time.monotonic() - started
+
+        def kill():
+            first_done.wait(20)
+            racks[1].stop()
+            time.sleep(0.2)  # the spine hears of it, and rack 0 from the spine
+            killed.set()
+
+        killer = threading.Thread(target=kill)
+        killer.start()
+        results = run_ranks(4, body, timeout=40)
+        killer.join()
+        for rank in (0, 1):
+            message, took = results[rank]
+            assert f"the rack switch at {rack1} (ranks 2, 3)" in message, message
+            assert took < 5
+        for rank in (2, 3):
+            assert rack1 in results[rank][0], results[rank][0]
+
+
+def test_ranks_of_two_racks_that_disagree_raise_a_mismatch_naming_them():
+    stack, spine, racks = rack_switches()
+    with stack:
+        def body(rank):
+            with switchml.Worker(racks[rank // 2].address, rank, 4, job="odd",
+                                 timeout=10) as w:
+                with pytest.raises(switchml.CallMismatchError) as failure:
+                    w.allreduce(np.ones(1000 if rank < 2 else 2000, np.float32))
+                return str(failure.value)
+
+        for message in run_ranks(4, body, timeout=30):
+            assert "ranks 0, 1 asked for 1000 float32 values" in message or \
+                "ranks 2, 3 asked for 2000 float32 values" in message, message
+            assert "rank 2 for 2000" in message or "rank 0 for 1000" in message, message
+
+
+def test_two_jobs_share_the_rack_switches_and_the_spine_over_sockets():
+    stack, spine, racks = rack_switches()
+    with stack:
+        inputs = {job: make_inputs(4, 4000 + 1000 * i, np.float32, seed=i)
+                  for i, job in enumerate(("first", "second"))}
+
+        def body(index):
+            job, rank = ("first", "second")[index // 4], index % 4
+            with switchml.Worker(racks[rank % 2].address, rank, 4, job=job, timeout=20) as w:
+                return job, w.session.packet_elements, [w.allreduce(inputs[job][rank])
+                                                        for _ in range(3)]
+
+        results = run_ranks(8, body)
+        for job, packet, outs in results:
+            for out in outs:
+                same_bits([out], reference_sum(inputs[job], packet))
+        ended = spine.stats()["ended_jobs"]
+        assert ended["first"]["world_size"] == ended["second"]["world_size"] == 2
+        for rack in racks:
+            up = {job: rack.stats()["ended_jobs"][job]["counters"]["partials_up"]
+                  for job in ("first", "second")}
+            assert all(count > 0 for count in up.values())
+
+
+def test_a_status_query_at_a_rack_asks_the_spine_which_ranks_it_has():
+    """A stalled worker names who did not contribute: for a message complete at its
+    rack, the spine answers with the ranks behind the racks it heard from."""
+    relay = joined_cluster((0, 0, 1, 1, 2, 2))
+    lanes = np.zeros(1, wire.LANE)
+    slots = {}
+    for r, ranks in ((0, (0, 1)), (2, (4, 5))):  # racks 0 and 2 complete slot 1's message 0
+        ready = relay.told[("j", ranks[0])][-1]
+        slots[r] = ready["slot_base"] + 1
+        for g in ranks:
+            up = relay.racks[r].pipeline.receive_datagram(wire.encode(
+                wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, slots[r], ready["session"], 0, 0, 1,
+                lanes, np.ones(K, np.int32)), (f"10.0.2.{g}", 5000 + g))
+        [(partial, uplink)] = up
+        assert relay.spine.pipeline.receive_datagram(bytes(partial), uplink.source) == []
+    relay.worker(0, ("j", 0), {"op": "status", "slots": [[slots[0], 0], [slots[0] - 1, 0]]})
+    reply = relay.told[("j", 0)][-1]
+    # slot 1: ranks 0, 1, 4 and 5 (racks 0 and 2 at the spine); slot 0: nothing yet
+    assert reply == {"event": "status", "slots": [[slots[0], 0, True, 0b110011],
+                                                  [slots[0] - 1, 0, False, 0]]}
+    # what the worker then says: ranks 2 and 3 did not contribute
+    client = ControlClient("j", 0, 6, timeout=5.0)
+    error = client.stall_error(protocol.decode_event(reply), 5.0)
+    assert sorted(error.missing_ranks) == [2, 3]
+
+
+def test_a_hung_rack_switch_is_named_by_the_other_racks_ranks_within_the_timeout():
+    """A rack switch that stops serving but keeps its connections open (its lock
+    held: a hung process): the ranks of the other rack see no progress for their
+    timeout, ask their rack, which asks the spine, and name the hung rack's ranks."""
+    stack, spine, racks = rack_switches(racks=3)
+    with stack:
+        first_done = threading.Barrier(7)
+        hung = threading.Event()
+
+        def body(rank):
+            with switchml.Worker(racks[rank // 2].address, rank, 6, job="hangs",
+                                 timeout=2) as w:
+                w.allreduce(np.ones(3000, np.float32))
+                first_done.wait(20)
+                hung.wait(20)
+                started = time.monotonic()
+                try:
+                    w.allreduce(np.ones(3000, np.float32))
+                except switchml.SwitchMLError as exc:
+                    return exc, time.monotonic() - started
+                return None, 0.0
+
+        def hang():
+            first_done.wait(20)
+            with racks[1]._lock:  # its serving thread waits here: it hangs
+                hung.set()
+                time.sleep(6)
+
+        hanger = threading.Thread(target=hang)
+        hanger.start()
+        results = run_ranks(6, body, timeout=40)
+        hanger.join()
+        for rank in (0, 1, 4, 5):  # not all the others: the spine heard from rack 2
+            error, took = results[rank]
+            assert isinstance(error, switchml.SwitchMLTimeoutError), error
+            assert sorted(error.missing_ranks) == [2, 3], error
+            assert took < 2 + 3, took
+
+
+def test_a_worker_joined_to_the_spine_directly_is_a_member_beside_the_racks():
+    relay = Relay(racks=1)
+    relay.worker(0, ("j", 1), join(1, world=3))
+    relay.worker(0, ("j", 2), join(2, world=3))
+    out = relay.spine.handle_message("direct", join(0, world=3))
+    direct = [(c, event) for c, event in out if c == "direct"]
+    relay.spine_replies([(c, event) for c, event in out if c != "direct"])
+    spine_job = next(iter(relay.spine.pipeline.jobs.values()))
+    assert spine_job.members == [("10.0.2.0", 5000), ("10.0.1.0", 9000)]  # rank 0 first
+    assert [event["event"] for _, event in direct] == ["ready"]
+    assert "member" not in direct[0][1]
+    assert [relay.told[("j", g)][-1]["event"] for g in (1, 2)] == ["ready", "ready"]
+    assert relay.racks[0].pipeline.uplinks[relay.told[("j", 1)][-1]["session"]].member == 1
+
+
+def test_a_rack_whose_ranks_are_not_those_the_spine_started_with_fails_the_job():
+    relay = Relay()
+    for rank, rack in enumerate((0, 0, 1)):
+        relay.worker(rack, ("j", rank), join(rank))
+    rack = relay.racks[1]
+    out = rack.handle_upstream("j", protocol.RackReady(5, 0, 4, K, K, 7300, 1, 2, (2, 3)))
+    failed = [event for item in out if isinstance(item, tuple) for event in item[1:]]
+    assert failed[0]["event"] == "failed"
+    assert "ranks [2, 3] behind this rack switch, which has ranks [2]" in failed[0]["reason"]
+    assert any(isinstance(item, ToSpine) and isinstance(item.request, protocol.Abort)
+               for item in out)
+    assert rack.pipeline.jobs == {}
