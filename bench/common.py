@@ -46,12 +46,23 @@ def union_density(density, world):
     return 1.0 - (1.0 - density) ** world
 
 
-def lower_bound_s(system, world, nbytes, link_bps, density=None, switch_servers=0):
+def lower_bound_s(system, world, nbytes, link_bps, density=None, switch_servers=0,
+                  rack_hosts=0, uplink_bps=None, flat=False):
     """The least time the links allow: bytes over the busier direction of a worker's
     link, or, with ``switch_servers`` K (switches on servers behind links of the same
-    rate), of a server's, which carries n·S/K each way: max(S, n·S/K)/B."""
+    rate), of a server's, which carries n·S/K each way: max(S, n·S/K)/B.
+
+    Racks of ``rack_hosts`` hosts under a spine, uplinks of ``uplink_bps``: a rack
+    switch sends one partial up and takes one total down, S each way on the
+    uplink; through the spine without rack switches (``flat``), each host's S
+    crosses it; gloo's ring (ranks in rack order) crosses it once each way."""
     if not link_bps:
         return None
+    if rack_hosts and uplink_bps:
+        own = lower_bound_s(system, world, nbytes, link_bps, density)
+        busiest = own * link_bps / 8  # bytes on a host's busier direction
+        on_uplink = busiest * (rack_hosts if flat and system.startswith("switchml") else 1)
+        return max(own, on_uplink * 8 / uplink_bps)
     if switch_servers and system.startswith("switchml"):
         per_worker = lower_bound_s(system, world, nbytes, link_bps, density)
         return per_worker * max(1.0, world / switch_servers)

@@ -35,17 +35,28 @@ def snapshot(tb) -> dict:
         ns = tb.namespace(h)
         udp = _udp(ns)
         host_end = netns.link_counters(ns, tb.ifname(h))
-        switch_end = netns.link_counters(tb.switch_namespace, tb.port(h))
+        # the link's far end: on the spine's bridge, or on its rack's
+        port_ns = tb.port_namespace(h) if getattr(tb, "racks", 0) else tb.switch_namespace
+        switch_end = netns.link_counters(port_ns, tb.port(h))
         hosts.append({"uplink_queue": _qdisc_drops(ns, tb.ifname(h)),
-                      "downlink_queue": _qdisc_drops(tb.switch_namespace, tb.port(h)),
+                      "downlink_queue": _qdisc_drops(port_ns, tb.port(h)),
                       # a veth's drops: a receiver's backlog full (netdev_max_backlog)
                       "veth_dropped": host_end["rx_dropped"] + host_end["tx_dropped"]
                       + switch_end["rx_dropped"] + switch_end["tx_dropped"],
                       "udp_sndbuf_errors": udp.get("SndbufErrors", 0),
                       "udp_rcvbuf_errors": udp.get("RcvbufErrors", 0)})
+    racks = []
+    for k in range(getattr(tb, "racks", 0)):  # each rack's uplink to the spine, both ways
+        ns = tb.namespace(f"r{k}")
+        udp = _udp(ns)
+        racks.append({"uplink_queue": _qdisc_drops(ns, f"{tb.prefix}-u{k}"),
+                      "downlink_queue": _qdisc_drops(tb.switch_namespace, f"{tb.prefix}-pu{k}"),
+                      "udp_sndbuf_errors": udp.get("SndbufErrors", 0),
+                      "udp_rcvbuf_errors": udp.get("RcvbufErrors", 0)})
     udp = _udp(tb.switch_namespace)
-    return {"hosts": hosts, "switch": {"udp_sndbuf_errors": udp.get("SndbufErrors", 0),
-                                       "udp_rcvbuf_errors": udp.get("RcvbufErrors", 0)},
+    return {"hosts": hosts, "racks": racks,
+            "switch": {"udp_sndbuf_errors": udp.get("SndbufErrors", 0),
+                       "udp_rcvbuf_errors": udp.get("RcvbufErrors", 0)},
             "loss_rule": sum(tb.loss_drops().values()) if tb.loss else 0}
 
 
@@ -53,6 +64,10 @@ def delta(before: dict, after: dict) -> dict:
     """What ``after`` counted since ``before``: totals over hosts, and per host."""
     per_host = [{k: a[k] - b[k] for k in a} for a, b in zip(after["hosts"], before["hosts"])]
     totals = {k: sum(h[k] for h in per_host) for k in per_host[0]} if per_host else {}
+    racks = [{k: a[k] - b[k] for k in a}
+             for a, b in zip(after.get("racks", []), before.get("racks", []))]
+    if racks:
+        totals["per_rack"] = racks
     return {**totals,
             "switch_udp_sndbuf_errors": after["switch"]["udp_sndbuf_errors"]
             - before["switch"]["udp_sndbuf_errors"],

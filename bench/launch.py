@@ -49,6 +49,14 @@ class Loopback:
     def describe(self) -> dict:
         return {"kind": self.name}
 
+    rack_binds: list = []  # no racks on loopback
+
+    def rack_of(self, rank):
+        return None
+
+    def uplink_bytes(self, since=None):
+        return None
+
 
 class OnTestbed:
     """Rank i in host namespace i, the switch on the bridge in the switch namespace."""
@@ -67,6 +75,33 @@ class OnTestbed:
                              or [("switch", testbed.switch_address, SWITCH_PORT)])
         #: (host, port) of the first (bench/two_jobs.py's one switch)
         self.switch_bind = self.switch_binds[0][1:]
+        #: the rack switches' binds, rack by rack (with racks: the first bind is the spine)
+        self.rack_binds = [(f"r{k}", testbed.address(f"r{k}"), SWITCH_PORT)
+                           for k in range(testbed.racks)]
+
+    def rack_of(self, rank) -> int | None:
+        return self.tb.rack_of(rank)
+
+    def rack_layout(self, args) -> dict:
+        """``lower_bound_s``'s rack arguments: hosts a rack, the uplinks' rate."""
+        if not self.tb.racks:
+            return {}
+        from switchml.testbed import racks
+
+        return {"rack_hosts": len(racks.hosts_of(self.tb, 0)),
+                "uplink_bps": racks.uplink_bps(self.tb, 0), "flat": args.flat}
+
+    def uplink_bytes(self, since=None) -> list | None:
+        """Each rack uplink's byte counters (less ``since``'s); None without racks."""
+        if not self.tb.racks:
+            return None
+        from switchml.testbed import racks
+
+        now = [racks.uplink_counters(self.tb, k) for k in range(self.tb.racks)]
+        if since is None:
+            return now
+        return [{key: value - before.get(key, 0) for key, value in c.items()
+                 if isinstance(value, (int, float))} for c, before in zip(now, since)]
 
     def popen(self, where, argv, **kw) -> subprocess.Popen:
         return self.tb.popen(where, argv, cwd=ROOT, env={"PYTHONPATH": ROOT}, **kw)
@@ -80,6 +115,7 @@ class OnTestbed:
     def describe(self) -> dict:
         tb = self.tb
         return {"kind": self.name, "hosts": tb.hosts, "switch_servers": tb.switches,
+                "racks": tb.racks, "oversubscription": tb.oversubscription,
                 "link": tb.link, "link_bps": tb.link_bps,
                 "mtu": tb.mtu or 1500, "loss": tb.loss, "tbf_burst_bytes": tb.burst,
                 "tbf_queue_bytes": tb.queue, "prefix": tb.prefix}

@@ -74,6 +74,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--striped", type=int, default=1, metavar="K",
                    help="K switch processes where the one switch would run (the bridge, or "
                         "loopback), one job striped over all of them (default 1)")
+    p.add_argument("--racks", type=int, default=0, metavar="R",
+                   help="testbed: R racks under a spine (issue 15): each a bridge with its "
+                        "hosts and a rack switch, joined to the spine's bridge by a shaped "
+                        "uplink; the spine switch on the spine's bridge (default 0: none)")
+    p.add_argument("--oversubscription", type=float, default=1.0, metavar="X",
+                   help="with --racks: an uplink carries its rack's hosts' rate over X "
+                        "(default 1)")
+    p.add_argument("--flat", action="store_true",
+                   help="with --racks: no rack switches, every worker sends to the spine "
+                        "(the flat job through the spine, hierarchical aggregation's baseline)")
     p.add_argument("--prefix", default="smlbench", help="testbed name prefix (default: smlbench)")
     p.add_argument("--packet-elements", type=int, default=None,
                    help="switch: int32 values per packet (default: the switch's)")
@@ -113,20 +123,27 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
         binds = cluster.switch_binds
         if args.striped > 1:  # K processes in the one switch's place, ports of their own
             binds = [(where, host, 0) for where, host, _ in binds[:1]] * args.striped
-        for k, (where, host, port) in enumerate(binds):
+        racks = cluster.rack_binds if getattr(args, "racks", 0) and not args.flat else []
+        for k, (where, host, port) in enumerate(binds + racks):
             name = "switch" if k == 0 else f"switch{k}"
+            # a rack switch, under the spine (the first): its partial sums go up
+            upstream = {"upstream": addresses[0]} if k >= len(binds) else {}
             switches.append(roles.start(name, where, "switch",
-                                        {"host": host, "port": port, "options": options},
+                                        {"host": host, "port": port,
+                                         "options": dict(options, **upstream)},
                                         stdin=True))
             while True:  # its address (the others' lines wait in the queue)
                 got, msg = roles.next()
                 if got == name and "address" in msg:
                     addresses.append("{}:{}".format(*msg["address"]))
                     break
-        address = ",".join(addresses)
+        address = ",".join(addresses[:len(binds)])
+        uplinks = cluster.uplink_bytes()
         for rank in range(world):
+            rack = cluster.rack_of(rank) if racks else None
             roles.start(rank, rank, "switchml", {
-                "switch": address, "rank": rank, "world": world, "job": job,
+                "switch": address if rack is None else addresses[len(binds) + rack],
+                "rank": rank, "world": world, "job": job,
                 "ifname": cluster.ifname(rank), "warmup": args.warmup, "repeats": args.repeats,
                 "check": args.check, "seed": args.seed, "timeout": min(args.timeout, 120),
                 "cases": [dict(c, id=i) for i, c in enumerate(cases)]})
@@ -144,6 +161,7 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
                         "counters", {}).items():
                     counters[key] = (counters.get(key, 0) + value
                                      if isinstance(value, (int, float)) else value)
+    uplinks = cluster.uplink_bytes(since=uplinks)
     rows = []
     for i, case in enumerate(cases):
         items = sorted(reports[i], key=lambda m: m["rank"])
@@ -152,7 +170,18 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
         rows.append(_row(system, world, case, items, cluster, args,
                          sent=_mean(items, "bytes_sent"), received=_mean(items, "bytes_received"),
                          retransmissions=_mean(items, "retransmissions")))
+    _note_uplinks(rows, uplinks, len(cases) * (args.warmup + args.repeats))
     return rows, counters
+
+
+def _note_uplinks(rows, uplinks, calls: int) -> None:
+    """Bytes each rack's uplink carried up (to the spine) and down, per call, over
+    the run's calls (all its cases together)."""
+    if uplinks is None:
+        return
+    for row in rows:
+        row["rack_uplink_bytes_per_call"] = [
+            {"up": c["tx_bytes"] / calls, "down": c["rx_bytes"] / calls} for c in uplinks]
 
 
 def _gather_reports(roles, world: int, progress) -> dict:
@@ -177,6 +206,7 @@ def run_gloo(cluster, world, sizes, args, progress) -> list:
     cases: list[dict] = [{"id": i, "elements": int(mib * 2**20) // 4, "density": None,
               "fp16": kind == "gloo-fp16"}
              for i, (kind, mib) in enumerate((k, m) for k in kinds for m in sizes)]
+    uplinks = cluster.uplink_bytes()
     with Roles(cluster, args.timeout) as roles:
         for rank in range(world):
             roles.start(rank, rank, "gloo", {
@@ -192,6 +222,8 @@ def run_gloo(cluster, world, sizes, args, progress) -> list:
         ring = ring_bytes(world, case["elements"] * (2 if case["fp16"] else 4))
         rows.append(_row(system, world, dict(case, sparse=False), items, cluster, args,
                          sent=ring, received=ring, retransmissions=None))
+    _note_uplinks(rows, cluster.uplink_bytes(since=uplinks),
+                  len(cases) * (args.warmup + args.repeats))
     return rows
 
 
@@ -207,7 +239,8 @@ def _row(system, world, case, items, cluster, args, *, sent, received, retransmi
     row.update(summarize([m["times"] for m in items], nbytes))
     row["goodput_Gbps_per_worker"] = nbytes * 8 / row["median_s"] / 1e9
     bound = lower_bound_s(system, world, nbytes, cluster.link_bps, case.get("density"),
-                          getattr(cluster, "switch_servers", 0))
+                          getattr(cluster, "switch_servers", 0),
+                          **getattr(cluster, "rack_layout", lambda: {})(args))
     row["bound_s"] = bound
     row["goodput_over_link_rate"] = (row["goodput_Gbps_per_worker"] * 1e9 / cluster.link_bps
                                      if cluster.link_bps else None)
@@ -282,6 +315,11 @@ def _preflight(args) -> None:
         raise SystemExit("switchml bench: --striped K takes K >= 1, and not with --switches")
     if args.switches and not args.testbed:
         raise SystemExit("switchml bench: --switches needs --testbed (switch servers)")
+    if args.racks and (not args.testbed or args.switches or args.striped > 1):
+        raise SystemExit("switchml bench: --racks needs --testbed, and goes with neither "
+                         "--switches nor --striped")
+    if args.flat and not args.racks:
+        raise SystemExit("switchml bench: --flat goes with --racks")
     if args.testbed and not 0.0 <= args.loss < 1.0:
         raise SystemExit("bench: --loss must be in [0, 1)")
 
@@ -353,6 +391,7 @@ def main(args, argv_text: str = "") -> int:
             try:
                 with Testbed(max(args.workers), args.link, mtu=args.mtu, loss=args.loss,
                              udp_offload=OFFLOAD[args.udp_offload], switches=args.switches,
+                             racks=args.racks, oversubscription=args.oversubscription,
                              prefix=args.prefix, queue=args.queue) as tb:
                     cluster: OnTestbed | Loopback = OnTestbed(tb)
                     results["cluster"] = cluster.describe()
