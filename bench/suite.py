@@ -240,7 +240,7 @@ def _row(system, world, case, items, cluster, args, *, sent, received, retransmi
     row["goodput_Gbps_per_worker"] = nbytes * 8 / row["median_s"] / 1e9
     bound = lower_bound_s(system, world, nbytes, cluster.link_bps, case.get("density"),
                           getattr(cluster, "switch_servers", 0),
-                          **getattr(cluster, "rack_layout", lambda: {})(args))
+                          **getattr(cluster, "rack_layout", lambda args: {})(args))
     row["bound_s"] = bound
     row["goodput_over_link_rate"] = (row["goodput_Gbps_per_worker"] * 1e9 / cluster.link_bps
                                      if cluster.link_bps else None)

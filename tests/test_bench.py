@@ -19,6 +19,31 @@ CLI = [sys.executable, "-m", "bench"]  # from ROOT: bench/ is not in the package
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None,
+                    reason="the testbed needs root and tc")
+@pytest.mark.parametrize("flat", [False, True], ids=["racks", "flat"])
+def test_bench_with_racks_counts_each_uplinks_bytes(tmp_path, flat):
+    """Two racks of two hosts under a spine: with rack switches each uplink carries
+    one partial up a call (S, and a little: headers, re-sent partials), without
+    them (``--flat``) both hosts' contributions (2 S)."""
+    args = ["--testbed", "--link", "200mbit", "--workers", "4", "--racks", "2",
+            "--sizes", "1", "--repeats", "1", "--systems", "dense",
+            "--prefix", f"k{os.getpid() % 100000}", "--out", str(tmp_path), "--no-plots"]
+    done = subprocess.run(CLI + args + (["--flat"] if flat else []), capture_output=True,
+                          text=True, timeout=180, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.load(open(os.path.join(tmp_path, "results.json")))
+    assert data["cluster"]["racks"] == 2
+    [row] = data["rows"]
+    assert row["checked"] is True and row["ranks_bit_identical"], row
+    size = row["size_bytes"]
+    for uplink in row["rack_uplink_bytes_per_call"]:
+        if flat:
+            assert 2 * size <= uplink["up"] < 2.5 * size
+        else:
+            assert size <= uplink["up"] < 1.5 * size and size <= uplink["down"] < 1.5 * size
+
+
 def test_bounds_are_the_network_arithmetic():
     mib64 = 64 * 2**20
     assert lower_bound_s("switchml-dense", 4, mib64, 1e9) == pytest.approx(mib64 * 8 / 1e9)
@@ -28,6 +53,15 @@ def test_bounds_are_the_network_arithmetic():
     assert lower_bound_s("switchml-sparse", 4, mib64, 1e9, 0.1) == pytest.approx(
         (1 - 0.9**4) * mib64 * 8 / 1e9)
     assert lower_bound_s("gloo", 4, mib64, None) is None
+    # racks of 8 hosts at 1 Gbit/s, uplinks of 2 Gbit/s (4:1): rack switches send S up,
+    # the flat job 8 S; gloo's ring crosses an uplink once each way
+    racks = {"rack_hosts": 8, "uplink_bps": 2e9}
+    assert lower_bound_s("switchml-dense", 16, mib64, 1e9, **racks) == pytest.approx(
+        mib64 * 8 / 1e9)
+    assert lower_bound_s("switchml-dense", 16, mib64, 1e9, flat=True, **racks) == (
+        pytest.approx(8 * mib64 * 8 / 2e9))
+    assert lower_bound_s("gloo", 16, mib64, 1e9, flat=True, **racks) == pytest.approx(
+        ring_bytes(16, mib64) * 8 / 1e9)
 
 
 def test_plots_are_written_for_the_data_there_is(tmp_path):
