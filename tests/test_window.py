@@ -697,6 +697,23 @@ def test_a_full_window_sends_one_tail_probe_at_a_time(engine):
     assert s2.counters["probe_retransmissions"] == 1
 
 
+def fresh_one_rank_call(engine: str, slots: int, messages: int):
+    """A one-rank int32 call of ``messages`` chunks over ``slots`` slots, on a new
+    session (no RTT measured yet) and a switch pipeline the test drives:
+    (pipeline, session, input, output, call)."""
+    from switchml.worker import compiled
+
+    if engine == "c" and compiled._fastengine is None:
+        pytest.skip("the C engine is not built")
+    pipeline = Pipeline(slots=slots, packet_elements=K)
+    pipeline.install_job("one", 0x55, [("w", 0)], 0, slots)
+    s = Session(session=0x55, rank=0, world_size=1, slot_base=0, slot_count=slots,
+                packet_elements=K)
+    data = np.arange(messages * K, dtype=np.int32)
+    out = np.zeros_like(data)
+    return pipeline, s, data, out, s.allreduce(data, out, now=0.0, compiled=engine == "c")
+
+
 @pytest.mark.parametrize("engine", ["python", "c"])
 def test_a_result_after_a_timeout_before_any_round_trip_is_not_judged(engine):
     """A job's first messages time out (the initial timeout, 50 ms) and their results
@@ -705,17 +722,7 @@ def test_a_result_after_a_timeout_before_any_round_trip_is_not_judged(engine):
     window decrease stands.  (Judged against a least RTT still infinite, every such
     result read as spurious and undid the decrease: 16 workers into one port never
     got an RTT sample and ran at 21% of its rate in the simulator.)"""
-    from switchml.worker import compiled
-
-    if engine == "c" and compiled._fastengine is None:
-        pytest.skip("the C engine is not built")
-    pipeline = Pipeline(slots=2, packet_elements=K)
-    pipeline.install_job("one", 0x55, [("w", 0)], 0, 2)
-    s = Session(session=0x55, rank=0, world_size=1, slot_base=0, slot_count=2,
-                packet_elements=K)
-    data = np.arange(2 * K, dtype=np.int32)
-    out = np.zeros_like(data)
-    op = s.allreduce(data, out, now=0.0, compiled=engine == "c")
+    pipeline, s, data, out, op = fresh_one_rank_call(engine, slots=2, messages=2)
     first = [bytes(d) for d in op.datagrams_to_send()]
     timeout = op.get_timer()
     assert timeout == pytest.approx(0.05)
@@ -739,17 +746,7 @@ def test_a_premature_timeout_doubles_the_rto_of_later_messages_until_one_answers
     sample from a message that timed out, so without this the longest round trips
     never reach the estimate: parts striped over four switches on two cores timed
     out 634 messages a worker a call with 31 datagrams lost.)"""
-    from switchml.worker import compiled
-
-    if engine == "c" and compiled._fastengine is None:
-        pytest.skip("the C engine is not built")
-    pipeline = Pipeline(slots=1, packet_elements=K)
-    pipeline.install_job("one", 0x55, [("w", 0)], 0, 1)
-    s = Session(session=0x55, rank=0, world_size=1, slot_base=0, slot_count=1,
-                packet_elements=K)
-    data = np.arange(3 * K, dtype=np.int32)
-    out = np.zeros_like(data)
-    op = s.allreduce(data, out, now=0.0, compiled=engine == "c")
+    pipeline, s, data, out, op = fresh_one_rank_call(engine, slots=1, messages=3)
 
     def result_of(datagram):
         ((result, _),) = pipeline.receive_datagram(datagram, ("w", 0))
