@@ -385,19 +385,20 @@ def wait_for(condition, seconds=5.0) -> bool:
 
 
 def test_a_switch_killed_mid_call_fails_every_rank_naming_it_and_frees_the_others():
-    """Three switches, the middle one a process killed (SIGKILL) while rank 0's call
-    is in flight (rank 1 holds back its contribution): both ranks raise naming it
-    within the timeout, the other two switches free the job's slots, and the job
-    formed again on those two sums."""
-    survivors = [make_switch(), make_switch()]
+    """Four switches (issue 15's aim), the third a process killed (SIGKILL) while rank
+    0's call is in flight (rank 1 holds back its contribution): both ranks raise
+    naming it within the timeout, the other three switches free the job's slots,
+    and the job formed again on those three sums."""
+    survivors = [make_switch(), make_switch(), make_switch()]
     victim = SwitchProcess(packet_elements=PACKET, block_elements=BLOCK, slots=SLOTS,
                            slots_per_job=SLOTS_PER_JOB).start()
     try:
         dead = "%s:%d" % victim.address
-        addresses = [address(survivors[0]), dead, address(survivors[1])]
+        addresses = [address(survivors[0]), address(survivors[1]), dead,
+                     address(survivors[2])]
         killed = threading.Event()
         both_done = threading.Barrier(2)
-        size = 3 * 8 * PACKET
+        size = 4 * 8 * PACKET
 
         def body(rank):
             with switchml.Worker(addresses, rank, 2, job="victim", timeout=TIMEOUT) as w:
