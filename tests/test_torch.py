@@ -120,11 +120,14 @@ def test_ddp_comm_hook_on_the_16_bit_wire_trains_like_gloo_with_half_the_bytes()
     a, b = torch.tensor(narrow[0]["params"]), torch.tensor(plain[0]["params"])
     assert torch.equal(torch.tensor(narrow[1]["params"]), a)  # the same on every rank
     assert torch.allclose(a, b, atol=1e-2) and not torch.equal(a, b)
-    # bytes a datagram: retransmissions vary from run to run on a busy machine, and
-    # a 788-parameter model's headers weigh (test_wire16.py counts values exactly)
+    # bytes a datagram: for a 788-parameter model headers and small datagrams weigh,
+    # so the averages are about 0.71 of each other, not 0.5, and retransmissions,
+    # which vary from run to run on a busy machine, move either (0.76 in one
+    # fresh-clone run); a wire that did not halve the values would be near 1
+    # (test_wire16.py counts values exactly)
     def per_datagram(run):
         return run[0]["bytes_sent"] / run[0]["datagrams_sent"]
-    assert per_datagram(narrow) < 0.75 * per_datagram(wide)
+    assert per_datagram(narrow) < 0.85 * per_datagram(wide)
 
 
 def test_a_rank_that_exits_early_makes_the_others_fail_clearly():
