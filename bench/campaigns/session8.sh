@@ -25,6 +25,7 @@ case "${1:-all}" in
   all|scale)
     # issue 15: 16 hosts at a rate two cores carry
     inv tb-n16-100mbit --testbed --link 100mbit --mtu 9000 --workers 16 --sizes 64 --repeats 3 --systems dense gloo
+    inv tb-n16-100mbit-striped2 --testbed --link 100mbit --mtu 9000 --workers 16 --sizes 64 --repeats 3 --striped 2 --systems dense
     inv tb-n16-100mbit-striped4 --testbed --link 100mbit --mtu 9000 --workers 16 --sizes 64 --repeats 3 --striped 4 --systems dense
     once tb-n16-100mbit-servers4 --testbed --link 100mbit --mtu 9000 --workers 16 --sizes 64 --repeats 1 --switches 4 --systems dense
     ;;
