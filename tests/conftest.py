@@ -50,6 +50,29 @@ def switch():
         yield sw
 
 
+def make_inputs(world, size, dtype, seed, chunk=16):
+    """Random inputs for ``world`` ranks: int32 over the whole range, or float32 with a
+    different magnitude per ``chunk`` values (the simulator tests' packet) and some
+    all-zero chunks."""
+    rng = np.random.default_rng(seed)
+    if dtype == np.int32:
+        return [rng.integers(-2**31, 2**31, size, dtype=np.int64).astype(np.int32)
+                for _ in range(world)]
+    arrays = []
+    chunks = -(-size // chunk)
+    for _ in range(world):
+        a = rng.standard_normal(size).astype(np.float32)
+        for c in range(chunks):
+            kind = rng.integers(0, 6)
+            sl = slice(c * chunk, (c + 1) * chunk)
+            if kind == 0:
+                a[sl] = 0
+            else:
+                a[sl] *= np.float32(2.0 ** int(rng.integers(-60, 60)))
+        arrays.append(a)
+    return arrays
+
+
 def reference_sum(arrays, block):
     """The dense result every rank must get, from the quantisation primitives."""
     n = len(arrays)

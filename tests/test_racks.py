@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import reference_sum
+from conftest import make_inputs, reference_sum
 
 from switchml import wire
 from switchml.sim import Faults, Simulation
@@ -23,26 +23,6 @@ K = 16       # packet_elements
 SLOTS = 4    # a job's window
 LOSSY = Faults(loss=0.05, duplicate=0.05, jitter=0.002)
 HARSH = Faults(loss=0.15, duplicate=0.1, jitter=0.01)  # jitter past the RTO: reordering
-
-
-def make_inputs(world, size, dtype, seed):
-    """Random values, a different magnitude per chunk and some all-zero chunks."""
-    rng = np.random.default_rng(seed)
-    if dtype == np.int32:
-        return [rng.integers(-2**31, 2**31, size, dtype=np.int64).astype(np.int32)
-                for _ in range(world)]
-    arrays = []
-    for _ in range(world):
-        a = rng.standard_normal(size).astype(np.float32)
-        for c in range(-(-size // K)):
-            kind = rng.integers(0, 6)
-            sl = slice(c * K, (c + 1) * K)
-            if kind == 0:
-                a[sl] = 0
-            else:
-                a[sl] *= np.float32(2.0 ** int(rng.integers(-60, 60)))
-        arrays.append(a)
-    return arrays
 
 
 def same_bits(outs, expected):

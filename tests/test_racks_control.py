@@ -11,8 +11,8 @@ import time
 
 import numpy as np
 import pytest
-from conftest import reference_sum, run_ranks
-from test_racks import K, make_inputs, same_bits
+from conftest import make_inputs, reference_sum, run_ranks
+from test_racks import K, same_bits
 
 import switchml
 from switchml import Switch, protocol, wire

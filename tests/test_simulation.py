@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import reference_sum
+from conftest import make_inputs, reference_sum
 
 from switchml import quant, wire
 from switchml.quant import EXP_ZERO
@@ -27,26 +27,6 @@ BIG_TIME = 1e9  # the simulator's max_time is on its absolute clock
 
 
 # ---------------------------------------------------------------- helpers
-def make_inputs(world, size, dtype, seed):
-    rng = np.random.default_rng(seed)
-    if dtype == np.int32:
-        return [rng.integers(-2**31, 2**31, size, dtype=np.int64).astype(np.int32)
-                for _ in range(world)]
-    arrays = []
-    chunks = -(-size // K)
-    for _ in range(world):
-        a = rng.standard_normal(size).astype(np.float32)
-        for c in range(chunks):  # a different magnitude per chunk, some all-zero chunks
-            kind = rng.integers(0, 6)
-            sl = slice(c * K, (c + 1) * K)
-            if kind == 0:
-                a[sl] = 0
-            else:
-                a[sl] *= np.float32(2.0 ** int(rng.integers(-60, 60)))
-        arrays.append(a)
-    return arrays
-
-
 def reference(arrays, chunk=K):
     """The result every rank must get, computed with the quantisation primitives."""
     return reference_sum(arrays, chunk)
