@@ -226,19 +226,29 @@ class Simulation(CallDriver):
         _step([self], give_up, max_time)
 
 
+def next_event(network: Network, ops: list, give_up: float, max_time: float):
+    """The next arrival, (src, dst, data), or None where the calls' timers come
+    first: the clock is then at them."""
+    timers = [t for t in (op.get_timer() for op in ops) if t is not None]
+    next_timer = min(timers, default=float("inf"))
+    next_packet = network.next_arrival()
+    if min(next_timer, next_packet) > give_up:
+        raise StalledSimulation(f"not finished after {max_time} virtual seconds")
+    if next_packet <= next_timer:
+        return network.pop()
+    network.now = next_timer
+    return None
+
+
 def _step(sims: list[Simulation], give_up: float, max_time: float) -> None:
     """Deliver the next datagram or fire the next timers, whichever comes first."""
     network = sims[0].network
     for sim in sims:
         if any(op.error for op in sim.ops):
             raise StalledSimulation(f"a worker stalled at t={network.now:.3f}")
-    timers = [t for sim in sims for t in (op.get_timer() for op in sim.ops) if t is not None]
-    next_timer = min(timers, default=float("inf"))
-    next_packet = network.next_arrival()
-    if min(next_timer, next_packet) > give_up:
-        raise StalledSimulation(f"not finished after {max_time} virtual seconds")
-    if next_packet <= next_timer:
-        src, dst, data = network.pop()
+    arrival = next_event(network, [op for sim in sims for op in sim.ops], give_up, max_time)
+    if arrival is not None:
+        src, dst, data = arrival
         switch = next((sim for sim in sims if sim.switch_address == dst), None)
         if switch is not None:
             for out, addr in switch.pipeline.receive_datagram(data, src):
@@ -252,7 +262,6 @@ def _step(sims: list[Simulation], give_up: float, max_time: float) -> None:
             for d in op.datagrams_to_send():
                 owner._send(d, dst, owner.switch_address)
     else:
-        network.now = next_timer
         for sim in sims:
             for addr, op in zip(sim.job.members, sim.ops):
                 op.handle_timer(network.now)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .sim import SWITCH, CallDriver, Faults, Network, StalledSimulation
+from .sim import SWITCH, CallDriver, Faults, Network, StalledSimulation, next_event
 from .switch.pipeline import Pipeline
 from .switch.rack import RackPipeline, Uplink
 from .worker.engine import Session
@@ -207,16 +207,10 @@ def _step(jobs: list[RackedJob], give_up: float, max_time: float) -> None:
     for job in jobs:
         if any(op.error for op in job.ops):
             raise job.diagnose()
-    timers = [t for job in jobs for t in (op.get_timer() for op in job.ops) if t is not None]
-    next_timer = min(timers, default=float("inf"))
-    next_packet = network.next_arrival()
-    if min(next_timer, next_packet) > give_up:
-        raise StalledSimulation(f"not finished after {max_time} virtual seconds")
-    if next_packet <= next_timer:
-        src, dst, data = network.pop()
-        jobs[0].fabric.deliver(src, dst, data)
+    arrival = next_event(network, [op for job in jobs for op in job.ops], give_up, max_time)
+    if arrival is not None:
+        jobs[0].fabric.deliver(*arrival)
     else:
-        network.now = next_timer
         for job in jobs:
             for addr, op in zip(job.addresses, job.ops):
                 op.handle_timer(network.now)
