@@ -1,4 +1,6 @@
 import json
+import os
+import shutil
 import signal
 import socket
 import threading
@@ -9,6 +11,20 @@ import pytest
 import switchml
 from switchml import quant
 from switchml.netutil import LineReader
+
+
+def _testbed_missing() -> str | None:
+    """Why the emulated cluster cannot run here (None: it can)."""
+    if os.geteuid() != 0:
+        return "needs root: network namespaces, veths and tc qdiscs"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "needs iproute2's ip and tc"
+    return None
+
+
+#: For tests on the emulated cluster: skipped, saying why, where it cannot run.
+needs_root = pytest.mark.skipif(_testbed_missing() is not None,
+                                reason=_testbed_missing() or "")
 
 
 def interruptible() -> None:

@@ -6,13 +6,12 @@ namespaces needs root and iproute2 (it skips elsewhere, saying why).
 """
 
 import os
-import shutil
 import subprocess
 import sys
 
 import numpy as np
 import pytest
-from conftest import reference_sum
+from conftest import needs_root, reference_sum
 
 from switchml import wire
 from switchml.testbed import Testbed
@@ -21,12 +20,6 @@ from switchml.testbed import racks as rack_layout
 HELPERS = os.path.join(os.path.dirname(__file__), "testbed_helpers.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_why_not = None
-if os.geteuid() != 0:
-    _why_not = "needs root: network namespaces, veths and tc qdiscs"
-elif shutil.which("ip") is None or shutil.which("tc") is None:
-    _why_not = "needs iproute2's ip and tc"
-needs_root = pytest.mark.skipif(_why_not is not None, reason=_why_not or "")
 
 
 def test_rack_layout_names_addresses_and_uplink_rates():

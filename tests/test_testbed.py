@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import interruptible, reference_sum
+from conftest import interruptible, needs_root, reference_sum
 
 from switchml import wire
 from switchml.testbed import (
@@ -36,12 +36,6 @@ PACKET = 1024
 #: The switch's limit is PACKET; a job's packets fit one frame of its 1500-byte links.
 JOB_PACKET = wire.frame_geometry(1500, PACKET, 256)[0]
 
-_why_not = None
-if os.geteuid() != 0:
-    _why_not = "needs root: network namespaces, veths and tc qdiscs"
-elif shutil.which("ip") is None or shutil.which("tc") is None:
-    _why_not = "needs iproute2's ip and tc"
-needs_root = pytest.mark.skipif(_why_not is not None, reason=_why_not or "")
 needs_nft = pytest.mark.skipif(shutil.which("nft") is None,
                                reason="needs nft for loss (apt-get install nftables)")
 
