@@ -18,7 +18,7 @@ from conftest import run_ranks
 import switchml
 from switchml.config import switch_addresses
 from switchml.switch.process import SwitchProcess
-from switchml.worker.multi import MultiSwitchWorker, part_bounds
+from switchml.worker.multi import MultiSwitchWorker, most_telling, part_bounds
 
 PACKET, BLOCK = 256, 64  # 4 lanes a packet: the sparse path fuses blocks
 SLOTS, SLOTS_PER_JOB = 64, 16
@@ -372,6 +372,33 @@ def test_ranks_that_disagree_fail_on_every_rank_naming_the_switch(switches):
         assert address(switches[2]) in str(error) and "part 3 of 3" in str(error)
     for sw in switches:
         assert wait_for(lambda sw=sw: sw.stats()["free_slots"] == SLOTS)
+
+
+def test_a_mismatch_relayed_to_the_other_parts_first_still_names_its_own_part():
+    """The race CI once lost: switch 3 announced the mismatch on the control
+    connection, the worker aborted parts 1 and 2 with that error, and their
+    failures reached the call before part 3's own.  The call must still raise
+    part 3's error, naming its switch and part, not the first relay in time."""
+    worker = MultiSwitchWorker.__new__(MultiSwitchWorker)
+    aborted: list = []
+
+    class Channel:
+        def abort(self, error):
+            aborted.append(error)
+
+    worker.switch_addresses = [("10.0.0.1", 7300), ("10.0.0.2", 7300), ("10.0.0.3", 7300)]
+    worker.channels = [Channel(), Channel(), Channel()]
+    worker._lock = threading.Lock()
+    worker._failure = None
+    raw = switchml.CallMismatchError("ranks disagree on allreduce #0 (on the switch at "
+                                     "10.0.0.3:7300)")
+    worker._switch_failed(raw, 2)  # the control connection's announcement
+    assert len(aborted) == 2
+    relays = [worker._part_error(error, k, 0, 9, 30) for k, error in enumerate(aborted)]
+    own = worker._part_error(raw, 2, 20, 29, 30)
+    chosen = most_telling([*relays, own])
+    assert "part 3 of 3" in str(chosen) and "10.0.0.3:7300" in str(chosen)
+    assert isinstance(chosen, switchml.CallMismatchError)
 
 
 # ------------------------------------------------------------------ a switch dies

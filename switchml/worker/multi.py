@@ -239,6 +239,7 @@ class MultiSwitchWorker:
         named = renamed(error, f"{error}{suffix}")
         named.__cause__ = error
         named._switchml_part = True  # type: ignore[attr-defined]
+        named._switchml_own_part = True  # type: ignore[attr-defined]
         error._switchml_named = named  # type: ignore[attr-defined]
         return named
 
@@ -285,9 +286,16 @@ def telling(error: BaseException | None) -> int:
     return 0 if error is None else 1
 
 
+def most_telling(errors: list[BaseException]) -> BaseException:
+    """The error a failed call raises: the most ``telling``; among equals, the one a
+    part raised itself (naming its switch and part) over the copies the other parts
+    were aborted with, which may have come first; then the first in time."""
+    return max(errors, key=lambda e: (telling(e), getattr(e, "_switchml_own_part", False)))
+
+
 class _Gather:
     """One call's parts: the call completes when every part has; its error is the
-    most ``telling`` of its parts' errors, the first in time among equals."""
+    ``most_telling`` of its parts' errors."""
 
     def __init__(self, worker: MultiSwitchWorker, future: Future, out: np.ndarray, size: int,
                  parts: int):
@@ -315,7 +323,6 @@ class _Gather:
             self._worker._fail(failure, k)
         if last:
             if self._errors:
-                error = max(self._errors, key=telling)  # the first of the most telling
-                self._future.set_exception(error)
+                self._future.set_exception(most_telling(self._errors))
             else:
                 self._future.set_result(self._out)
