@@ -7,7 +7,8 @@ on stdout, one JSON object per line:
 - ``switch``: a switchml ``Switch``; prints ``listening`` with its address, then on
   a ``stop`` line (or end of input) prints its ``stats`` and exits.
 - ``switchml``: one ``Worker`` rank; runs every case (warm-up, then timed repeats)
-  and prints one ``case`` line per case: times, worker counters, link bytes.
+  and prints one ``case`` line per case: times, worker counters, link bytes, and
+  the CPU and run-queue seconds of its threads a call (``scheduling``).
 - ``gloo``: one torch.distributed gloo rank; same cases, same tensors.
 
 Rank 0 checks every result against the exact sum of all ranks' inputs, which it
@@ -42,6 +43,33 @@ def link_bytes(ifname):
     base = f"/sys/class/net/{ifname}/statistics/"
     with open(base + "tx_bytes") as tx, open(base + "rx_bytes") as rx:
         return int(tx.read()), int(rx.read())
+
+
+def scheduling():
+    """(CPU seconds, seconds runnable but waiting for a core) of this process's
+    threads so far, from Linux's ``/proc/self/task/*/schedstat``; None elsewhere.
+    Where two cores carry every host of a testbed, the second is the time a rank
+    wanted to run and could not."""
+    cpu = wait = 0
+    try:
+        for task in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{task}/schedstat") as f:
+                    ran, waited, _ = f.read().split()
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+            cpu, wait = cpu + int(ran), wait + int(waited)
+    except OSError:
+        return None
+    return cpu / 1e9, wait / 1e9
+
+
+def per_call(before, after, calls):
+    """``{"cpu_s": ..., "runqueue_wait_s": ...}`` a call between two ``scheduling()``."""
+    if before is None or after is None or not calls:
+        return {"cpu_s": None, "runqueue_wait_s": None}
+    return {"cpu_s": (after[0] - before[0]) / calls,
+            "runqueue_wait_s": (after[1] - before[1]) / calls}
 
 
 def inputs_of_all(spec, case, block):
@@ -87,10 +115,10 @@ def switchml_role(spec) -> None:
             sparse, bits = case["sparse"], case.get("bits", 32)
             for _ in range(spec["warmup"]):
                 w.allreduce(data, out=out, sparse=sparse, bits=bits)
-            c0, l0 = w.counters, link_bytes(spec.get("ifname"))
+            c0, l0, s0 = w.counters, link_bytes(spec.get("ifname")), scheduling()
             call = functools.partial(w.allreduce, data, out=out, sparse=sparse, bits=bits)
             times = _time(call, 0, spec["repeats"])
-            c1, l1 = w.counters, link_bytes(spec.get("ifname"))
+            c1, l1, s1 = w.counters, link_bytes(spec.get("ifname")), scheduling()
             ok = None
             if spec.get("check") and rank == 0 and data.size:
                 inputs = inputs_of_all(spec, case, block)
@@ -109,7 +137,7 @@ def switchml_role(spec) -> None:
                      "fast_retransmissions", "probe_retransmissions", "spurious_retransmissions",
                      "window_decreases", "random_losses")},
                  link_tx=(l1[0] - l0[0]) / n if l0 else None,
-                 link_rx=(l1[1] - l0[1]) / n if l0 else None)
+                 link_rx=(l1[1] - l0[1]) / n if l0 else None, **per_call(s0, s1, n))
     emit(event="done", rank=rank)
 
 
@@ -148,8 +176,10 @@ def gloo_role(spec) -> None:
             fresh_copy()
             once()
         l0 = link_bytes(spec.get("ifname"))
+        # (the fresh copies and barriers between calls count too: a few per cent)
+        s0 = scheduling()
         times = _time(once, 0, spec["repeats"], before=fresh_copy)
-        l1 = link_bytes(spec.get("ifname"))
+        l1, s1 = link_bytes(spec.get("ifname")), scheduling()
         out = holder["x"].numpy() if spec["repeats"] else data.numpy()
         ok = None
         if spec.get("check") and rank == 0 and out.size:
@@ -163,7 +193,7 @@ def gloo_role(spec) -> None:
         emit(event="case", id=case["id"], rank=rank, times=times, ok=ok,
              digest=hashlib.sha256(out.tobytes()).hexdigest(),
              link_tx=(l1[0] - l0[0]) / n if l0 else None,
-             link_rx=(l1[1] - l0[1]) / n if l0 else None)
+             link_rx=(l1[1] - l0[1]) / n if l0 else None, **per_call(s0, s1, n))
     dist.barrier()
     dist.destroy_process_group()
     emit(event="done", rank=rank)

@@ -250,6 +250,10 @@ def _row(system, world, case, items, cluster, args, *, sent, received, retransmi
     row["wire_tx_bytes_per_worker"] = _mean(items, "link_tx")
     row["wire_rx_bytes_per_worker"] = _mean(items, "link_rx")
     row["retransmissions_per_worker"] = retransmissions
+    # a call's CPU seconds on a rank's threads, and seconds they were runnable but
+    # waited for a core (mean over ranks; None off Linux)
+    row["cpu_s_per_worker"] = _mean(items, "cpu_s")
+    row["runqueue_wait_s_per_worker"] = _mean(items, "runqueue_wait_s")
     recovery = [m["recovery"] for m in items if m.get("recovery")]
     row["recovery_per_worker"] = ({k: sum(r[k] for r in recovery) / len(recovery)
                                    for k in recovery[0]} if recovery else None)

@@ -89,6 +89,8 @@ def check_results(out, systems):
     for r in rows:
         assert r["checked"] is True and r["ranks_bit_identical"], r
         assert r["min_s"] <= r["median_s"] <= r["max_s"]
+        if sys.platform.startswith("linux"):  # a call runs on the rank's threads
+            assert 0 < r["cpu_s_per_worker"] and 0 <= r["runqueue_wait_s_per_worker"], r
     by = {(r["system"], r["density"]): r for r in rows}
     dense, sparse = by[("switchml-dense", None)], by[("switchml-sparse", 0.1)]
     size = dense["size_bytes"]
