@@ -198,3 +198,26 @@ def test_switch_core_bench_runs_with_tiny_settings(tmp_path):
     for r in rows:
         assert r["packet_bytes"] <= 1500 - 28 and r["packets_in"] > 0
         assert r["results_completed"] > 0 and r["gbit_per_core_s"] > 0
+
+
+def test_port_rates_finds_the_idle_stretches_and_the_links_shares(tmp_path):
+    """Byte counters of two ports, 1 ms apart: both move at the link rate (1 Gbit/s
+    up, half that down) for 10 ms, stand still for 6 ms (a pass over the input
+    before the first send, say), then move for 4 ms more."""
+    from bench import port_rates
+
+    rows, up, down = [], 0, 0
+    for ms in range(21):
+        rows.append([ms / 1e3, up, down, up, down])
+        if not 10 <= ms < 16:
+            up, down = up + 125_000, down + 62_500
+    gaps = port_rates.idle_gaps(rows, 0.002)
+    assert len(gaps) == 1
+    assert gaps[0][0] == pytest.approx(0.010) and gaps[0][1] == pytest.approx(0.006)
+    assert port_rates.idle_gaps(rows, 0.007) == []
+    for uplink, downlink in port_rates.shares(rows, port_rates.link_bps("1gbit")):
+        assert uplink == pytest.approx(14 / 20) and downlink == pytest.approx(7 / 20)
+    # the real counters of this namespace's loopback, for a moment
+    out = tmp_path / "rates.json"
+    port_rates.main(["--ports", "lo", "--seconds", "0.05", "--out", str(out)])
+    assert len(json.load(open(out))["samples"]) > 10

@@ -1,0 +1,52 @@
+#!/bin/sh
+# The measurements of docs/benchmarks.md's "Session 9" section, one after the
+# other, on a quiet machine (root, for the testbed).  Each line is the median of
+# 3 invocations (bench/invocations.py) unless it says --runs 1; results in
+# bench/results/s9/.  Session 9's code: the C engine reads a dense chunk's
+# exponent when it announces it, not in a pass over the whole input before the
+# first send.
+set -e
+cd "$(dirname "$0")/../.."
+PY=${PY:-.venv/bin/python}
+OUT=bench/results/s9
+inv() { name=$1; shift; $PY bench/invocations.py --runs 3 --out $OUT/$name -- "$@"; }
+once() { name=$1; shift; $PY bench/invocations.py --runs 1 --out $OUT/$name -- "$@"; }
+case "${1:-all}" in
+  all|core)
+    inv tb-n4-mtu9000 --testbed --link 1gbit --mtu 9000 --workers 4 --sizes 64 --repeats 5 --systems dense gloo
+    inv tb-n4-mtu1500 --testbed --link 1gbit --workers 4 --sizes 64 --repeats 5 --systems dense gloo
+    ;;
+esac
+case "${1:-all}" in
+  all|ddp)
+    $PY bench/train.py --workers 4 --testbed --link 1gbit --mtu 9000 --runs 3 \
+        --only 'digits gloo' 'digits switchml' \
+        --digits-args '--epochs 3 --hidden 2048' --out $OUT/train-testbed-digits-hidden2048.json
+    ;;
+esac
+case "${1:-all}" in
+  all|loss)
+    inv tb-n4-mtu9000-loss1 --testbed --link 1gbit --mtu 9000 --workers 4 --sizes 64 --repeats 5 --loss 0.01 --systems dense
+    # the loss run's own loss-free reference: the same testbed (offload off)
+    inv tb-n4-mtu9000-offload-off --testbed --link 1gbit --mtu 9000 --workers 4 --sizes 64 --repeats 5 --udp-offload off --systems dense
+    ;;
+esac
+case "${1:-all}" in
+  all|more)
+    inv tb-n8-500mbit-mtu1500 --testbed --link 500mbit --workers 8 --sizes 64 --repeats 3 --systems dense gloo
+    inv tb-n4-servers4-mtu9000 --testbed --link 1gbit --mtu 9000 --workers 4 --switches 4 --sizes 64 --repeats 5 --systems dense gloo
+    ;;
+esac
+case "${1:-all}" in
+  all|scale)
+    inv tb-n16-100mbit --testbed --link 100mbit --mtu 9000 --workers 16 --sizes 64 --repeats 3 --systems dense gloo
+    inv tb-n16-100mbit-striped2 --testbed --link 100mbit --mtu 9000 --workers 16 --sizes 64 --repeats 3 --striped 2 --systems dense
+    inv tb-n16-100mbit-striped4 --testbed --link 100mbit --mtu 9000 --workers 16 --sizes 64 --repeats 3 --striped 4 --systems dense
+    ;;
+esac
+case "${1:-all}" in
+  all|rest)
+    inv lat-tb-n4-mtu9000 --testbed --link 1gbit --mtu 9000 --workers 4 --sizes 0.000003814697265625 0.0009765625 0.015625 0.25 1 4 --repeats 20 --systems dense gloo
+    inv lo-n4-100mib --workers 4 --sizes 100 --repeats 5 --systems dense gloo
+    ;;
+esac
