@@ -34,17 +34,21 @@ def link_bps(text: str) -> float:
 
 
 def sample(ports: list[str], seconds: float) -> list[list[float]]:
-    """Rows of (time, rx, tx of each port) for ``seconds``."""
+    """Rows of (time, rx, tx of each port) for ``seconds``, or until the ports go
+    away (the run ended and took its testbed down)."""
     files = [(open(f"/sys/class/net/{p}/statistics/rx_bytes"),
               open(f"/sys/class/net/{p}/statistics/tx_bytes")) for p in ports]
     rows: list[list[float]] = []
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         row = [time.monotonic()]
-        for rx, tx in files:
-            rx.seek(0)
-            tx.seek(0)
-            row += [int(rx.read()), int(tx.read())]
+        try:
+            for rx, tx in files:
+                rx.seek(0)
+                tx.seek(0)
+                row += [int(rx.read()), int(tx.read())]
+        except OSError:  # ENODEV: the port is gone
+            break
         rows.append(row)
         time.sleep(0.0005)
     return rows

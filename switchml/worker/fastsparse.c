@@ -7,14 +7,17 @@
  * calls into this file only for what differs between the dense and the sparse
  * call, each a function of its own:
  *
- *   sparse_init         the one-time precompute (grid of local non-zero blocks,
- *                       next non-zero position per cell, per-slot round counts)
+ *   sparse_init         the call's state (per-slot round counts, columns)
+ *   sparse_scan, _map   the pass over the input (grid of local non-zero blocks,
+ *                       chunk exponents, next non-zero position per cell), made
+ *                       as the exponent rounds and the seed need it
  *   sparse_mode         the header's mode of a slot's current message
  *   sparse_fill         lane records and values of a message
  *   sparse_result_fits  whether a result is the answer to the message in flight
  *   sparse_absorb       a result into the output and the lanes' positions
  *   sparse_has_message  whether a slot has a message left
- *   sparse_finish       +0.0 over the blocks no result wrote
+ *   sparse_finish       +0.0 over the blocks no result wrote (most are zeroed
+ *                       already, as their lanes skip them: sparse_absorb)
  *
  * Why C: with frame-sized packets a 64 MiB call at density 0.1 is thousands of
  * rounds per worker, and sparse.py spends ~150 us of numpy calls on each; here a
@@ -49,6 +52,8 @@ struct SparseState {
     uint8_t *ordinary;   /* per slot: all its chunk exponents are ordinary (quant.py) */
     int16_t *chunk_exp;  /* per chunk: the switch's exponent (EXP_ZERO until known) */
     uint8_t *written;    /* per block: the output's block is final */
+    int64_t scanned;     /* blocks whose grid cell (and chunk exponent) is known */
+    int mapped;          /* every block scanned and next[] built */
 };
 
 static void sparse_free(struct SparseState *sp) {
@@ -132,8 +137,9 @@ static void sparse_dequantize_block(const int32_t *src, int64_t n, int e, int bi
         dst[i] = (float)src[i] * factor;
 }
 
-/* SparseAllreduce.__init__'s precompute, the chunks' local exponents included
- * (c->local_exp); returns -1 when out of memory. */
+/* SparseAllreduce.__init__'s state, but for the pass over the input, which
+ * sparse_scan and sparse_map make as the rounds need it; returns -1 when out of
+ * memory. */
 static int sparse_init(DenseCore *c, int64_t b) {
     struct SparseState *sp = PyMem_RawCalloc(1, sizeof(*sp));
     if (!sp)
@@ -174,20 +180,32 @@ static int sparse_init(DenseCore *c, int64_t b) {
     for (int64_t lane = 0; lane < G; lane++)
         sp->column_length[lane] =
             (uint32_t)(sp->blocks > lane ? (sp->blocks - lane + G - 1) / G : 0);
+    return 0;
+}
+
+/* The pass over the input that sparse.py makes up front, made as the messages
+ * need it: blocks up to ``upto`` (rounded up to a whole chunk) get their grid
+ * cell, and their chunks (float32) their local exponent.  The exponent rounds
+ * read the chunks in order, a batch a round, so the pass goes on while they
+ * travel instead of before the first send (where the links waited on it). */
+static void sparse_scan(DenseCore *c, int64_t upto) {
+    struct SparseState *sp = c->sp;
+    int64_t F = c->lanes;
+    upto = (upto + F - 1) / F * F;
+    if (upto > sp->blocks)
+        upto = sp->blocks;
     const int32_t *bits = c->src.buf;
-    int is_float = c->is_float;
-    int64_t size = c->size;
-    Py_BEGIN_ALLOW_THREADS
-    /* One pass over the input, as sparse.py's block_peaks: per block the peak of
-     * its values' bits with the sign cleared (float32: they grow with the
-     * magnitude, NaNs above inf; int32: any bit), the block non-zero when it is
-     * (NaN counts, -0.0 does not); for float32 the chunk's exponent is its
-     * blocks' greatest peak's, as quant.chunk_exponents would compute. */
+    int64_t b = sp->b, size = c->size;
+    /* Per block the peak of its values' bits with the sign cleared (float32:
+     * they grow with the magnitude, NaNs above inf; int32: any bit), the block
+     * non-zero when it is (NaN counts, -0.0 does not); for float32 the chunk's
+     * exponent is its blocks' greatest peak's, as quant.chunk_exponents would
+     * compute.  Scans start on a chunk's first block. */
     int32_t chunk_peak = 0;
-    for (int64_t block = 0; block < sp->blocks; block++) {
+    for (int64_t block = sp->scanned; block < upto; block++) {
         int64_t first = block * b, last = first + b < size ? first + b : size;
         int32_t peak = 0;
-        if (is_float) {
+        if (c->is_float) {
             for (int64_t i = first; i < last; i++) {
                 int32_t magnitude = bits[i] & 0x7FFFFFFF;
                 peak = magnitude > peak ? magnitude : peak;
@@ -203,6 +221,17 @@ static int sparse_init(DenseCore *c, int64_t b) {
         }
         sp->grid[block] = peak != 0;
     }
+    if (upto > sp->scanned)
+        sp->scanned = upto;
+}
+
+/* Every block scanned and next[] built: what the seed and data rounds read. */
+static void sparse_map(DenseCore *c) {
+    struct SparseState *sp = c->sp;
+    if (sp->mapped)
+        return;
+    sparse_scan(c, sp->blocks);
+    int64_t G = sp->G;
     /* From the last row up: the rows past every column's end find none. */
     for (int64_t p = sp->rows + 1; p >= 0; p--) {
         const uint8_t *row = sp->grid + p * G;
@@ -215,8 +244,7 @@ static int sparse_init(DenseCore *c, int64_t b) {
         for (int64_t lane = 0; lane < G; lane++)
             next[lane] = row[lane] ? (uint32_t)p : next[lane + G];
     }
-    Py_END_ALLOW_THREADS
-    return 0;
+    sp->mapped = 1;
 }
 
 static inline int sparse_mode(DenseCore *c, int j) {
@@ -240,9 +268,13 @@ static int64_t sparse_fill(DenseCore *c, int j, int64_t m, uint8_t *lanes) {
             put_u16(record + 8, (uint16_t)EXP_ZERO);
         }
         if (c->is_float) /* local exponents of this slot's chunks m*F .. m*F+F-1 */
-            for (int64_t i = 0; i < F && m * F + i < sp->slot_chunks[j]; i++)
-                put_u16(lanes + (size_t)i * LANE_SIZE + 8,
-                        (uint16_t)c->local_exp[j + (m * F + i) * W]);
+            for (int64_t i = 0; i < F && m * F + i < sp->slot_chunks[j]; i++) {
+                int64_t chunk = j + (m * F + i) * W;
+                sparse_scan(c, (chunk + 1) * F);
+                put_u16(lanes + (size_t)i * LANE_SIZE + 8, (uint16_t)c->local_exp[chunk]);
+            }
+        if (m == seed)
+            sparse_map(c);
         if (m == seed)
             for (int i = 0; i < F; i++) {
                 uint8_t *record = lanes + (size_t)i * LANE_SIZE;
@@ -251,6 +283,7 @@ static int64_t sparse_fill(DenseCore *c, int j, int64_t m, uint8_t *lanes) {
             }
         return 0;
     }
+    sparse_map(c); /* (done at the seed already) */
     /* A data round rewrites all but "exp": it carries the seed's, which the
      * switch maxes and the workers ignore. */
     int32_t *values = (int32_t *)(lanes + (size_t)F * LANE_SIZE);
@@ -315,6 +348,17 @@ static void sparse_fill_nonfinite_chunk(DenseCore *c, int64_t chunk) {
         sp->written[block] = 1;
 }
 
+/* +0.0 over a block no result will write (unless written, or left for the
+ * follow-up exchange), as sparse_finish does. */
+static void sparse_zero_block(DenseCore *c, int64_t block) {
+    struct SparseState *sp = c->sp;
+    if (block >= sp->blocks || sp->written[block])
+        return;
+    int64_t n = block < sp->full_blocks ? sp->b : c->size - sp->full_blocks * sp->b;
+    memset((int32_t *)c->out.buf + block * sp->b, 0, (size_t)n * sizeof(int32_t));
+    sp->written[block] = 1;
+}
+
 /* SparseAllreduce._absorb */
 static void sparse_absorb(DenseCore *c, int j, int64_t m, const uint8_t *data) {
     struct SparseState *sp = c->sp;
@@ -365,7 +409,15 @@ static void sparse_absorb(DenseCore *c, int j, int64_t m, const uint8_t *data) {
     for (int i = 0; i < F; i++) {
         uint32_t nxt = get_u32(records + (size_t)i * LANE_SIZE + 4);
         uint32_t length = sp->column_length[first_lane + i];
-        sp->pos[first_lane + i] = nxt < length ? nxt : length;
+        uint32_t to = nxt < length ? nxt : length;
+        /* The positions the lane skips hold no rank's block: their sums are
+         * +0.0 now, written while results still come (not by sparse_finish,
+         * after the last, a pass over most of the output with the links idle).
+         * This rank sends nothing from them any more, so in place is safe. */
+        int64_t from = m == seed ? 0 : (int64_t)sp->pos[first_lane + i] + 1;
+        for (int64_t row = from; row < (int64_t)to; row++)
+            sparse_zero_block(c, row * G + first_lane + i);
+        sp->pos[first_lane + i] = to;
         live |= nxt < length;
     }
     sp->live[j] = (uint8_t)live;
@@ -379,12 +431,6 @@ static inline int sparse_has_message(DenseCore *c, int j) {
 /* SparseAllreduce._finish: blocks no result wrote are zero on every worker, their
  * sum +0.0 (the input may hold -0.0 when it is the output). */
 static void sparse_finish(DenseCore *c) {
-    struct SparseState *sp = c->sp;
-    int64_t b = sp->b;
-    for (int64_t block = 0; block < sp->blocks; block++) {
-        if (sp->written[block])
-            continue;
-        int64_t n = block < sp->full_blocks ? b : c->size - sp->full_blocks * b;
-        memset((int32_t *)c->out.buf + block * b, 0, (size_t)n * sizeof(int32_t));
-    }
+    for (int64_t block = 0; block < c->sp->blocks; block++) /* most are written by now */
+        sparse_zero_block(c, block);
 }
