@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -35,12 +36,15 @@ def link_bps(text: str) -> float:
 
 def sample(ports: list[str], seconds: float) -> list[list[float]]:
     """Rows of (time, rx, tx of each port) for ``seconds``, or until the ports go
-    away (the run ended and took its testbed down)."""
+    away or a SIGTERM comes (the run ended and takes its testbed down: it
+    terminates what runs in its namespaces, and gives them time to finish)."""
+    stop: list = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     files = [(open(f"/sys/class/net/{p}/statistics/rx_bytes"),
               open(f"/sys/class/net/{p}/statistics/tx_bytes")) for p in ports]
     rows: list[list[float]] = []
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    while time.monotonic() < end and not stop:
         row = [time.monotonic()]
         try:
             for rx, tx in files:
