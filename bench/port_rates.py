@@ -39,22 +39,33 @@ def sample(ports: list[str], seconds: float) -> list[list[float]]:
     away or a SIGTERM comes (the run ended and takes its testbed down: it
     terminates what runs in its namespaces, and gives them time to finish)."""
     stop: list = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    try:
+        return _sample(ports, seconds, stop)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _sample(ports: list[str], seconds: float, stop: list) -> list[list[float]]:
     files = [(open(f"/sys/class/net/{p}/statistics/rx_bytes"),
               open(f"/sys/class/net/{p}/statistics/tx_bytes")) for p in ports]
     rows: list[list[float]] = []
     end = time.monotonic() + seconds
-    while time.monotonic() < end and not stop:
-        row = [time.monotonic()]
-        try:
+    try:
+        while time.monotonic() < end and not stop:
+            row = [time.monotonic()]
             for rx, tx in files:
                 rx.seek(0)
                 tx.seek(0)
                 row += [int(rx.read()), int(tx.read())]
-        except OSError:  # ENODEV: the port is gone
-            break
-        rows.append(row)
-        time.sleep(0.0005)
+            rows.append(row)
+            time.sleep(0.0005)
+    except OSError:  # ENODEV: the port is gone
+        pass
+    finally:
+        for pair in files:
+            for f in pair:
+                f.close()
     return rows
 
 

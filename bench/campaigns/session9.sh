@@ -60,6 +60,12 @@ case "${1:-all}" in
     ;;
 esac
 case "${1:-all}" in
+  all|rest2)
+    inv lat-lo-n4 --workers 4 --sizes 0.000003814697265625 0.0009765625 0.015625 0.25 1 4 --repeats 20 --systems dense gloo
+    once tb-n16-100mbit-servers4 --testbed --link 100mbit --mtu 9000 --workers 16 --sizes 64 --repeats 1 --switches 4 --systems dense
+    ;;
+esac
+case "${1:-all}" in
   all|rest)
     inv lat-tb-n4-mtu9000 --testbed --link 1gbit --mtu 9000 --workers 4 --sizes 0.000003814697265625 0.0009765625 0.015625 0.25 1 4 --repeats 20 --systems dense gloo
     inv lo-n4-100mib --workers 4 --sizes 100 --repeats 5 --systems dense gloo
