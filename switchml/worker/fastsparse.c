@@ -273,14 +273,14 @@ static int64_t sparse_fill(DenseCore *c, int j, int64_t m, uint8_t *lanes) {
                 sparse_scan(c, (chunk + 1) * F);
                 put_u16(lanes + (size_t)i * LANE_SIZE + 8, (uint16_t)c->local_exp[chunk]);
             }
-        if (m == seed)
+        if (m == seed) { /* the first next pointers: the whole map now */
             sparse_map(c);
-        if (m == seed)
             for (int i = 0; i < F; i++) {
                 uint8_t *record = lanes + (size_t)i * LANE_SIZE;
                 put_u32(record, POS_END);
                 put_u32(record + 4, sp->next[first_lane + i]);
             }
+        }
         return 0;
     }
     sparse_map(c); /* (done at the seed already) */
