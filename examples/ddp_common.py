@@ -40,6 +40,10 @@ def parser(description: str, *, epochs: int, batch_size: int, lr: float) -> argp
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="rank 0 writes its summary here")
     p.add_argument("--quiet", action="store_true", help="only the summary line")
+    p.add_argument("--timeline", default=None, metavar="PREFIX",
+                   help="each rank writes where its steps' time goes (forward, backward, "
+                        "optimizer, each bucket's allreduce call and end) to "
+                        "PREFIX.rank<N>.json")
     return p
 
 
@@ -64,14 +68,25 @@ def device(args) -> torch.device:
         else torch.device("cpu")
 
 
+#: This rank's (event, bucket index, elements, time) in training, for --timeline.
+TIMELINE: list = []
+
+
+def mark(event: str, bucket: int = -1, elements: int = 0) -> None:
+    TIMELINE.append((event, bucket, elements, time.perf_counter()))
+
+
 def timed(hook, durations: list):
     """A DDP comm hook that runs ``hook`` and records how long each bucket's allreduce took."""
 
     def run(state, bucket):
         start = time.perf_counter()
+        index = bucket.index()
+        mark("call", index, bucket.buffer().numel())
 
         def stop(fut):
             durations.append(time.perf_counter() - start)
+            mark("done", index)
             return fut.value()
 
         return hook(state, bucket).then(stop)
@@ -122,11 +137,15 @@ def train(model, ddp, state, opt, data: DataLoader, test: tuple, args, durations
         loss_sum = torch.zeros(2, dtype=torch.float64)
         start = time.perf_counter()
         for x, y in data:
+            mark("step")
             x, y = x.to(where, non_blocking=True), y.to(where, non_blocking=True)
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(ddp(x), y)
+            mark("forward")
             loss.backward()
+            mark("backward")
             opt.step()
+            mark("optimizer")
             loss_sum += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
             steps += 1
             samples += len(y) * world
@@ -138,6 +157,12 @@ def train(model, ddp, state, opt, data: DataLoader, test: tuple, args, durations
         if rank == 0 and not args.quiet:
             print(f"epoch {epoch + 1:3d}  loss {history[-1]['loss']:.4f}  "
                   f"test accuracy {100 * accuracy:.2f}%", flush=True)
+    if args.timeline:
+        origin = TIMELINE[0][3] if TIMELINE else 0.0
+        with open(f"{args.timeline}.rank{rank}.json", "w") as f:
+            json.dump({"rank": rank, "backend": args.backend, "events": [
+                [event, bucket, elements, t - origin] for event, bucket, elements, t in TIMELINE]},
+                f)
     compute_s = compute_time(ddp, data, loss_fn, where)
     counters = switchml_counters(state)
     summary = {

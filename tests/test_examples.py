@@ -40,11 +40,25 @@ def test_digits_on_switchml_reaches_gloo_accuracy(tmp_path):
 
 
 def test_digits_with_the_comm_hook_on_a_gloo_group(tmp_path):
+    prefix = tmp_path / "timeline"
     hooked = torchrun(tmp_path, "train_ddp.py", 2, "--backend", "gloo", "--hook",
-                      "--epochs", 2, "--hidden", 128)
+                      "--epochs", 2, "--hidden", 128, "--timeline", prefix)
     assert hooked["backend"] == "gloo+switchml-hook"
     assert hooked["switchml_mb_sent_per_step"] > 0
     assert hooked["test_accuracy"] > 0.8
+    for rank in range(2):  # every step's phases in order, every bucket's call ended
+        events = json.loads((tmp_path / f"timeline.rank{rank}.json").read_text())["events"]
+        steps = [i for i, e in enumerate(events) if e[0] == "step"]
+        assert len(steps) == hooked["steps"]
+        for start, end in zip(steps, steps[1:] + [len(events)]):
+            step = events[start:end]
+            kinds = [e[0] for e in step if e[0] in ("forward", "backward", "optimizer")]
+            assert kinds == ["forward", "backward", "optimizer"], step
+            calls = {e[1]: e[3] for e in step if e[0] == "call"}
+            ends = {e[1]: e[3] for e in step if e[0] == "done"}
+            assert calls and calls.keys() == ends.keys(), step
+            assert all(calls[b] <= ends[b] for b in calls)
+            assert sum(e[2] for e in step if e[0] == "call") > 0  # the gradients' elements
 
 
 def test_embedding_gradients_take_the_sparse_path(tmp_path):
