@@ -43,7 +43,7 @@ def parser(description: str, *, epochs: int, batch_size: int, lr: float) -> argp
     p.add_argument("--timeline", default=None, metavar="PREFIX",
                    help="each rank writes where its steps' time goes (forward, backward, "
                         "optimizer, each bucket's allreduce call and end) to "
-                        "PREFIX.rank<N>.json")
+                        "PREFIX.<backend>.rank<N>.json")
     return p
 
 
@@ -159,7 +159,8 @@ def train(model, ddp, state, opt, data: DataLoader, test: tuple, args, durations
                   f"test accuracy {100 * accuracy:.2f}%", flush=True)
     if args.timeline:
         origin = TIMELINE[0][3] if TIMELINE else 0.0
-        with open(f"{args.timeline}.rank{rank}.json", "w") as f:
+        kind = args.backend + ("-hook" if args.hook else "")
+        with open(f"{args.timeline}.{kind}.rank{rank}.json", "w") as f:
             json.dump({"rank": rank, "backend": args.backend, "events": [
                 [event, bucket, elements, t - origin] for event, bucket, elements, t in TIMELINE]},
                 f)
