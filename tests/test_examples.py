@@ -47,7 +47,8 @@ def test_digits_with_the_comm_hook_on_a_gloo_group(tmp_path):
     assert hooked["switchml_mb_sent_per_step"] > 0
     assert hooked["test_accuracy"] > 0.8
     for rank in range(2):  # every step's phases in order, every bucket's call ended
-        events = json.loads((tmp_path / f"timeline.gloo-hook.rank{rank}.json").read_text())["events"]
+        timeline = tmp_path / f"timeline.gloo-hook.rank{rank}.json"
+        events = json.loads(timeline.read_text())["events"]
         steps = [i for i, e in enumerate(events) if e[0] == "step"]
         assert len(steps) == hooked["steps"]
         for start, end in zip(steps, steps[1:] + [len(events)]):
