@@ -24,12 +24,20 @@ ATOL = 1e-5
 
 
 def run(tmp_path, command: list, name: str) -> list:
-    """Run ``command`` (its script gets --json); return every rank's report."""
+    """Run ``command`` (its script gets --json); return every rank's report.
+
+    The gloo reference runs get a second try: a gloo rank now and then aborts
+    as its process exits ("terminate called without an active exception", its
+    threads against the interpreter's shutdown; pytorch/pytorch#179291), after
+    its report is written, once in many suites.  switchml runs get one."""
     out = tmp_path / name
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHML_")}
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([*command, "--json", str(out)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=240)
+    for _attempt in range(2 if name == "gloo" else 1):
+        proc = subprocess.run([*command, "--json", str(out)], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=240)
+        if proc.returncode == 0:
+            break
     assert proc.returncode == 0, proc.stderr[-4000:]
     reports = []
     for rank in range(WORLD):
