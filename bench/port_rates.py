@@ -23,15 +23,7 @@ import subprocess
 import sys
 import time
 
-RATES = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-
-
-def link_bps(text: str) -> float:
-    """``"1gbit"`` -> 1e9 (tc's units)."""
-    for unit, scale in RATES.items():
-        if text.endswith(unit):
-            return float(text[: -len(unit)]) * scale
-    return float(text)
+from switchml.testbed.netns import parse_rate
 
 
 def sample(ports: list[str], seconds: float) -> list[list[float]]:
@@ -111,7 +103,7 @@ def main(argv=None) -> None:
                                   os.path.abspath(__file__), *rest]))
     rows = sample(args.ports, args.seconds)
     gaps = idle_gaps(rows, args.gap / 1e3)
-    loads = shares(rows, link_bps(args.link))
+    loads = shares(rows, parse_rate(args.link))
     for port, (up, down) in zip(args.ports, loads):
         print(f"{port}: uplink {up:.1%} of the link, downlink {down:.1%}")
     for start, length in gaps:

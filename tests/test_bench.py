@@ -215,7 +215,7 @@ def test_port_rates_finds_the_idle_stretches_and_the_links_shares(tmp_path):
     assert len(gaps) == 1
     assert gaps[0][0] == pytest.approx(0.010) and gaps[0][1] == pytest.approx(0.006)
     assert port_rates.idle_gaps(rows, 0.007) == []
-    for uplink, downlink in port_rates.shares(rows, port_rates.link_bps("1gbit")):
+    for uplink, downlink in port_rates.shares(rows, 1e9):
         assert uplink == pytest.approx(14 / 20) and downlink == pytest.approx(7 / 20)
     # the real counters of this namespace's loopback, for a moment
     out = tmp_path / "rates.json"

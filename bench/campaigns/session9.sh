@@ -8,10 +8,8 @@
 # and it zeroes skipped blocks as their lanes pass them.
 set -e
 cd "$(dirname "$0")/../.."
-PY=${PY:-.venv/bin/python}
 OUT=bench/results/s9
-inv() { name=$1; shift; $PY bench/invocations.py --runs 3 --out $OUT/$name -- "$@"; }
-once() { name=$1; shift; $PY bench/invocations.py --runs 1 --out $OUT/$name -- "$@"; }
+. bench/campaigns/common.sh
 case "${1:-all}" in
   all|core)
     inv tb-n4-mtu9000 --testbed --link 1gbit --mtu 9000 --workers 4 --sizes 64 --repeats 5 --systems dense gloo
