@@ -74,6 +74,17 @@ def test_quantize_rounds_halves_to_even_at_every_magnitude(exponent):
     assert got.tolist() == expected.tolist()
 
 
+@pytest.mark.parametrize("exponent", [-148, -100, -20, 0, 1, 20, 127])
+def test_quantize_agrees_over_a_sweep_of_every_float32_pattern(exponent):
+    """Every 997th bit pattern (all signs, exponents, NaN payloads, subnormals):
+    the vector loop's rounding and out-of-range results are the reference's."""
+    values = np.arange(0, 2**32, 997, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    bits = quant.scale_bits(4)
+    expected, got = quantized_both_ways(values, exponent, bits)
+    mismatched = np.flatnonzero(got != expected)
+    assert mismatched.size == 0, values[mismatched[:5]]
+
+
 @SETTINGS
 @given(sums=hnp.arrays(np.int32, st.integers(0, 300)), exponent=exponents, bits=bits_of_worlds)
 def test_dequantize_is_quant_dequantize_into(sums, exponent, bits):

@@ -102,9 +102,7 @@ static void sparse_quantize_block(const float *src, int64_t n, int64_t b, int e,
         for (int64_t i = 0; i < n; i++)
             dst[i] = float_to_int32(round_half_even(ldexpf(src[i], bits - e)));
     } else {
-        float factor = pow2_clipped((int64_t)bits - e);
-        for (int64_t i = 0; i < n; i++)
-            dst[i] = float_to_int32(round_half_even(src[i] * factor));
+        scale_round_into(src, n, pow2_clipped((int64_t)bits - e), dst);
     }
     if (n < b)
         memset(dst + n, 0, (size_t)(b - n) * sizeof(int32_t));
