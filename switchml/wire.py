@@ -5,11 +5,12 @@ records, then ``count`` int32 values, all little-endian::
 
     offset size field
          0    2 magic      0x4D53 ("SM")
-         2    1 version    2
+         2    1 version    3
          3    1 kind       1 = contribution (worker -> switch), 2 = result (switch -> worker)
          4    1 dtype      0 = int32, 1 = float32 as block floating point,
                            2 = floats as 16-bit block floating point, two a word
-         5    1 mode       bit 0: sparse (OmniReduce); bit 1: sparse seed round
+         5    1 mode       bit 0: sparse (OmniReduce); bit 1: sparse seed round;
+                              4 alone: values maxed (sparse exponent rounds)
          6    2 slot       absolute slot index in the switch's pool
          8    4 session    random id of the job, given at join
         12    4 msg        per-slot message number; the shadow-copy set is msg & 1
@@ -26,7 +27,7 @@ A packet covers ``lanes`` blocks of ``block_elements`` values.  Lane record::
     pos  u32  sparse: column position of the block this record is about
     nxt  u32  sparse: the sender's next non-zero position (result: the minimum)
     exp  i16  exponent (result: the max); dense: record 0 holds the exponent of
-              the chunk the slot sends next; sparse exponent rounds: one chunk each
+              the chunk the slot sends next; sparse seed round: one chunk each
     flag u16  bit 0: a block for this lane is in the values (result: present)
 
 Dense packets carry their values as they are (``count`` may end mid-block at the
@@ -43,7 +44,7 @@ from typing import NamedTuple
 import numpy as np
 
 MAGIC = 0x4D53
-VERSION = 2
+VERSION = 3  # 3: MODE_MAX, the sparse path's exponent rounds in the values
 KIND_CONTRIBUTION = 1
 KIND_RESULT = 2
 DTYPE_INT32 = 0
@@ -53,6 +54,11 @@ DTYPE_FLOAT32 = 1
 DTYPE_FLOAT16_WIRE = 2
 MODE_SPARSE = 1
 MODE_SEED = 2
+#: A dense contribution whose values the switch maxes (signed int32) instead of
+#: adding: the sparse path's exponent rounds, a slot's chunk exponents at a time.
+MODE_MAX = 4
+#: Every mode a packet may carry.
+MODES = (0, MODE_SPARSE, MODE_SPARSE | MODE_SEED, MODE_MAX)
 FLAG_BLOCK = 1
 #: Sparse position meaning "none": the lane's column is exhausted.
 POS_END = 0xFFFFFFFF
@@ -164,7 +170,7 @@ def decode_header(data) -> Header:
         raise MalformedPacket("bad_kind")
     if dtype not in (DTYPE_INT32, DTYPE_FLOAT32, DTYPE_FLOAT16_WIRE):
         raise MalformedPacket("bad_dtype")
-    if mode not in (0, MODE_SPARSE, MODE_SPARSE | MODE_SEED):
+    if mode not in MODES:
         raise MalformedPacket("bad_mode")
     if len(data) != packet_size(lanes, count):
         raise MalformedPacket("bad_length")

@@ -109,7 +109,7 @@ def hostile(rng: random.Random, data: bytes, addr, seen):
     if kind == 0:  # random bytes, sometimes with our magic
         out = bytes(rng.randrange(256) for _ in range(rng.randrange(80)))
         if rng.random() < 0.5:
-            out = b"SM\x02\x01" + out[4:]
+            out = b"SM" + bytes([wire.VERSION, wire.KIND_CONTRIBUTION]) + out[4:]
     elif kind == 1:  # truncated or padded
         out = data[: rng.randrange(len(data))] if rng.random() < 0.5 else \
             data + bytes(rng.randrange(1, 9))
@@ -142,8 +142,8 @@ def hostile(rng: random.Random, data: bytes, addr, seen):
         out = bytes(flipped)
     elif kind == 9:  # a result posing as a contribution
         out = data[:3] + bytes([wire.KIND_RESULT]) + data[4:]
-    elif kind == 10:  # sparse mode on a dense packet, or the reverse
-        out = data[:5] + bytes([rng.choice([0, 1, 3])]) + data[6:]
+    elif kind == 10:  # another mode: sparse on a dense packet, max on a sum, ...
+        out = data[:5] + bytes([rng.choice(wire.MODES)]) + data[6:]
     elif kind == 11:  # well formed, with another lane count or more values
         lanes, count = rng.randrange(6), rng.choice([0, 1, 4, 8, 16, 17, 20, 64])
         body = bytes(rng.randrange(256) for _ in range(12 * lanes + 4 * count))
@@ -243,7 +243,7 @@ def test_same_drops_for_random_bytes(data):
     sources = JOB_A["addresses"] + JOB_B["addresses"][:1] + STRANGERS[:1]
     for payload, who in data:
         lock.deliver(payload, sources[who])
-        lock.deliver(b"SM\x02\x01" + payload[4:], sources[who])
+        lock.deliver(b"SM" + bytes([wire.VERSION, 1]) + payload[4:], sources[who])
     assert lock.fast.stats() == lock.ref.stats()
 
 

@@ -76,7 +76,7 @@ def well_formed(draw, job):
 
 # (byte offset, bits whose flip always invalidates the packet, reason)
 FLIPS = ([(0, range(8), "bad_magic"), (1, range(8), "bad_magic"), (2, range(8), "bad_version"),
-          (3, range(8), "bad_kind"), (4, range(2, 8), "bad_dtype"), (5, range(2, 8), "bad_mode")]
+          (3, range(8), "bad_kind"), (4, range(2, 8), "bad_dtype"), (5, range(3, 8), "bad_mode")]
          + [(b, range(8), "bad_length") for b in (24, 25, 26, 27)])  # count, lanes
 
 

@@ -372,7 +372,7 @@ def test_bad_packets_are_dropped_counted_and_leave_a_concurrent_job_alone():
         (good[:2] + b"\x07" + good[3:], B[1], jb.counters, "dropped_bad_version"),
         (good[:3] + b"\x09" + good[4:], B[1], jb.counters, "dropped_bad_kind"),
         (good[:4] + b"\x05" + good[5:], B[1], jb.counters, "dropped_bad_dtype"),
-        (good[:5] + b"\x04" + good[6:], B[1], jb.counters, "dropped_bad_mode"),
+        (good[:5] + b"\x05" + good[6:], B[1], jb.counters, "dropped_bad_mode"),
         (good[:5] + bytes([wire.MODE_SEED]) + good[6:], B[1], jb.counters,
          "dropped_bad_mode"),
         (good[:26] + (LANES + 1).to_bytes(2, "little") + good[28:], B[1], jb.counters,
@@ -438,6 +438,26 @@ def test_int32_sums_wrap_around():
     send(p, contrib(0, SA, 0, [1, -1, imax, imin, 0]), A[1])
     out = send(p, contrib(0, SA, 0, [0, 0, 2, 0, imin]), A[2])
     assert decode(out[0][0])[1] == [imin, imax, 0, imax, imin]
+
+
+def test_a_max_contribution_keeps_the_signed_maximum_and_is_not_added():
+    """MODE_MAX (sparse exponent rounds): the values are maxed as int32, a
+    retransmission gets the stored result, and a rank adding where the others
+    max is a mismatch, never mixed into the result."""
+    p = pipeline(1)
+    p.install_job("j", SA, A[:3], 0, 1)
+    lo, hi = EXP_ZERO, EXP_NONFINITE
+    send(p, contrib(0, SA, 0, [5, lo, -3, 0], mode=wire.MODE_MAX), A[0])
+    send(p, contrib(0, SA, 0, [-7, -148, -3, hi], mode=wire.MODE_MAX), A[1])
+    assert send(p, contrib(0, SA, 0, [1, 2, 3, 4]), A[2]) == []  # adds: a mismatch
+    assert p.jobs[SA].counters["dropped_mismatch"] == 1
+    out = send(p, contrib(0, SA, 0, [6, lo, -100, 1], mode=wire.MODE_MAX), A[2])
+    assert len(out) == 3
+    header, values = decode(out[0][0])
+    assert header.mode == wire.MODE_MAX
+    assert values == [6, -148, -3, hi]
+    again = send(p, contrib(0, SA, 0, [6, lo, -100, 1], mode=wire.MODE_MAX), A[2])
+    assert [addr for _, addr in again] == [A[2]] and decode(again[0][0])[1] == values
 
 
 @settings(max_examples=60, derandomize=True, deadline=None)

@@ -381,9 +381,11 @@ def edge_case(arrays, **kw):
 
 @pytest.mark.parametrize("faults", FAULT_CASES, ids=["clean", "faulty"])
 def test_exponents_beyond_the_seed_take_rounds_of_their_own(faults):
-    """A slot of more chunks than lanes: exponent rounds first, the seed the last batch."""
+    """A slot of more chunks than lanes: exponent rounds of K exponents each
+    first (values the switch maxes), the seed the last LANES."""
     world = 3
-    size = K * SLOTS * (2 * LANES + 1) + 7  # 9 or 10 chunks a slot: 2 exponent rounds
+    chunks_a_slot = 2 * K + LANES + 1  # K, K and 1 before the seed: 3 exponent rounds
+    size = K * SLOTS * chunks_a_slot - 5
     arrays = sparse_inputs(world, size, np.float32, 0.3, seed=11)
     for r, a in enumerate(arrays):  # magnitudes that differ by chunk and rank
         a *= np.repeat(np.float32(2.0) ** ((np.arange(-(-size // K)) * 7 + r * 3) % 41 - 20),
@@ -394,11 +396,26 @@ def test_exponents_beyond_the_seed_take_rounds_of_their_own(faults):
     expected = reference(arrays)
     for out in sparse:
         assert same_bits(out, expected)
-    sent = {(addr, h.slot, h.msg, h.mode) for addr, h, _, _ in log}  # retransmissions once
-    exponent_rounds = [m for m in sent if m[3] == 0]
+    sent = {(addr, h.slot, h.msg, h.mode, h.count) for addr, h, _, _ in log}  # once each
+    exponent_rounds = [m for m in sent if m[3] == wire.MODE_MAX]
     seeds = [m for m in sent if m[3] == wire.MODE_SPARSE | wire.MODE_SEED]
-    assert len(exponent_rounds) == world * SLOTS * 2
+    assert sorted(m[4] for m in exponent_rounds) == sorted([K, K, 1] * world * SLOTS)
     assert len(seeds) == world * SLOTS
+
+
+def test_a_tensor_of_many_chunks_a_slot_takes_one_exponent_round():
+    """As on a real network (64 MiB is 256 chunks a slot at MTU 9000): one round of
+    exponents, not one a lane table's worth (F) at a time."""
+    world = 2
+    size = K * SLOTS * (K // 2)  # 32 chunks a slot: 28 in one round, 4 in the seed
+    arrays = sparse_inputs(world, size, np.float32, 0.2, seed=3)
+    sim = simulation(world)
+    log = record_contributions(sim)
+    outs = sim.allreduce(arrays, max_time=BIG_TIME, sparse=True)
+    for out in outs:
+        assert same_bits(out, reference(arrays))
+    counts = [h.count for _, h, _, _ in log if h.mode == wire.MODE_MAX]
+    assert counts == [K // 2 - LANES] * world * SLOTS
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "i32"])
@@ -635,10 +652,13 @@ def test_sparse_sends_less_than_dense_at_low_density():
     dense_sim.allreduce(arrays)
     sparse_sim.allreduce(arrays, sparse=True)
     dense_values = sum(h.count for _, h, _, _ in dense_log)
-    sparse_values = sum(h.count for _, h, _, _ in sparse_log)
+    block_values = sum(h.count for _, h, _, _ in sparse_log if h.mode & wire.MODE_SPARSE)
+    exponent_values = sum(h.count for _, h, _, _ in sparse_log if h.mode == wire.MODE_MAX)
     assert dense_values == world * size
-    assert sparse_values == BLK * sum(nonzero_block_count(a) for a in arrays)
-    assert sparse_values < dense_values / 5
+    assert block_values == BLK * sum(nonzero_block_count(a) for a in arrays)
+    # 8 chunks a slot: the seed's lane records carry the last LANES exponents
+    assert exponent_values == world * SLOTS * (8 - LANES)
+    assert block_values + exponent_values < dense_values / 5
 
 
 # ---------------------------------------------------------------- non-finite values

@@ -18,11 +18,12 @@
 #define FP_HEADER_SIZE 32
 #define FP_LANE_SIZE 12
 #define FP_MAGIC 0x4D53
-#define FP_VERSION 2
+#define FP_VERSION 3
 #define FP_KIND_CONTRIBUTION 1
 #define FP_KIND_RESULT 2
 #define FP_MODE_SPARSE 1
 #define FP_MODE_SEED 2
+#define FP_MODE_MAX 4 /* values maxed, not added: sparse exponent rounds */
 #define FP_FLAG_BLOCK 1
 #define FP_MAX_WORKERS 32
 /* A key no member has: the source of a datagram whose address is not a member's. */

@@ -306,7 +306,8 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
         DROP(C_DROPPED_BAD_KIND);
     if (dtype > 2) /* int32, float32, the 16-bit wire: the adds are the same */
         DROP(C_DROPPED_BAD_DTYPE);
-    if (mode != 0 && mode != FP_MODE_SPARSE && mode != (FP_MODE_SPARSE | FP_MODE_SEED))
+    if (mode != 0 && mode != FP_MODE_SPARSE && mode != (FP_MODE_SPARSE | FP_MODE_SEED) &&
+        mode != FP_MODE_MAX)
         DROP(C_DROPPED_BAD_MODE);
     if (len != FP_HEADER_SIZE + (size_t)FP_LANE_SIZE * lanes + 4 * (size_t)count)
         DROP(C_DROPPED_BAD_LENGTH);
@@ -381,8 +382,14 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
             add_sparse(job, set, regs, vals, lane_table, payload, flagged);
         } else {
             const unaligned_u32 *src = (const unaligned_u32 *)payload;
-            for (i = 0; i < count; i++) /* unsigned: int32 sums wrap around */
-                vals[i] += src[i];
+            if (mode == FP_MODE_MAX) {
+                for (i = 0; i < count; i++)
+                    if ((int32_t)src[i] > (int32_t)vals[i])
+                        vals[i] = src[i];
+            } else {
+                for (i = 0; i < count; i++) /* unsigned: int32 sums wrap around */
+                    vals[i] += src[i];
+            }
             for (i = 0; i < lanes; i++) {
                 int16_t exp = lei16(lane_table + FP_LANE_SIZE * i + LANE_EXP);
                 uint8_t *reg_exp = regs + FP_LANE_SIZE * i + LANE_EXP;

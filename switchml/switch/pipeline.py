@@ -27,7 +27,9 @@ differ from the set's is dropped, and, the first time in a job, recorded as a
 the job with an error naming what each side asked for, at once, with no extra
 exchange on the normal path (the switch compares what the packets carry).
 
-Per lane, a contribution's exponent is maxed into the register.  A sparse
+Per lane, a contribution's exponent is maxed into the register; the values of
+a ``MODE_MAX`` contribution (the sparse path's exponent rounds) are maxed, not
+added, as a switch's register action can.  A sparse
 contribution (OmniReduce) adds the blocks it flags into a zeroed set and keeps
 per lane the least next position reported; its result carries the present
 blocks only, compacted.
@@ -362,7 +364,10 @@ class Pipeline:
                 self._add_sparse(job, v, slot, regs, lanes, flagged, payload)
             else:
                 row = job.values[v, slot, : h.count]
-                np.add(row, payload, out=row)
+                if h.mode == wire.MODE_MAX:
+                    np.maximum(row, payload, out=row)
+                else:
+                    np.add(row, payload, out=row)
                 np.maximum(regs["exp"], lanes["exp"], out=regs["exp"])
             self._bitmap[v][slot] |= bit
             self._count[v][slot] += 1

@@ -32,6 +32,7 @@
 
 #define MODE_SPARSE 1
 #define MODE_SEED 2
+#define MODE_MAX 4
 #define FLAG_BLOCK 1
 #define POS_END 0xFFFFFFFFu
 
@@ -135,6 +136,12 @@ static void sparse_dequantize_block(const int32_t *src, int64_t n, int e, int bi
         dst[i] = (float)src[i] * factor;
 }
 
+/* The first of slot j's chunk rows whose exponent the seed carries (the last
+ * F; exponent rounds carry those before it). */
+static inline int64_t seed_first(const struct SparseState *sp, int j, int F) {
+    return sp->slot_chunks[j] > F ? sp->slot_chunks[j] - F : 0;
+}
+
 /* SparseAllreduce.__init__'s state, but for the pass over the input, which
  * sparse_scan and sparse_map make as the rounds need it; returns -1 when out of
  * memory. */
@@ -169,9 +176,10 @@ static int sparse_init(DenseCore *c, int64_t b) {
         sp->live[j] = 1;
         sp->ordinary[j] = 1;
         sp->slot_chunks[j] = j < c->chunks ? (c->chunks - j + W - 1) / W : 0;
-        /* the seed round carries the last batch of exponents itself */
-        int64_t batches = (sp->slot_chunks[j] + F - 1) / F;
-        sp->exp_rounds[j] = c->is_float && batches > 1 ? batches - 1 : 0;
+        /* the seed carries the last F exponents; rounds before it the others,
+         * k a round */
+        int64_t first = seed_first(sp, j, F);
+        sp->exp_rounds[j] = c->is_float ? (first + c->k - 1) / c->k : 0;
     }
     for (int64_t chunk = 0; chunk < c->chunks; chunk++)
         sp->chunk_exp[chunk] = EXP_ZERO;
@@ -179,6 +187,20 @@ static int sparse_init(DenseCore *c, int64_t b) {
         sp->column_length[lane] =
             (uint32_t)(sp->blocks > lane ? (sp->blocks - lane + G - 1) / G : 0);
     return 0;
+}
+
+/* SparseAllreduce._exp_round_chunks: the rows [*from, *to) of slot j whose
+ * chunk exponents round m (an exponent round, or the seed) carries. */
+static void exp_round_rows(DenseCore *c, int j, int64_t m, int64_t *from, int64_t *to) {
+    struct SparseState *sp = c->sp;
+    int64_t first = seed_first(sp, j, c->lanes);
+    if (m == sp->exp_rounds[j]) {
+        *from = first;
+        *to = sp->slot_chunks[j];
+    } else {
+        *from = m * c->k;
+        *to = (m + 1) * c->k < first ? (m + 1) * c->k : first;
+    }
 }
 
 /* The pass over the input that sparse.py makes up front, made as the messages
@@ -204,10 +226,7 @@ static void sparse_scan(DenseCore *c, int64_t upto) {
         int64_t first = block * b, last = first + b < size ? first + b : size;
         int32_t peak = 0;
         if (c->is_float) {
-            for (int64_t i = first; i < last; i++) {
-                int32_t magnitude = bits[i] & 0x7FFFFFFF;
-                peak = magnitude > peak ? magnitude : peak;
-            }
+            peak = magnitude_peak(bits + first, last - first);
             chunk_peak = peak > chunk_peak ? peak : chunk_peak;
             if ((block + 1) % F == 0 || block + 1 == sp->blocks) {
                 c->local_exp[block / F] = exponent_of_peak(chunk_peak);
@@ -248,7 +267,7 @@ static void sparse_map(DenseCore *c) {
 static inline int sparse_mode(DenseCore *c, int j) {
     int64_t r = c->round[j], seed = c->sp->exp_rounds[j];
     if (r < seed)
-        return 0; /* an exponent round travels as a dense message without values */
+        return MODE_MAX; /* an exponent round: values the switch maxes */
     return MODE_SPARSE | (r == seed ? MODE_SEED : 0);
 }
 
@@ -265,19 +284,28 @@ static int64_t sparse_fill(DenseCore *c, int j, int64_t m, uint8_t *lanes) {
             memset(record, 0, LANE_SIZE);
             put_u16(record + 8, (uint16_t)EXP_ZERO);
         }
-        if (c->is_float) /* local exponents of this slot's chunks m*F .. m*F+F-1 */
-            for (int64_t i = 0; i < F && m * F + i < sp->slot_chunks[j]; i++) {
-                int64_t chunk = j + (m * F + i) * W;
+        int64_t from = 0, to = 0;
+        if (c->is_float)
+            exp_round_rows(c, j, m, &from, &to);
+        if (m < seed) { /* local exponents as values */
+            int32_t *values = (int32_t *)(lanes + (size_t)F * LANE_SIZE);
+            for (int64_t row = from; row < to; row++) {
+                int64_t chunk = j + row * W;
                 sparse_scan(c, (chunk + 1) * F);
-                put_u16(lanes + (size_t)i * LANE_SIZE + 8, (uint16_t)c->local_exp[chunk]);
+                values[row - from] = c->local_exp[chunk];
             }
-        if (m == seed) { /* the first next pointers: the whole map now */
-            sparse_map(c);
-            for (int i = 0; i < F; i++) {
-                uint8_t *record = lanes + (size_t)i * LANE_SIZE;
-                put_u32(record, POS_END);
-                put_u32(record + 4, sp->next[first_lane + i]);
-            }
+            return to - from;
+        }
+        for (int64_t row = from; row < to; row++) { /* the seed's: in its lane records */
+            int64_t chunk = j + row * W;
+            sparse_scan(c, (chunk + 1) * F);
+            put_u16(lanes + (size_t)(row - from) * LANE_SIZE + 8, (uint16_t)c->local_exp[chunk]);
+        }
+        sparse_map(c); /* the first next pointers: the whole map now */
+        for (int i = 0; i < F; i++) {
+            uint8_t *record = lanes + (size_t)i * LANE_SIZE;
+            put_u32(record, POS_END);
+            put_u32(record + 4, sp->next[first_lane + i]);
         }
         return 0;
     }
@@ -321,12 +349,17 @@ static int sparse_result_fits(DenseCore *c, int j, const uint8_t *data, int mode
     struct SparseState *sp = c->sp;
     int F = c->lanes;
     const uint8_t *records = data + HEADER_SIZE;
+    if (c->round[j] < sp->exp_rounds[j]) { /* the maxed exponents, as sent */
+        int64_t from, to;
+        exp_round_rows(c, j, c->round[j], &from, &to);
+        return count == to - from;
+    }
     int64_t present = 0;
     for (int i = 0; i < F; i++)
         present += get_u16(records + (size_t)i * LANE_SIZE + 10) & FLAG_BLOCK;
     if (count != present * sp->b)
         return 0;
-    if (c->round[j] <= sp->exp_rounds[j])
+    if (c->round[j] == sp->exp_rounds[j])
         return count == 0;
     /* the contribution in flight is still in the slot's packet buffer */
     const uint8_t *ours = c->packets + (size_t)j * c->packet_size + HEADER_SIZE;
@@ -365,9 +398,13 @@ static void sparse_absorb(DenseCore *c, int j, int64_t m, const uint8_t *data) {
     int64_t first_lane = (int64_t)j * F;
     const uint8_t *records = data + HEADER_SIZE;
     if (m <= seed && c->is_float) {
-        for (int64_t i = 0; i < F && m * F + i < sp->slot_chunks[j]; i++) {
-            int64_t chunk = j + (m * F + i) * W;
-            int e = (int16_t)get_u16(records + (size_t)i * LANE_SIZE + 8);
+        int64_t from, to;
+        exp_round_rows(c, j, m, &from, &to);
+        const uint8_t *maxed = records + (size_t)F * LANE_SIZE; /* an exponent round's */
+        for (int64_t row = from; row < to; row++) {
+            int64_t chunk = j + row * W, i = row - from;
+            int e = m < seed ? (int16_t)get_u32(maxed + 4 * i) /* as numpy's astype */
+                             : (int16_t)get_u16(records + (size_t)i * LANE_SIZE + 8);
             sp->chunk_exp[chunk] = (int16_t)e;
             if (!ordinary_exponent(e, c->bits))
                 sp->ordinary[j] = 0;

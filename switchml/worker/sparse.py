@@ -8,13 +8,15 @@ dense path's chunk j + p*W.  Each slot runs rounds, one message in flight, every
 worker sending every round so that the shadow-copy argument of the dense path
 holds unchanged:
 
-* float32 only, exponent rounds: the slot's chunk exponents, one per lane record,
-  maxed by the switch as in the dense path (a dense message without values);
+* float32 only, exponent rounds: the slot's chunk exponents but its last
+  ``lanes``, as int32 values of a ``MODE_MAX`` message, which the switch maxes
+  instead of adding; up to ``packet_elements`` a round, so one round serves a
+  slot of that many chunks (a 64 MiB tensor at MTU 9000 has 256 a slot);
 * the seed round: each worker reports, per lane, the position of its first
   non-zero block; the switch returns the least position, ``pos``.  For float32
-  it also carries the last batch of chunk exponents (the switch maxes them as
-  in an exponent round), so a slot of up to ``lanes`` chunks needs no
-  exponent round of its own;
+  it also carries the slot's last ``lanes`` chunk exponents, one per lane
+  record, which the switch maxes as a dense packet's, so a slot of up to
+  ``lanes`` chunks needs no exponent round;
 * round r: a worker that has a non-zero block at ``pos`` sends it (quantised with
   its chunk's exponent) and reports its next non-zero position after ``pos``;
   one that has none there sends no values for the lane and reports its next one
@@ -132,21 +134,27 @@ class SparseAllreduce(Stream):
         self.nonfinite_chunks: list[int] = []  # see DenseAllreduce
         self.chunk_values = k
         self._slot_chunks = [len(range(j, self.chunks, self.width)) for j in range(self.width)]
-        # Exponent rounds before the seed, which carries the last batch itself.
-        self._exp_rounds = [max(0, -(-c // F) - 1) if self.is_float else 0
-                            for c in self._slot_chunks]
+        # The seed carries a slot's last F chunk exponents in its lane records;
+        # exponent rounds before it carry the others, k a round, in values.
+        self._seed_first = [max(0, c - F) for c in self._slot_chunks]
+        self._exp_rounds = [-(-first // k) if self.is_float else 0 for first in self._seed_first]
         self._start(now)
 
     def _mode(self, j: int) -> int:
         r, seed = self._round[j], self._exp_rounds[j]
         if r < seed:
-            return 0  # an exponent round travels as a dense message without values
+            return wire.MODE_MAX  # an exponent round: values the switch maxes
         return wire.MODE_SPARSE | (wire.MODE_SEED if r == seed else 0)
 
     def _exp_round_chunks(self, j: int, m: int) -> np.ndarray:
-        """The chunks whose exponents exponent round ``m`` of slot ``j`` carries."""
-        F = self.s.lanes
-        return j + np.arange(m * F, min((m + 1) * F, self._slot_chunks[j])) * self.width
+        """The chunks whose exponents round ``m`` of slot ``j`` (an exponent round,
+        or the seed) carries."""
+        k, first = self.s.packet_elements, self._seed_first[j]
+        if m == self._exp_rounds[j]:
+            rows = np.arange(first, self._slot_chunks[j])
+        else:
+            rows = np.arange(m * k, min((m + 1) * k, first))
+        return j + rows * self.width
 
     def _read_blocks(self, index: np.ndarray, dst: np.ndarray) -> None:
         """Copy blocks ``index`` of the input into rows of ``dst`` (tail zero-padded)."""
@@ -194,12 +202,13 @@ class SparseAllreduce(Stream):
             # Data rounds rewrite all but "exp": they carry the seed's, which the
             # switch maxes and the workers ignore.
             records[:] = s.blank_lanes
-            if self.is_float:  # local exponents of this slot's chunks m*F .. m*F+F-1
-                chunks = self._exp_round_chunks(j, m)
-                records["exp"][: len(chunks)] = self._local_chunk_exp[chunks]
-            if m == seed:
-                records["pos"] = wire.POS_END
-                records["nxt"] = self._next_nonzero[lanes]
+            chunks = self._exp_round_chunks(j, m) if self.is_float else []
+            if m < seed:  # local exponents as values
+                s.value_views[j][: len(chunks)] = self._local_chunk_exp[chunks]
+                return len(chunks)
+            records["exp"][: len(chunks)] = self._local_chunk_exp[chunks]
+            records["pos"] = wire.POS_END
+            records["nxt"] = self._next_nonzero[lanes]
             return 0
         pos = self._pos[j]
         cells = self._cells[j]
@@ -232,10 +241,12 @@ class SparseAllreduce(Stream):
 
     def _result_fits(self, j: int, h: wire.Header, data) -> bool:
         records = self._records = wire.lane_table(data, h.lanes)
+        if self._round[j] < self._exp_rounds[j]:  # the maxed exponents, as sent
+            return h.count == len(self._exp_round_chunks(j, self._round[j]))
         present = np.nonzero(records["flag"] & wire.FLAG_BLOCK)[0]
         if h.count != len(present) * self.s.block_elements:
             return False
-        if self._round[j] <= self._exp_rounds[j]:
+        if self._round[j] == self._exp_rounds[j]:
             return h.count == 0
         # The contribution in flight is still in the slot's packet buffer.
         if not (records["pos"] == self.s.lane_views[j]["pos"]).all():
@@ -250,7 +261,8 @@ class SparseAllreduce(Stream):
         seed = self._exp_rounds[j]
         if m <= seed and self.is_float:
             chunks = self._exp_round_chunks(j, m)
-            exps = records["exp"][: len(chunks)]
+            exps = (wire.values(data, h.lanes, h.count).astype(np.int16) if m < seed
+                    else records["exp"][: len(chunks)])
             self._chunk_exp[chunks] = exps
             F = s.lanes
             self._quant_factor.reshape(-1, F)[chunks] = quantize_factors(exps, s.bits)[:, None]
