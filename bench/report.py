@@ -1,8 +1,10 @@
-"""Print a benchmark JSON as tables: Markdown for bench/allreduce.py's, the
-``python -m bench`` table for results.json files of bench/suite.py.
+"""Print a benchmark JSON as tables: Markdown for bench/allreduce.py's and
+bench/train.py's, the ``python -m bench`` table for results.json files of
+bench/suite.py.
 
     python bench/report.py bench/results/allreduce-64mib.json
     python bench/report.py bench/results/smoke-testbed-200mbit/results.json
+    python bench/report.py bench/results/s10/train-testbed-digits-hidden2048.json
 """
 
 from __future__ import annotations
@@ -63,6 +65,13 @@ def main(path: str) -> None:
 
         print(f"`{data['command']}` on {data['cluster']}\n")
         print(format_table(data["rows"], data["cluster"].get("link_bps")))
+        return
+    if "network" in data:  # from bench/train.py
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from train import table
+
+        print(f"`{data['command']}` on {data['network']}\n")
+        print(table(data["runs"]))
         return
     print(f"`{data['command']}` ({data['elements']} {data['dtype']} elements)\n")
     if any(r["system"] == "switchml-sparse-vs-dense" for r in data["runs"]):

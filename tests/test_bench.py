@@ -221,3 +221,33 @@ def test_port_rates_finds_the_idle_stretches_and_the_links_shares(tmp_path):
     out = tmp_path / "rates.json"
     port_rates.main(["--ports", "lo", "--seconds", "0.05", "--out", str(out)])
     assert len(json.load(open(out))["samples"]) > 10
+
+
+def test_report_prints_a_training_run_as_its_table(tmp_path):
+    """bench/report.py reads bench/train.py's JSON too (it failed on it)."""
+    run = {"workers": 4, "name": "digits switchml", "samples_per_s": 316.0,
+           "samples_per_s_all": [319.0, 313.0, 316.0], "speedup_over_gloo": 1.328,
+           "step_ms": 202.5, "communication_share": 0.92, "allreduce_ms_per_step": 302.6,
+           "switchml_mb_sent_per_step": 17.89, "test_accuracy": 0.9444}
+    path = tmp_path / "train.json"
+    path.write_text(json.dumps({"command": "python bench/train.py ...", "machine": {},
+                                "date": "", "network": "testbed, 1gbit links", "runs": [run]}))
+    done = subprocess.run([sys.executable, "bench/report.py", str(path)], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert "| 4 | digits switchml | 316 (319, 313, 316) | 1.33x | 202.5 | 92% |" in done.stdout
+
+
+def test_first_send_bench_times_both_calls_and_each_build(tmp_path):
+    out = tmp_path / "first.json"
+    done = subprocess.run([sys.executable, "bench/first_send.py", "--mib", "0.25",
+                           "--repeats", "2", "--slots", "4", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    if "not built" in done.stderr:
+        pytest.skip("the C engine is not built")
+    assert done.returncode == 0, done.stderr
+    data = json.loads(out.read_text())
+    assert set(data["first_send_s"]) == {"dense", "sparse"}
+    assert all(s > 0 for s in data["first_send_s"].values())
+    assert data["magnitude_peak_s"]["baseline"] > 0  # every x86-64 or other machine has it
+    assert "sparse call: first datagrams after" in done.stdout
