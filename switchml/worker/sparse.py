@@ -202,7 +202,7 @@ class SparseAllreduce(Stream):
             # Data rounds rewrite all but "exp": they carry the seed's, which the
             # switch maxes and the workers ignore.
             records[:] = s.blank_lanes
-            chunks = self._exp_round_chunks(j, m) if self.is_float else []
+            chunks = self._exp_round_chunks(j, m) if self.is_float else np.zeros(0, np.int64)
             if m < seed:  # local exponents as values
                 s.value_views[j][: len(chunks)] = self._local_chunk_exp[chunks]
                 return len(chunks)
