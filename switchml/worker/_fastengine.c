@@ -191,7 +191,8 @@ static int16_t exponent_of_peak(int32_t peak) {
  * (quant.block_peaks), so an integer max.  The loop vectorises, but SSE2 (the
  * x86-64 baseline) has no int32 max and emulates it in four instructions; AVX2
  * has one, eight lanes wide: the pass over a sparse call's input, which its
- * first message waits for, takes half the time.  One body, two builds, the
+ * first message waits for, takes a third of the time (bench/first_send.py).
+ * One body, two builds, the
  * AVX2 one picked at import where the CPU has it. */
 #define MAGNITUDE_PEAK_BODY                                                        \
     {                                                                              \
