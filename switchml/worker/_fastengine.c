@@ -192,8 +192,7 @@ static int16_t exponent_of_peak(int32_t peak) {
  * x86-64 baseline) has no int32 max and emulates it in four instructions; AVX2
  * has one, eight lanes wide: the pass over a sparse call's input, which its
  * first message waits for, takes a third of the time (bench/first_send.py).
- * One body, two builds, the
- * AVX2 one picked at import where the CPU has it. */
+ * One body, two builds, the AVX2 one picked at import where the CPU has it. */
 #define MAGNITUDE_PEAK_BODY                                                        \
     {                                                                              \
         int32_t peak = 0;                                                          \
@@ -778,7 +777,9 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
     uint16_t count = get_u16(data + 24), lanes = get_u16(data + 26);
     if (get_u16(data) != MAGIC || data[2] != VERSION ||
         (kind != KIND_CONTRIBUTION && kind != KIND_RESULT) ||
-        dtype > DTYPE_FLOAT16_WIRE || (mode != 0 && mode != 1 && mode != 3 && mode != 4) ||
+        dtype > DTYPE_FLOAT16_WIRE ||
+        (mode != 0 && mode != MODE_SPARSE && mode != (MODE_SPARSE | MODE_SEED) &&
+         mode != MODE_MAX) || /* wire.MODES */
         len != HEADER_SIZE + LANE_SIZE * (Py_ssize_t)lanes + 4 * (Py_ssize_t)count) {
         c->counters[COUNTER_MALFORMED]++;
         return 0;
