@@ -34,6 +34,7 @@ class Loopback:
     link_bps = None
     #: (where, host, port) of each switch the job spreads over
     switch_binds = [("switch", "127.0.0.1", 0)]
+    switch_servers = 0  # no switch behind a link of its own
 
     def popen(self, where, argv, **kw) -> subprocess.Popen:
         return subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, **kw)

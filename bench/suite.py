@@ -128,9 +128,12 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
             name = "switch" if k == 0 else f"switch{k}"
             # a rack switch, under the spine (the first): its partial sums go up
             upstream = {"upstream": addresses[0]} if k >= len(binds) else {}
+            # a switch server, behind a link like a host's, says so (its jobs'
+            # windows are their ranks' shares of that link's)
+            server = {"shared_link": True} if cluster.switch_servers and k < len(binds) else {}
             switches.append(roles.start(name, where, "switch",
                                         {"host": host, "port": port,
-                                         "options": dict(options, **upstream)},
+                                         "options": dict(options, **upstream, **server)},
                                         stdin=True))
             while True:  # its address (the others' lines wait in the queue)
                 got, msg = roles.next()

@@ -23,6 +23,10 @@ SWITCHML_BLOCK_ELEMENTS     values per block of the sparse path      256
 SWITCHML_SLOTS_PER_JOB      slots a job gets (the most its           32
                             adaptive window may use)
 SWITCHML_MAX_JOBS           jobs a switch runs at once               64
+SWITCHML_SHARED_LINK        1: the switch is a server behind one     0
+                            link all its workers share (no
+                            programmable switch): a job's window
+                            there is its ranks' share of one link's
 SWITCHML_METRICS_PORT       a switch's Prometheus port               (none)
 SWITCHML_KEEPALIVE          seconds within which a vanished peer     20
                             of a control connection is noticed
@@ -105,6 +109,19 @@ def env(name: str, default, cast=str, environ=None):
         raise ValueError(f"SWITCHML_{name}={raw!r} is not a valid {cast.__name__}") from None
 
 
+def parse_flag(text: str) -> bool:
+    """A yes/no setting's text: 1/true/yes/on or 0/false/no/off."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not one of 1/0, true/false, yes/no, on/off")
+
+
+parse_flag.__name__ = "flag (1 or 0)"
+
+
 def parse_address(address) -> tuple[str, int]:
     """'host:port' or (host, port) to a (host, port) tuple, with a clear error."""
     if isinstance(address, (tuple, list)) and len(address) == 2:
@@ -168,6 +185,7 @@ SWITCH_VARIABLES = {
     "metrics_port": ("METRICS_PORT", int),
     "keepalive": ("KEEPALIVE", float),
     "upstream": ("UPSTREAM", str),
+    "shared_link": ("SHARED_LINK", parse_flag),
 }
 
 
@@ -191,7 +209,12 @@ class SwitchConfiguration:
     built and SWITCHML_PURE_PYTHON is not 1; False never does; True requires it),
     ``upstream`` ("host:port" of a spine switch: this switch is then a rack
     switch, whose jobs' partial sums go up to the spine; its data plane runs in
-    Python).
+    Python), ``shared_link`` (the switch is a server behind one link that all
+    its workers share, where there is no programmable switch: every rank's
+    packets reach it through that link's one queue, so a job's window there is
+    its ranks' share of one link's, ``ceil(slots_per_job / world_size)``, not
+    ``slots_per_job`` each; on a switch with a port per worker, and on
+    loopback, it is not).
     """
 
     host: str = "127.0.0.1"
@@ -209,6 +232,7 @@ class SwitchConfiguration:
     keepalive: float = DEFAULT_KEEPALIVE
     fastpath: bool | None = None
     upstream: str | None = None
+    shared_link: bool = False
 
     def __post_init__(self):
         # Checked here, so that a switch started in a child process (SwitchProcess)

@@ -41,6 +41,36 @@ def enlarge_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> int:
 
 
 
+#: Linux's IP_RECVERR (linux/in.h), which Python's socket module does not name.
+_IP_RECVERR = 11
+
+
+def report_local_drops(sock: socket.socket) -> bool:
+    """Make a UDP send that this host's own queue toward the network drops fail
+    with ENOBUFS instead of vanishing (Linux's IP_RECVERR; elsewhere nothing).
+
+    A switch server sends its results through one link at the rate of all its
+    ranks' contributions: when its queue is full the datagram is dropped as it
+    is sent, and a rank waits for the timer.  Told so, the switch waits for the
+    queue instead.  The socket then also queues ICMP errors for ``recvmsg(...,
+    MSG_ERRQUEUE)``: its reader must read them away (``drain_error_queue``).
+    Returns whether it is on.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    sock.setsockopt(socket.IPPROTO_IP, getattr(socket, "IP_RECVERR", _IP_RECVERR), 1)
+    return True
+
+
+def drain_error_queue(sock: socket.socket, most: int = 256) -> None:
+    """Read away the errors IP_RECVERR queued (they take receive buffer space)."""
+    for _ in range(most):
+        try:
+            sock.recvmsg(64, 256, socket.MSG_ERRQUEUE)
+        except OSError:  # empty (EAGAIN), or no such queue
+            return
+
+
 def enable_keepalive(sock: socket.socket, seconds: float) -> None:
     """Make a TCP connection fail within ``seconds`` of its peer vanishing.
 

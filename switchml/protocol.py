@@ -257,11 +257,20 @@ class Ready(Event):
     packet_elements: int
     block_elements: int
     data_port: int
+    #: The window one link carries (the job's request); ``slot_count`` is its
+    #: ranks' share of it on a switch behind a link they share
+    #: (``SwitchConfiguration.shared_link``).  A job over several switches
+    #: splits this over its links (``multi.py``).  None: ``slot_count`` (a rack
+    #: switch's, an older switch's).
+    link_window: int | None = field(default=None, kw_only=True)
 
     def fields(self) -> dict:
-        return {"session": self.session, "slot_base": self.slot_base,
-                "slot_count": self.slot_count, "packet_elements": self.packet_elements,
-                "block_elements": self.block_elements, "data_port": self.data_port}
+        out = {"session": self.session, "slot_base": self.slot_base,
+               "slot_count": self.slot_count, "packet_elements": self.packet_elements,
+               "block_elements": self.block_elements, "data_port": self.data_port}
+        if self.link_window is not None:
+            out["link_window"] = self.link_window
+        return out
 
 
 @dataclass(frozen=True)
@@ -387,7 +396,9 @@ def decode_event(msg) -> Event | None:
     if name == "ready":
         return Ready(*(_field(msg, key, _is_int, "an integer") for key in (
             "session", "slot_base", "slot_count", "packet_elements", "block_elements",
-            "data_port")))
+            "data_port")), link_window=_field(msg, "link_window",
+                                               lambda v: v is None or _is_int(v),
+                                               "an integer", None))
     if name == "rack_ready":
         session, base, count, packet, block, port, member, members = (
             _field(msg, key, _is_int, "an integer") for key in (

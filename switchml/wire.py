@@ -5,8 +5,11 @@ records, then ``count`` int32 values, all little-endian::
 
     offset size field
          0    2 magic      0x4D53 ("SM")
-         2    1 version    3
-         3    1 kind       1 = contribution (worker -> switch), 2 = result (switch -> worker)
+         2    1 version    4
+         3    1 kind       1 = contribution (worker -> switch), 2 = result (switch -> worker),
+                           3 = probe (worker -> switch: a retransmission without its
+                           lane table and values), 4 = resend (switch -> worker: the
+                           probed contribution is missing, send it whole)
          4    1 dtype      0 = int32, 1 = float32 as block floating point,
                            2 = floats as 16-bit block floating point, two a word
          5    1 mode       bit 0: sparse (OmniReduce); bit 1: sparse seed round;
@@ -30,6 +33,13 @@ A packet covers ``lanes`` blocks of ``block_elements`` values.  Lane record::
               the chunk the slot sends next; sparse seed round: one chunk each
     flag u16  bit 0: a block for this lane is in the values (result: present)
 
+A probe and a resend are the 32-byte header alone (``count`` and ``lanes`` 0),
+with the ids of the contribution they are about: a worker's retransmissions are
+probes, so that a rank whose contribution the switch holds (it waits for a peer's
+lost one) costs the congested port 32 bytes, not a packet; the switch answers a
+probe with the stored result when the set is complete, with a resend when the
+rank's contribution is not in it, and not at all when it waits for others.
+
 Dense packets carry their values as they are (``count`` may end mid-block at the
 tensor's end); sparse packets carry one full block per flagged lane, in lane
 order.  The worker's rank is deliberately not in the packet: like a switch's
@@ -44,9 +54,14 @@ from typing import NamedTuple
 import numpy as np
 
 MAGIC = 0x4D53
-VERSION = 3  # 3: MODE_MAX, the sparse path's exponent rounds in the values
+VERSION = 4  # 3: MODE_MAX, the sparse path's exponent rounds; 4: probes and resends
 KIND_CONTRIBUTION = 1
 KIND_RESULT = 2
+#: A retransmission as the header alone: "is my contribution in, and is the set done?"
+KIND_PROBE = 3
+#: The switch's answer to a probe whose contribution it does not hold: send it whole.
+KIND_RESEND = 4
+KINDS = (KIND_CONTRIBUTION, KIND_RESULT, KIND_PROBE, KIND_RESEND)
 DTYPE_INT32 = 0
 DTYPE_FLOAT32 = 1
 #: The 16-bit wire: each int32 "value" is a word of two biased uint16 values (low
@@ -166,7 +181,7 @@ def decode_header(data) -> Header:
         raise MalformedPacket("bad_magic")
     if version != VERSION:
         raise MalformedPacket("bad_version")
-    if kind not in (KIND_CONTRIBUTION, KIND_RESULT):
+    if kind not in KINDS:
         raise MalformedPacket("bad_kind")
     if dtype not in (DTYPE_INT32, DTYPE_FLOAT32, DTYPE_FLOAT16_WIRE):
         raise MalformedPacket("bad_dtype")
@@ -220,6 +235,21 @@ def encode(kind: int, dtype: int, slot: int, session: int, msg: int, seq: int, p
     buf[HEADER_SIZE:HEADER_SIZE + LANE_SIZE * len(table)] = table.tobytes()
     buf[HEADER_SIZE + LANE_SIZE * len(table):] = payload
     return bytes(buf)
+
+
+def probe_of(contribution) -> bytes:
+    """The probe of a contribution: its header, kind 3, no lane table or values."""
+    probe = bytearray(contribution[:HEADER_SIZE])
+    probe[3] = KIND_PROBE
+    probe[24:28] = bytes(4)  # count and lanes
+    return bytes(probe)
+
+
+def answer_of(probe, kind: int) -> bytes:
+    """A probe's header with another kind: the switch's resend."""
+    out = bytearray(probe[:HEADER_SIZE])
+    out[3] = kind
+    return bytes(out)
 
 
 def msg_newer(a: int, b: int) -> bool:

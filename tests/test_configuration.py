@@ -75,6 +75,18 @@ def test_switch_command_reads_the_environment():
     assert (c.port, c.slots, c.packet_elements) == (0, 16, 512)  # the flags win
 
 
+def test_a_switch_server_says_so_by_flag_or_variable():
+    """shared_link: the --shared-link flag, SWITCHML_SHARED_LINK (1/0, yes/no, ...)."""
+    plain = build_parser().parse_args(["switch"])
+    flagged = build_parser().parse_args(["switch", "--shared-link"])
+    assert not switch_configuration(plain, environ={}).shared_link
+    assert switch_configuration(flagged, environ={}).shared_link
+    assert switch_configuration(plain, environ={"SWITCHML_SHARED_LINK": "1"}).shared_link
+    assert not switch_configuration(plain, environ={"SWITCHML_SHARED_LINK": "no"}).shared_link
+    with pytest.raises(ValueError, match="SWITCHML_SHARED_LINK='maybe' is not a valid flag"):
+        SwitchConfiguration.from_env(environ={"SWITCHML_SHARED_LINK": "maybe"})
+
+
 def test_a_bad_variable_is_a_clear_error_of_the_switch_command():
     done = subprocess.run([sys.executable, "-m", "switchml.cli", "switch", "--port", "0"],
                           env={**{k: v for k, v in os.environ.items()

@@ -93,6 +93,22 @@ def test_window_fits_the_smallest_receive_buffer():
     assert out[0][1]["slot_count"] == 5  # 20 datagrams shared by 4 workers' bursts
 
 
+@pytest.mark.parametrize("world, slots", [(1, 32), (4, 8), (5, 7), (16, 2), (32, 1)])
+def test_a_switch_behind_a_shared_link_gives_a_job_its_ranks_share(world, slots):
+    """A switch server (shared_link): every rank's packets queue at its one link, so
+    a job gets its ranks' share of one link's window, ceil(32 / world) slots; the
+    window one link carries goes along for a job split over several switches."""
+    for shared, want in ((False, 32), (True, slots)):
+        ctl = Controller(Pipeline(slots=64, packet_elements=64), data_port=9,
+                         slots_per_job=32, shared_link=shared)
+        for rank in range(world):
+            out = join(ctl, rank + 1, rank, world)
+        ready = out[0][1]
+        assert ready["event"] == "ready" and ready["slot_count"] == want
+        assert ready["link_window"] == 32
+        assert ctl.pipeline.free_slots() == 64 - want
+
+
 def test_status_reports_bitmaps_of_own_slots_only(ctl):
     join(ctl, 1, 0, 2)
     [(_, ready), _] = join(ctl, 2, 1, 2)

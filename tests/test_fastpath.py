@@ -103,7 +103,7 @@ class Lockstep:
 def hostile(rng: random.Random, data: bytes, addr, seen):
     """A hostile datagram derived from ``data`` (a valid one from ``addr``) and where it
     comes from: a member of either job or a stranger."""
-    kind = rng.randrange(13)
+    kind = rng.randrange(15)
     members = JOB_A["addresses"] + JOB_B["addresses"]
     src = addr
     if kind == 0:  # random bytes, sometimes with our magic
@@ -149,6 +149,15 @@ def hostile(rng: random.Random, data: bytes, addr, seen):
         body = bytes(rng.randrange(256) for _ in range(12 * lanes + 4 * count))
         out = data[:24] + count.to_bytes(2, "little") + lanes.to_bytes(2, "little") + \
             data[28:32] + body
+    elif kind == 12:  # a probe of it, for its message or another (stale, newer), from
+        # its sender or another member, sometimes with a lane table and values
+        msg = (int.from_bytes(data[12:16], "little") + rng.choice([0, 0, 1, 2, 2**31 + 1]))
+        out = wire.probe_of(data[:12] + (msg % 2**32).to_bytes(4, "little") + data[16:])
+        if rng.random() < 0.2:
+            out = out[:24] + bytes([1, 0, 0, 0]) + out[28:] + bytes(4)
+        src = addr if rng.random() < 0.7 else rng.choice(members)
+    elif kind == 13:  # a resend, which only a switch sends
+        out = wire.answer_of(data, wire.KIND_RESEND)
     else:  # empty
         out = b""
     return out, src

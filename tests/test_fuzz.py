@@ -76,7 +76,8 @@ def well_formed(draw, job):
 
 # (byte offset, bits whose flip always invalidates the packet, reason)
 FLIPS = ([(0, range(8), "bad_magic"), (1, range(8), "bad_magic"), (2, range(8), "bad_version"),
-          (3, range(8), "bad_kind"), (4, range(2, 8), "bad_dtype"), (5, range(3, 8), "bad_mode")]
+          (3, range(2, 8), "bad_kind"),  # not bits 0 and 1: kinds 1 to 4 are all valid
+          (4, range(2, 8), "bad_dtype"), (5, range(3, 8), "bad_mode")]
          + [(b, range(8), "bad_length") for b in (24, 25, 26, 27)])  # count, lanes
 
 
@@ -86,7 +87,8 @@ def bad_packet(draw):
     case = draw(st.sampled_from([
         "stranger_random", "stranger_well_formed", "random", "truncated", "oversized",
         "bit_flip", "wrong_session", "other_jobs_session", "other_jobs_slot",
-        "slot_out_of_range", "too_many_values", "bad_lanes", "bad_block_count", "result"]))
+        "slot_out_of_range", "too_many_values", "bad_lanes", "bad_block_count", "result",
+        "probe_with_values"]))
     job, addr = draw(st.sampled_from(MEMBERS))
     other = "B" if job == "A" else "A"
     session, _, slots = JOBS[job]
@@ -137,6 +139,9 @@ def bad_packet(draw):
         count = draw(st.integers(0, K).filter(lambda c: c != blocks * BLK))
         return build(slot, session, 0, [1] * count, mode=wire.MODE_SPARSE, flags=flags), addr, \
             job, "dropped_bad_block_count"
+    if case == "probe_with_values":  # a probe is the header alone
+        return build(slot, session, 0, values, kind=wire.KIND_PROBE), addr, job, \
+            "dropped_bad_probe"
     return build(slot, session, 0, values, kind=wire.KIND_RESULT), addr, job, "dropped_bad_kind"
 
 

@@ -576,7 +576,7 @@ def test_switch_memory_does_not_grow():
         expected_out += len(addrs)
     assert p._rows is rows
     assert p._rows.nbytes == nbytes and p._rows.shape == shape
-    assert nbytes == 2 * 8 * wire.packet_size(LANES, K)
+    assert nbytes == 2 * 8 * (wire.packet_size(LANES, K) + wire.HEADER_SIZE)  # and a resend
     # the lane registers and values are the result datagrams' own bytes
     assert jb.lane_regs is lane_regs and jb.values is values
     assert np.shares_memory(lane_regs, rows) and np.shares_memory(values, rows)
@@ -605,7 +605,7 @@ def test_constructor_limits():
         Pipeline(slots=1, packet_elements=16366)
     p = Pipeline(slots=1, packet_elements=16128, block_elements=256)
     assert (p.lanes, p.block_elements) == (63, 256)
-    assert p._rows.shape == (2, 1, wire.packet_size(63, 16128))
+    assert p._rows.shape == (2, 1, wire.packet_size(63, 16128) + wire.HEADER_SIZE)
     assert p._rows.shape[2] <= wire.MAX_DATAGRAM
     # the defaults: the most 256-value blocks one datagram holds
     p = Pipeline(slots=2)
@@ -616,7 +616,7 @@ def test_constructor_limits():
     p = Pipeline(slots=1, packet_elements=16365)
     assert (p.block_elements, p.lanes) == (16365, 1)
     p = Pipeline(slots=1, packet_elements=K, block_elements=1)
-    assert p.lanes == K and p._rows.shape == (2, 1, wire.packet_size(K, K))
+    assert p.lanes == K and p._rows.shape == (2, 1, wire.packet_size(K, K) + wire.HEADER_SIZE)
 
 
 # ---------------------------------------------------------------- per-job packet sizes
@@ -667,7 +667,7 @@ def test_install_job_refuses_packet_sizes_that_do_not_fit():
             p.install_job("X", SA, A[:2], 0, 2, packet_elements=packet, block_elements=block)
     # fewer lanes may carry more values, as long as the datagram fits the row: 32 + 48 + 48
     job = p.install_job("X", SA, A[:2], 0, 2, packet_elements=21, block_elements=21)
-    assert job.lanes == 1 and wire.packet_size(1, 21) == p.row_size == 128
+    assert job.lanes == 1 and wire.packet_size(1, 21) == p.datagram_size == 128
     with pytest.raises(ValueError, match="more than the switch's slots hold"):
         p.install_job("Y", SB, B[:2], 2, 2, packet_elements=22, block_elements=22)
     assert p.free_slots() == 2  # nothing was installed by the refusals
@@ -687,3 +687,59 @@ def test_simulation_runs_a_job_with_smaller_packets_than_the_pipeline():
         outs = sim.allreduce(arrays, sparse=sparse)
         assert all((o == sum(arrays)).all() for o in outs)
     assert sim.job.counters["packets_in"] > 0 and not drop_keys(sim.job.counters)
+
+
+# ---------------------------------------------------------------- probes
+def test_a_probe_is_answered_from_the_bitmap_and_never_changes_a_sum():
+    """A retransmission as the header alone: nothing while the set waits for other
+    ranks, the stored result when it is complete, a resend to a rank whose
+    contribution the set lacks; never a value added."""
+    p = pipeline(4)
+    job = p.install_job("A", SA, A[:3], 0, 4)
+    first = contrib(1, SA, 6, [1] * K, seq=2, pkt_id=9)
+    assert send(p, first, A[0]) == []
+    # rank 0 is in: its probe waits; rank 1 is not: its probe asks for a resend
+    assert send(p, wire.probe_of(first), A[0]) == []
+    ((resend, to),) = send(p, wire.probe_of(contrib(1, SA, 6, [2] * K, seq=2, pkt_id=9)), A[1])
+    assert to == A[1]
+    assert resend == wire.answer_of(wire.probe_of(first), wire.KIND_RESEND)
+    h = wire.decode_header(resend)
+    assert (h.kind, h.slot, h.msg, h.seq, h.pkt_id, h.count, h.lanes) == (
+        wire.KIND_RESEND, 1, 6, 2, 9, 0, 0)
+    # a probe for a message newer than the set holds, or on a slot never used: resend
+    assert send(p, wire.probe_of(contrib(1, SA, 8, [0] * K)), A[2])[0][0][3] == wire.KIND_RESEND
+    assert send(p, wire.probe_of(contrib(3, SA, 0, [0] * K)), A[2])[0][0][3] == wire.KIND_RESEND
+    assert send(p, contrib(1, SA, 6, [2] * K, seq=2, pkt_id=9), A[1]) == []
+    out = send(p, contrib(1, SA, 6, [3] * K, seq=2, pkt_id=9), A[2])
+    assert [a for _, a in out] == A[:3] and decode(out[0][0])[1] == [6] * K
+    # complete: a probe gets the stored result, to that rank alone
+    ((again, to),) = send(p, wire.probe_of(first), A[2])
+    assert (again, to) == (out[0][0], A[2])
+    # an older message on the same set is stale
+    assert send(p, wire.probe_of(contrib(1, SA, 4, [0] * K)), A[0]) == []
+    assert decode(send(p, wire.probe_of(first), A[0])[0][0])[1] == [6] * K  # unchanged
+    c = job.counters
+    assert (c["probes_in"], c["probes_waiting"], c["resends_asked"]) == (7, 1, 3)
+    assert (c["retransmissions_answered"], c["dropped_stale"], c["packets_in"]) == (2, 1, 3)
+
+
+def test_a_probe_with_values_or_lanes_is_dropped():
+    p = pipeline(2)
+    job = p.install_job("A", SA, A[:2], 0, 2)
+    probe = wire.probe_of(contrib(0, SA, 0, [1] * K))
+    with_lanes = probe[:26] + (1).to_bytes(2, "little") + probe[28:] + bytes(12)
+    with_values = probe[:24] + (1).to_bytes(2, "little") + probe[26:] + bytes(4)
+    assert send(p, with_lanes, A[0]) == [] and send(p, with_values, A[0]) == []
+    assert job.counters["dropped_bad_probe"] == 2 and job.counters["probes_in"] == 0
+    # another job's session, a slot out of range: dropped as a contribution would be
+    assert send(p, wire.probe_of(contrib(0, SB, 0, [1] * K)), A[0]) == []
+    assert send(p, wire.probe_of(contrib(5, SA, 0, [1] * K)), A[0]) == []
+    assert job.counters["dropped_wrong_session"] == job.counters["dropped_slot_out_of_range"] == 1
+
+
+def test_a_resend_posing_as_a_contribution_is_dropped():
+    p = pipeline(2)
+    job = p.install_job("A", SA, A[:2], 0, 2)
+    resend = wire.answer_of(wire.probe_of(contrib(0, SA, 0, [1] * K)), wire.KIND_RESEND)
+    assert send(p, resend, A[0]) == []
+    assert job.counters["dropped_bad_kind"] == 1

@@ -32,6 +32,7 @@ REQUESTS = [
 EVENTS = [
     Joined("j", (0, 2)),
     Ready(0xDEADBEEF, 32, 16, 16128, 256, 7300),
+    Ready(0xDEADBEEF, 32, 2, 16128, 256, 7300, link_window=32),
     Waiting("j", "slots", "its window does not fit"),
     Error("refused"),
     Error("job 'j' refused: ...", limit="max_jobs"),

@@ -301,7 +301,7 @@ def test_switch_memory_does_not_grow_with_sparse_traffic():
         outs = sim.allreduce(arrays, max_time=BIG_TIME, sparse=True)
         assert same_bits(outs[0], reference(arrays))
     assert sim.pipeline._rows is rows
-    assert rows.shape == shape == (2, SLOTS, wire.packet_size(LANES, K)) and \
+    assert rows.shape == shape == (2, SLOTS, wire.packet_size(LANES, K) + wire.HEADER_SIZE) and \
         rows.nbytes == nbytes
     assert all(len(x) == SLOTS for name in ("_valid", "_msg", "_bitmap", "_count", "_blocks")
                for x in getattr(sim.pipeline, name))
@@ -396,7 +396,8 @@ def test_exponents_beyond_the_seed_take_rounds_of_their_own(faults):
     expected = reference(arrays)
     for out in sparse:
         assert same_bits(out, expected)
-    sent = {(addr, h.slot, h.msg, h.mode, h.count) for addr, h, _, _ in log}  # once each
+    sent = {(addr, h.slot, h.msg, h.mode, h.count) for addr, h, _, _ in log
+            if h.kind == wire.KIND_CONTRIBUTION}  # once each (not the probes)
     exponent_rounds = [m for m in sent if m[3] == wire.MODE_MAX]
     seeds = [m for m in sent if m[3] == wire.MODE_SPARSE | wire.MODE_SEED]
     assert sorted(m[4] for m in exponent_rounds) == sorted([K, K, 1] * world * SLOTS)

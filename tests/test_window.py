@@ -505,14 +505,40 @@ def test_a_message_overtaken_by_three_results_goes_again_at_once(engine):
                               + TAIL_PROBE_MARGIN)
     op.handle_timer(t)
     (again,) = [bytes(d) for d in op.datagrams_to_send()]
-    assert again == sent[0]
-    (last,) = answer(again, t + 0.001)
+    assert again == wire.probe_of(sent[0])  # the probe: the header alone
+    (whole,) = answer(again, t + 0.001)  # the switch lacks it: it asks, the message goes whole
+    assert whole == sent[0]
+    (last,) = answer(whole, t + 0.0015)
     assert ids([last]) == [8]  # slot 0's second message
     assert answer(last, t + 0.002) == [] and op.done
     getattr(op, "sync", lambda: None)()
     assert (out == data).all()
     assert s.counters["fast_retransmissions"] == 1 and s.counters["retransmissions"] == 2
-    assert s.counters["probe_retransmissions"] == 1
+    assert s.counters["probe_retransmissions"] == 1 and s.counters["resends"] == 1
+
+
+@pytest.mark.parametrize("engine", ["python", "c"])
+def test_a_resend_sends_the_message_whole_and_a_stale_one_nothing(engine):
+    """The switch lacks a probed message (wire.KIND_RESEND): it goes again whole, at
+    once; a resend for another message number, or for a message whose result
+    came, is dropped as stale."""
+    from switchml.worker import compiled
+
+    if engine == "c" and compiled._fastengine is None:
+        pytest.skip("the C engine is not built")
+    s, op, data, out, sent, answer = one_rank_call(engine)
+    resend = wire.answer_of(wire.probe_of(sent[0]), wire.KIND_RESEND)
+    op.receive_datagram(resend, 0.001)
+    assert [bytes(d) for d in op.datagrams_to_send()] == [sent[0]]
+    other = bytearray(resend)
+    other[12] ^= 2  # another message number of the slot
+    op.receive_datagram(bytes(other), 0.0011)
+    assert ids(answer(sent[1], 0.0012)) == [9]
+    op.receive_datagram(wire.answer_of(wire.probe_of(sent[1]), wire.KIND_RESEND), 0.0013)
+    assert op.datagrams_to_send() == []
+    getattr(op, "sync", lambda: None)()
+    assert s.counters["resends"] == 1 and s.counters["dropped_stale"] == 2
+    assert s.counters["retransmissions"] == 0  # asked for, not presumed lost
 
 
 @pytest.mark.parametrize("engine", ["python", "c"])

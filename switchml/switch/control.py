@@ -104,7 +104,7 @@ class Controller:
 
     def __init__(self, pipeline: Pipeline, *, data_port: int, slots_per_job: int = 32,
                  max_jobs: int = DEFAULT_MAX_JOBS, stats=None, rcvbuf: int | None = None,
-                 route_mtu=None):
+                 route_mtu=None, shared_link: bool = False):
         if max_jobs < 1:
             raise ValueError(f"max_jobs must be at least 1, got {max_jobs}")
         self.pipeline = pipeline
@@ -115,6 +115,8 @@ class Controller:
         self._stats = stats or pipeline.stats
         self.data_port = data_port
         self.slots_per_job = slots_per_job
+        #: A server behind one link its ranks share (SwitchConfiguration.shared_link).
+        self.shared_link = shared_link
         self.max_jobs = max_jobs
         self.jobs: dict[str, JobEntry] = {}
         self._conn_job: dict = {}  # connection id -> (job name, its first rank)
@@ -265,7 +267,8 @@ class Controller:
         if len(job.conns) < world:
             return self._announce_present(job)
         job.packet_elements, job.block_elements = self._geometry(job)
-        job.slot_count = min(job.slot_request, self.pipeline.slots, self._window_limit(job))
+        job.slot_count = min(job.slot_request, self.pipeline.slots, self._window_limit(job),
+                             self._link_share(job))
         return self._admit_or_refuse(job)
 
     def _geometry(self, job: JobEntry) -> tuple[int, int]:
@@ -346,7 +349,8 @@ class Controller:
         geometry = (session, base, job.slot_count, job.packet_elements, job.block_elements,
                     self.data_port)
         return [(c, protocol.RackReady(*geometry, i, len(conns), tuple(_ranks_of(job, c)))
-                 if c in self._racks else Ready(*geometry)) for i, c in enumerate(conns)]
+                 if c in self._racks else Ready(*geometry, link_window=job.slot_request))
+                for i, c in enumerate(conns)]
 
     def _admit_waiting(self) -> list:
         """Start the waiting jobs that fit now, in arrival order."""
@@ -358,6 +362,21 @@ class Controller:
                 job.waiting = False
                 out += self._start(job)
         return out
+
+    def _link_share(self, job: JobEntry) -> int:
+        """A job's slots on a server behind one link (``shared_link``): its ranks'
+        share of the window one link carries (the job's request), since every
+        rank's packets queue at that link, where a switch has a port per rank.
+        Slots, not only the window: a set completes when its last rank's
+        contribution comes, so ranks out of step complete up to slots x ranks
+        results at once, a burst the server's one link must queue.  With 16
+        ranks on four servers at 100 Mbit/s, 8 slots each (32 over the four)
+        kept 1 MiB in flight into each 256 KiB port: 16,874 results lost at the
+        servers' own queues in a run, 82.6% of the least time (docs/benchmarks.md,
+        session 11)."""
+        if not self.shared_link:
+            return job.slot_request
+        return max(1, -(-job.slot_request // job.world_size))
 
     def _window_limit(self, job: JobEntry) -> int:
         """Most slots whose bursts fit the receive buffers: beyond that, bursts drop."""

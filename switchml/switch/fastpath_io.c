@@ -10,6 +10,7 @@
 #include <netinet/in.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* UDP GSO: at most this many segments, of at most this many bytes in all, a send. */
 #define GSO_MAX_SEGMENTS 64
@@ -119,6 +120,25 @@ static uint32_t build_messages(fp_io *io, uint32_t from, uint32_t n)
     return m;
 }
 
+/* Read away what IP_RECVERR queued (ICMP errors from workers gone, a datagram
+ * refused for its size): the queue is charged to the receive buffer. */
+static void drain_error_queue(int fd)
+{
+    char data[64], control[256];
+    int i;
+    for (i = 0; i < 256; i++) {
+        struct iovec iov = {data, sizeof data};
+        struct msghdr m;
+        memset(&m, 0, sizeof m);
+        m.msg_iov = &iov;
+        m.msg_iovlen = 1;
+        m.msg_control = control;
+        m.msg_controllen = sizeof control;
+        if (recvmsg(fd, &m, MSG_ERRQUEUE | MSG_DONTWAIT) < 0)
+            break;
+    }
+}
+
 /* Datagrams larger than the path MTU, which the socket's IP_PMTUDISC_DO refuses:
  * the results of a job whose workers did not ask for frame-sized packets.  They
  * go out fragmented, one by one, counted (send_fragmented), so that such a job
@@ -138,6 +158,7 @@ static void send_fragmented(fp_io *io, struct msghdr *h)
         io->sent += n >= 0;
     }
     setsockopt(io->fd, IPPROTO_IP, IP_MTU_DISCOVER, &do_, sizeof do_);
+    drain_error_queue(io->fd); /* the refusal that brought us here queued one */
 }
 
 /* Send every queued result, then let the rows change again. */
@@ -160,6 +181,7 @@ static void flush_queue(fp_core *core, void *ctx)
         qsort(io->order, n, sizeof io->order[0], sort_by_destination);
     while (from < n) {
         uint32_t count = build_messages(io, from, n), done = 0;
+        long waited = 0; /* ns, for the message at `done` */
         from = n;
         while (done < count) {
             int sent = sendmmsg(io->fd, io->send_msgs + done, count - done, MSG_DONTWAIT);
@@ -167,10 +189,22 @@ static void flush_queue(fp_core *core, void *ctx)
                 for (i = done; i < done + (uint32_t)sent; i++)
                     io->sent += io->msg_segments[i];
                 done += (uint32_t)sent;
+                waited = 0;
                 continue;
             }
             if (errno == EINTR)
                 continue;
+            if (errno == ENOBUFS && waited < FP_SEND_PATIENCE_NS) {
+                /* This host's queue toward the network dropped it (a switch server
+                 * sending faster than its link: IP_RECVERR says so): wait for the
+                 * queue to drain, as a switch's port buffer holds what its port
+                 * cannot send yet, instead of losing the results. */
+                struct timespec pause = {0, FP_SEND_PAUSE_NS};
+                nanosleep(&pause, NULL);
+                waited += FP_SEND_PAUSE_NS;
+                fp_count(&core->counters, C_SEND_WAITS, 1);
+                continue;
+            }
             if (io->msg_segments[done] > 1 &&
                 (errno == EIO || errno == ENOPROTOOPT || errno == EOPNOTSUPP)) {
                 io->gso = 0; /* no GSO here: the rest one datagram each */
@@ -218,6 +252,7 @@ static uint32_t drain_socket(fp_io *io, uint32_t limit)
             if (errno == EAGAIN || errno == EWOULDBLOCK)
                 break;
             if (errno != EINTR) { /* e.g. an ICMP error surfacing on Linux */
+                drain_error_queue(io->fd);
                 fp_count(&core->counters, C_SOCKET_ERRORS, 1);
                 if (++errors >= FP_MAX_RECV_ERRORS)
                     break;

@@ -18,6 +18,11 @@
 /* Address keys with this bit are not IPv4 addresses (FastPipeline gives them). */
 #define FP_KEY_NOT_IPV4 ((uint64_t)1 << 48)
 #define FP_CONTROL_SIZE 32 /* >= CMSG_SPACE(sizeof(uint16_t)) */
+/* A send this host's own queue refused (ENOBUFS: a switch server's link is full)
+ * is tried again after FP_SEND_PAUSE_NS, for at most FP_SEND_PATIENCE_NS a message,
+ * then counted as lost (send_errors). */
+#define FP_SEND_PAUSE_NS 50000L
+#define FP_SEND_PATIENCE_NS 200000000L
 
 /* The loop's buffers, allocated once with the core, in one block. */
 typedef struct {

@@ -20,6 +20,19 @@ Per slot and set ``v = msg & 1``, for a contribution from rank ``w``:
   dropped (counted as a duplicate).  Nothing is ever added twice;
 * an older message is stale and dropped.
 
+A probe (a retransmission as the header alone, ``wire.KIND_PROBE``) asks the
+same question without the values: for a rank already in the bitmap it is
+answered as a retransmission is (the stored result when the set is complete,
+nothing while it waits for other ranks), for a rank not in it (the set holds
+its message, or an older one, or none) with a resend (``wire.KIND_RESEND``):
+the rank's contribution was lost, it sends it whole.  A stale probe is dropped.
+So a rank that times out because a peer's contribution was lost sends 32 bytes
+into the congested port, not a whole packet (a switch server behind one link,
+16 ranks at 100 Mbit/s: 41% more than the tensor crossed that link as such
+duplicates and lost results' retransmissions).  Each row keeps 32 bytes past
+the largest datagram for the resend, as a switch builds a reply in its packet
+memory.
+
 A contribution for the message a set holds whose ids (call number, packet,
 dtype, mode, count and the header's ``call``: element count and sparseness)
 differ from the set's is dropped, and, the first time in a job, recorded as a
@@ -139,7 +152,8 @@ class Pipeline:
         # Each row is a whole result datagram: header, lane table, values.  The row
         # holds the largest packet; a job with smaller packets lays its datagram out
         # from the row's start (its own lane count, then its values), see _job_views.
-        self.row_size = wire.packet_size(self.lanes, packet_elements)
+        self.datagram_size = wire.packet_size(self.lanes, packet_elements)
+        self.row_size = self.datagram_size + wire.HEADER_SIZE  # and a resend's header
         self._rows = np.zeros((2, slots, self.row_size), dtype=np.uint8)
         # Per slot and set registers.  Python lists: scalar access is the hot path.
         self._valid = [[False] * slots for _ in range(2)]
@@ -180,10 +194,10 @@ class Pipeline:
             raise ValueError(f"a job's packet_elements ({packet_elements}) must be a positive "
                              f"multiple of its block_elements ({block_elements})")
         size = wire.packet_size(packet_elements // block_elements, packet_elements)
-        if size > self.row_size:
+        if size > self.datagram_size:
             raise ValueError(
                 f"packets of {packet_elements} elements in blocks of {block_elements} take "
-                f"{size} bytes, more than the switch's slots hold ({self.row_size} bytes: "
+                f"{size} bytes, more than the switch's slots hold ({self.datagram_size} bytes: "
                 f"{self.packet_elements} elements in blocks of {self.block_elements})")
 
     def _job_views(self, job: Job) -> None:
@@ -304,7 +318,7 @@ class Pipeline:
         except wire.MalformedPacket as exc:
             counters["dropped_" + exc.reason] += 1
             return []
-        if h.kind != wire.KIND_CONTRIBUTION:
+        if h.kind != wire.KIND_CONTRIBUTION and h.kind != wire.KIND_PROBE:
             counters["dropped_bad_kind"] += 1
             return []
         if h.session != job.session:
@@ -314,6 +328,8 @@ class Pipeline:
         if not job.slot_base <= slot < job.slot_base + job.slot_count:
             counters["dropped_slot_out_of_range"] += 1
             return []
+        if h.kind == wire.KIND_PROBE:
+            return self._answer_probe(job, rank, h, data)
         if h.lanes != job.lanes:
             counters["dropped_bad_lanes"] += 1
             return []
@@ -397,6 +413,33 @@ class Pipeline:
         result was lost, so the stored result goes back to that rank alone."""
         job.counters["retransmissions_answered"] += 1
         return self._emit(job, v, slot, [job.members[rank]])
+
+    def _answer_probe(self, job: Job, rank: int, h: wire.Header, data) -> list:
+        """A rank's retransmission without its values (module docstring)."""
+        counters = job.counters
+        if h.count or h.lanes:
+            counters["dropped_bad_probe"] += 1
+            return []
+        counters["probes_in"] += 1
+        slot, msg = h.slot, h.msg
+        v = msg & 1
+        if self._valid[v][slot] and msg == self._msg[v][slot]:
+            if self._bitmap[v][slot] >> rank & 1:
+                if self._count[v][slot] == job.world_size:
+                    return self._answer_retransmission(job, v, slot, rank)
+                counters["probes_waiting"] += 1  # for another rank's contribution
+                return []
+        elif self._valid[v][slot] and not wire.msg_newer(msg, self._msg[v][slot]):
+            counters["dropped_stale"] += 1
+            return []
+        counters["resends_asked"] += 1
+        if self.egress_drop_rate and self._rng.random() < self.egress_drop_rate:
+            counters["dropped_egress_simulated"] += 1
+            return []
+        reply = self._rows[v, slot, self.datagram_size:]
+        reply[:] = np.frombuffer(data, np.uint8, wire.HEADER_SIZE)
+        reply[3] = wire.KIND_RESEND
+        return [(reply.data, job.members[rank])]
 
     def _record_mismatch(self, job: Job, v: int, slot: int, rank: int, ids: tuple) -> None:
         if job.mismatch is not None:

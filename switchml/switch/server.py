@@ -27,10 +27,12 @@ from typing import TYPE_CHECKING
 from ..config import SwitchConfiguration, parse_address
 from ..netutil import (
     LineReader,
+    drain_error_queue,
     enable_keepalive,
     encode_line,
     enlarge_buffers,
     forbid_fragmentation,
+    report_local_drops,
     route_mtu,
     unacknowledged,
 )
@@ -51,6 +53,10 @@ log = logging.getLogger("switchml.switch")
 DRAIN_BATCH = 256
 #: The same for the C data plane, whose datagrams cost a few microseconds each.
 FAST_DRAIN_BATCH = 2048
+#: A send this host's own queue refused (ENOBUFS) is tried again after SEND_PAUSE
+#: seconds, for at most SEND_PATIENCE seconds, then lost (fastpath_io.h's values).
+SEND_PAUSE = 50e-6
+SEND_PATIENCE = 0.2
 #: Seconds between readings of the serving thread's CPU time (``cpu_s`` in stats).
 CPU_READ_INTERVAL = 0.1
 #: Bytes of control replies its client has not acknowledged, queued in the switch or
@@ -115,6 +121,7 @@ class Switch:
         self._port = config.port
         self._slots_per_job = config.slots_per_job
         self._max_jobs = config.max_jobs
+        self._shared_link = config.shared_link
         self._metrics_port = config.metrics_port
         self._metrics_host = config.metrics_host or config.host
         self._metrics: MetricsServer | None = None
@@ -152,7 +159,8 @@ class Switch:
             self.controller = Controller(
                 self.pipeline, data_port=self.address[1], slots_per_job=self._slots_per_job,
                 max_jobs=self._max_jobs, stats=self.stats,
-                rcvbuf=udp.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF), route_mtu=route_mtu)
+                rcvbuf=udp.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF), route_mtu=route_mtu,
+                shared_link=self._shared_link)
         if self._metrics_port is not None:
             from .metrics import serve_metrics
             try:
@@ -312,6 +320,7 @@ class Switch:
             except OSError as exc:  # e.g. ICMP errors surfacing on Linux
                 pipeline.counters["socket_errors"] += 1
                 log.debug("udp receive error: %s", exc)
+                drain_error_queue(udp)
                 continue
             try:
                 replies = pipeline.receive_datagram(view[:n], addr)
@@ -330,13 +339,28 @@ class Switch:
                 assert self._uplinks is not None
                 self._uplinks.send_datagram(datagram, dst)
                 continue
+            self._send_one(udp, datagram, dst)
+
+    def _send_one(self, udp, datagram, dst) -> None:
+        """One datagram to a worker; where this host's own queue refuses it (ENOBUFS:
+        its link is full, ``report_local_drops``) try again after a pause, as the C
+        data plane does (fastpath_io.c), rather than lose it."""
+        waited = 0.0
+        while True:
             try:
                 udp.sendto(datagram, dst)
+                return
             except OSError as exc:
+                if exc.errno == errno.ENOBUFS and waited < SEND_PATIENCE:
+                    time.sleep(SEND_PAUSE)
+                    waited += SEND_PAUSE
+                    self.pipeline.counters["send_waits"] += 1
+                    continue
                 if exc.errno == errno.EMSGSIZE:
                     self._send_fragmented(datagram, dst)
                 else:
                     self.pipeline.counters["send_errors"] += 1
+                return
 
     def _send_fragmented(self, datagram, dst) -> None:
         """A result larger than the path MTU, which IP_PMTUDISC_DO refuses: a job whose
@@ -499,5 +523,6 @@ def _bind_pair(host: str, port: int, attempts: int = 50):
         udp.setblocking(False)
         enlarge_buffers(udp)
         forbid_fragmentation(udp)  # every datagram is one frame, or none
+        report_local_drops(udp)  # a server's full link: wait, do not lose results
         return tcp, udp
     raise OSError(f"could not bind TCP and UDP to one port on {host}: {last}")

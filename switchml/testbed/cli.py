@@ -47,6 +47,8 @@ def _testbed_up(args) -> int:
                            tb.address(node), "--port", str(SWITCH_PORT)]
                 if node.startswith("r"):
                     command += ["--upstream", tb.switch]
+                if tb.switches:  # a switch server, behind a link like a host's
+                    command += ["--shared-link"]
                 if args.slots_per_job is not None:
                     command += ["--slots-per-job", str(args.slots_per_job)]
                 with open(log, "w") as f:

@@ -55,9 +55,11 @@ static int gso_wanted = 1;
 #define HEADER_SIZE 32
 #define LANE_SIZE 12
 #define MAGIC 0x4D53
-#define VERSION 3
+#define VERSION 4
 #define KIND_CONTRIBUTION 1
 #define KIND_RESULT 2
+#define KIND_PROBE 3  /* a retransmission as the header alone (wire.py) */
+#define KIND_RESEND 4 /* the switch lacks a probed contribution: send it whole */
 #define DTYPE_INT32 0
 #define DTYPE_FLOAT32 1
 #define DTYPE_FLOAT16_WIRE 2 /* two biased 16-bit values a 32-bit word */
@@ -292,13 +294,13 @@ enum { COUNTER_RESULTS_IN, COUNTER_RETRANSMISSIONS, COUNTER_SPURIOUS, COUNTER_WI
        COUNTER_RANDOM_LOSSES, COUNTER_STALE, COUNTER_MALFORMED, COUNTER_FOREIGN,
        COUNTER_BYTES_SENT, COUNTER_BYTES_RECEIVED, COUNTER_FAST_RETRANSMISSIONS,
        COUNTER_PROBE_RETRANSMISSIONS, COUNTER_SPARSE_BLOCKS_SENT,
-       COUNTER_SPARSE_BLOCKS_RECEIVED, COUNTER_COUNT };
+       COUNTER_SPARSE_BLOCKS_RECEIVED, COUNTER_RESENDS, COUNTER_COUNT };
 
 static const char *counter_names[COUNTER_COUNT] = {
     "results_in", "retransmissions", "spurious_retransmissions", "window_decreases",
     "random_losses", "dropped_stale", "dropped_malformed", "dropped_foreign", "bytes_sent",
     "bytes_received", "fast_retransmissions", "probe_retransmissions", "sparse_blocks_sent",
-    "sparse_blocks_received"};
+    "sparse_blocks_received", "resends"};
 
 struct SparseState; /* fastsparse.c */
 
@@ -322,6 +324,7 @@ typedef struct {
     int32_t *backoff;
     double *sent_at, *deadline;
     uint8_t *packets; /* one packet buffer per slot */
+    uint8_t *probes;  /* per slot: the probe of its message (HEADER_SIZE bytes) */
     size_t packet_size;
     uint32_t *datagram_len;
     Heap ready, inflight_ids;
@@ -336,11 +339,13 @@ typedef struct {
     Heap by_send;
     int64_t latest_results[MAX_REORDERING];
     int latest_len;
-    /* datagrams to send: (slot, length); the bytes are the slot's buffer when
-     * sent, as the reference's outbox holds views of its packet buffers */
+    /* datagrams to send: (slot, length, probe); the bytes are the slot's buffer
+     * (or its probe's) when sent, as the reference's outbox holds views of its
+     * packet buffers */
     struct OutboxEntry {
         int32_t slot;
         uint32_t len;
+        int probe;
     } *outbox;
     Py_ssize_t outbox_len, outbox_cap;
     double last_progress, progress_timeout;
@@ -489,8 +494,33 @@ static int outbox_add(DenseCore *c, int j) {
     }
     c->outbox[c->outbox_len].slot = j;
     c->outbox[c->outbox_len].len = c->datagram_len[j];
+    c->outbox[c->outbox_len].probe = 0;
     c->outbox_len++;
     return 0;
+}
+
+/* Stream._enqueue_probe: queue the probe of slot j's message in flight unless
+ * the message itself waits to leave. */
+static int outbox_add_probe(DenseCore *c, int j) {
+    for (Py_ssize_t i = 0; i < c->outbox_len; i++)
+        if (c->outbox[i].slot == j)
+            return 0;
+    if (outbox_add(c, j) < 0)
+        return -1;
+    uint8_t *probe = c->probes + (size_t)j * HEADER_SIZE;
+    memcpy(probe, c->packets + (size_t)j * c->packet_size, HEADER_SIZE);
+    probe[3] = KIND_PROBE;
+    memset(probe + 24, 0, 4); /* count and lanes */
+    c->outbox[c->outbox_len - 1].len = HEADER_SIZE;
+    c->outbox[c->outbox_len - 1].probe = 1;
+    return 0;
+}
+
+/* The bytes of outbox entry i. */
+static uint8_t *outbox_bytes(DenseCore *c, Py_ssize_t i) {
+    struct OutboxEntry *e = &c->outbox[i];
+    return e->probe ? c->probes + (size_t)e->slot * HEADER_SIZE
+                    : c->packets + (size_t)e->slot * c->packet_size;
 }
 
 /* The local exponent of a dense float chunk, read when the message that
@@ -584,7 +614,7 @@ static int resend_message(DenseCore *c, int j, double now) {
     if (number_send(c, j) < 0)
         return -1;
     c->counters[COUNTER_RETRANSMISSIONS]++;
-    return outbox_add(c, j);
+    return outbox_add_probe(c, j);
 }
 
 /* Stream._note_result */
@@ -643,7 +673,7 @@ static int fast_resend(DenseCore *c, int j, double now) {
     c->send_no[j] = ++c->sends; /* not a candidate again until its timer fires */
     c->counters[COUNTER_RETRANSMISSIONS]++;
     c->counters[COUNTER_FAST_RETRANSMISSIONS]++;
-    return outbox_add(c, j);
+    return outbox_add(c, j); /* whole, as Stream._fast_resend */
 }
 
 /* Stream._fast_retransmit */
@@ -698,7 +728,7 @@ static int probe(DenseCore *c, int j, double now) {
         return -1;
     c->counters[COUNTER_RETRANSMISSIONS]++;
     c->counters[COUNTER_PROBE_RETRANSMISSIONS]++;
-    return outbox_add(c, j);
+    return outbox_add_probe(c, j);
 }
 
 static int has_message(DenseCore *c, int j) {
@@ -776,7 +806,7 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
     int kind = data[3], dtype = data[4], mode = data[5];
     uint16_t count = get_u16(data + 24), lanes = get_u16(data + 26);
     if (get_u16(data) != MAGIC || data[2] != VERSION ||
-        (kind != KIND_CONTRIBUTION && kind != KIND_RESULT) ||
+        kind < KIND_CONTRIBUTION || kind > KIND_RESEND || /* wire.KINDS */
         dtype > DTYPE_FLOAT16_WIRE ||
         (mode != 0 && mode != MODE_SPARSE && mode != (MODE_SPARSE | MODE_SEED) &&
          mode != MODE_MAX) || /* wire.MODES */
@@ -785,11 +815,22 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
         return 0;
     }
     int j = (int)get_u16(data + 6) - c->slot_base;
-    if (kind != KIND_RESULT || get_u32(data + 8) != c->session || j < 0 || j >= c->width) {
+    if ((kind != KIND_RESULT && kind != KIND_RESEND) || get_u32(data + 8) != c->session ||
+        j < 0 || j >= c->width) {
         c->counters[COUNTER_FOREIGN]++;
         return 0;
     }
     int64_t m = c->round[j];
+    if (kind == KIND_RESEND) { /* the switch lacks this message: send it whole */
+        if (!c->inflight[j] || get_u32(data + 16) != c->seq ||
+            get_u32(data + 12) != c->slot_msgs[j] ||
+            (int64_t)get_u32(data + 20) != m * c->width + j || count || lanes) {
+            c->counters[COUNTER_STALE]++;
+            return 0;
+        }
+        c->counters[COUNTER_RESENDS]++;
+        return outbox_add(c, j);
+    }
     int fits = c->inflight[j] && get_u32(data + 16) == c->seq &&
                get_u32(data + 12) == c->slot_msgs[j] &&
                (int64_t)get_u32(data + 20) == m * c->width + j && dtype == c->dtype_code &&
@@ -935,6 +976,7 @@ static void core_dealloc(DenseCore *c) {
     PyMem_RawFree(c->deadline);
     PyMem_RawFree(c->decreased_at);
     PyMem_RawFree(c->packets);
+    PyMem_RawFree(c->probes);
     PyMem_RawFree(c->datagram_len);
     PyMem_RawFree(c->outbox);
     PyMem_RawFree(c->ready.items);
@@ -1043,12 +1085,13 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
     /* malloc, not calloc: every byte is written before it is sent, and memory
      * freed by the previous call is reused without being zeroed again */
     c->packets = PyMem_RawMalloc(n * c->packet_size);
+    c->probes = PyMem_RawMalloc(n * HEADER_SIZE);
     c->datagram_len = PyMem_RawCalloc(n, sizeof(uint32_t));
     c->local_exp = PyMem_RawCalloc(c->chunks ? (size_t)c->chunks : 1, sizeof(int16_t));
     c->nonfinite = PyMem_RawCalloc(c->chunks ? (size_t)c->chunks : 1, 1);
     if (!c->slot_msgs || !c->round || !c->messages || !c->global_exp || !c->inflight || !c->lost ||
         !c->backoff || !c->sent_at || !c->deadline || !c->decreased_at || !c->send_no || !c->overtaken_send_no ||
-        !c->fast_copies || !c->copy || !c->packets || !c->datagram_len || !c->local_exp ||
+        !c->fast_copies || !c->copy || !c->packets || !c->probes || !c->datagram_len || !c->local_exp ||
         !c->wide || !c->nonfinite) {
         PyErr_NoMemory();
         return -1;
@@ -1102,7 +1145,7 @@ static PyObject *core_datagrams_to_send(DenseCore *c, PyObject *unused) {
         return NULL;
     for (Py_ssize_t i = 0; i < c->outbox_len; i++) {
         PyObject *b = PyBytes_FromStringAndSize(
-            (const char *)c->packets + (size_t)c->outbox[i].slot * c->packet_size,
+            (const char *)outbox_bytes(c, i),
             c->outbox[i].len);
         if (!b) {
             Py_DECREF(list);
@@ -1217,7 +1260,7 @@ static void flush_outbox(DenseCore *c, int fd, struct sockaddr_in *dst) {
             int segs = 0;
             do { /* a run: every segment `size` bytes, the last one possibly less */
                 uint32_t len = c->outbox[next].len;
-                iov[v].iov_base = c->packets + (size_t)c->outbox[next].slot * c->packet_size;
+                iov[v].iov_base = outbox_bytes(c, next);
                 iov[v].iov_len = len;
                 v++, segs++, next++, bytes += len;
                 if (len < size)

@@ -133,6 +133,9 @@ class Worker:
                                packet_elements=ready.packet_elements,
                                block_elements=ready.block_elements,
                                progress_timeout=self.timeout)
+        #: The window one link carries (protocol.Ready.link_window): what a job over
+        #: several switches splits over them.
+        self.link_window = ready.slot_count if ready.link_window is None else ready.link_window
         # An IPv4 address, resolved once: the C loop takes one, and no send needs a lookup.
         self._data_address = (socket.gethostbyname(host), ready.data_port)
         self._wake_r, self._wake_w = socket.socketpair()

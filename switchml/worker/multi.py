@@ -25,7 +25,9 @@ decided per part, by the channel that carries it (the part's own density, a
 tiny allreduce on its switch): the results are bit-identical either way.
 
 The parts share the worker's link, so they share one job's window too: each
-channel keeps at most ``ceil(slots_per_job / K)`` messages in flight.
+channel keeps at most ``ceil(slots_per_job / K)`` messages in flight (and no
+more than its switch's slots: a switch server behind a link all ranks share
+gives a job their share of that link's window, ``SwitchConfiguration.shared_link``).
 
 Failures: a part that fails (its switch gone, a stalled or mismatched call)
 fails the call, and the worker aborts the job on every other switch at once, so
@@ -133,7 +135,7 @@ class MultiSwitchWorker:
         share = len(self.channels)
         for joined in self.channels:
             window = joined.session.window
-            window.limit = max(1, -(-window.limit // share))
+            window.limit = max(1, min(window.limit, -(-joined.link_window // share)))
             window.cwnd = min(window.cwnd, float(window.limit))
 
     def _check_geometry(self) -> None:

@@ -26,7 +26,7 @@ sent after it (later (re)transmissions, counted by a send number) have come was
 probably lost (its datagram, a peer's, or its result; the threshold is
 ``FAST_RETRANSMIT_THRESHOLD`` at first, and a fast retransmission that proves
 spurious raises it past the reordering it saw, up to ``MAX_REORDERING``): it is sent
-again at once, the same bytes, instead of after its timeout, at most once per
+again at once, whole, instead of after its timeout, at most once per
 timeout (not again until its result comes or its timer fires).  The window
 takes it as a loss like a timeout (``CongestionWindow.on_timeout``, judged as a
 first timeout: the results that overtook it show the path answers).
@@ -41,6 +41,17 @@ peer's copy's).  A probe is not a loss for the window (silence is no evidence
 of a queue); each transmission is probed at most once, and the timer stays.
 Tail probes fill the window's room and, past it, go one at a time
 (``Stream._probe_room``).
+
+What a retransmission sends: a timer's or a tail probe's is the message's
+probe, its header alone (``wire.KIND_PROBE``): a set waits for every rank, so
+when one rank's contribution is lost every rank times out, and whole copies
+from the ranks the switch already holds would only crowd the port that dropped
+it (16 ranks into a switch server: 15 useless packets a loss).  The switch
+answers a probe with the result when the set is complete, with a resend
+(``wire.KIND_RESEND``) when it lacks this rank's contribution, which then goes
+whole at once; that costs the rank whose datagram was lost one more round trip.
+A fast retransmission goes whole: results of later messages show the path
+delivers, losses are few and not a full queue's, and the round trip counts.
 
 The engine never reads a clock or touches a socket: callers pass ``now``.
 """
@@ -122,7 +133,7 @@ class SessionState:
         self.blank_lanes = np.zeros(self.lanes, dtype=wire.LANE)
         self.blank_lanes["exp"] = EXP_ZERO
         self.counters = {"results_in": 0, "retransmissions": 0, "fast_retransmissions": 0,
-                         "probe_retransmissions": 0,
+                         "probe_retransmissions": 0, "resends": 0,
                          "spurious_retransmissions": 0,
                          "window_decreases": 0, "random_losses": 0, "dropped_stale": 0,
                          "dropped_malformed": 0, "dropped_foreign": 0,
@@ -218,6 +229,13 @@ class Stream:
         self._outbox.append(datagram)
         self._outbox_slots.append(j)
 
+    def _enqueue_probe(self, j: int) -> None:
+        """Queue the probe of slot j's message in flight (a retransmission as its
+        header alone, wire.KIND_PROBE) unless the message itself waits to leave."""
+        if j not in self._outbox_slots:
+            self._outbox.append(wire.probe_of(self._inflight[j]))
+            self._outbox_slots.append(j)
+
     def get_timer(self) -> float | None:
         """Earliest time at which ``handle_timer`` must run, or None when finished."""
         if self.done or self.error:
@@ -269,10 +287,19 @@ class Stream:
             s.counters["dropped_malformed"] += 1
             return
         j = h.slot - s.slot_base
-        if h.kind != wire.KIND_RESULT or h.session != s.session or not 0 <= j < self.width:
+        if (h.kind not in (wire.KIND_RESULT, wire.KIND_RESEND) or h.session != s.session
+                or not 0 <= j < self.width):
             s.counters["dropped_foreign"] += 1
             return
         m = self._round[j]
+        if h.kind == wire.KIND_RESEND:  # the switch lacks this message: send it whole
+            if (self._inflight[j] is None or h.seq != self.seq or h.msg != s.slot_msgs[j]
+                    or h.pkt_id != m * self.width + j or h.count or h.lanes):
+                s.counters["dropped_stale"] += 1
+                return
+            self._enqueue(j, self._inflight[j])
+            s.counters["resends"] += 1
+            return
         if (self._inflight[j] is None or h.seq != self.seq or h.msg != s.slot_msgs[j]
                 or h.pkt_id != m * self.width + j or h.dtype != self.dtype_code
                 or h.mode != self._mode(j) or h.lanes != s.lanes
@@ -396,7 +423,7 @@ class Stream:
         self._sends += 1
         self._overtaken_send_no[j] = self._send_no[j]
         self._send_no[j] = self._sends  # not a candidate again until its timer fires
-        self._enqueue(j, self._inflight[j])
+        self._enqueue(j, self._inflight[j])  # whole: see the module docstring
         s.counters["retransmissions"] += 1
         s.counters["fast_retransmissions"] += 1
 
@@ -437,7 +464,7 @@ class Stream:
         self._copy[j] = PROBE
         self._sent_at[j] = now
         self._number_send(j)
-        self._enqueue(j, self._inflight[j])
+        self._enqueue_probe(j)
         s.counters["retransmissions"] += 1
         s.counters["probe_retransmissions"] += 1
 
@@ -493,7 +520,7 @@ class Stream:
                 self._send(j, now)
 
     def _resend(self, j: int, now: float) -> None:
-        """Send a message presumed lost again, the same bytes, with a longer timeout."""
+        """Send a message presumed lost again (its probe), with a longer timeout."""
         self._lost[j] = False
         self._copy[j] = SENT
         self._backoff[j] += 1
@@ -501,7 +528,7 @@ class Stream:
         self._sent_at[j] = now
         self._deadline[j] = now + self.s.rtt.rto(self._backoff[j])
         self._number_send(j)
-        self._enqueue(j, self._inflight[j])
+        self._enqueue_probe(j)
         self.s.counters["retransmissions"] += 1
 
     # ------------------------------------------------------------ for subclasses
