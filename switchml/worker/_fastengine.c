@@ -474,6 +474,24 @@ static inline int64_t chunk_count(DenseCore *c, int64_t chunk) {
 
 static inline int64_t pkt_id_of(DenseCore *c, int j) { return c->round[j] * c->width + j; }
 
+/* One more entry at the outbox's end: `len` bytes of slot j's packet buffer, or
+ * of its probe's. */
+static int outbox_append(DenseCore *c, int j, uint32_t len, int probe) {
+    if (c->outbox_len == c->outbox_cap) {
+        Py_ssize_t cap = c->outbox_cap ? c->outbox_cap * 2 : 16;
+        struct OutboxEntry *entries = PyMem_RawRealloc(c->outbox, (size_t)cap * sizeof(*entries));
+        if (!entries)
+            return -1;
+        c->outbox = entries;
+        c->outbox_cap = cap;
+    }
+    c->outbox[c->outbox_len].slot = j;
+    c->outbox[c->outbox_len].len = len;
+    c->outbox[c->outbox_len].probe = probe;
+    c->outbox_len++;
+    return 0;
+}
+
 /* Queue slot j's datagram; it supersedes one of slot j still waiting to leave
  * (both are slot j's one packet buffer, which now holds the newer message: a
  * batch of results could otherwise send its bytes twice, once under the old
@@ -484,19 +502,7 @@ static int outbox_add(DenseCore *c, int j) {
         if (c->outbox[i].slot != j)
             c->outbox[kept++] = c->outbox[i];
     c->outbox_len = kept;
-    if (c->outbox_len == c->outbox_cap) {
-        Py_ssize_t cap = c->outbox_cap ? c->outbox_cap * 2 : 16;
-        struct OutboxEntry *entries = PyMem_RawRealloc(c->outbox, (size_t)cap * sizeof(*entries));
-        if (!entries)
-            return -1;
-        c->outbox = entries;
-        c->outbox_cap = cap;
-    }
-    c->outbox[c->outbox_len].slot = j;
-    c->outbox[c->outbox_len].len = c->datagram_len[j];
-    c->outbox[c->outbox_len].probe = 0;
-    c->outbox_len++;
-    return 0;
+    return outbox_append(c, j, c->datagram_len[j], 0);
 }
 
 /* Stream._enqueue_probe: queue the probe of slot j's message in flight unless
@@ -505,15 +511,11 @@ static int outbox_add_probe(DenseCore *c, int j) {
     for (Py_ssize_t i = 0; i < c->outbox_len; i++)
         if (c->outbox[i].slot == j)
             return 0;
-    if (outbox_add(c, j) < 0)
-        return -1;
     uint8_t *probe = c->probes + (size_t)j * HEADER_SIZE;
     memcpy(probe, c->packets + (size_t)j * c->packet_size, HEADER_SIZE);
     probe[3] = KIND_PROBE;
     memset(probe + 24, 0, 4); /* count and lanes */
-    c->outbox[c->outbox_len - 1].len = HEADER_SIZE;
-    c->outbox[c->outbox_len - 1].probe = 1;
-    return 0;
+    return outbox_append(c, j, HEADER_SIZE, 1);
 }
 
 /* The bytes of outbox entry i. */
