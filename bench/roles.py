@@ -135,7 +135,7 @@ def switchml_role(spec) -> None:
                  retransmissions=(c1.get("retransmissions", 0) - c0.get("retransmissions", 0)) / n,
                  recovery={k: (c1.get(k, 0) - c0.get(k, 0)) / n for k in (
                      "fast_retransmissions", "probe_retransmissions", "spurious_retransmissions",
-                     "window_decreases", "random_losses")},
+                     "window_decreases", "random_losses", "resends", "results_lost")},
                  link_tx=(l1[0] - l0[0]) / n if l0 else None,
                  link_rx=(l1[1] - l0[1]) / n if l0 else None, **per_call(s0, s1, n))
     emit(event="done", rank=rank)

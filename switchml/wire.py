@@ -5,11 +5,14 @@ records, then ``count`` int32 values, all little-endian::
 
     offset size field
          0    2 magic      0x4D53 ("SM")
-         2    1 version    4
+         2    1 version    5
          3    1 kind       1 = contribution (worker -> switch), 2 = result (switch -> worker),
                            3 = probe (worker -> switch: a retransmission without its
                            lane table and values), 4 = resend (switch -> worker: the
-                           probed contribution is missing, send it whole)
+                           probed contribution is missing, send it whole), 5 = query
+                           (worker -> switch: a probe by the timer), 6 = done (switch
+                           -> worker: the queried set is complete, its result went out
+                           before this)
          4    1 dtype      0 = int32, 1 = float32 as block floating point,
                            2 = floats as 16-bit block floating point, two a word
          5    1 mode       bit 0: sparse (OmniReduce); bit 1: sparse seed round;
@@ -33,12 +36,17 @@ A packet covers ``lanes`` blocks of ``block_elements`` values.  Lane record::
               the chunk the slot sends next; sparse seed round: one chunk each
     flag u16  bit 0: a block for this lane is in the values (result: present)
 
-A probe and a resend are the 32-byte header alone (``count`` and ``lanes`` 0),
-with the ids of the contribution they are about: a worker's retransmissions are
-probes, so that a rank whose contribution the switch holds (it waits for a peer's
-lost one) costs the congested port 32 bytes, not a packet; the switch answers a
-probe with the stored result when the set is complete, with a resend when the
-rank's contribution is not in it, and not at all when it waits for others.
+A probe, a query, a resend and a done are the 32-byte header alone (``count``
+and ``lanes`` 0), with the ids of the contribution they are about: a worker's
+tail probes are probes and its timer's retransmissions queries, so that a rank
+whose contribution the switch holds (it waits for a peer's lost one) costs the
+congested port 32 bytes, not a packet.  The switch answers both with a resend
+when the rank's contribution is not in the set, and not at all when the set
+waits for others.  When it is complete, a probe gets the stored result; a query
+gets a done: its result left before the done, on the same path, so a rank that
+gets the done without the result lost it and sends its contribution whole
+(which the switch answers with the stored result), and a timeout that was only
+late costs 32 bytes, not a second copy of the result.
 
 Dense packets carry their values as they are (``count`` may end mid-block at the
 tensor's end); sparse packets carry one full block per flagged lane, in lane
@@ -54,14 +62,21 @@ from typing import NamedTuple
 import numpy as np
 
 MAGIC = 0x4D53
-VERSION = 4  # 3: MODE_MAX, the sparse path's exponent rounds; 4: probes and resends
+VERSION = 5  # 3: MODE_MAX, the sparse path's exponent rounds; 4: probes and resends;
+#             5: the timer's probe (query), answered "done" when the set is complete
 KIND_CONTRIBUTION = 1
 KIND_RESULT = 2
 #: A retransmission as the header alone: "is my contribution in, and is the set done?"
 KIND_PROBE = 3
 #: The switch's answer to a probe whose contribution it does not hold: send it whole.
 KIND_RESEND = 4
-KINDS = (KIND_CONTRIBUTION, KIND_RESULT, KIND_PROBE, KIND_RESEND)
+#: A timer's retransmission as the header alone: a probe that a complete set
+#: answers with a done, not its result.
+KIND_QUERY = 5
+#: The switch's answer to a query of a complete set: its result went out before
+#: this answer, on the same path, so a rank still without it when this comes lost it.
+KIND_DONE = 6
+KINDS = (KIND_CONTRIBUTION, KIND_RESULT, KIND_PROBE, KIND_RESEND, KIND_QUERY, KIND_DONE)
 DTYPE_INT32 = 0
 DTYPE_FLOAT32 = 1
 #: The 16-bit wire: each int32 "value" is a word of two biased uint16 values (low
@@ -237,16 +252,16 @@ def encode(kind: int, dtype: int, slot: int, session: int, msg: int, seq: int, p
     return bytes(buf)
 
 
-def probe_of(contribution) -> bytes:
-    """The probe of a contribution: its header, kind 3, no lane table or values."""
+def probe_of(contribution, kind: int = KIND_PROBE) -> bytes:
+    """The probe (or query) of a contribution: its header alone, no lane table or values."""
     probe = bytearray(contribution[:HEADER_SIZE])
-    probe[3] = KIND_PROBE
+    probe[3] = kind
     probe[24:28] = bytes(4)  # count and lanes
     return bytes(probe)
 
 
 def answer_of(probe, kind: int) -> bytes:
-    """A probe's header with another kind: the switch's resend."""
+    """A probe's header with another kind: the switch's resend or done."""
     out = bytearray(probe[:HEADER_SIZE])
     out[3] = kind
     return bytes(out)

@@ -152,12 +152,13 @@ def hostile(rng: random.Random, data: bytes, addr, seen):
     elif kind == 12:  # a probe of it, for its message or another (stale, newer), from
         # its sender or another member, sometimes with a lane table and values
         msg = (int.from_bytes(data[12:16], "little") + rng.choice([0, 0, 1, 2, 2**31 + 1]))
-        out = wire.probe_of(data[:12] + (msg % 2**32).to_bytes(4, "little") + data[16:])
+        out = wire.probe_of(data[:12] + (msg % 2**32).to_bytes(4, "little") + data[16:],
+                            rng.choice([wire.KIND_PROBE, wire.KIND_QUERY]))
         if rng.random() < 0.2:
             out = out[:24] + bytes([1, 0, 0, 0]) + out[28:] + bytes(4)
         src = addr if rng.random() < 0.7 else rng.choice(members)
-    elif kind == 13:  # a resend, which only a switch sends
-        out = wire.answer_of(data, wire.KIND_RESEND)
+    elif kind == 13:  # a resend or a done, which only a switch sends
+        out = wire.answer_of(data, rng.choice([wire.KIND_RESEND, wire.KIND_DONE]))
     else:  # empty
         out = b""
     return out, src

@@ -76,7 +76,7 @@ def well_formed(draw, job):
 
 # (byte offset, bits whose flip always invalidates the packet, reason)
 FLIPS = ([(0, range(8), "bad_magic"), (1, range(8), "bad_magic"), (2, range(8), "bad_version"),
-          (3, range(2, 8), "bad_kind"),  # not bits 0 and 1: kinds 1 to 4 are all valid
+          (3, range(3, 8), "bad_kind"),  # not bits 0 to 2: kinds 1 to 6 are all valid
           (4, range(2, 8), "bad_dtype"), (5, range(3, 8), "bad_mode")]
          + [(b, range(8), "bad_length") for b in (24, 25, 26, 27)])  # count, lanes
 
@@ -139,10 +139,12 @@ def bad_packet(draw):
         count = draw(st.integers(0, K).filter(lambda c: c != blocks * BLK))
         return build(slot, session, 0, [1] * count, mode=wire.MODE_SPARSE, flags=flags), addr, \
             job, "dropped_bad_block_count"
-    if case == "probe_with_values":  # a probe is the header alone
-        return build(slot, session, 0, values, kind=wire.KIND_PROBE), addr, job, \
-            "dropped_bad_probe"
-    return build(slot, session, 0, values, kind=wire.KIND_RESULT), addr, job, "dropped_bad_kind"
+    if case == "probe_with_values":  # a probe or query is the header alone
+        kind = draw(st.sampled_from([wire.KIND_PROBE, wire.KIND_QUERY]))
+        return build(slot, session, 0, values, kind=kind), addr, job, "dropped_bad_probe"
+    # what only a switch sends
+    kind = draw(st.sampled_from([wire.KIND_RESULT, wire.KIND_RESEND, wire.KIND_DONE]))
+    return build(slot, session, 0, values, kind=kind), addr, job, "dropped_bad_kind"
 
 
 # ---------------------------------------------------------------- valid traffic

@@ -723,6 +723,33 @@ def test_a_probe_is_answered_from_the_bitmap_and_never_changes_a_sum():
     assert (c["retransmissions_answered"], c["dropped_stale"], c["packets_in"]) == (2, 1, 3)
 
 
+def test_a_query_of_a_complete_set_is_answered_done_not_with_the_result():
+    """The timer's retransmission (a query): as a probe while the set waits or
+    lacks the rank's contribution; once it is complete, a done (the result went
+    out before it), and the contribution sent whole then gets the stored result."""
+    p = pipeline(4)
+    job = p.install_job("A", SA, A[:2], 0, 4)
+    first = contrib(1, SA, 6, [1] * K, seq=2, pkt_id=9)
+    query = wire.probe_of(first, wire.KIND_QUERY)
+    assert send(p, first, A[0]) == []
+    assert send(p, query, A[0]) == []  # waits for rank 1
+    assert send(p, query, A[1])[0][0] == wire.answer_of(query, wire.KIND_RESEND)
+    out = send(p, contrib(1, SA, 6, [2] * K, seq=2, pkt_id=9), A[1])
+    assert decode(out[0][0])[1] == [3] * K
+    ((done, to),) = send(p, query, A[1])
+    assert (done, to) == (wire.answer_of(query, wire.KIND_DONE), A[1])
+    h = wire.decode_header(done)
+    assert (h.kind, h.slot, h.msg, h.seq, h.pkt_id, h.count, h.lanes) == (
+        wire.KIND_DONE, 1, 6, 2, 9, 0, 0)
+    ((again, to),) = send(p, first, A[0])
+    assert (again, to) == (out[0][0], A[0])
+    assert decode(again)[1] == [3] * K  # unchanged
+    c = job.counters
+    assert (c["probes_in"], c["probes_waiting"], c["resends_asked"], c["queries_done"]) == (
+        3, 1, 1, 1)
+    assert (c["retransmissions_answered"], c["packets_in"]) == (1, 3)
+
+
 def test_a_probe_with_values_or_lanes_is_dropped():
     p = pipeline(2)
     job = p.install_job("A", SA, A[:2], 0, 2)

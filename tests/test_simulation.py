@@ -293,9 +293,9 @@ def test_silent_peer_makes_the_call_stall_after_progress_timeout():
         resent = op.datagrams_to_send()
         # Timeouts shrink the window: the lowest message always goes out again,
         # the other when the window still has room for it.
-        assert resent[0] == wire.probe_of(first[0]) and 1 <= len(resent) <= 2  # a probe
+        assert resent[0] == wire.probe_of(first[0], wire.KIND_QUERY) and 1 <= len(resent) <= 2
         resent_total += len(resent)
-        for d in resent:  # the switch only ever sees probes of packets it holds
+        for d in resent:  # the switch only ever sees queries of packets it holds
             assert pipeline.receive_datagram(bytes(d), ("w", 0)) == []
     assert op.error == "stalled"
     assert not op.done
@@ -311,7 +311,7 @@ def test_silent_peer_makes_the_call_stall_after_progress_timeout():
     op.handle_timer(t + 10)  # nothing more happens once stalled
     assert op.datagrams_to_send() == [] and op.error == "stalled"
     assert (out == -7).all()
-    # each probe found rank 0's contribution in, waiting for rank 1's
+    # each query found rank 0's contribution in, waiting for rank 1's
     assert job.counters["probes_waiting"] == job.counters["probes_in"] == resent_total
     assert job.counters["duplicates"] == job.counters["resends_asked"] == 0
     assert job.counters["results_completed"] == 0

@@ -518,27 +518,54 @@ def test_a_message_overtaken_by_three_results_goes_again_at_once(engine):
 
 
 @pytest.mark.parametrize("engine", ["python", "c"])
-def test_a_resend_sends_the_message_whole_and_a_stale_one_nothing(engine):
-    """The switch lacks a probed message (wire.KIND_RESEND): it goes again whole, at
-    once; a resend for another message number, or for a message whose result
-    came, is dropped as stale."""
+@pytest.mark.parametrize("kind, counter", [(wire.KIND_RESEND, "resends"),
+                                           (wire.KIND_DONE, "results_lost")])
+def test_a_resend_or_done_sends_the_message_whole_and_a_stale_one_nothing(engine, kind,
+                                                                           counter):
+    """The switch lacks a probed message (wire.KIND_RESEND), or answers a query
+    done while its result never came (wire.KIND_DONE: the result was lost): it
+    goes again whole, at once; an answer for another message number, or for a
+    message whose result came (a done behind its result), is dropped as stale."""
     from switchml.worker import compiled
 
     if engine == "c" and compiled._fastengine is None:
         pytest.skip("the C engine is not built")
     s, op, data, out, sent, answer = one_rank_call(engine)
-    resend = wire.answer_of(wire.probe_of(sent[0]), wire.KIND_RESEND)
-    op.receive_datagram(resend, 0.001)
+    reply = wire.answer_of(wire.probe_of(sent[0], wire.KIND_QUERY), kind)
+    op.receive_datagram(reply, 0.001)
     assert [bytes(d) for d in op.datagrams_to_send()] == [sent[0]]
-    other = bytearray(resend)
+    other = bytearray(reply)
     other[12] ^= 2  # another message number of the slot
     op.receive_datagram(bytes(other), 0.0011)
     assert ids(answer(sent[1], 0.0012)) == [9]
-    op.receive_datagram(wire.answer_of(wire.probe_of(sent[1]), wire.KIND_RESEND), 0.0013)
+    op.receive_datagram(wire.answer_of(wire.probe_of(sent[1]), kind), 0.0013)
     assert op.datagrams_to_send() == []
     getattr(op, "sync", lambda: None)()
-    assert s.counters["resends"] == 1 and s.counters["dropped_stale"] == 2
+    assert s.counters[counter] == 1 and s.counters["dropped_stale"] == 2
     assert s.counters["retransmissions"] == 0  # asked for, not presumed lost
+
+
+@pytest.mark.parametrize("engine", ["python", "c"])
+def test_the_timer_sends_a_query_and_a_done_for_a_late_result_costs_nothing(engine):
+    """A timeout sends the message's query (wire.KIND_QUERY), not a probe: its
+    result comes late, then the switch's done, which is dropped."""
+    from switchml.worker import compiled
+
+    if engine == "c" and compiled._fastengine is None:
+        pytest.skip("the C engine is not built")
+    s, op, data, out, sent, answer = one_rank_call(engine)
+    t = op.get_timer()  # no round trip yet, so no tail probe: the initial RTO
+    assert t == pytest.approx(0.05)
+    op.handle_timer(t)
+    queries = [bytes(d) for d in op.datagrams_to_send()]
+    assert queries and all(d[3] == wire.KIND_QUERY for d in queries)
+    assert queries[0] == wire.probe_of(sent[0], wire.KIND_QUERY)
+    first = sent[0]
+    answer(first, t + 0.0001)  # the late result
+    op.receive_datagram(wire.answer_of(queries[0], wire.KIND_DONE), t + 0.0002)
+    assert all(d[:24] != first[:24] for d in map(bytes, op.datagrams_to_send()))
+    getattr(op, "sync", lambda: None)()
+    assert s.counters["results_lost"] == 0 and s.counters["dropped_stale"] >= 1
 
 
 @pytest.mark.parametrize("engine", ["python", "c"])

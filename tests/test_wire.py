@@ -48,7 +48,7 @@ def _reason(data) -> str:
 def test_header_is_32_bytes_and_layout_matches_docstring():
     assert wire.HEADER_SIZE == 32
     assert wire.LANE_SIZE == 12
-    assert wire.VERSION == 4
+    assert wire.VERSION == 5
     lanes = _lanes([(0x01020304, 0x0A0B0C0D, -2, 1), (wire.POS_END, 7, 32767, 0)])
     data = wire.encode(wire.KIND_RESULT, wire.DTYPE_FLOAT32, slot=0x1234, session=0xDEADBEEF,
                        msg=0x01020304, seq=0x0A0B0C0D, pkt_id=0x11223344, lane_records=lanes,
@@ -56,7 +56,7 @@ def test_header_is_32_bytes_and_layout_matches_docstring():
                        mode=wire.MODE_SPARSE | wire.MODE_SEED)
     assert len(data) == 32 + 2 * 12 + 3 * 4
     assert data[0:2] == b"\x53\x4D"  # 0x4D53 little-endian ("SM")
-    assert data[2] == 4
+    assert data[2] == 5
     assert data[3] == wire.KIND_RESULT
     assert data[4] == wire.DTYPE_FLOAT32
     assert data[5] == 3  # mode: sparse | seed
@@ -229,12 +229,12 @@ def test_bad_magic(magic):
     assert _reason(_raw_header(magic=magic)) == "bad_magic"
 
 
-@pytest.mark.parametrize("version", [0, 1, 2, 3, 5, 255])
+@pytest.mark.parametrize("version", [0, 1, 2, 3, 4, 6, 255])
 def test_bad_version(version):
     assert _reason(_raw_header(version=version)) == "bad_version"
 
 
-@pytest.mark.parametrize("kind", [0, 5, 255])
+@pytest.mark.parametrize("kind", [0, 7, 255])
 def test_bad_kind(kind):
     assert _reason(_raw_header(kind=kind)) == "bad_kind"
 

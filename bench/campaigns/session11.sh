@@ -9,7 +9,7 @@
 # full queue (IP_RECVERR) instead of losing results there.
 set -e
 cd "$(dirname "$0")/../.."
-OUT=bench/results/s11
+OUT=${OUT:-bench/results/s11}
 . bench/campaigns/common.sh
 case "${1:-all}" in
   all|lo)

@@ -18,11 +18,13 @@
 #define FP_HEADER_SIZE 32
 #define FP_LANE_SIZE 12
 #define FP_MAGIC 0x4D53
-#define FP_VERSION 4
+#define FP_VERSION 5
 #define FP_KIND_CONTRIBUTION 1
 #define FP_KIND_RESULT 2
 #define FP_KIND_PROBE 3  /* a retransmission as the header alone */
 #define FP_KIND_RESEND 4 /* the answer to a probe whose contribution is missing */
+#define FP_KIND_QUERY 5  /* the timer's probe */
+#define FP_KIND_DONE 6   /* the answer to a query of a complete set */
 #define FP_MODE_SPARSE 1
 #define FP_MODE_SEED 2
 #define FP_MODE_MAX 4 /* values maxed, not added: sparse exponent rounds */
@@ -46,6 +48,7 @@ enum fp_counter {
     /* probes (pipeline.Pipeline._answer_probe) */
     C_PROBES_IN, C_PROBES_WAITING, C_RESENDS_ASKED, C_DROPPED_BAD_PROBE,
     C_SEND_WAITS, /* not a job's: sends this host's queue refused, tried again */
+    C_QUERIES_DONE,
     FP_NCOUNTERS
 };
 extern const char *const FP_COUNTER_NAMES[FP_NCOUNTERS];

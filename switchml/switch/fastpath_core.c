@@ -17,7 +17,7 @@ const char *const FP_COUNTER_NAMES[FP_NCOUNTERS] = {
     "sparse_blocks_skipped", "sparse_bytes_saved", "sparse_blocks_out",
     "dropped_unknown_source", "dropped_ingress_simulated", "socket_errors", "send_errors",
     "send_fragmented", "probes_in", "probes_waiting", "resends_asked", "dropped_bad_probe",
-    "send_waits",
+    "send_waits", "queries_done",
 };
 
 /* Received datagrams may start anywhere: read them through these. */
@@ -273,7 +273,25 @@ static uint32_t finish_sparse(fp_job *job, fp_set *set, uint8_t *regs, uint32_t 
     return present * block;
 }
 
-/* pipeline.Pipeline._answer_probe: a retransmission without its values. */
+/* pipeline.Pipeline._answer_header: the probe's header as `kind`, past the row. */
+static int answer_header(fp_core *c, fp_job *job, uint32_t rank, uint32_t row,
+                         const uint8_t *d, uint8_t kind, fp_out *out)
+{
+    if (c->egress_drop_rate > 0 && rng_uniform(c) < c->egress_drop_rate) {
+        fp_count(&job->counters, C_DROPPED_EGRESS_SIMULATED, 1);
+        return 0;
+    }
+    before_write(c, row); /* a reply of this row may still wait to leave */
+    uint8_t *reply = c->rows + (size_t)(row + 1) * c->row_size - FP_HEADER_SIZE;
+    memcpy(reply, d, FP_HEADER_SIZE);
+    reply[3] = kind;
+    c->row_epoch[row] = c->epoch;
+    out[0] = (fp_out){reply, FP_HEADER_SIZE, job->slot_base, rank};
+    return 1;
+}
+
+/* pipeline.Pipeline._answer_probe: a retransmission without its values (a probe or
+ * a query). */
 static int answer_probe(fp_core *c, fp_job *job, uint32_t rank, const uint8_t *d, fp_out *out)
 {
     fp_counters *counters = &job->counters;
@@ -287,29 +305,23 @@ static int answer_probe(fp_core *c, fp_job *job, uint32_t rank, const uint8_t *d
     fp_set *set = &c->sets[row];
     if (set->valid && msg == set->msg) {
         if (set->bitmap >> rank & 1) {
-            if (set->count == job->world) {
+            if (set->count < job->world) {
+                fp_count(counters, C_PROBES_WAITING, 1); /* for another rank's contribution */
+                return 0;
+            }
+            if (d[3] == FP_KIND_PROBE) {
                 fp_count(counters, C_RETRANSMISSIONS_ANSWERED, 1);
                 return emit(c, job, set, row, rank, out);
             }
-            fp_count(counters, C_PROBES_WAITING, 1); /* for another rank's contribution */
-            return 0;
+            fp_count(counters, C_QUERIES_DONE, 1); /* a query: its result went out already */
+            return answer_header(c, job, rank, row, d, FP_KIND_DONE, out);
         }
     } else if (set->valid && !msg_newer(msg, set->msg)) {
         fp_count(counters, C_DROPPED_STALE, 1);
         return 0;
     }
     fp_count(counters, C_RESENDS_ASKED, 1);
-    if (c->egress_drop_rate > 0 && rng_uniform(c) < c->egress_drop_rate) {
-        fp_count(counters, C_DROPPED_EGRESS_SIMULATED, 1);
-        return 0;
-    }
-    before_write(c, row); /* a resend of this row may still wait to leave */
-    uint8_t *reply = c->rows + (size_t)(row + 1) * c->row_size - FP_HEADER_SIZE;
-    memcpy(reply, d, FP_HEADER_SIZE);
-    reply[3] = FP_KIND_RESEND;
-    c->row_epoch[row] = c->epoch;
-    out[0] = (fp_out){reply, FP_HEADER_SIZE, job->slot_base, rank};
-    return 1;
+    return answer_header(c, job, rank, row, d, FP_KIND_RESEND, out);
 }
 
 int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *out)
@@ -342,7 +354,7 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
         DROP(C_DROPPED_BAD_MAGIC);
     if (d[2] != FP_VERSION)
         DROP(C_DROPPED_BAD_VERSION);
-    if (kind < FP_KIND_CONTRIBUTION || kind > FP_KIND_RESEND) /* wire.KINDS */
+    if (kind < FP_KIND_CONTRIBUTION || kind > FP_KIND_DONE) /* wire.KINDS */
         DROP(C_DROPPED_BAD_KIND);
     if (dtype > 2) /* int32, float32, the 16-bit wire: the adds are the same */
         DROP(C_DROPPED_BAD_DTYPE);
@@ -352,13 +364,13 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
     if (len != FP_HEADER_SIZE + (size_t)FP_LANE_SIZE * lanes + 4 * (size_t)count)
         DROP(C_DROPPED_BAD_LENGTH);
     /* admission: the job's table entries */
-    if (kind != FP_KIND_CONTRIBUTION && kind != FP_KIND_PROBE)
+    if (kind != FP_KIND_CONTRIBUTION && kind != FP_KIND_PROBE && kind != FP_KIND_QUERY)
         DROP(C_DROPPED_BAD_KIND);
     if (session != job->session)
         DROP(C_DROPPED_WRONG_SESSION);
     if (slot < job->slot_base || slot >= job->slot_base + job->slot_count)
         DROP(C_DROPPED_SLOT_OUT_OF_RANGE);
-    if (kind == FP_KIND_PROBE)
+    if (kind != FP_KIND_CONTRIBUTION)
         return answer_probe(c, job, rank, d, out);
     if (lanes != job->lanes)
         DROP(C_DROPPED_BAD_LANES);

@@ -20,18 +20,28 @@ Per slot and set ``v = msg & 1``, for a contribution from rank ``w``:
   dropped (counted as a duplicate).  Nothing is ever added twice;
 * an older message is stale and dropped.
 
-A probe (a retransmission as the header alone, ``wire.KIND_PROBE``) asks the
-same question without the values: for a rank already in the bitmap it is
-answered as a retransmission is (the stored result when the set is complete,
-nothing while it waits for other ranks), for a rank not in it (the set holds
-its message, or an older one, or none) with a resend (``wire.KIND_RESEND``):
-the rank's contribution was lost, it sends it whole.  A stale probe is dropped.
-So a rank that times out because a peer's contribution was lost sends 32 bytes
-into the congested port, not a whole packet (a switch server behind one link,
-16 ranks at 100 Mbit/s: 41% more than the tensor crossed that link as such
-duplicates and lost results' retransmissions).  Each row keeps 32 bytes past
-the largest datagram for the resend, as a switch builds a reply in its packet
-memory.
+A probe (a retransmission as the header alone, ``wire.KIND_PROBE``: a worker's
+tail probe) asks the same question without the values.  For a rank already in
+the bitmap it is answered as a retransmission is (the stored result when the
+set is complete, nothing while it waits for other ranks), for a rank not in it
+(the set holds its message, or an older one, or none) with a resend
+(``wire.KIND_RESEND``): the rank's contribution was lost, it sends it whole.  A
+stale probe is dropped.  So a rank that times out because a peer's
+contribution was lost sends 32 bytes into the congested port, not a whole
+packet (a switch server behind one link, 16 ranks at 100 Mbit/s: 41% more than
+the tensor crossed that link as such duplicates and lost results'
+retransmissions).
+
+A query (``wire.KIND_QUERY``: a worker's timer retransmission) is a probe that a
+complete set answers with a done (``wire.KIND_DONE``), the header alone, not the
+result: the result left before the done on the same path, so a rank that gets
+the done without the result lost it and sends its contribution whole, which is
+answered with the stored result.  A timeout that was only late (a round trip
+longer than the RTO, common where 16 ranks share two cores) then costs the
+result's link 32 bytes, not a second copy of the result queued behind the
+first: answering the timer with the result sent 3-9% of a switch server's link
+again (session 11).  Each row keeps 32 bytes past the largest datagram for the
+resend or done, as a switch builds a reply in its packet memory.
 
 A contribution for the message a set holds whose ids (call number, packet,
 dtype, mode, count and the header's ``call``: element count and sparseness)
@@ -318,7 +328,7 @@ class Pipeline:
         except wire.MalformedPacket as exc:
             counters["dropped_" + exc.reason] += 1
             return []
-        if h.kind != wire.KIND_CONTRIBUTION and h.kind != wire.KIND_PROBE:
+        if h.kind not in (wire.KIND_CONTRIBUTION, wire.KIND_PROBE, wire.KIND_QUERY):
             counters["dropped_bad_kind"] += 1
             return []
         if h.session != job.session:
@@ -328,7 +338,7 @@ class Pipeline:
         if not job.slot_base <= slot < job.slot_base + job.slot_count:
             counters["dropped_slot_out_of_range"] += 1
             return []
-        if h.kind == wire.KIND_PROBE:
+        if h.kind != wire.KIND_CONTRIBUTION:
             return self._answer_probe(job, rank, h, data)
         if h.lanes != job.lanes:
             counters["dropped_bad_lanes"] += 1
@@ -415,7 +425,8 @@ class Pipeline:
         return self._emit(job, v, slot, [job.members[rank]])
 
     def _answer_probe(self, job: Job, rank: int, h: wire.Header, data) -> list:
-        """A rank's retransmission without its values (module docstring)."""
+        """A rank's retransmission without its values, a probe or a query (module
+        docstring)."""
         counters = job.counters
         if h.count or h.lanes:
             counters["dropped_bad_probe"] += 1
@@ -425,20 +436,32 @@ class Pipeline:
         v = msg & 1
         if self._valid[v][slot] and msg == self._msg[v][slot]:
             if self._bitmap[v][slot] >> rank & 1:
-                if self._count[v][slot] == job.world_size:
+                if self._count[v][slot] < job.world_size:
+                    counters["probes_waiting"] += 1  # for another rank's contribution
+                    return []
+                if h.kind == wire.KIND_PROBE:
                     return self._answer_retransmission(job, v, slot, rank)
-                counters["probes_waiting"] += 1  # for another rank's contribution
-                return []
+                return self._answer_query(job, v, slot, rank, data)
         elif self._valid[v][slot] and not wire.msg_newer(msg, self._msg[v][slot]):
             counters["dropped_stale"] += 1
             return []
         counters["resends_asked"] += 1
+        return self._answer_header(job, v, slot, rank, data, wire.KIND_RESEND)
+
+    def _answer_query(self, job: Job, v: int, slot: int, rank: int, data) -> list:
+        """A query of a complete set: done (its result went out already)."""
+        job.counters["queries_done"] += 1
+        return self._answer_header(job, v, slot, rank, data, wire.KIND_DONE)
+
+    def _answer_header(self, job: Job, v: int, slot: int, rank: int, data, kind: int) -> list:
+        """The probe's (or query's) header as ``kind``, built past the slot's row, to
+        the rank alone."""
         if self.egress_drop_rate and self._rng.random() < self.egress_drop_rate:
-            counters["dropped_egress_simulated"] += 1
+            job.counters["dropped_egress_simulated"] += 1
             return []
         reply = self._rows[v, slot, self.datagram_size:]
         reply[:] = np.frombuffer(data, np.uint8, wire.HEADER_SIZE)
-        reply[3] = wire.KIND_RESEND
+        reply[3] = kind
         return [(reply.data, job.members[rank])]
 
     def _record_mismatch(self, job: Job, v: int, slot: int, rank: int, ids: tuple) -> None:

@@ -138,6 +138,12 @@ class RackPipeline(Pipeline):
         job.counters["upstream_resent"] += 1
         return self._send_up(job, uplink, v, slot)
 
+    def _answer_query(self, job: Job, v: int, slot: int, rank: int, data) -> list:
+        uplink = self.uplinks.get(job.session)
+        if uplink is None or self._result_of[v][slot] == self._msg[v][slot]:
+            return super()._answer_query(job, v, slot, rank, data)
+        return self._answer_retransmission(job, v, slot, rank)  # no result yet: ask the spine
+
     def _send_up(self, job: Job, uplink: Uplink, v: int, slot: int) -> list:
         """The set's row as a contribution to the spine's slot: its header rewritten
         in place (the lane registers and values follow it already)."""

@@ -55,11 +55,13 @@ static int gso_wanted = 1;
 #define HEADER_SIZE 32
 #define LANE_SIZE 12
 #define MAGIC 0x4D53
-#define VERSION 4
+#define VERSION 5
 #define KIND_CONTRIBUTION 1
 #define KIND_RESULT 2
 #define KIND_PROBE 3  /* a retransmission as the header alone (wire.py) */
 #define KIND_RESEND 4 /* the switch lacks a probed contribution: send it whole */
+#define KIND_QUERY 5  /* the timer's probe */
+#define KIND_DONE 6   /* a queried set is complete, its result went out before this */
 #define DTYPE_INT32 0
 #define DTYPE_FLOAT32 1
 #define DTYPE_FLOAT16_WIRE 2 /* two biased 16-bit values a 32-bit word */
@@ -294,13 +296,14 @@ enum { COUNTER_RESULTS_IN, COUNTER_RETRANSMISSIONS, COUNTER_SPURIOUS, COUNTER_WI
        COUNTER_RANDOM_LOSSES, COUNTER_STALE, COUNTER_MALFORMED, COUNTER_FOREIGN,
        COUNTER_BYTES_SENT, COUNTER_BYTES_RECEIVED, COUNTER_FAST_RETRANSMISSIONS,
        COUNTER_PROBE_RETRANSMISSIONS, COUNTER_SPARSE_BLOCKS_SENT,
-       COUNTER_SPARSE_BLOCKS_RECEIVED, COUNTER_RESENDS, COUNTER_COUNT };
+       COUNTER_SPARSE_BLOCKS_RECEIVED, COUNTER_RESENDS, COUNTER_RESULTS_LOST,
+       COUNTER_COUNT };
 
 static const char *counter_names[COUNTER_COUNT] = {
     "results_in", "retransmissions", "spurious_retransmissions", "window_decreases",
     "random_losses", "dropped_stale", "dropped_malformed", "dropped_foreign", "bytes_sent",
     "bytes_received", "fast_retransmissions", "probe_retransmissions", "sparse_blocks_sent",
-    "sparse_blocks_received", "resends"};
+    "sparse_blocks_received", "resends", "results_lost"};
 
 struct SparseState; /* fastsparse.c */
 
@@ -505,15 +508,15 @@ static int outbox_add(DenseCore *c, int j) {
     return outbox_append(c, j, c->datagram_len[j], 0);
 }
 
-/* Stream._enqueue_probe: queue the probe of slot j's message in flight unless
- * the message itself waits to leave. */
-static int outbox_add_probe(DenseCore *c, int j) {
+/* Stream._enqueue_probe: queue the probe or query (kind) of slot j's message in
+ * flight unless the message itself waits to leave. */
+static int outbox_add_probe(DenseCore *c, int j, uint8_t kind) {
     for (Py_ssize_t i = 0; i < c->outbox_len; i++)
         if (c->outbox[i].slot == j)
             return 0;
     uint8_t *probe = c->probes + (size_t)j * HEADER_SIZE;
     memcpy(probe, c->packets + (size_t)j * c->packet_size, HEADER_SIZE);
-    probe[3] = KIND_PROBE;
+    probe[3] = kind;
     memset(probe + 24, 0, 4); /* count and lanes */
     return outbox_append(c, j, HEADER_SIZE, 1);
 }
@@ -616,7 +619,7 @@ static int resend_message(DenseCore *c, int j, double now) {
     if (number_send(c, j) < 0)
         return -1;
     c->counters[COUNTER_RETRANSMISSIONS]++;
-    return outbox_add_probe(c, j);
+    return outbox_add_probe(c, j, KIND_QUERY);
 }
 
 /* Stream._note_result */
@@ -730,7 +733,7 @@ static int probe(DenseCore *c, int j, double now) {
         return -1;
     c->counters[COUNTER_RETRANSMISSIONS]++;
     c->counters[COUNTER_PROBE_RETRANSMISSIONS]++;
-    return outbox_add_probe(c, j);
+    return outbox_add_probe(c, j, KIND_PROBE);
 }
 
 static int has_message(DenseCore *c, int j) {
@@ -808,7 +811,7 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
     int kind = data[3], dtype = data[4], mode = data[5];
     uint16_t count = get_u16(data + 24), lanes = get_u16(data + 26);
     if (get_u16(data) != MAGIC || data[2] != VERSION ||
-        kind < KIND_CONTRIBUTION || kind > KIND_RESEND || /* wire.KINDS */
+        kind < KIND_CONTRIBUTION || kind > KIND_DONE || /* wire.KINDS */
         dtype > DTYPE_FLOAT16_WIRE ||
         (mode != 0 && mode != MODE_SPARSE && mode != (MODE_SPARSE | MODE_SEED) &&
          mode != MODE_MAX) || /* wire.MODES */
@@ -817,20 +820,20 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
         return 0;
     }
     int j = (int)get_u16(data + 6) - c->slot_base;
-    if ((kind != KIND_RESULT && kind != KIND_RESEND) || get_u32(data + 8) != c->session ||
-        j < 0 || j >= c->width) {
+    if ((kind != KIND_RESULT && kind != KIND_RESEND && kind != KIND_DONE) ||
+        get_u32(data + 8) != c->session || j < 0 || j >= c->width) {
         c->counters[COUNTER_FOREIGN]++;
         return 0;
     }
     int64_t m = c->round[j];
-    if (kind == KIND_RESEND) { /* the switch lacks this message: send it whole */
+    if (kind != KIND_RESULT) { /* a probe's answer (stream.py): send the message whole */
         if (!c->inflight[j] || get_u32(data + 16) != c->seq ||
             get_u32(data + 12) != c->slot_msgs[j] ||
             (int64_t)get_u32(data + 20) != m * c->width + j || count || lanes) {
-            c->counters[COUNTER_STALE]++;
+            c->counters[COUNTER_STALE]++; /* e.g. the result came before the done */
             return 0;
         }
-        c->counters[COUNTER_RESENDS]++;
+        c->counters[kind == KIND_RESEND ? COUNTER_RESENDS : COUNTER_RESULTS_LOST]++;
         return outbox_add(c, j);
     }
     int fits = c->inflight[j] && get_u32(data + 16) == c->seq &&

@@ -42,14 +42,22 @@ of a queue); each transmission is probed at most once, and the timer stays.
 Tail probes fill the window's room and, past it, go one at a time
 (``Stream._probe_room``).
 
-What a retransmission sends: a timer's or a tail probe's is the message's
-probe, its header alone (``wire.KIND_PROBE``): a set waits for every rank, so
-when one rank's contribution is lost every rank times out, and whole copies
-from the ranks the switch already holds would only crowd the port that dropped
-it (16 ranks into a switch server: 15 useless packets a loss).  The switch
-answers a probe with the result when the set is complete, with a resend
+What a retransmission sends: a tail probe's is the message's probe, its header
+alone (``wire.KIND_PROBE``), a timer's its query (``wire.KIND_QUERY``), the
+same header: a set waits for every rank, so when one rank's contribution is
+lost every rank times out, and whole copies from the ranks the switch already
+holds would only crowd the port that dropped it (16 ranks into a switch server:
+15 useless packets a loss).  The switch answers either with a resend
 (``wire.KIND_RESEND``) when it lacks this rank's contribution, which then goes
-whole at once; that costs the rank whose datagram was lost one more round trip.
+whole at once (one more round trip for the rank whose datagram was lost).  When
+the set is complete it answers a probe with the result, and a query with a
+done (``wire.KIND_DONE``): its result left before the done on the same path,
+so a done that finds the message still waiting means the result was lost, and
+the message goes whole (answered with the stored result).  A tail probe comes
+after silence, where a lost result is likely and its round trip counts; the
+timer fires after the RTO, which where round trips vary widely (16 ranks on two
+cores into switch servers) is mostly a late result, not a lost one: a done
+costs it 32 bytes where the result cost a second copy queued behind the first.
 A fast retransmission goes whole: results of later messages show the path
 delivers, losses are few and not a full queue's, and the round trip counts.
 
@@ -133,7 +141,7 @@ class SessionState:
         self.blank_lanes = np.zeros(self.lanes, dtype=wire.LANE)
         self.blank_lanes["exp"] = EXP_ZERO
         self.counters = {"results_in": 0, "retransmissions": 0, "fast_retransmissions": 0,
-                         "probe_retransmissions": 0, "resends": 0,
+                         "probe_retransmissions": 0, "resends": 0, "results_lost": 0,
                          "spurious_retransmissions": 0,
                          "window_decreases": 0, "random_losses": 0, "dropped_stale": 0,
                          "dropped_malformed": 0, "dropped_foreign": 0,
@@ -229,11 +237,11 @@ class Stream:
         self._outbox.append(datagram)
         self._outbox_slots.append(j)
 
-    def _enqueue_probe(self, j: int) -> None:
-        """Queue the probe of slot j's message in flight (a retransmission as its
-        header alone, wire.KIND_PROBE) unless the message itself waits to leave."""
+    def _enqueue_probe(self, j: int, kind: int) -> None:
+        """Queue the probe or query of slot j's message in flight (a retransmission
+        as its header alone) unless the message itself waits to leave."""
         if j not in self._outbox_slots:
-            self._outbox.append(wire.probe_of(self._inflight[j]))
+            self._outbox.append(wire.probe_of(self._inflight[j], kind))
             self._outbox_slots.append(j)
 
     def get_timer(self) -> float | None:
@@ -287,18 +295,21 @@ class Stream:
             s.counters["dropped_malformed"] += 1
             return
         j = h.slot - s.slot_base
-        if (h.kind not in (wire.KIND_RESULT, wire.KIND_RESEND) or h.session != s.session
-                or not 0 <= j < self.width):
+        if (h.kind not in (wire.KIND_RESULT, wire.KIND_RESEND, wire.KIND_DONE)
+                or h.session != s.session or not 0 <= j < self.width):
             s.counters["dropped_foreign"] += 1
             return
         m = self._round[j]
-        if h.kind == wire.KIND_RESEND:  # the switch lacks this message: send it whole
+        if h.kind != wire.KIND_RESULT:  # a probe's answer
             if (self._inflight[j] is None or h.seq != self.seq or h.msg != s.slot_msgs[j]
                     or h.pkt_id != m * self.width + j or h.count or h.lanes):
-                s.counters["dropped_stale"] += 1
+                s.counters["dropped_stale"] += 1  # e.g. the result came before the done
                 return
+            # The switch lacks this message (resend), or its result went out before
+            # this done and never came: either way the message goes whole, which a
+            # complete set answers with its stored result.
             self._enqueue(j, self._inflight[j])
-            s.counters["resends"] += 1
+            s.counters["resends" if h.kind == wire.KIND_RESEND else "results_lost"] += 1
             return
         if (self._inflight[j] is None or h.seq != self.seq or h.msg != s.slot_msgs[j]
                 or h.pkt_id != m * self.width + j or h.dtype != self.dtype_code
@@ -464,7 +475,7 @@ class Stream:
         self._copy[j] = PROBE
         self._sent_at[j] = now
         self._number_send(j)
-        self._enqueue_probe(j)
+        self._enqueue_probe(j, wire.KIND_PROBE)
         s.counters["retransmissions"] += 1
         s.counters["probe_retransmissions"] += 1
 
@@ -520,7 +531,7 @@ class Stream:
                 self._send(j, now)
 
     def _resend(self, j: int, now: float) -> None:
-        """Send a message presumed lost again (its probe), with a longer timeout."""
+        """Send a message presumed lost again (its query), with a longer timeout."""
         self._lost[j] = False
         self._copy[j] = SENT
         self._backoff[j] += 1
@@ -528,7 +539,7 @@ class Stream:
         self._sent_at[j] = now
         self._deadline[j] = now + self.s.rtt.rto(self._backoff[j])
         self._number_send(j)
-        self._enqueue_probe(j)
+        self._enqueue_probe(j, wire.KIND_QUERY)
         self.s.counters["retransmissions"] += 1
 
     # ------------------------------------------------------------ for subclasses
