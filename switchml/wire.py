@@ -38,7 +38,8 @@ A packet covers ``lanes`` blocks of ``block_elements`` values.  Lane record::
 
 A probe, a query, a resend and a done are the 32-byte header alone (``count``
 and ``lanes`` 0), with the ids of the contribution they are about: a worker's
-tail probes are probes and its timer's retransmissions queries, so that a rank
+tail probes (and probes of its fast retransmissions) are probes and its timer's
+retransmissions queries, so that a rank
 whose contribution the switch holds (it waits for a peer's lost one) costs the
 congested port 32 bytes, not a packet.  The switch answers both with a resend
 when the rank's contribution is not in the set, and not at all when the set

@@ -21,14 +21,15 @@ Per slot and set ``v = msg & 1``, for a contribution from rank ``w``:
 * an older message is stale and dropped.
 
 A probe (a retransmission as the header alone, ``wire.KIND_PROBE``: a worker's
-tail probe) asks the same question without the values.  For a rank already in
+tail probe, or its probe of a fast retransmission) asks the same question
+without the values.  For a rank already in
 the bitmap it is answered as a retransmission is (the stored result when the
 set is complete, nothing while it waits for other ranks), for a rank not in it
 (the set holds its message, or an older one, or none) with a resend
 (``wire.KIND_RESEND``): the rank's contribution was lost, it sends it whole.  A
 stale probe is dropped.  So a rank that times out because a peer's
-contribution was lost sends 32 bytes into the congested port, not a whole
-packet (a switch server behind one link, 16 ranks at 100 Mbit/s: 41% more than
+contribution was lost sends 32 bytes (its query, below) into the congested
+port, not a whole packet (a switch server behind one link, 16 ranks at 100 Mbit/s: 41% more than
 the tensor crossed that link as such duplicates and lost results'
 retransmissions).
 
