@@ -27,6 +27,7 @@ SWITCHML_SHARED_LINK        1: the switch is a server behind one     0
                             link all its workers share (no
                             programmable switch): a job's window
                             there is its ranks' share of one link's
+                            window
 SWITCHML_METRICS_PORT       a switch's Prometheus port               (none)
 SWITCHML_KEEPALIVE          seconds within which a vanished peer     20
                             of a control connection is noticed

@@ -801,6 +801,15 @@ static void dense_absorb(DenseCore *c, int j, int64_t m, const uint8_t *data, in
     c->global_exp[j] = (int16_t)get_u16(data + HEADER_SIZE + 8);
 }
 
+/* Stream._names_in_flight: whether the header at `data` (a result or a probe's
+ * answer) is about slot j's message in flight (this call, its message number and
+ * packet). */
+static int names_in_flight(DenseCore *c, int j, const uint8_t *data) {
+    return c->inflight[j] && get_u32(data + 16) == c->seq &&
+           get_u32(data + 12) == c->slot_msgs[j] &&
+           (int64_t)get_u32(data + 20) == c->round[j] * c->width + j;
+}
+
 /* Stream.receive_datagram + the call's _result_fits/_absorb (dense here, sparse in
  * fastsparse.c). -1: out of memory. */
 static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now) {
@@ -827,19 +836,14 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
     }
     int64_t m = c->round[j];
     if (kind != KIND_RESULT) { /* a probe's answer (stream.py): send the message whole */
-        if (!c->inflight[j] || get_u32(data + 16) != c->seq ||
-            get_u32(data + 12) != c->slot_msgs[j] ||
-            (int64_t)get_u32(data + 20) != m * c->width + j || count || lanes) {
+        if (!names_in_flight(c, j, data) || count || lanes) {
             c->counters[COUNTER_STALE]++; /* e.g. the result came before the done */
             return 0;
         }
         c->counters[kind == KIND_RESEND ? COUNTER_RESENDS : COUNTER_RESULTS_LOST]++;
         return outbox_add(c, j);
     }
-    int fits = c->inflight[j] && get_u32(data + 16) == c->seq &&
-               get_u32(data + 12) == c->slot_msgs[j] &&
-               (int64_t)get_u32(data + 20) == m * c->width + j && dtype == c->dtype_code &&
-               lanes == c->lanes;
+    int fits = names_in_flight(c, j, data) && dtype == c->dtype_code && lanes == c->lanes;
     if (fits && c->sp) {
         fits = sparse_result_fits(c, j, data, mode, count);
     } else if (fits) {

@@ -280,6 +280,13 @@ class Stream:
                 room -= self._copy[j] == SENT
                 self._probe(j, now)
 
+    def _names_in_flight(self, j: int, h: wire.Header) -> bool:
+        """Whether ``h`` (a result or a probe's answer) is about the message slot j
+        has in flight: this call, the slot's message number and packet."""
+        return (self._inflight[j] is not None and h.seq == self.seq
+                and h.msg == self.s.slot_msgs[j]
+                and h.pkt_id == self._round[j] * self.width + j)
+
     def pending(self) -> list[tuple[int, int]]:
         """(absolute slot, message number) of every message still awaiting its result."""
         s = self.s
@@ -299,10 +306,8 @@ class Stream:
                 or h.session != s.session or not 0 <= j < self.width):
             s.counters["dropped_foreign"] += 1
             return
-        m = self._round[j]
         if h.kind != wire.KIND_RESULT:  # a probe's answer
-            if (self._inflight[j] is None or h.seq != self.seq or h.msg != s.slot_msgs[j]
-                    or h.pkt_id != m * self.width + j or h.count or h.lanes):
+            if not self._names_in_flight(j, h) or h.count or h.lanes:
                 s.counters["dropped_stale"] += 1  # e.g. the result came before the done
                 return
             # The switch lacks this message (resend), or its result went out before
@@ -311,12 +316,12 @@ class Stream:
             self._enqueue(j, self._inflight[j])
             s.counters["resends" if h.kind == wire.KIND_RESEND else "results_lost"] += 1
             return
-        if (self._inflight[j] is None or h.seq != self.seq or h.msg != s.slot_msgs[j]
-                or h.pkt_id != m * self.width + j or h.dtype != self.dtype_code
+        if (not self._names_in_flight(j, h) or h.dtype != self.dtype_code
                 or h.mode != self._mode(j) or h.lanes != s.lanes
                 or not self._result_fits(j, h, data)):
             s.counters["dropped_stale"] += 1
             return
+        m = self._round[j]
         s.counters["results_in"] += 1
         rtt = s.rtt
         answered = self._send_no[j]  # the latest transmission's, unless proven otherwise
