@@ -22,6 +22,9 @@ EXTENSIONS = [
               depends=["switchml/worker/fastsparse.c"],
               extra_compile_args=["-O3", "-std=c11", "-D_GNU_SOURCE", "-ffp-contract=off",
                                   "-fno-trapping-math"]),
+    # the local stage's operations on a host's shared memory (worker/localmem.py's twin)
+    Extension("switchml.worker._localmem", ["switchml/worker/_localmem.c"], optional=True,
+              extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off"]),
 ]
 
 setup(ext_modules=EXTENSIONS)

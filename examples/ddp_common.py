@@ -170,6 +170,7 @@ def train(model, ddp, state, opt, data: DataLoader, test: tuple, args, durations
         "switchml_mb_sent_per_step": counters.get("bytes_sent", 0) / 1e6 / max(steps, 1),
         "switchml_mb_received_per_step": counters.get("bytes_received", 0) / 1e6 / max(steps, 1),
         "switchml_sparse_blocks_sent": counters.get("sparse_blocks_sent", 0),
+        "switchml_local_calls": counters.get("local_calls", 0),
         "backend": args.backend + ("+switchml-hook" if args.hook else ""),
         "wire_bits": (args.bits or int(os.environ.get("SWITCHML_WIRE_BITS", 32))
                       if (args.backend == "switchml" or args.hook) else None),
@@ -190,8 +191,11 @@ def train(model, ddp, state, opt, data: DataLoader, test: tuple, args, durations
               f"samples/s {summary['samples_per_s']:.0f}  "
               f"allreduce {summary['allreduce_ms_per_step']:.2f} ms/step", flush=True)
         if counters:
+            local = (f"; {summary['switchml_local_calls']} calls combined on the host first"
+                     if summary["switchml_local_calls"] else "")
             print(f"switchml per step and worker: {summary['switchml_mb_sent_per_step']:.2f} MB "
-                  f"sent, {summary['switchml_mb_received_per_step']:.2f} MB received", flush=True)
+                  f"sent, {summary['switchml_mb_received_per_step']:.2f} MB received{local}",
+                  flush=True)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(summary, f, indent=2)

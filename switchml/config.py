@@ -75,6 +75,9 @@ DEFAULT_TIMEOUT = 30.0
 DEFAULT_KEEPALIVE = 20.0
 #: Largest keepalive bound: Linux refuses a TCP_KEEPIDLE above 32767 s.
 MAX_KEEPALIVE = 32767
+#: Bytes of a local-stage segment (worker/local.py): a call is combined on a host,
+#: sent and copied back this much at a time, each piece behind the last.
+DEFAULT_LOCAL_SEGMENT = 2 * 2**20
 #: sparse="auto" goes sparse when the union of non-zero blocks (what every worker
 #: receives) is at most this share of all blocks; see Worker._sparse_pays.
 DEFAULT_SPARSE_AUTO_UNION = 0.5
@@ -121,6 +124,12 @@ def parse_flag(text: str) -> bool:
 
 
 parse_flag.__name__ = "flag (1 or 0)"
+
+
+def local_stage_on(given: bool | None = None) -> bool:
+    """Whether ranks that share a host combine there first: ``given``, else
+    SWITCHML_LOCAL_STAGE (on by default)."""
+    return env("LOCAL_STAGE", True, parse_flag) if given is None else bool(given)
 
 
 def parse_address(address) -> tuple[str, int]:

@@ -2,10 +2,10 @@
 
 Control messages travel as JSON objects, one per line, over the switch's TCP
 control port (docs/protocol.md, "Joining").  A worker's requests carry ``"op"``
-(``Join``, ``Leave``, ``Abort``, ``StatusQuery``, ``StatsQuery``; a rack switch's
-``RackJoin``); the switch's answers carry ``"event"`` (``Joined``, ``Ready``,
-``Waiting``, ``Error``, ``Failed``, ``Left``, ``StatusReply``, ``StatsReply``; to a
-rack switch, ``RackReady``).  Every field name and
+(``Gather``, ``Join``, ``Leave``, ``Abort``, ``StatusQuery``, ``StatsQuery``; a rack
+switch's ``RackJoin``); the switch's answers carry ``"event"`` (``Gathered``,
+``Joined``, ``Ready``, ``Waiting``, ``Error``, ``Failed``, ``Left``, ``StatusReply``,
+``StatsReply``; to a rack switch, ``RackReady``).  Every field name and
 every check of a field lives here, so that the switch's controller
 (``switch/control.py``), the worker's client (``worker/control.py``) and the CLI
 build and read the same messages.  Data packets are another format
@@ -35,6 +35,9 @@ MAX_NAME = 200
 MIN_MTU = 68
 #: Most rows a status query asks for; the rest are ignored.
 MAX_STATUS_ROWS = 4096
+#: Most ranks a gather takes (ranks, not hosts: the switch's 32 members of a job
+#: are hosts once the ranks of a host combine).
+MAX_GATHER_RANKS = 4096
 
 
 class BadRequest(ValueError):
@@ -110,11 +113,17 @@ class Join(Request):
     mtu: int | None = None        # MTU of its route to the switch (None: unknown)
     wait: bool = False            # wait for room rather than be refused
     version: int = PROTOCOL_VERSION
+    #: Jobs whose packets the rank's link carries at once (the local stage's shards,
+    #: one job each): the job's window is the link's over this.
+    link_share: int = 1
 
     def fields(self) -> dict:
-        return {"version": self.version, "job": self.job, "rank": self.rank,
-                "world_size": self.world_size, "data_addr": list(self.data_addr),
-                "slots": self.slots, "rcvbuf": self.rcvbuf, "mtu": self.mtu, "wait": self.wait}
+        out = {"version": self.version, "job": self.job, "rank": self.rank,
+               "world_size": self.world_size, "data_addr": list(self.data_addr),
+               "slots": self.slots, "rcvbuf": self.rcvbuf, "mtu": self.mtu, "wait": self.wait}
+        if self.link_share != 1:
+            out["link_share"] = self.link_share
+        return out
 
     @classmethod
     def from_dict(cls, msg: dict) -> Join:
@@ -134,7 +143,9 @@ class Join(Request):
         slots = _integer(msg, "slots", 1, 2**31) if msg.get("slots") is not None else None
         rcvbuf = _integer(msg, "rcvbuf", 0, 2**62) if msg.get("rcvbuf") is not None else 0
         mtu = _integer(msg, "mtu", MIN_MTU, 1 << 20) if msg.get("mtu") is not None else None
-        return cls(job, rank, world, address, slots, rcvbuf, mtu, msg.get("wait") is True)
+        share = _integer(msg, "link_share", 1, MAX_GATHER_RANKS, 1)
+        return cls(job, rank, world, address, slots, rcvbuf, mtu, msg.get("wait") is True,
+                   link_share=share)
 
 
 @dataclass(frozen=True)
@@ -155,7 +166,8 @@ class RackJoin(Join):
     def from_dict(cls, msg: dict) -> RackJoin:
         join = Join.from_dict(msg)
         return cls(join.job, join.rank, join.world_size, join.data_addr, join.slots,
-                   join.rcvbuf, join.mtu, join.wait, rack=str(msg.get("rack", ""))[:MAX_NAME])
+                   join.rcvbuf, join.mtu, join.wait, link_share=join.link_share,
+                   rack=str(msg.get("rack", ""))[:MAX_NAME])
 
 
 @dataclass(frozen=True)
@@ -209,6 +221,36 @@ class StatusQuery(Request):
 
 
 @dataclass(frozen=True)
+class Gather(Request):
+    """A rank's ``value`` for an allgather among its job's ranks: the switch answers
+    every rank with ``Gathered`` once all ``world_size`` sent theirs (the ranks
+    exchange their host records this way before they join: worker/hosts.py).
+    Nothing of it stays on the switch once answered."""
+
+    name = "gather"
+    job: str
+    rank: int
+    world_size: int
+    value: str
+    version: int = PROTOCOL_VERSION
+
+    def fields(self) -> dict:
+        return {"version": self.version, "job": self.job, "rank": self.rank,
+                "world_size": self.world_size, "value": self.value}
+
+    @classmethod
+    def from_dict(cls, msg: dict) -> Gather:
+        if msg.get("version", PROTOCOL_VERSION) != PROTOCOL_VERSION:
+            raise VersionMismatch(msg.get("version"))
+        value = msg.get("value")
+        if not isinstance(value, str) or len(value) > MAX_NAME:
+            raise BadRequest(f"value must be text of at most {MAX_NAME} characters")
+        world = _integer(msg, "world_size", 1, MAX_GATHER_RANKS)
+        rank = _integer(msg, "rank", 0, world - 1)
+        return cls(str(msg.get("job", ""))[:MAX_NAME], rank, world, value)
+
+
+@dataclass(frozen=True)
 class StatsQuery(Request):
     """The switch's counters (``switchml stats``)."""
 
@@ -216,7 +258,8 @@ class StatsQuery(Request):
 
 
 REQUESTS: dict[str, Any] = {"join": Join, "rack_join": RackJoin, "leave": Leave,
-                            "abort": Abort, "status": StatusQuery, "stats": StatsQuery}
+                            "abort": Abort, "status": StatusQuery, "stats": StatsQuery,
+                            "gather": Gather}
 
 
 def decode_request(msg) -> Request:
@@ -339,6 +382,20 @@ class Failed(Event):
 
 
 @dataclass(frozen=True)
+class Gathered(Event):
+    """Every rank's ``Gather`` value, by rank, and a random ``nonce`` that names this
+    gathering (the same for every rank)."""
+
+    name = "gathered"
+    job: str
+    values: tuple[str, ...]
+    nonce: str
+
+    def fields(self) -> dict:
+        return {"job": self.job, "values": list(self.values), "nonce": self.nonce}
+
+
+@dataclass(frozen=True)
 class Left(Event):
     """The switch took note of a ``Leave``."""
 
@@ -419,6 +476,11 @@ def decode_event(msg) -> Event | None:
                       str(msg.get("reason", "")), msg.get("mismatch") is True)
     if name == "left":
         return Left()
+    if name == "gathered":
+        values = _field(msg, "values", lambda v: isinstance(v, list) and all(map(_text, v)),
+                        "texts")
+        return Gathered(str(msg.get("job", "")), tuple(values),
+                        _field(msg, "nonce", _text, "text"))
     if name == "status":
         rows = _field(msg, "slots", lambda v: isinstance(v, list) and all(
             isinstance(r, list) and len(r) == 4 and isinstance(r[2], (bool, int))

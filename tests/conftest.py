@@ -12,6 +12,11 @@ import switchml
 from switchml import quant
 from switchml.netutil import LineReader
 
+# The suite's rank-per-thread and rank-per-process jobs run on one machine, where
+# the local stage would combine them before the switch: the tests of the switch
+# path run without it, and tests/test_local*.py turn it on where they test it.
+os.environ["SWITCHML_LOCAL_STAGE"] = "0"
+
 
 def _testbed_missing() -> str | None:
     """Why the emulated cluster cannot run here (None: it can)."""

@@ -51,6 +51,7 @@ from ..protocol import (
     StatusReply,
     Waiting,
 )
+from .gather import Gatherings, GatherRefused
 from .pipeline import MAX_WORKERS, Mismatch, Pipeline, SlotPoolExhausted
 
 log = logging.getLogger("switchml.switch")
@@ -124,6 +125,8 @@ class Controller:
         self._queue: list[str] = []  # names of waiting jobs, in arrival order
         self._recent: deque[int] = deque(maxlen=RECENT_SESSIONS_KEPT)
         self.refused: Counter = Counter()  # joins refused, by reason
+        #: Ranks exchanging their host records before they join (``protocol.Gather``).
+        self.gatherings = Gatherings(limit=max_jobs)
 
     def handle_message(self, conn, msg) -> list:
         """Answer one message: a decoded JSON line (a dict, as the server reads it) or a
@@ -147,6 +150,11 @@ class Controller:
             if conn in self._conn_job:  # as for a good join: that it joined comes first
                 return self._refuse(conn, "bad_request", "this connection already joined a job")
             return self._refuse(conn, "bad_request", str(exc))
+        if isinstance(request, protocol.Gather):
+            try:
+                return self.gatherings.gather(conn, request)
+            except GatherRefused as exc:
+                return self._refuse(conn, exc.reason, str(exc))
         if isinstance(request, protocol.Join):
             return self._join(conn, request)
         if isinstance(request, protocol.Leave):
@@ -158,6 +166,11 @@ class Controller:
         return [(conn, StatsReply(self._stats()))]
 
     def _disconnect(self, conn) -> list:
+        gathering = self.gatherings.disconnect(conn)
+        return gathering + self._leave_job(conn)
+
+    def _leave_job(self, conn) -> list:
+        """A connection that held ranks of a job closed: fail or shrink the job."""
         entry = self._conn_job.pop(conn, None)
         if entry is None:
             return []
@@ -204,7 +217,8 @@ class Controller:
             "waiting": [{"job": j.name, "world_size": j.world_size, "slots": j.slot_count}
                         for j in waiting],
             "gathering": [{"job": j.name, "world_size": j.world_size, "present": sorted(j.conns)}
-                          for j in self.jobs.values() if not j.session and not j.waiting],
+                          for j in self.jobs.values() if not j.session and not j.waiting]
+            + self.gatherings.describe(),
             "refused": dict(self.refused),
         }
 
@@ -224,7 +238,10 @@ class Controller:
                                            and self._conn_job[conn][0] == join.job):
             return self._refuse(conn, "bad_request", "this connection already joined a job")
         name, world, rank, addr = join.job, join.world_size, join.rank, join.data_addr
-        request = join.slots if join.slots is not None else self.slots_per_job
+        # A rank whose link carries several jobs at once (its host's shards) asks for
+        # its share of the window that link carries.
+        request = -(-(join.slots if join.slots is not None else self.slots_per_job)
+                    // join.link_share)
         rcvbuf, mtu = join.rcvbuf, join.mtu
         if world > MAX_WORKERS:
             return self._refuse(

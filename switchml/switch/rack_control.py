@@ -156,7 +156,7 @@ class RackController:
             except OSError as exc:
                 log.warning("job %s: no MTU for the routes of rank %d: %s", name, rank, exc)
         relayed = protocol.RackJoin(name, rank, world, job.uplink_addr, join.slots,
-                                    join.rcvbuf, mtu, join.wait,
+                                    join.rcvbuf, mtu, join.wait, link_share=join.link_share,
                                     rack=f"{job.uplink_addr[0]}:{self.data_port}")
         job.conns[rank], job.addrs[rank] = conn, join.data_addr
         self._conn_job[conn] = (name, rank)

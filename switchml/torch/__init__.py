@@ -12,8 +12,10 @@ an inner gloo group, which is registered as this group's backend for its devices
 so any torch code runs unchanged.  The switch is ``SWITCHML_SWITCH`` when set;
 otherwise the first group's rank 0 starts one in a child process, publishes its
 address through the store, and every later group (``new_group``) of the job uses
-the same switch, a job of its own on it.  ``SWITCHML_SPARSE`` (false, true or auto: the
-default) picks the dense or sparse path.
+the same switch, a job of its own on it.  Ranks that share a host combine there
+first (the local stage: they find one another through the store); a job whose
+ranks all share one host needs, and starts, no switch.  ``SWITCHML_SPARSE``
+(false, true or auto: the default) picks the dense or sparse path.
 
 ``allreduce_hook`` is a DDP communication hook for users who keep their gloo or
 nccl group for everything else.
@@ -26,10 +28,11 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from ..config import SwitchConfiguration, env
+from ..config import SwitchConfiguration, env, local_stage_on
 from ..errors import SwitchMLError
 from ..switch.process import SwitchProcess
 from ..worker.client import Worker
+from ..worker.hosts import HostRecord, Hosts, Placement, host_record
 from .staging import stage
 
 __all__ = ["ProcessGroupSwitchML", "HookState", "allreduce_hook", "sparse_mode"]
@@ -107,22 +110,44 @@ class _JobSwitch:
 _JOB_SWITCH = _JobSwitch()
 
 
+def _exchange_hosts(store, rank: int, size: int) -> Hosts | None:
+    """Every rank's host record through ``store`` (who shares a host: the local
+    stage), or None where the local stage is off or the job has one rank."""
+    if size < 2 or not local_stage_on():
+        return None
+    store.set(f"switchml/host/{rank}", host_record().encode())
+    if rank == 0:
+        store.set("switchml/nonce", secrets.token_hex(8))
+    records = tuple(HostRecord.decode(store.get(f"switchml/host/{r}").decode())
+                    for r in range(size))
+    return Hosts(records, store.get("switchml/nonce").decode())
+
+
+def _one_host(hosts: Hosts | None) -> bool:
+    """Whether the job's ranks all share one host's memory: it needs no switch."""
+    return hosts is not None and Placement.of(hosts.records, 0).hosts == 1
+
+
 def _connect(store, rank: int, size: int, timeout: float) -> tuple[Worker, bool]:
     """Join a job named through ``store``: (the worker, whether it is on the job's
     shared switch).  With ``SWITCHML_SWITCH`` unset, every group of the job shares one
-    switch (``_JobSwitch``)."""
+    switch (``_JobSwitch``), started only when the job spans hosts: on one host the
+    local stage is the whole allreduce."""
     configured = env("SWITCH", None)
+    hosts = _exchange_hosts(store, rank, size)
+    alone = configured is None and _one_host(hosts)
     if rank == 0:
         store.set("switchml/address", configured if configured is not None
-                  else _JOB_SWITCH.publish())
+                  else "" if alone else _JOB_SWITCH.publish())
         store.set("switchml/job", "torch-" + secrets.token_hex(6))
-    address = store.get("switchml/address").decode()
+    address = store.get("switchml/address").decode() or None
     job = store.get("switchml/job").decode()
-    shared = configured is None
+    shared = configured is None and not alone
     if shared:
+        assert address is not None
         _JOB_SWITCH.joined(address)
     try:
-        return Worker(address, rank, size, job=job, timeout=timeout), shared
+        return Worker(address, rank, size, job=job, timeout=timeout, hosts=hosts), shared
     except BaseException:
         if shared:
             _JOB_SWITCH.left()
@@ -370,17 +395,25 @@ class HookState:
             raise SwitchMLError("HookState joins through torch.distributed: call "
                                 "init_process_group before DDP's first backward pass")
         rank, size = dist.get_rank(group), dist.get_world_size(group)
+        hosts = None
+        if size > 1 and local_stage_on():
+            records: list = [None] * size
+            dist.all_gather_object(records, host_record().encode(), group=group)
+            hosts = Hosts(tuple(map(HostRecord.decode, records)), "")
         address = env("SWITCH", None)
-        box: list = [None, None]
+        box: list = [None, None, None]
         if rank == 0:
-            if address is None:
+            if address is None and not _one_host(hosts):
                 self.switch = _embedded_switch()
                 assert self.switch.address is not None
                 address = "%s:%d" % self.switch.address
-            box = [address, "ddp-hook-" + secrets.token_hex(6)]
+            box = [address, "ddp-hook-" + secrets.token_hex(6), secrets.token_hex(8)]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0,
                                    group=group)
-        self.worker = Worker(box[0], rank, size, job=box[1], timeout=self.timeout)
+        if hosts is not None:
+            hosts = Hosts(hosts.records, box[2])
+        self.worker = Worker(box[0], rank, size, job=box[1], timeout=self.timeout,
+                             hosts=hosts)
         self.world_size = size
 
     def close(self) -> None:

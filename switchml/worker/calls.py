@@ -67,3 +67,23 @@ def check_call(array, out, sparse, bits: int, ready) -> tuple[np.ndarray, np.nda
             raise ValueError("the 16-bit wire is dense: pass sparse=False or 'auto'")
         sparse = False
     return src, out, sparse
+
+
+def widen(src: np.ndarray, out: np.ndarray):
+    """(input, output, ``narrow``) of a call as the engines run it: a float16 call is
+    summed as float32 (float16 values are exact in it) into a float32 output, and
+    ``narrow`` is the caller's float16 output (None for other calls)."""
+    if src.dtype != np.float16:
+        return src, out, None
+    wide = src.astype(np.float32)
+    return wide, np.empty_like(wide), out
+
+
+def narrow_result(narrow, out: np.ndarray) -> np.ndarray:
+    """The result the caller gets: ``out``, or for a float16 call the float32 sum
+    rounded to float16 once into ``narrow`` (past float16's range: inf)."""
+    if narrow is None:
+        return out
+    with np.errstate(over="ignore"):
+        np.copyto(narrow, out, casting="same_kind")
+    return narrow

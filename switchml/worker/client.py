@@ -30,16 +30,20 @@ from ..config import (
     DEFAULT_SPARSE_AUTO_UNION,
     DEFAULT_TIMEOUT,
     env,
+    local_stage_on,
     switch_addresses,
 )
 from ..errors import SwitchMLError, SwitchMLTimeoutError, SwitchUnreachableError
 from ..netutil import enable_keepalive, enlarge_buffers, forbid_fragmentation, route_mtu
 from ..protocol import Left, StatusReply
 from . import compiled, nonfinite
-from .calls import AllreduceHandle, check_call
+from .calls import AllreduceHandle, check_call, narrow_result, widen
 from .control import ControlClient, JobFailed
 from .engine import Session
+from .hosts import Hosts, Placement
+from .localworker import LocalStageWorker
 from .multi import MultiSwitchWorker
+from .rendezvous import exchange_through_switch
 from .sparse import nonzero_blocks
 
 __all__ = ["Worker", "AllreduceHandle"]
@@ -68,6 +72,15 @@ class Worker:
     ``SwitchMLTimeoutError`` naming the ranks that did not contribute, and the
     job fails for every rank (the switch frees its slots).
 
+    Ranks that share a host combine their arrays in shared memory first, and one
+    rank per shard sends the host's partial sum through the switch (a job of one
+    member per host): ``Worker(...)`` then returns a ``localworker.LocalStageWorker``
+    with this class's API (docs/protocol.md, "Several ranks on one host").  The
+    ranks find out who shares a host at join, through the switch (or ``hosts``,
+    the records exchanged already); ``local_stage=False`` (or
+    ``SWITCHML_LOCAL_STAGE=0``) sends every rank's array through the switch.
+    A job on one host needs no switch at all (``switch`` may be None there).
+
     A job that does not fit in the switch (``max_jobs`` jobs run, or its window of
     ``slots`` does not fit in the free slots) is refused with
     ``LimitExceededError`` naming the limit, unless every rank passes
@@ -77,24 +90,48 @@ class Worker:
 
     def __new__(cls, switch=None, rank: int = 0, world_size: int = 1, job: str | None = None,
                 timeout: float | None = None, *, slots: int | None = None,
-                wait_for_slots: float | None = None) -> Any:
+                wait_for_slots: float | None = None, local_stage: bool | None = None,
+                hosts: Hosts | None = None, link_share: int = 1) -> Any:
+        # Not an instance of cls, Python runs no __init__ on what this returns: one
+        # switch keeps exactly this class; ranks that share hosts, or K switches, get
+        # the class that runs them, whose parts are instances of this one.
+        job = job if job is not None else env("JOB", "default")
+        timeout = float(timeout if timeout is not None else env("TIMEOUT", DEFAULT_TIMEOUT, float))
+        if world_size > 1 and local_stage_on(local_stage):
+            if hosts is None:
+                hosts = exchange_through_switch(switch_addresses(switch)[0], job, rank,
+                                                world_size, timeout)
+            placement = Placement.of(hosts.records, rank)
+            for ranks in placement.apart():
+                if rank in ranks:
+                    log.info("job %s: ranks %s share this machine's network but cannot map "
+                             "one another's memory (another IPC namespace, /dev/shm, user or "
+                             "SWITCHML_LOCAL_GROUP): they take the flat path, as hosts apart",
+                             job, list(ranks))
+            if placement.combines:
+                # One host is the whole job: no switch needed, unless one is named.
+                addresses = (switch_addresses(switch) if placement.hosts > 1
+                             or switch is not None or env("SWITCH", None) else [])
+                return LocalStageWorker(placement, hosts, addresses, job, timeout, slots=slots,
+                                        wait_for_slots=wait_for_slots, channel=cls)
         addresses = switch_addresses(switch)
         if len(addresses) > 1:
-            # Not an instance of cls, so Python does not run __init__ on it: one
-            # switch keeps exactly this class, and K switches get K of them.
             return MultiSwitchWorker(addresses, rank, world_size, job, timeout, slots=slots,
-                                     wait_for_slots=wait_for_slots, channel=cls)
+                                     wait_for_slots=wait_for_slots, channel=cls,
+                                     link_share=link_share)
         return super().__new__(cls)
 
     def __init__(self, switch=None, rank: int = 0, world_size: int = 1, job: str | None = None,
                  timeout: float | None = None, *, slots: int | None = None,
-                 wait_for_slots: float | None = None):
+                 wait_for_slots: float | None = None, local_stage: bool | None = None,
+                 hosts: Hosts | None = None, link_share: int = 1):
         (self.switch_address,) = switch_addresses(switch)  # several: __new__ took them
         self.rank = rank
         self.world_size = world_size
         self.job = job if job is not None else env("JOB", "default")
         self.timeout = float(timeout if timeout is not None
                              else env("TIMEOUT", DEFAULT_TIMEOUT, float))
+        self.link_share = link_share
         self._sparse_auto_union = env("SPARSE_AUTO_UNION", DEFAULT_SPARSE_AUTO_UNION, float)
         # The C sparse engine makes a round cost microseconds: 8-lane packets pay
         # there (MTU 9000); the Python engine's rounds need 32 (docs/benchmarks.md).
@@ -174,12 +211,9 @@ class Worker:
         """
         bits = self._wire_bits if bits is None else bits
         src, out, sparse = check_call(array, out, sparse, bits, ready)
-        narrow = None
-        if src.dtype == np.float16:
-            # Summed as float32 (float16 values are exact in it) and rounded back to
-            # float16 once at the end: the float32 bound plus half a float16 ulp.
-            narrow, src = out, src.astype(np.float32)
-            out = np.empty_like(src)
+        # float16: summed as float32 and rounded back once, the float32 bound plus half
+        # a float16 ulp
+        src, out, narrow = widen(src, out)
         future: Future = Future()
         if self._closed:
             raise SwitchMLError("this worker is closed")
@@ -246,7 +280,7 @@ class Worker:
             forbid_fragmentation(udp)
             udp.setblocking(False)
             self._protocol.join(udp.getsockname(), time.monotonic(), slots=slots,
-                                rcvbuf=rcvbuf, mtu=mtu)
+                                rcvbuf=rcvbuf, mtu=mtu, link_share=self.link_share)
             control.sendall(self._protocol.data_to_send())
             self._await_ready(control)
         except BaseException:
@@ -335,11 +369,7 @@ class Worker:
                 except BaseException as exc:  # a bug: surface it to the caller
                     future.set_exception(exc)
                 else:
-                    if narrow is not None:  # a float16 call: round the float32 sum once
-                        with np.errstate(over="ignore"):  # past float16's range: inf
-                            np.copyto(narrow, out, casting="same_kind")
-                        out = narrow
-                    future.set_result(out)
+                    future.set_result(narrow_result(narrow, out))
             if self._control_open:
                 # Also after a timeout: this rank is alive, and leaving rather than
                 # vanishing keeps the switch from blaming it for the others' stall.

@@ -41,7 +41,16 @@ from ..errors import (
     SwitchUnreachableError,
 )
 from ..netutil import LineReader
-from ..protocol import PROTOCOL_VERSION, Error, Failed, Joined, Ready, StatusReply, Waiting
+from ..protocol import (
+    PROTOCOL_VERSION,
+    Error,
+    Failed,
+    Gathered,
+    Joined,
+    Ready,
+    StatusReply,
+    Waiting,
+)
 
 log = logging.getLogger("switchml.worker")
 
@@ -79,6 +88,8 @@ class ControlClient:
         self.state = JOINING
         #: The job's session and slots, once every rank joined and it was admitted.
         self.ready: Ready | None = None
+        #: Every rank's value, once every rank gathered (``gather``).
+        self.gathered: Gathered | None = None
         #: Why the job is over for this rank, once it is.
         self.error: SwitchMLError | None = None
         self._reader = LineReader()
@@ -90,11 +101,20 @@ class ControlClient:
 
     # ------------------------------------------------------------ what to send
     def join(self, data_addr: tuple[str, int], now: float, *, slots: int | None = None,
-             rcvbuf: int = 0, mtu: int | None = None) -> None:
-        """Ask to join; the other ranks must join within ``timeout`` of ``now``."""
+             rcvbuf: int = 0, mtu: int | None = None, link_share: int = 1) -> None:
+        """Ask to join; the other ranks must join within ``timeout`` of ``now``.
+        ``link_share``: jobs this rank's link carries at once (``protocol.Join``)."""
         host, port = data_addr
         self._send(protocol.Join(self.job, self.rank, self.world_size, (str(host), int(port)),
-                                 slots, rcvbuf, mtu, self.wait_for_slots > 0, self.version))
+                                 slots, rcvbuf, mtu, self.wait_for_slots > 0, self.version,
+                                 link_share=link_share))
+        self._join_deadline = self._deadline = now + self.timeout
+
+    def gather(self, value: str, now: float) -> None:
+        """Send this rank's ``value`` for the job's allgather (before a join: the
+        host records); the other ranks must send theirs within ``timeout``."""
+        self._send(protocol.Gather(self.job, self.rank, self.world_size, value,
+                                   version=self.version))
         self._join_deadline = self._deadline = now + self.timeout
 
     def leave(self) -> None:
@@ -177,7 +197,9 @@ class ControlClient:
             return self._fail(SwitchMLTimeoutError(f"job '{self.job}' failed: {event.reason}",
                                                    event.missing))
         if self.state == JOINING:
-            if isinstance(event, Ready):
+            if isinstance(event, Gathered):
+                self.gathered = event
+            elif isinstance(event, Ready):
                 self.state, self.ready = RUNNING, event
             elif isinstance(event, Joined):  # (again) gathering ranks: the join deadline holds
                 self._present, self._waiting = event.present, None

@@ -90,7 +90,7 @@ class MultiSwitchWorker:
 
     def __init__(self, addresses, rank: int, world_size: int, job: str | None = None,
                  timeout: float | None = None, *, slots: int | None = None,
-                 wait_for_slots: float | None = None, channel):
+                 wait_for_slots: float | None = None, channel, link_share: int = 1):
         self.switch_addresses: list[tuple[str, int]] = list(addresses)
         self.switch_address = self.switch_addresses[0]
         self.rank = rank
@@ -103,7 +103,8 @@ class MultiSwitchWorker:
             for k, address in enumerate(self.switch_addresses):
                 try:
                     self.channels.append(channel(address, rank, world_size, job, timeout,
-                                                 slots=slots, wait_for_slots=wait_for_slots))
+                                                 slots=slots, wait_for_slots=wait_for_slots,
+                                                 local_stage=False, link_share=link_share))
                 except SwitchMLTimeoutError as exc:
                     raise renamed(exc, f"{exc} (joining {self._name(k)}, switch {k + 1} of "
                                        f"{len(self.switch_addresses)}: every rank must list "
@@ -121,6 +122,8 @@ class MultiSwitchWorker:
         self._lock = threading.Lock()
         self._failure: SwitchMLError | None = None
         self._closed = False
+        #: Called with the error when the job fails on any switch (``Worker.on_failure``).
+        self.on_failure = None
         for k, joined in enumerate(self.channels):
             joined.on_failure = lambda error, k=k: self._switch_failed(error, k)
         self._share_the_window()
@@ -256,6 +259,12 @@ class MultiSwitchWorker:
             for k, channel in enumerate(self.channels):
                 if k != origin:
                     channel.abort(error)
+            if self.on_failure is not None:
+                self.on_failure(error)
+
+    def abort(self, error: SwitchMLError) -> None:
+        """``Worker.abort``, on every switch: the job fails there for every rank."""
+        self._fail(error, -1)
 
     def _switch_failed(self, error: SwitchMLError, k: int) -> None:
         """Switch k failed the job or went away, maybe between calls: let go of the

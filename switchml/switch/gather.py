@@ -1,0 +1,98 @@
+"""Allgathers among a job's ranks on the control port, sans-IO (``protocol.Gather``).
+
+Before they join, the ranks of a job exchange their host records this way
+(worker/hosts.py): who shares a host, and so how the job's calls are cut.  A
+gathering is keyed by job name and lives only until every rank sent its value:
+then each gets ``Gathered`` with all of them, by rank, and a random nonce, and
+the switch forgets it.  While ranks are missing, the present ones get
+``Joined`` as a job's ranks do, so that a rank that gives up names the missing
+ones.  A rank that disconnects before the end drops out of its gathering.
+Nothing here touches the data plane: a gathering holds no slots.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+from ..protocol import Gather, Gathered, Joined
+
+__all__ = ["Gatherings", "GatherRefused"]
+
+
+class GatherRefused(Exception):
+    """A gather the switch will not take: ``reason`` (a counter's name) and the message."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class _Gathering:
+    world_size: int
+    values: dict = field(default_factory=dict)  # rank -> value
+    conns: dict = field(default_factory=dict)   # rank -> connection
+
+
+class Gatherings:
+    """The open gatherings; at most ``limit`` at once (each holds at most
+    ``protocol.MAX_GATHER_RANKS`` values of ``protocol.MAX_NAME`` characters)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._open: dict[str, _Gathering] = {}
+        self._conn: dict = {}  # connection -> (job name, rank)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def gather(self, conn, request: Gather) -> list:
+        """Take one rank's value: (connection, event) pairs to send; GatherRefused."""
+        name = request.job
+        if conn in self._conn:
+            raise GatherRefused("bad_request", "this connection already gathers")
+        entry = self._open.get(name)
+        if entry is None:
+            if len(self._open) >= self.limit:
+                raise GatherRefused("max_jobs", f"the switch holds at most {self.limit} "
+                                                "gatherings at once")
+            entry = self._open[name] = _Gathering(request.world_size)
+        elif entry.world_size != request.world_size:
+            raise GatherRefused("world_size_mismatch",
+                                f"job '{name}' gathers {entry.world_size} ranks, this "
+                                f"rank says {request.world_size}")
+        if request.rank in entry.values:
+            raise GatherRefused("duplicate_rank",
+                                f"rank {request.rank} of job '{name}' is gathering already")
+        entry.values[request.rank] = request.value
+        entry.conns[request.rank] = conn
+        self._conn[conn] = (name, request.rank)
+        if len(entry.values) < entry.world_size:
+            present = Joined(name, tuple(sorted(entry.values)))
+            return [(c, present) for c in entry.conns.values()]
+        del self._open[name]
+        for c in entry.conns.values():
+            del self._conn[c]
+        done = Gathered(name, tuple(entry.values[r] for r in range(entry.world_size)),
+                        secrets.token_hex(8))
+        return [(c, done) for c in entry.conns.values()]
+
+    def disconnect(self, conn) -> list:
+        """A connection closed: its rank leaves its gathering (the others are told)."""
+        held = self._conn.pop(conn, None)
+        if held is None:
+            return []
+        name, rank = held
+        entry = self._open[name]
+        del entry.values[rank], entry.conns[rank]
+        if not entry.values:
+            del self._open[name]
+            return []
+        present = Joined(name, tuple(sorted(entry.values)))
+        return [(c, present) for c in entry.conns.values()]
+
+    def describe(self) -> list:
+        """The open gatherings: job, world size, ranks present."""
+        return [{"job": name, "world_size": g.world_size, "present": sorted(g.values)}
+                for name, g in self._open.items()]

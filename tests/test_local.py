@@ -1,0 +1,302 @@
+"""The local stage, sans-IO: hosts of ranks driven by a seeded scheduler that
+interleaves them every way, a model switch between the hosts; the shared-memory
+operations' C twin against the reference; the placement of ranks on hosts."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from switchml.errors import CallMismatchError, JoinRefusedError
+from switchml.worker import localmem
+from switchml.worker.hosts import HostRecord, Placement
+from switchml.worker.local import SHARD_ALIGN, Launch, LocalStage, Wait, call_kind
+from switchml.worker.localmem import R_STATE, Layout
+
+SEGMENT = 2048  # elements: small, so that calls span several segments and slots
+
+
+# ---------------------------------------------------------------- a host group in memory
+class Host:
+    """One host's ranks over one buffer, as the shared segment would hold them."""
+
+    def __init__(self, ranks: int, shards: int, switched: bool, slots: int = 2):
+        self.layout = Layout(ranks, shards, slots, SEGMENT)
+        self.buf = np.zeros(self.layout.size, dtype=np.uint8)
+        self.stages = [LocalStage(self.buf, self.layout, i, switched=switched)
+                       for i in range(ranks)]
+
+    def counter(self, index: int, field: int) -> int:
+        offset = self.layout.record(index, field)
+        return int(self.buf[offset:offset + 8].view(np.uint64)[0])
+
+
+def run_hosts(sizes, calls, seed, switched=None, in_place=False):
+    """Drive hosts of ``sizes`` ranks through ``calls`` (per call, each rank's input
+    arrays: calls[c][host][index]) in an order a seeded generator picks, with a
+    model switch that sums each shard over the hosts, in float64 rounded once,
+    whenever the scheduler lets it.  Returns outputs[c][host][index]."""
+    rng = np.random.default_rng(seed)
+    shards = min(sizes)
+    switched = len(sizes) > 1 if switched is None else switched
+    hosts = [Host(k, shards, switched) for k in sizes]
+    outputs = [[[a if in_place else np.empty_like(a) for a in host] for host in call]
+               for call in calls]
+
+    def rank_steps(h, i):
+        stage = hosts[h].stages[i]
+        for c, call in enumerate(calls):
+            src = call[h][i]
+            kind = call_kind(src.dtype, False, 32)
+            yield from stage.allreduce(src, outputs[c][h][i], kind)
+
+    runners = {(h, i): rank_steps(h, i) for h, k in enumerate(sizes) for i in range(k)}
+    waiting: dict = {key: None for key in runners}  # the step each rank waits on
+    launched: dict = {}  # (segment, shard) -> {host: view}
+    done_launches: list = []  # (segment, shard) whose every host launched
+
+    def ready(key):
+        step = waiting[key]
+        if step is None:
+            return True
+        h = key[0]
+        return all(hosts[h].counter(j, step.field) >= step.target for j in step.ranks)
+
+    while runners or done_launches:
+        choices = [key for key in runners if ready(key)]
+        if done_launches:
+            choices.append("switch")
+        assert choices, f"deadlock: every rank waits, nothing in flight: {waiting} {launched}"
+        pick = choices[rng.integers(len(choices))]
+        if pick == "switch":
+            # a switch job ends its calls in order: the oldest of a shard first
+            shard = done_launches[rng.integers(len(done_launches))][1]
+            oldest = min(d for d in done_launches if d[1] == shard)
+            done_launches.remove(oldest)
+            segment = oldest[0]
+            views = launched.pop((segment, shard))
+            total = np.zeros(views[0].size, dtype=np.float64 if views[0].dtype == np.float32
+                             else np.int64)
+            for view in views.values():
+                total += view
+            for h, view in views.items():
+                with np.errstate(over="ignore", invalid="ignore"):
+                    np.copyto(view, total.astype(view.dtype) if view.dtype == np.int32
+                              else total, casting="unsafe")
+                localmem.publish(hosts[h].buf, hosts[h].layout.record(shard, localmem.R_REDUCED),
+                                 segment + 1)
+            continue
+        try:
+            step = next(runners[pick])
+        except StopIteration:
+            del runners[pick]
+            continue
+        if isinstance(step, Wait):
+            waiting[pick] = step
+        else:
+            assert isinstance(step, Launch) and switched, step
+            waiting[pick] = None
+            views = launched.setdefault((step.segment, pick[1]), {})
+            views[pick[0]] = step.shard
+            if len(views) == len(sizes):
+                done_launches.append((step.segment, pick[1]))
+    return outputs
+
+
+def two_stage_sum(arrays_by_host):
+    """The model: each host's ranks summed in float64 and rounded to float32, then
+    the hosts' sums added in float64 and rounded once (int32: modulo 2**32)."""
+    if arrays_by_host[0][0].dtype == np.int32:
+        return sum(a.astype(np.int64) for host in arrays_by_host for a in host).astype(np.int32)
+    partial = [np.sum([a.astype(np.float64) for a in host], axis=0).astype(np.float32)
+               for host in arrays_by_host]
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.sum([p.astype(np.float64) for p in partial], axis=0).astype(np.float32)
+
+
+def inputs(rng, sizes, n, dtype):
+    if dtype == np.int32:
+        return [[rng.integers(-2**31, 2**31, n, dtype=np.int64).astype(np.int32) for _ in range(k)]
+                for k in sizes]
+    return [[(rng.standard_normal(n) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
+             for _ in range(k)] for k in sizes]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sizes=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+       lengths=st.lists(st.integers(1, 3 * SEGMENT + 77), min_size=1, max_size=4),
+       dtype=st.sampled_from([np.float32, np.int32]), seed=st.integers(0, 2**32 - 1))
+def test_every_interleaving_gives_every_rank_the_two_stage_sum(sizes, lengths, dtype, seed):
+    """Hosts of unequal rank counts, calls of any length (several segments, more
+    segments than slots, lengths shorter than the shards), any order of the ranks
+    and the switch: every rank gets the two-stage sum, bit for bit the same."""
+    rng = np.random.default_rng(seed)
+    calls = [inputs(rng, sizes, n, dtype) for n in lengths]
+    outputs = run_hosts(sizes, calls, seed)
+    for call, out in zip(calls, outputs):
+        expected = two_stage_sum(call)
+        for host in out:
+            for array in host:
+                np.testing.assert_array_equal(array, expected)
+
+
+def test_in_place_calls_and_nonfinite_values():
+    """``out`` may be ``src``; inf and NaN travel element by element."""
+    rng = np.random.default_rng(1)
+    n = 2 * SEGMENT + 5
+    call = inputs(rng, [2, 2], n, np.float32)
+    call[0][1][3] = np.inf
+    call[1][0][7] = np.nan
+    call[1][1][9] = -np.inf
+    call[0][0][9] = np.inf
+    expected = two_stage_sum(call)
+    calls = [call]
+    outputs = run_hosts([2, 2], calls, 5, in_place=True)
+    for host in outputs[0]:
+        for array in host:
+            np.testing.assert_array_equal(array, expected)
+    assert np.isposinf(expected[3]) and np.isnan(expected[7]) and np.isnan(expected[9])
+
+
+def test_a_host_alone_needs_no_switch():
+    """One host: the owners publish their sums themselves, nothing is launched."""
+    rng = np.random.default_rng(2)
+    calls = [inputs(rng, [4], 5 * SEGMENT, np.float32)]
+    outputs = run_hosts([4], calls, 3)  # run_hosts fails on a Launch with one host
+    for array in outputs[0][0]:
+        np.testing.assert_array_equal(array, two_stage_sum(calls[0]))
+
+
+def test_ranks_that_disagree_raise_call_mismatch():
+    """A host's ranks asking for different lengths: CallMismatchError naming both."""
+    host = Host(2, 2, switched=False)
+    a, b = np.ones(100, np.float32), np.ones(200, np.float32)
+    steps = [host.stages[0].allreduce(a, a.copy(), call_kind(np.float32, False, 32)),
+             host.stages[1].allreduce(b, b.copy(), call_kind(np.float32, False, 32))]
+    assert isinstance(next(steps[0]), Wait) and isinstance(next(steps[1]), Wait)
+    with pytest.raises(CallMismatchError, match="rank 1 asked for 200 float32.*rank 0 for 100"):
+        next(steps[1])  # both copied in: the check
+
+
+# ---------------------------------------------------------------- the operations' C twin
+needs_c = pytest.mark.skipif(localmem.OPS is None, reason="the C twin (_localmem) is not built")
+REF = localmem.REFERENCE
+
+
+@needs_c
+@settings(max_examples=200, deadline=None)
+@given(count=st.integers(1, 9), n=st.integers(0, 3000), dtype=st.sampled_from(["f", "i"]),
+       seed=st.integers(0, 2**32 - 1), specials=st.booleans())
+def test_reduce_into_c_equals_reference(count, n, dtype, seed, specials):
+    rng = np.random.default_rng(seed)
+    if dtype == "i":
+        srcs = [rng.integers(-2**31, 2**31, n, dtype=np.int64).astype(np.int32)
+                for _ in range(count)]
+    else:
+        srcs = [(rng.standard_normal(n) * 10.0 ** rng.integers(-40, 39, n)).astype(np.float32)
+                for _ in range(count)]
+        if specials and n:
+            for src in srcs:
+                src[rng.integers(0, n, 3)] = rng.choice(
+                    np.array([np.inf, -np.inf, np.nan, 3.4e38, -3.4e38], np.float32), 3)
+    dtype_ = srcs[0].dtype
+    ours, theirs = np.empty(n, dtype_), np.empty(n, dtype_)
+    with np.errstate(all="ignore"):
+        REF.reduce_into(ours, srcs)
+    localmem.OPS.reduce_into(theirs, srcs)
+    np.testing.assert_array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+
+
+def _header(ranks=3):
+    layout = Layout(ranks, 1, 1, 1024)
+    return layout, np.zeros(layout.header_bytes, np.uint8)
+
+
+@needs_c
+@given(ops=st.lists(st.tuples(st.sampled_from(["publish", "attach", "fail"]),
+                              st.integers(0, 2), st.integers(0, 4), st.integers(0, 2**40)),
+                    max_size=20))
+def test_counter_operations_c_equal_reference(ops):
+    """publish (a counter only grows), attach and fail leave the same bytes and
+    return the same values."""
+    layout, ours = _header()
+    theirs = ours.copy()
+    for op, rank, field, value in ops:
+        offset = layout.record(rank, 8 * field)
+        if op == "publish":
+            REF.publish(ours, offset, value)
+            localmem.OPS.publish(theirs, offset, value)
+        elif op == "attach":
+            assert REF.attach(ours) == localmem.OPS.attach(theirs)
+        else:
+            reason = f"rank {rank} failed {value}".encode()
+            assert (REF.fail(ours, field + 1, rank, reason)
+                    == localmem.OPS.fail(theirs, field + 1, rank, reason))
+        np.testing.assert_array_equal(ours, theirs)
+
+
+@needs_c
+@pytest.mark.parametrize("ops", [REF, localmem.OPS], ids=["reference", "c"])
+def test_wait_for_says_why_it_returned(ops):
+    import os
+    import subprocess
+    layout, header = _header()
+    records = [layout.record(j, 0) for j in range(3)]
+    field = localmem.R_COPIED_IN
+    for j in range(3):
+        REF.publish(header, records[j] + field, 5)
+    assert ops.wait_for(header, records, field, 5, 1.0, []) == (localmem.REACHED, 0)
+    assert ops.wait_for(header, records, field, 6, 0.01, []) == (localmem.TIMED_OUT, 0)
+    REF.publish(header, records[0] + field, 6)
+    assert ops.wait_for(header, records, field, 6, 0.01, []) == (localmem.TIMED_OUT, 1)
+    REF.publish(header, records[2] + R_STATE, localmem.LEFT)
+    assert ops.wait_for(header, records, field, 6, 1.0, []) == (localmem.CLOSED, 2)
+    header[records[2] + R_STATE] = localmem.ATTACHED
+    child = subprocess.Popen(["true"])
+    fd = os.pidfd_open(child.pid)
+    child.wait()
+    try:
+        assert ops.wait_for(header, records, field, 6, 1.0, [-1, fd]) == (localmem.EXITED, 1)
+    finally:
+        os.close(fd)
+    REF.fail(header, localmem.FAILED_OTHER, 1, b"x")
+    assert ops.wait_for(header, records, field, 6, 1.0, []) == (localmem.FAILED, 0)
+
+
+# ---------------------------------------------------------------- who shares a host
+def record(memory, machine="m", pid=1, segment=SEGMENT):
+    return HostRecord(memory, machine, pid, segment)
+
+
+def test_placement_groups_by_memory_and_shards_by_the_smallest_host():
+    records = [record("b", pid=10), record("a", pid=11), record("b", pid=12),
+               record("c", "n", 13), record("a", pid=14), record("b", pid=15)]
+    p = Placement.of(records, 5)
+    assert p.groups == ((0, 2, 5), (1, 4), (3,))
+    assert (p.hosts, p.shards, p.group, p.index, p.shard) == (3, 1, 0, 2, None)
+    assert p.shard_members(0) == (0, 1, 3)
+    assert Placement.of(records, 2).shard == None  # noqa: E711  (index 1 >= 1 shard)
+    assert Placement.of(records, 4).shard is None and Placement.of(records, 1).shard == 0
+    # machine "m" holds groups a and b that cannot share memory: said, kept apart
+    assert Placement.of(records, 0).apart() == [(0, 1, 2, 4, 5)]
+
+
+def test_placement_refuses_ranks_that_cut_segments_differently():
+    with pytest.raises(JoinRefusedError, match="SWITCHML_LOCAL_SEGMENT"):
+        Placement.of([record("a"), record("a", segment=2 * SEGMENT)], 0)
+
+
+@given(st.text(max_size=40))
+def test_host_records_decode_only_what_encode_writes(text):
+    try:
+        decoded = HostRecord.decode(text)
+    except ValueError:
+        return
+    assert HostRecord.decode(decoded.encode()) == decoded
+
+
+def test_shards_start_at_whole_pages():
+    host = Host(3, 3, switched=True)
+    bounds = host.stages[0].shard_bounds(10 * SHARD_ALIGN + 3)
+    assert [b[0] % SHARD_ALIGN for b in bounds] == [0, 0, 0]
+    assert bounds[-1][1] == 10 * SHARD_ALIGN + 3
