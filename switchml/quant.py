@@ -309,18 +309,41 @@ def error_bound(inputs: list, chunk: int) -> np.ndarray:
     return _bound(inputs, chunk, scale_bits(len(inputs)))
 
 
-def _bound(inputs: list, chunk: int, bits: int) -> np.ndarray:
+def _sliding_max(values: np.ndarray, width: int) -> np.ndarray:
+    """Per element, the max of ``values`` within ``width - 1`` places either side:
+    the most any ``width``-long piece holding that element can have, wherever the
+    pieces are cut."""
+    ahead = values.copy()
+    span = 1
+    while span < width:  # ahead[i] = max(values[i : i + span]), span doubling
+        step = min(span, width - span)
+        np.maximum(ahead[:-step], ahead[step:], out=ahead[:-step])
+        span += step
+    behind = ahead.copy()
+    span = 1
+    while span < width:  # behind[i] = max(ahead[i - span + 1 : i + 1])
+        step = min(span, width - span)
+        np.maximum(behind[step:], behind[:-step], out=behind[step:])
+        span += step
+    return behind
+
+
+def _bound(inputs: list, chunk: int, bits: int, any_cut: bool = False) -> np.ndarray:
     n = len(inputs)
     flat = [np.asarray(a, np.float32).reshape(-1) for a in inputs]
     finite = [np.where(np.isfinite(a), a, np.float32(0)) for a in flat]
-    exps = np.max([chunk_exponents(a, chunk) for a in finite], axis=0) if flat[0].size \
-        else np.zeros(0, np.int16)
     with np.errstate(invalid="ignore"):
         exact = np.sum([a.astype(np.float64) for a in flat], axis=0)
+    if not flat[0].size:
+        exps = np.zeros(0, np.int16)
+    elif any_cut:  # the chunks may start anywhere: each element's widest neighbourhood
+        exps = _sliding_max(np.max([chunk_exponents(a, 1) for a in finite], axis=0), chunk)
+    else:
+        exps = np.max([chunk_exponents(a, chunk) for a in finite], axis=0)
     per_chunk = np.where(exps == EXP_NONFINITE, np.inf,
                          np.where(exps == EXP_ZERO, 0.0,
                                   n * np.ldexp(1.0, exps.astype(np.int64) - bits - 1)))
-    quantisation = np.repeat(per_chunk, chunk)[: exact.size]
+    quantisation = per_chunk if any_cut else np.repeat(per_chunk, chunk)[: exact.size]
     reach = np.abs(exact) + quantisation  # the most the result's magnitude can be
     # Where the quantised sum may reach float32's overflow threshold the result
     # may be inf, as IEEE rounding of that sum gives: no finite bound there.
@@ -328,6 +351,30 @@ def _bound(inputs: list, chunk: int, bits: int) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):
         rounding = np.spacing(reach.astype(np.float32)).astype(np.float64) / 2
     return np.where(overflow | ~np.isfinite(exact), np.inf, quantisation + rounding)
+
+
+def error_bound_two_stage(hosts: list, chunk: int) -> np.ndarray:
+    """``error_bound`` for a job whose hosts combine their ranks first (the local
+    stage): ``hosts`` holds each host's ranks' float32 arrays.  Each host's sum is
+    taken in float64 and rounded to float32 once (at most half its ulp, plus
+    float64's own rounding, (k-1)·2**-53 of the sum of magnitudes), and the
+    switch then sums the hosts' partial sums within ``error_bound`` of their
+    exact sum, for packets cut at the shards' starts rather than the array's
+    (so each element's bound takes the largest exponent within ``chunk - 1``
+    places of it); the two add up, against the exact sum of every rank's input."""
+    partials, local = [], []
+    for arrays in hosts:
+        wide = [np.asarray(a, np.float32).reshape(-1).astype(np.float64) for a in arrays]
+        with np.errstate(over="ignore", invalid="ignore"):
+            exact = np.sum(wide, axis=0)
+            partial = exact.astype(np.float32)
+            magnitude = np.sum(np.abs(wide), axis=0)
+            half_ulp = np.spacing(np.abs(partial)).astype(np.float64) / 2
+        partials.append(partial)
+        local.append(np.where(np.isfinite(partial), half_ulp
+                              + (len(wide) - 1) * 2.0**-53 * magnitude, np.inf))
+    switch = _bound(partials, chunk, scale_bits(len(partials)), any_cut=True)
+    return np.where(np.isfinite(switch), switch + np.sum(local, axis=0), np.inf)
 
 
 def error_bound_float16(inputs: list, chunk: int, wire_bits: int = 32) -> np.ndarray:

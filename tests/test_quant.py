@@ -454,3 +454,33 @@ def test_worst_case_values_never_overflow(e, n, sign):
     if n * 2.0**e < FLT_MAX:
         check_error_bound(arrays, result, E, B, 4)
         assert np.sign(result[0]) == sign and np.sign(result[3]) == -sign
+
+
+@settings(max_examples=80, derandomize=True, deadline=None)
+@given(arrays=worker_arrays(), chunk=st.integers(1, 16), cut=st.data())
+def test_two_stage_sum_meets_its_error_bound(arrays, chunk, cut):
+    """The local stage's sum: each host's ranks summed as the shared-memory stage
+    does (localmem.reduce_into), the hosts' sums through the quantised switch;
+    within ``error_bound_two_stage`` of the exact sum of every rank's array."""
+    from switchml.worker import localmem
+    sizes = cut.draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
+    hosts, taken = [], 0
+    for size in sizes:
+        if taken < len(arrays):
+            hosts.append(arrays[taken:taken + size])
+            taken += size
+    hosts[-1] = hosts[-1] + arrays[taken:]
+    partials = []
+    for host in hosts:
+        partial = np.empty_like(host[0])
+        localmem.reduce_into(partial, host)
+        partials.append(partial)
+    result, E, B, qs = aggregate(partials, chunk)
+    exact = np.array([math.fsum(v) for v in zip(*[a.astype(np.float64) for a in arrays])])
+    bound = quant.error_bound_two_stage(hosts, chunk)
+    assert np.all(np.abs(result.astype(np.float64) - exact) <= bound * (1 + 2**-40))
+    # and the bound is not vacuous: as tight as the one-stage one, plus the rounding
+    one_stage = quant.error_bound(arrays, chunk)
+    finite = np.isfinite(bound) & np.isfinite(one_stage)
+    assert np.all(bound[finite] <= 4 * one_stage[finite] + 2 * np.abs(exact[finite]) * 2**-23
+                  + 1e-44)

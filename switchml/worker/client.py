@@ -104,10 +104,10 @@ class Worker:
             placement = Placement.of(hosts.records, rank)
             for ranks in placement.apart():
                 if rank in ranks:
-                    log.info("job %s: ranks %s share this machine's network but cannot map "
-                             "one another's memory (another IPC namespace, /dev/shm, user or "
-                             "SWITCHML_LOCAL_GROUP): they take the flat path, as hosts apart",
-                             job, list(ranks))
+                    log.warning("job %s: ranks %s share this machine's network but cannot "
+                                "map one another's memory (another IPC namespace, /dev/shm, "
+                                "user or SWITCHML_LOCAL_GROUP): they take the flat path, as "
+                                "hosts apart", job, list(ranks))
             if placement.combines:
                 # One host is the whole job: no switch needed, unless one is named.
                 addresses = (switch_addresses(switch) if placement.hosts > 1

@@ -370,6 +370,8 @@ class LocalStageWorker:
     def _fail(self, error: SwitchMLError, culprit: int) -> SwitchMLError:
         """Record ``error`` as the host's failure unless one is recorded already, abort
         this rank's switch job, and return the host's failure (the first one)."""
+        if culprit < 0 and getattr(error, "missing_ranks", None):
+            culprit = error.missing_ranks[0]  # type: ignore[attr-defined]
         if self._segment is not None:
             code = next((c for t, c in _CODES if isinstance(error, t)), localmem.FAILED_OTHER)
             localmem.fail(self._segment.buf, code, culprit, str(error).encode()[:256])
@@ -398,14 +400,20 @@ class LocalStageWorker:
         return SwitchMLError(reason)
 
     def _in_job_ranks(self, error: SwitchMLError) -> SwitchMLError:
-        """An error of this rank's switch job, whose rank h is host h, in the job's ranks."""
-        groups = self.placement.groups
-        hosts = getattr(error, "missing_ranks", None)
-        where = "; ".join(f"host {h}: ranks {list(groups[h])}" for h in range(len(groups)))
-        message = (f"{error} (in job '{self.job}', whose shard {self.placement.shard} goes "
-                   f"through the switch with one member a host; {where})")
+        """An error of this rank's switch job, whose rank h is the rank that sends
+        this shard from host h, told in the job's ranks."""
+        p = self.placement
+        assert p.shard is not None
+        senders = p.shard_members(p.shard)
+        hosts = getattr(error, "missing_ranks", None) or []
+        missing = [senders[h] for h in hosts if 0 <= h < len(senders)]
+        where = ", ".join(f"{h} is rank {r}" for h, r in enumerate(senders))
+        blame = (f"rank{'s' if len(missing) > 1 else ''} "
+                 f"{', '.join(map(str, missing))} failed: " if missing else "")
+        message = (f"job '{self.job}': {blame}{error} (shard {p.shard} of the job crosses the "
+                   f"switch as job '{shard_job(self.job, p.shard)}', one rank a host: its rank "
+                   f"{where})")
         if isinstance(error, SwitchMLTimeoutError):
-            missing = [r for h in (hosts or []) if 0 <= h < len(groups) for r in groups[h]]
             return SwitchMLTimeoutError(message, missing)
         copy = error.__class__.__new__(error.__class__)
         copy.__dict__.update(error.__dict__)

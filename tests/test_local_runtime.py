@@ -1,0 +1,186 @@
+"""The local stage in real processes on a real switch: hosts emulated by
+SWITCHML_LOCAL_GROUP (ranks naming different groups never combine), SIGKILL of
+a rank inside the stage, /dev/shm left clean, a rank in another IPC namespace."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from conftest import run_ranks
+
+import switchml
+from switchml.protocol import Gather, Gathered, Joined
+from switchml.switch.gather import Gatherings, GatherRefused
+from switchml.worker import hosts as hosts_module
+from switchml.worker.hosts import HostRecord
+from switchml.worker.rendezvous import exchange_through_switch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+N = 300_001  # elements: several 2 MiB segments, a short tail
+
+
+def shm_files() -> set:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("switchml-")}
+
+
+def start_ranks(switch, groups, mode="calls", env=None, wrap=None, n=N):
+    """One process per rank; ``groups[r]``: rank r's host (its SWITCHML_LOCAL_GROUP)."""
+    address = "%s:%d" % switch.address
+    procs = []
+    for rank, group in enumerate(groups):
+        child = dict(os.environ, SWITCHML_LOCAL_STAGE="1", SWITCHML_LOCAL_GROUP=str(group),
+                     SWITCHML_LOCAL_SEGMENT=str(256 * 1024), OMP_NUM_THREADS="1", **(env or {}))
+        command = [sys.executable, os.path.join(HERE, "local_job.py"), address, str(rank),
+                   str(len(groups)), str(n), mode]
+        if wrap and rank in wrap:
+            command = wrap[rank] + command
+        procs.append(subprocess.Popen(command, env=child, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def reports(procs, timeout=60):
+    out = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        lines = [line for line in stdout.splitlines() if line.startswith("{")]
+        out.append((proc.returncode, json.loads(lines[-1]) if lines else None, stderr))
+    return out
+
+
+@pytest.fixture
+def big_switch():
+    with switchml.Switch(slots=512, slots_per_job=64) as sw:
+        yield sw
+
+
+@pytest.mark.parametrize("groups", [[0, 1, 0, 1], [0, 0, 0, 1]], ids=["2x2", "3+1"])
+def test_hosts_of_ranks_agree_bit_for_bit_and_leave_nothing(big_switch, groups, tmp_path):
+    before = shm_files()
+    results = reports(start_ranks(big_switch, groups, env={"OUT": str(tmp_path)}))
+    for code, report, stderr in results:
+        assert code == 0 and report is not None and "error" not in report, (report, stderr)
+        assert report["kind"] == "LocalStageWorker"
+    for key in ("float32", "int32", "sparse", "auto", "float16", "wire16"):
+        assert len({report[key] for _, report, _ in results}) == 1, key
+    # the int32 sum is exact: every rank's input, whatever the stages did
+    sys.path.insert(0, HERE)
+    from local_job import digest, inputs
+    ints = sum(inputs(r, N)[1].astype(np.int64) for r in range(len(groups))).astype(np.int32)
+    assert results[0][1]["int32"] == digest(ints)
+    # the float32 sum within the two-stage bound, against the exact sum of all inputs
+    hosts: dict = {}
+    for rank, group in enumerate(groups):
+        hosts.setdefault(group, []).append(inputs(rank, N)[0])
+    exact = np.sum([a.astype(np.float64) for host in hosts.values() for a in host], axis=0)
+    bound = switchml.quant.error_bound_two_stage(list(hosts.values()),
+                                                 big_switch.pipeline.packet_elements)
+    got = np.load(tmp_path / "0.npy")
+    assert np.all(np.abs(got - exact) <= bound)
+    assert results[0][1]["float32"] == digest(got)
+    # only the owners of shards sent through the switch, each its shard
+    owners = [r["rank"] for _, r, _ in results if r["counters"].get("bytes_sent", 0) > 0]
+    shards = min(groups.count(0), groups.count(1))
+    assert len(owners) == 2 * shards
+    assert shm_files() <= before
+
+
+def test_sigkill_of_a_rank_names_it_on_every_host(big_switch):
+    before = shm_files()
+    groups = [0, 0, 1, 1]
+    procs = start_ranks(big_switch, groups, mode="kill", env={"VICTIM": "1", "AFTER": "0.2"},
+                        n=3_000_000)
+    results = reports(procs)
+    assert results[1][0] == -signal.SIGKILL
+    for rank in (0, 2, 3):
+        code, report, stderr = results[rank]
+        assert report is not None and report.get("error") == "SwitchMLTimeoutError", \
+            (rank, report, stderr)
+        assert "rank 1" in report["message"] and 1 in report["missing"], report
+        assert report["elapsed"] < 3.0 + 5.0 + 2.0  # the timeout, the switch's grace
+    assert shm_files() <= before
+
+
+def test_ranks_that_disagree_fail_the_whole_job(big_switch):
+    results = reports(start_ranks(big_switch, [0, 0, 1, 1], mode="mismatch"))
+    for _, report, stderr in results:
+        assert report is not None and "error" in report, (report, stderr)
+    assert {r["error"] for _, r, _ in results[:2]} == {"CallMismatchError"}
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare(1) for another IPC namespace")
+def test_a_rank_in_another_ipc_namespace_takes_the_flat_path_and_says_so(big_switch,
+                                                                            tmp_path):
+    results = reports(start_ranks(big_switch, [0, 0], env={"OUT": str(tmp_path)},
+                                  wrap={1: ["unshare", "--ipc"]}))
+    for code, report, stderr in results:
+        assert code == 0 and "error" not in report, (report, stderr)
+        assert report["kind"] == "Worker" and report["counters"]["bytes_sent"] > 0
+        assert "cannot map one another's memory" in stderr
+    assert results[0][1]["float32"] == results[1][1]["float32"]
+
+
+# ---------------------------------------------------------------- the gather at join
+def test_gatherings_refuse_what_does_not_fit_and_answer_all_at_once():
+    g = Gatherings(limit=1)
+    assert g.gather("a", Gather("j", 0, 2, "x")) == [("a", Joined("j", (0,)))]
+    with pytest.raises(GatherRefused) as info:
+        g.gather("b", Gather("j", 0, 2, "y"))
+    assert info.value.reason == "duplicate_rank"
+    with pytest.raises(GatherRefused) as info:
+        g.gather("b", Gather("j", 1, 3, "y"))
+    assert info.value.reason == "world_size_mismatch"
+    with pytest.raises(GatherRefused) as info:
+        g.gather("c", Gather("k", 0, 2, "y"))
+    assert info.value.reason == "max_jobs"
+    sent = g.gather("b", Gather("j", 1, 2, "y"))
+    assert [c for c, _ in sent] == ["a", "b"]
+    assert all(isinstance(e, Gathered) and e.values == ("x", "y") for _, e in sent)
+    assert sent[0][1].nonce == sent[1][1].nonce and len(g) == 0
+    # a rank that disconnects leaves its gathering; the rest are told who is there
+    g.gather("a", Gather("j", 0, 3, "x"))
+    g.gather("b", Gather("j", 2, 3, "z"))
+    assert g.disconnect("a") == [("b", Joined("j", (2,)))]
+    assert g.describe() == [{"job": "j", "world_size": 3, "present": [2]}]
+
+
+def test_the_exchange_names_the_ranks_that_never_came(switch):
+    with pytest.raises(switchml.SwitchMLTimeoutError) as info:
+        exchange_through_switch(switch.address, "lonely", 0, 3, timeout=0.5)
+    assert info.value.missing_ranks == [1, 2]
+
+
+def test_the_exchange_gives_every_rank_every_record(switch):
+    def body(rank):
+        record = HostRecord(f"m{rank % 2}", "x", 100 + rank, 1024)
+        return exchange_through_switch(switch.address, "ex", rank, 3, 5.0, record)
+
+    results = run_ranks(3, body)
+    assert len({r.nonce for r in results}) == 1
+    assert results[0].records == tuple(HostRecord(f"m{r % 2}", "x", 100 + r, 1024)
+                                       for r in range(3))
+
+
+def test_a_switch_that_is_gone_is_named(switch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(switchml.SwitchUnreachableError):
+        exchange_through_switch(("127.0.0.1", port), "gone", 0, 2, timeout=1.0)
+    assert time.monotonic() - start < 2.0
+
+
+def test_the_host_record_tells_containers_apart(monkeypatch):
+    mine = hosts_module.host_record()
+    assert hosts_module.host_record(group="other").memory != mine.memory
+    assert hosts_module.host_record(group="other").machine == mine.machine
+    assert HostRecord.decode(mine.encode()) == mine
