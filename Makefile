@@ -19,9 +19,11 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/switchml demo
-	@echo "--- a short DDP training through the switchml backend (examples/train_ddp.py) ---"
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node 4 \
-		examples/train_ddp.py --backend switchml --epochs 5
+	@echo "--- a short DDP training through the switchml backend (examples/train_ddp.py);"
+	@echo "    SWITCHML_LOCAL_STAGE=0 makes each rank a host of its own, so the gradients"
+	@echo "    cross the switch (on one host its ranks would combine in shared memory) ---"
+	SWITCHML_LOCAL_STAGE=0 OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone \
+		--nproc-per-node 4 examples/train_ddp.py --backend switchml --epochs 5
 
 test: $(STAMP) nft
 	$(PY) -m ruff check .

@@ -47,7 +47,7 @@ def union_density(density, world):
 
 
 def lower_bound_s(system, world, nbytes, link_bps, density=None, switch_servers=0,
-                  rack_hosts=0, uplink_bps=None, flat=False):
+                  rack_hosts=0, uplink_bps=None, flat=False, ranks_per_host=1):
     """The least time the links allow: bytes over the busier direction of a worker's
     link, or, with ``switch_servers`` K (switches on servers behind links of the same
     rate), of a server's, which carries n·S/K each way: max(S, n·S/K)/B.
@@ -55,9 +55,18 @@ def lower_bound_s(system, world, nbytes, link_bps, density=None, switch_servers=
     Racks of ``rack_hosts`` hosts under a spine, uplinks of ``uplink_bps``: a rack
     switch sends one partial up and takes one total down, S each way on the
     uplink; through the spine without rack switches (``flat``), each host's S
-    crosses it; gloo's ring (ranks in rack order) crosses it once each way."""
+    crosses it; gloo's ring (ranks in rack order) crosses it once each way.
+
+    ``ranks_per_host`` k > 1 (switchml without the local stage): k ranks' tensors
+    share one host link.  With the local stage a host sends S, as one rank does,
+    and gloo's ring (ranks in host order) crosses a host's link once each way:
+    both as k = 1."""
     if not link_bps:
         return None
+    if ranks_per_host > 1 and system.startswith("switchml"):
+        # every rank of a host sends its whole tensor through the host's link (no local
+        # stage); gloo's ring, ranks in host order, crosses each host's link once
+        return ranks_per_host * lower_bound_s(system, world, nbytes, link_bps, density)
     if rack_hosts and uplink_bps:
         own = lower_bound_s(system, world, nbytes, link_bps, density)
         busiest = own * link_bps / 8  # bytes on a host's busier direction

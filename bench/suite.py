@@ -56,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--testbed", action="store_true",
                    help="run on an emulated cluster (root): one worker per host namespace, "
                         "the switch on the bridge")
+    p.add_argument("--ranks-per-host", type=int, default=1, metavar="K",
+                   help="ranks a host: ranks r of one host (r // K) share its link and "
+                        "memory (a testbed namespace; on loopback, SWITCHML_LOCAL_GROUP) and "
+                        "combine there first; bounds are per host link (default: 1)")
     p.add_argument("--link", default="1gbit", help="testbed link rate (default: 1gbit)")
     p.add_argument("--mtu", type=int, default=None, help="testbed MTU (default: 1500)")
     p.add_argument("--loss", type=float, default=0.0,
@@ -142,12 +146,14 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
                     break
         address = ",".join(addresses[:len(binds)])
         uplinks = cluster.uplink_bytes()
+        per_host = args.ranks_per_host
         for rank in range(world):
-            rack = cluster.rack_of(rank) if racks else None
-            roles.start(rank, rank, "switchml", {
+            host = rank // per_host
+            rack = cluster.rack_of(host) if racks else None
+            roles.start(rank, host, "switchml", {
                 "switch": address if rack is None else addresses[len(binds) + rack],
-                "rank": rank, "world": world, "job": job,
-                "ifname": cluster.ifname(rank), "warmup": args.warmup, "repeats": args.repeats,
+                "rank": rank, "world": world, "job": job, "ranks_per_host": per_host,
+                "ifname": cluster.ifname(host), "warmup": args.warmup, "repeats": args.repeats,
                 "check": args.check, "seed": args.seed, "timeout": min(args.timeout, 120),
                 "cases": [dict(c, id=i) for i, c in enumerate(cases)]})
         reports = _gather_reports(roles, world, progress)
@@ -212,9 +218,10 @@ def run_gloo(cluster, world, sizes, args, progress) -> list:
     uplinks = cluster.uplink_bytes()
     with Roles(cluster, args.timeout) as roles:
         for rank in range(world):
-            roles.start(rank, rank, "gloo", {
+            host = rank // args.ranks_per_host
+            roles.start(rank, host, "gloo", {
                 "master_addr": addr, "master_port": port, "rank": rank, "world": world,
-                "ifname": cluster.ifname(rank), "warmup": args.warmup, "repeats": args.repeats,
+                "ifname": cluster.ifname(host), "warmup": args.warmup, "repeats": args.repeats,
                 "check": args.check, "seed": args.seed, "block": DEFAULT_BLOCK_ELEMENTS,
                 "cases": cases})
         reports = _gather_reports(roles, world, progress)
@@ -237,13 +244,21 @@ def _mean(items, key):
 
 def _row(system, world, case, items, cluster, args, *, sent, received, retransmissions) -> dict:
     nbytes = case["elements"] * 4
+    per_host = args.ranks_per_host
+    combined = system.startswith("switchml") and any(m.get("local_calls") for m in items)
     row = {"system": system, "workers": world, "size_bytes": nbytes,
-           "size_mib": nbytes / 2**20, "density": case.get("density")}
+           "size_mib": nbytes / 2**20, "density": case.get("density"),
+           "hosts": -(-world // per_host), "ranks_per_host": per_host,
+           "local_stage": combined if system.startswith("switchml") else None}
     row.update(summarize([m["times"] for m in items], nbytes))
     row["goodput_Gbps_per_worker"] = nbytes * 8 / row["median_s"] / 1e9
+    # a host's link: switchml's hosts send S each (the local stage), or k·S (without)
     bound = lower_bound_s(system, world, nbytes, cluster.link_bps, case.get("density"),
                           getattr(cluster, "switch_servers", 0),
-                          **getattr(cluster, "rack_layout", lambda args: {})(args))
+                          **getattr(cluster, "rack_layout", lambda args: {})(args),
+                          ranks_per_host=1 if combined else per_host)
+    if row["hosts"] == 1 and getattr(cluster, "link_bps", None):
+        bound = 0.0  # one host: nothing crosses a link
     row["bound_s"] = bound
     row["goodput_over_link_rate"] = (row["goodput_Gbps_per_worker"] * 1e9 / cluster.link_bps
                                      if cluster.link_bps else None)
@@ -396,10 +411,12 @@ def main(args, argv_text: str = "") -> int:
             from switchml.testbed import Testbed, TestbedError
 
             try:
-                with Testbed(max(args.workers), args.link, mtu=args.mtu, loss=args.loss,
+                hosts = -(-max(args.workers) // args.ranks_per_host)
+                with Testbed(hosts, args.link, mtu=args.mtu, loss=args.loss,
                              udp_offload=OFFLOAD[args.udp_offload], switches=args.switches,
                              racks=args.racks, oversubscription=args.oversubscription,
-                             prefix=args.prefix, queue=args.queue) as tb:
+                             prefix=args.prefix, queue=args.queue,
+                             ranks_per_host=args.ranks_per_host) as tb:
                     cluster: OnTestbed | Loopback = OnTestbed(tb)
                     results["cluster"] = cluster.describe()
                     results.update(run(args, cluster))

@@ -17,9 +17,10 @@ medians.  "compute" is a step's forward and backward with DDP's communication
 off (``no_sync``), so 1 - compute/step is the share of gloo's step that
 communication costs.
 
-With ``--testbed`` every rank runs in a host namespace of an emulated cluster
-(switchml.testbed) under its own torchrun (``--nnodes N --node-rank i``), as on
-N machines, and switchml uses one switch in the switch namespace.
+With ``--testbed`` the ranks run in the host namespaces of an emulated cluster
+(switchml.testbed), ``--ranks-per-host`` K in each under one torchrun per host
+(``--nnodes N/K --node-rank i --nproc-per-node K``), as on N/K machines, and
+switchml uses one switch in the switch namespace.
 """
 
 from __future__ import annotations
@@ -82,18 +83,16 @@ def run_on_testbed(tb, script: str, args: list, extra: list) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "summary.json")
         procs = []
-        for rank in range(tb.hosts):
-            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={tb.hosts}",
-                   f"--node-rank={rank}", "--nproc-per-node=1", f"--master-addr={tb.address(0)}",
-                   "--master-port=29500", os.path.join(ROOT, "examples", script),
-                   "--quiet", "--json", out, *args, *extra]
-            procs.append(tb.popen(rank, cmd, env={**_clean_env(), **tb.env(rank)},
+        for host in range(tb.hosts):
+            cmd = tb.torchrun_command(host, [os.path.join(ROOT, "examples", script),
+                                             "--quiet", "--json", out, *args, *extra])
+            procs.append(tb.popen(host, cmd, env={**_clean_env(), **tb.env(host)},
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         errors = []
-        for rank, proc in enumerate(procs):
+        for host, proc in enumerate(procs):
             _, err = proc.communicate()
             if proc.returncode != 0:
-                errors.append(f"rank {rank}: {err[-2000:]}")
+                errors.append(f"host {host}: {err[-2000:]}")
         if errors:
             raise RuntimeError(f"{script} {' '.join(args)} failed on the testbed:\n"
                                + "\n".join(errors))
@@ -111,6 +110,9 @@ def main(argv=None) -> None:
     p.add_argument("--sparse-args", default="", help="extra arguments for train_sparse.py")
     p.add_argument("--testbed", action="store_true",
                    help="run on an emulated cluster of --workers hosts (root)")
+    p.add_argument("--ranks-per-host", type=int, default=1, metavar="K",
+                   help="with --testbed: WORKERS/K hosts of K ranks each (torchrun "
+                        "--nproc-per-node K in each); the ranks of a host combine there first")
     p.add_argument("--link", default="1gbit", help="testbed link rate")
     p.add_argument("--mtu", type=int, default=None, help="testbed MTU")
     p.add_argument("--slots-per-job", type=int, default=None,
@@ -135,10 +137,15 @@ def main(argv=None) -> None:
 
 @contextlib.contextmanager
 def _testbed(workers: int, args):
-    """A testbed of ``workers`` hosts with a switch running in its switch namespace."""
+    """A testbed of ``workers`` ranks, ``--ranks-per-host`` a host, with a switch
+    running in its switch namespace."""
     from switchml.testbed import SWITCH_PORT, Testbed
 
-    with Testbed(hosts=workers, link=args.link, mtu=args.mtu) as tb:
+    per_host = args.ranks_per_host
+    if workers % per_host:
+        raise SystemExit(f"--workers {workers} is not a multiple of --ranks-per-host {per_host}")
+    with Testbed(hosts=workers // per_host, link=args.link, mtu=args.mtu,
+                 ranks_per_host=per_host) as tb:
         flags = [] if args.slots_per_job is None else ["--slots-per-job",
                                                        str(args.slots_per_job)]
         switch = tb.popen("switch", [sys.executable, "-m", "switchml.cli", "switch",
@@ -188,7 +195,8 @@ def _finish(runs: list, args, argv) -> None:
     result = {"command": "python bench/train.py " + shlex.join(argv or sys.argv[1:]),
               "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cores",
               "date": time.strftime("%Y-%m-%d %H:%M"),
-              "network": f"testbed, {args.link} links" if args.testbed else "loopback",
+              "network": (f"testbed, {args.link} links, {args.ranks_per_host} rank(s) a host"
+                          if args.testbed else "loopback"),
               "runs": runs}
     out = args.out or os.path.join(ROOT, "bench", "results",
                                    f"train-{time.strftime('%Y%m%d-%H%M%S')}.json")

@@ -47,6 +47,16 @@ SWITCHML_WIRE_BITS          16: float allreduces on the 16-bit wire  32
                             error_bound16)
 SWITCHML_PURE_PYTHON        1: the Python data plane and engine      0
                             even where the C ones are built
+SWITCHML_LOCAL_STAGE        0: ranks that share a host each send     1
+                            their whole array through the switch
+                            (1: they combine in shared memory
+                            first, one rank a shard to the switch)
+SWITCHML_LOCAL_GROUP        ranks of one host that name different    (none)
+                            groups do not combine (never merges
+                            ranks of different hosts)
+SWITCHML_LOCAL_SEGMENT      bytes the local stage combines, sends    2097152
+                            and copies back at a time (alike on
+                            every rank of a job)
 ==========================  =======================================  ==========
 
 A switch's settings are one ``SwitchConfiguration``, whichever way it starts

@@ -1,4 +1,6 @@
 """``switchml demo``: a local switch, n worker processes, checked sums, a table.
+The processes act as hosts of their own (``local_stage=False``), so that every
+array crosses the switch.
 
 Each rank makes its inputs from a seed, so every rank can also compute the exact
 sum of all ranks' inputs and check its result: int32 exactly, float32 within the
@@ -47,7 +49,10 @@ def expected_sum(world: int, size: int, dtype: str, seed: int, sparse: bool = Fa
 
 def _rank_main(address, rank, world, cases, repeats, seed, results, timeout):
     try:
-        with Worker(address, rank, world, job="demo", timeout=timeout) as worker:
+        # each process as a host of its own: every array crosses the switch (on one
+        # machine the local stage would otherwise sum them in shared memory)
+        with Worker(address, rank, world, job="demo", timeout=timeout,
+                    local_stage=False) as worker:
             block = worker.session.block_elements
             for size, dtype, sparse in cases:
                 data = make_input(rank, size, dtype, seed, sparse, block)
@@ -87,7 +92,8 @@ def run_demo(workers: int = 4, sizes=(0, 1, 1000, 1_000_003), repeats: int = 3,
     with Switch(drop_rate=drop_rate, seed=seed, packet_elements=packet_elements) as switch:
         assert switch.address is not None
         echo(f"switch on {switch.address[0]}:{switch.address[1]}, {workers} worker processes, "
-             f"drop rate {drop_rate:g}")
+             f"drop rate {drop_rate:g}; each process a host of its own (the local stage off), "
+             "so every array crosses the switch")
         procs = [ctx.Process(target=_rank_main, args=(switch.address, r, workers, cases, repeats,
                                                         seed, results, timeout))
                  for r in range(workers)]

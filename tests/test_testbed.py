@@ -304,6 +304,41 @@ def test_allreduce_across_four_host_namespaces_through_the_switch_namespace(tmp_
         assert a["rx_bytes"] - b["rx_bytes"] >= 2 * size * 4
 
 
+@needs_root
+def test_two_ranks_a_host_put_the_tensor_on_each_host_link_once(tmp_path):
+    """2 hosts of 2 ranks (the local stage): every rank gets the exact int32 sum,
+    and each host's link carries the tensor about once each way, not twice."""
+    size = 1_000_000
+    with Testbed(hosts=2, link="1gbit", prefix=prefix("k"), ranks_per_host=2) as tb:
+        start_switch(tb)
+        before = [tb.link_counters(h) for h in range(2)]
+        procs = [tb.popen(r // 2, [sys.executable, HELPERS, "worker", tb.switch, str(r), "4",
+                                   str(size), "int32", str(tmp_path / f"r{r}")],
+                          env={"SWITCHML_LOCAL_STAGE": "1"}, stderr=subprocess.PIPE, text=True)
+                 for r in range(4)]
+        for proc in procs:
+            assert proc.wait(timeout=60) == 0, proc.stderr.read()
+        after = [tb.link_counters(h) for h in range(2)]
+    want = expected(4, size, "int32")
+    for r in range(4):
+        assert np.load(tmp_path / f"r{r}.npy").tobytes() == want.tobytes()
+        local_calls = json.load(open(tmp_path / f"r{r}.json"))["local_calls"]
+        assert local_calls == 1
+    for b, a in zip(before, after):
+        for key in ("tx_bytes", "rx_bytes"):
+            assert size * 4 <= a[key] - b[key] < 1.5 * size * 4, (key, a[key] - b[key])
+
+
+def test_torchrun_runs_ranks_per_host_processes_a_host():
+    tb = Testbed(hosts=3, link="1gbit", prefix="tq", ranks_per_host=4)
+    argv = tb.torchrun_command(2, ["train.py", "--epochs", "1"])
+    assert argv[1:] == ["-m", "torch.distributed.run", "--nnodes", "3", "--node-rank", "2",
+                        "--nproc-per-node", "4", "--master-addr", tb.address(0),
+                        "--master-port", "29500", "train.py", "--epochs", "1"]
+    with pytest.raises(ValueError, match="ranks_per_host"):
+        Testbed(hosts=2, ranks_per_host=0)
+
+
 def transfer_rate(tb, server, client, nbytes):
     """Bits/s of one TCP transfer from ``client`` to ``server`` (receiver's clock)."""
     sink = tb.popen(server, [sys.executable, HELPERS, "sink", tb.address(server), "5201"],

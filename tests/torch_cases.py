@@ -117,9 +117,16 @@ def run(case: dict, group, rank: int, detach: bool = False):
     return tensor.detach().clone(), before, after
 
 
+def switched_calls(worker) -> int:
+    """Results this rank's switchml worker produced: through the switch, or summed
+    on its host by the local stage."""
+    counters = worker.counters
+    return counters.get("results_in", 0) + counters.get("local_calls", 0)
+
+
 def check(case: dict, ref_group, world: int, rank: int, worker) -> str | None:
     """None when the switchml result is what it must be, else what went wrong."""
-    results_before = worker.counters["results_in"]
+    results_before = switched_calls(worker)
     int_avg = case["op"] == "avg" and not DTYPES[case["dtype"]].is_floating_point
     if int_avg and not switched(case):  # gloo refuses integer AVG: so must the backend
         try:
@@ -132,7 +139,7 @@ def check(case: dict, ref_group, world: int, rank: int, worker) -> str | None:
     # own findings (a rank that returned early left the others waiting in it)
     ref_case = dict(case, op="sum") if int_avg else case
     theirs = run(ref_case, ref_group, rank, detach=True)[0]
-    went_through = worker.counters["results_in"] > results_before
+    went_through = switched_calls(worker) > results_before
     if went_through != switched(case):
         return f"switch used: {went_through}, expected {switched(case)}"
     if before[0] != after[0]:

@@ -51,11 +51,15 @@ def leave() -> None:
 
 
 def switch_results(state=None) -> int:
-    """Results this process received from the switch: > 0 when it carried gradients."""
+    """Results switchml gave this process: from the switch, or summed on its host by
+    the local stage (ranks that share a host); > 0 when it carried gradients."""
     worker = getattr(state, "worker", None)
     if worker is None and dist.is_initialized():
         worker = getattr(dist.distributed_c10d._get_default_group(), "_worker", None)
-    return worker.counters["results_in"] if worker is not None else 0
+    if worker is None:
+        return 0
+    counters = worker.counters
+    return counters.get("results_in", 0) + counters.get("local_calls", 0)
 
 
 def report(path: str | None, rank: int, params, **extra) -> None:

@@ -24,7 +24,8 @@ def _testbed_up(args) -> int:
                      loss=args.loss, prefix=args.prefix, subnet=args.subnet, burst=args.burst,
                      queue=args.queue, udp_offload=OFFLOAD[args.udp_offload],
                      switches=args.switches, racks=args.racks,
-                     oversubscription=args.oversubscription)
+                     oversubscription=args.oversubscription,
+                     ranks_per_host=args.ranks_per_host)
     except ValueError as exc:
         print(f"switchml testbed: {exc}", file=sys.stderr)
         return 2
@@ -90,8 +91,8 @@ def _rate(bps) -> str:
 def _describe(tb, running_switch=False) -> str:
     from . import racks
     link = f"{tb.link} each way" if tb.link_bps else "unshaped"
-    lines = [f"testbed '{tb.prefix}': {tb.hosts} hosts, links {link}, mtu {tb.mtu or 1500}, "
-             f"UDP loss {tb.loss:g}",
+    lines = [f"testbed '{tb.prefix}': {tb.hosts} hosts of {tb.ranks_per_host} rank(s), links "
+             f"{link}, mtu {tb.mtu or 1500}, UDP loss {tb.loss:g}",
              f"  switch   namespace {tb.switch_namespace:<12} bridge {tb.bridge} "
              f"{tb.switch_address}" + (f"  (switch running on {tb.switch})"
                                         if running_switch and not tb.switches else "")]
@@ -120,6 +121,8 @@ def _describe(tb, running_switch=False) -> str:
                                                        else "  (and in r0, ...: rack "
                                                        "switches under it)" if tb.racks
                                                        else ""))
+    lines.append(f"a torchrun in every host: switchml testbed run --prefix {tb.prefix} --torchrun "
+                 f"-- SCRIPT  ({tb.ranks_per_host} rank(s) a host)")
     lines.append(f"remove it:                switchml testbed down --prefix {tb.prefix}")
     return "\n".join(lines)
 
@@ -132,6 +135,12 @@ def _testbed_run(args) -> int:
     if not command:
         print("switchml testbed run: give a command after --", file=sys.stderr)
         return 2
+    if args.torchrun:
+        return _testbed_torchrun(args, command)
+    if args.host is None:
+        print("switchml testbed run: name a host (0, 1, ..., s0, switch), or --torchrun",
+              file=sys.stderr)
+        return 2
     try:
         tb = Testbed.from_state(args.prefix)
         argv = tb.command(args.host, command)
@@ -140,6 +149,33 @@ def _testbed_run(args) -> int:
         print(f"switchml testbed run: {exc}", file=sys.stderr)
         return 2
     os.execvpe(argv[0], argv, env)  # the command's exit status becomes ours
+
+
+def _testbed_torchrun(args, command) -> int:
+    """A torchrun in every host (``--nnodes H --node-rank i --nproc-per-node k``);
+    the first failing host's status, or 0."""
+    from .core import Testbed
+    from .errors import TestbedError
+
+    try:
+        tb = Testbed.from_state(args.prefix)
+        procs = [subprocess.Popen(tb.torchrun_command(h, command),
+                                  env={**os.environ, **tb.env(h)})
+                 for h in range(tb.hosts)]
+    except (TestbedError, ValueError) as exc:
+        print(f"switchml testbed run: {exc}", file=sys.stderr)
+        return 2
+    try:
+        codes = [p.wait() for p in procs]
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()
+        return 130
+    failed = [(h, c) for h, c in enumerate(codes) if c]
+    for h, code in failed:
+        print(f"switchml testbed run: host {h}'s torchrun exited with status {code}",
+              file=sys.stderr)
+    return failed[0][1] if failed else 0
 
 
 def _testbed_status(args) -> int:
@@ -240,6 +276,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--oversubscription", type=float, default=1.0,
                    help="with --racks: a rack's uplink carries its hosts' links' rate "
                         "divided by this (default 1: 1:1; 4: 4:1)")
+    p.add_argument("--ranks-per-host", type=int, default=1,
+                   help="ranks a job runs in each host: `testbed run --torchrun` starts "
+                        "that many a host (default 1)")
     p.add_argument("--switch", action="store_true",
                    help="also start a switchml switch on the bridge, or one on each switch "
                         "server, or the spine and a rack switch in each rack (in the "
@@ -251,7 +290,12 @@ def add_parsers(sub) -> None:
 
     p = prefixed(tsub.add_parser("run", help="run a command in a host (0, 1, ...), a switch "
                                              "server (s0, ...) or 'switch'"))
-    p.add_argument("host", help="host index (0, h0, ...), switch server (s0, ...) or 'switch'")
+    p.add_argument("host", nargs="?",
+                   help="host index (0, h0, ...), switch server (s0, ...) or 'switch'")
+    p.add_argument("--torchrun", action="store_true",
+                   help="in every host, torchrun --nnodes HOSTS --node-rank i "
+                        "--nproc-per-node RANKS_PER_HOST -- SCRIPT [ARGS...] (the rendezvous "
+                        "on host 0)")
     p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     p.set_defaults(func=_testbed_run)
 

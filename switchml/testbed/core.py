@@ -146,6 +146,9 @@ class Testbed:
     ``racks``: R racks under the spine on the bridge, each a namespace ``"r<k>"``
     with a bridge and a rack switch of its own, joined to the spine by an uplink
     of the rack's hosts' rate over ``oversubscription`` (``racks.py``).
+    ``ranks_per_host``: the ranks a job runs in each host (``run_torchrun``
+    starts them, ``switchml testbed run --torchrun``): ranks of a host share its
+    link and its memory, and combine there first (the local stage).
     """
 
     __test__ = False  # not a pytest test class, despite the name
@@ -155,8 +158,11 @@ class Testbed:
                  loss: float = 0.0, prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET,
                  burst=DEFAULT_BURST, queue=None, install_nft: bool = True,
                  udp_offload: bool | None = None, switches: int = 0, racks: int = 0,
-                 oversubscription: float = 1.0):
+                 oversubscription: float = 1.0, ranks_per_host: int = 1):
         self.prefix = _check_prefix(prefix)
+        if not 1 <= ranks_per_host <= 256:
+            raise ValueError(f"ranks_per_host must be between 1 and 256, got {ranks_per_host}")
+        self.ranks_per_host = ranks_per_host
         net = ipaddress.ip_network(subnet)
         if not 1 <= hosts <= min(255, net.num_addresses - 3):
             raise ValueError(f"hosts must be between 1 and {min(255, net.num_addresses - 3)} "
@@ -330,6 +336,22 @@ class Testbed:
         return subprocess.run(self.command(host, argv), env=self._env(host, env), check=check,
                               **kwargs)
 
+    def torchrun_command(self, host: int, argv, port: int = 29500) -> list:
+        """torchrun's command line for ``host``'s ranks of a job over every host:
+        ``--nnodes`` hosts, this one's ``--node-rank``, ``ranks_per_host`` processes
+        (ranks host·k .. host·k+k-1), the rendezvous on host 0."""
+        import sys
+
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.hosts),
+                "--node-rank", str(host), "--nproc-per-node", str(self.ranks_per_host),
+                "--master-addr", self.address(0), "--master-port", str(port), *argv]
+
+    def run_torchrun(self, argv, *, env=None, **kwargs) -> list:
+        """Start ``argv`` (a script and its arguments) under torchrun in every host,
+        ``ranks_per_host`` ranks each; the processes, one a host."""
+        return [self.popen(h, self.torchrun_command(h, argv), env=env, **kwargs)
+                for h in range(self.hosts)]
+
     def _env(self, host, extra) -> dict:
         return {**os.environ, **self.env(host), **(extra or {})}
 
@@ -468,7 +490,7 @@ class Testbed:
                  "subnet": str(self.subnet), "burst": self.burst, "queue": self.queue,
                  "udp_offload": self.udp_offload, "switches": self.switches,
                  "racks": self.racks, "oversubscription": self.oversubscription,
-                 "switch": self.switch,
+                 "ranks_per_host": self.ranks_per_host, "switch": self.switch,
                  "created": time.time()}
         with open(os.path.join(STATE_DIR, f"{self.prefix}.json"), "w") as f:
             json.dump(state, f, indent=2)
@@ -485,7 +507,8 @@ class Testbed:
                    prefix=prefix, subnet=state["subnet"], burst=state["burst"],
                    queue=state["queue"], udp_offload=state.get("udp_offload", False),
                    switches=state.get("switches", 0), racks=state.get("racks", 0),
-                   oversubscription=state.get("oversubscription", 1.0))
+                   oversubscription=state.get("oversubscription", 1.0),
+                   ranks_per_host=state.get("ranks_per_host", 1))
 
     # ------------------------------------------------------------------ signals
     def _catch_signals(self) -> None:

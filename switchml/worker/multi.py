@@ -43,6 +43,7 @@ too.  A job formed again (new workers) on the switches left works.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import numpy as np
@@ -88,6 +89,9 @@ class MultiSwitchWorker:
     * ``rank``, ``world_size``, ``job``, ``timeout``: as given, the same on every switch.
     """
 
+    #: Called with the error when the job fails on any switch (``Worker.on_failure``).
+    on_failure: Callable[[SwitchMLError], None] | None = None
+
     def __init__(self, addresses, rank: int, world_size: int, job: str | None = None,
                  timeout: float | None = None, *, slots: int | None = None,
                  wait_for_slots: float | None = None, channel, link_share: int = 1):
@@ -122,8 +126,6 @@ class MultiSwitchWorker:
         self._lock = threading.Lock()
         self._failure: SwitchMLError | None = None
         self._closed = False
-        #: Called with the error when the job fails on any switch (``Worker.on_failure``).
-        self.on_failure = None
         for k, joined in enumerate(self.channels):
             joined.on_failure = lambda error, k=k: self._switch_failed(error, k)
         self._share_the_window()
