@@ -1,8 +1,7 @@
-"""``python -m bench``: switchml dense, switchml sparse and gloo side by side
-(bench/suite.py; ``switchml bench`` runs the same from a source checkout)."""
+"""``python -m bench ARGS``: ``switchml bench ARGS`` (switchml/bench/suite.py)."""
 
 import sys
 
-from bench.suite import cli
+from switchml.bench.suite import cli
 
-sys.exit(cli())
+sys.exit(cli(prog="python -m bench"))

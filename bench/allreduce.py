@@ -34,8 +34,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import switchml  # noqa: E402
-from bench.common import make_block_sparse, summarize  # noqa: E402
 from switchml import config  # noqa: E402
+from switchml.bench.common import make_block_sparse, summarize  # noqa: E402
 from switchml.cli import fetch_stats  # noqa: E402
 
 

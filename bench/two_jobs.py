@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.launch import OnTestbed, Roles  # noqa: E402
+from switchml.bench.launch import OnTestbed, Roles  # noqa: E402
 
 
 def run(args) -> dict:

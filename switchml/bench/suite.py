@@ -1,9 +1,10 @@
-"""``python -m bench``: switchml dense, switchml sparse and gloo side by side.
+"""``switchml bench``: switchml dense, switchml sparse and gloo side by side.
 
-    python -m bench --workers 2 4 --sizes 1 4 --densities 0.1 --repeats 3
-    python -m bench --testbed --link 1gbit --mtu 9000 --workers 4 --sizes 64 --densities 0.1
+    switchml bench --workers 2 4 --sizes 1 4 --densities 0.1 --repeats 3
+    switchml bench --testbed --link 1gbit --mtu 9000 --workers 4 --sizes 64 --densities 0.1
 
-From the source checkout's root; ``switchml bench`` runs the same from there.
+Installed with the ``bench`` extra (``pip install 'switchml[bench,torch]'``; gloo
+needs torch); the testbed needs root, ``ip`` and ``tc``.
 
 For every worker count and tensor size, on the same float32 tensors (bench/common.py):
 switchml's dense path, switchml's sparse path at each block density (non-zero
@@ -30,10 +31,10 @@ import platform
 import sys
 import time
 
-from bench.common import lower_bound_s, ring_bytes, summarize
-from bench.launch import ROOT, BenchError, Loopback, OnTestbed, Roles
-from switchml.config import DEFAULT_BLOCK_ELEMENTS
-from switchml.testbed.core import OFFLOAD
+from ..config import DEFAULT_BLOCK_ELEMENTS
+from ..testbed.core import OFFLOAD
+from .common import lower_bound_s, ring_bytes, summarize
+from .launch import BenchError, Loopback, OnTestbed, Roles
 
 #: dense16: switchml's dense path on the 16-bit wire; gloo-fp16: gloo's allreduce
 #: of the tensor cast to float16 and back, as PyTorch's fp16_compress_hook does.
@@ -75,7 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="K switch processes where the one switch would run (the bridge, or "
                         "loopback), one job striped over all of them (default 1)")
     p.add_argument("--racks", type=int, default=0, metavar="R",
-                   help="testbed: R racks under a spine (issue 15): each a bridge with its "
+                   help="testbed: R racks under a spine: each a bridge with its "
                         "hosts and a rack switch, joined to the spine's bridge by a shaped "
                         "uplink; the spine switch on the spine's bridge (default 0: none)")
     p.add_argument("--oversubscription", type=float, default=1.0, metavar="X",
@@ -95,7 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds without progress before giving up (default: 600)")
     p.add_argument("--out", default=None,
-                   help="output folder (default: bench/results/bench-<time>)")
+                   help="output folder (default: ./switchml-bench-<time>)")
     p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNGs")
 
 
@@ -119,7 +120,8 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
                                  ("slots_per_job", args.slots_per_job)) if v is not None}
     job = f"bench-{world}"
     with Roles(cluster, args.timeout) as roles:
-        switches, addresses = [], []
+        switches: list = []
+        addresses: list = []
         binds = cluster.switch_binds
         if args.striped > 1:  # K processes in the one switch's place, ports of their own
             binds = [(where, host, 0) for where, host, _ in binds[:1]] * args.striped
@@ -335,7 +337,7 @@ def _drops(cluster):
     """The testbed's drop counters (None on loopback)."""
     if not isinstance(cluster, OnTestbed):
         return None
-    from bench import drops
+    from . import drops
 
     return drops.snapshot(cluster.tb)
 
@@ -344,7 +346,7 @@ def _note_drops(rows, before, cluster) -> None:
     """Where the datagrams of these rows' run were lost (all its cases together)."""
     if before is None:
         return
-    from bench import drops
+    from . import drops
 
     lost = drops.delta(before, _drops(cluster))
     for row in rows:
@@ -382,18 +384,17 @@ def run(args, cluster) -> dict:
     return {"rows": rows, "switch_job_counters": counters}
 
 
-def main(args, argv_text: str = "") -> int:
+def main(args, argv_text: str = "", prog: str = "switchml bench") -> int:
     _preflight(args)
-    out = args.out or os.path.join(ROOT, "bench", "results",
-                                   f"bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = args.out or f"switchml-bench-{time.strftime('%Y%m%d-%H%M%S')}"
     os.makedirs(out, exist_ok=True)
-    results: dict = {"command": "python -m bench " + argv_text,
+    results: dict = {"command": f"{prog} {argv_text}".strip(),
                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                            "python": platform.python_version()},
                "settings": {k: v for k, v in vars(args).items() if k != "func"}}
     try:
         if args.testbed:
-            from switchml.testbed import Testbed, TestbedError
+            from ..testbed import Testbed, TestbedError
 
             try:
                 with Testbed(max(args.workers), args.link, mtu=args.mtu, loss=args.loss,
@@ -420,7 +421,7 @@ def main(args, argv_text: str = "") -> int:
     link_bps = results["cluster"].get("link_bps")
     print(format_table(results["rows"], link_bps))
     if args.plots:
-        from bench.plots import write_plots
+        from .plots import write_plots
 
         results["plots"] = write_plots(results["rows"], link_bps, out)
     path = os.path.join(out, "results.json")
@@ -434,12 +435,12 @@ def main(args, argv_text: str = "") -> int:
     return 0
 
 
-def cli(argv=None, prog: str = "python -m bench") -> int:
+def cli(argv=None, prog: str = "switchml bench") -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     argv = sys.argv[1:] if argv is None else argv
-    return main(parser.parse_args(argv), " ".join(argv))
+    return main(parser.parse_args(argv), " ".join(argv), prog)
 
 
 if __name__ == "__main__":

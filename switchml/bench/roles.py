@@ -1,4 +1,5 @@
-"""The processes of a benchmark run, one role each: ``python -m bench.roles ROLE SPEC``.
+"""The processes of a benchmark run, one role each:
+``python -m switchml.bench.roles ROLE SPEC``.
 
 Each runs where the launcher puts it (on loopback, or inside a testbed namespace
 through ``ip netns exec``), reads its settings from the JSON ``SPEC`` and reports
@@ -27,9 +28,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from bench.common import make_tensor  # noqa: E402
+from .common import make_tensor
 
 
 def emit(**message) -> None:
@@ -78,9 +77,10 @@ def inputs_of_all(spec, case, block):
 
 
 def switch_role(spec) -> None:
-    from switchml import Switch
+    from .. import Switch
 
     with Switch(spec["host"], spec["port"], **spec.get("options", {})) as sw:
+        assert sw.address is not None  # bound once started
         emit(event="listening", address=list(sw.address))
         for line in sys.stdin:
             if line.strip() == "stop":

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from bench.common import lower_bound_s
+from .common import lower_bound_s
 
 STYLE = {"switchml-dense": ("tab:blue", "o"), "gloo": ("tab:orange", "s"),
          "switchml-sparse": ("tab:green", "^")}

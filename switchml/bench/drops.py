@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 
-from switchml.testbed import netns
-from switchml.testbed.netns import sh
+from ..testbed import netns
+from ..testbed.netns import sh
 
 
 def _qdisc_drops(ns: str, dev: str) -> int:
@@ -76,9 +76,9 @@ def delta(before: dict, after: dict) -> dict:
             "loss_rule": after["loss_rule"] - before["loss_rule"], "per_host": per_host}
 
 
-if __name__ == "__main__":  # the drops of a testbed that is up: python -m bench.drops PREFIX
+if __name__ == "__main__":  # a testbed's drops: python -m switchml.bench.drops PREFIX
     import sys
 
-    from switchml.testbed import Testbed
+    from ..testbed import Testbed
 
     print(json.dumps(snapshot(Testbed.from_state(*sys.argv[1:2])), indent=2))

@@ -1,6 +1,6 @@
 """Where the benchmark's processes run: on loopback, or one per testbed namespace.
 
-A cluster starts role processes (bench/roles.py) and says which addresses they
+A cluster starts role processes (roles.py) and says which addresses they
 use; ``Roles`` watches a set of them: their JSON lines arrive on one queue, and a
 process that fails ends the run with its stderr in the message.
 """
@@ -16,7 +16,14 @@ import sys
 import tempfile
 import threading
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The folder the switchml package is in (a source checkout's root, or
+#: site-packages): the role processes import it from there, installed or not.
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _pythonpath() -> str:
+    """PYTHONPATH for a role process: the package's folder first, then the caller's."""
+    return os.pathsep.join(p for p in (PACKAGE_PARENT, os.environ.get("PYTHONPATH")) if p)
 
 
 class BenchError(RuntimeError):
@@ -24,7 +31,7 @@ class BenchError(RuntimeError):
 
 
 def role_argv(role: str, spec: dict) -> list:
-    return [sys.executable, "-m", "bench.roles", role, json.dumps(spec)]
+    return [sys.executable, "-m", "switchml.bench.roles", role, json.dumps(spec)]
 
 
 class Loopback:
@@ -37,7 +44,7 @@ class Loopback:
     switch_servers = 0  # no switch behind a link of its own
 
     def popen(self, where, argv, **kw) -> subprocess.Popen:
-        return subprocess.Popen(argv, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT}, **kw)
+        return subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": _pythonpath()}, **kw)
 
     def ifname(self, rank):
         return None  # loopback carries every rank: no per-worker link to count
@@ -67,7 +74,7 @@ class OnTestbed:
     def __init__(self, testbed):
         self.tb = testbed
         self.link_bps = testbed.link_bps
-        from switchml.testbed import SWITCH_PORT
+        from ..testbed import SWITCH_PORT
         # switch servers, each in its namespace behind a shaped link, or the
         # switch on the bridge
         self.switch_servers = testbed.switches
@@ -87,7 +94,7 @@ class OnTestbed:
         """``lower_bound_s``'s rack arguments: hosts a rack, the uplinks' rate."""
         if not self.tb.racks:
             return {}
-        from switchml.testbed import racks
+        from ..testbed import racks
 
         return {"rack_hosts": len(racks.hosts_of(self.tb, 0)),
                 "uplink_bps": racks.uplink_bps(self.tb, 0), "flat": args.flat}
@@ -96,7 +103,7 @@ class OnTestbed:
         """Each rack uplink's byte counters (less ``since``'s); None without racks."""
         if not self.tb.racks:
             return None
-        from switchml.testbed import racks
+        from ..testbed import racks
 
         now = [racks.uplink_counters(self.tb, k) for k in range(self.tb.racks)]
         if since is None:
@@ -105,7 +112,7 @@ class OnTestbed:
                  if isinstance(value, (int, float))} for c, before in zip(now, since)]
 
     def popen(self, where, argv, **kw) -> subprocess.Popen:
-        return self.tb.popen(where, argv, cwd=ROOT, env={"PYTHONPATH": ROOT}, **kw)
+        return self.tb.popen(where, argv, env={"PYTHONPATH": _pythonpath()}, **kw)
 
     def ifname(self, rank):
         return self.tb.ifname(rank)
