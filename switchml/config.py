@@ -28,6 +28,15 @@ SWITCHML_SHARED_LINK        1: the switch is a server behind one     0
                             programmable switch): a job's window
                             there is its ranks' share of one link's
                             window
+SWITCHML_UPSTREAM           a spine switch's host:port: the switch   (none)
+                            this process starts is a rack switch
+                            whose jobs' partial sums go up to it
+SWITCHML_SPARSE             the torch backend's path: true           auto
+                            (sparse), false (dense) or auto
+                            (``Worker(sparse="auto")``)
+SWITCHML_WORKER_GSO         0: the worker's C engine sends one       1
+                            datagram a call instead of runs of
+                            UDP GSO segments
 SWITCHML_METRICS_PORT       a switch's Prometheus port               (none)
 SWITCHML_KEEPALIVE          seconds within which a vanished peer     20
                             of a control connection is noticed
