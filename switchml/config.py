@@ -1,4 +1,4 @@
-"""Settings from SWITCHML_* environment variables, as NCCL_* configure NCCL.
+r"""Settings from SWITCHML_* environment variables, as NCCL_* configure NCCL.
 
 ==========================  =======================================  ==========
 variable                    meaning                                  default
@@ -46,7 +46,7 @@ SWITCHML_DROP_RATE          a switch's simulated drop probability    0
 SWITCHML_SPARSE_AUTO_UNION  ``sparse="auto"`` goes sparse when the   0.5
                             union of non-zero blocks is at most
                             this share of the tensor
-SWITCHML_SPARSE_AUTO_MIN_   ``sparse="auto"`` stays dense when a     8 (C),
+SWITCHML_SPARSE_AUTO_MIN\_  ``sparse="auto"`` stays dense when a     8 (C),
   LANES                     packet holds fewer blocks (the rounds     32
                             cost more than the bytes they save)       (Python)
 SWITCHML_SPARSE_AUTO_EVERY  ``sparse="auto"`` measures again after   20

@@ -48,7 +48,7 @@ def table(doc: str) -> set:
     width = len(doc.splitlines()[rules[0]].split()[0])
     names: list = []
     for line in doc.splitlines()[rules[1] + 1:rules[2]]:
-        cell = line[:width].strip()
+        cell = line[:width].strip().replace("\\", "")  # SWITCHML_X\_: RST's escape
         if not cell:
             continue
         if names and names[-1].endswith("_"):
@@ -65,9 +65,9 @@ def test_the_scanner_finds_each_way_of_reading():
     """
     assert reads(text) == {"SWITCHML_A", "SWITCHML_B", "SWITCHML_C", "SWITCHML_D",
                            "SWITCHML_E"}
-    rule = "==========  ====\n"
-    assert table("x\n" + rule + "name        what\n" + rule + "SWITCHML_A  a\nSWITCHML_\n"
-                 "  BB        b\n            more of b\n" + rule) == {
+    rule = "===========  ====\n"
+    assert table("x\n" + rule + "name        what\n" + rule + "SWITCHML_A   a\nSWITCHML\\_\n"
+                 "  BB         b\n             more of b\n" + rule) == {
         "SWITCHML_A", "SWITCHML_BB"}
 
 
