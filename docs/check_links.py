@@ -41,8 +41,10 @@ def anchors(path: pathlib.Path) -> set:
     for line in path.read_text().splitlines():
         if FENCE.match(line):
             fenced = not fenced
-        elif not fenced and line.startswith("#"):
-            found.add(slug(line.lstrip("#")))
+        elif not fenced:
+            if line.startswith("#"):
+                found.add(slug(line.lstrip("#")))
+            found.update(re.findall(r'<a (?:id|name)="([^"]+)"', line))
     return found
 
 
