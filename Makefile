@@ -6,13 +6,13 @@ STAMP := $(VENV)/.installed
 # torch==2.13.0 (the torch extra) installs its CPU build from a local wheel where there is one
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: demo test install bench clean nft conformance
+.PHONY: demo test install bench clean nft conformance docs
 
 # the compiled cores (setup.py) are built by the editable install: a change rebuilds them
 $(STAMP): pyproject.toml setup.py $(wildcard switchml/switch/*.c switchml/switch/*.h switchml/worker/*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(FIND_LINKS) -e '.[test,bench,torch,examples,metrics,integrations]'
+	$(PY) -m pip install --quiet $(FIND_LINKS) -e '.[test,bench,torch,examples,metrics,integrations,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -28,7 +28,14 @@ demo: $(STAMP)
 test: $(STAMP) nft
 	$(PY) -m ruff check .
 	$(PY) -m mypy
+	$(MAKE) --no-print-directory docs
 	$(PY) -m pytest -q
+
+# The API reference (docs/api, from the docstrings) into build/docs, warnings as
+# errors and every reference resolved; then the Markdown docs' links and paths.
+docs: $(STAMP)
+	$(PY) -m sphinx -W -n --keep-going -q -b html docs/api build/docs
+	$(PY) docs/check_links.py
 
 # torch's own DistributedTest on gloo and on switchml, compared test by test, at
 # WORLD_SIZE=3 and at 8 (where torch runs its subgroup tests): docs/conformance.md.

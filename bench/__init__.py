@@ -1,3 +1,6 @@
-"""Benchmarks of switchml against torch gloo: ``python -m bench`` (suite.py) and allreduce.py.
+"""Development benchmarks of switchml, run from a source checkout's root.
 
-Not part of the installed package: they run from a source checkout's root."""
+The side-by-side suite users run (``switchml bench``) is :mod:`switchml.bench`;
+``python -m bench`` runs it too, and ``python -m bench campaign`` the campaign
+that regenerates every figure the documentation cites.
+"""

@@ -1,8 +1,13 @@
-"""``python -m bench``: switchml dense, switchml sparse and gloo side by side
-(bench/suite.py; ``switchml bench`` runs the same from a source checkout)."""
+"""``python -m bench ARGS``: ``switchml bench ARGS`` (switchml/bench/suite.py);
+``python -m bench campaign ...``: the campaign (bench/campaign.py)."""
 
 import sys
 
-from bench.suite import cli
+if sys.argv[1:2] == ["campaign"]:
+    from bench.campaign import main
 
-sys.exit(cli())
+    sys.exit(main(sys.argv[2:]))
+
+from switchml.bench.suite import cli  # noqa: E402
+
+sys.exit(cli(prog="python -m bench"))

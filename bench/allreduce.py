@@ -34,8 +34,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import switchml  # noqa: E402
-from bench.common import make_block_sparse, summarize  # noqa: E402
 from switchml import config  # noqa: E402
+from switchml.bench.common import make_block_sparse, summarize  # noqa: E402
 from switchml.cli import fetch_stats  # noqa: E402
 
 
@@ -230,7 +230,7 @@ def run_densities(ctx, world, elements, args):
         row["sparse_speedup_over_dense"] = row["dense"]["median_s"] / row["sparse"]["median_s"]
         row["sent_over_density_times_size"] = row["sparse"]["bytes_sent_per_worker"] / max(
             1.0, density * nbytes)
-        # The values alone: the aim's "density x size, plus headers" without the headers.
+        # The values alone: "density x size, plus headers" without the headers.
         row["values_sent_over_density_times_size"] = row["sparse"][
             "value_bytes_sent_per_worker"] / max(1.0, density * nbytes)
         # What must come down to every worker: the union of the ranks' blocks.

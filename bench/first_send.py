@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.common import make_tensor  # noqa: E402
+from switchml.bench.common import make_tensor  # noqa: E402
 
 
 def first_send_s(args, values, sparse: bool) -> list:

@@ -55,7 +55,7 @@ def main() -> None:
     rounds = sim.datagrams // 2
     funcs = {f"{k[0].rsplit('/', 1)[-1]}:{k[2]}": v[3] for k, v in stats.stats.items()}
     setup = funcs.get("sparse.py:__init__", 0.0)
-    worker = funcs.get("engine.py:receive_datagram", 0.0)
+    worker = funcs.get("stream.py:receive_datagram", 0.0)
     switch = funcs.get("pipeline.py:receive_datagram", 0.0)
     print(f"per worker: set-up {1e3 * setup / n:.0f} ms, {rounds // n} rounds at "
           f"{1e6 * worker / rounds:.0f} us; switch {1e6 * switch / rounds:.0f} us per datagram "

@@ -61,7 +61,7 @@ def main(path: str) -> None:
         data = json.load(f)
     if "rows" in data:  # from `python -m bench` (bench/suite.py)
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-        from bench.suite import format_table
+        from switchml.bench.suite import format_table
 
         print(f"`{data['command']}` on {data['cluster']}\n")
         print(format_table(data["rows"], data["cluster"].get("link_bps")))

@@ -2,7 +2,7 @@
 
     python bench/testbed_loss.py --loss 0.01 --mtu 1500     # loss per datagram
     python bench/testbed_loss.py --rate --link 1gbit --mtu 9000   # link throughput
-    ... --udp-offload     # as before the fix: GSO runs cross the links whole
+    ... --udp-offload     # GSO runs cross the links whole (no per-datagram loss)
 
 Loss: one host sends ``--batches`` runs of datagrams, each run one ``sendmsg``
 with UDP_SEGMENT (as switchml's workers and switch send), to the switch

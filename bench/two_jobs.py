@@ -6,8 +6,8 @@ Job A's rank r and job B's rank r run in host namespace r, so both jobs cross th
 same host links and the same switch, each with the switch's default settings.
 Each job runs its dense allreduces back to back; a job's throughput is its bytes
 per second over its timed calls, and its share is that over the two jobs'
-total.  A fair window gives each about half (the aim: within 20% of an equal
-share).  Prints a table and writes JSON (--json).  Root only (namespaces).
+total.  A fair window gives each about half.  Prints a table and writes JSON
+(--json).  Root only (namespaces).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.launch import OnTestbed, Roles  # noqa: E402
+from switchml.bench.launch import OnTestbed, Roles  # noqa: E402
 
 
 def run(args) -> dict:

@@ -4,11 +4,11 @@
     python bench/udp_paths.py --mib 256 --testbed --mtu 9000  # two namespaces, root
 
 The switch and the workers spend most of their busy time in ``sendto`` and
-``recv`` (docs/benchmarks.md). This measures the ways those calls could move the
+``recv``. This measures the ways those calls could move the
 same bytes, one sender process to one receiver process, unshaped:
 
-* ``datagram``: switchml's own 65300-byte datagrams, one per call, as it sends
-  them today (IP-fragmented where the MTU is smaller);
+* ``datagram``: 65300-byte datagrams, one per call (IP-fragmented where the
+  MTU is smaller);
 * ``mtu``: datagrams of one MTU's payload, one per call;
 * ``gso``: the same MTU-sized datagrams, as many as fit in 65300 bytes per
   ``sendto`` with the UDP_SEGMENT option, received with UDP_GRO (several per

@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.common import make_tensor  # noqa: E402
+from switchml.bench.common import make_tensor  # noqa: E402
 
 ENGINES = ("python", "c")
 

@@ -22,4 +22,6 @@ from .worker.client import AllreduceHandle, Worker
 __all__ = ["Switch", "Worker", "AllreduceHandle", "SwitchMLError", "SwitchMLTimeoutError",
            "JoinRefusedError", "LimitExceededError", "MetricsUnavailableError",
            "SwitchUnreachableError", "CallMismatchError", "ProtocolVersionError"]
-__version__ = "0.1.0"
+
+#: The package's version: the one place it is written (pyproject.toml reads it).
+__version__ = "0.9.0"

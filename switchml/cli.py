@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
-import os
 import socket
 import sys
 
-from . import config, protocol
+from . import __version__, config, protocol
 from .errors import MetricsUnavailableError
 from .netutil import LineReader
 from .switch.pipeline import MAX_WORKERS
@@ -152,6 +150,7 @@ def _demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="switchml", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"switchml {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("switch", help="run a software switch in the foreground until Ctrl-C",
@@ -220,31 +219,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Listed for --help; main() hands its arguments to the benchmark as they are.
     sub.add_parser("bench", add_help=False,
-                   help="switchml dense/sparse against gloo (python -m bench, from a source "
-                        "checkout; switchml bench --help for its flags)")
+                   help="switchml dense/sparse against gloo, on loopback or the testbed "
+                        "(the bench extra; switchml bench --help for its flags)")
     return parser
 
 
-#: The source checkout the package sits in, where bench/ is (not installed with it).
-SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
 def _bench(argv: list) -> int:
-    """``switchml bench ARGS``: ``python -m bench ARGS``, when bench/ can be imported
-    (on the path, or next to the package in its source checkout); else say so."""
-    try:
-        suite = importlib.import_module("bench.suite")
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("bench", "bench.suite"):  # bench/ is there but needs more
-            raise
-        if not os.path.isfile(os.path.join(SOURCE_ROOT, "bench", "suite.py")):
-            print("switchml bench: the benchmarks are not installed with the package; from "
-                  "a source checkout's root run `python -m bench ...` (bench/suite.py)",
-                  file=sys.stderr)
-            return 2
-        sys.path.insert(0, SOURCE_ROOT)
-        suite = importlib.import_module("bench.suite")
-    return suite.cli(argv, prog="switchml bench")
+    """``switchml bench ARGS``: the side-by-side suite (switchml/bench/suite.py)."""
+    from .bench.suite import cli
+
+    return cli(argv, prog="switchml bench")
 
 
 def main(argv=None) -> int:

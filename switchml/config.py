@@ -1,4 +1,4 @@
-"""Settings from SWITCHML_* environment variables, as NCCL_* configure NCCL.
+r"""Settings from SWITCHML_* environment variables, as NCCL_* configure NCCL.
 
 ==========================  =======================================  ==========
 variable                    meaning                                  default
@@ -28,6 +28,15 @@ SWITCHML_SHARED_LINK        1: the switch is a server behind one     0
                             programmable switch): a job's window
                             there is its ranks' share of one link's
                             window
+SWITCHML_UPSTREAM           a spine switch's host:port: the switch   (none)
+                            this process starts is a rack switch
+                            whose jobs' partial sums go up to it
+SWITCHML_SPARSE             the torch backend's path: true           auto
+                            (sparse), false (dense) or auto
+                            (``Worker(sparse="auto")``)
+SWITCHML_WORKER_GSO         0: the worker's C engine sends one       1
+                            datagram a call instead of runs of
+                            UDP GSO segments
 SWITCHML_METRICS_PORT       a switch's Prometheus port               (none)
 SWITCHML_KEEPALIVE          seconds within which a vanished peer     20
                             of a control connection is noticed
@@ -37,7 +46,7 @@ SWITCHML_DROP_RATE          a switch's simulated drop probability    0
 SWITCHML_SPARSE_AUTO_UNION  ``sparse="auto"`` goes sparse when the   0.5
                             union of non-zero blocks is at most
                             this share of the tensor
-SWITCHML_SPARSE_AUTO_MIN_   ``sparse="auto"`` stays dense when a     8 (C),
+SWITCHML_SPARSE_AUTO_MIN\_  ``sparse="auto"`` stays dense when a     8 (C),
   LANES                     packet holds fewer blocks (the rounds     32
                             cost more than the bytes they save)       (Python)
 SWITCHML_SPARSE_AUTO_EVERY  ``sparse="auto"`` measures again after   20

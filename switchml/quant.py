@@ -92,8 +92,8 @@ def block_peaks(values: np.ndarray, block: int) -> np.ndarray:
 
     Works on the bits: with the sign cleared, a float32's bit pattern as an int32
     grows with its magnitude, and every NaN pattern lies above inf's.  An integer
-    max per block is about 2.5x faster than float max and min over 256-value rows
-    (which must mind NaN), and piece by piece it needs no array-sized temporary.
+    max per block is cheaper than a float max and min (which must mind NaN), and
+    piece by piece it needs no array-sized temporary.
     """
     n = values.size
     blocks = -(-n // block)

@@ -1,5 +1,6 @@
-"""`python -m bench` end to end with tiny settings: every system runs on the same tensors,
-results are checked, bytes are counted, and the JSON and PNG files appear."""
+"""`switchml bench` (and `python -m bench`, the same from a checkout) end to end with
+tiny settings: every system runs on the same tensors, results are checked, bytes are
+counted, and the JSON and PNG files appear."""
 
 import json
 import os
@@ -12,10 +13,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.common import lower_bound_s, ring_bytes  # noqa: E402
-from bench.plots import write_plots  # noqa: E402
+from switchml.bench.common import lower_bound_s, ring_bytes  # noqa: E402
+from switchml.bench.plots import write_plots  # noqa: E402
 
-CLI = [sys.executable, "-m", "bench"]  # from ROOT: bench/ is not in the package
+CLI = [sys.executable, "-m", "bench"]  # from ROOT: bench/__main__.py is switchml bench
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

@@ -80,19 +80,31 @@ def test_demo_checks_its_sums():
     assert result.stdout.count("sparse (d=0.1)") == 2
 
 
-def test_bench_runs_the_source_checkouts_bench_and_says_where_there_is_none(tmp_path):
-    """`switchml bench` is `python -m bench` (bench/ is not in the package): from a
-    source checkout it hands its arguments over; an installed package without
-    bench/ next to it says how to run it."""
-    shown = subprocess.run(CLI + ["bench", "--help"], capture_output=True, text=True,
-                           timeout=60, cwd=tmp_path)  # not from the root: found next to it
-    assert shown.returncode == 0, shown.stderr
-    assert shown.stdout.startswith("usage: switchml bench") and "--densities" in shown.stdout
+def test_bench_runs_from_the_package_alone(tmp_path):
+    """`switchml bench` is in the package (switchml/bench/): a copy of the package
+    with no source checkout beside it shows its flags and runs a case, its role
+    processes importing the package from where it is."""
     package = os.path.dirname(switchml.__file__)
     shutil.copytree(package, tmp_path / "site" / "switchml",
                     ignore=shutil.ignore_patterns("__pycache__", "*.c", "*.h"))
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
-    alone = subprocess.run(CLI + ["bench", "--workers", "2"], capture_output=True, text=True,
+    shown = subprocess.run(CLI + ["bench", "--help"], capture_output=True, text=True,
                            timeout=60, cwd=tmp_path, env=env)
-    assert alone.returncode == 2, alone.stdout + alone.stderr
-    assert "run `python -m bench ...`" in alone.stderr
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("usage: switchml bench") and "--densities" in shown.stdout
+    out = tmp_path / "out"
+    ran = subprocess.run(CLI + ["bench", "--workers", "2", "--sizes", "0.01", "--systems",
+                                "dense", "--warmup", "0", "--repeats", "1", "--no-plots",
+                                "--out", str(out)],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    data = json.loads((out / "results.json").read_text())
+    assert data["command"].startswith("switchml bench --workers 2")
+    [row] = data["rows"]
+    assert row["system"] == "switchml-dense" and row["checked"] is True
+
+
+def test_version_is_the_packages():
+    shown = subprocess.run(CLI + ["--version"], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip() == f"switchml {switchml.__version__}"

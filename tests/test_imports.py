@@ -97,3 +97,34 @@ def test_the_checker_sees_a_circle_and_function_level_imports():
 def test_no_module_of_the_package_imports_itself_back():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+#: A source checkout's folders beside the package: an installed package has none of them.
+CHECKOUT_FOLDERS = {"bench", "tests", "examples", "conftest"}
+
+
+def upward_imports(source: str) -> list:
+    """The names ``source`` imports from a source checkout's folders (absolute
+    imports, and ``importlib.import_module`` of a literal name)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant)):
+            names = [str(node.args[0].value)]
+        found += [n for n in names if n.split(".")[0] in CHECKOUT_FOLDERS]
+    return found
+
+
+def test_no_module_of_the_package_imports_the_checkouts_folders():
+    """The package works installed: nothing in it imports bench/, tests/ or examples/."""
+    assert upward_imports("import bench.suite\nfrom tests import x\n"
+                          "importlib.import_module('bench.suite')\nfrom . import bench\n") == [
+        "bench.suite", "tests", "bench.suite"]
+    offenders = {name: found for name, (path, _) in modules().items()
+                 if (found := upward_imports(path.read_text()))}
+    assert offenders == {}

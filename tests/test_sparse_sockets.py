@@ -134,7 +134,7 @@ def test_sparse_argument_is_checked(switch):
 
 def test_auto_goes_sparse_on_8_lane_packets_with_the_c_engine_only(switch, monkeypatch):
     """Frame-sized packets at MTU 9000 hold 8 blocks: with the C sparse engine the
-    rounds cost microseconds and sparse pays there (docs/benchmarks.md); the Python
+    rounds cost microseconds and sparse pays there (docs/protocol.md); the Python
     engine's rounds need 32 blocks a packet."""
     from switchml.worker import compiled
     monkeypatch.delenv("SWITCHML_SPARSE_AUTO_MIN_LANES", raising=False)

@@ -29,9 +29,8 @@ set is complete, nothing while it waits for other ranks), for a rank not in it
 (``wire.KIND_RESEND``): the rank's contribution was lost, it sends it whole.  A
 stale probe is dropped.  So a rank that times out because a peer's
 contribution was lost sends 32 bytes (its query, below) into the congested
-port, not a whole packet (a switch server behind one link, 16 ranks at 100 Mbit/s: 41% more than
-the tensor crossed that link as such duplicates and lost results'
-retransmissions).
+port, not a whole packet: whole copies from every rank the set already holds
+would crowd the port that dropped the one contribution missing.
 
 A query (``wire.KIND_QUERY``: a worker's timer retransmission) is a probe that a
 complete set answers with a done (``wire.KIND_DONE``), the header alone, not the
@@ -40,8 +39,7 @@ the done without the result lost it and sends its contribution whole, which is
 answered with the stored result.  A timeout that was only late (a round trip
 longer than the RTO, common where 16 ranks share two cores) then costs the
 result's link 32 bytes, not a second copy of the result queued behind the
-first: answering the timer with the result sent 3-9% of a switch server's link
-again (session 11).  Each row keeps 32 bytes past the largest datagram for the
+first on the link that delays it.  Each row keeps 32 bytes past the largest datagram for the
 resend or done, as a switch builds a reply in its packet memory.
 
 A contribution for the message a set holds whose ids (call number, packet,

@@ -138,8 +138,8 @@ class Testbed:
     kept whole.  Off, the kernel cuts it into its datagrams at the first link, as
     for a NIC without that offload, and every hop of the emulated wire (tbf,
     veth, bridge) handles each frame on this machine's cores, which a real
-    switch's fabric does not: 4 hosts at 1 Gbit/s and MTU 1500 took 0.78 s for a
-    64 MiB switchml allreduce against 0.60 s with it on.  None (the default): on
+    switch's fabric does not, so the machine's cores, not the links, can bound
+    a run at small MTUs.  None (the default): on
     without loss, off with loss, where per-datagram loss needs it.
     ``switches``: switch servers (0: none, the switch on the bridge as before);
     each is a namespace ``"s<k>"`` behind a shaped link like a host's.

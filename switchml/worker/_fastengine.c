@@ -1,7 +1,7 @@
 /*
  * switchml.worker._fastengine: the dense allreduce state machine in C.
  *
- * A transcription of the Python reference (engine.py: Stream, DenseAllreduce;
+ * A transcription of the Python reference (stream.py: Stream; engine.py: DenseAllreduce;
  * recovery.py: RttEstimator, CongestionWindow; quant.py: quantize_into,
  * dequantize_into, chunk_exponents) that must stay bit-identical to it: the
  * same datagrams in the same order, the same results, the same counters.
@@ -289,7 +289,7 @@ static void heap_pop(Heap *h) {
    test compares them) */
 #define QUEUE_FACTOR 1.5
 #define MAX_KEPT_BACKOFF 3
-/* How a message's latest transmission went out (engine.py's SENT, FAST, PROBE). */
+/* How a message's latest transmission went out (stream.py's SENT, FAST, PROBE). */
 enum { COPY_SENT, COPY_FAST, COPY_PROBE };
 
 enum { COUNTER_RESULTS_IN, COUNTER_RETRANSMISSIONS, COUNTER_SPURIOUS, COUNTER_WINDOW_DECREASES,
@@ -530,8 +530,8 @@ static uint8_t *outbox_bytes(DenseCore *c, Py_ssize_t i) {
 
 /* The local exponent of a dense float chunk, read when the message that
  * announces it is first built, not in a pass over the whole input before the
- * first send: that pass kept the links idle for 20 ms of a 64 MiB call (85 ms
- * of 256 MiB).  The input is not written before then, even in place: chunk c
+ * first send: that pass would keep the links idle while it reads the whole
+ * input.  The input is not written before then, even in place: chunk c
  * is announced before its values go out, and its sum comes after. */
 static int16_t local_exponent(DenseCore *c, int64_t chunk) {
     int16_t e = c->local_exp[chunk];
@@ -666,7 +666,7 @@ static void judge_loss(DenseCore *c, int j, double now, int retries) {
 
 /* Stream._fast_resend */
 static int fast_resend(DenseCore *c, int j, double now) {
-    /* as a first timeout: results overtook it, the path answers (engine.py) */
+    /* as a first timeout: results overtook it, the path answers (stream.py) */
     judge_loss(c, j, now, 0);
     /* not backed off, plus a round trip (Stream._fast_resend says why) */
     c->deadline[j] = now + rto(c, c->backoff[j]) + (c->have_srtt ? c->srtt : 0.0);

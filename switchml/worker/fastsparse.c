@@ -20,7 +20,7 @@
  *                       already, as their lanes skip them: sparse_absorb)
  *
  * Why C: with frame-sized packets a 64 MiB call at density 0.1 is thousands of
- * rounds per worker, and sparse.py spends ~150 us of numpy calls on each; here a
+ * rounds per worker, and sparse.py spends many numpy calls on each; here a
  * round is a few lane lookups and the quantisation of the blocks it carries.
  *
  * The arithmetic is quant.py's for blocks scaled by their chunk's exponent

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 #: Results of messages sent after a message still unanswered that make it
-#: presumed lost and sent again at once (fast retransmit, engine.py), as TCP's
+#: presumed lost and sent again at once (fast retransmit, stream.py), as TCP's
 #: three duplicate ACKs (RFC 5681): slots complete roughly in send order, but
 #: not exactly (ranks out of step, a host descheduled between datagrams, the
 #: switch's batches), and one or two results overtaking a message is such
@@ -24,17 +24,16 @@ FAST_RETRANSMIT_THRESHOLD = 3
 #: reordering metric, RFC 4737's degree: Linux raises its dupthresh the same
 #: way).  Aggregation reorders more than a network does: a slot's result comes
 #: when its last rank's contribution arrives, and ranks whose windows differ
-#: send their ready messages in different orders; 8 ranks on 2 cores at
-#: 500 Mbit/s fast-retransmitted 10% of their messages with the threshold at 3,
-#: and not one datagram was lost (bench/drops.py counted none), where 16 cut
-#: that to 0.1% and the call's time by 14%.  A fast retransmission whose
+#: send their ready messages in different orders, so a fixed threshold of 3
+#: resends messages that were only overtaken, never lost, and each such copy
+#: costs a datagram and a window decrease.  A fast retransmission whose
 #: original's result comes back before any round trip could have answered the
 #: copy (spurious) raises the threshold past the results that overtook it, up
 #: to this bound, half the default window of 32: a loss is then still found by
 #: the results of the window's other half, before the tail probe's 2 round trips.
 MAX_REORDERING = 16
 
-#: Probes (engine.py): what no timeout need wait for.  A message in flight is
+#: Probes (stream.py): what no timeout need wait for.  A message in flight is
 #: sent again once ``TAIL_PROBE_ROUND_TRIPS`` smoothed round trips plus
 #: ``TAIL_PROBE_MARGIN`` passed with no result at all since it went out (TCP's
 #: tail loss probe, RFC 8985: 2 SRTT): with no result coming, none of a later
@@ -45,12 +44,10 @@ MAX_REORDERING = 16
 #: result's, or a peer's copy's) would wait for the timer, 10 ms.  So many
 #: round trips because every rank's copy must reach the switch, and the ranks
 #: see a loss at different times (their windows, hence their send orders,
-#: differ), behind a queue the copies share: probing copies 2 round trips after
-#: they went out sent 192 probes a worker in a 64 MiB call at 1% loss in the
-#: simulator (bench/sim_loss.py), 4 round trips 7 but 1535 on a loss-free run
-#: reordered by 0.2 ms, where 8 round trips and 4 deviations send 19 (and, at
-#: 1%, 10).  The margin (0.25 ms, the window's QUEUE_MARGIN) is for ranks out
-#: of step.
+#: differ), behind a queue the copies share: a copy probed sooner is most often
+#: one merely late, and where the path reorders a fixed number of round trips
+#: probes nearly every copy; the deviations scale the wait with that jitter.
+#: The margin (0.25 ms, the window's QUEUE_MARGIN) is for ranks out of step.
 TAIL_PROBE_ROUND_TRIPS = 2
 COPY_PROBE_ROUND_TRIPS = 8
 TAIL_PROBE_MARGIN = 0.00025
@@ -71,13 +68,10 @@ class RttEstimator:
     them answers in time, as TCP keeps its backed-off RTO until a new sample
     (RFC 6298, 5.5 and 5.7).  Without it the estimate is censored: Karn takes no
     sample from a message that timed out, so the longest round trips never reach
-    it, and where they are common the RTO stays below them.  Four parts striped
-    over four switches on two cores (16 workers at 100 Mbit/s) timed out 634
-    messages a worker a call while the testbed dropped 31 datagrams a run (each
-    timeout also halving a window): 6.77 s a call, 6.03 s with this.  Only proven
-    premature timeouts: backing off after every timeout slowed the recovery of
-    real losses (16 ranks into one port in the simulator: 47% of its rate
-    against 52%).
+    it, and where they are common the RTO stays below them: messages time out
+    again and again where no datagram was lost, each timeout a copy and a
+    window decrease.  Only proven premature timeouts: backing off after every
+    timeout would slow the recovery of real losses.
     """
 
     #: The most doublings a timeout leaves on the RTO of later messages.
@@ -143,8 +137,8 @@ class CongestionWindow:
       several losses of one window are one congestion event), unless the path
       shows no queue: then the loss was random (a lossy link), the message is
       resent and the window kept (``random_losses``).  Halving on every loss
-      made a call 6.7x as long at 1% loss on every link in the simulator (with
-      a 10 ms round trip), where a window that never shrinks takes 1.3x.
+      would hold the window near its floor on a lossy link with no queue at
+      all, where a loss costs only its retransmission.
       Queueing evidence is per round trip: the least RTT sample of a round
       trip (the results that come until one of a message sent after it began)
       over ``QUEUE_FACTOR`` times the least RTT ever seen plus ``QUEUE_MARGIN`` means a standing
@@ -167,12 +161,12 @@ class CongestionWindow:
       What it costs: a queue shorter than that (half the least RTT + 0.25 ms; at
       10 Gbit/s 256 KiB is 0.2 ms) is not seen, and only the silence rule backs
       off its losses.
-    * A fast retransmission (engine.py: a message overtaken by the results of
+    * A fast retransmission (stream.py: a message overtaken by the results of
       ``FAST_RETRANSMIT_THRESHOLD`` later ones) is a loss as a timeout is, the
       same ``on_timeout``, with ``retries`` 0: the results that overtook it show
       the path is not silent.  A later timeout of the message counts the
       timer's retransmissions only.
-    * A probe (engine.py: a message sent again after round trips without its
+    * A probe (stream.py: a message sent again after round trips without its
       result, see ``TAIL_PROBE_ROUND_TRIPS``) is no loss for the window:
       silence says nothing of a queue.  The timeout that may follow it is one,
       counted as the timer's.
@@ -195,9 +189,8 @@ class CongestionWindow:
     #: margin) showed a standing queue.  Not 2: where many ranks send into one
     #: port (16 workers into a switch server at 100 Mbit/s), the least RTT is
     #: already the time that port takes for one contribution from each, 10.7 ms
-    #: at 8 KiB, and a full 256 KiB queue (21 ms) never doubled it: every loss
-    #: read as random, the windows never came down, and the simulator's model
-    #: of it ran at 21% of the port's rate (44% with 1.5).
+    #: at 8 KiB, and a full 256 KiB queue (21 ms) never doubles it: every loss
+    #: would read as random and the windows never come down.
     QUEUE_FACTOR = 1.5
     #: What ``on_timeout`` did.
     SAME_EVENT, DECREASED, RANDOM_LOSS = 0, 1, 2

@@ -420,16 +420,15 @@ class Stream:
         # As a first timeout (retries 0): the silence rule (no round trip since a
         # retransmission went out) does not apply, the results that overtook
         # this message show the path answers; only a queue halves the window.
-        # (With the copy's back-off count, 10 ms round trips at 5% loss halved
-        # 34 times as often: 3.35x the loss-free time against 2.32x without
-        # fast retransmit.)
+        # (With the copy's back-off count, random loss would halve the window as
+        # if it were congestion, and fast retransmit would cost more than the
+        # timeouts it saves.)
         self._judge_loss(j, now, 0)
         # The timer restarts with the timeout it had, not backed off (the path
         # answers: this copy was lost), plus a smoothed round trip: the copy
         # is not overdue before its own round trip, and where the least RTO is
         # no more than a round trip, the timer would fire just before the answer
-        # (10 ms round trips in the simulator: 1.9x the loss-free time at 1%
-        # loss, against 1.3x).  The back-off count still grows: the result is
+        # and send a copy that is not needed.  The back-off count still grows: the result is
         # ambiguous (Karn) and may prove the retransmission spurious.
         self._deadline[j] = now + s.rtt.rto(self._backoff[j]) + (s.rtt.srtt or 0.0)
         self._backoff[j] += 1
@@ -462,9 +461,8 @@ class Stream:
         flight, so probes fill the window's room (its own, not capped by the call's
         width), and past it one probe at a time may be unanswered (TCP's tail loss
         probe, RFC 8985).  Probing every message of a full window after two round
-        trips of silence doubled the load of a congested port: 16 workers into
-        one switch server at 100 Mbit/s sent 12,747 probes a worker a call and
-        collapsed (docs/benchmarks.md, session 7)."""
+        trips of silence would double the load of a congested port, where silence
+        means a queue, not a loss, and many ranks into one port collapse."""
         probes = sum(1 for j in range(self.width) if self._copy[j] == PROBE
                      and self._inflight[j] is not None and not self._lost[j])
         window = self.s.window

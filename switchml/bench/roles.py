@@ -1,0 +1,218 @@
+"""The processes of a benchmark run, one role each:
+``python -m switchml.bench.roles ROLE SPEC``.
+
+Each runs where the launcher puts it (on loopback, or inside a testbed namespace
+through ``ip netns exec``), reads its settings from the JSON ``SPEC`` and reports
+on stdout, one JSON object per line:
+
+- ``switch``: a switchml ``Switch``; prints ``listening`` with its address, then on
+  a ``stop`` line (or end of input) prints its ``stats`` and exits.
+- ``switchml``: one ``Worker`` rank; runs every case (warm-up, then timed repeats)
+  and prints one ``case`` line per case: times, worker counters, link bytes, and
+  the CPU and run-queue seconds of its threads a call (``scheduling``).
+- ``gloo``: one torch.distributed gloo rank; same cases, same tensors.
+
+Rank 0 checks every result against the exact sum of all ranks' inputs, which it
+rebuilds from their seeds; every rank prints a digest so that the launcher can
+check they agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from .common import make_tensor
+
+
+def emit(**message) -> None:
+    print(json.dumps(message), flush=True)
+
+
+def link_bytes(ifname):
+    """(sent, received) bytes of ``ifname`` in this network namespace, or None."""
+    if not ifname:
+        return None
+    base = f"/sys/class/net/{ifname}/statistics/"
+    with open(base + "tx_bytes") as tx, open(base + "rx_bytes") as rx:
+        return int(tx.read()), int(rx.read())
+
+
+def scheduling():
+    """(CPU seconds, seconds runnable but waiting for a core) of this process's
+    threads so far, from Linux's ``/proc/self/task/*/schedstat``; None elsewhere.
+    Where two cores carry every host of a testbed, the second is the time a rank
+    wanted to run and could not."""
+    cpu = wait = 0
+    try:
+        for task in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{task}/schedstat") as f:
+                    ran, waited, _ = f.read().split()
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+            cpu, wait = cpu + int(ran), wait + int(waited)
+    except OSError:
+        return None
+    return cpu / 1e9, wait / 1e9
+
+
+def per_call(before, after, calls):
+    """``{"cpu_s": ..., "runqueue_wait_s": ...}`` a call between two ``scheduling()``."""
+    if before is None or after is None or not calls:
+        return {"cpu_s": None, "runqueue_wait_s": None}
+    return {"cpu_s": (after[0] - before[0]) / calls,
+            "runqueue_wait_s": (after[1] - before[1]) / calls}
+
+
+def inputs_of_all(spec, case, block):
+    return [make_tensor(r, case["elements"], case.get("density"), block, spec["seed"])
+            for r in range(spec["world"])]
+
+
+def switch_role(spec) -> None:
+    from .. import Switch
+
+    with Switch(spec["host"], spec["port"], **spec.get("options", {})) as sw:
+        assert sw.address is not None  # bound once started
+        emit(event="listening", address=list(sw.address))
+        for line in sys.stdin:
+            if line.strip() == "stop":
+                break
+        emit(event="stats", stats=sw.stats())
+
+
+def _time(fn, warmup, repeats, before=None):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def switchml_role(spec) -> None:
+    import switchml
+    from switchml.config import DEFAULT_BLOCK_ELEMENTS, DEFAULT_PACKET_ELEMENTS
+    from switchml.quant import error_bound, error_bound16, error_bound_two_stage
+
+    rank, world = spec["rank"], spec["world"]
+    per_host = spec.get("ranks_per_host", 1)
+    # ranks of one host: one namespace on the testbed, one group on loopback
+    os.environ.setdefault("SWITCHML_LOCAL_GROUP", str(rank // per_host))
+    with switchml.Worker(spec["switch"], rank, world, job=spec["job"],
+                         timeout=spec.get("timeout", 60)) as w:
+        session = w.session  # None where this rank sends nothing through a switch
+        block = session.block_elements if session is not None else DEFAULT_BLOCK_ELEMENTS
+        local = getattr(w, "placement", None)  # the local stage's, where ranks combine
+        for case in spec["cases"]:
+            data = make_tensor(rank, case["elements"], case.get("density"), block, spec["seed"])
+            out = np.empty_like(data)
+            sparse, bits = case["sparse"], case.get("bits", 32)
+            for _ in range(spec["warmup"]):
+                w.allreduce(data, out=out, sparse=sparse, bits=bits)
+            c0, l0, s0 = w.counters, link_bytes(spec.get("ifname")), scheduling()
+            call = functools.partial(w.allreduce, data, out=out, sparse=sparse, bits=bits)
+            times = _time(call, 0, spec["repeats"])
+            c1, l1, s1 = w.counters, link_bytes(spec.get("ifname")), scheduling()
+            ok = None
+            if spec.get("check") and rank == 0 and data.size:
+                inputs = inputs_of_all(spec, case, block)
+                exact = np.sum(np.array(inputs, np.float64), axis=0)
+                err = np.abs(out.astype(np.float64) - exact)
+                k = session.packet_elements if session is not None else DEFAULT_PACKET_ELEMENTS
+                if local is None:
+                    bound = error_bound16(inputs, 2 * k) if bits == 16 else error_bound(inputs, k)
+                elif bits == 32:
+                    bound = error_bound_two_stage([[inputs[r] for r in g] for g in local.groups],
+                                                  k)
+                else:  # no stated bound for the 16-bit wire's two stages: unchecked
+                    bound = None
+                ok = bool(np.all(err <= bound)) if bound is not None else None
+            n = spec["repeats"]
+            emit(event="case", id=case["id"], rank=rank, times=times, ok=ok,
+                 local_calls=c1.get("local_calls", 0) - c0.get("local_calls", 0),
+                 digest=hashlib.sha256(out.tobytes()).hexdigest(),
+                 bytes_sent=(c1.get("bytes_sent", 0) - c0.get("bytes_sent", 0)) / n,
+                 bytes_received=(c1.get("bytes_received", 0) - c0.get("bytes_received", 0)) / n,
+                 retransmissions=(c1.get("retransmissions", 0) - c0.get("retransmissions", 0)) / n,
+                 recovery={k: (c1.get(k, 0) - c0.get(k, 0)) / n for k in (
+                     "fast_retransmissions", "probe_retransmissions", "spurious_retransmissions",
+                     "window_decreases", "random_losses", "resends", "results_lost")},
+                 link_tx=(l1[0] - l0[0]) / n if l0 else None,
+                 link_rx=(l1[1] - l0[1]) / n if l0 else None, **per_call(s0, s1, n))
+    emit(event="done", rank=rank)
+
+
+def gloo_role(spec) -> None:
+    import torch
+    import torch.distributed as dist
+
+    rank, world = spec["rank"], spec["world"]
+    os.environ.update(MASTER_ADDR=spec["master_addr"], MASTER_PORT=str(spec["master_port"]))
+    if spec.get("ifname"):
+        os.environ["GLOO_SOCKET_IFNAME"] = spec["ifname"]
+    # gloo at its best: one intra-op thread (its reduction loop competes with the
+    # other ranks for the cores otherwise), and only the all_reduce timed.
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    for case in spec["cases"]:
+        data = torch.from_numpy(make_tensor(rank, case["elements"], case.get("density"),
+                                            spec["block"], spec["seed"]))
+        holder: dict = {}
+
+        def fresh_copy(holder=holder, data=data):  # the input, outside the timed call
+            holder["x"] = data.clone()
+            dist.barrier()
+
+        fp16 = case.get("fp16")
+
+        def once(holder=holder, fp16=fp16):
+            if fp16:  # fp16_compress_hook: cast, allreduce, cast back
+                half = holder["x"].to(torch.float16)
+                dist.all_reduce(half)
+                holder["x"].copy_(half)
+            else:
+                dist.all_reduce(holder["x"])
+
+        for _ in range(spec["warmup"]):
+            fresh_copy()
+            once()
+        l0 = link_bytes(spec.get("ifname"))
+        # (the fresh copies and barriers between calls count too: a few per cent)
+        s0 = scheduling()
+        times = _time(once, 0, spec["repeats"], before=fresh_copy)
+        l1, s1 = link_bytes(spec.get("ifname")), scheduling()
+        out = holder["x"].numpy() if spec["repeats"] else data.numpy()
+        ok = None
+        if spec.get("check") and rank == 0 and out.size:
+            inputs = inputs_of_all(spec, case, spec["block"])
+            exact = np.sum(np.array(inputs, np.float64), axis=0)
+            # float32 additions in ring order: at most n-1 roundings of partial sums
+            eps = np.finfo(np.float16 if case.get("fp16") else np.float32).eps
+            tol = (world + 1) * eps * np.sum(np.abs(inputs), axis=0, dtype=np.float64)
+            ok = bool(np.all(np.abs(out.astype(np.float64) - exact) <= tol + 1e-30))
+        n = spec["repeats"]
+        emit(event="case", id=case["id"], rank=rank, times=times, ok=ok,
+             digest=hashlib.sha256(out.tobytes()).hexdigest(),
+             link_tx=(l1[0] - l0[0]) / n if l0 else None,
+             link_rx=(l1[1] - l0[1]) / n if l0 else None, **per_call(s0, s1, n))
+    dist.barrier()
+    dist.destroy_process_group()
+    emit(event="done", rank=rank)
+
+
+ROLES = {"switch": switch_role, "switchml": switchml_role, "gloo": gloo_role}
+
+if __name__ == "__main__":
+    ROLES[sys.argv[1]](json.loads(sys.argv[2]))

@@ -1,0 +1,464 @@
+"""``switchml bench``: switchml dense, switchml sparse and gloo side by side.
+
+    switchml bench --workers 2 4 --sizes 1 4 --densities 0.1 --repeats 3
+    switchml bench --testbed --link 1gbit --mtu 9000 --workers 4 --sizes 64 --densities 0.1
+
+Installed with the ``bench`` extra (``pip install 'switchml[bench,torch]'``; gloo
+needs torch); the testbed needs root, ``ip`` and ``tc``.
+
+For every worker count and tensor size, on the same float32 tensors (bench/common.py):
+switchml's dense path, switchml's sparse path at each block density (non-zero
+blocks placed at random per rank) and torch gloo's ring allreduce.  Each system
+does its warm-up, then timed repeats; a row reports the median, min and max of
+the slowest rank's time, goodput (tensor bytes / median time), and bytes per
+worker per allreduce: switchml from its worker counters (UDP payload), gloo from
+the ring formula 2(n-1)/n*S, and on the testbed both measured on the host's veth
+(frames, headers included).  With a link rate, the least time the links allow is
+given too: S/B for switchml dense, 2(n-1)/n*S/B for the ring.
+
+The dense systems stream every byte whatever the values are, so they run on the
+dense tensor of each size; the sparse path runs on the block-sparse tensors.
+Results: a table on stdout, results.json and PNG plots in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+
+from ..config import DEFAULT_BLOCK_ELEMENTS
+from ..testbed.core import OFFLOAD
+from .common import lower_bound_s, ring_bytes, summarize
+from .launch import BenchError, Loopback, OnTestbed, Roles
+
+#: dense16: switchml's dense path on the 16-bit wire; gloo-fp16: gloo's allreduce
+#: of the tensor cast to float16 and back, as PyTorch's fp16_compress_hook does.
+SYSTEMS = ("dense", "sparse", "gloo", "dense16", "gloo-fp16")
+DEFAULT_SYSTEMS = ("dense", "sparse", "gloo")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=int, nargs="+", default=[4], metavar="N",
+                   help="worker counts (default: 4)")
+    p.add_argument("--sizes", type=float, nargs="+", default=[4.0, 16.0, 64.0], metavar="MIB",
+                   help="tensor sizes in MiB of float32 (default: 4 16 64)")
+    p.add_argument("--densities", type=float, nargs="*", default=[], metavar="D",
+                   help="block densities for switchml's sparse path (default: none)")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS),
+                   help="what to run (default: dense sparse gloo; sparse needs --densities; "
+                        "dense16 is the 16-bit wire, gloo-fp16 gloo as fp16_compress_hook)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--testbed", action="store_true",
+                   help="run on an emulated cluster (root): one worker per host namespace, "
+                        "the switch on the bridge")
+    p.add_argument("--ranks-per-host", type=int, default=1, metavar="K",
+                   help="ranks a host: ranks r of one host (r // K) share its link and "
+                        "memory (a testbed namespace; on loopback, SWITCHML_LOCAL_GROUP) and "
+                        "combine there first; bounds are per host link (default: 1)")
+    p.add_argument("--link", default="1gbit", help="testbed link rate (default: 1gbit)")
+    p.add_argument("--mtu", type=int, default=None, help="testbed MTU (default: 1500)")
+    p.add_argument("--loss", type=float, default=0.0,
+                   help="testbed UDP loss probability per link (default: 0)")
+    p.add_argument("--queue", default="256kb",
+                   help="testbed: bytes each link queues before dropping (default: 256kb)")
+    p.add_argument("--udp-offload", choices=["auto", "on", "off"], default="auto",
+                   help="the veths' UDP segmentation offload: on (a GSO run crosses the "
+                        "emulated wire as one packet), off (cut into frames at the first "
+                        "link: per-datagram loss, and frame-by-frame work on this machine), "
+                        "or auto: on without loss, off with it (default)")
+    p.add_argument("--switches", type=int, default=0, metavar="K",
+                   help="testbed: K switch servers, each in its own namespace behind a link "
+                        "like a host's, one job over all of them (default 0: the switch on "
+                        "the bridge, as a programmable switch)")
+    p.add_argument("--striped", type=int, default=1, metavar="K",
+                   help="K switch processes where the one switch would run (the bridge, or "
+                        "loopback), one job striped over all of them (default 1)")
+    p.add_argument("--racks", type=int, default=0, metavar="R",
+                   help="testbed: R racks under a spine: each a bridge with its "
+                        "hosts and a rack switch, joined to the spine's bridge by a shaped "
+                        "uplink; the spine switch on the spine's bridge (default 0: none)")
+    p.add_argument("--oversubscription", type=float, default=1.0, metavar="X",
+                   help="with --racks: an uplink carries its rack's hosts' rate over X "
+                        "(default 1)")
+    p.add_argument("--flat", action="store_true",
+                   help="with --racks: no rack switches, every worker sends to the spine "
+                        "(the flat job through the spine, hierarchical aggregation's baseline)")
+    p.add_argument("--prefix", default="smlbench", help="testbed name prefix (default: smlbench)")
+    p.add_argument("--packet-elements", type=int, default=None,
+                   help="switch: int32 values per packet (default: the switch's)")
+    p.add_argument("--slots-per-job", type=int, default=None,
+                   help="switch: window of a job (default: the switch's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the inputs")
+    p.add_argument("--no-check", dest="check", action="store_false",
+                   help="skip checking sums against the exact sum (saves time at large sizes)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds without progress before giving up (default: 600)")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: ./switchml-bench-<time>)")
+    p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNGs")
+
+
+def _cases(args, mib) -> list:
+    elements = int(mib * 2**20) // 4
+    cases = []
+    if "dense" in args.systems:
+        cases.append({"elements": elements, "density": None, "sparse": False})
+    if "dense16" in args.systems:
+        cases.append({"elements": elements, "density": None, "sparse": False, "bits": 16})
+    if "sparse" in args.systems:
+        cases += [{"elements": elements, "density": d, "sparse": True} for d in args.densities]
+    return cases
+
+
+def run_switchml(cluster, world, cases, args, progress) -> tuple:
+    """The cluster's switches (one, or its switch servers: one job over all of
+    them), ``world`` worker processes, every case; rows and the switches' job
+    counters (summed)."""
+    options = {k: v for k, v in (("packet_elements", args.packet_elements),
+                                 ("slots_per_job", args.slots_per_job)) if v is not None}
+    job = f"bench-{world}"
+    with Roles(cluster, args.timeout) as roles:
+        switches: list = []
+        addresses: list = []
+        binds = cluster.switch_binds
+        if args.striped > 1:  # K processes in the one switch's place, ports of their own
+            binds = [(where, host, 0) for where, host, _ in binds[:1]] * args.striped
+        racks = cluster.rack_binds if getattr(args, "racks", 0) and not args.flat else []
+        for k, (where, host, port) in enumerate(binds + racks):
+            name = "switch" if k == 0 else f"switch{k}"
+            # a rack switch, under the spine (the first): its partial sums go up
+            upstream = {"upstream": addresses[0]} if k >= len(binds) else {}
+            # a switch server, behind a link like a host's, says so (its jobs'
+            # windows are their ranks' shares of that link's)
+            server = {"shared_link": True} if cluster.switch_servers and k < len(binds) else {}
+            switches.append(roles.start(name, where, "switch",
+                                        {"host": host, "port": port,
+                                         "options": dict(options, **upstream, **server)},
+                                        stdin=True))
+            while True:  # its address (the others' lines wait in the queue)
+                got, msg = roles.next()
+                if got == name and "address" in msg:
+                    addresses.append("{}:{}".format(*msg["address"]))
+                    break
+        address = ",".join(addresses[:len(binds)])
+        uplinks = cluster.uplink_bytes()
+        per_host = args.ranks_per_host
+        for rank in range(world):
+            host = rank // per_host
+            rack = cluster.rack_of(host) if racks else None
+            roles.start(rank, host, "switchml", {
+                "switch": address if rack is None else addresses[len(binds) + rack],
+                "rank": rank, "world": world, "job": job, "ranks_per_host": per_host,
+                "ifname": cluster.ifname(host), "warmup": args.warmup, "repeats": args.repeats,
+                "check": args.check, "seed": args.seed, "timeout": min(args.timeout, 120),
+                "cases": [dict(c, id=i) for i, c in enumerate(cases)]})
+        reports = _gather_reports(roles, world, progress)
+        for switch in switches:
+            switch.stdin.write("stop\n")
+            switch.stdin.flush()
+        counters: dict = {}
+        stopped = 0
+        while stopped < len(switches):
+            name, msg = roles.next()
+            if isinstance(name, str) and name.startswith("switch") and msg["event"] == "stats":
+                stopped += 1
+                for key, value in msg["stats"]["ended_jobs"].get(job, {}).get(
+                        "counters", {}).items():
+                    counters[key] = (counters.get(key, 0) + value
+                                     if isinstance(value, (int, float)) else value)
+    uplinks = cluster.uplink_bytes(since=uplinks)
+    rows = []
+    for i, case in enumerate(cases):
+        items = sorted(reports[i], key=lambda m: m["rank"])
+        system = ("switchml-sparse" if case["sparse"] else "switchml-dense16"
+                  if case.get("bits") == 16 else "switchml-dense")
+        rows.append(_row(system, world, case, items, cluster, args,
+                         sent=_mean(items, "bytes_sent"), received=_mean(items, "bytes_received"),
+                         retransmissions=_mean(items, "retransmissions")))
+    _note_uplinks(rows, uplinks, len(cases) * (args.warmup + args.repeats))
+    return rows, counters
+
+
+def _note_uplinks(rows, uplinks, calls: int) -> None:
+    """Bytes each rack's uplink carried up (to the spine) and down, per call, over
+    the run's calls (all its cases together)."""
+    if uplinks is None:
+        return
+    for row in rows:
+        row["rack_uplink_bytes_per_call"] = [
+            {"up": c["tx_bytes"] / calls, "down": c["rx_bytes"] / calls} for c in uplinks]
+
+
+def _gather_reports(roles, world: int, progress) -> dict:
+    """Every rank's report per case id, until all ``world`` ranks are done."""
+    reports: dict = {}
+    done = 0
+    while done < world:
+        _, msg = roles.next()
+        if msg["event"] == "case":
+            reports.setdefault(msg["id"], []).append(msg)
+            if len(reports[msg["id"]]) == world:
+                progress(1)
+        elif msg["event"] == "done":
+            done += 1
+    return reports
+
+
+def run_gloo(cluster, world, sizes, args, progress) -> list:
+    """``world`` gloo ranks, the dense tensor of every size (and as float16 for gloo-fp16)."""
+    addr, port = cluster.master()
+    kinds = [k for k in ("gloo", "gloo-fp16") if k in args.systems]
+    cases: list[dict] = [{"id": i, "elements": int(mib * 2**20) // 4, "density": None,
+              "fp16": kind == "gloo-fp16"}
+             for i, (kind, mib) in enumerate((k, m) for k in kinds for m in sizes)]
+    uplinks = cluster.uplink_bytes()
+    with Roles(cluster, args.timeout) as roles:
+        for rank in range(world):
+            host = rank // args.ranks_per_host
+            roles.start(rank, host, "gloo", {
+                "master_addr": addr, "master_port": port, "rank": rank, "world": world,
+                "ifname": cluster.ifname(host), "warmup": args.warmup, "repeats": args.repeats,
+                "check": args.check, "seed": args.seed, "block": DEFAULT_BLOCK_ELEMENTS,
+                "cases": cases})
+        reports = _gather_reports(roles, world, progress)
+    rows = []
+    for case in cases:
+        items = sorted(reports[case["id"]], key=lambda m: m["rank"])
+        system = "gloo-fp16" if case["fp16"] else "gloo"
+        ring = ring_bytes(world, case["elements"] * (2 if case["fp16"] else 4))
+        rows.append(_row(system, world, dict(case, sparse=False), items, cluster, args,
+                         sent=ring, received=ring, retransmissions=None))
+    _note_uplinks(rows, cluster.uplink_bytes(since=uplinks),
+                  len(cases) * (args.warmup + args.repeats))
+    return rows
+
+
+def _mean(items, key):
+    values = [m[key] for m in items if m.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _row(system, world, case, items, cluster, args, *, sent, received, retransmissions) -> dict:
+    nbytes = case["elements"] * 4
+    per_host = args.ranks_per_host
+    combined = system.startswith("switchml") and any(m.get("local_calls") for m in items)
+    row = {"system": system, "workers": world, "size_bytes": nbytes,
+           "size_mib": nbytes / 2**20, "density": case.get("density"),
+           "hosts": -(-world // per_host), "ranks_per_host": per_host,
+           "local_stage": combined if system.startswith("switchml") else None}
+    row.update(summarize([m["times"] for m in items], nbytes))
+    row["goodput_Gbps_per_worker"] = nbytes * 8 / row["median_s"] / 1e9
+    # a host's link: switchml's hosts send S each (the local stage), or k·S (without)
+    bound = lower_bound_s(system, world, nbytes, cluster.link_bps, case.get("density"),
+                          getattr(cluster, "switch_servers", 0),
+                          **getattr(cluster, "rack_layout", lambda args: {})(args),
+                          ranks_per_host=1 if combined else per_host)
+    if row["hosts"] == 1 and getattr(cluster, "link_bps", None):
+        bound = 0.0  # one host: nothing crosses a link
+    row["bound_s"] = bound
+    row["goodput_over_link_rate"] = (row["goodput_Gbps_per_worker"] * 1e9 / cluster.link_bps
+                                     if cluster.link_bps else None)
+    row["bytes_sent_per_worker"] = sent
+    row["bytes_received_per_worker"] = received
+    row["bytes_counted_by"] = "ring formula" if system == "gloo" else "worker counters"
+    row["wire_tx_bytes_per_worker"] = _mean(items, "link_tx")
+    row["wire_rx_bytes_per_worker"] = _mean(items, "link_rx")
+    row["retransmissions_per_worker"] = retransmissions
+    # a call's CPU seconds on a rank's threads, and seconds they were runnable but
+    # waited for a core (mean over ranks; None off Linux)
+    row["cpu_s_per_worker"] = _mean(items, "cpu_s")
+    row["runqueue_wait_s_per_worker"] = _mean(items, "runqueue_wait_s")
+    recovery = [m["recovery"] for m in items if m.get("recovery")]
+    row["recovery_per_worker"] = ({k: sum(r[k] for r in recovery) / len(recovery)
+                                   for k in recovery[0]} if recovery else None)
+    row["checked"] = items[0].get("ok")
+    row["ranks_bit_identical"] = len({m["digest"] for m in items}) == 1 and len(items) == world
+    # the result's SHA-256 (rank 0's): runs of the same inputs compare bit for bit,
+    # a lossy run against a loss-free one
+    row["result_sha256"] = items[0]["digest"] if items else None
+    return row
+
+
+def _speedups(rows) -> None:
+    """Over gloo for every system; the 16-bit wire also over gloo-fp16 (the same bytes)."""
+    def times(system):
+        return {(r["workers"], r["size_bytes"]): r["median_s"] for r in rows
+                if r["system"] == system}
+    gloo, fp16 = times("gloo"), times("gloo-fp16")
+    for r in rows:
+        g = gloo.get((r["workers"], r["size_bytes"]))
+        if g and r["system"] != "gloo":
+            r["speedup_over_gloo"] = g / r["median_s"]
+        h = fp16.get((r["workers"], r["size_bytes"]))
+        if h and r["system"] == "switchml-dense16":
+            r["speedup_over_gloo_fp16"] = h / r["median_s"]
+
+
+def format_table(rows, link_bps) -> str:
+    head = ["n", "MiB", "system", "density", "median s", "min s", "max s", "Gbit/s",
+            "of link", "sent MB", "recv MB", "wire tx MB", "wire rx MB", "retx", "bound s",
+            "vs gloo", "check"]
+    lines = []
+    for r in rows:
+        def mb(v):
+            return f"{v / 1e6:.2f}" if v is not None else "-"
+        check = {True: "ok", False: "FAIL", None: "-"}[r["checked"]]
+        if not r["ranks_bit_identical"]:
+            check += "/ranks differ"
+        lines.append([str(r["workers"]), f"{r['size_mib']:g}", r["system"],
+                      "-" if r["density"] is None else f"{r['density']:g}",
+                      f"{r['median_s']:.4f}", f"{r['min_s']:.4f}", f"{r['max_s']:.4f}",
+                      f"{r['goodput_Gbps_per_worker']:.3f}",
+                      f"{r['goodput_over_link_rate']:.0%}" if link_bps else "-",
+                      mb(r["bytes_sent_per_worker"]), mb(r["bytes_received_per_worker"]),
+                      mb(r["wire_tx_bytes_per_worker"]), mb(r["wire_rx_bytes_per_worker"]),
+                      "-" if r["retransmissions_per_worker"] is None
+                      else f"{r['retransmissions_per_worker']:.1f}",
+                      f"{r['bound_s']:.4f}" if r["bound_s"] else "-",
+                      f"{r['speedup_over_gloo']:.2f}x" if r.get("speedup_over_gloo") else "-",
+                      check])
+    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
+              for i, h in enumerate(head)]
+    fmt = "  ".join("{:>%d}" % w for w in widths)
+    return "\n".join([fmt.format(*head)] + [fmt.format(*line) for line in lines])
+
+
+def _preflight(args) -> None:
+    if {"gloo", "gloo-fp16"} & set(args.systems) and importlib.util.find_spec("torch") is None:
+        raise SystemExit("bench: gloo needs torch (pip install 'switchml[torch]'), "
+                         "or leave it out with --systems dense sparse")
+    if "sparse" in args.systems and not args.densities and args.systems == ["sparse"]:
+        raise SystemExit("bench: --systems sparse needs --densities")
+    if args.striped < 1 or (args.striped > 1 and args.switches):
+        raise SystemExit("switchml bench: --striped K takes K >= 1, and not with --switches")
+    if args.switches and not args.testbed:
+        raise SystemExit("switchml bench: --switches needs --testbed (switch servers)")
+    if args.racks and (not args.testbed or args.switches or args.striped > 1):
+        raise SystemExit("switchml bench: --racks needs --testbed, and goes with neither "
+                         "--switches nor --striped")
+    if args.flat and not args.racks:
+        raise SystemExit("switchml bench: --flat goes with --racks")
+    if args.testbed and not 0.0 <= args.loss < 1.0:
+        raise SystemExit("bench: --loss must be in [0, 1)")
+
+
+def _drops(cluster):
+    """The testbed's drop counters (None on loopback)."""
+    if not isinstance(cluster, OnTestbed):
+        return None
+    from . import drops
+
+    return drops.snapshot(cluster.tb)
+
+
+def _note_drops(rows, before, cluster) -> None:
+    """Where the datagrams of these rows' run were lost (all its cases together)."""
+    if before is None:
+        return
+    from . import drops
+
+    lost = drops.delta(before, _drops(cluster))
+    for row in rows:
+        row["testbed_drops_in_run"] = lost
+
+
+def run(args, cluster) -> dict:
+    from tqdm import tqdm
+
+    per_world = sum(len(_cases(args, mib)) for mib in args.sizes)
+    glooish = [k for k in ("gloo", "gloo-fp16") if k in args.systems]
+    per_world += len(args.sizes) * len(glooish)
+    rows, counters = [], {}
+    with tqdm(total=per_world * len(args.workers), unit="case", file=sys.stderr,
+              desc="bench") as bar:
+        for world in args.workers:
+            cases = [c for mib in args.sizes for c in _cases(args, mib)]
+            if cases:
+                bar.set_postfix_str(f"n={world} switchml")
+                before = _drops(cluster)
+                got, counters[world] = run_switchml(cluster, world, cases, args, bar.update)
+                _note_drops(got, before, cluster)
+                rows += got
+            if glooish:
+                bar.set_postfix_str(f"n={world} gloo")
+                before = _drops(cluster)
+                got = run_gloo(cluster, world, args.sizes, args, bar.update)
+                _note_drops(got, before, cluster)
+                rows += got
+    _speedups(rows)
+    order = {"switchml-dense": 0, "switchml-dense16": 1, "switchml-sparse": 2, "gloo": 3,
+             "gloo-fp16": 4}
+    rows.sort(key=lambda r: (r["workers"], r["size_bytes"], order[r["system"]],
+                             r["density"] or 0))
+    return {"rows": rows, "switch_job_counters": counters}
+
+
+def main(args, argv_text: str = "", prog: str = "switchml bench") -> int:
+    _preflight(args)
+    out = args.out or f"switchml-bench-{time.strftime('%Y%m%d-%H%M%S')}"
+    os.makedirs(out, exist_ok=True)
+    results: dict = {"command": f"{prog} {argv_text}".strip(),
+               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                           "python": platform.python_version()},
+               "settings": {k: v for k, v in vars(args).items() if k != "func"}}
+    try:
+        if args.testbed:
+            from ..testbed import Testbed, TestbedError
+
+            try:
+                hosts = -(-max(args.workers) // args.ranks_per_host)
+                with Testbed(hosts, args.link, mtu=args.mtu, loss=args.loss,
+                             udp_offload=OFFLOAD[args.udp_offload], switches=args.switches,
+                             racks=args.racks, oversubscription=args.oversubscription,
+                             prefix=args.prefix, queue=args.queue,
+                             ranks_per_host=args.ranks_per_host) as tb:
+                    cluster: OnTestbed | Loopback = OnTestbed(tb)
+                    results["cluster"] = cluster.describe()
+                    results.update(run(args, cluster))
+                    results["loss_drops"] = tb.loss_drops() if args.loss else None
+            except TestbedError as exc:
+                print(f"bench: {exc}", file=sys.stderr)
+                return 2
+        else:
+            cluster = Loopback()
+            results["cluster"] = cluster.describe()
+            results.update(run(args, cluster))
+    except BenchError as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # processes and testbed are gone by now
+        print("bench: interrupted", file=sys.stderr)
+        return 130
+    link_bps = results["cluster"].get("link_bps")
+    print(format_table(results["rows"], link_bps))
+    if args.plots:
+        from .plots import write_plots
+
+        results["plots"] = write_plots(results["rows"], link_bps, out)
+    path = os.path.join(out, "results.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+    print(f"wrote {path}" + "".join(f"\nwrote {p}" for p in results.get("plots", [])))
+    failed = [r for r in results["rows"] if r["checked"] is False or not r["ranks_bit_identical"]]
+    if failed:
+        print(f"bench: {len(failed)} result(s) FAILED their check", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cli(argv=None, prog: str = "switchml bench") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    argv = sys.argv[1:] if argv is None else argv
+    return main(parser.parse_args(argv), " ".join(argv), prog)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
