@@ -34,6 +34,7 @@ DOCUMENTS = ("README.md", os.path.join("docs", "performance.md"))
 LATENCY_MIB = ("0.000003814697265625", "0.0009765625", "0.015625", "0.25", "1", "4")
 
 TB_1G_9000 = ("--testbed", "--link", "1gbit", "--mtu", "9000")
+TB_500M_9000 = ("--testbed", "--link", "500mbit", "--mtu", "9000")
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class Case:
     runs: int = 3
     system: str = "switchml-dense"
     reference: str | None = None
-    compare: str | None = None  # loss-free | flat | one-switch
+    compare: str | None = None  # loss-free | flat | one-switch | one-rank
 
 
 CASES = (
@@ -110,6 +111,34 @@ CASES = (
          ("--testbed", "--link", "100mbit", "--mtu", "9000", "--workers", "16", "--racks", "2",
           "--oversubscription", "4", "--sizes", "64", "--repeats", "2", "--systems", "dense",
           "gloo"), reference="tb-n16-100mbit-racks2-os4-flat", compare="flat"),
+    # several ranks a host: the local stage, against as many hosts of one rank
+    Case("tb-h2x1-1gbit", "local", "2 hosts of 1 rank, 1 Gbit/s, MTU 9000, 64 MiB", "suite",
+         TB_1G_9000 + ("--workers", "2", "--sizes", "64", "--repeats", "5",
+                       "--systems", "dense")),
+    Case("tb-h2x2-1gbit", "local", "2 hosts of 2 ranks, 1 Gbit/s, MTU 9000, 64 MiB", "suite",
+         TB_1G_9000 + ("--workers", "4", "--ranks-per-host", "2", "--sizes", "64",
+                       "--repeats", "5", "--systems", "dense", "gloo"),
+         reference="tb-h2x1-1gbit", compare="one-rank"),
+    Case("tb-h4x1-500mbit", "local", "4 hosts of 1 rank, 500 Mbit/s, MTU 9000, 32 MiB", "suite",
+         TB_500M_9000 + ("--workers", "4", "--sizes", "32", "--repeats", "5",
+                         "--systems", "dense")),
+    Case("tb-h4x2-500mbit", "local", "4 hosts of 2 ranks, 500 Mbit/s, MTU 9000, 32 MiB",
+         "suite", TB_500M_9000 + ("--workers", "8", "--ranks-per-host", "2", "--sizes", "32",
+                                  "--repeats", "5", "--systems", "dense", "gloo"),
+         reference="tb-h4x1-500mbit", compare="one-rank"),
+    Case("tb-h2x1-500mbit", "local", "2 hosts of 1 rank, 500 Mbit/s, MTU 9000, 32 MiB", "suite",
+         TB_500M_9000 + ("--workers", "2", "--sizes", "32", "--repeats", "5",
+                         "--systems", "dense")),
+    Case("tb-h2x4-500mbit", "local", "2 hosts of 4 ranks, 500 Mbit/s, MTU 9000, 32 MiB",
+         "suite", TB_500M_9000 + ("--workers", "8", "--ranks-per-host", "4", "--sizes", "32",
+                                  "--repeats", "5", "--systems", "dense", "gloo"),
+         reference="tb-h2x1-500mbit", compare="one-rank"),
+    Case("lo-h1x4-100mib", "local", "one host of 4 ranks (loopback), 100 MiB", "suite",
+         ("--workers", "4", "--ranks-per-host", "4", "--sizes", "100", "--repeats", "5",
+          "--systems", "dense", "gloo")),
+    Case("lat-tb-h2x2", "local", "latency, 2 hosts of 2 ranks, 1 Gbit/s, MTU 9000", "suite",
+         TB_1G_9000 + ("--workers", "4", "--ranks-per-host", "2", "--sizes", *LATENCY_MIB,
+                       "--repeats", "20", "--systems", "dense", "gloo")),
     # loopback
     Case("lo-n4-100mib", "lo", "loopback, 4 workers and the switch on the 2 cores, 100 MiB",
          "suite", ("--workers", "4", "--sizes", "100", "--repeats", "5",
@@ -241,7 +270,9 @@ def suite_figures(case: Case, results: str = RESULTS) -> tuple:
         ratio = ref["median_s"] / mine["median_s"]
         result.append({"loss-free": f"{ratio:.1%} of the loss-free speed",
                        "flat": f"{ratio:.2f}x the flat job",
-                       "one-switch": f"{1 / ratio - 1:+.1%} against one switch"}[case.compare])
+                       "one-switch": f"{1 / ratio - 1:+.1%} against one switch",
+                       "one-rank": f"{1 / ratio - 1:+.1%} against {ref['workers']} hosts of "
+                                   "1 rank"}[case.compare])
     if case.system == "switchml-sparse":
         dense = row(case, results, "switchml-dense")
         if dense:

@@ -384,3 +384,27 @@ def test_a_rack_whose_ranks_are_not_those_the_spine_started_with_fails_the_job()
     assert any(isinstance(item, ToSpine) and isinstance(item.request, protocol.Abort)
                for item in out)
     assert rack.pipeline.jobs == {}
+
+
+def test_the_exchange_of_host_records_spans_the_racks():
+    """Ranks join through their rack switches; who shares a host is learnt across
+    every rack (the rack relays each rank's gather to the spine)."""
+    from switchml.worker.hosts import HostRecord
+    from switchml.worker.rendezvous import exchange_through_switch
+
+    placement = [0, 1, 0, 1]
+    stack, spine, racks = rack_switches()
+    with stack:
+        def body(rank):
+            record = HostRecord(f"host{rank // 2}", "m", 1000 + rank, 1024)
+            return exchange_through_switch(racks[placement[rank]].address, "who", rank, 4,
+                                           10.0, record)
+
+        results = run_ranks(4, body)
+        assert len({r.nonce for r in results}) == 1
+        assert [rec.pid for rec in results[3].records] == [1000, 1001, 1002, 1003]
+        # a rank of a rack that gives up leaves the spine's gathering: the rest are
+        # named as missing, not held
+        with pytest.raises(switchml.SwitchMLTimeoutError) as info:
+            exchange_through_switch(racks[0].address, "short", 0, 2, 0.5)
+        assert info.value.missing_ranks == [1]

@@ -311,7 +311,9 @@ def format_table(rows, link_bps) -> str:
         check = {True: "ok", False: "FAIL", None: "-"}[r["checked"]]
         if not r["ranks_bit_identical"]:
             check += "/ranks differ"
-        lines.append([str(r["workers"]), f"{r['size_mib']:g}", r["system"],
+        per_host = r.get("ranks_per_host", 1)
+        n = str(r["workers"]) if per_host == 1 else f"{r['workers']}={r['hosts']}x{per_host}"
+        lines.append([n, f"{r['size_mib']:g}", r["system"],
                       "-" if r["density"] is None else f"{r['density']:g}",
                       f"{r['median_s']:.4f}", f"{r['min_s']:.4f}", f"{r['max_s']:.4f}",
                       f"{r['goodput_Gbps_per_worker']:.3f}",

@@ -93,6 +93,10 @@ class RackController:
         self._stats = stats or pipeline.stats
         self.jobs: dict[str, RackJob] = {}
         self._conn_job: dict = {}  # worker connection -> (job name, rank)
+        # A gather at join (who shares a host) spans racks: each rank's is relayed
+        # to the spine on a connection of its own, named by _gather_name.
+        self._gathers: dict = {}  # relay name -> worker connection
+        self._conn_gather: dict = {}  # worker connection -> relay name
 
     def admission(self) -> dict:
         """The jobs of this rack: running (with their spine) and gathering."""
@@ -116,6 +120,8 @@ class RackController:
             return self._to(conn, Error("this switch is a rack switch: racks join its spine"))
         if isinstance(request, protocol.Join):
             return self._join(conn, request)
+        if isinstance(request, protocol.Gather):
+            return self._gather(conn, request)
         if isinstance(request, protocol.Leave):
             return self._leave(conn)
         if isinstance(request, protocol.Abort):
@@ -188,8 +194,32 @@ class RackController:
         return self._fail(job, Failed(abort.missing, reason), skip=conn,
                           up=protocol.Abort(abort.reason, abort.missing))
 
+    def _gather(self, conn, gather: protocol.Gather) -> list:
+        """A rank's host record for its job's ranks, in every rack: to the spine."""
+        name = f"{gather.job}#gather{gather.rank}"
+        if name in self._gathers or conn in self._conn_gather:
+            return self._to(conn, Error(f"rank {gather.rank} of job '{gather.job}' is "
+                                        "gathering already"))
+        self._gathers[name] = conn
+        self._conn_gather[conn] = name
+        return [ToSpine(name, gather)]
+
+    def _gather_answered(self, name: str, event) -> list:
+        """The spine's answer to a relayed gather, down to its rank; the relay ends
+        with the gather (all records, or an error)."""
+        conn = self._gathers[name]
+        if isinstance(event, (protocol.Gathered, Error)):
+            del self._gathers[name]
+            self._conn_gather.pop(conn, None)
+            return self._to(conn, event) + [CloseUplink(name)]
+        return self._to(conn, event)
+
     def handle_disconnect(self, conn) -> list:
         """A worker's control connection closed."""
+        relay = self._conn_gather.pop(conn, None)
+        if relay is not None:  # its rank leaves the spine's gathering with it
+            del self._gathers[relay]
+            return [CloseUplink(relay)] + self._disconnect(conn)
         return self._disconnect(conn)
 
     def _disconnect(self, conn) -> list:
@@ -270,6 +300,12 @@ class RackController:
     # ------------------------------------------------------------------ from the spine
     def handle_upstream(self, name: str, msg) -> list:
         """An event from the spine on job ``name``'s connection."""
+        if name in self._gathers:
+            try:
+                event = msg if isinstance(msg, protocol.Event) else protocol.decode_event(msg)
+            except protocol.MalformedMessage as exc:
+                event = Error(f"the spine switch at {self._spine_name()} sent {exc}")
+            return self._gather_answered(name, event)
         job = self.jobs.get(name)
         if job is None:
             return []
@@ -295,6 +331,9 @@ class RackController:
 
     def handle_uplink_closed(self, name: str, why: str = "closed the connection") -> list:
         """Job ``name``'s connection to the spine ended (or could not be opened)."""
+        if name in self._gathers:
+            return self._gather_answered(
+                name, Error(f"the spine switch at {self._spine_name()} {why}"))
         job = self.jobs.get(name)
         if job is None:
             return []

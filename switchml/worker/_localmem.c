@@ -380,7 +380,8 @@ static PyMethodDef methods[] = {
      "reduce_into(dst, srcs): dst = the sum of srcs, in their order (float32 in float64, "
      "rounded once; int32 modulo 2**32)."},
     {"publish", publish, METH_VARARGS,
-     "publish(header, offset, value): store a counter and wake the waiting ranks."},
+     "publish(header, offset, value): raise a counter to value (never lower it) and wake "
+     "the waiting ranks."},
     {"attach", attach, METH_VARARGS,
      "attach(header) -> the number of ranks attached, this one counted."},
     {"fail", fail, METH_VARARGS,
