@@ -479,8 +479,9 @@ def test_two_stage_sum_meets_its_error_bound(arrays, chunk, cut):
     exact = np.array([math.fsum(v) for v in zip(*[a.astype(np.float64) for a in arrays])])
     bound = quant.error_bound_two_stage(hosts, chunk)
     assert np.all(np.abs(result.astype(np.float64) - exact) <= bound * (1 + 2**-40))
-    # and the bound is not vacuous: as tight as the one-stage one, plus the rounding
-    one_stage = quant.error_bound(arrays, chunk)
-    finite = np.isfinite(bound) & np.isfinite(one_stage)
-    assert np.all(bound[finite] <= 4 * one_stage[finite] + 2 * np.abs(exact[finite]) * 2**-23
-                  + 1e-44)
+    # and the bound is not vacuous: a small fraction of the largest magnitude a packet
+    # holding the element can hold (packets start at shards, wherever they fall)
+    peak = np.max([np.abs(a.astype(np.float64)) for a in arrays], axis=0)
+    near = np.array([peak[max(0, i - chunk + 1):i + chunk].max() for i in range(peak.size)])
+    finite = np.isfinite(bound)
+    assert np.all(bound[finite] <= len(arrays) * near[finite] * 2.0**-20 + 1e-44)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 import switchml.torch  # noqa: F401  registers the "switchml" backend
 from switchml import quant
+from switchml.config import DEFAULT_PACKET_ELEMENTS
 
 DTYPES = {name: getattr(torch, name) for name in (
     "float32", "int32", "float64", "float16", "bfloat16", "int64", "int8", "uint8", "bool")}
@@ -153,8 +154,14 @@ def check(case: dict, ref_group, world: int, rank: int, worker) -> str | None:
     if case["dtype"] in ("float32", "float16", "bfloat16") and switched(case):
         inputs = [build(case, r)[0].detach().float().contiguous().reshape(-1).numpy()
                   for r in range(world)]
-        chunk = worker.session.packet_elements
-        bound = quant.error_bound(inputs, chunk)
+        placement = getattr(worker, "placement", None)  # the local stage's, on one host
+        if placement is None:
+            bound = quant.error_bound(inputs, worker.session.packet_elements)
+        else:
+            chunk = (worker.session.packet_elements if worker.session is not None
+                     else DEFAULT_PACKET_ELEMENTS)
+            bound = quant.error_bound_two_stage(
+                [[inputs[r] for r in group] for group in placement.groups], chunk)
         exact = np.sum([a.astype(np.float64) for a in inputs], axis=0)
         got = ours.float().contiguous().reshape(-1).numpy().astype(np.float64)
         if case["op"] == "avg":
