@@ -160,6 +160,11 @@ CASES = (
          ("--workers", "4", "--testbed", "--link", "1gbit", "--mtu", "9000", "--runs", "3",
           "--only", "digits gloo", "digits switchml",
           "--digits-args", "--epochs 3 --hidden 2048")),
+    Case("train-testbed-h2x2-digits", "local-ddp",
+         "DDP, digits MLP (dense gradients), 2 hosts of 2 ranks, 1 Gbit/s, MTU 9000", "train",
+         ("--workers", "4", "--ranks-per-host", "2", "--testbed", "--link", "1gbit", "--mtu",
+          "9000", "--runs", "3", "--only", "digits gloo", "digits switchml",
+          "--digits-args", "--epochs 3 --hidden 2048")),
     Case("train-testbed-bag-of-words", "ddp-sparse",
          "DDP, bag-of-words (block-sparse gradients), 4 hosts, 1 Gbit/s, MTU 9000", "train",
          ("--workers", "4", "--testbed", "--link", "1gbit", "--mtu", "9000", "--runs", "3",
@@ -329,8 +334,9 @@ def headline_table(results: str = RESULTS) -> str:
     """README's table: the headline figure of a few cases."""
     ids = ["tb-n4-mtu9000", "tb-n4-mtu1500", "tb-n4-mtu9000-loss1", "tb-n4-mtu9000-sparse",
            "tb-n8-500mbit-mtu1500", "tb-n16-100mbit", "tb-n16-100mbit-servers4",
-           "tb-n16-100mbit-racks2-os4", "lo-n4-100mib", "train-testbed-digits-hidden2048",
-           "train-testbed-bag-of-words"]
+           "tb-n16-100mbit-racks2-os4", "lo-n4-100mib", "tb-h2x2-1gbit", "tb-h4x2-500mbit",
+           "tb-h2x4-500mbit", "lo-h1x4-100mib", "train-testbed-digits-hidden2048",
+           "train-testbed-h2x2-digits", "train-testbed-bag-of-words"]
     lines = ["| set-up (emulated cluster unless loopback) | switchml | result | "
              "command |", "|---|---|---|---|"]
     for case in (BY_ID[i] for i in ids):
@@ -355,6 +361,21 @@ def latency_table(results: str = RESULTS) -> str:
             mine, gloo = got["switchml-dense"], got["gloo"]
             cells += [f"{mine * 1e3:.1f} ms", f"{gloo * 1e3:.1f} ms", f"{gloo / mine:.2f}x"]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def local_latency_table(results: str = RESULTS) -> str:
+    """Latency of 4 ranks on 2 hosts (the local stage) against gloo's 4 ranks there."""
+    lines = ["| size | switchml | gloo | ratio |", "|---|---|---|---|"]
+    data = load(BY_ID["lat-tb-h2x2"], results)
+    for mib in LATENCY_MIB:
+        size = float(mib)
+        label = ("1 value" if size * 2**20 <= 4 else f"{size * 1024:g} KiB" if size < 1
+                 else f"{size:g} MiB")
+        got = {r["system"]: r["median_s"] for r in data["rows"] if r["size_mib"] == size}
+        mine, gloo = got["switchml-dense"], got["gloo"]
+        lines.append(f"| {label} | {mine * 1e3:.1f} ms | {gloo * 1e3:.1f} ms | "
+                     f"{gloo / mine:.2f}x |")
     return "\n".join(lines)
 
 
@@ -386,7 +407,12 @@ BLOCKS = {
     "machine": machine_text,
     "headline": headline_table,
     "link": lambda results=RESULTS: cases_table(
-        [c.id for c in CASES if c.kind == "suite" and not c.id.startswith("lat-")], results),
+        [c.id for c in CASES if c.kind == "suite" and not c.id.startswith("lat-")
+         and c.group != "local"], results),
+    "local": lambda results=RESULTS: cases_table(
+        [c.id for c in CASES if c.kind == "suite" and not c.id.startswith("lat-")
+         and c.group == "local"], results),
+    "latency_local": local_latency_table,
     "latency": latency_table,
     "other": lambda results=RESULTS: cases_table(
         [c.id for c in CASES if c.kind != "suite"], results),

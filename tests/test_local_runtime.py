@@ -31,8 +31,10 @@ def shm_files() -> set:
 
 
 def start_ranks(switch, groups, mode="calls", env=None, wrap=None, n=N):
-    """One process per rank; ``groups[r]``: rank r's host (its SWITCHML_LOCAL_GROUP)."""
-    address = "%s:%d" % switch.address
+    """One process per rank; ``groups[r]``: rank r's host (its SWITCHML_LOCAL_GROUP).
+    ``switch``: a Switch, or several (one job over them all)."""
+    switches = switch if isinstance(switch, list) else [switch]
+    address = ",".join("%s:%d" % s.address for s in switches)
     procs = []
     for rank, group in enumerate(groups):
         child = dict(os.environ, SWITCHML_LOCAL_STAGE="1", SWITCHML_LOCAL_GROUP=str(group),
@@ -90,6 +92,19 @@ def test_hosts_of_ranks_agree_bit_for_bit_and_leave_nothing(big_switch, groups, 
     shards = min(groups.count(0), groups.count(1))
     assert len(owners) == 2 * shards
     assert shm_files() <= before
+
+
+def test_hosts_of_ranks_over_two_switches(big_switch, tmp_path):
+    """SWITCHML_SWITCH=a,b: each shard's job is itself split over both switches."""
+    with switchml.Switch(slots=512, slots_per_job=64) as other:
+        results = reports(start_ranks([big_switch, other], [0, 0, 1, 1],
+                                      env={"OUT": str(tmp_path)}))
+        parts = other.stats()["ended_jobs"]
+    for code, report, stderr in results:
+        assert code == 0 and report is not None and "error" not in report, (report, stderr)
+    for key in ("float32", "int32", "sparse", "float16", "wire16"):
+        assert len({report[key] for _, report, _ in results}) == 1, key
+    assert {"local.shard0", "local.shard1"} <= set(parts)  # both shards used switch b
 
 
 def test_sigkill_of_a_rank_names_it_on_every_host(big_switch):

@@ -6,6 +6,7 @@ Each uses its own prefix, so they never touch a testbed someone else has up.
 """
 
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -237,8 +239,8 @@ def test_cli_up_run_status_down():
     p = prefix("e")
     try:
         up = subprocess.run(CLI + ["testbed", "up", "--prefix", p, "--hosts", "2", "--link",
-                                   "100mbit", "--switch"], capture_output=True, text=True,
-                            timeout=60)
+                                   "100mbit", "--switch", "--ranks-per-host", "2"],
+                            capture_output=True, text=True, timeout=60)
         assert up.returncode == 0, up.stderr
         assert "switch running on 10.77.0.254:7300" in up.stdout
         # a worker started with `testbed run` finds the switch through SWITCHML_SWITCH
@@ -250,6 +252,18 @@ def test_cli_up_run_status_down():
                              text=True, timeout=60)
         assert run.returncode == 0, run.stderr
         assert run.stdout.strip() == str(sum(range(5000)))
+        if importlib.util.find_spec("torch") is not None:
+            # a torchrun in each host, 2 ranks each, one rendezvous on host 0
+            script = ("import os; print(os.environ['RANK'], os.environ['LOCAL_RANK'], "
+                      "os.environ['WORLD_SIZE'], os.environ['SWITCHML_SWITCH'])")
+            with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+                f.write(script)
+            ranks = subprocess.run(CLI + ["testbed", "run", "--prefix", p, "--torchrun", "--",
+                                          f.name], capture_output=True, text=True, timeout=120)
+            os.unlink(f.name)
+            assert ranks.returncode == 0, ranks.stderr
+            lines = sorted(line.split() for line in ranks.stdout.splitlines() if line.strip())
+            assert lines == [[str(r), str(r % 2), "4", "10.77.0.254:7300"] for r in range(4)]
         status = subprocess.run(CLI + ["testbed", "status", "--prefix", p],
                                 capture_output=True, text=True, timeout=30)
         assert f"namespace {p}-h1" in status.stdout and "100mbit" in status.stdout
@@ -327,6 +341,31 @@ def test_two_ranks_a_host_put_the_tensor_on_each_host_link_once(tmp_path):
     for b, a in zip(before, after):
         for key in ("tx_bytes", "rx_bytes"):
             assert size * 4 <= a[key] - b[key] < 1.5 * size * 4, (key, a[key] - b[key])
+
+
+@needs_root
+def test_a_multi_node_torchrun_of_two_ranks_a_host():
+    """torchrun --nnodes 2 --nproc-per-node 2, one in each host namespace: the
+    ranks find their hosts through the store and combine before the switch."""
+    pytest.importorskip("torch")
+    job = os.path.join(ROOT, "tests", "torch_job.py")
+    with Testbed(hosts=2, link="1gbit", prefix=prefix("m"), ranks_per_host=2) as tb:
+        start_switch(tb, "--slots", "256")
+        procs = tb.run_torchrun([job, "local", "switchml"],
+                                env={"SWITCHML_LOCAL_STAGE": "1", "PYTHONPATH": ROOT,
+                                     "OMP_NUM_THREADS": "1"},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        outs = [p.communicate(timeout=300) for p in procs]
+    results = []
+    for proc, (out, err) in zip(procs, outs):
+        assert proc.returncode == 0, err[-3000:]
+        results += [json.loads(line[len("RESULT "):]) for line in out.splitlines()
+                    if line.startswith("RESULT ")]
+    assert len(results) == 4
+    for r in results:
+        assert r["worker"] == "LocalStageWorker" and r["groups"] == [[0, 1], [2, 3]]
+        assert r["local_calls"] > 0
+    assert len({tuple(r["params"]) for r in results}) == 1
 
 
 def test_torchrun_runs_ranks_per_host_processes_a_host():
@@ -647,6 +686,18 @@ def test_cli_up_with_switch_servers_runs_a_job_over_them():
                              text=True, timeout=60)
         assert run.returncode == 0, run.stderr
         assert run.stdout.split() == ["2", str(sum(range(50000)))]
+        if importlib.util.find_spec("torch") is not None:
+            # a torchrun in each host, 2 ranks each, one rendezvous on host 0
+            script = ("import os; print(os.environ['RANK'], os.environ['LOCAL_RANK'], "
+                      "os.environ['WORLD_SIZE'], os.environ['SWITCHML_SWITCH'])")
+            with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+                f.write(script)
+            ranks = subprocess.run(CLI + ["testbed", "run", "--prefix", p, "--torchrun", "--",
+                                          f.name], capture_output=True, text=True, timeout=120)
+            os.unlink(f.name)
+            assert ranks.returncode == 0, ranks.stderr
+            lines = sorted(line.split() for line in ranks.stdout.splitlines() if line.strip())
+            assert lines == [[str(r), str(r % 2), "4", "10.77.0.254:7300"] for r in range(4)]
         status = subprocess.run(CLI + ["testbed", "status", "--prefix", p],
                                 capture_output=True, text=True, timeout=30)
         assert "server 1: sent" in status.stdout

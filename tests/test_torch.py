@@ -27,9 +27,9 @@ def free_port():
             return port
 
 
-def launch(world, *args, timeout=120, env=None, job=JOB):
+def launch(world, *args, timeout=120, env=None, job=JOB, rank_env=None):
     """Run ``job`` (tests/torch_job.py) as ``world`` ranks; return each rank's RESULT
-    (if it printed one)."""
+    (if it printed one).  ``rank_env(rank)``: variables of that rank's own."""
     port = free_port()
     extra = env or {}
     procs = []
@@ -40,6 +40,7 @@ def launch(world, *args, timeout=120, env=None, job=JOB):
                         os.environ.get("PYTHONPATH", "")]))
         env.pop("SWITCHML_SWITCH", None)
         env.update(extra)
+        env.update(rank_env(rank) if rank_env else {})
         procs.append(subprocess.Popen([sys.executable, job, *map(str, args)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
@@ -62,6 +63,24 @@ def test_ddp_on_switchml_matches_gloo(world):
     assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
     assert all(r["switch_results"] > 0 for r in ours)  # the gradients went through the switch
     assert all(r["switch_results"] == 0 for r in theirs)
+
+
+def test_ranks_that_share_hosts_combine_through_the_store():
+    """2 hosts of 2 ranks (SWITCHML_LOCAL_GROUP): the ranks learn it through torch's
+    store, DDP's replicas match gloo's, and a new_group of ranks 0, 2, 3 (hosts of
+    1 and 2 ranks) sums right."""
+    ours = launch(4, "local", "switchml", env={"SWITCHML_LOCAL_STAGE": "1"},
+                  rank_env=lambda r: {"SWITCHML_LOCAL_GROUP": str(r // 2)})
+    theirs = launch(4, "ddp", "gloo", 10)
+    b = torch.tensor(theirs[0]["params"])
+    for r in ours:
+        assert r["worker"] == "LocalStageWorker" and r["groups"] == [[0, 1], [2, 3]]
+        assert r["local_calls"] > 0 and r["switch_results"] > 0
+        assert torch.allclose(torch.tensor(r["params"]), b, atol=1e-4)
+    assert len({tuple(r["params"]) for r in ours}) == 1  # replicas stay identical
+    for rank in (0, 2, 3):
+        assert ours[rank]["irregular"] == [1 + 3 + 4] * 2
+        assert ours[rank]["irregular_groups"] == [[0], [1, 2]]  # the group's own ranks
 
 
 def test_new_group_shares_the_jobs_switch():

@@ -160,6 +160,25 @@ def groups():
             "switches_after_destroy": _switch_children()}
 
 
+def local():
+    """Ranks that share hosts (SWITCHML_LOCAL_GROUP, or the testbed's namespaces):
+    DDP's replicas, and a new_group that spans the hosts irregularly."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    out = ddp("switchml", 10, hook=False)
+    worker = dist.distributed_c10d._get_default_group()._worker
+    out["worker"] = type(worker).__name__
+    out["groups"] = [list(g) for g in worker.placement.groups]
+    out["local_calls"] = worker.counters["local_calls"]
+    members = [0] + list(range(2, size))  # rank 1 stays out: hosts of unequal sizes
+    g = dist.new_group(members)
+    if rank in members:
+        t = torch.full((100_001,), float(rank + 1))
+        dist.all_reduce(t, group=g)
+        out["irregular"] = [t[0].item(), t[-1].item()]
+        out["irregular_groups"] = [list(x) for x in g._worker.placement.groups]
+    return out
+
+
 def early_exit():
     """The last rank leaves abruptly; the others' next allreduce must fail, not hang."""
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -210,6 +229,8 @@ def main():
         result = ddp(backend, int(sys.argv[3]), hook=False)
     elif scenario == "groups":
         result = groups()
+    elif scenario == "local":
+        result = local()
     elif scenario == "cuda":
         result = cuda()
     elif scenario == "hook":

@@ -123,6 +123,12 @@ class LocalStageWorker:
             self._release()
             raise
         self._queue: queue.Queue = queue.Queue()
+        # One call runs at a time, in call order: queued calls on the serving thread,
+        # and a blocking call with nothing queued before it on the caller's own
+        # thread (two thread hand-offs fewer: what a small call's latency is made of).
+        self._order = threading.Lock()  # guards _pending
+        self._pending = 0  # calls queued and not yet done
+        self._running = threading.Lock()  # held by the call that runs
         self._thread = threading.Thread(target=self._serve, name=f"switchml-local-{self.rank}",
                                         daemon=True)
         self._thread.start()
@@ -219,7 +225,20 @@ class LocalStageWorker:
     # ------------------------------------------------------------------ public API
     def allreduce(self, array, out=None, sparse=False, bits=None) -> np.ndarray:
         """``Worker.allreduce``: the sum over every rank of every host."""
-        return self.allreduce_async(array, out, sparse, bits).wait()
+        with self._order:
+            inline = self._pending == 0 and not self._closed
+            if inline:
+                self._running.acquire()  # before a call queued after this one can start
+        if not inline:
+            return self.allreduce_async(array, out, sparse, bits).wait()
+        try:
+            bits = env("WIRE_BITS", 32, int) if bits is None else bits
+            src, out, sparse = check_call(array, out, sparse, bits, None)
+            src, out, narrow = widen(src, out)
+            self._run(src.reshape(-1), out.reshape(-1), sparse, bits)
+            return narrow_result(narrow, out)
+        finally:
+            self._running.release()
 
     def allreduce_async(self, array, out=None, sparse=False, bits=None,
                         ready=None) -> AllreduceHandle:
@@ -230,7 +249,9 @@ class LocalStageWorker:
         if self._closed:
             raise SwitchMLError("this worker is closed")
         future: Future = Future()
-        self._queue.put((src, out, sparse, bits, ready, narrow, future))
+        with self._order:
+            self._pending += 1
+            self._queue.put((src, out, sparse, bits, ready, narrow, future))
         return AllreduceHandle(future)
 
     def close(self) -> None:
@@ -275,12 +296,18 @@ class LocalStageWorker:
             if item is None:
                 return
             src, out, sparse, bits, ready, narrow, future = item
+            error = None
             try:
-                if ready is not None:
-                    ready()
-                self._run(src.reshape(-1), out.reshape(-1), sparse, bits)
+                with self._running:
+                    if ready is not None:
+                        ready()
+                    self._run(src.reshape(-1), out.reshape(-1), sparse, bits)
             except BaseException as exc:  # a SwitchMLError, or a bug surfaced to the caller
-                future.set_exception(exc)
+                error = exc
+            with self._order:  # done before the caller hears: its next call may go inline
+                self._pending -= 1
+            if error is not None:
+                future.set_exception(error)
             else:
                 future.set_result(narrow_result(narrow, out))
 
