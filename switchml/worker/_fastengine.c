@@ -36,6 +36,8 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include "../wire.h" /* the datagram format, shared with the switch's data plane */
+
 /* UDP GSO (Linux 4.18): a run of equal-sized datagrams to the switch leaves in
  * one send, cut into those datagrams by the kernel, as the switch sends results. */
 #ifndef SOL_UDP
@@ -52,21 +54,6 @@ static int gso_refused = 0;
 /* SWITCHML_WORKER_GSO=0 turns it off (bench/ compares); read once at import. */
 static int gso_wanted = 1;
 
-#define HEADER_SIZE 32
-#define LANE_SIZE 12
-#define MAGIC 0x4D53
-#define VERSION 5
-#define KIND_CONTRIBUTION 1
-#define KIND_RESULT 2
-#define KIND_PROBE 3  /* a retransmission as the header alone (wire.py) */
-#define KIND_RESEND 4 /* the switch lacks a probed contribution: send it whole */
-#define KIND_QUERY 5  /* the timer's probe */
-#define KIND_DONE 6   /* a queried set is complete, its result went out before this */
-#define DTYPE_INT32 0
-#define DTYPE_FLOAT32 1
-#define DTYPE_FLOAT16_WIRE 2 /* two biased 16-bit values a 32-bit word */
-#define EXP_ZERO (-32768)
-#define EXP_NONFINITE 32767
 /* local_exp of a dense chunk not read yet: never on the wire (a float32's
  * frexpf exponent lies in [-148, 129]) */
 #define EXP_UNREAD 32766
@@ -124,7 +111,7 @@ static void scale_round_into(const float *src, int64_t n, float factor, int32_t 
 static void quantize_into(const float *src, int64_t n, int exponent, int bits, int32_t *dst) {
     if (n == 0)
         return;
-    if (exponent == EXP_ZERO || exponent == EXP_NONFINITE) {
+    if (exponent == WIRE_EXP_ZERO || exponent == WIRE_EXP_NONFINITE) {
         memset(dst, 0, (size_t)n * sizeof(int32_t));
         return;
     }
@@ -156,12 +143,12 @@ static void quantize16_into(const float *src, int64_t n, int exponent, int bits,
 static void dequantize_into(const int32_t *src, int64_t n, int exponent, int bits, float *dst) {
     if (n == 0)
         return;
-    if (exponent == EXP_NONFINITE) {
+    if (exponent == WIRE_EXP_NONFINITE) {
         for (int64_t i = 0; i < n; i++)
             dst[i] = NAN;
         return;
     }
-    if (exponent == EXP_ZERO) {
+    if (exponent == WIRE_EXP_ZERO) {
         memset(dst, 0, (size_t)n * sizeof(float));
         return;
     }
@@ -180,9 +167,9 @@ static void dequantize_into(const int32_t *src, int64_t n, int exponent, int bit
 /* quant.exponents_of_peaks of one chunk's peak (bits of its greatest magnitude) */
 static int16_t exponent_of_peak(int32_t peak) {
     if (peak == 0)
-        return EXP_ZERO;
+        return WIRE_EXP_ZERO;
     if (peak >= 0x7F800000)
-        return EXP_NONFINITE;
+        return WIRE_EXP_NONFINITE;
     float f;
     memcpy(&f, &peak, 4);
     int e;
@@ -327,7 +314,7 @@ typedef struct {
     int32_t *backoff;
     double *sent_at, *deadline;
     uint8_t *packets; /* one packet buffer per slot */
-    uint8_t *probes;  /* per slot: the probe of its message (HEADER_SIZE bytes) */
+    uint8_t *probes;  /* per slot: the probe of its message (WIRE_HEADER_SIZE bytes) */
     size_t packet_size;
     uint32_t *datagram_len;
     Heap ready, inflight_ids;
@@ -514,17 +501,17 @@ static int outbox_add_probe(DenseCore *c, int j, uint8_t kind) {
     for (Py_ssize_t i = 0; i < c->outbox_len; i++)
         if (c->outbox[i].slot == j)
             return 0;
-    uint8_t *probe = c->probes + (size_t)j * HEADER_SIZE;
-    memcpy(probe, c->packets + (size_t)j * c->packet_size, HEADER_SIZE);
+    uint8_t *probe = c->probes + (size_t)j * WIRE_HEADER_SIZE;
+    memcpy(probe, c->packets + (size_t)j * c->packet_size, WIRE_HEADER_SIZE);
     probe[3] = kind;
     memset(probe + 24, 0, 4); /* count and lanes */
-    return outbox_append(c, j, HEADER_SIZE, 1);
+    return outbox_append(c, j, WIRE_HEADER_SIZE, 1);
 }
 
 /* The bytes of outbox entry i. */
 static uint8_t *outbox_bytes(DenseCore *c, Py_ssize_t i) {
     struct OutboxEntry *e = &c->outbox[i];
-    return e->probe ? c->probes + (size_t)e->slot * HEADER_SIZE
+    return e->probe ? c->probes + (size_t)e->slot * WIRE_HEADER_SIZE
                     : c->packets + (size_t)e->slot * c->packet_size;
 }
 
@@ -553,16 +540,16 @@ static int number_send(DenseCore *c, int j) {
 static int64_t dense_fill(DenseCore *c, int j, int64_t m, uint8_t *lanes) {
     int64_t W = c->width;
     for (int lane = 0; lane < c->lanes; lane++) { /* blank records: exp says "zero" */
-        uint8_t *record = lanes + (size_t)lane * LANE_SIZE;
-        memset(record, 0, LANE_SIZE);
-        put_u16(record + 8, (uint16_t)EXP_ZERO);
+        uint8_t *record = lanes + (size_t)lane * WIRE_LANE_SIZE;
+        memset(record, 0, WIRE_LANE_SIZE);
+        put_u16(record + 8, (uint16_t)WIRE_EXP_ZERO);
     }
     int64_t following = j + m * W;
     if (c->is_float && following < c->chunks)
         put_u16(lanes + 8, (uint16_t)local_exponent(c, following));
     int64_t chunk = j + (m - c->lag) * W;
     int64_t count = chunk_count(c, chunk); /* values */
-    uint8_t *values = lanes + (size_t)c->lanes * LANE_SIZE;
+    uint8_t *values = lanes + (size_t)c->lanes * WIRE_LANE_SIZE;
     if (count) {
         if (c->per_word == 2) {
             uint16_t *halves = (uint16_t *)values;
@@ -583,11 +570,11 @@ static int64_t dense_fill(DenseCore *c, int j, int64_t m, uint8_t *lanes) {
 static int send_message(DenseCore *c, int j, double now) {
     uint8_t *packet = c->packets + (size_t)j * c->packet_size;
     int64_t m = c->round[j], W = c->width;
-    uint8_t *lanes = packet + HEADER_SIZE;
+    uint8_t *lanes = packet + WIRE_HEADER_SIZE;
     int64_t count = c->sp ? sparse_fill(c, j, m, lanes) : dense_fill(c, j, m, lanes); /* words */
-    put_u16(packet, MAGIC);
-    packet[2] = VERSION;
-    packet[3] = KIND_CONTRIBUTION;
+    put_u16(packet, WIRE_MAGIC);
+    packet[2] = WIRE_VERSION;
+    packet[3] = WIRE_KIND_CONTRIBUTION;
     packet[4] = (uint8_t)c->dtype_code;
     packet[5] = (uint8_t)(c->sp ? sparse_mode(c, j) : 0);
     put_u16(packet + 6, (uint16_t)(c->slot_base + j));
@@ -599,7 +586,7 @@ static int send_message(DenseCore *c, int j, double now) {
     put_u16(packet + 26, (uint16_t)c->lanes);
     /* wire.call_id: the element count, bit 31 for a sparse call */
     put_u32(packet + 28, (uint32_t)(c->size & 0x7FFFFFFF) | (c->sp ? 0x80000000u : 0));
-    c->datagram_len[j] = (uint32_t)(HEADER_SIZE + LANE_SIZE * c->lanes + 4 * count);
+    c->datagram_len[j] = (uint32_t)(WIRE_HEADER_SIZE + WIRE_LANE_SIZE * c->lanes + 4 * count);
     c->inflight[j] = 1;
     c->inflight_count++;
     c->sent_at[j] = now;
@@ -619,7 +606,7 @@ static int resend_message(DenseCore *c, int j, double now) {
     if (number_send(c, j) < 0)
         return -1;
     c->counters[COUNTER_RETRANSMISSIONS]++;
-    return outbox_add_probe(c, j, KIND_QUERY);
+    return outbox_add_probe(c, j, WIRE_KIND_QUERY);
 }
 
 /* Stream._note_result */
@@ -733,7 +720,7 @@ static int probe(DenseCore *c, int j, double now) {
         return -1;
     c->counters[COUNTER_RETRANSMISSIONS]++;
     c->counters[COUNTER_PROBE_RETRANSMISSIONS]++;
-    return outbox_add_probe(c, j, KIND_PROBE);
+    return outbox_add_probe(c, j, WIRE_KIND_PROBE);
 }
 
 static int has_message(DenseCore *c, int j) {
@@ -780,17 +767,17 @@ static int send_ready(DenseCore *c, double now) {
 /* DenseAllreduce._absorb */
 static void dense_absorb(DenseCore *c, int j, int64_t m, const uint8_t *data, int64_t count) {
     int64_t chunk = j + (m - c->lag) * c->width;
-    if (count && c->is_float && c->global_exp[j] == EXP_NONFINITE) {
+    if (count && c->is_float && c->global_exp[j] == WIRE_EXP_NONFINITE) {
         c->nonfinite[chunk] = 1; /* untouched: the input stays for the follow-up */
     } else if (count && c->per_word == 2) { /* quant.dequantize16_into */
-        const uint16_t *halves = (const uint16_t *)(data + HEADER_SIZE + LANE_SIZE * c->lanes);
+        const uint16_t *halves = (const uint16_t *)(data + WIRE_HEADER_SIZE + WIRE_LANE_SIZE * c->lanes);
         int64_t n = chunk_count(c, chunk);
         int32_t bias = (int32_t)c->world_size << c->bits;
         for (int64_t i = 0; i < n; i++)
             c->wide[i] = (int32_t)halves[i] - bias;
         dequantize_into(c->wide, n, c->global_exp[j], c->bits, (float *)c->out.buf + chunk * c->k);
     } else if (count) {
-        const int32_t *values = (const int32_t *)(data + HEADER_SIZE + LANE_SIZE * c->lanes);
+        const int32_t *values = (const int32_t *)(data + WIRE_HEADER_SIZE + WIRE_LANE_SIZE * c->lanes);
         if (c->is_float) {
             dequantize_into(values, count, c->global_exp[j], c->bits,
                             (float *)c->out.buf + chunk * c->k);
@@ -798,7 +785,7 @@ static void dense_absorb(DenseCore *c, int j, int64_t m, const uint8_t *data, in
             memcpy((int32_t *)c->out.buf + chunk * c->k, values, (size_t)count * 4);
         }
     }
-    c->global_exp[j] = (int16_t)get_u16(data + HEADER_SIZE + 8);
+    c->global_exp[j] = (int16_t)get_u16(data + WIRE_HEADER_SIZE + 8);
 }
 
 /* Stream._names_in_flight: whether the header at `data` (a result or a probe's
@@ -813,34 +800,34 @@ static int names_in_flight(DenseCore *c, int j, const uint8_t *data) {
 /* Stream.receive_datagram + the call's _result_fits/_absorb (dense here, sparse in
  * fastsparse.c). -1: out of memory. */
 static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now) {
-    if (len < HEADER_SIZE) {
+    if (len < WIRE_HEADER_SIZE) {
         c->counters[COUNTER_MALFORMED]++;
         return 0;
     }
     int kind = data[3], dtype = data[4], mode = data[5];
     uint16_t count = get_u16(data + 24), lanes = get_u16(data + 26);
-    if (get_u16(data) != MAGIC || data[2] != VERSION ||
-        kind < KIND_CONTRIBUTION || kind > KIND_DONE || /* wire.KINDS */
-        dtype > DTYPE_FLOAT16_WIRE ||
-        (mode != 0 && mode != MODE_SPARSE && mode != (MODE_SPARSE | MODE_SEED) &&
-         mode != MODE_MAX) || /* wire.MODES */
-        len != HEADER_SIZE + LANE_SIZE * (Py_ssize_t)lanes + 4 * (Py_ssize_t)count) {
+    if (get_u16(data) != WIRE_MAGIC || data[2] != WIRE_VERSION ||
+        kind < WIRE_KIND_CONTRIBUTION || kind > WIRE_KIND_DONE || /* wire.KINDS */
+        dtype > WIRE_DTYPE_FLOAT16_WIRE ||
+        (mode != 0 && mode != WIRE_MODE_SPARSE && mode != (WIRE_MODE_SPARSE | WIRE_MODE_SEED) &&
+         mode != WIRE_MODE_MAX) || /* wire.MODES */
+        len != WIRE_HEADER_SIZE + WIRE_LANE_SIZE * (Py_ssize_t)lanes + 4 * (Py_ssize_t)count) {
         c->counters[COUNTER_MALFORMED]++;
         return 0;
     }
     int j = (int)get_u16(data + 6) - c->slot_base;
-    if ((kind != KIND_RESULT && kind != KIND_RESEND && kind != KIND_DONE) ||
+    if ((kind != WIRE_KIND_RESULT && kind != WIRE_KIND_RESEND && kind != WIRE_KIND_DONE) ||
         get_u32(data + 8) != c->session || j < 0 || j >= c->width) {
         c->counters[COUNTER_FOREIGN]++;
         return 0;
     }
     int64_t m = c->round[j];
-    if (kind != KIND_RESULT) { /* a probe's answer (stream.py): send the message whole */
+    if (kind != WIRE_KIND_RESULT) { /* a probe's answer (stream.py): send the message whole */
         if (!names_in_flight(c, j, data) || count || lanes) {
             c->counters[COUNTER_STALE]++; /* e.g. the result came before the done */
             return 0;
         }
-        c->counters[kind == KIND_RESEND ? COUNTER_RESENDS : COUNTER_RESULTS_LOST]++;
+        c->counters[kind == WIRE_KIND_RESEND ? COUNTER_RESENDS : COUNTER_RESULTS_LOST]++;
         return outbox_add(c, j);
     }
     int fits = names_in_flight(c, j, data) && dtype == c->dtype_code && lanes == c->lanes;
@@ -853,9 +840,9 @@ static int receive(DenseCore *c, const uint8_t *data, Py_ssize_t len, double now
     }
     int exponent = 0;
     if (fits && !c->sp) {
-        exponent = (int16_t)get_u16(data + HEADER_SIZE + 8);
+        exponent = (int16_t)get_u16(data + WIRE_HEADER_SIZE + 8);
         if (c->is_float && !((exponent >= LEAST_EXPONENT && exponent <= GREATEST_EXPONENT) ||
-                             exponent == EXP_ZERO || exponent == EXP_NONFINITE))
+                             exponent == WIRE_EXP_ZERO || exponent == WIRE_EXP_NONFINITE))
             fits = 0;
     }
     if (!fits) {
@@ -966,6 +953,114 @@ static int handle_timer(DenseCore *c, double now) {
 }
 
 /* ------------------------------------------------------------ Python glue */
+/* ------------------------------------------------------------ state by name
+ * The Session's RTT estimator and window cross the binding as dicts keyed by
+ * their Python attribute names (recovery.RttEstimator.STATE,
+ * CongestionWindow.STATE): a missing one is a KeyError naming it. */
+static PyObject *state_item(PyObject *state, const char *name) {
+    PyObject *v = PyDict_Check(state) ? PyDict_GetItemString(state, name) : NULL;
+    if (!v && !PyErr_Occurred())
+        PyErr_Format(PyDict_Check(state) ? PyExc_KeyError : PyExc_TypeError,
+                     "engine state: no field %s (a dict of recovery.py's fields)", name);
+    return v; /* borrowed */
+}
+
+static int state_double(PyObject *state, const char *name, double *out) {
+    PyObject *v = state_item(state, name);
+    if (!v)
+        return -1;
+    double x = PyFloat_AsDouble(v);
+    if (x == -1.0 && PyErr_Occurred())
+        return -1;
+    *out = x;
+    return 0;
+}
+
+static int state_long(PyObject *state, const char *name, long long *out) {
+    PyObject *v = state_item(state, name);
+    if (!v)
+        return -1;
+    long long x = PyLong_AsLongLong(v);
+    if (x == -1 && PyErr_Occurred())
+        return -1;
+    *out = x;
+    return 0;
+}
+
+/* RttEstimator.state(): srtt (None before the first sample), rttvar, min_rtt, _rto,
+ * min_rto, max_rto, kept_backoff, _kept_since */
+static int read_rtt_state(DenseCore *c, PyObject *state) {
+    PyObject *srtt = state_item(state, "srtt");
+    long long kept_backoff;
+    if (!srtt)
+        return -1;
+    c->have_srtt = srtt != Py_None;
+    c->srtt = 0.0;
+    if (c->have_srtt && state_double(state, "srtt", &c->srtt) < 0)
+        return -1;
+    if (state_double(state, "rttvar", &c->rttvar) < 0 ||
+        state_double(state, "min_rtt", &c->min_rtt) < 0 ||
+        state_double(state, "_rto", &c->rto_value) < 0 ||
+        state_double(state, "min_rto", &c->min_rto) < 0 ||
+        state_double(state, "max_rto", &c->max_rto) < 0 ||
+        state_long(state, "kept_backoff", &kept_backoff) < 0 ||
+        state_double(state, "_kept_since", &c->kept_since) < 0)
+        return -1;
+    c->kept_backoff = (int)kept_backoff;
+    return 0;
+}
+
+/* CongestionWindow.state(): cwnd, ssthresh, _last_decrease, limit, _undo (None or
+ * (time, cwnd, ssthresh)), _epoch_start, _epoch_min, _queue_at, _clear_at,
+ * DELAY_MARGIN, QUEUE_MARGIN */
+static int read_window_state(DenseCore *c, PyObject *state) {
+    long long limit;
+    if (state_double(state, "cwnd", &c->cwnd) < 0 ||
+        state_double(state, "ssthresh", &c->ssthresh) < 0 ||
+        state_double(state, "_last_decrease", &c->last_decrease) < 0 ||
+        state_long(state, "limit", &limit) < 0 ||
+        state_double(state, "_epoch_start", &c->epoch_start) < 0 ||
+        state_double(state, "_epoch_min", &c->epoch_min) < 0 ||
+        state_double(state, "_queue_at", &c->queue_at) < 0 ||
+        state_double(state, "_clear_at", &c->clear_at) < 0 ||
+        state_double(state, "DELAY_MARGIN", &c->delay_margin) < 0 ||
+        state_double(state, "QUEUE_MARGIN", &c->queue_margin) < 0)
+        return -1;
+    c->window_limit = limit;
+    PyObject *undo = state_item(state, "_undo");
+    if (!undo)
+        return -1;
+    c->has_undo = undo != Py_None;
+    c->undo_at = c->undo_cwnd = c->undo_ssthresh = 0.0;
+    if (c->has_undo && !PyArg_ParseTuple(undo, "ddd;_undo: (time, cwnd, ssthresh)",
+                                         &c->undo_at, &c->undo_cwnd, &c->undo_ssthresh))
+        return -1;
+    return 0;
+}
+
+/* What export_state gives back of each, by the same names (the rest does not change). */
+static PyObject *rtt_state(DenseCore *c) {
+    PyObject *srtt = c->have_srtt ? PyFloat_FromDouble(c->srtt) : Py_NewRef(Py_None);
+    if (!srtt)
+        return NULL;
+    return Py_BuildValue("{s:N,s:d,s:d,s:d,s:i,s:d}", "srtt", srtt, "rttvar", c->rttvar,
+                         "min_rtt", c->min_rtt, "_rto", c->rto_value,
+                         "kept_backoff", c->kept_backoff, "_kept_since", c->kept_since);
+}
+
+static PyObject *window_state(DenseCore *c) {
+    PyObject *undo = c->has_undo
+                         ? Py_BuildValue("(ddd)", c->undo_at, c->undo_cwnd, c->undo_ssthresh)
+                         : Py_NewRef(Py_None);
+    if (!undo)
+        return NULL;
+    return Py_BuildValue("{s:d,s:d,s:d,s:N,s:d,s:d,s:d,s:d}", "cwnd", c->cwnd,
+                         "ssthresh", c->ssthresh, "_last_decrease", c->last_decrease,
+                         "_undo", undo, "_epoch_start", c->epoch_start,
+                         "_epoch_min", c->epoch_min, "_queue_at", c->queue_at,
+                         "_clear_at", c->clear_at);
+}
+
 static void core_dealloc(DenseCore *c) {
     if (c->have_src)
         PyBuffer_Release(&c->src);
@@ -1006,7 +1101,7 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
                              "progress_timeout", "rtt", "window", "wire_bits", "world_size",
                              "sparse", "block_elements", "reordering",
                              NULL};
-    PyObject *src, *out, *slot_msgs, *rtt_state, *window_state;
+    PyObject *src, *out, *slot_msgs, *rtt_arg, *window_arg;
     int is_float, wire_bits = 32;
     unsigned int session, seq;
     long long k;
@@ -1018,7 +1113,7 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOpIiiLiiIOddOO|iipLi", kwlist, &src, &out,
                                      &is_float, &session, &c->slot_base, &c->width, &k,
                                      &c->lanes, &c->bits, &seq, &slot_msgs, &now,
-                                     &c->progress_timeout, &rtt_state, &window_state,
+                                     &c->progress_timeout, &rtt_arg, &window_arg,
                                      &wire_bits, &c->world_size, &sparse, &block_elements,
                                      &c->reordering))
         return -1;
@@ -1053,7 +1148,7 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
         return -1;
     }
     c->is_float = is_float;
-    c->dtype_code = c->per_word == 2 ? DTYPE_FLOAT16_WIRE : is_float ? DTYPE_FLOAT32 : DTYPE_INT32;
+    c->dtype_code = c->per_word == 2 ? WIRE_DTYPE_FLOAT16_WIRE : is_float ? WIRE_DTYPE_FLOAT32 : WIRE_DTYPE_INT32;
     c->lag = is_float ? 1 : 0;
     c->session = session;
     c->seq = seq;
@@ -1065,17 +1160,10 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "slot_msgs: a list of at least width numbers");
         return -1;
     }
-    if (!PyArg_ParseTuple(rtt_state, "pddddddddid", &c->have_srtt, &c->srtt, &c->rttvar,
-                          &c->min_rtt, &c->rto_value, &c->min_rto, &c->max_rto, &c->delay_margin,
-                          &c->queue_margin, &c->kept_backoff, &c->kept_since))
-        return -1;
-    if (!PyArg_ParseTuple(window_state, "dddLpddddddd", &c->cwnd, &c->ssthresh,
-                          &c->last_decrease, &c->window_limit, &c->has_undo, &c->undo_at,
-                          &c->undo_cwnd, &c->undo_ssthresh, &c->epoch_start, &c->epoch_min,
-                          &c->queue_at, &c->clear_at))
+    if (read_rtt_state(c, rtt_arg) < 0 || read_window_state(c, window_arg) < 0)
         return -1;
     size_t n = W ? (size_t)W : 1;
-    c->packet_size = HEADER_SIZE + LANE_SIZE * (size_t)c->lanes + 4 * (size_t)k;
+    c->packet_size = WIRE_HEADER_SIZE + WIRE_LANE_SIZE * (size_t)c->lanes + 4 * (size_t)k;
     c->wide = PyMem_RawMalloc(c->per_word == 2 ? (size_t)c->k * sizeof(int32_t) : 1);
     c->slot_msgs = PyMem_RawCalloc(n, sizeof(uint32_t));
     c->round = PyMem_RawCalloc(n, sizeof(int64_t));
@@ -1094,7 +1182,7 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
     /* malloc, not calloc: every byte is written before it is sent, and memory
      * freed by the previous call is reused without being zeroed again */
     c->packets = PyMem_RawMalloc(n * c->packet_size);
-    c->probes = PyMem_RawMalloc(n * HEADER_SIZE);
+    c->probes = PyMem_RawMalloc(n * WIRE_HEADER_SIZE);
     c->datagram_len = PyMem_RawCalloc(n, sizeof(uint32_t));
     c->local_exp = PyMem_RawCalloc(c->chunks ? (size_t)c->chunks : 1, sizeof(int16_t));
     c->nonfinite = PyMem_RawCalloc(c->chunks ? (size_t)c->chunks : 1, 1);
@@ -1111,7 +1199,7 @@ static int core_init(DenseCore *c, PyObject *args, PyObject *kwds) {
             return -1;
         c->slot_msgs[j] = (uint32_t)v;
         c->messages[j] = (c->chunks - j + W - 1) / W + c->lag;
-        c->global_exp[j] = EXP_ZERO;
+        c->global_exp[j] = WIRE_EXP_ZERO;
         c->deadline[j] = INFINITY;
         c->decreased_at[j] = NAN;
     }
@@ -1200,8 +1288,9 @@ static PyObject *core_pending(DenseCore *c, PyObject *unused) {
     return list;
 }
 
-/* (slot_msgs, rtt, window, counters, reordering): what the Session keeps; counters since
- * the last call. */
+/* {"slot_msgs", "rtt", "window", "counters", "reordering"}: what the Session keeps, the
+ * RTT estimator's and window's fields by their recovery.py names; counters since the
+ * last call. */
 static PyObject *core_export_state(DenseCore *c, PyObject *unused) {
     PyObject *msgs = PyList_New(c->width);
     if (!msgs)
@@ -1230,10 +1319,15 @@ static PyObject *core_export_state(DenseCore *c, PyObject *unused) {
         Py_DECREF(v);
         c->counters[i] = 0;
     }
-    return Py_BuildValue("(N(iddddid)(dddiddddddd)Ni)", msgs, c->have_srtt, c->srtt, c->rttvar,
-                         c->min_rtt, c->rto_value, c->kept_backoff, c->kept_since, c->cwnd, c->ssthresh, c->last_decrease,
-                         c->has_undo, c->undo_at, c->undo_cwnd, c->undo_ssthresh, c->epoch_start,
-                         c->epoch_min, c->queue_at, c->clear_at, counters, c->reordering);
+    PyObject *rtt = rtt_state(c), *window = rtt ? window_state(c) : NULL;
+    if (!window) {
+        Py_XDECREF(rtt);
+        Py_DECREF(msgs);
+        Py_DECREF(counters);
+        return NULL;
+    }
+    return Py_BuildValue("{s:N,s:N,s:N,s:N,s:i}", "slot_msgs", msgs, "rtt", rtt,
+                         "window", window, "counters", counters, "reordering", c->reordering);
 }
 
 /* ------------------------------------------------------------ the socket driver */
@@ -1463,7 +1557,8 @@ static PyMethodDef core_methods[] = {
     {"nonfinite_chunks", (PyCFunction)core_nonfinite_chunks, METH_NOARGS,
      "Chunks left as they were for the follow-up exchange (worker/nonfinite.py)."},
     {"export_state", (PyCFunction)core_export_state, METH_NOARGS,
-     "(slot_msgs, rtt, window, counters since the last call)."},
+     "{slot_msgs, rtt, window, counters since the last call, reordering}: rtt and window "
+     "by recovery.py's field names."},
     {"run_io", (PyCFunction)core_run_io, METH_VARARGS,
      "run_io(fd, (host, port), control_fd, slice): drive the call on a non-blocking UDP "
      "socket without the GIL for up to slice seconds; 0 done, 1 stalled, 2 control "

@@ -30,12 +30,6 @@
  * one exactly what numpy does.
  */
 
-#define MODE_SPARSE 1
-#define MODE_SEED 2
-#define MODE_MAX 4
-#define FLAG_BLOCK 1
-#define POS_END 0xFFFFFFFFu
-
 struct SparseState {
     int64_t b;           /* block_elements */
     int64_t blocks;      /* blocks of the tensor (the last may be short) */
@@ -51,7 +45,7 @@ struct SparseState {
     int64_t *exp_rounds; /* per slot: exponent rounds before its seed round */
     int64_t *slot_chunks;/* per slot: the chunks j, j + W, ... it scales */
     uint8_t *ordinary;   /* per slot: all its chunk exponents are ordinary (quant.py) */
-    int16_t *chunk_exp;  /* per chunk: the switch's exponent (EXP_ZERO until known) */
+    int16_t *chunk_exp;  /* per chunk: the switch's exponent (WIRE_EXP_ZERO until known) */
     uint8_t *written;    /* per block: the output's block is final */
     int64_t scanned;     /* blocks whose grid cell (and chunk exponent) is known */
     int mapped;          /* every block scanned and next[] built */
@@ -84,7 +78,7 @@ static inline float pow2_clipped(int64_t shift) {
 
 /* quant.ordinary_exponents of one exponent */
 static inline int ordinary_exponent(int e, int bits) {
-    return (e >= bits - 126 || e == EXP_ZERO) && e != EXP_NONFINITE;
+    return (e >= bits - 126 || e == WIRE_EXP_ZERO) && e != WIRE_EXP_NONFINITE;
 }
 
 /* One block of b values scaled by its chunk's exponent e, as sparse.py's
@@ -95,11 +89,11 @@ static inline int ordinary_exponent(int e, int bits) {
  * (the short last block's padding) quantises to 0. */
 static void sparse_quantize_block(const float *src, int64_t n, int64_t b, int e, int bits,
                                   int32_t *dst) {
-    if (e == EXP_NONFINITE) {
+    if (e == WIRE_EXP_NONFINITE) {
         memset(dst, 0, (size_t)b * sizeof(int32_t));
         return;
     }
-    if (e < bits - 127 && e != EXP_ZERO) {
+    if (e < bits - 127 && e != WIRE_EXP_ZERO) {
         for (int64_t i = 0; i < n; i++)
             dst[i] = float_to_int32(round_half_even(ldexpf(src[i], bits - e)));
     } else {
@@ -111,16 +105,16 @@ static void sparse_quantize_block(const float *src, int64_t n, int64_t b, int e,
 
 /* dequantize_rows (``ordinary``: the slot's exponents all are) or
  * dequantize_blocks over one block's n sums.  They differ on one exponent only:
- * EXP_ZERO, which the rows scale by 2**-126 and the blocks write as 0. */
+ * WIRE_EXP_ZERO, which the rows scale by 2**-126 and the blocks write as 0. */
 static void sparse_dequantize_block(const int32_t *src, int64_t n, int e, int bits, int ordinary,
                                     float *dst) {
     if (!ordinary) {
-        if (e == EXP_NONFINITE) {
+        if (e == WIRE_EXP_NONFINITE) {
             for (int64_t i = 0; i < n; i++)
                 dst[i] = NAN;
             return;
         }
-        if (e == EXP_ZERO) {
+        if (e == WIRE_EXP_ZERO) {
             memset(dst, 0, (size_t)n * sizeof(float));
             return;
         }
@@ -182,7 +176,7 @@ static int sparse_init(DenseCore *c, int64_t b) {
         sp->exp_rounds[j] = c->is_float ? (first + c->k - 1) / c->k : 0;
     }
     for (int64_t chunk = 0; chunk < c->chunks; chunk++)
-        sp->chunk_exp[chunk] = EXP_ZERO;
+        sp->chunk_exp[chunk] = WIRE_EXP_ZERO;
     for (int64_t lane = 0; lane < G; lane++)
         sp->column_length[lane] =
             (uint32_t)(sp->blocks > lane ? (sp->blocks - lane + G - 1) / G : 0);
@@ -267,8 +261,8 @@ static void sparse_map(DenseCore *c) {
 static inline int sparse_mode(DenseCore *c, int j) {
     int64_t r = c->round[j], seed = c->sp->exp_rounds[j];
     if (r < seed)
-        return MODE_MAX; /* an exponent round: values the switch maxes */
-    return MODE_SPARSE | (r == seed ? MODE_SEED : 0);
+        return WIRE_MODE_MAX; /* an exponent round: values the switch maxes */
+    return WIRE_MODE_SPARSE | (r == seed ? WIRE_MODE_SEED : 0);
 }
 
 /* SparseAllreduce._fill: records at ``lanes`` (the packet's table), values after
@@ -280,15 +274,15 @@ static int64_t sparse_fill(DenseCore *c, int j, int64_t m, uint8_t *lanes) {
     int64_t first_lane = (int64_t)j * F;
     if (m <= seed) {
         for (int i = 0; i < F; i++) { /* blank records: exp says "zero" */
-            uint8_t *record = lanes + (size_t)i * LANE_SIZE;
-            memset(record, 0, LANE_SIZE);
-            put_u16(record + 8, (uint16_t)EXP_ZERO);
+            uint8_t *record = lanes + (size_t)i * WIRE_LANE_SIZE;
+            memset(record, 0, WIRE_LANE_SIZE);
+            put_u16(record + 8, (uint16_t)WIRE_EXP_ZERO);
         }
         int64_t from = 0, to = 0;
         if (c->is_float)
             exp_round_rows(c, j, m, &from, &to);
         if (m < seed) { /* local exponents as values */
-            int32_t *values = (int32_t *)(lanes + (size_t)F * LANE_SIZE);
+            int32_t *values = (int32_t *)(lanes + (size_t)F * WIRE_LANE_SIZE);
             for (int64_t row = from; row < to; row++) {
                 int64_t chunk = j + row * W;
                 sparse_scan(c, (chunk + 1) * F);
@@ -299,12 +293,12 @@ static int64_t sparse_fill(DenseCore *c, int j, int64_t m, uint8_t *lanes) {
         for (int64_t row = from; row < to; row++) { /* the seed's: in its lane records */
             int64_t chunk = j + row * W;
             sparse_scan(c, (chunk + 1) * F);
-            put_u16(lanes + (size_t)(row - from) * LANE_SIZE + 8, (uint16_t)c->local_exp[chunk]);
+            put_u16(lanes + (size_t)(row - from) * WIRE_LANE_SIZE + 8, (uint16_t)c->local_exp[chunk]);
         }
         sparse_map(c); /* the first next pointers: the whole map now */
         for (int i = 0; i < F; i++) {
-            uint8_t *record = lanes + (size_t)i * LANE_SIZE;
-            put_u32(record, POS_END);
+            uint8_t *record = lanes + (size_t)i * WIRE_LANE_SIZE;
+            put_u32(record, WIRE_POS_END);
             put_u32(record + 4, sp->next[first_lane + i]);
         }
         return 0;
@@ -312,10 +306,10 @@ static int64_t sparse_fill(DenseCore *c, int j, int64_t m, uint8_t *lanes) {
     sparse_map(c); /* (done at the seed already) */
     /* A data round rewrites all but "exp": it carries the seed's, which the
      * switch maxes and the workers ignore. */
-    int32_t *values = (int32_t *)(lanes + (size_t)F * LANE_SIZE);
+    int32_t *values = (int32_t *)(lanes + (size_t)F * WIRE_LANE_SIZE);
     int64_t sending = 0;
     for (int i = 0; i < F; i++) {
-        uint8_t *record = lanes + (size_t)i * LANE_SIZE;
+        uint8_t *record = lanes + (size_t)i * WIRE_LANE_SIZE;
         uint32_t pos = sp->pos[first_lane + i];
         int64_t cell = (int64_t)pos * G + first_lane + i; /* the block at the lane's position */
         int has = sp->grid[cell];
@@ -348,7 +342,7 @@ static int sparse_result_fits(DenseCore *c, int j, const uint8_t *data, int mode
         return 0;
     struct SparseState *sp = c->sp;
     int F = c->lanes;
-    const uint8_t *records = data + HEADER_SIZE;
+    const uint8_t *records = data + WIRE_HEADER_SIZE;
     if (c->round[j] < sp->exp_rounds[j]) { /* the maxed exponents, as sent */
         int64_t from, to;
         exp_round_rows(c, j, c->round[j], &from, &to);
@@ -356,15 +350,15 @@ static int sparse_result_fits(DenseCore *c, int j, const uint8_t *data, int mode
     }
     int64_t present = 0;
     for (int i = 0; i < F; i++)
-        present += get_u16(records + (size_t)i * LANE_SIZE + 10) & FLAG_BLOCK;
+        present += get_u16(records + (size_t)i * WIRE_LANE_SIZE + 10) & WIRE_FLAG_BLOCK;
     if (count != present * sp->b)
         return 0;
     if (c->round[j] == sp->exp_rounds[j])
         return count == 0;
     /* the contribution in flight is still in the slot's packet buffer */
-    const uint8_t *ours = c->packets + (size_t)j * c->packet_size + HEADER_SIZE;
+    const uint8_t *ours = c->packets + (size_t)j * c->packet_size + WIRE_HEADER_SIZE;
     for (int i = 0; i < F; i++)
-        if (get_u32(records + (size_t)i * LANE_SIZE) != get_u32(ours + (size_t)i * LANE_SIZE))
+        if (get_u32(records + (size_t)i * WIRE_LANE_SIZE) != get_u32(ours + (size_t)i * WIRE_LANE_SIZE))
             return 0;
     return 1;
 }
@@ -396,29 +390,29 @@ static void sparse_absorb(DenseCore *c, int j, int64_t m, const uint8_t *data) {
     int F = c->lanes;
     int64_t b = sp->b, G = sp->G, W = c->width, seed = sp->exp_rounds[j];
     int64_t first_lane = (int64_t)j * F;
-    const uint8_t *records = data + HEADER_SIZE;
+    const uint8_t *records = data + WIRE_HEADER_SIZE;
     if (m <= seed && c->is_float) {
         int64_t from, to;
         exp_round_rows(c, j, m, &from, &to);
-        const uint8_t *maxed = records + (size_t)F * LANE_SIZE; /* an exponent round's */
+        const uint8_t *maxed = records + (size_t)F * WIRE_LANE_SIZE; /* an exponent round's */
         for (int64_t row = from; row < to; row++) {
             int64_t chunk = j + row * W, i = row - from;
             int e = m < seed ? (int16_t)get_u32(maxed + 4 * i) /* as numpy's astype */
-                             : (int16_t)get_u16(records + (size_t)i * LANE_SIZE + 8);
+                             : (int16_t)get_u16(records + (size_t)i * WIRE_LANE_SIZE + 8);
             sp->chunk_exp[chunk] = (int16_t)e;
             if (!ordinary_exponent(e, c->bits))
                 sp->ordinary[j] = 0;
-            if (e == EXP_NONFINITE)
+            if (e == WIRE_EXP_NONFINITE)
                 sparse_fill_nonfinite_chunk(c, chunk);
         }
     }
     if (m < seed)
         return;
     if (m > seed) {
-        const int32_t *sums = (const int32_t *)(records + (size_t)F * LANE_SIZE);
+        const int32_t *sums = (const int32_t *)(records + (size_t)F * WIRE_LANE_SIZE);
         int64_t taken = 0;
         for (int i = 0; i < F; i++) {
-            if (!(get_u16(records + (size_t)i * LANE_SIZE + 10) & FLAG_BLOCK))
+            if (!(get_u16(records + (size_t)i * WIRE_LANE_SIZE + 10) & WIRE_FLAG_BLOCK))
                 continue;
             int64_t block = (int64_t)sp->pos[first_lane + i] * G + first_lane + i;
             const int32_t *src = sums + taken * b;
@@ -427,7 +421,7 @@ static void sparse_absorb(DenseCore *c, int j, int64_t m, const uint8_t *data) {
              * block there): nothing to write.  sparse.py fails on an index. */
             if (block >= sp->blocks)
                 continue;
-            if (c->is_float && sp->chunk_exp[block / F] == EXP_NONFINITE)
+            if (c->is_float && sp->chunk_exp[block / F] == WIRE_EXP_NONFINITE)
                 continue; /* its chunk is left for the follow-up */
             int64_t n = block < sp->full_blocks ? b : c->size - sp->full_blocks * b;
             if (c->is_float)
@@ -442,7 +436,7 @@ static void sparse_absorb(DenseCore *c, int j, int64_t m, const uint8_t *data) {
     /* A position past the column's end would index past the grid: clamp it. */
     int live = 0;
     for (int i = 0; i < F; i++) {
-        uint32_t nxt = get_u32(records + (size_t)i * LANE_SIZE + 4);
+        uint32_t nxt = get_u32(records + (size_t)i * WIRE_LANE_SIZE + 4);
         uint32_t length = sp->column_length[first_lane + i];
         uint32_t to = nxt < length ? nxt : length;
         /* The positions the lane skips hold no rank's block: their sums are
