@@ -2,7 +2,7 @@
  * The sparse (OmniReduce) mode of _fastengine's core: sparse.py's
  * SparseAllreduce in C, bit-identical to it (tests/test_fastsparse.py).
  *
- * Included by _fastengine.c after its DenseCore, so that the stream machinery
+ * Included by _fastengine.c after its StreamCore, so that the stream machinery
  * (window, RTT, retransmission, fast retransmit, run_io) stays one: the core
  * calls into this file only for what differs between the dense and the sparse
  * call, each a function of its own:
@@ -54,17 +54,17 @@ struct SparseState {
 static void sparse_free(struct SparseState *sp) {
     if (!sp)
         return;
-    PyMem_RawFree(sp->grid);
-    PyMem_RawFree(sp->next);
-    PyMem_RawFree(sp->column_length);
-    PyMem_RawFree(sp->pos);
-    PyMem_RawFree(sp->live);
-    PyMem_RawFree(sp->exp_rounds);
-    PyMem_RawFree(sp->slot_chunks);
-    PyMem_RawFree(sp->ordinary);
-    PyMem_RawFree(sp->chunk_exp);
-    PyMem_RawFree(sp->written);
-    PyMem_RawFree(sp);
+    free(sp->grid);
+    free(sp->next);
+    free(sp->column_length);
+    free(sp->pos);
+    free(sp->live);
+    free(sp->exp_rounds);
+    free(sp->slot_chunks);
+    free(sp->ordinary);
+    free(sp->chunk_exp);
+    free(sp->written);
+    free(sp);
 }
 
 /* float32 2**clip(shift, -126, 127): quant._powers' table entry (exact). */
@@ -139,8 +139,8 @@ static inline int64_t seed_first(const struct SparseState *sp, int j, int F) {
 /* SparseAllreduce.__init__'s state, but for the pass over the input, which
  * sparse_scan and sparse_map make as the rounds need it; returns -1 when out of
  * memory. */
-static int sparse_init(DenseCore *c, int64_t b) {
-    struct SparseState *sp = PyMem_RawCalloc(1, sizeof(*sp));
+static int sparse_init(StreamCore *c, int64_t b) {
+    struct SparseState *sp = calloc(1, sizeof(*sp));
     if (!sp)
         return -1;
     c->sp = sp;
@@ -153,16 +153,16 @@ static int sparse_init(DenseCore *c, int64_t b) {
     sp->rows = G ? (sp->blocks + G - 1) / G : 0;
     size_t cells = (size_t)(sp->rows + 2) * (size_t)(G ? G : 1);
     size_t w = W ? (size_t)W : 1;
-    sp->grid = PyMem_RawCalloc(cells, 1);
-    sp->next = PyMem_RawMalloc(cells * sizeof(uint32_t));
-    sp->column_length = PyMem_RawCalloc(G ? (size_t)G : 1, sizeof(uint32_t));
-    sp->pos = PyMem_RawCalloc(G ? (size_t)G : 1, sizeof(uint32_t));
-    sp->live = PyMem_RawMalloc(w);
-    sp->exp_rounds = PyMem_RawCalloc(w, sizeof(int64_t));
-    sp->slot_chunks = PyMem_RawCalloc(w, sizeof(int64_t));
-    sp->ordinary = PyMem_RawMalloc(w);
-    sp->chunk_exp = PyMem_RawMalloc((c->chunks ? (size_t)c->chunks : 1) * sizeof(int16_t));
-    sp->written = PyMem_RawCalloc(sp->blocks ? (size_t)sp->blocks : 1, 1);
+    sp->grid = calloc(cells, 1);
+    sp->next = malloc(cells * sizeof(uint32_t));
+    sp->column_length = calloc(G ? (size_t)G : 1, sizeof(uint32_t));
+    sp->pos = calloc(G ? (size_t)G : 1, sizeof(uint32_t));
+    sp->live = malloc(w);
+    sp->exp_rounds = calloc(w, sizeof(int64_t));
+    sp->slot_chunks = calloc(w, sizeof(int64_t));
+    sp->ordinary = malloc(w);
+    sp->chunk_exp = malloc((c->chunks ? (size_t)c->chunks : 1) * sizeof(int16_t));
+    sp->written = calloc(sp->blocks ? (size_t)sp->blocks : 1, 1);
     if (!sp->grid || !sp->next || !sp->column_length || !sp->pos || !sp->live ||
         !sp->exp_rounds || !sp->slot_chunks || !sp->ordinary || !sp->chunk_exp || !sp->written)
         return -1;
@@ -185,7 +185,7 @@ static int sparse_init(DenseCore *c, int64_t b) {
 
 /* SparseAllreduce._exp_round_chunks: the rows [*from, *to) of slot j whose
  * chunk exponents round m (an exponent round, or the seed) carries. */
-static void exp_round_rows(DenseCore *c, int j, int64_t m, int64_t *from, int64_t *to) {
+static void exp_round_rows(StreamCore *c, int j, int64_t m, int64_t *from, int64_t *to) {
     struct SparseState *sp = c->sp;
     int64_t first = seed_first(sp, j, c->lanes);
     if (m == sp->exp_rounds[j]) {
@@ -202,13 +202,13 @@ static void exp_round_rows(DenseCore *c, int j, int64_t m, int64_t *from, int64_
  * cell, and their chunks (float32) their local exponent.  The exponent rounds
  * read the chunks in order, a batch a round, so the pass goes on while they
  * travel instead of before the first send (where the links waited on it). */
-static void sparse_scan(DenseCore *c, int64_t upto) {
+static void sparse_scan(StreamCore *c, int64_t upto) {
     struct SparseState *sp = c->sp;
     int64_t F = c->lanes;
     upto = (upto + F - 1) / F * F;
     if (upto > sp->blocks)
         upto = sp->blocks;
-    const int32_t *bits = c->src.buf;
+    const int32_t *bits = c->src;
     int64_t b = sp->b, size = c->size;
     /* Per block the peak of its values' bits with the sign cleared (float32:
      * they grow with the magnitude, NaNs above inf; int32: any bit), the block
@@ -237,7 +237,7 @@ static void sparse_scan(DenseCore *c, int64_t upto) {
 }
 
 /* Every block scanned and next[] built: what the seed and data rounds read. */
-static void sparse_map(DenseCore *c) {
+static void sparse_map(StreamCore *c) {
     struct SparseState *sp = c->sp;
     if (sp->mapped)
         return;
@@ -258,7 +258,7 @@ static void sparse_map(DenseCore *c) {
     sp->mapped = 1;
 }
 
-static inline int sparse_mode(DenseCore *c, int j) {
+static inline int sparse_mode(StreamCore *c, int j) {
     int64_t r = c->round[j], seed = c->sp->exp_rounds[j];
     if (r < seed)
         return WIRE_MODE_MAX; /* an exponent round: values the switch maxes */
@@ -267,7 +267,7 @@ static inline int sparse_mode(DenseCore *c, int j) {
 
 /* SparseAllreduce._fill: records at ``lanes`` (the packet's table), values after
  * them; returns the value count. */
-static int64_t sparse_fill(DenseCore *c, int j, int64_t m, uint8_t *lanes) {
+static int64_t sparse_fill(StreamCore *c, int j, int64_t m, uint8_t *lanes) {
     struct SparseState *sp = c->sp;
     int F = c->lanes;
     int64_t b = sp->b, G = sp->G, W = c->width, seed = sp->exp_rounds[j];
@@ -322,10 +322,10 @@ static int64_t sparse_fill(DenseCore *c, int j, int64_t m, uint8_t *lanes) {
         int64_t n = cell < sp->full_blocks ? b : c->size - sp->full_blocks * b;
         int32_t *dst = values + sending * b;
         if (c->is_float) {
-            sparse_quantize_block((const float *)c->src.buf + cell * b, n, b,
+            sparse_quantize_block((const float *)c->src + cell * b, n, b,
                                   sp->chunk_exp[cell / F], c->bits, dst);
         } else {
-            memcpy(dst, (const int32_t *)c->src.buf + cell * b, (size_t)n * sizeof(int32_t));
+            memcpy(dst, (const int32_t *)c->src + cell * b, (size_t)n * sizeof(int32_t));
             if (n < b)
                 memset(dst + n, 0, (size_t)(b - n) * sizeof(int32_t));
         }
@@ -337,7 +337,7 @@ static int64_t sparse_fill(DenseCore *c, int j, int64_t m, uint8_t *lanes) {
 
 /* SparseAllreduce._result_fits (mode included); the header is valid and of
  * this slot's message, its lane count the call's. */
-static int sparse_result_fits(DenseCore *c, int j, const uint8_t *data, int mode, int64_t count) {
+static int sparse_result_fits(StreamCore *c, int j, const uint8_t *data, int mode, int64_t count) {
     if (mode != sparse_mode(c, j))
         return 0;
     struct SparseState *sp = c->sp;
@@ -365,7 +365,7 @@ static int sparse_result_fits(DenseCore *c, int j, const uint8_t *data, int mode
 
 /* SparseAllreduce._fill_nonfinite_chunks of one chunk: left as it was, listed
  * for the follow-up exchange (worker/nonfinite.py). */
-static void sparse_fill_nonfinite_chunk(DenseCore *c, int64_t chunk) {
+static void sparse_fill_nonfinite_chunk(StreamCore *c, int64_t chunk) {
     struct SparseState *sp = c->sp;
     c->nonfinite[chunk] = 1;
     int64_t last_block = (chunk + 1) * c->lanes < sp->blocks ? (chunk + 1) * c->lanes : sp->blocks;
@@ -375,17 +375,17 @@ static void sparse_fill_nonfinite_chunk(DenseCore *c, int64_t chunk) {
 
 /* +0.0 over a block no result will write (unless written, or left for the
  * follow-up exchange), as sparse_finish does. */
-static void sparse_zero_block(DenseCore *c, int64_t block) {
+static void sparse_zero_block(StreamCore *c, int64_t block) {
     struct SparseState *sp = c->sp;
     if (block >= sp->blocks || sp->written[block])
         return;
     int64_t n = block < sp->full_blocks ? sp->b : c->size - sp->full_blocks * sp->b;
-    memset((int32_t *)c->out.buf + block * sp->b, 0, (size_t)n * sizeof(int32_t));
+    memset((int32_t *)c->out + block * sp->b, 0, (size_t)n * sizeof(int32_t));
     sp->written[block] = 1;
 }
 
 /* SparseAllreduce._absorb */
-static void sparse_absorb(DenseCore *c, int j, int64_t m, const uint8_t *data) {
+static void sparse_absorb(StreamCore *c, int j, int64_t m, const uint8_t *data) {
     struct SparseState *sp = c->sp;
     int F = c->lanes;
     int64_t b = sp->b, G = sp->G, W = c->width, seed = sp->exp_rounds[j];
@@ -426,9 +426,9 @@ static void sparse_absorb(DenseCore *c, int j, int64_t m, const uint8_t *data) {
             int64_t n = block < sp->full_blocks ? b : c->size - sp->full_blocks * b;
             if (c->is_float)
                 sparse_dequantize_block(src, n, sp->chunk_exp[block / F], c->bits,
-                                        sp->ordinary[j], (float *)c->out.buf + block * b);
+                                        sp->ordinary[j], (float *)c->out + block * b);
             else
-                memcpy((int32_t *)c->out.buf + block * b, src, (size_t)n * sizeof(int32_t));
+                memcpy((int32_t *)c->out + block * b, src, (size_t)n * sizeof(int32_t));
             sp->written[block] = 1;
         }
         c->counters[COUNTER_SPARSE_BLOCKS_RECEIVED] += taken;
@@ -452,14 +452,31 @@ static void sparse_absorb(DenseCore *c, int j, int64_t m, const uint8_t *data) {
     sp->live[j] = (uint8_t)live;
 }
 
-static inline int sparse_has_message(DenseCore *c, int j) {
+static inline int sparse_has_message(StreamCore *c, int j) {
     /* exponent rounds and the seed always run */
     return c->round[j] <= c->sp->exp_rounds[j] || c->sp->live[j];
 }
 
 /* SparseAllreduce._finish: blocks no result wrote are zero on every worker, their
  * sum +0.0 (the input may hold -0.0 when it is the output). */
-static void sparse_finish(DenseCore *c) {
+static void sparse_finish(StreamCore *c) {
     for (int64_t block = 0; block < c->sp->blocks; block++) /* most are written by now */
         sparse_zero_block(c, block);
 }
+
+static void sparse_absorb_call(StreamCore *c, int j, int64_t m, const uint8_t *data,
+                               int64_t count) {
+    sparse_absorb(c, j, m, data);
+}
+
+static void sparse_free_call(StreamCore *c) {
+    sparse_free(c->sp);
+    c->sp = NULL;
+}
+
+static const struct CallOps SPARSE_CALL = {
+    .start = sparse_init, .fill = sparse_fill, .mode = sparse_mode,
+    .call_flag = WIRE_CALL_SPARSE, .has_message = sparse_has_message,
+    .result_fits = sparse_result_fits, .absorb = sparse_absorb_call, .finish = sparse_finish,
+    .free = sparse_free_call,
+};
