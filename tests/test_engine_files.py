@@ -60,3 +60,14 @@ def test_the_check_sees_python_in_a_part(tmp_path):
     done = subprocess.run([CC, "-fsyntax-only", "-std=c11", f"-I{WORKER}", str(unit)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
+
+
+def test_both_batched_senders_share_one_gso_rule():
+    """The switch's sender and the worker's mark and cut UDP GSO runs with
+    udp_gso.h's gso_run_takes and gso_mark, and define none of its constants."""
+    package = WORKER.parent
+    for sender in (package / "switch" / "fastpath_io.c", WORKER / "stream_io.c"):
+        text = sender.read_text()
+        assert '#include "../udp_gso.h"' in text, sender.name
+        assert "gso_run_takes(" in text and "gso_mark(" in text, sender.name
+        assert not re.search(r"#define (GSO_MAX_\w+|UDP_SEGMENT|SOL_UDP)\b", text), sender.name

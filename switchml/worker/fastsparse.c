@@ -2,10 +2,10 @@
  * The sparse (OmniReduce) mode of _fastengine's core: sparse.py's
  * SparseAllreduce in C, bit-identical to it (tests/test_fastsparse.py).
  *
- * Included by _fastengine.c after its StreamCore, so that the stream machinery
- * (window, RTT, retransmission, fast retransmit, run_io) stays one: the core
- * calls into this file only for what differs between the dense and the sparse
- * call, each a function of its own:
+ * The stream machinery (window, RTT, retransmission, fast retransmit, run_io:
+ * stream.c) stays one: it calls into this file only through SPARSE_CALL's
+ * operations (struct CallOps, stream.h), for what differs between the dense and
+ * the sparse call, each a function of its own:
  *
  *   sparse_init         the call's state (per-slot round counts, columns)
  *   sparse_scan, _map   the pass over the input (grid of local non-zero blocks,

@@ -2,16 +2,10 @@
  * sendmmsg as runs of UDP GSO segments, timers in between.  No Python: the
  * binding calls it with the GIL released. */
 
-/* UDP GSO (Linux 4.18): a run of equal-sized datagrams to the switch leaves in
- * one send, cut into those datagrams by the kernel, as the switch sends results. */
-#ifndef SOL_UDP
-#define SOL_UDP 17
-#endif
-#ifndef UDP_SEGMENT
-#define UDP_SEGMENT 103
-#endif
-#define GSO_MAX_SEGMENTS 64
-#define GSO_MAX_BYTES 65000
+/* UDP GSO: a run of equal-sized datagrams to the switch leaves in one send, cut
+ * into those datagrams by the kernel, as the switch sends results (udp_gso.h). */
+#include "../udp_gso.h"
+
 /* The kernel refused a GSO send once (an old kernel, a device without it): the
  * worker's process sends one datagram a message from then on. */
 static int gso_refused = 0;
@@ -37,7 +31,7 @@ static void flush_outbox(StreamCore *c, int fd, struct sockaddr_in *dst) {
     struct mmsghdr msgs[64];
     struct iovec iov[1024];
     union {
-        char buf[CMSG_SPACE(sizeof(uint16_t))];
+        char buf[GSO_CONTROL_SIZE];
         struct cmsghdr align;
     } control[64];
     int segments[64];
@@ -58,24 +52,15 @@ static void flush_outbox(StreamCore *c, int fd, struct sockaddr_in *dst) {
                 if (len < size)
                     break;
             } while (gso_wanted && !gso_refused && next < c->outbox_len &&
-                     segs < GSO_MAX_SEGMENTS && c->outbox[next].len <= size &&
-                     bytes + c->outbox[next].len <= GSO_MAX_BYTES);
+                     gso_run_takes(segs, bytes, size, c->outbox[next].len));
             memset(&msgs[n].msg_hdr, 0, sizeof(struct msghdr));
             msgs[n].msg_hdr.msg_name = dst;
             msgs[n].msg_hdr.msg_namelen = sizeof(*dst);
             msgs[n].msg_hdr.msg_iov = first;
             msgs[n].msg_hdr.msg_iovlen = (size_t)segs;
             segments[n] = segs;
-            if (segs > 1) {
-                uint16_t gso_size = (uint16_t)size;
-                struct cmsghdr *cm = &control[n].align;
-                msgs[n].msg_hdr.msg_control = control[n].buf;
-                msgs[n].msg_hdr.msg_controllen = sizeof control[n].buf;
-                cm->cmsg_level = SOL_UDP;
-                cm->cmsg_type = UDP_SEGMENT;
-                cm->cmsg_len = CMSG_LEN(sizeof gso_size);
-                memcpy(CMSG_DATA(cm), &gso_size, sizeof gso_size);
-            }
+            if (segs > 1)
+                gso_mark(&msgs[n].msg_hdr, control[n].buf, (uint16_t)size);
         }
         int sent = sendmmsg(fd, msgs, (unsigned int)n, 0);
         if (sent < 0) {
