@@ -2,9 +2,9 @@
 bench/train.py's, the ``python -m bench`` table for results.json files of
 bench/suite.py.
 
-    python bench/report.py bench/results/allreduce-64mib.json
-    python bench/report.py bench/results/smoke-testbed-200mbit/results.json
-    python bench/report.py bench/results/s10/train-testbed-digits-hidden2048.json
+    python bench/report.py allreduce-20260101-120000.json
+    python bench/report.py switchml-bench-20260101-120000/results.json
+    python bench/report.py bench/results/campaign/train-testbed-digits-hidden2048.json
 """
 
 from __future__ import annotations
