@@ -276,7 +276,7 @@ def main(argv=None):
     parser.add_argument("--no-dense", action="store_true",
                         help="skip the plain dense runs (with --densities)")
     parser.add_argument("--profile", action="store_true", help="cProfile switch and rank 0")
-    parser.add_argument("--out", default=None, help="JSON file (default bench/results/...)")
+    parser.add_argument("--out", default=None, help="JSON file (default ./allreduce-<time>.json)")
     args = parser.parse_args(argv)
 
     elements = int(args.mib * 2**20) // 4
@@ -327,9 +327,8 @@ def main(argv=None):
         if args.profile:
             print("--- switch profile (tottime) ---\n" + r["profile_switch"])
             print("--- worker rank 0 profile (tottime) ---\n" + (r["profile_worker0"] or ""))
-    out = args.out or os.path.join(os.path.dirname(__file__), "results",
-                                   f"allreduce-{time.strftime('%Y%m%d-%H%M%S')}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
+    out = args.out or f"allreduce-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         json.dump(results, f, indent=2)
     print(f"wrote {out}")

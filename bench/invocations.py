@@ -1,6 +1,6 @@
 """Run one ``python -m bench`` several times and report the median of the invocations.
 
-    python bench/invocations.py --runs 3 --out bench/results/aim-mtu9000 -- \\
+    python bench/invocations.py --runs 3 --out runs/tb-n4-mtu9000 -- \\
         --testbed --link 1gbit --mtu 9000 --workers 4 --sizes 64 --densities 0.1
 
 A figure in the docs is the median over separate invocations (new processes, a

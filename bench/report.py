@@ -1,10 +1,10 @@
 """Print a benchmark JSON as tables: Markdown for bench/allreduce.py's and
 bench/train.py's, the ``python -m bench`` table for results.json files of
-bench/suite.py.
+switchml/bench/suite.py.
 
-    python bench/report.py bench/results/allreduce-64mib.json
-    python bench/report.py bench/results/smoke-testbed-200mbit/results.json
-    python bench/report.py bench/results/s10/train-testbed-digits-hidden2048.json
+    python bench/report.py allreduce-20260101-120000.json
+    python bench/report.py switchml-bench-20260101-120000/results.json
+    python bench/report.py bench/results/campaign/train-testbed-digits-hidden2048.json
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def density_table(data: dict) -> str:
 def main(path: str) -> None:
     with open(path) as f:
         data = json.load(f)
-    if "rows" in data:  # from `python -m bench` (bench/suite.py)
+    if "rows" in data:  # from `switchml bench` (switchml/bench/suite.py)
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
         from switchml.bench.suite import format_table
 

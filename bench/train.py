@@ -1,6 +1,6 @@
 """samples/s of the two DDP examples on switchml and on gloo, launched by torchrun.
 
-    python bench/train.py --workers 2 4 --runs 3 --out bench/results/train.json
+    python bench/train.py --workers 2 4 --runs 3 --out train.json
     python bench/train.py --workers 4 --testbed --link 1gbit      # root: emulated cluster
 
 For every worker count it runs, one after the other on the same machine:

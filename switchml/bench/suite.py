@@ -6,7 +6,7 @@
 Installed with the ``bench`` extra (``pip install 'switchml[bench,torch]'``; gloo
 needs torch); the testbed needs root, ``ip`` and ``tc``.
 
-For every worker count and tensor size, on the same float32 tensors (bench/common.py):
+For every worker count and tensor size, on the same float32 tensors (common.py):
 switchml's dense path, switchml's sparse path at each block density (non-zero
 blocks placed at random per rank) and torch gloo's ring allreduce.  Each system
 does its warm-up, then timed repeats; a row reports the median, min and max of

@@ -45,7 +45,7 @@ static int Core_init(CoreObject *self, PyObject *args, PyObject *kwds)
                                      &row_size, &member_limit))
         return -1;
     self->has_rows = 1;
-    if (slots < 1 || row_size < 2 * FP_HEADER_SIZE || row_size % 4 ||
+    if (slots < 1 || row_size < 2 * WIRE_HEADER_SIZE || row_size % 4 ||
         (size_t)self->rows.len != 2 * (size_t)slots * row_size || member_limit < 1) {
         PyErr_SetString(PyExc_ValueError, "rows must be 2 * slots * row_size bytes");
         return -1;
@@ -104,7 +104,7 @@ static PyObject *Core_install(CoreObject *self, PyObject *args)
         job.lanes != job.packet_elements / job.block_elements ||
         job.packet_elements % job.block_elements ||
         /* a row: the datagram, then a resend's header (fastpath_core.c answer_probe) */
-        2 * FP_HEADER_SIZE + (size_t)FP_LANE_SIZE * job.lanes + 4 * (size_t)job.packet_elements >
+        2 * WIRE_HEADER_SIZE + (size_t)WIRE_LANE_SIZE * job.lanes + 4 * (size_t)job.packet_elements >
             self->core.row_size ||
         self->core.jobs[job.slot_base].session != 0) {
         Py_DECREF(keys);

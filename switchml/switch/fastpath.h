@@ -11,24 +11,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "../wire.h" /* the datagram format, shared with the worker's engine */
+
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the slot rows hold little-endian datagrams: a little-endian host is needed"
 #endif
 
-#define FP_HEADER_SIZE 32
-#define FP_LANE_SIZE 12
-#define FP_MAGIC 0x4D53
-#define FP_VERSION 5
-#define FP_KIND_CONTRIBUTION 1
-#define FP_KIND_RESULT 2
-#define FP_KIND_PROBE 3  /* a retransmission as the header alone */
-#define FP_KIND_RESEND 4 /* the answer to a probe whose contribution is missing */
-#define FP_KIND_QUERY 5  /* the timer's probe */
-#define FP_KIND_DONE 6   /* the answer to a query of a complete set */
-#define FP_MODE_SPARSE 1
-#define FP_MODE_SEED 2
-#define FP_MODE_MAX 4 /* values maxed, not added: sparse exponent rounds */
-#define FP_FLAG_BLOCK 1
 #define FP_MAX_WORKERS 32
 /* A key no member has: the source of a datagram whose address is not a member's. */
 #define FP_KEY_NONE UINT64_MAX

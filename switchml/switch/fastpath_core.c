@@ -184,7 +184,7 @@ static inline void before_write(fp_core *c, uint32_t row)
 static int emit(fp_core *c, fp_job *job, fp_set *set, uint32_t row, uint32_t only_rank,
                 fp_out *out)
 {
-    uint32_t len = FP_HEADER_SIZE + FP_LANE_SIZE * job->lanes + 4 * set->id_count, r, n = 0;
+    uint32_t len = WIRE_HEADER_SIZE + WIRE_LANE_SIZE * job->lanes + 4 * set->id_count, r, n = 0;
     const uint8_t *data = c->rows + (size_t)row * c->row_size;
     uint32_t first = only_rank == UINT32_MAX ? 0 : only_rank;
     uint32_t last = only_rank == UINT32_MAX ? job->world : only_rank + 1;
@@ -207,10 +207,10 @@ static void start_sparse(fp_job *job, fp_set *set, uint8_t *regs, uint32_t *vals
     uint32_t i, k = 0, block = job->block_elements;
     memset(vals, 0, 4 * (size_t)job->lanes * block);
     for (i = 0; i < job->lanes; i++) {
-        if (le16(lanes + FP_LANE_SIZE * i + LANE_FLAG) & FP_FLAG_BLOCK)
+        if (le16(lanes + WIRE_LANE_SIZE * i + LANE_FLAG) & WIRE_FLAG_BLOCK)
             memcpy(vals + (size_t)i * block, payload + 4 * (size_t)k++ * block, 4 * (size_t)block);
-        regs[FP_LANE_SIZE * i + LANE_FLAG] &= FP_FLAG_BLOCK;
-        regs[FP_LANE_SIZE * i + LANE_FLAG + 1] = 0;
+        regs[WIRE_LANE_SIZE * i + LANE_FLAG] &= WIRE_FLAG_BLOCK;
+        regs[WIRE_LANE_SIZE * i + LANE_FLAG + 1] = 0;
     }
     set->blocks = flagged;
 }
@@ -220,10 +220,10 @@ static void add_sparse(fp_job *job, fp_set *set, uint8_t *regs, uint32_t *vals,
 {
     uint32_t i, j, k = 0, block = job->block_elements;
     for (i = 0; i < job->lanes; i++) {
-        const uint8_t *lane = lanes + FP_LANE_SIZE * i;
-        uint8_t *reg = regs + FP_LANE_SIZE * i;
+        const uint8_t *lane = lanes + WIRE_LANE_SIZE * i;
+        uint8_t *reg = regs + WIRE_LANE_SIZE * i;
         uint16_t flag = le16(lane + LANE_FLAG);
-        if (flag & FP_FLAG_BLOCK) {
+        if (flag & WIRE_FLAG_BLOCK) {
             uint32_t *dst = vals + (size_t)i * block;
             const unaligned_u32 *src = (const unaligned_u32 *)(payload + 4 * (size_t)k++ * block);
             for (j = 0; j < block; j++)
@@ -235,7 +235,7 @@ static void add_sparse(fp_job *job, fp_set *set, uint8_t *regs, uint32_t *vals,
         int16_t exp = lei16(lane + LANE_EXP), reg_exp = lei16(reg + LANE_EXP);
         if (exp > reg_exp)
             memcpy(reg + LANE_EXP, &exp, 2);
-        reg[LANE_FLAG] |= flag & FP_FLAG_BLOCK;
+        reg[LANE_FLAG] |= flag & WIRE_FLAG_BLOCK;
     }
     set->blocks += flagged;
 }
@@ -247,7 +247,7 @@ static uint32_t finish_sparse(fp_job *job, fp_set *set, uint8_t *regs, uint32_t 
     int64_t n = job->world, skipped = 0, active = 0, gaps = 0;
     uint32_t i, present = 0, block = job->block_elements;
     for (i = 0; i < job->lanes; i++) {
-        const uint8_t *reg = regs + FP_LANE_SIZE * i;
+        const uint8_t *reg = regs + WIRE_LANE_SIZE * i;
         int64_t nxt = le32(reg + LANE_NXT), pos = le32(reg + LANE_POS);
         if (le16(reg + LANE_FLAG)) {
             if (present != i) /* never reads a block already overwritten: present <= i */
@@ -255,14 +255,14 @@ static uint32_t finish_sparse(fp_job *job, fp_set *set, uint8_t *regs, uint32_t 
                         4 * (size_t)block);
             present++;
         }
-        if (set->mode & FP_MODE_SEED) {
+        if (set->mode & WIRE_MODE_SEED) {
             skipped += nxt; /* positions before every lane's first block */
         } else if (nxt > pos) { /* an exhausted lane reports its column length again */
             active++;
             gaps += nxt - pos - 1;
         }
     }
-    if (set->mode & FP_MODE_SEED)
+    if (set->mode & WIRE_MODE_SEED)
         skipped *= n;
     else
         skipped = n * active - set->blocks + n * gaps;
@@ -282,11 +282,11 @@ static int answer_header(fp_core *c, fp_job *job, uint32_t rank, uint32_t row,
         return 0;
     }
     before_write(c, row); /* a reply of this row may still wait to leave */
-    uint8_t *reply = c->rows + (size_t)(row + 1) * c->row_size - FP_HEADER_SIZE;
-    memcpy(reply, d, FP_HEADER_SIZE);
+    uint8_t *reply = c->rows + (size_t)(row + 1) * c->row_size - WIRE_HEADER_SIZE;
+    memcpy(reply, d, WIRE_HEADER_SIZE);
     reply[3] = kind;
     c->row_epoch[row] = c->epoch;
-    out[0] = (fp_out){reply, FP_HEADER_SIZE, job->slot_base, rank};
+    out[0] = (fp_out){reply, WIRE_HEADER_SIZE, job->slot_base, rank};
     return 1;
 }
 
@@ -309,19 +309,19 @@ static int answer_probe(fp_core *c, fp_job *job, uint32_t rank, const uint8_t *d
                 fp_count(counters, C_PROBES_WAITING, 1); /* for another rank's contribution */
                 return 0;
             }
-            if (d[3] == FP_KIND_PROBE) {
+            if (d[3] == WIRE_KIND_PROBE) {
                 fp_count(counters, C_RETRANSMISSIONS_ANSWERED, 1);
                 return emit(c, job, set, row, rank, out);
             }
             fp_count(counters, C_QUERIES_DONE, 1); /* a query: its result went out already */
-            return answer_header(c, job, rank, row, d, FP_KIND_DONE, out);
+            return answer_header(c, job, rank, row, d, WIRE_KIND_DONE, out);
         }
     } else if (set->valid && !msg_newer(msg, set->msg)) {
         fp_count(counters, C_DROPPED_STALE, 1);
         return 0;
     }
     fp_count(counters, C_RESENDS_ASKED, 1);
-    return answer_header(c, job, rank, row, d, FP_KIND_RESEND, out);
+    return answer_header(c, job, rank, row, d, WIRE_KIND_RESEND, out);
 }
 
 int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *out)
@@ -344,44 +344,44 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
         return 0;                                                                         \
     } while (0)
     /* wire.decode_header, in its order */
-    if (len < FP_HEADER_SIZE)
+    if (len < WIRE_HEADER_SIZE)
         DROP(C_DROPPED_TRUNCATED);
     uint32_t kind = d[3], dtype = d[4], mode = d[5], slot = le16(d + 6);
     uint32_t session = le32(d + 8), msg = le32(d + 12), seq = le32(d + 16);
     uint32_t pkt_id = le32(d + 20), count = le16(d + 24), lanes = le16(d + 26);
     uint32_t call = le32(d + 28);
-    if (le16(d) != FP_MAGIC)
+    if (le16(d) != WIRE_MAGIC)
         DROP(C_DROPPED_BAD_MAGIC);
-    if (d[2] != FP_VERSION)
+    if (d[2] != WIRE_VERSION)
         DROP(C_DROPPED_BAD_VERSION);
-    if (kind < FP_KIND_CONTRIBUTION || kind > FP_KIND_DONE) /* wire.KINDS */
+    if (kind < WIRE_KIND_CONTRIBUTION || kind > WIRE_KIND_DONE) /* wire.KINDS */
         DROP(C_DROPPED_BAD_KIND);
     if (dtype > 2) /* int32, float32, the 16-bit wire: the adds are the same */
         DROP(C_DROPPED_BAD_DTYPE);
-    if (mode != 0 && mode != FP_MODE_SPARSE && mode != (FP_MODE_SPARSE | FP_MODE_SEED) &&
-        mode != FP_MODE_MAX)
+    if (mode != 0 && mode != WIRE_MODE_SPARSE && mode != (WIRE_MODE_SPARSE | WIRE_MODE_SEED) &&
+        mode != WIRE_MODE_MAX)
         DROP(C_DROPPED_BAD_MODE);
-    if (len != FP_HEADER_SIZE + (size_t)FP_LANE_SIZE * lanes + 4 * (size_t)count)
+    if (len != WIRE_HEADER_SIZE + (size_t)WIRE_LANE_SIZE * lanes + 4 * (size_t)count)
         DROP(C_DROPPED_BAD_LENGTH);
     /* admission: the job's table entries */
-    if (kind != FP_KIND_CONTRIBUTION && kind != FP_KIND_PROBE && kind != FP_KIND_QUERY)
+    if (kind != WIRE_KIND_CONTRIBUTION && kind != WIRE_KIND_PROBE && kind != WIRE_KIND_QUERY)
         DROP(C_DROPPED_BAD_KIND);
     if (session != job->session)
         DROP(C_DROPPED_WRONG_SESSION);
     if (slot < job->slot_base || slot >= job->slot_base + job->slot_count)
         DROP(C_DROPPED_SLOT_OUT_OF_RANGE);
-    if (kind != FP_KIND_CONTRIBUTION)
+    if (kind != WIRE_KIND_CONTRIBUTION)
         return answer_probe(c, job, rank, d, out);
     if (lanes != job->lanes)
         DROP(C_DROPPED_BAD_LANES);
     if (count > job->packet_elements)
         DROP(C_DROPPED_TOO_MANY_VALUES);
-    const uint8_t *lane_table = d + FP_HEADER_SIZE;
-    const uint8_t *payload = lane_table + FP_LANE_SIZE * lanes;
-    uint32_t sparse = mode & FP_MODE_SPARSE, flagged = 0, i;
+    const uint8_t *lane_table = d + WIRE_HEADER_SIZE;
+    const uint8_t *payload = lane_table + WIRE_LANE_SIZE * lanes;
+    uint32_t sparse = mode & WIRE_MODE_SPARSE, flagged = 0, i;
     if (sparse) {
         for (i = 0; i < lanes; i++)
-            flagged += le16(lane_table + FP_LANE_SIZE * i + LANE_FLAG) & FP_FLAG_BLOCK;
+            flagged += le16(lane_table + WIRE_LANE_SIZE * i + LANE_FLAG) & WIRE_FLAG_BLOCK;
         if (count != flagged * job->block_elements)
             DROP(C_DROPPED_BAD_BLOCK_COUNT);
     }
@@ -390,8 +390,8 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
     uint32_t v = msg & 1, row = v * c->slots + slot, bit = (uint32_t)1 << rank;
     uint32_t id_count = sparse ? 0 : count;
     fp_set *set = &c->sets[row];
-    uint8_t *regs = c->rows + (size_t)row * c->row_size + FP_HEADER_SIZE;
-    uint32_t *vals = (uint32_t *)(regs + FP_LANE_SIZE * lanes);
+    uint8_t *regs = c->rows + (size_t)row * c->row_size + WIRE_HEADER_SIZE;
+    uint32_t *vals = (uint32_t *)(regs + WIRE_LANE_SIZE * lanes);
     if (!set->valid || msg_newer(msg, set->msg)) { /* a fresh aggregation */
         before_write(c, row);
         set->valid = 1;
@@ -404,7 +404,7 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
         set->call = call;
         set->bitmap = bit;
         set->count = 1;
-        memcpy(regs, lane_table, FP_LANE_SIZE * (size_t)lanes);
+        memcpy(regs, lane_table, WIRE_LANE_SIZE * (size_t)lanes);
         if (sparse)
             start_sparse(job, set, regs, vals, lane_table, payload, flagged);
         else
@@ -427,8 +427,8 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
             c->mismatches++;
         }
         for (i = 0; sparse && !mismatch && i < lanes; i++)
-            mismatch = le32(lane_table + FP_LANE_SIZE * i + LANE_POS) !=
-                       le32(regs + FP_LANE_SIZE * i + LANE_POS);
+            mismatch = le32(lane_table + WIRE_LANE_SIZE * i + LANE_POS) !=
+                       le32(regs + WIRE_LANE_SIZE * i + LANE_POS);
         if (mismatch)
             DROP(C_DROPPED_MISMATCH);
         before_write(c, row);
@@ -436,7 +436,7 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
             add_sparse(job, set, regs, vals, lane_table, payload, flagged);
         } else {
             const unaligned_u32 *src = (const unaligned_u32 *)payload;
-            if (mode == FP_MODE_MAX) {
+            if (mode == WIRE_MODE_MAX) {
                 for (i = 0; i < count; i++)
                     if ((int32_t)src[i] > (int32_t)vals[i])
                         vals[i] = src[i];
@@ -445,8 +445,8 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
                     vals[i] += src[i];
             }
             for (i = 0; i < lanes; i++) {
-                int16_t exp = lei16(lane_table + FP_LANE_SIZE * i + LANE_EXP);
-                uint8_t *reg_exp = regs + FP_LANE_SIZE * i + LANE_EXP;
+                int16_t exp = lei16(lane_table + WIRE_LANE_SIZE * i + LANE_EXP);
+                uint8_t *reg_exp = regs + WIRE_LANE_SIZE * i + LANE_EXP;
                 if (exp > lei16(reg_exp))
                     memcpy(reg_exp, &exp, 2);
             }
@@ -461,12 +461,12 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
     if (set->count < job->world)
         return 0;
     set->id_count = sparse ? finish_sparse(job, set, regs, vals) : count;
-    uint8_t *header = regs - FP_HEADER_SIZE;
-    uint16_t magic = FP_MAGIC, slot16 = (uint16_t)slot, count16 = (uint16_t)set->id_count;
+    uint8_t *header = regs - WIRE_HEADER_SIZE;
+    uint16_t magic = WIRE_MAGIC, slot16 = (uint16_t)slot, count16 = (uint16_t)set->id_count;
     uint16_t lanes16 = (uint16_t)lanes;
     memcpy(header, &magic, 2);
-    header[2] = FP_VERSION;
-    header[3] = FP_KIND_RESULT;
+    header[2] = WIRE_VERSION;
+    header[3] = WIRE_KIND_RESULT;
     header[4] = (uint8_t)set->dtype;
     header[5] = (uint8_t)set->mode;
     memcpy(header + 6, &slot16, 2);

@@ -12,15 +12,7 @@
 #include <string.h>
 #include <time.h>
 
-/* UDP GSO: at most this many segments, of at most this many bytes in all, a send. */
-#define GSO_MAX_SEGMENTS 64
-#define GSO_MAX_BYTES 65000
-#ifndef SOL_UDP
-#define SOL_UDP 17
-#endif
-#ifndef UDP_SEGMENT
-#define UDP_SEGMENT 103
-#endif
+#include "../udp_gso.h" /* the run rule and the marking, shared with the worker's sender */
 
 /* Point every buffer of the loop into one block starting at `base` (0: only
  * measure it); returns its size.  Each buffer is 16-byte aligned. */
@@ -100,21 +92,12 @@ static uint32_t build_messages(fp_io *io, uint32_t from, uint32_t n)
             i++;
             if (o->len < seg_len)
                 break; /* a shorter segment ends a GSO message */
-        } while (io->gso && i < n && io->order[i][0] == key && segs < GSO_MAX_SEGMENTS &&
-                 io->send_queue[io->order[i][1]].len <= seg_len &&
-                 bytes + io->send_queue[io->order[i][1]].len <= GSO_MAX_BYTES);
+        } while (io->gso && i < n && io->order[i][0] == key &&
+                 gso_run_takes(segs, bytes, seg_len, io->send_queue[io->order[i][1]].len));
         h->msg_iovlen = segs;
         io->msg_segments[m] = segs;
-        if (segs > 1) {
-            struct cmsghdr *cm = (struct cmsghdr *)io->control[m];
-            uint16_t size = (uint16_t)seg_len;
-            h->msg_control = cm;
-            h->msg_controllen = CMSG_SPACE(sizeof size);
-            cm->cmsg_level = SOL_UDP;
-            cm->cmsg_type = UDP_SEGMENT;
-            cm->cmsg_len = CMSG_LEN(sizeof size);
-            memcpy(CMSG_DATA(cm), &size, sizeof size);
-        }
+        if (segs > 1)
+            gso_mark(h, io->control[m], (uint16_t)seg_len);
         m++;
     }
     return m;

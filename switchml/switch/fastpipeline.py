@@ -30,9 +30,9 @@ from ..config import DEFAULT_PACKET_ELEMENTS, DEFAULT_SLOTS, pure_python
 from .pipeline import MAX_WORKERS, Job, Mismatch, Pipeline
 
 try:
-    from . import _fastpath  # type: ignore[attr-defined]  # compiled: no stubs
+    from . import _fastpath  # typed by _fastpath.pyi
 except ImportError:  # not built (no C compiler where it was installed)
-    _fastpath = None
+    _fastpath = None  # type: ignore[assignment]
 
 #: A key no member has: the source address of a datagram from a stranger.
 KEY_NONE = 2**64 - 1

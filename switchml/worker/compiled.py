@@ -22,9 +22,9 @@ from .recovery import CongestionWindow, RttEstimator
 from .stream import SessionState, check_arrays
 
 try:
-    from . import _fastengine  # type: ignore[attr-defined]  # compiled: no stubs
+    from . import _fastengine  # typed by _fastengine.pyi
 except ImportError:  # not built (a source checkout without build_ext)
-    _fastengine = None
+    _fastengine = None  # type: ignore[assignment]
 
 #: run_io's return values.
 IO_DONE, IO_STALLED, IO_CONTROL, IO_SLICE = 0, 1, 2, 3
@@ -64,19 +64,13 @@ class CompiledDenseAllreduce:
         k = session.packet_elements  # words a packet; two values a word on the 16-bit wire
         self.chunk_values = 2 * k if wire_bits == 16 else k
         chunks = -(-src.size // self.chunk_values)
-        rtt, window = session.rtt, session.window
         self._core = _fastengine.DenseCore(
             src, dst, is_float=array.dtype == np.float32, session=session.session,
             slot_base=session.slot_base, width=min(session.slot_count, chunks),
             packet_elements=k, lanes=session.lanes,
             bits=session.bits16 if wire_bits == 16 else session.bits, seq=seq,
             slot_msgs=session.slot_msgs, now=now, progress_timeout=session.progress_timeout,
-            rtt=(rtt.srtt is not None, rtt.srtt or 0.0, rtt.rttvar, rtt.min_rtt, rtt._rto,
-                 rtt.min_rto, rtt.max_rto, window.DELAY_MARGIN, window.QUEUE_MARGIN,
-                 rtt.kept_backoff, rtt._kept_since),
-            window=(window.cwnd, window.ssthresh, window._last_decrease, window.limit,
-                    window._undo is not None, *(window._undo or (0.0, 0.0, 0.0)),
-                    window._epoch_start, window._epoch_min, window._queue_at, window._clear_at),
+            rtt=session.rtt.state(), window=session.window.state(),
             wire_bits=wire_bits, world_size=session.world_size,
             # Sparse: W = min(slots, ceil(blocks / lanes)) is min(slots, chunks) too,
             # a packet being whole blocks (supports_sparse).
@@ -89,23 +83,14 @@ class CompiledDenseAllreduce:
     def sync(self) -> None:
         """Write the core's message numbers, RTT, window, reordering threshold and
         counters to the Session."""
-        msgs, (have_srtt, srtt, rttvar, min_rtt, rto, kept_backoff, kept_since), (
-            cwnd, ssthresh, last_decrease, has_undo, *undo,
-            epoch_start, epoch_min, queue_at, clear_at), counters, reordering = \
-            self._core.export_state()
+        state = self._core.export_state()
         s = self.s
-        s.reordering = reordering
+        s.reordering = state["reordering"]
+        msgs = state["slot_msgs"]
         s.slot_msgs[: len(msgs)] = msgs
-        rtt = s.rtt
-        rtt.srtt = srtt if have_srtt else None
-        rtt.rttvar, rtt.min_rtt, rtt._rto = rttvar, min_rtt, rto
-        rtt.kept_backoff, rtt._kept_since = kept_backoff, kept_since
-        window = s.window
-        window.cwnd, window.ssthresh, window._last_decrease = cwnd, ssthresh, last_decrease
-        window._undo = tuple(undo) if has_undo else None
-        window._epoch_start, window._epoch_min = epoch_start, epoch_min
-        window._queue_at, window._clear_at = queue_at, clear_at
-        for name, value in counters.items():
+        s.rtt.restore(state["rtt"])  # by recovery.py's field names, both ways
+        s.window.restore(state["window"])
+        for name, value in state["counters"].items():
             s.counters[name] += value
 
     # ------------------------------------------------------------ DenseAllreduce's API

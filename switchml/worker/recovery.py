@@ -87,6 +87,22 @@ class RttEstimator:
         self.kept_backoff = 0
         self._kept_since = -math.inf  # when a timeout last raised kept_backoff
 
+    #: What a compiled engine reads (``state``) and writes back (``restore``), by name:
+    #: a field the C core keeps too is listed here and read there by this name.
+    STATE = ("srtt", "rttvar", "min_rtt", "_rto", "min_rto", "max_rto", "kept_backoff",
+             "_kept_since")
+
+    def state(self) -> dict:
+        """The estimator's fields by name (``srtt`` None before the first sample)."""
+        return {name: getattr(self, name) for name in self.STATE}
+
+    def restore(self, state: dict) -> None:
+        """Take back the fields ``state`` names (a compiled engine's export)."""
+        for name, value in state.items():
+            if name not in self.STATE:
+                raise KeyError(f"RttEstimator has no state field {name!r}")
+            setattr(self, name, value)
+
     def add_sample(self, rtt: float, sent_at: float = math.inf) -> None:
         """An unambiguous RTT sample, of a message sent at ``sent_at``."""
         if sent_at >= self._kept_since:  # it had the backed-off RTO, and answered in time
@@ -207,6 +223,23 @@ class CongestionWindow:
         self._epoch_min = math.inf
         self._queue_at = -math.inf
         self._clear_at = -math.inf
+
+    #: What a compiled engine reads (``state``) and writes back (``restore``), by
+    #: name; the margins are the class's settings, read only.
+    STATE = ("cwnd", "ssthresh", "_last_decrease", "limit", "_undo", "_epoch_start",
+             "_epoch_min", "_queue_at", "_clear_at", "DELAY_MARGIN", "QUEUE_MARGIN")
+
+    def state(self) -> dict:
+        """The window's fields by name (``_undo``: None, or (time, cwnd, ssthresh))."""
+        return {name: getattr(self, name) for name in self.STATE}
+
+    def restore(self, state: dict) -> None:
+        """Take back the fields ``state`` names (a compiled engine's export)."""
+        for name, value in state.items():
+            if name not in self.STATE or name.isupper():
+                raise KeyError(f"CongestionWindow has no writable state field {name!r}")
+            setattr(self, name, tuple(value) if name == "_undo" and value is not None
+                    else value)
 
     def allowed(self, width: int) -> int:
         """How many messages a call of ``width`` slots may have in flight."""
