@@ -386,11 +386,10 @@ class Controller:
         rank's packets queue at that link, where a switch has a port per rank.
         Slots, not only the window: a set completes when its last rank's
         contribution comes, so ranks out of step complete up to slots x ranks
-        results at once, a burst the server's one link must queue.  With 16
-        ranks on four servers at 100 Mbit/s, 8 slots each (32 over the four)
-        kept 1 MiB in flight into each 256 KiB port: 16,874 results lost at the
-        servers' own queues in a run, 82.6% of the least time (docs/benchmarks.md,
-        session 11)."""
+        results at once, a burst the server's one link must queue: more slots
+        than the link's share put more in flight than a 256 KiB port holds, and
+        the results lost at the servers' own queues cost more than the slots
+        gain (docs/protocol.md, "Design rationale")."""
         if not self.shared_link:
             return job.slot_request
         return max(1, -(-job.slot_request // job.world_size))

@@ -134,7 +134,8 @@ class Worker:
         self.link_share = link_share
         self._sparse_auto_union = env("SPARSE_AUTO_UNION", DEFAULT_SPARSE_AUTO_UNION, float)
         # The C sparse engine makes a round cost microseconds: 8-lane packets pay
-        # there (MTU 9000); the Python engine's rounds need 32 (docs/benchmarks.md).
+        # there (MTU 9000); the Python engine's rounds need 32 (docs/protocol.md,
+        # "Design rationale").
         self._sparse_auto_min_lanes = env(
             "SPARSE_AUTO_MIN_LANES",
             DEFAULT_SPARSE_AUTO_MIN_LANES_COMPILED if compiled.enabled()
@@ -482,9 +483,10 @@ class Worker:
 
         Not with packets of fewer than ``SWITCHML_SPARSE_AUTO_MIN_LANES`` blocks: the
         rounds then cost more than the bytes save.  With the C engine, 8 (one
-        frame at MTU 9000: on the testbed at d = 0.1 sparse took 0.253 s against
-        dense's 0.590 s); fewer, at MTU 1500, is not measured and stays dense.  On
-        the Python engine, 32 (8 lanes: 0.549 s against 0.580 s; docs/benchmarks.md).
+        frame at MTU 9000: there sparse at density 0.1 takes well under half of
+        dense's time); fewer, at MTU 1500, is not measured and stays dense.  On
+        the Python engine, 32: with fewer its rounds cost what the skipped blocks
+        save (docs/protocol.md, "Design rationale").
         """
         b = self.session.block_elements
         blocks = -(-src.size // b)

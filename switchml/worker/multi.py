@@ -134,9 +134,8 @@ class MultiSwitchWorker:
         """Cap each channel's window at its share of one job's: the K parts leave
         through this worker's one link, so together they keep in flight what one
         switch's job would (``slots_per_job``), not K times that.  Uncapped, four
-        parts on four switch servers overflowed the workers' 256 KiB uplink queues
-        (195 drops a run, 94 window halvings a worker a call) and took 0.645 s for
-        64 MiB at 1 Gbit/s against 0.585 s capped (docs/benchmarks.md)."""
+        parts on four switch servers overflow a worker's 256 KiB uplink queue:
+        drops and window halvings every call, and a slower call than capped."""
         share = len(self.channels)
         for joined in self.channels:
             window = joined.session.window
