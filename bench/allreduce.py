@@ -66,7 +66,9 @@ def _worker_main(address, rank, world, elements, dtype, warmup, repeats, profile
     else:
         data = rng.integers(-1000, 1000, elements, dtype=np.int32)
     out = np.empty_like(data)
-    with switchml.Worker(address, rank, world, job=f"bench-{world}", timeout=60) as w:
+    # each process a host of its own: the switch path is what is measured
+    with switchml.Worker(address, rank, world, job=f"bench-{world}", timeout=60,
+                         local_stage=False) as w:
         for _ in range(warmup):
             w.allreduce(data, out=out)
         prof = cProfile.Profile() if profile and rank == 0 else None
@@ -91,7 +93,8 @@ def _worker_main(address, rank, world, elements, dtype, warmup, repeats, profile
 
 def _density_worker_main(address, rank, world, elements, densities, block, warmup, repeats,
                          report_q):
-    with switchml.Worker(address, rank, world, job=f"bench-density-{world}", timeout=60) as w:
+    with switchml.Worker(address, rank, world, job=f"bench-density-{world}", timeout=60,
+                         local_stage=False) as w:
         for density in densities:
             data = make_block_sparse(rank, elements, density, block)
             out = np.empty_like(data)
