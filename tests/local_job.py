@@ -42,6 +42,9 @@ def main():
                 report["float16"] = digest(w.allreduce(floats.astype(np.float16)))
                 report["wire16"] = digest(w.allreduce(floats, bits=16))
                 np.save(os.environ["OUT"] + f"/{rank}.npy", w.allreduce(floats))
+                # queued back to back: each call's last copy-out left to the next
+                handles = [w.allreduce_async(ints + np.int32(i)) for i in range(4)]
+                report["queued"] = [digest(h.wait()) for h in handles]
             else:
                 w.allreduce(floats)
                 if mode == "kill" and rank == int(os.environ["VICTIM"]):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from switchml.errors import CallMismatchError, JoinRefusedError
 from switchml.worker import localmem
 from switchml.worker.hosts import HostRecord, Placement
-from switchml.worker.local import SHARD_ALIGN, Launch, LocalStage, Wait, call_kind
+from switchml.worker.local import SHARD_ALIGN, Finished, Launch, LocalStage, Wait, call_kind
 from switchml.worker.localmem import R_STATE, Layout
 
 SEGMENT = 2048  # elements: small, so that calls span several segments and slots
@@ -31,11 +31,13 @@ class Host:
         return int(self.buf[offset:offset + 8].view(np.uint64)[0])
 
 
-def run_hosts(sizes, calls, seed, switched=None, in_place=False):
+def run_hosts(sizes, calls, seed, switched=None, in_place=False, defer=False):
     """Drive hosts of ``sizes`` ranks through ``calls`` (per call, each rank's input
     arrays: calls[c][host][index]) in an order a seeded generator picks, with a
     model switch that sums each shard over the hosts, in float64 rounded once,
-    whenever the scheduler lets it.  Returns outputs[c][host][index]."""
+    whenever the scheduler lets it.  ``defer``: each call but the last leaves its
+    last copy-out to the next (as a rank does when calls are queued).  Returns
+    outputs[c][host][index]."""
     rng = np.random.default_rng(seed)
     shards = min(sizes)
     switched = len(sizes) > 1 if switched is None else switched
@@ -48,7 +50,8 @@ def run_hosts(sizes, calls, seed, switched=None, in_place=False):
         for c, call in enumerate(calls):
             src = call[h][i]
             kind = call_kind(src.dtype, False, 32)
-            yield from stage.allreduce(src, outputs[c][h][i], kind)
+            more = (lambda c=c: c < len(calls) - 1) if defer else None
+            yield from stage.allreduce(src, outputs[c][h][i], kind, more)
 
     runners = {(h, i): rank_steps(h, i) for h, k in enumerate(sizes) for i in range(k)}
     waiting: dict = {key: None for key in runners}  # the step each rank waits on
@@ -93,6 +96,8 @@ def run_hosts(sizes, calls, seed, switched=None, in_place=False):
             continue
         if isinstance(step, Wait):
             waiting[pick] = step
+        elif isinstance(step, Finished):
+            waiting[pick] = None
         else:
             assert isinstance(step, Launch) and switched, step
             waiting[pick] = None
@@ -125,14 +130,16 @@ def inputs(rng, sizes, n, dtype):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(sizes=st.lists(st.integers(1, 4), min_size=1, max_size=3),
        lengths=st.lists(st.integers(1, 3 * SEGMENT + 77), min_size=1, max_size=4),
-       dtype=st.sampled_from([np.float32, np.int32]), seed=st.integers(0, 2**32 - 1))
-def test_every_interleaving_gives_every_rank_the_two_stage_sum(sizes, lengths, dtype, seed):
+       dtype=st.sampled_from([np.float32, np.int32]), seed=st.integers(0, 2**32 - 1),
+       defer=st.booleans())
+def test_every_interleaving_gives_every_rank_the_two_stage_sum(sizes, lengths, dtype, seed,
+                                                                defer):
     """Hosts of unequal rank counts, calls of any length (several segments, more
     segments than slots, lengths shorter than the shards), any order of the ranks
     and the switch: every rank gets the two-stage sum, bit for bit the same."""
     rng = np.random.default_rng(seed)
     calls = [inputs(rng, sizes, n, dtype) for n in lengths]
-    outputs = run_hosts(sizes, calls, seed)
+    outputs = run_hosts(sizes, calls, seed, defer=defer)
     for call, out in zip(calls, outputs):
         expected = two_stage_sum(call)
         for host in out:
@@ -156,6 +163,22 @@ def test_in_place_calls_and_nonfinite_values():
         for array in host:
             np.testing.assert_array_equal(array, expected)
     assert np.isposinf(expected[3]) and np.isnan(expected[7]) and np.isnan(expected[9])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_call_that_reads_the_last_calls_output_waits_for_its_last_copy(seed):
+    """Calls queued back to back, each in place on the same arrays: the next call
+    must sum what the last one wrote, deferred last copy-out or not."""
+    rng = np.random.default_rng(seed)
+    first = inputs(rng, [2, 2], SEGMENT - 5, np.int32)  # one segment: all of it the tail
+    keep = [[a.copy() for a in host] for host in first]
+    calls = [first, first]  # the same arrays: call 2's input is call 1's output
+    run_hosts([2, 2], calls, seed, in_place=True, defer=True)
+    once = two_stage_sum(keep)
+    twice = (once.astype(np.int64) * 4).astype(np.int32)
+    for host in first:
+        for array in host:
+            np.testing.assert_array_equal(array, twice)
 
 
 def test_a_host_alone_needs_no_switch():

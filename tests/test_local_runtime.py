@@ -77,6 +77,9 @@ def test_hosts_of_ranks_agree_bit_for_bit_and_leave_nothing(big_switch, groups, 
     from local_job import digest, inputs
     ints = sum(inputs(r, N)[1].astype(np.int64) for r in range(len(groups))).astype(np.int32)
     assert results[0][1]["int32"] == digest(ints)
+    for i in range(4):
+        want = digest((ints.astype(np.int64) + len(groups) * i).astype(np.int32))
+        assert all(r["queued"][i] == want for _, r, _ in results), i
     # the float32 sum within the two-stage bound, against the exact sum of all inputs
     hosts: dict = {}
     for rank, group in enumerate(groups):

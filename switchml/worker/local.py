@@ -44,7 +44,8 @@ from . import localmem
 from .localmem import R_CALL, R_COPIED_IN, R_COPIED_OUT, R_ELEMENTS, R_KIND, R_REDUCED, Layout
 from .multi import part_bounds
 
-__all__ = ["LocalStage", "Wait", "Launch", "SHARD_ALIGN", "call_kind", "describe_kind"]
+__all__ = ["LocalStage", "Wait", "Launch", "Finished", "SHARD_ALIGN", "call_kind",
+           "describe_kind"]
 
 #: Shards start at multiples of this many elements (4 KiB: whole pages, whole
 #: sparse blocks), so every host cuts a segment the same way.
@@ -84,6 +85,16 @@ class Launch:
     shard: np.ndarray
 
 
+@dataclass(frozen=True)
+class Finished:
+    """The call before this one (number ``call``) copied its last segment out: its
+    result is whole.  A call whose successor is already waiting leaves its last
+    copy-out to that successor, after the successor's first segment is on its way,
+    so that the switch goes from one call to the next without a gap."""
+
+    call: int
+
+
 class LocalStage:
     """One rank's part of its host's local stage, over the segment's buffer ``buf``
     (a uint8 array: the whole mapping) laid out as ``layout``.
@@ -108,6 +119,9 @@ class LocalStage:
         self.segments = 0
         #: Calls made so far (the next call is number calls + 1).
         self.calls = 0
+        #: The previous call's last copy-out, when it was left to this call:
+        #: (its output, its index of the segment, segment, length, call number).
+        self._tail: tuple | None = None
 
     # ------------------------------------------------------------------ helpers
     def record(self, index: int, field: int) -> int:
@@ -132,16 +146,23 @@ class LocalStage:
         return part_bounds(length, SHARD_ALIGN, self.layout.shards)
 
     # ------------------------------------------------------------------ a call
-    def allreduce(self, src: np.ndarray, out: np.ndarray, kind: int):
-        """The call's steps (a generator of ``Wait`` and ``Launch``): ``out`` = the sum
-        over every host's ranks of ``src`` (flat float32 or int32 arrays; ``out``
-        may be ``src``).  ``kind`` is ``call_kind`` of the call."""
+    def allreduce(self, src: np.ndarray, out: np.ndarray, kind: int, more=None):
+        """The call's steps (a generator of ``Wait``, ``Launch`` and ``Finished``):
+        ``out`` = the sum over every host's ranks of ``src`` (flat float32 or int32
+        arrays; ``out`` may be ``src``).  ``kind`` is ``call_kind`` of the call.
+
+        ``more()``, asked at the call's last segment: whether another call waits
+        behind this one; if so this call ends before its last copy-out, which the
+        next call does (``Finished`` says when), and ``finish()`` does it when no
+        call comes."""
         layout = self.layout
         n, g = src.size, layout.segment
         count = max(1, -(-n // g))
         base = self.segments
         self.calls += 1
         call = self.calls
+        if self._tail is not None and np.may_share_memory(self._tail[0], src):
+            yield from self.finish()  # this call reads what the last one writes
         # What this rank asks for, read by its peers once it copied in the first segment.
         for field, value in ((R_ELEMENTS, n), (R_KIND, kind), (R_CALL, call)):
             self.buf[self.record(self.index, field):][:8].view(np.uint64)[0] = value
@@ -152,8 +173,31 @@ class LocalStage:
             yield from self._combine(src, t, segment, n, call, kind)
             if t:
                 yield from self._copy_out(out, t - 1, segment - 1, n)
-        yield from self._copy_out(out, count - 1, base + count - 1, n)
+            else:
+                yield from self.finish()  # the last call's tail, behind this first segment
         self.segments = base + count
+        if more is not None and more():
+            self._tail = (out, count - 1, base + count - 1, n, call)
+            return
+        yield from self._copy_out(out, count - 1, base + count - 1, n)
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the last call left its last copy-out to the next one."""
+        return self._tail is not None
+
+    def forget_deferred(self) -> None:
+        """The job failed: the last call's copy-out will not happen."""
+        self._tail = None
+
+    def finish(self):
+        """The steps of the last call's deferred copy-out (none if there is none)."""
+        if self._tail is None:
+            return
+        out, t, segment, n, call = self._tail
+        self._tail = None
+        yield from self._copy_out(out, t, segment, n)
+        yield Finished(call)
 
     def _combine(self, src, t: int, segment: int, n: int, call: int, kind: int):
         """Steps 1 and 2 for segment ``segment`` (the call's ``t``-th)."""

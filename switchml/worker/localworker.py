@@ -129,6 +129,8 @@ class LocalStageWorker:
         self._order = threading.Lock()  # guards _pending
         self._pending = 0  # calls queued and not yet done
         self._running = threading.Lock()  # held by the call that runs
+        #: A queued call whose last copy-out the next call does: (future, narrow, out).
+        self._deferred: tuple | None = None
         self._thread = threading.Thread(target=self._serve, name=f"switchml-local-{self.rank}",
                                         daemon=True)
         self._thread.start()
@@ -296,34 +298,53 @@ class LocalStageWorker:
             if item is None:
                 return
             src, out, sparse, bits, ready, narrow, future = item
-            error = None
             try:
                 with self._running:
                     if ready is not None:
                         ready()
-                    self._run(src.reshape(-1), out.reshape(-1), sparse, bits)
+                    # another call queued behind this one takes over its last copy-out
+                    self._run(src.reshape(-1), out.reshape(-1), sparse, bits,
+                              more=lambda: self._pending > 1)
             except BaseException as exc:  # a SwitchMLError, or a bug surfaced to the caller
-                error = exc
-            with self._order:  # done before the caller hears: its next call may go inline
-                self._pending -= 1
-            if error is not None:
-                future.set_exception(error)
+                if self._deferred is not None:  # the call before it never finished either
+                    self.stage.forget_deferred()
+                    self._settle(self._deferred[0], error=exc)
+                    self._deferred = None
+                self._settle(future, error=exc)
+                continue
+            if self.stage.deferred:
+                self._deferred = (future, narrow, out)
             else:
-                future.set_result(narrow_result(narrow, out))
+                self._settle(future, result=narrow_result(narrow, out))
 
-    def _run(self, src: np.ndarray, out: np.ndarray, sparse, bits: int) -> None:
-        """One call's steps, driven to their end."""
+    def _settle(self, future: Future, result=None, error: BaseException | None = None) -> None:
+        """A queued call's end: counted out before its caller hears of it (the
+        caller's next call may then run on its own thread)."""
+        with self._order:
+            self._pending -= 1
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def _run(self, src: np.ndarray, out: np.ndarray, sparse, bits: int, more=None) -> None:
+        """One call's steps, driven to their end (``LocalStage.allreduce``'s ``more``)."""
         failure = self._failure()
         if failure is not None:
             raise failure
         self._local_calls += 1
-        steps = self.stage.allreduce(src, out, call_kind(src.dtype, sparse, bits))
+        steps = self.stage.allreduce(src, out, call_kind(src.dtype, sparse, bits), more)
         try:
             for step in steps:
                 if isinstance(step, Wait):
                     self._wait(step)
-                else:
+                elif isinstance(step, Launch):
                     self._launch(step, sparse, bits)
+                else:  # Finished: the call before this one is whole
+                    assert self._deferred is not None
+                    future, narrow, previous = self._deferred
+                    self._deferred = None
+                    self._settle(future, result=narrow_result(narrow, previous))
         except CallMismatchError as exc:
             raise self._fail(exc, self.rank) from None
 
