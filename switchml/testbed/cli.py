@@ -132,6 +132,9 @@ def _testbed_run(args) -> int:
     from .errors import TestbedError
 
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if args.torchrun and args.host is not None:
+        # `run --torchrun -- SCRIPT`: no host, so argparse took the script for one
+        command = [args.host, *command]
     if not command:
         print("switchml testbed run: give a command after --", file=sys.stderr)
         return 2
