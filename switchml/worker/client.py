@@ -80,6 +80,9 @@ class Worker:
     the records exchanged already); ``local_stage=False`` (or
     ``SWITCHML_LOCAL_STAGE=0``) sends every rank's array through the switch.
     A job on one host needs no switch at all (``switch`` may be None there).
+    ``link_share``: how many of this host's ranks send through its one link at
+    once (the local stage passes its shard count): the job asks the switch for
+    that share of a window.
 
     A job that does not fit in the switch (``max_jobs`` jobs run, or its window of
     ``slots`` does not fit in the free slots) is refused with
