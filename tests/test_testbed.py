@@ -254,8 +254,9 @@ def test_cli_up_run_status_down():
         assert run.stdout.strip() == str(sum(range(5000)))
         if importlib.util.find_spec("torch") is not None:
             # a torchrun in each host, 2 ranks each, one rendezvous on host 0
-            script = ("import os; print(os.environ['RANK'], os.environ['LOCAL_RANK'], "
-                      "os.environ['WORLD_SIZE'], os.environ['SWITCHML_SWITCH'])")
+            script = ("import os; e = os.environ; os.write(1, ' '.join(["  # one write a line
+                      "e['RANK'], e['LOCAL_RANK'], e['WORLD_SIZE'], e['SWITCHML_SWITCH']])"
+                      ".encode() + b'\\n')")
             with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
                 f.write(script)
             ranks = subprocess.run(CLI + ["testbed", "run", "--prefix", p, "--torchrun", "--",
@@ -686,18 +687,6 @@ def test_cli_up_with_switch_servers_runs_a_job_over_them():
                              text=True, timeout=60)
         assert run.returncode == 0, run.stderr
         assert run.stdout.split() == ["2", str(sum(range(50000)))]
-        if importlib.util.find_spec("torch") is not None:
-            # a torchrun in each host, 2 ranks each, one rendezvous on host 0
-            script = ("import os; print(os.environ['RANK'], os.environ['LOCAL_RANK'], "
-                      "os.environ['WORLD_SIZE'], os.environ['SWITCHML_SWITCH'])")
-            with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
-                f.write(script)
-            ranks = subprocess.run(CLI + ["testbed", "run", "--prefix", p, "--torchrun", "--",
-                                          f.name], capture_output=True, text=True, timeout=120)
-            os.unlink(f.name)
-            assert ranks.returncode == 0, ranks.stderr
-            lines = sorted(line.split() for line in ranks.stdout.splitlines() if line.strip())
-            assert lines == [[str(r), str(r % 2), "4", "10.77.0.254:7300"] for r in range(4)]
         status = subprocess.run(CLI + ["testbed", "status", "--prefix", p],
                                 capture_output=True, text=True, timeout=30)
         assert "server 1: sent" in status.stdout

@@ -162,7 +162,7 @@ def _testbed_torchrun(args, command) -> int:
 
     try:
         tb = Testbed.from_state(args.prefix)
-        procs = [subprocess.Popen(tb.torchrun_command(h, command),
+        procs = [subprocess.Popen(tb.command(h, tb.torchrun_command(h, command)),
                                   env={**os.environ, **tb.env(h)})
                  for h in range(tb.hosts)]
     except (TestbedError, ValueError) as exc:
