@@ -43,7 +43,7 @@ from .engine import Session
 from .hosts import Hosts, Placement
 from .localworker import LocalStageWorker
 from .multi import MultiSwitchWorker
-from .rendezvous import exchange_through_switch
+from .rendezvous import control_events, exchange_through_switch
 from .sparse import nonzero_blocks
 
 __all__ = ["Worker", "AllreduceHandle"]
@@ -297,24 +297,7 @@ class Worker:
     def _await_ready(self, control) -> None:
         """Read the switch's answers until the job is ready; its refusal raises."""
         proto = self._protocol
-        while proto.ready is None:
-            if proto.error is not None:
-                raise proto.error
-            timer = proto.get_timer()
-            left = timer - time.monotonic() if timer is not None else 1.0
-            if left <= 0:
-                events = proto.handle_timer(time.monotonic())
-            else:
-                control.settimeout(left)
-                try:
-                    data = control.recv(65536)
-                except TimeoutError:
-                    continue
-                except OSError as exc:
-                    events = proto.connection_lost(exc)
-                else:
-                    events = (proto.receive_data(data, time.monotonic()) if data
-                              else proto.connection_lost())
+        for events in control_events(control, proto, lambda: proto.ready is not None):
             for i, event in enumerate(events):
                 if proto.ready is event:  # what came with it is the I/O thread's
                     self._early_events = events[i + 1:]

@@ -19,7 +19,30 @@ from ..netutil import enable_keepalive
 from .control import ControlClient, JobFailed
 from .hosts import HostRecord, Hosts, host_record
 
-__all__ = ["exchange_through_switch"]
+__all__ = ["exchange_through_switch", "control_events"]
+
+
+def control_events(conn, client: ControlClient, done):
+    """Feed what ``conn`` brings to ``client`` (its timers too) until ``done()``:
+    each read's events, as a batch; the client's error raises."""
+    while not done():
+        if client.error is not None:
+            raise client.error
+        timer = client.get_timer()
+        left = timer - time.monotonic() if timer is not None else 1.0
+        if left <= 0:
+            yield client.handle_timer(time.monotonic())
+            continue
+        conn.settimeout(left)
+        try:
+            data = conn.recv(65536)
+        except TimeoutError:
+            continue
+        except OSError as exc:
+            yield client.connection_lost(exc)
+        else:
+            yield (client.receive_data(data, time.monotonic()) if data
+                   else client.connection_lost())
 
 
 def exchange_through_switch(address: tuple[str, int], job: str, rank: int, world_size: int,
@@ -39,28 +62,12 @@ def exchange_through_switch(address: tuple[str, int], job: str, rank: int, world
         enable_keepalive(conn, env("KEEPALIVE", DEFAULT_KEEPALIVE, float))
         client.gather(record.encode(), time.monotonic())
         conn.sendall(client.data_to_send())
-        while client.gathered is None:
-            if client.error is not None:
-                raise client.error
-            timer = client.get_timer()
-            left = timer - time.monotonic() if timer is not None else 1.0
-            if left <= 0:
-                events = client.handle_timer(time.monotonic())
-            else:
-                conn.settimeout(left)
-                try:
-                    data = conn.recv(65536)
-                except TimeoutError:
-                    continue
-                except OSError as exc:
-                    events = client.connection_lost(exc)
-                else:
-                    events = (client.receive_data(data, time.monotonic()) if data
-                              else client.connection_lost())
+        for events in control_events(conn, client, lambda: client.gathered is not None):
             for event in events:
                 if isinstance(event, JobFailed):
                     raise event.error
     gathered = client.gathered
+    assert gathered is not None  # control_events ends only then, or raises
     try:
         records = tuple(HostRecord.decode(value) for value in gathered.values)
     except ValueError as exc:
