@@ -37,6 +37,7 @@ from ..config import pure_python
 from ..errors import SwitchMLError
 
 __all__ = ["Layout", "Segment", "reduce_into", "publish", "wait_for", "fail", "attach",
+           "read_failure",
            "REACHED", "FAILED", "EXITED", "CLOSED", "TIMED_OUT", "sweep"]
 
 MAGIC = 0x314C4D4C4D575328  # "(SWMLML1" little-endian: a segment of this layout
@@ -155,6 +156,17 @@ def fail(header, code: int, rank: int, reason: bytes) -> bool:
     _words(header, H_FAILED, np.uint32)[0] = code
     _words(header, H_GENERATION, np.uint32)[0] += 1
     return True
+
+
+def read_failure(header) -> tuple[int, int, str] | None:
+    """The group's recorded failure, as ``fail`` wrote it: (code, rank, reason), or
+    None while there is none."""
+    code = int(_words(header, H_FAILED, np.uint32)[0])
+    if not code:
+        return None
+    rank = int(_words(header, H_FAILED_RANK, np.int32)[0])
+    raw = _words(header, H_REASON, np.uint8, REASON_BYTES).tobytes()
+    return code, rank, raw.rstrip(b"\0").decode(errors="replace")
 
 
 def wait_for(header, records, field: int, target: int, timeout: float,

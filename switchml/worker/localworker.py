@@ -61,6 +61,7 @@ from .localmem import (
     Layout,
     Segment,
 )
+from .multi import renamed
 
 __all__ = ["LocalStageWorker", "SLOTS"]
 
@@ -382,10 +383,7 @@ class LocalStageWorker:
         call = f"allreduce #{self.stage.calls}" if step.field != R_STATE else "joining"
         if status == EXITED:
             culprit = self._peers[i]
-            error = SwitchMLTimeoutError(
-                f"job '{self.job}': rank {culprit} died (process "
-                f"{self.placement.records[culprit].pid} ended) during {call}; rank "
-                f"{self.rank} shares its host", [culprit])
+            error = self._died(culprit, f" during {call}")
         elif status == TIMED_OUT:
             culprit = self._peers[step.ranks[i]]
             error = SwitchMLTimeoutError(
@@ -409,10 +407,14 @@ class LocalStageWorker:
                 poll.register(fd, select.POLLIN)
         for fd, _ in poll.poll(0):
             culprit = self._peers[self._pidfds.index(fd)]
-            self._fail(SwitchMLTimeoutError(
-                f"job '{self.job}': rank {culprit} died (process "
-                f"{self.placement.records[culprit].pid} ended); rank {self.rank} shares "
-                f"its host", [culprit]), culprit)
+            self._fail(self._died(culprit), culprit)
+
+    def _died(self, culprit: int, when: str = "") -> SwitchMLTimeoutError:
+        """The error of a peer whose process ended (``when``: during what)."""
+        return SwitchMLTimeoutError(
+            f"job '{self.job}': rank {culprit} died (process "
+            f"{self.placement.records[culprit].pid} ended){when}; rank {self.rank} shares "
+            "its host", [culprit])
 
     # ------------------------------------------------------------------ failures
     def _fail(self, error: SwitchMLError, culprit: int) -> SwitchMLError:
@@ -432,13 +434,10 @@ class LocalStageWorker:
         """The host's recorded failure, as the error every rank of it raises."""
         if self._segment is None:
             return None
-        header = self._segment.buf
-        code = int(header[localmem.H_FAILED:][:4].view(np.uint32)[0])
-        if not code:
+        recorded = localmem.read_failure(self._segment.buf)
+        if recorded is None:
             return None
-        culprit = int(header[localmem.H_FAILED_RANK:][:4].view(np.int32)[0])
-        raw = bytes(header[localmem.H_REASON:localmem.H_REASON + localmem.REASON_BYTES])
-        reason = raw.rstrip(b"\0").decode(errors="replace")
+        code, culprit, reason = recorded
         if code == localmem.FAILED_MISMATCH:
             return CallMismatchError(reason)
         if code == localmem.FAILED_UNREACHABLE:
@@ -463,10 +462,7 @@ class LocalStageWorker:
                    f"{where})")
         if isinstance(error, SwitchMLTimeoutError):
             return SwitchMLTimeoutError(message, missing)
-        copy = error.__class__.__new__(error.__class__)
-        copy.__dict__.update(error.__dict__)
-        copy.args = (message,)
-        return copy
+        return renamed(error, message)
 
     def _release(self) -> None:
         if self.switch is not None:
