@@ -62,12 +62,15 @@ def test_the_check_sees_python_in_a_part(tmp_path):
     assert done.returncode != 0
 
 
-def test_both_batched_senders_share_one_gso_rule():
-    """The switch's sender and the worker's mark and cut UDP GSO runs with
-    udp_gso.h's gso_run_takes and gso_mark, and define none of its constants."""
+def test_both_batched_senders_are_one_sender():
+    """The switch's results and the worker's contributions leave through
+    udp_batch.c's sender (udp_batch_add, udp_batch_send); neither file builds
+    its own messages for sendmmsg or defines a GSO constant."""
     package = WORKER.parent
     for sender in (package / "switch" / "fastpath_io.c", WORKER / "stream_io.c"):
         text = sender.read_text()
-        assert '#include "../udp_gso.h"' in text, sender.name
-        assert "gso_run_takes(" in text and "gso_mark(" in text, sender.name
+        assert '#include "../udp_batch.h"' in text or "udp_batch.h" in (
+            package / "switch" / "fastpath_io.h").read_text(), sender.name
+        assert "udp_batch_add(" in text and "udp_batch_send(" in text, sender.name
+        assert "sendmmsg(" not in text and "UDP_SEGMENT" not in text, sender.name
         assert not re.search(r"#define (GSO_MAX_\w+|UDP_SEGMENT|SOL_UDP)\b", text), sender.name

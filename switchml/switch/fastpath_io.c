@@ -12,7 +12,6 @@
 #include <string.h>
 #include <time.h>
 
-#include "../udp_gso.h" /* the run rule and the marking, shared with the worker's sender */
 
 /* Point every buffer of the loop into one block starting at `base` (0: only
  * measure it); returns its size.  Each buffer is 16-byte aligned. */
@@ -26,13 +25,12 @@ static size_t lay_out(fp_io *io, uintptr_t base)
     CARVE(recv_iov, FP_RECV_BATCH);
     CARVE(recv_addrs, FP_RECV_BATCH);
     CARVE(send_queue, FP_SEND_QUEUE);
-    CARVE(send_msgs, FP_SEND_QUEUE);
-    CARVE(send_iov, FP_SEND_QUEUE);
-    CARVE(send_addrs, FP_SEND_QUEUE);
     CARVE(order, FP_SEND_QUEUE);
-    CARVE(msg_first, FP_SEND_QUEUE);
-    CARVE(msg_segments, FP_SEND_QUEUE);
+    CARVE(send_msgs, FP_SEND_QUEUE);
+    CARVE(send_addrs, FP_SEND_QUEUE);
     CARVE(control, FP_SEND_QUEUE);
+    CARVE(msg_segments, FP_SEND_QUEUE);
+    CARVE(send_iov, FP_SEND_QUEUE);
 #undef CARVE
     return (size_t)(at - base);
 }
@@ -45,6 +43,10 @@ int fp_io_init(fp_io *io, fp_core *core)
     if (!io->block)
         return -1;
     lay_out(io, ((uintptr_t)io->block + 15) & ~(uintptr_t)15);
+    io->batch = (udp_batch){.msgs = io->send_msgs, .addrs = io->send_addrs,
+                            .control = io->control, .segments = io->msg_segments,
+                            .iov = io->send_iov, .max_messages = FP_SEND_QUEUE,
+                            .max_datagrams = FP_SEND_QUEUE};
     return 0;
 }
 
@@ -55,52 +57,12 @@ void fp_io_free(fp_io *io)
 }
 
 /* Results to one destination of the same size leave in one sendmsg as UDP GSO
- * segments (the kernel cuts them into datagrams): one pass through the stack for
- * up to GSO_MAX_SEGMENTS datagrams instead of one each. */
+ * segments (udp_batch.h): sorted by destination, stably, so that a worker's
+ * results stay in the order the pipeline made them. */
 static int sort_by_destination(const void *a, const void *b)
 {
-    const uint64_t *x = a, *y = b; /* (key, queue index): stable by destination */
+    const uint64_t *x = a, *y = b; /* (key, queue index) */
     return x[0] != y[0] ? (x[0] < y[0] ? -1 : 1) : (x[1] < y[1] ? -1 : x[1] > y[1]);
-}
-
-/* Build sendmmsg messages from the sorted items [from, n): consecutive datagrams
- * to one destination, all of one size but the last (which may be smaller), form
- * one message when GSO is on.  Returns the number of messages. */
-static uint32_t build_messages(fp_io *io, uint32_t from, uint32_t n)
-{
-    uint32_t m = 0, i = from;
-    while (i < n) {
-        fp_out *first = &io->send_queue[io->order[i][1]];
-        uint64_t key = io->order[i][0];
-        uint32_t segs = 0, bytes = 0, seg_len = first->len;
-        struct sockaddr_in *sa = &io->send_addrs[m];
-        struct msghdr *h = &io->send_msgs[m].msg_hdr;
-        memset(h, 0, sizeof *h);
-        sa->sin_family = AF_INET;
-        sa->sin_addr.s_addr = htonl((uint32_t)(key >> 16));
-        sa->sin_port = htons((uint16_t)key);
-        h->msg_name = sa;
-        h->msg_namelen = sizeof *sa;
-        h->msg_iov = &io->send_iov[i];
-        io->msg_first[m] = i;
-        do {
-            fp_out *o = &io->send_queue[io->order[i][1]];
-            io->send_iov[i].iov_base = (void *)o->data;
-            io->send_iov[i].iov_len = o->len;
-            segs++;
-            bytes += o->len;
-            i++;
-            if (o->len < seg_len)
-                break; /* a shorter segment ends a GSO message */
-        } while (io->gso && i < n && io->order[i][0] == key &&
-                 gso_run_takes(segs, bytes, seg_len, io->send_queue[io->order[i][1]].len));
-        h->msg_iovlen = segs;
-        io->msg_segments[m] = segs;
-        if (segs > 1)
-            gso_mark(h, io->control[m], (uint16_t)seg_len);
-        m++;
-    }
-    return m;
 }
 
 /* Read away what IP_RECVERR queued (ICMP errors from workers gone, a datagram
@@ -122,33 +84,56 @@ static void drain_error_queue(int fd)
     }
 }
 
-/* Datagrams larger than the path MTU, which the socket's IP_PMTUDISC_DO refuses:
- * the results of a job whose workers did not ask for frame-sized packets.  They
- * go out fragmented, one by one, counted (send_fragmented), so that such a job
- * still works; with frame-sized packets this never runs. */
-static void send_fragmented(fp_io *io, struct msghdr *h)
+/* A send this host's queue toward the network refused (ENOBUFS: a switch server
+ * sending faster than its link, as IP_RECVERR says) waits for the queue to drain,
+ * as a switch's port buffer holds what its port cannot send yet, instead of losing
+ * the results; EAGAIN (the socket's own buffer) is a loss, as with sendto. */
+static int wait_for_queue(void *ctx, int fd, int error, int tries)
 {
+    fp_io *io = ctx;
+    (void)fd;
+    if (error != ENOBUFS || (long)(tries - 1) * FP_SEND_PAUSE_NS >= FP_SEND_PATIENCE_NS)
+        return 0;
+    struct timespec pause = {0, FP_SEND_PAUSE_NS};
+    nanosleep(&pause, NULL);
+    fp_count(&io->core->counters, C_SEND_WAITS, 1);
+    return 1;
+}
+
+/* A datagram larger than the path MTU, which the socket's IP_PMTUDISC_DO refuses:
+ * a result of a job whose workers did not ask for frame-sized packets.  It goes
+ * out fragmented, counted (send_fragmented), so that such a job still works; with
+ * frame-sized packets this never runs. */
+static int send_fragmented(void *ctx, int fd, const struct msghdr *one)
+{
+    fp_io *io = ctx;
     int dont = IP_PMTUDISC_DONT, do_ = IP_PMTUDISC_DO;
-    size_t i;
-    setsockopt(io->fd, IPPROTO_IP, IP_MTU_DISCOVER, &dont, sizeof dont);
-    for (i = 0; i < h->msg_iovlen; i++) {
-        ssize_t n;
-        do
-            n = sendto(io->fd, h->msg_iov[i].iov_base, h->msg_iov[i].iov_len, MSG_DONTWAIT,
-                       h->msg_name, h->msg_namelen);
-        while (n < 0 && errno == EINTR);
-        fp_count(&io->core->counters, n < 0 ? C_SEND_ERRORS : C_SEND_FRAGMENTED, 1);
-        io->sent += n >= 0;
-    }
-    setsockopt(io->fd, IPPROTO_IP, IP_MTU_DISCOVER, &do_, sizeof do_);
-    drain_error_queue(io->fd); /* the refusal that brought us here queued one */
+    ssize_t n;
+    setsockopt(fd, IPPROTO_IP, IP_MTU_DISCOVER, &dont, sizeof dont);
+    do
+        n = sendto(fd, one->msg_iov[0].iov_base, one->msg_iov[0].iov_len, MSG_DONTWAIT,
+                   one->msg_name, one->msg_namelen);
+    while (n < 0 && errno == EINTR);
+    fp_count(&io->core->counters, n < 0 ? C_SEND_ERRORS : C_SEND_FRAGMENTED, 1);
+    setsockopt(fd, IPPROTO_IP, IP_MTU_DISCOVER, &do_, sizeof do_);
+    drain_error_queue(fd); /* the refusal that brought us here queued one */
+    return n >= 0;
+}
+
+static void count_lost(void *ctx, uint32_t datagrams, int error)
+{
+    fp_io *io = ctx;
+    (void)error;
+    fp_count(&io->core->counters, C_SEND_ERRORS, datagrams);
 }
 
 /* Send every queued result, then let the rows change again. */
 static void flush_queue(fp_core *core, void *ctx)
 {
     fp_io *io = ctx;
-    uint32_t i, n = 0, from = 0;
+    const udp_policy policy = {wait_for_queue, send_fragmented, count_lost, io};
+    uint32_t i, n = 0;
+    uint64_t bytes = 0;
     for (i = 0; i < io->queued; i++) {
         fp_out *o = &io->send_queue[i];
         uint64_t key = core->jobs[o->job].members[o->rank];
@@ -162,51 +147,19 @@ static void flush_queue(fp_core *core, void *ctx)
     }
     if (io->gso)
         qsort(io->order, n, sizeof io->order[0], sort_by_destination);
-    while (from < n) {
-        uint32_t count = build_messages(io, from, n), done = 0;
-        long waited = 0; /* ns, for the message at `done` */
-        from = n;
-        while (done < count) {
-            int sent = sendmmsg(io->fd, io->send_msgs + done, count - done, MSG_DONTWAIT);
-            if (sent >= 0) {
-                for (i = done; i < done + (uint32_t)sent; i++)
-                    io->sent += io->msg_segments[i];
-                done += (uint32_t)sent;
-                waited = 0;
-                continue;
-            }
-            if (errno == EINTR)
-                continue;
-            if (errno == ENOBUFS && waited < FP_SEND_PATIENCE_NS) {
-                /* This host's queue toward the network dropped it (a switch server
-                 * sending faster than its link: IP_RECVERR says so): wait for the
-                 * queue to drain, as a switch's port buffer holds what its port
-                 * cannot send yet, instead of losing the results. */
-                struct timespec pause = {0, FP_SEND_PAUSE_NS};
-                nanosleep(&pause, NULL);
-                waited += FP_SEND_PAUSE_NS;
-                fp_count(&core->counters, C_SEND_WAITS, 1);
-                continue;
-            }
-            if (io->msg_segments[done] > 1 &&
-                (errno == EIO || errno == ENOPROTOOPT || errno == EOPNOTSUPP)) {
-                io->gso = 0; /* no GSO here: the rest one datagram each */
-                io->gso_refused = 1;
-                from = io->msg_first[done];
-                break;
-            }
-            if (errno == EMSGSIZE || (errno == EINVAL && io->msg_segments[done] > 1)) {
-                /* larger than the path MTU (GSO says EINVAL): a job whose packets
-                 * are not frame-sized */
-                send_fragmented(io, &io->send_msgs[done].msg_hdr);
-                done++;
-                continue;
-            }
-            /* lost (a full socket buffer, say), as with sendto */
-            fp_count(&core->counters, C_SEND_ERRORS, io->msg_segments[done]);
-            done++;
-        }
+    udp_batch_start(&io->batch, io->gso);
+    for (i = 0; i < n; i++) {
+        fp_out *o = &io->send_queue[io->order[i][1]];
+        uint64_t key = io->order[i][0];
+        struct sockaddr_in to = {.sin_family = AF_INET,
+                                 .sin_port = htons((uint16_t)key),
+                                 .sin_addr.s_addr = htonl((uint32_t)(key >> 16))};
+        udp_batch_add(&io->batch, &to, o->data, o->len); /* room for a whole queue */
     }
+    io->sent += udp_batch_send(&io->batch, io->fd, MSG_DONTWAIT, &policy, &io->gso_refused,
+                               &bytes);
+    if (io->gso_refused)
+        io->gso = 0; /* no GSO here: the rest one datagram each */
     io->queued = 0;
     core->epoch++; /* no row holds a datagram waiting to be sent */
 }

@@ -5,6 +5,7 @@
 #include <sys/socket.h>
 #include <netinet/in.h>
 
+#include "../udp_batch.h"
 #include "fastpath.h"
 
 /* Datagrams taken from the socket per recvmmsg call. */
@@ -17,7 +18,6 @@
 #define FP_MAX_RECV_ERRORS 16
 /* Address keys with this bit are not IPv4 addresses (FastPipeline gives them). */
 #define FP_KEY_NOT_IPV4 ((uint64_t)1 << 48)
-#define FP_CONTROL_SIZE 32 /* >= CMSG_SPACE(sizeof(uint16_t)) */
 /* A send this host's own queue refused (ENOBUFS: a switch server's link is full)
  * is tried again after FP_SEND_PAUSE_NS, for at most FP_SEND_PATIENCE_NS a message,
  * then counted as lost (send_errors). */
@@ -33,13 +33,13 @@ typedef struct {
     struct iovec *recv_iov;
     struct sockaddr_in *recv_addrs;
     fp_out *send_queue;
+    uint64_t (*order)[2]; /* (destination key, queue index) */
+    udp_batch batch;      /* the sender, over the storage below */
     struct mmsghdr *send_msgs;
-    struct iovec *send_iov;
     struct sockaddr_in *send_addrs;
-    uint64_t (*order)[2];   /* (destination key, queue index) */
-    uint32_t *msg_first;    /* per message: its first item in order */
-    uint32_t *msg_segments; /* per message: datagrams in it */
-    uint8_t (*control)[FP_CONTROL_SIZE];
+    udp_control *control;
+    uint32_t *msg_segments;
+    struct iovec *send_iov;
     uint32_t queued;
     int fd;
     int gso;         /* this drain call may send GSO messages */

@@ -3,8 +3,9 @@
  * binding calls it with the GIL released. */
 
 /* UDP GSO: a run of equal-sized datagrams to the switch leaves in one send, cut
- * into those datagrams by the kernel, as the switch sends results (udp_gso.h). */
-#include "../udp_gso.h"
+ * into those datagrams by the kernel, by the sender the switch uses for its
+ * results (udp_batch.h). */
+#include "../udp_batch.h"
 
 /* The kernel refused a GSO send once (an old kernel, a device without it): the
  * worker's process sends one datagram a message from then on. */
@@ -22,69 +23,46 @@ static double monotonic_now(void) { /* time.monotonic()'s clock */
 
 enum { IO_DONE = 0, IO_STALLED = 1, IO_CONTROL = 2, IO_SLICE = 3 };
 
-/* Send the outbox with sendmmsg; a full socket buffer waits a little, then what
- * is left counts as lost (the retransmission timer recovers it).  Consecutive
- * datagrams of one size (the last of a run may be shorter) go as one message
- * of UDP GSO segments: the same datagrams in the same order, one trip through
- * the kernel's UDP stack instead of one each. */
+/* A full socket buffer waits a little (1 ms, ten times a flush at most), then
+ * what is left counts as lost: the retransmission timer recovers it. */
+static int wait_for_socket(void *ctx, int fd, int error, int tries) {
+    int *waits = ctx;
+    (void)error, (void)tries;
+    if ((*waits)++ >= 10)
+        return 0;
+    struct pollfd p = {fd, POLLOUT, 0};
+    poll(&p, 1, 1);
+    return 1;
+}
+
+static void lost_to_timers(void *ctx, uint32_t datagrams, int error) {
+    (void)ctx, (void)datagrams, (void)error; /* the retransmission timer resends them */
+}
+
+/* Send the outbox in batches of udp_batch.h: runs of one size as UDP GSO
+ * messages, the same datagrams in the same order. */
 static void flush_outbox(StreamCore *c, int fd, struct sockaddr_in *dst) {
     struct mmsghdr msgs[64];
+    struct sockaddr_in addrs[64];
+    udp_control control[64];
+    uint32_t segments[64];
     struct iovec iov[1024];
-    union {
-        char buf[GSO_CONTROL_SIZE];
-        struct cmsghdr align;
-    } control[64];
-    int segments[64];
-    ptrdiff_t done = 0;
     int waits = 0;
-    while (done < c->outbox_len) {
-        int n = 0, v = 0;
-        ptrdiff_t next = done;
-        for (; n < 64 && next < c->outbox_len && v + GSO_MAX_SEGMENTS <= 1024; n++) {
-            uint32_t size = c->outbox[next].len, bytes = 0;
-            struct iovec *first = &iov[v];
-            int segs = 0;
-            do { /* a run: every segment `size` bytes, the last one possibly less */
-                uint32_t len = c->outbox[next].len;
-                iov[v].iov_base = outbox_bytes(c, next);
-                iov[v].iov_len = len;
-                v++, segs++, next++, bytes += len;
-                if (len < size)
-                    break;
-            } while (gso_wanted && !gso_refused && next < c->outbox_len &&
-                     gso_run_takes(segs, bytes, size, c->outbox[next].len));
-            memset(&msgs[n].msg_hdr, 0, sizeof(struct msghdr));
-            msgs[n].msg_hdr.msg_name = dst;
-            msgs[n].msg_hdr.msg_namelen = sizeof(*dst);
-            msgs[n].msg_hdr.msg_iov = first;
-            msgs[n].msg_hdr.msg_iovlen = (size_t)segs;
-            segments[n] = segs;
-            if (segs > 1)
-                gso_mark(&msgs[n].msg_hdr, control[n].buf, (uint16_t)size);
-        }
-        int sent = sendmmsg(fd, msgs, (unsigned int)n, 0);
-        if (sent < 0) {
-            if ((errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS) && waits++ < 10) {
-                struct pollfd p = {fd, POLLOUT, 0};
-                poll(&p, 1, 1);
-                continue;
-            }
-            if (errno == EINTR)
-                continue;
-            if (errno == ECONNREFUSED) /* an ICMP error queued: the next send goes */
-                continue;
-            if (segments[0] > 1 && (errno == EIO || errno == EINVAL || errno == ENOPROTOOPT ||
-                                    errno == EOPNOTSUPP)) {
-                gso_refused = 1; /* send them one a message */
-                continue;
-            }
-            break; /* the rest is lost; timers resend it */
-        }
-        for (int i = 0; i < sent; i++) {
-            c->counters[COUNTER_BYTES_SENT] += msgs[i].msg_len;
-            done += segments[i];
+    const udp_policy policy = {wait_for_socket, NULL, lost_to_timers, &waits};
+    udp_batch batch = {.msgs = msgs, .addrs = addrs, .control = control,
+                       .segments = segments, .iov = iov, .max_messages = 64,
+                       .max_datagrams = 1024};
+    uint64_t bytes = 0;
+    udp_batch_start(&batch, gso_wanted && !gso_refused);
+    for (ptrdiff_t i = 0; i < c->outbox_len; i++) {
+        if (!udp_batch_add(&batch, dst, outbox_bytes(c, i), c->outbox[i].len)) {
+            udp_batch_send(&batch, fd, 0, &policy, &gso_refused, &bytes);
+            udp_batch_start(&batch, gso_wanted && !gso_refused);
+            udp_batch_add(&batch, dst, outbox_bytes(c, i), c->outbox[i].len);
         }
     }
+    udp_batch_send(&batch, fd, 0, &policy, &gso_refused, &bytes);
+    c->counters[COUNTER_BYTES_SENT] += bytes;
     c->outbox_len = 0;
 }
 
