@@ -1,7 +1,7 @@
 """How long a call works before its first datagrams can go out: time the links
 wait for at the start of every call.
 
-In one process, no sockets: the simulator's sessions of a ``--workers`` job
+In one process, no sockets: the simulator's memberships of a ``--workers`` job
 (frame-sized packets of ``--packet-elements`` values, ``--block-elements`` a
 block, ``--slots`` slots), rank 0 starts a ``--mib`` MiB float32 call, dense
 and sparse at ``--density`` (the bench's tensors), on the C engine, and the time
@@ -44,7 +44,7 @@ def first_send_s(args, values, sparse: bool) -> list:
         sim = Simulation(args.workers, slots=args.slots, packet_elements=args.packet_elements,
                          block_elements=args.block_elements)
         start = time.perf_counter()
-        op = sim.sessions[0].allreduce(values, out, 0.0, sparse=sparse, compiled=True)
+        op = sim.memberships[0].allreduce(values, out, 0.0, sparse=sparse, compiled=True)
         sent = op.datagrams_to_send()
         times.append(time.perf_counter() - start)
         assert sent, "the call sent nothing"

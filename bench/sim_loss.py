@@ -46,7 +46,7 @@ def calls(loss: float, seed: int, n_calls: int, mib: float, compiled: bool, late
         times.append(sim.now - start)
         outputs.append([o.tobytes() for o in outs])
     counters: dict = {}
-    for s in sim.sessions:
+    for s in sim.memberships:
         for name, value in s.counters.items():
             counters[name] = counters.get(name, 0) + value
     return times, outputs, counters

@@ -74,7 +74,7 @@ def _worker_main(engine, address, rank, world, elements, dtype, density, warmup,
             system.append(c1.ru_stime - c0.ru_stime)
         report_q.put({"rank": rank, "times": times, "cpu": cpu, "system": system,
                       "counters": w.counters,
-                      "compiled": compiled.enabled(), "cwnd": w.session.window.cwnd})
+                      "compiled": compiled.enabled(), "cwnd": w.membership.window.cwnd})
 
 
 def run_engine(ctx, engine, address, args, elements):
@@ -117,16 +117,17 @@ def engine_only(engine, elements, dtype, packet_elements, slots, repeats, densit
     Sparse too: one worker's least next position is its own.
     """
     from switchml import wire
-    from switchml.worker.engine import Session
+    from switchml.worker.engine import Membership
     data = make_input(0, elements, dtype, density)
     out = np.empty_like(data)
-    session = Session(session=1, rank=0, world_size=1, slot_base=0, slot_count=slots,
-                      packet_elements=packet_elements, block_elements=block_of(packet_elements))
+    membership = Membership(session=1, rank=0, world_size=1, slot_base=0, slot_count=slots,
+                            packet_elements=packet_elements,
+                            block_elements=block_of(packet_elements))
     cpu = []
     for _ in range(repeats):
         c0 = time.process_time()
-        op = session.allreduce(data, out, 0.0, sparse=density is not None,
-                               compiled=engine == "c")
+        op = membership.allreduce(data, out, 0.0, sparse=density is not None,
+                                  compiled=engine == "c")
         pending = op.datagrams_to_send()
         while pending:
             for d in pending:

@@ -53,7 +53,7 @@ def _rank_main(address, rank, world, cases, repeats, seed, results, timeout):
         # machine the local stage would otherwise sum them in shared memory)
         with Worker(address, rank, world, job="demo", timeout=timeout,
                     local_stage=False) as worker:
-            block = worker.session.block_elements
+            block = worker.membership.block_elements
             for size, dtype, sparse in cases:
                 data = make_input(rank, size, dtype, seed, sparse, block)
                 times = []
@@ -71,7 +71,7 @@ def _rank_main(address, rank, world, cases, repeats, seed, results, timeout):
                         ok &= bool(np.array_equal(out, exact))
                     elif size:
                         err = np.abs(out.astype(np.float64) - exact)
-                        bound = error_bound(inputs, worker.session.packet_elements)
+                        bound = error_bound(inputs, worker.membership.packet_elements)
                         ok &= bool(np.all(err <= bound))
                         worst = float(err.max())
                 results.put((rank, (size, dtype, sparse),

@@ -18,7 +18,7 @@ import numpy as np
 
 from .switch.pipeline import Pipeline
 from .worker import nonfinite
-from .worker.engine import Session
+from .worker.engine import Membership
 from .worker.multi import part_bounds
 
 SWITCH = ("switch", 0)
@@ -96,13 +96,13 @@ class Network:
 
 class CallDriver:
     """Whole allreduces of one job's workers on a virtual clock: what a job needs
-    from its simulation is ``network``, ``sessions``, ``addresses`` (each rank's
+    from its simulation is ``network``, ``memberships``, ``addresses`` (each rank's
     data address), ``compiled``, ``_send`` and ``step``."""
 
     network: Network
     #: Where this job's workers send: its switch's address on the network.
     switch_address: tuple = SWITCH
-    sessions: list
+    memberships: list
     addresses: list
     compiled: bool
     ops: list
@@ -130,7 +130,7 @@ class CallDriver:
         if wire_bits != 32:
             extra["wire_bits"] = wire_bits
         self.ops = [s.allreduce(a, o, self.now, sparse, **extra)
-                    for s, a, o in zip(self.sessions, arrays, outs)]
+                    for s, a, o in zip(self.memberships, arrays, outs)]
         for addr, op in zip(self.addresses, self.ops):
             for d in op.datagrams_to_send():
                 self._send(d, addr, self.switch_address)
@@ -208,12 +208,12 @@ class Simulation(CallDriver):
         base = self.pipeline.allocate(slots) if slot_base is None else slot_base
         self.job = self.pipeline.install_job(f"sim-{session}", session, addrs, base, slots,
                                              packet_elements, block_elements)
-        self.sessions = [Session(session=session, rank=r, world_size=world_size,
-                                 slot_base=base, slot_count=slots,
-                                 packet_elements=self.job.packet_elements,
-                                 block_elements=self.job.block_elements,
-                                 progress_timeout=progress_timeout)
-                         for r in range(world_size)]
+        self.memberships = [Membership(session=session, rank=r, world_size=world_size,
+                                       slot_base=base, slot_count=slots,
+                                       packet_elements=self.job.packet_elements,
+                                       block_elements=self.job.block_elements,
+                                       progress_timeout=progress_timeout)
+                            for r in range(world_size)]
         self.ops: list = []
         self.call_ops: list = []
         self.compiled = compiled  # calls on the C engine (worker/compiled.py)
@@ -317,7 +317,7 @@ class StripedSimulation:
     sockets: each call cut at chunk boundaries into K parts (``part_bounds``), part
     k summed on switch k, all parts at once; then each part's follow-up exchange
     of chunks with an inf or a NaN, on its switch.  ``parts[k]`` is the
-    ``Simulation`` of switch k (its pipeline, its workers' sessions)."""
+    ``Simulation`` of switch k (its pipeline, its workers' memberships)."""
 
     def __init__(self, world_size: int, switches: int, *, slots: int = 8,
                  packet_elements: int = 64, block_elements: int | None = None,

@@ -23,7 +23,7 @@ import numpy as np
 from .sim import SWITCH, CallDriver, Faults, Network, StalledSimulation, next_event
 from .switch.pipeline import Pipeline
 from .switch.rack import RackPipeline, Uplink
-from .worker.engine import Session
+from .worker.engine import Membership
 
 __all__ = ["Fabric", "RackedJob", "RackFailure", "run_together", "SPINE"]
 
@@ -134,13 +134,13 @@ class RackedJob(CallDriver):
         self._rack_address = {addr: fabric.rack_addresses[r]
                               for addr, r in zip(self.addresses, placement)}
         # Workers quantise with the global world size: the spine's sum must fit.
-        self.sessions = [Session(session=session, rank=g, world_size=world,
-                                 slot_base=self.rack_jobs[placement[g]].slot_base,
-                                 slot_count=slots,
-                                 packet_elements=self.spine_job.packet_elements,
-                                 block_elements=self.spine_job.block_elements,
-                                 progress_timeout=progress_timeout)
-                         for g in range(world)]
+        self.memberships = [Membership(session=session, rank=g, world_size=world,
+                                       slot_base=self.rack_jobs[placement[g]].slot_base,
+                                       slot_count=slots,
+                                       packet_elements=self.spine_job.packet_elements,
+                                       block_elements=self.spine_job.block_elements,
+                                       progress_timeout=progress_timeout)
+                            for g in range(world)]
         self.ops: list = []
         self.call_ops: list = []
         self.compiled = compiled

@@ -33,7 +33,7 @@ def test_switch_command_serves_and_reports_stats():
         assert metrics_url.startswith("http://127.0.0.1:") and metrics_url.endswith("/metrics")
         with switchml.Worker(address, 0, 1, job="cli-test") as w:
             assert np.array_equal(w.allreduce(np.arange(2000, dtype=np.int32)), np.arange(2000))
-            session = f"{w.session.session:08x}"
+            session = f"{w.membership.session:08x}"
         junk = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         for _ in range(3):
             junk.sendto(b"junk", config.parse_address(address))

@@ -100,7 +100,7 @@ def test_two_jobs_stay_exact_while_garbage_is_sprayed_at_the_switch():
             def body(rank):
                 with switchml.Worker(sw.address, rank, world, job=job, timeout=20) as w:
                     members.setdefault(job, []).append(w)
-                    ready[job].append(w.session)
+                    ready[job].append(w.membership)
                     sums = [[w.allreduce(x) for x in inputs(job, rank, it)]
                             for it in range(iterations)]
                     forged_sent.wait(60)

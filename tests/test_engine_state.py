@@ -1,4 +1,4 @@
-"""The Session's RTT estimator and window cross into the C engine and back by
+"""The Membership's RTT estimator and window cross into the C engine and back by
 their field names (recovery.py's ``STATE``), not as positional tuples."""
 
 import math
@@ -14,9 +14,9 @@ pytestmark = pytest.mark.skipif(compiled._fastengine is None, reason="the C engi
 
 
 def one_call(rtt=None, window=None):
-    """A one-rank compiled call's core, from a session whose state is replaced."""
+    """A one-rank compiled call's core, from a membership whose state is replaced."""
     sim = Simulation(1, slots=4, packet_elements=8, compiled=True)
-    s = sim.sessions[0]
+    s = sim.memberships[0]
     if rtt is not None:
         s.rtt.state = lambda: rtt  # type: ignore[method-assign]
     if window is not None:

@@ -2,7 +2,7 @@
 
 Fed the same inputs, both must send the same datagrams (bytes, in order), give
 the same results bit for bit, and leave the same counters, message numbers, RTT
-estimate and window in the Session.  Through the simulator with seeded loss,
+estimate and window in the Membership.  Through the simulator with seeded loss,
 duplication, reordering, a bottleneck queue, and hostile or stale datagrams.
 """
 
@@ -172,7 +172,7 @@ def tap(sim: Simulation, seed: int, hostile_rate: float, forge=None) -> list:
 
 def run_calls(compiled_engine, calls, world, slots, k, faults, seed, bottleneck, hostile_rate,
               wire_bits=32):
-    """Every datagram sent, every result, and the Sessions' state after ``calls``."""
+    """Every datagram sent, every result, and the Memberships' state after ``calls``."""
     sim = Simulation(world, slots=slots, packet_elements=k, faults=faults, seed=seed,
                      bottleneck=bottleneck, compiled=compiled_engine)
     sent = tap(sim, seed, hostile_rate)
@@ -184,7 +184,7 @@ def run_calls(compiled_engine, calls, world, slots, k, faults, seed, bottleneck,
               s.rtt.min_rtt, s.rtt.rto(), s.window.cwnd, s.window.ssthresh,
               s.window._last_decrease, s.window._undo, s.window._epoch_start,
               s.window._epoch_min, s.window._queue_at, s.window._clear_at, s.reordering)
-             for s in sim.sessions]
+             for s in sim.memberships]
     return sent, results, state
 
 
@@ -248,8 +248,8 @@ def test_c_engine_results_are_the_reference_sum_under_faults(dtype):
     expected = reference_sum(arrays, k)
     for out in outs:
         assert out.tobytes() == expected.tobytes()
-    assert sim.sessions[0].counters["retransmissions"] > 0
-    assert sim.sessions[0].counters["fast_retransmissions"] > 0
+    assert sim.memberships[0].counters["retransmissions"] > 0
+    assert sim.memberships[0].counters["fast_retransmissions"] > 0
 
 
 def test_pure_python_switch(monkeypatch):
@@ -261,7 +261,7 @@ def test_pure_python_switch(monkeypatch):
 
 def test_c_engine_refuses_what_python_refuses():
     sim = Simulation(1, slots=2, packet_elements=4, compiled=True)
-    s = sim.sessions[0]
+    s = sim.memberships[0]
     with pytest.raises(TypeError):
         s.allreduce(np.zeros(3, np.float64), np.zeros(3, np.float64), 0.0, compiled=True)
     a = np.zeros(8, np.float32)
@@ -321,7 +321,7 @@ def test_run_io_lets_other_threads_run():
 
     sim = Simulation(2, slots=4, packet_elements=16)
     data = np.arange(100, dtype=np.int32)
-    op = sim.sessions[0].allreduce(data, np.empty_like(data), time.monotonic(), compiled=True)
+    op = sim.memberships[0].allreduce(data, np.empty_like(data), time.monotonic(), compiled=True)
     sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # receives, never answers
     sink.bind(("127.0.0.1", 0))
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -348,7 +348,7 @@ def test_run_io_lets_other_threads_run():
         # (a loop that holds the GIL lets it run at start + 0.5 s at the earliest).
         assert any(start < t < start + 0.4 for t in ticks)
         assert sink.recv(65536)  # and the messages did go out
-        assert sim.sessions[0].counters["bytes_sent"] > 0
+        assert sim.memberships[0].counters["bytes_sent"] > 0
     finally:
         stop.set()
         sink.close()
@@ -370,7 +370,7 @@ start = ctypes.addressof(ctypes.c_char.from_buffer(memory))
 if libc.mprotect(ctypes.c_void_p(start + readable), size - readable, 0) != 0:  # PROT_NONE
     sys.exit("mprotect failed")
 sim = Simulation(2, slots=4, packet_elements=256, block_elements=32)
-op = sim.sessions[0].allreduce(array, np.empty_like(array), 0.0, compiled=True)
+op = sim.memberships[0].allreduce(array, np.empty_like(array), 0.0, compiled=True)
 assert op.datagrams_to_send()
 """
 

@@ -2,7 +2,7 @@
 datagrams in must give the same datagrams out (bytes, destinations, order) and the
 same counters, bit for bit.
 
-Traffic comes from real worker engines (``Session``, dense and sparse, int32 and
+Traffic comes from real worker engines (``Membership``, dense and sparse, int32 and
 float32) in the simulator with loss, duplication and reordering, through a
 ``Lockstep`` pipeline that hands every datagram to both and compares; hostile
 datagrams derived from that traffic (truncated, bit-flipped, wrong fields, other
@@ -176,7 +176,7 @@ def run_jobs(lock: Lockstep, seed: int, faults: Faults, calls, check_sums=True):
             addresses=job["addresses"])
     for name, dtype, size, sparse, density in calls:
         sim = sims[name]
-        world = len(sim.sessions)
+        world = len(sim.memberships)
         arrays = []
         for _ in range(world):
             if dtype == "int32":

@@ -2,7 +2,7 @@
 
 Fed the same inputs, both must send the same datagrams (bytes, in order), give
 the same results bit for bit, and leave the same counters, message numbers, RTT
-estimate and window in the Session.  Through the simulator with seeded loss,
+estimate and window in the Membership.  Through the simulator with seeded loss,
 duplication, reordering, a bottleneck queue, and hostile or stale datagrams
 (forged exponents and positions among them, which sparse.py takes unchecked).
 """
@@ -94,12 +94,12 @@ def forger(seed: int, bits: int, specials=None, exp_rate=0.3, nxt_rate=0.1):
 
 def run_sparse(compiled_engine, calls, world, slots, k, block, faults, seed, bottleneck,
                hostile_rate, in_place=False, forge=None):
-    """Every datagram sent, every result, and the Sessions' state after ``calls``
+    """Every datagram sent, every result, and the Memberships' state after ``calls``
     (each ``(arrays, sparse)``); ``forge``: rewrites every result the switch sends."""
     sim = Simulation(world, slots=slots, packet_elements=k, block_elements=block, faults=faults,
                      seed=seed, bottleneck=bottleneck, compiled=compiled_engine)
     if in_place:
-        for s in sim.sessions:
+        for s in sim.memberships:
             def allreduce(array, out, now, sparse=False, _orig=s.allreduce, **kw):
                 return _orig(array, array, now, sparse, **kw)
             s.allreduce = allreduce
@@ -125,7 +125,7 @@ def run_sparse(compiled_engine, calls, world, slots, k, block, faults, seed, bot
               s.rtt.min_rtt, s.rtt.rto(), s.window.cwnd, s.window.ssthresh,
               s.window._last_decrease, s.window._undo, s.window._epoch_start,
               s.window._epoch_min, s.window._queue_at, s.window._clear_at, s.reordering)
-             for s in sim.sessions]
+             for s in sim.memberships]
     return sent, results, state, kinds
 
 
@@ -139,7 +139,7 @@ def scenarios(draw):
     for _ in range(draw(st.integers(1, 3))):
         # up to 3 packets, or to 40 (a short last block where block does not divide it)
         size = draw(st.one_of(st.integers(0, 3 * k), st.integers(0, 40 * k)))
-        # mostly sparse; a dense call between sparse ones shares the Session's state
+        # mostly sparse; a dense call between sparse ones shares the Membership's state
         sparse = draw(st.sampled_from([True, True, True, False]))
         calls.append((sparse_arrays(draw, world, size, block, dtype), sparse))
     faults = draw(st.sampled_from([
@@ -285,16 +285,16 @@ def test_c_sparse_results_are_the_dense_sums_under_faults(dtype):
     expected = reference_sum(arrays, k)
     for out in outs:
         assert out.tobytes() == expected.tobytes()
-    counters = sim.sessions[0].counters
+    counters = sim.memberships[0].counters
     assert counters["sparse_blocks_sent"] == int(np.count_nonzero(
         [np.any(arrays[0][i * block:(i + 1) * block]) for i in range(-(-size // block))]))
     assert 0 < counters["sparse_blocks_received"] < -(-size // block)
     assert counters["retransmissions"] > 0
 
 
-def test_sessions_whose_packet_is_not_whole_blocks_stay_on_python():
+def test_memberships_whose_packet_is_not_whole_blocks_stay_on_python():
     sim = Simulation(2, slots=2, packet_elements=8, block_elements=8, compiled=True)
-    s = sim.sessions[0]
+    s = sim.memberships[0]
     assert compiled.supports_sparse(s)
     s.packet_elements = 10  # not lanes * block_elements: sparse.py's chunks are not C's
     assert not compiled.supports_sparse(s)
@@ -305,7 +305,7 @@ def test_sessions_whose_packet_is_not_whole_blocks_stay_on_python():
 
 def test_c_sparse_engine_refuses_what_python_refuses():
     sim = Simulation(1, slots=2, packet_elements=8, block_elements=4, compiled=True)
-    s = sim.sessions[0]
+    s = sim.memberships[0]
     with pytest.raises(TypeError):
         s.allreduce(np.zeros(3, np.float64), np.zeros(3, np.float64), 0.0, sparse=True,
                     compiled=True)

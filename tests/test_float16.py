@@ -41,7 +41,7 @@ def test_float16_sums_are_bit_identical_and_within_the_bound(workers, data):
         assert out.dtype == np.float16 and out.shape == first.shape
         assert out.tobytes() == outs[0].tobytes()  # bit-identical on every rank
     exact = np.sum([a.astype(np.float64) for a in inputs], axis=0)
-    chunk = ws[0].session.packet_elements
+    chunk = ws[0].membership.packet_elements
     bound = quant.error_bound_float16(inputs, chunk)
     assert np.all(np.abs(outs[0].astype(np.float64) - exact) <= bound)
 

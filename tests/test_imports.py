@@ -86,7 +86,7 @@ def test_the_checker_sees_a_circle_and_function_level_imports():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     graph = import_graph()
-    # engine.Session starts every kind of call; none of them imports engine back
+    # engine.Membership starts every kind of call; none of them imports engine back
     assert {"switchml.worker.sparse", "switchml.worker.compiled",
             "switchml.worker.stream"} <= graph["switchml.worker.engine"]
     assert "switchml.worker.engine" not in graph["switchml.worker.sparse"]

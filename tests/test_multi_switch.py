@@ -281,7 +281,7 @@ def test_the_parts_share_one_jobs_window(switches, parts):
         with switchml.Worker(addresses, rank, 2, job=f"window-{parts}", timeout=7) as w:
             w.allreduce(np.ones(20 * PACKET, np.float32))
             channels = w.channels if isinstance(w, MultiSwitchWorker) else [w]
-            return [(c.session.window.limit, c.session.window.cwnd) for c in channels]
+            return [(c.membership.window.limit, c.membership.window.cwnd) for c in channels]
 
     for windows in run_ranks(2, body):
         share = -(-SLOTS_PER_JOB // parts)
@@ -298,8 +298,8 @@ def test_workers_read_as_one_worker(switches):
             w.allreduce(np.ones(4 * PACKET, np.float32))
             per_switch = [c.counters for c in w.channels]
             return (w.rank, w.world_size, w.timeout, w.job, w.switch_address,
-                    w.switch_addresses, w.session.packet_elements, w.session.block_elements,
-                    w.session.lanes, w.counters, per_switch)
+                    w.switch_addresses, w.membership.packet_elements, w.membership.block_elements,
+                    w.membership.lanes, w.counters, per_switch)
 
     for rank, out in enumerate(run_ranks(2, body)):
         (r, world, timeout, job, first, every, packet, block, lanes, counters, parts) = out

@@ -67,4 +67,4 @@ def test_ieee_where_specials_came_and_the_plain_sum_elsewhere(arrays, sparse, wi
         exact = np.sum([a.astype(np.float64) for a in finite], axis=0)
         assert np.all(np.abs(outs[0][~special] - exact[~special]) <= bound[~special])
     calls = 1 + 2 * bool(special.any())  # the follow-up runs only when needed
-    assert sim.sessions[0].next_seq == calls
+    assert sim.memberships[0].next_seq == calls

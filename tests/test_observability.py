@@ -51,7 +51,7 @@ def test_metrics_count_a_real_allreduce_and_injected_garbage():
 
         for out in run_ranks(2, body):
             assert np.array_equal(out, data[0] + data[1])
-        job = {"job": "obs", "session": f"{workers[0].session.session:08x}"}
+        job = {"job": "obs", "session": f"{workers[0].membership.session:08x}"}
         m = scrape(sw)
         chunks = 11
         assert value(m, "switchml_job_results_completed_total", **job) == chunks
@@ -76,7 +76,7 @@ def test_metrics_count_a_real_allreduce_and_injected_garbage():
             stranger.sendto(b"garbage %d" % i, sw.address)
         lanes = np.zeros(K // 256, wire.LANE)
         wrong = wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, 0,
-                            workers[0].session.session ^ 1, 0, 0, 0, lanes, np.ones(K, np.int32))
+                            workers[0].membership.session ^ 1, 0, 0, 0, lanes, np.ones(K, np.int32))
         for _ in range(5):
             workers[0]._udp.sendto(wrong, sw.address)
         for _ in range(4):

@@ -678,7 +678,7 @@ def test_simulation_runs_a_job_with_smaller_packets_than_the_pipeline():
     p = Pipeline(slots=8, packet_elements=64, block_elements=8)
     sim = Simulation(3, slots=4, pipeline=p, packet_elements=16, block_elements=4)
     assert (sim.job.packet_elements, sim.job.lanes) == (16, 4)
-    assert all(s.packet_elements == 16 for s in sim.sessions)
+    assert all(s.packet_elements == 16 for s in sim.memberships)
     rng = np.random.default_rng(0)
     arrays = [rng.integers(-100, 100, 200).astype(np.int32) for _ in range(3)]
     for a in arrays:

@@ -202,7 +202,7 @@ def test_two_levels_over_sockets_give_the_flat_sums():
         def body(rank):
             with switchml.Worker(racks[placement[rank]].address, rank, 4, job="two-level",
                                  timeout=20) as w:
-                return w.session.packet_elements, [w.allreduce(c[rank]) for c in calls]
+                return w.membership.packet_elements, [w.allreduce(c[rank]) for c in calls]
 
         results = run_ranks(4, body)
         packet = results[0][0]
@@ -277,7 +277,7 @@ def test_two_jobs_share_the_rack_switches_and_the_spine_over_sockets():
         def body(index):
             job, rank = ("first", "second")[index // 4], index % 4
             with switchml.Worker(racks[rank % 2].address, rank, 4, job=job, timeout=20) as w:
-                return job, w.session.packet_elements, [w.allreduce(inputs[job][rank])
+                return job, w.membership.packet_elements, [w.allreduce(inputs[job][rank])
                                                         for _ in range(3)]
 
         results = run_ranks(8, body)

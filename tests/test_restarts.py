@@ -83,7 +83,7 @@ def test_worker_killed_inside_an_allreduce_is_named_and_its_slots_are_reused(swi
     assert stats["free_slots"] == 64 and stats["ended_jobs"]["kill"]["state"] == "failed"
     # all the pool, the killed job's slots included, is there for the next job
     with switchml.Worker(switch.address, 0, 1, job="next", slots=64) as w:
-        assert w.session.slot_count == 64
+        assert w.membership.slot_count == 64
         assert np.array_equal(w.allreduce(inputs(0)), inputs(0))
 
 
@@ -211,7 +211,7 @@ def _restartable_rank(address, job, results, die):
     out = w.allreduce(inputs(1))
     if die:
         os.kill(os.getpid(), signal.SIGKILL)
-    results.put((w.session.session, out.tolist()[:5]))
+    results.put((w.membership.session, out.tolist()[:5]))
     w.close()
 
 
@@ -224,7 +224,7 @@ def test_a_worker_that_restarts_rejoins_and_the_job_re_forms(switch):
                         daemon=True)
     first.start()
     with switchml.Worker(switch.address, 0, 2, job="rj", timeout=TIMEOUT) as w:
-        old_session = w.session.session
+        old_session = w.membership.session
         w.allreduce(inputs(0))  # rank 1 dies right after this one
         with pytest.raises(switchml.SwitchMLTimeoutError) as info:
             w.allreduce(inputs(0))
@@ -236,7 +236,7 @@ def test_a_worker_that_restarts_rejoins_and_the_job_re_forms(switch):
     second.start()
     with switchml.Worker(switch.address, 0, 2, job="rj", timeout=10) as w:
         out = w.allreduce(inputs(0))
-        new_session = w.session.session
+        new_session = w.membership.session
     assert np.array_equal(out, inputs(0) * 3)
     session, head = results.get(timeout=10)
     second.join(10)

@@ -11,7 +11,7 @@ from switchml import quant, wire
 from switchml.quant import EXP_ZERO
 from switchml.sim import Faults, Simulation, StripedSimulation
 from switchml.switch.pipeline import Pipeline
-from switchml.worker.engine import Session
+from switchml.worker.engine import Membership
 from switchml.worker.recovery import RttEstimator
 
 K = 16      # packet_elements
@@ -106,8 +106,8 @@ def test_faults_really_happen():
     sim = Simulation(world, slots=SLOTS, packet_elements=K, faults=FAULTS[1], seed=3)
     outs = sim.allreduce(arrays, max_time=BIG_TIME)
     check_results(arrays, outs)
-    assert sum(s.counters["retransmissions"] for s in sim.sessions) > 0
-    assert sum(s.counters["dropped_stale"] for s in sim.sessions) > 0
+    assert sum(s.counters["retransmissions"] for s in sim.memberships) > 0
+    assert sum(s.counters["dropped_stale"] for s in sim.memberships) > 0
     assert sim.job.counters["duplicates"] + sim.job.counters["retransmissions_answered"] > 0
     clean = Simulation(world, slots=SLOTS, packet_elements=K)
     clean.allreduce(arrays)
@@ -168,9 +168,9 @@ def test_consecutive_allreduces_of_varying_sizes(world):
         outs = sim.allreduce(arrays, max_time=BIG_TIME)
         check_results(arrays, outs)
     # sequence numbers and per-slot message numbers persisted and agree across ranks
-    assert all(s.next_seq == len(sizes) for s in sim.sessions)
-    assert all(s.slot_msgs == sim.sessions[0].slot_msgs for s in sim.sessions)
-    assert sum(sim.sessions[0].slot_msgs) > SLOTS * 2
+    assert all(s.next_seq == len(sizes) for s in sim.memberships)
+    assert all(s.slot_msgs == sim.memberships[0].slot_msgs for s in sim.memberships)
+    assert sum(sim.memberships[0].slot_msgs) > SLOTS * 2
 
 
 def test_two_thousand_small_allreduces_with_faults():
@@ -194,8 +194,8 @@ def test_two_thousand_small_allreduces_with_faults():
             assert same_bits(out, expected), (i, size)
         calls += 1
     assert calls == 2000
-    assert all(s.next_seq == 2000 for s in sim.sessions)
-    assert sum(s.counters["retransmissions"] for s in sim.sessions) > 0
+    assert all(s.next_seq == 2000 for s in sim.memberships)
+    assert sum(s.counters["retransmissions"] for s in sim.memberships) > 0
     assert sim.job.counters["duplicates"] + sim.job.counters["retransmissions_answered"] > 0
     # the switch's memory stayed what it was built with
     assert sim.pipeline.lanes == 1
@@ -207,16 +207,16 @@ def test_message_numbers_wrap_around_in_a_simulation():
     sim = Simulation(world, slots=SLOTS, packet_elements=K,
                      faults=Faults(loss=0.1, duplicate=0.1, jitter=0.004), seed=9)
     start = 0xFFFFFFFF - 5
-    for s in sim.sessions:  # a long-lived session, just before the wrap
+    for s in sim.memberships:  # a long-lived membership, just before the wrap
         s.slot_msgs = [start] * SLOTS
     for i in range(8):
         dtype = DTYPES[i % 2]
         arrays = make_inputs(world, K * SLOTS * 2 + 3, dtype, 50 + i)
         outs = sim.allreduce(arrays, max_time=BIG_TIME)
         check_results(arrays, outs)
-    msgs = sim.sessions[0].slot_msgs
+    msgs = sim.memberships[0].slot_msgs
     assert all(m < start for m in msgs)  # every slot went past 2**32 - 1
-    assert all(s.slot_msgs == msgs for s in sim.sessions)
+    assert all(s.slot_msgs == msgs for s in sim.memberships)
 
 
 # ---------------------------------------------------------------- non-finite values
@@ -246,7 +246,7 @@ def test_nonfinite_values_are_summed_element_by_element(world, faults):
         assert same_bits(out, reference(arrays))
     check_float_bound(arrays, outs[0])
     # the flagged chunks cost one more exchange of values and one of codes, no more
-    assert sim.sessions[0].next_seq == 3
+    assert sim.memberships[0].next_seq == 3
 
 
 def test_nonfinite_chunk_does_not_leak_into_the_next_allreduce():
@@ -262,17 +262,17 @@ def test_nonfinite_chunk_does_not_leak_into_the_next_allreduce():
 
 
 # ---------------------------------------------------------------- stall detection
-def _session(rank, world, progress_timeout, slot_count=2):
-    return Session(session=0x77, rank=rank, world_size=world, slot_base=0,
-                   slot_count=slot_count, packet_elements=K,
-                   progress_timeout=progress_timeout,
-                   rtt=RttEstimator(initial_rto=0.05, min_rto=0.01, max_rto=1.0))
+def _membership(rank, world, progress_timeout, slot_count=2):
+    return Membership(session=0x77, rank=rank, world_size=world, slot_base=0,
+                      slot_count=slot_count, packet_elements=K,
+                      progress_timeout=progress_timeout,
+                      rtt=RttEstimator(initial_rto=0.05, min_rto=0.01, max_rto=1.0))
 
 
 def test_silent_peer_makes_the_call_stall_after_progress_timeout():
     pipeline = Pipeline(slots=2, packet_elements=K)
     job = pipeline.install_job("stall", 0x77, [("w", 0), ("w", 1)], 0, 2)
-    s = _session(0, 2, progress_timeout=2.0)
+    s = _membership(0, 2, progress_timeout=2.0)
     data = np.arange(3 * K, dtype=np.int32)
     out = np.full(3 * K, -7, np.int32)
     op = s.allreduce(data, out, now=0.0)
@@ -321,8 +321,8 @@ def test_progress_postpones_the_stall():
     pipeline = Pipeline(slots=1, packet_elements=K)
     pipeline.install_job("stall", 0x77, [("w", 0), ("w", 1)], 0, 1)
     rtts = [RttEstimator(initial_rto=0.05, min_rto=0.01, max_rto=0.05) for _ in range(2)]
-    s0, s1 = [Session(session=0x77, rank=r, world_size=2, slot_base=0, slot_count=1,
-                      packet_elements=K, progress_timeout=1.0, rtt=rtts[r]) for r in (0, 1)]
+    s0, s1 = [Membership(session=0x77, rank=r, world_size=2, slot_base=0, slot_count=1,
+                         packet_elements=K, progress_timeout=1.0, rtt=rtts[r]) for r in (0, 1)]
     data = np.arange(2 * K, dtype=np.int32)
     out0, out1 = np.zeros(2 * K, np.int32), np.zeros(2 * K, np.int32)
     op0 = s0.allreduce(data, out0, now=0.0)
@@ -360,10 +360,10 @@ def test_progress_postpones_the_stall():
 def test_engine_drops_results_that_do_not_match_the_outstanding_message():
     pipeline = Pipeline(slots=1, packet_elements=K)
     pipeline.install_job("j", 0x77, [("w", 0), ("w", 1)], 0, 1)
-    sessions = [_session(r, 2, 5.0, slot_count=1) for r in (0, 1)]
+    memberships = [_membership(r, 2, 5.0, slot_count=1) for r in (0, 1)]
     data = [np.arange(K, dtype=np.int32) * (r + 1) for r in (0, 1)]
     outs = [np.zeros(K, np.int32) for _ in (0, 1)]
-    ops = [s.allreduce(d, o, now=0.0) for s, d, o in zip(sessions, data, outs)]
+    ops = [s.allreduce(d, o, now=0.0) for s, d, o in zip(memberships, data, outs)]
     results = []
     for r, op in enumerate(ops):
         for d in op.datagrams_to_send():
@@ -404,7 +404,7 @@ def test_engine_drops_results_that_do_not_match_the_outstanding_message():
         ops[0].receive_datagram(d, 0.1)
         assert not ops[0].done
     assert (outs[0] == 0).all()
-    c = sessions[0].counters
+    c = memberships[0].counters
     assert (c["dropped_stale"], c["dropped_foreign"], c["dropped_malformed"]) == (7, 3, 2)
     assert c["results_in"] == 0
     ops[0].receive_datagram(good, 0.2)

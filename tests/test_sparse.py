@@ -124,7 +124,7 @@ def record_contributions(sim):
 
 def in_place(sim):
     """Make every rank's allreduce write into its input array (out is the input)."""
-    for s in sim.sessions:
+    for s in sim.memberships:
         def allreduce(array, out, now, sparse=False, _orig=s.allreduce):
             return _orig(array, array, now, sparse)
         s.allreduce = allreduce
@@ -450,7 +450,7 @@ def test_all_zero_on_some_workers_only(world, dtype):
     sparse, sim = edge_case(arrays)
     c = sim.job.counters
     assert c["sparse_blocks_in"] == sum(nonzero_block_count(a) for a in arrays)
-    for s, a in zip(sim.sessions, arrays):
+    for s, a in zip(sim.memberships, arrays):
         assert s.counters["sparse_blocks_sent"] == nonzero_block_count(a)
 
 
@@ -622,7 +622,7 @@ def test_zero_blocks_never_cross_the_network(world, dtype):
         assert c["sparse_blocks_in"] + c["sparse_blocks_skipped"] == world * nblocks
         assert c["sparse_bytes_saved"] == c["sparse_blocks_skipped"] * BLK * 4
         assert c["sparse_blocks_out"] == world * union
-        for s, m in zip(sim.sessions, masks):
+        for s, m in zip(sim.memberships, masks):
             assert s.counters["sparse_blocks_sent"] == int(m.sum())
             assert s.counters["sparse_blocks_received"] == union
 
@@ -772,10 +772,10 @@ def test_consecutive_mixed_dense_and_sparse_calls_with_faults(world):
             assert same_bits(out, expected), (i, size, dtype, sparse)
         kinds["sparse" if sparse else "dense"] += 1
     assert min(kinds.values()) > calls // 3
-    assert all(s.next_seq == calls for s in sim.sessions)
-    assert all(s.slot_msgs == sim.sessions[0].slot_msgs for s in sim.sessions)
-    assert sum(sim.sessions[0].slot_msgs) > calls  # every call moved some slot on
-    assert sum(s.counters["retransmissions"] for s in sim.sessions) > 0
+    assert all(s.next_seq == calls for s in sim.memberships)
+    assert all(s.slot_msgs == sim.memberships[0].slot_msgs for s in sim.memberships)
+    assert sum(sim.memberships[0].slot_msgs) > calls  # every call moved some slot on
+    assert sum(s.counters["retransmissions"] for s in sim.memberships) > 0
     c = sim.job.counters
     assert c["duplicates"] + c["retransmissions_answered"] > 0
     assert c["dropped_mismatch"] == 0
@@ -785,13 +785,13 @@ def test_sparse_message_numbers_wrap_around():
     world = 3
     sim = simulation(world, FAULTY, seed=9)
     start = 0xFFFFFFFF - 3
-    for s in sim.sessions:
+    for s in sim.memberships:
         s.slot_msgs = [start] * SLOTS
     for i in range(6):
         arrays = sparse_inputs(world, K * SLOTS * 2 + 3, DTYPES[i % 2], 0.4, seed=60 + i)
         outs = sim.allreduce(arrays, max_time=BIG_TIME, sparse=i % 3 != 2)
         for out in outs:
             assert same_bits(out, reference(arrays))
-    msgs = sim.sessions[0].slot_msgs
+    msgs = sim.memberships[0].slot_msgs
     assert all(m < start for m in msgs)  # every slot went past 2**32 - 1
-    assert all(s.slot_msgs == msgs for s in sim.sessions)
+    assert all(s.slot_msgs == msgs for s in sim.memberships)

@@ -62,9 +62,9 @@ def test_auto_stays_dense_with_packets_of_few_blocks(switch):
 
     def body(rank):
         with switchml.Worker(switch.address, rank, 2) as w:
-            assert w.session.lanes < 32
+            assert w.membership.lanes < 32
             w.allreduce(sparse_data[rank], sparse="auto")
-            return w.counters, w.session.slot_count
+            return w.counters, w.membership.slot_count
 
     chunks = -(-sparse_data[0].size // K)
     for counters, slots in run_ranks(2, body):

@@ -15,7 +15,7 @@ from conftest import reference_sum
 from switchml import wire
 from switchml.sim import SWITCH, Bottleneck, Faults, Network, Simulation, run_concurrently
 from switchml.switch.pipeline import Pipeline
-from switchml.worker.engine import Session
+from switchml.worker.engine import Membership
 from switchml.worker.recovery import (
     COPY_PROBE_ROUND_TRIPS,
     FAST_RETRANSMIT_THRESHOLD,
@@ -146,8 +146,8 @@ def test_window_grows_without_loss_and_persists_across_calls(dtype):
             sim.step(BIG_TIME)
         for out in outs:
             assert same_bits(out, reference_sum(arrays, K))
-    s = sim.sessions[0]
-    assert first_burst[0] == world * 4  # a new session starts with a few packets
+    s = sim.memberships[0]
+    assert first_burst[0] == world * 4  # a new membership starts with a few packets
     assert s.window.cwnd == SLOTS  # slow start reached the whole width, without loss
     assert first_burst[1] == world * SLOTS  # the next call starts where the last left off
     assert s.counters["retransmissions"] == 0 and s.counters["window_decreases"] == 0
@@ -178,7 +178,7 @@ def test_window_bounds_messages_in_flight_and_lowest_is_always_in_flight():
     for out in outs:
         assert same_bits(out, reference_sum(arrays, K))
     assert seen["checks"] > 1000
-    counters = sim.sessions[0].counters
+    counters = sim.memberships[0].counters
     assert counters["retransmissions"] > 0 and counters["window_decreases"] > 0
 
 
@@ -191,7 +191,7 @@ def test_window_shrinks_on_loss():
     for out in outs:
         assert same_bits(out, reference_sum(arrays, K))
     assert sim.network.bottleneck_drops > 0
-    for s in sim.sessions:
+    for s in sim.memberships:
         assert s.counters["window_decreases"] > 0
         # the queue holds 6 packets of 2 workers: the window stays far below the width
         assert s.window.cwnd < SLOTS / 2
@@ -225,8 +225,8 @@ def test_spurious_retransmission_is_counted():
     round trips after it went out: a probe is no loss for the window.)"""
     pipeline = Pipeline(slots=1, packet_elements=K)
     pipeline.install_job("one", 0x55, [("w", 0)], 0, 1)
-    s = Session(session=0x55, rank=0, world_size=1, slot_base=0, slot_count=1,
-                packet_elements=K, rtt=RttEstimator(initial_rto=0.05, min_rto=0.01))
+    s = Membership(session=0x55, rank=0, world_size=1, slot_base=0, slot_count=1,
+                   packet_elements=K, rtt=RttEstimator(initial_rto=0.05, min_rto=0.01))
     data = np.arange(3 * K, dtype=np.int32)
     out = np.zeros_like(data)
     op = s.allreduce(data, out, now=0.0)
@@ -283,7 +283,7 @@ def test_two_jobs_sharing_a_bottleneck_get_fair_shares(seed):
     assert max(calls) <= 1.2 * min(calls), calls
     assert network.bottleneck_drops > 0  # the queue was the limit, not the windows
     for job in jobs:
-        assert job.sessions[0].window.cwnd < SLOTS
+        assert job.memberships[0].window.cwnd < SLOTS
 
 
 # ---------------------------------------------------------------- random loss vs congestion
@@ -358,7 +358,7 @@ def random_loss_calls(loss, window=None, compiled=False, latency=50e-6, seeds=ra
         sim = Simulation(world, slots=SLOTS, packet_elements=K, seed=seed, compiled=compiled,
                          faults=Faults(loss=loss, latency=latency))
         if window is not None:
-            for s in sim.sessions:
+            for s in sim.memberships:
                 s.window = window(SLOTS)
         for _ in range(calls):
             start = sim.now
@@ -367,7 +367,7 @@ def random_loss_calls(loss, window=None, compiled=False, latency=50e-6, seeds=ra
             outputs.append([o.tobytes() for o in outs])
             for out in outs:
                 assert same_bits(out, reference_sum(arrays, K))
-        for name, value in sim.sessions[0].counters.items():
+        for name, value in sim.memberships[0].counters.items():
             counters[name] = counters.get(name, 0) + value
     return total, outputs, counters
 
@@ -403,7 +403,7 @@ def test_congestion_still_halves_the_window():
         for out in outs:
             assert same_bits(out, reference_sum(arrays, K))
     assert sim.network.bottleneck_drops > 0
-    for s in sim.sessions:
+    for s in sim.memberships:
         assert s.counters["window_decreases"] >= 3
         assert s.window.cwnd < SLOTS / 2
 
@@ -415,18 +415,18 @@ def test_a_message_supersedes_its_slots_datagram_still_waiting_to_leave(engine):
     under its own length (the C loop takes results in batches before it sends)."""
     from switchml.switch.pipeline import Pipeline
     from switchml.worker import compiled
-    from switchml.worker.engine import Session
+    from switchml.worker.engine import Membership
 
     if engine == "c" and compiled._fastengine is None:
         pytest.skip("the C engine is not built")
     k = 64
     pipeline = Pipeline(slots=1, packet_elements=k)
     pipeline.install_job("j", 7, [("w", 0)], 0, 1)
-    session = Session(session=7, rank=0, world_size=1, slot_base=0, slot_count=1,
-                      packet_elements=k)
+    membership = Membership(session=7, rank=0, world_size=1, slot_base=0, slot_count=1,
+                            packet_elements=k)
     data = np.arange(k + k // 2, dtype=np.int32)  # a full chunk, then a short one
     out = np.empty_like(data)
-    op = session.allreduce(data, out, 0.0, compiled=engine == "c")
+    op = membership.allreduce(data, out, 0.0, compiled=engine == "c")
     [first] = [bytes(d) for d in op.datagrams_to_send()]
     op.handle_timer(op.get_timer())  # no result in time: message 0 goes again
     [(result, _)] = pipeline.receive_datagram(first, ("w", 0))
@@ -440,13 +440,13 @@ def test_a_message_supersedes_its_slots_datagram_still_waiting_to_leave(engine):
 # ---------------------------------------------------------------- fast retransmit
 def one_rank_call(engine: str, width: int = 8):
     """A one-rank job's int32 call of two messages a slot, its window the whole width,
-    on a switch pipeline the test drives: (session, call, input, output, the first
+    on a switch pipeline the test drives: (membership, call, input, output, the first
     datagrams, ``answer``: the switch's result for a datagram given to the call at
     a time, returning what the call sends next)."""
     pipeline = Pipeline(slots=width, packet_elements=K)
     pipeline.install_job("one", 0x55, [("w", 0)], 0, width)
-    s = Session(session=0x55, rank=0, world_size=1, slot_base=0, slot_count=width,
-                packet_elements=K, window=CongestionWindow(width, initial=width))
+    s = Membership(session=0x55, rank=0, world_size=1, slot_base=0, slot_count=width,
+                   packet_elements=K, window=CongestionWindow(width, initial=width))
     assert s.reordering == FAST_RETRANSMIT_THRESHOLD
     data = np.arange(2 * width * K, dtype=np.int32)
     out = np.zeros_like(data)
@@ -572,7 +572,7 @@ def test_the_timer_sends_a_query_and_a_done_for_a_late_result_costs_nothing(engi
 def test_a_spurious_fast_retransmission_raises_the_reordering_threshold(engine):
     """Message 0 was only late: its result comes 0.05 ms after its fast retransmission,
     sooner than any round trip could answer the copy.  The three results that
-    overtook it were reordering, so the session lets four overtake a message from
+    overtook it were reordering, so the membership lets four overtake a message from
     then on (this call and the next): three results after message 4's leave it
     waiting, the fourth sends it again."""
     from switchml.worker import compiled
@@ -670,9 +670,9 @@ def call_losing(drops, compiled=False, messages=8):
     for out in outs:
         assert same_bits(out, reference_sum(arrays, K))
     counters: dict = {}
-    for op, session in zip(sim.ops, sim.sessions):
+    for op, membership in zip(sim.ops, sim.memberships):
         getattr(op, "sync", lambda: None)()
-        for name, value in session.counters.items():
+        for name, value in membership.counters.items():
             counters[name] = counters.get(name, 0) + value
     return sim.now - start, [o.tobytes() for o in outs], counters
 
@@ -752,16 +752,16 @@ def test_a_full_window_sends_one_tail_probe_at_a_time(engine):
 
 def fresh_one_rank_call(engine: str, slots: int, messages: int):
     """A one-rank int32 call of ``messages`` chunks over ``slots`` slots, on a new
-    session (no RTT measured yet) and a switch pipeline the test drives:
-    (pipeline, session, input, output, call)."""
+    membership (no RTT measured yet) and a switch pipeline the test drives:
+    (pipeline, membership, input, output, call)."""
     from switchml.worker import compiled
 
     if engine == "c" and compiled._fastengine is None:
         pytest.skip("the C engine is not built")
     pipeline = Pipeline(slots=slots, packet_elements=K)
     pipeline.install_job("one", 0x55, [("w", 0)], 0, slots)
-    s = Session(session=0x55, rank=0, world_size=1, slot_base=0, slot_count=slots,
-                packet_elements=K)
+    s = Membership(session=0x55, rank=0, world_size=1, slot_base=0, slot_count=slots,
+                   packet_elements=K)
     data = np.arange(messages * K, dtype=np.int32)
     out = np.zeros_like(data)
     return pipeline, s, data, out, s.allreduce(data, out, now=0.0, compiled=engine == "c")
@@ -859,8 +859,8 @@ def test_many_ranks_into_one_port_keep_most_of_its_rate():
     rate = 12.5e6
     sim = Simulation(world, slots=slots, packet_elements=k, compiled=True,
                      bottleneck=Bottleneck(rate=rate, queue_bytes=256 * 1024))
-    for session in sim.sessions:
-        session.window.limit = 8
+    for membership in sim.memberships:
+        membership.window.limit = 8
     arrays = ints(world, k * slots * 8, seed=5)
     expected = reference_sum(arrays, k)
     for _ in range(2):
@@ -891,5 +891,5 @@ def test_no_probe_without_loss(compiled):
         outs = sim.allreduce(arrays, max_time=BIG_TIME)
         for out in outs:
             assert same_bits(out, reference_sum(arrays, K))
-    for s in sim.sessions:
+    for s in sim.memberships:
         assert s.counters["probe_retransmissions"] == 0, s.counters

@@ -156,9 +156,9 @@ def check(case: dict, ref_group, world: int, rank: int, worker) -> str | None:
                   for r in range(world)]
         placement = getattr(worker, "placement", None)  # the local stage's, on one host
         if placement is None:
-            bound = quant.error_bound(inputs, worker.session.packet_elements)
+            bound = quant.error_bound(inputs, worker.membership.packet_elements)
         else:
-            chunk = (worker.session.packet_elements if worker.session is not None
+            chunk = (worker.membership.packet_elements if worker.membership is not None
                      else DEFAULT_PACKET_ELEMENTS)
             bound = quant.error_bound_two_stage(
                 [[inputs[r] for r in group] for group in placement.groups], chunk)

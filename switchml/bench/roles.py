@@ -112,8 +112,9 @@ def switchml_role(spec) -> None:
     os.environ.setdefault("SWITCHML_LOCAL_GROUP", str(rank // per_host))
     with switchml.Worker(spec["switch"], rank, world, job=spec["job"],
                          timeout=spec.get("timeout", 60)) as w:
-        session = w.session  # None where this rank sends nothing through a switch
-        block = session.block_elements if session is not None else DEFAULT_BLOCK_ELEMENTS
+        membership = w.membership  # None where this rank sends nothing through a switch
+        block = (membership.block_elements if membership is not None
+                 else DEFAULT_BLOCK_ELEMENTS)
         local = getattr(w, "placement", None)  # the local stage's, where ranks combine
         for case in spec["cases"]:
             data = make_tensor(rank, case["elements"], case.get("density"), block, spec["seed"])
@@ -130,7 +131,8 @@ def switchml_role(spec) -> None:
                 inputs = inputs_of_all(spec, case, block)
                 exact = np.sum(np.array(inputs, np.float64), axis=0)
                 err = np.abs(out.astype(np.float64) - exact)
-                k = session.packet_elements if session is not None else DEFAULT_PACKET_ELEMENTS
+                k = (membership.packet_elements if membership is not None
+                     else DEFAULT_PACKET_ELEMENTS)
                 if local is None:
                     bound = error_bound16(inputs, 2 * k) if bits == 16 else error_bound(inputs, k)
                 elif bits == 32:

@@ -19,7 +19,7 @@
  * stream.h lists, included here as one translation unit.  The engine is sans-IO
  * like the reference (receive_datagram, datagrams_to_send, get_timer,
  * handle_timer, pending); run_io() is its socket driver (stream_io.c).  State
- * the Session keeps across calls (message numbers, RTT, window) is passed in at
+ * the Membership keeps across calls (message numbers, RTT, window) is passed in at
  * construction and read back with export_state(), the RTT estimator's and the
  * window's by recovery.py's field names.
  */
@@ -44,7 +44,7 @@ typedef struct {
 } DenseCore;
 
 /* ------------------------------------------------------------ state by name
- * The Session's RTT estimator and window cross the binding as dicts keyed by
+ * The Membership's RTT estimator and window cross the binding as dicts keyed by
  * their Python attribute names (recovery.RttEstimator.STATE,
  * CongestionWindow.STATE): a missing one is a KeyError naming it. */
 static PyObject *state_item(PyObject *state, const char *name) {
@@ -316,9 +316,9 @@ static PyObject *core_pending(DenseCore *self, PyObject *unused) {
     return list;
 }
 
-/* {"slot_msgs", "rtt", "window", "counters", "reordering"}: what the Session keeps, the
- * RTT estimator's and window's fields by their recovery.py names; counters since the
- * last call. */
+/* {"slot_msgs", "rtt", "window", "counters", "reordering"}: what the Membership
+ * keeps, the RTT estimator's and window's fields by their recovery.py names; counters
+ * since the last call. */
 static PyObject *core_export_state(DenseCore *self, PyObject *unused) {
     StreamCore *c = &self->core;
     PyObject *msgs = PyList_New(c->width);

@@ -39,7 +39,7 @@ from ..protocol import Left, StatusReply
 from . import compiled, nonfinite
 from .calls import AllreduceHandle, check_call, narrow_result, widen
 from .control import ControlClient, JobFailed
-from .engine import Session
+from .engine import Membership
 from .hosts import Hosts, Placement
 from .localworker import LocalStageWorker
 from .multi import MultiSwitchWorker
@@ -169,11 +169,15 @@ class Worker:
         self._control, self._udp = self._join(slots)
         ready = self._protocol.ready
         assert ready is not None
-        self.session = Session(session=ready.session, rank=rank, world_size=world_size,
-                               slot_base=ready.slot_base, slot_count=ready.slot_count,
-                               packet_elements=ready.packet_elements,
-                               block_elements=ready.block_elements,
-                               progress_timeout=self.timeout)
+        #: This worker's membership of the job (``engine.Membership``): the wire's
+        #: ``session`` id, slots, packet geometry, and what its calls share in call
+        #: order (message numbers, window, RTT, ``counters``).
+        self.membership = Membership(session=ready.session, rank=rank,
+                                     world_size=world_size, slot_base=ready.slot_base,
+                                     slot_count=ready.slot_count,
+                                     packet_elements=ready.packet_elements,
+                                     block_elements=ready.block_elements,
+                                     progress_timeout=self.timeout)
         #: The window one link carries (protocol.Ready.link_window): what a job over
         #: several switches splits over them.
         self.link_window = ready.slot_count if ready.link_window is None else ready.link_window
@@ -253,7 +257,7 @@ class Worker:
 
     @property
     def counters(self) -> dict:
-        return dict(self.session.counters)
+        return dict(self.membership.counters)
 
     # -------------------------------------------------------------- joining
     def _join(self, slots):
@@ -416,7 +420,7 @@ class Worker:
                 return
             except OSError:  # an ICMP error queued on the socket
                 continue
-            self.session.counters["dropped_stale"] += 1
+            self.membership.counters["dropped_stale"] += 1
 
     def _read_control(self) -> list:
         """Read control events; a failure event or a closed connection raises."""
@@ -474,9 +478,9 @@ class Worker:
         the Python engine, 32: with fewer its rounds cost what the skipped blocks
         save (docs/protocol.md, "Design rationale").
         """
-        b = self.session.block_elements
+        b = self.membership.block_elements
         blocks = -(-src.size // b)
-        if blocks == 0 or self.session.lanes < self._sparse_auto_min_lanes:
+        if blocks == 0 or self.membership.lanes < self._sparse_auto_min_lanes:
             return False
         counts = np.array([nonzero_blocks(src.reshape(-1), b).sum()], dtype=np.int32)
         total = int(self._run(counts, np.empty_like(counts), False)[0])
@@ -504,14 +508,14 @@ class Worker:
         """Drive one call to its end; returns its state machine."""
         # The C loop drives a real socket by its descriptor (not a wrapper of one).
         use_c = compiled.enabled() and isinstance(self._udp, socket.socket)
-        op = self.session.allreduce(src, out, time.monotonic(), sparse, compiled=use_c,
-                                    wire_bits=bits)
+        op = self.membership.allreduce(src, out, time.monotonic(), sparse, compiled=use_c,
+                                       wire_bits=bits)
         if isinstance(op, compiled.CompiledDenseAllreduce):
             self._run_compiled(op, out)
             return op
         udp = self._udp
         dst = self._data_address
-        counters = self.session.counters
+        counters = self.membership.counters
         buf = bytearray(65536)
         view = memoryview(buf)
 

@@ -4,11 +4,11 @@
 same datagrams, results and counters (tests/test_fastengine.py);
 ``CompiledSparseAllreduce`` is ``SparseAllreduce`` the same way, on the same C
 stream machinery in its sparse mode (``fastsparse.c``, tests/test_fastsparse.py).
-``run_io`` drives either on a socket without the GIL.  The Session's state that
+``run_io`` drives either on a socket without the GIL.  The Membership's state that
 lives across calls (message numbers, RTT estimate, window, counters) is handed
 to the C core at the start and written back when the call ends (done or
 stalled) and whenever ``run_io`` returns, so the Python and the C engine can
-take turns on one session.
+take turns on one membership.
 
 ``SWITCHML_PURE_PYTHON=1`` makes the worker use the Python engine only.
 """
@@ -19,7 +19,7 @@ import numpy as np
 
 from ..config import pure_python
 from .recovery import CongestionWindow, RttEstimator
-from .stream import SessionState, check_arrays
+from .stream import MembershipState, check_arrays
 
 try:
     from . import _fastengine  # typed by _fastengine.pyi
@@ -35,19 +35,19 @@ def enabled() -> bool:
     return _fastengine is not None and not pure_python()
 
 
-def supports(session: SessionState) -> bool:
-    """Whether the C core can stand in for the Python engine on ``session``: it
+def supports(membership: MembershipState) -> bool:
+    """Whether the C core can stand in for the Python engine on ``membership``: it
     implements the stock RTT estimator and window, not subclasses of them."""
-    return (_fastengine is not None and type(session.rtt) is RttEstimator
-            and type(session.window) is CongestionWindow)
+    return (_fastengine is not None and type(membership.rtt) is RttEstimator
+            and type(membership.window) is CongestionWindow)
 
 
-def supports_sparse(session: SessionState) -> bool:
+def supports_sparse(membership: MembershipState) -> bool:
     """``supports``, for sparse calls: the C core takes chunk c to be blocks
     c*lanes .. c*lanes + lanes - 1, as sparse.py does, so a packet must be whole
-    blocks (a Session whose packet is not is left to the Python engine)."""
-    return (supports(session)
-            and session.packet_elements == session.lanes * session.block_elements)
+    blocks (a Membership whose packet is not is left to the Python engine)."""
+    return (supports(membership)
+            and membership.packet_elements == membership.lanes * membership.block_elements)
 
 
 class CompiledDenseAllreduce:
@@ -56,33 +56,33 @@ class CompiledDenseAllreduce:
     #: The C core's mode: SparseAllreduce's rounds instead of the dense stream.
     SPARSE = False
 
-    def __init__(self, session: SessionState, array: np.ndarray, out: np.ndarray, seq: int,
+    def __init__(self, membership: MembershipState, array: np.ndarray, out: np.ndarray, seq: int,
                  now: float, wire_bits: int = 32):
         check_arrays(array, out)
-        self.s = session
+        self.s = membership
         src, dst = array.reshape(-1), out.reshape(-1)
-        k = session.packet_elements  # words a packet; two values a word on the 16-bit wire
+        k = membership.packet_elements  # words a packet; two values a word on the 16-bit wire
         self.chunk_values = 2 * k if wire_bits == 16 else k
         chunks = -(-src.size // self.chunk_values)
         self._core = _fastengine.DenseCore(
-            src, dst, is_float=array.dtype == np.float32, session=session.session,
-            slot_base=session.slot_base, width=min(session.slot_count, chunks),
-            packet_elements=k, lanes=session.lanes,
-            bits=session.bits16 if wire_bits == 16 else session.bits, seq=seq,
-            slot_msgs=session.slot_msgs, now=now, progress_timeout=session.progress_timeout,
-            rtt=session.rtt.state(), window=session.window.state(),
-            wire_bits=wire_bits, world_size=session.world_size,
+            src, dst, is_float=array.dtype == np.float32, session=membership.session,
+            slot_base=membership.slot_base, width=min(membership.slot_count, chunks),
+            packet_elements=k, lanes=membership.lanes,
+            bits=membership.bits16 if wire_bits == 16 else membership.bits, seq=seq,
+            slot_msgs=membership.slot_msgs, now=now, progress_timeout=membership.progress_timeout,
+            rtt=membership.rtt.state(), window=membership.window.state(),
+            wire_bits=wire_bits, world_size=membership.world_size,
             # Sparse: W = min(slots, ceil(blocks / lanes)) is min(slots, chunks) too,
             # a packet being whole blocks (supports_sparse).
-            sparse=self.SPARSE, block_elements=session.block_elements,
-            reordering=session.reordering)
+            sparse=self.SPARSE, block_elements=membership.block_elements,
+            reordering=membership.reordering)
         self.width = self._core.width
         self.sync()
         self._sync_when_over()  # an empty call is over at once
 
     def sync(self) -> None:
         """Write the core's message numbers, RTT, window, reordering threshold and
-        counters to the Session."""
+        counters to the Membership."""
         state = self._core.export_state()
         s = self.s
         s.reordering = state["reordering"]

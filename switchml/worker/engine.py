@@ -1,6 +1,6 @@
-"""The worker's engine, sans-IO: ``Session`` starts each call of a job's member.
+"""The worker's engine, sans-IO: ``Membership`` starts each call of a job's member.
 
-``Session.allreduce`` makes the state machine of one call: a ``DenseAllreduce``
+``Membership.allreduce`` makes the state machine of one call: a ``DenseAllreduce``
 (SwitchML, here), a ``SparseAllreduce`` (OmniReduce, ``sparse.py``), or their
 twins on the C engine (``compiled.py``).  What they share (the membership's
 state, ``Stream``'s slots, window and timers) is in ``stream.py``, which none of
@@ -39,9 +39,9 @@ from .compiled import (
     supports_sparse,
 )
 from .sparse import SparseAllreduce
-from .stream import SUPPORTED_DTYPES, SessionState, Stream, check_arrays
+from .stream import SUPPORTED_DTYPES, MembershipState, Stream, check_arrays
 
-__all__ = ["Session", "DenseAllreduce", "Stream", "SUPPORTED_DTYPES", "check_arrays"]
+__all__ = ["Membership", "DenseAllreduce", "Stream", "SUPPORTED_DTYPES", "check_arrays"]
 
 #: Exponents of non-zero finite float32 chunks: frexp of the least subnormal
 #: (2**-149) is -148, of the largest float32 128.
@@ -53,7 +53,7 @@ def valid_exponent(e: int) -> bool:
     return LEAST_EXPONENT <= e <= GREATEST_EXPONENT or e in (EXP_ZERO, EXP_NONFINITE)
 
 
-class Session(SessionState):
+class Membership(MembershipState):
     """One worker's membership of a job, shared by its allreduces in call order."""
 
     def allreduce(self, array: np.ndarray, out: np.ndarray, now: float, sparse: bool = False,
@@ -91,17 +91,17 @@ class DenseAllreduce(Stream):
     bytes each way for the same values; the bound is ``quant.error_bound16``.
     """
 
-    def __init__(self, session: SessionState, array: np.ndarray, out: np.ndarray, seq: int,
+    def __init__(self, membership: MembershipState, array: np.ndarray, out: np.ndarray, seq: int,
                  now: float, wire_bits: int = 32):
         self.per_word = 2 if wire_bits == 16 else 1
-        k = self.chunk_values = session.packet_elements * self.per_word  # values a chunk
+        k = self.chunk_values = membership.packet_elements * self.per_word  # values a chunk
         self.chunks = -(-array.size // k)
-        super().__init__(session, array, out, seq, now, min(session.slot_count, self.chunks))
+        super().__init__(membership, array, out, seq, now, min(membership.slot_count, self.chunks))
         if self.per_word == 2:
             self.dtype_code = wire.DTYPE_FLOAT16_WIRE
-            self._bits = session.bits16
+            self._bits = membership.bits16
         else:
-            self._bits = session.bits
+            self._bits = membership.bits
         self.local_exp = (chunk_exponents(self.src, k) if self.is_float
                           else np.zeros(0, np.int16))
         self._lag = 1 if self.is_float else 0

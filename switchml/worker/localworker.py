@@ -285,8 +285,8 @@ class LocalStageWorker:
         return counters
 
     @property
-    def session(self):
-        return self.switch.session if self.switch is not None else None
+    def membership(self):
+        return self.switch.membership if self.switch is not None else None
 
     # ------------------------------------------------------------------ the calls
     def _serve(self) -> None:

@@ -83,8 +83,8 @@ class MultiSwitchWorker:
 
     * ``counters``: the channels' counters summed (packets, bytes, retransmissions
       over all switches); ``channels[k].counters`` per switch;
-    * ``session``: the first switch's (``packet_elements``, ``block_elements`` and
-      ``lanes`` are every switch's, checked at join); ``sessions``: all of them;
+    * ``membership``: the first switch's (``packet_elements``, ``block_elements`` and
+      ``lanes`` are every switch's, checked at join); ``memberships``: all of them;
     * ``switch_address``: the first switch's; ``switch_addresses``: all, in part order;
     * ``rank``, ``world_size``, ``job``, ``timeout``: as given, the same on every switch.
     """
@@ -138,15 +138,15 @@ class MultiSwitchWorker:
         drops and window halvings every call, and a slower call than capped."""
         share = len(self.channels)
         for joined in self.channels:
-            window = joined.session.window
+            window = joined.membership.window
             window.limit = max(1, min(window.limit, -(-joined.link_window // share)))
             window.cwnd = min(window.cwnd, float(window.limit))
 
     def _check_geometry(self) -> None:
         """Bit-identical to one switch only if every switch cuts the same chunks."""
         def geometry(k):
-            s = self.channels[k].session
-            return s.packet_elements, s.block_elements
+            m = self.channels[k].membership
+            return m.packet_elements, m.block_elements
 
         for k in range(1, len(self.channels)):
             if geometry(k) != geometry(0):
@@ -180,7 +180,7 @@ class MultiSwitchWorker:
         if self._failure is not None:
             future.set_exception(self._failure)
             return AllreduceHandle(future)
-        unit = self.session.packet_elements * (2 if bits == 16 else 1)
+        unit = self.membership.packet_elements * (2 if bits == 16 else 1)
         flat_src, flat_out = src.reshape(-1), out.reshape(-1)
         parts = [(k, start, stop) for k, (start, stop)
                  in enumerate(part_bounds(src.size, unit, len(self.channels)))
@@ -220,12 +220,12 @@ class MultiSwitchWorker:
         return total
 
     @property
-    def session(self):
-        return self.channels[0].session
+    def membership(self):
+        return self.channels[0].membership
 
     @property
-    def sessions(self) -> list:
-        return [channel.session for channel in self.channels]
+    def memberships(self) -> list:
+        return [channel.membership for channel in self.channels]
 
     # -------------------------------------------------------------- failures
     def _part_error(self, error: BaseException, k: int, start: int, stop: int,

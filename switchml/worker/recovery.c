@@ -1,5 +1,5 @@
 /* recovery.py in C: RttEstimator and CongestionWindow on a call's copy of its
- * Session's state (the binding reads it and gives it back by recovery.py's field
+ * Membership's state (the binding reads it and gives it back by recovery.py's field
  * names). */
 
 static double rto(StreamCore *c, int backoff) {

@@ -20,7 +20,7 @@ import math
 FAST_RETRANSMIT_THRESHOLD = 3
 
 #: The most results that may overtake a message before it counts as lost, as
-#: the reordering a session learns can raise the threshold above (TCP's
+#: the reordering a membership learns can raise the threshold above (TCP's
 #: reordering metric, RFC 4737's degree: Linux raises its dupthresh the same
 #: way).  Aggregation reorders more than a network does: a slot's result comes
 #: when its last rank's contribution arrives, and ranks whose windows differ
@@ -193,7 +193,7 @@ class CongestionWindow:
       calls that never fills it does not inflate it untested.
 
     ``cwnd`` is a float; a call keeps ``floor(min(cwnd, width))`` messages in
-    flight, at least 1.  The window belongs to the ``Session``: the next
+    flight, at least 1.  The window belongs to the ``Membership``: the next
     allreduce starts where the last one left off.
     """
 

@@ -47,7 +47,7 @@ from ..quant import (
     quantize_factors,
     quantize_rows,
 )
-from .stream import SessionState, Stream
+from .stream import MembershipState, Stream
 
 
 def nonzero_blocks(values: np.ndarray, block: int) -> np.ndarray:
@@ -78,13 +78,13 @@ class SparseAllreduce(Stream):
 
     sparse = True
 
-    def __init__(self, session: SessionState, array: np.ndarray, out: np.ndarray, seq: int,
+    def __init__(self, membership: MembershipState, array: np.ndarray, out: np.ndarray, seq: int,
                  now: float):
-        b, F = session.block_elements, session.lanes
+        b, F = membership.block_elements, membership.lanes
         n = array.size
         self.blocks = -(-n // b)
-        super().__init__(session, array, out, seq, now,
-                         min(session.slot_count, -(-self.blocks // F)))
+        super().__init__(membership, array, out, seq, now,
+                         min(membership.slot_count, -(-self.blocks // F)))
         G = self.width * F
         self.stride = G
         rows = -(-self.blocks // G) if G else 0
@@ -121,7 +121,7 @@ class SparseAllreduce(Stream):
         # Row p of slot j's lanes is exactly dense chunk j + p*W (block i is in
         # chunk i // F): its exponent scales those blocks, as in the dense path.
         # Exponent rounds gather the chunks' exponents from the switch.
-        k = session.packet_elements
+        k = membership.packet_elements
         self.chunks = -(-n // k)
         self._local_chunk_exp = chunk_exp if self.is_float else np.zeros(0, np.int16)
         self._chunk_exp = np.full(self.chunks, EXP_ZERO, np.int16)

@@ -494,7 +494,7 @@ static int stream_allocate(StreamCore *c, int64_t words) {
     return 0;
 }
 
-/* Stream._start, once the Session's message numbers are in slot_msgs: every
+/* Stream._start, once the Membership's message numbers are in slot_msgs: every
  * slot's first message ready, then sent as the window allows. -1: out of memory. */
 static int stream_start(StreamCore *c, double now, const struct CallOps *call,
                         int64_t block_elements) {

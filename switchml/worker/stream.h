@@ -94,7 +94,7 @@ static const char *counter_names[COUNTER_COUNT] = {
 struct SparseState; /* fastsparse.c */
 struct CallOps;
 
-/* The state of one call: stream.py's Stream (with its Session's share), the
+/* The state of one call: stream.py's Stream (with its Membership's share), the
  * dense call's (engine.c) or the sparse call's (fastsparse.c) as `call` says. */
 typedef struct StreamCore {
     const void *src; /* the input: `size` float32 or int32 values */
@@ -122,7 +122,7 @@ typedef struct StreamCore {
     Heap ready, inflight_ids;
     int64_t inflight_count, remaining;
     /* fast retransmit (Stream's): send numbers, the candidates by send number,
-     * the greatest send numbers answered (least first), the Session's reordering
+     * the greatest send numbers answered (least first), the Membership's reordering
      * threshold, and per slot the send number a fast retransmission followed */
     int64_t sends, *send_no, *overtaken_send_no;
     int reordering;

@@ -1,10 +1,10 @@
 """What every allreduce of a worker shares, sans-IO: results in, contributions out.
 
-``SessionState`` is a worker's membership of one job (session id, slot range,
+``MembershipState`` is a worker's membership of one job (session id, slot range,
 packet and block sizes, world size); it persists the per-slot message numbers
 across allreduces, so that consecutive allreduces keep alternating the
 shadow-copy sets, and the congestion window and RTT estimate, so that the next
-allreduce starts at the rate the last one found.  ``engine.Session`` adds the
+allreduce starts at the rate the last one found.  ``engine.Membership`` adds the
 method that starts a call: a ``DenseAllreduce`` (SwitchML, ``engine.py``) or a
 ``SparseAllreduce`` (OmniReduce, ``sparse.py``).  Both share ``Stream``: at
 most one message per slot, the result of a message makes the slot's next one
@@ -16,12 +16,12 @@ outstanding message with back-off; no result for ``progress_timeout`` seconds
 makes the call fail as stalled.
 
 This module is the bottom of the engine: ``engine``, ``sparse`` and ``compiled``
-import it and it imports none of them, so that ``engine.Session`` can start any
+import it and it imports none of them, so that ``engine.Membership`` can start any
 kind of call without an import circle.
 
 Fast retransmit: a slot's result comes when every rank's contribution reached
 the switch, and slots complete roughly in the order their messages went out, so
-a message still unanswered when the results of ``Session.reordering`` messages
+a message still unanswered when the results of ``Membership.reordering`` messages
 sent after it (later (re)transmissions, counted by a send number) have come was
 probably lost (its datagram, a peer's, or its result; the threshold is
 ``FAST_RETRANSMIT_THRESHOLD`` at first, and a fast retransmission that proves
@@ -102,9 +102,9 @@ def check_arrays(array: np.ndarray, out: np.ndarray) -> None:
         raise ValueError("out must be the input itself or not overlap it")
 
 
-class SessionState:
+class MembershipState:
     """One worker's membership of a job: what its calls share, in call order (slots,
-    message numbers, window, RTT, packet buffers, counters).  ``engine.Session``
+    message numbers, window, RTT, packet buffers, counters).  ``engine.Membership``
     adds the method that starts a call."""
 
     def __init__(self, *, session: int, rank: int, world_size: int, slot_base: int,
@@ -155,10 +155,10 @@ class Stream:
     mode = 0
     sparse = False
 
-    def __init__(self, session: SessionState, array: np.ndarray, out: np.ndarray, seq: int,
+    def __init__(self, membership: MembershipState, array: np.ndarray, out: np.ndarray, seq: int,
                  now: float, width: int):
         check_arrays(array, out)
-        self.s = session
+        self.s = membership
         self.seq = seq
         self.src = array.reshape(-1)
         self.out = out.reshape(-1)
@@ -388,7 +388,7 @@ class Stream:
 
     def _fast_retransmit(self, now: float) -> None:
         """Resend, lowest send number first, every message in flight that results of
-        ``Session.reordering`` messages sent after it have overtaken."""
+        ``Membership.reordering`` messages sent after it have overtaken."""
         latest = self._latest_results
         if len(latest) < self.s.reordering:
             return
