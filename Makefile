@@ -9,7 +9,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 .PHONY: demo test install bench clean nft conformance docs
 
 # the compiled cores (setup.py) are built by the editable install: a change rebuilds them
-$(STAMP): pyproject.toml setup.py $(wildcard switchml/*.h switchml/switch/*.c switchml/switch/*.h switchml/worker/*.c switchml/worker/*.h)
+$(STAMP): pyproject.toml setup.py $(wildcard switchml/*.h switchml/*.c switchml/switch/*.c switchml/switch/*.h switchml/worker/*.c switchml/worker/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(FIND_LINKS) -e '.[test,bench,torch,examples,metrics,integrations,docs]'
