@@ -35,6 +35,8 @@ LATENCY_MIB = ("0.000003814697265625", "0.0009765625", "0.015625", "0.25", "1", 
 
 TB_1G_9000 = ("--testbed", "--link", "1gbit", "--mtu", "9000")
 TB_500M_9000 = ("--testbed", "--link", "500mbit", "--mtu", "9000")
+#: Block densities of the density plot's sweep.
+DENSITIES = ("0.01", "0.03", "0.1", "0.3", "0.5")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,8 @@ class Case:
     system: str = "switchml-dense"
     reference: str | None = None
     compare: str | None = None  # loss-free | flat | one-switch | one-rank
+    #: False: a plot's points only, in no table
+    table: bool = True
 
 
 CASES = (
@@ -79,6 +83,18 @@ CASES = (
          TB_1G_9000 + ("--workers", "4", "--sizes", "64", "--repeats", "3",
                        "--densities", "0.1", "--systems", "sparse", "dense"),
          system="switchml-sparse"),
+    # the plots' sweeps: link rate and block density at 4 hosts
+    Case("tb-n4-500mbit", "plots", "4 hosts, 500 Mbit/s, MTU 9000, 64 MiB", "suite",
+         TB_500M_9000 + ("--workers", "4", "--sizes", "64", "--repeats", "3",
+                         "--systems", "dense", "gloo"), table=False),
+    Case("tb-n4-100mbit", "plots", "4 hosts, 100 Mbit/s, MTU 9000, 64 MiB", "suite",
+         ("--testbed", "--link", "100mbit", "--mtu", "9000", "--workers", "4", "--sizes", "64",
+          "--repeats", "3", "--systems", "dense", "gloo"), table=False),
+    Case("tb-n4-mtu9000-densities", "plots",
+         "4 hosts, 1 Gbit/s, MTU 9000, block-sparse at densities 0.01 to 0.5", "suite",
+         TB_1G_9000 + ("--workers", "4", "--sizes", "64", "--repeats", "3", "--densities",
+                       *DENSITIES, "--systems", "sparse", "dense", "gloo"),
+         system="switchml-sparse", table=False),
     Case("tb-n4-servers4-mtu9000", "more", "4 hosts and 4 switch servers, 1 Gbit/s, MTU 9000",
          "suite", TB_1G_9000 + ("--workers", "4", "--switches", "4", "--sizes", "64",
                                 "--repeats", "5", "--systems", "dense", "gloo")),
@@ -324,7 +340,7 @@ def figures(case: Case, results: str = RESULTS) -> tuple:
 # ------------------------------------------------------------------ the docs' blocks
 def cases_table(ids, results: str = RESULTS) -> str:
     lines = ["| case | set-up | switchml | gloo | result |", "|---|---|---|---|---|"]
-    for case in (BY_ID[i] for i in ids):
+    for case in (BY_ID[i] for i in ids if BY_ID[i].table):
         mine, gloo, result = figures(case, results)
         lines.append(f"| [`{case.id}`](#{case.id}) | {case.title} | {mine} | {gloo} | {result} |")
     return "\n".join(lines)
@@ -441,35 +457,102 @@ def report(results: str = RESULTS) -> None:
 
 
 def plots(results: str = RESULTS) -> list:
-    """speedup_vs_workers.png and latency_vs_size.png in ``results``."""
+    """The docs' plots, as PNG files in ``results``; returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written = []
-    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for name, draw in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(6, 4.2))
+        draw(ax, results)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        path = os.path.join(ROOT, results, name)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _speedups(ids, results):
+    """(workers, speedup over gloo, case id) of suite cases."""
     points = []
-    for cid in ("tb-n4-mtu9000", "tb-n8-500mbit-mtu1500", "tb-n16-100mbit"):
+    for cid in ids:
         r = row(BY_ID[cid], results)
-        assert r is not None
+        assert r is not None and r["speedup_over_gloo"], cid
         points.append((r["workers"], r["speedup_over_gloo"], cid))
-    ax.plot([p[0] for p in points], [p[1] for p in points], "o-", label="switchml dense, 64 MiB")
+    return points
+
+
+def plot_speedup_vs_workers(ax, results):
+    points = _speedups(("tb-n4-mtu9000", "tb-n8-500mbit-mtu1500", "tb-n16-100mbit"), results)
+    worlds = [p[0] for p in points]
+    ax.plot(worlds, [p[1] for p in points], "o-", label="switchml dense, 64 MiB")
     for n, s, cid in points:
         ax.annotate(cid, (n, s), textcoords="offset points", xytext=(4, -12), fontsize=7)
-    worlds = [p[0] for p in points]
     ax.plot(worlds, [2 * (n - 1) / n for n in worlds], "k--", linewidth=1,
             label="2(n-1)/n: ratio of the link bounds")
     ax.set(xlabel="workers n", ylabel="gloo time / switchml time", xticks=worlds,
            title="speedup over gloo's ring allreduce")
-    ax.legend(fontsize="small")
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    path = os.path.join(ROOT, results, "speedup_vs_workers.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    written.append(path)
-    fig, ax = plt.subplots(figsize=(6, 4.2))
+
+
+def plot_speedup_vs_link(ax, results):
+    ids = {100: "tb-n4-100mbit", 500: "tb-n4-500mbit", 1000: "tb-n4-mtu9000"}
+    rates = sorted(ids)
+    points = _speedups([ids[m] for m in rates], results)
+    ax.plot(rates, [p[1] for p in points], "o-", label="switchml dense, 4 hosts, 64 MiB")
+    ax.axhline(1.5, color="k", linestyle="--", linewidth=1,
+               label="2(n-1)/n = 1.5: ratio of the link bounds")
+    ax.set(xscale="log", xlabel="link rate (Mbit/s), MTU 9000", xticks=rates,
+           xticklabels=[str(m) for m in rates], ylabel="gloo time / switchml time",
+           ylim=(0, 2), title="speedup over gloo against the link rate")
+
+
+def plot_speedup_vs_density(ax, results):
+    case = BY_ID["tb-n4-mtu9000-densities"]
+    rows = load(case, results)["rows"]
+    gloo = next(r["median_s"] for r in rows if r["system"] == "gloo")
+    dense = next(r["median_s"] for r in rows if r["system"] == "switchml-dense")
+    sparse = sorted((r["density"], r["median_s"]) for r in rows
+                    if r["system"] == "switchml-sparse")
+    ax.plot([d for d, _ in sparse], [gloo / t for _, t in sparse], "o-",
+            label="switchml sparse (OmniReduce)")
+    ax.axhline(gloo / dense, color="tab:blue", linestyle=":", label="switchml dense")
+    ax.plot([d for d, _ in sparse], [1 / (1 - (1 - d) ** 4) * 1.5 for d, _ in sparse], "k--",
+            linewidth=1, label="1.5 / (1 - (1-d)^4): the sparse bound's ratio")
+    ax.set(xscale="log", yscale="log", xlabel="block density d (each rank's, at random)",
+           ylabel="gloo time / switchml time",
+           title="speedup over gloo against block density, 4 hosts, 64 MiB")
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
+
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_yticks([1, 2, 5, 10, 20, 50])
+
+
+def plot_time_vs_ranks(ax, results):
+    series = (("2 hosts, 1 Gbit/s, 64 MiB", "tab:blue", ("tb-h2x1-1gbit", "tb-h2x2-1gbit")),
+              ("4 hosts, 500 Mbit/s, 32 MiB", "tab:green",
+               ("tb-h4x1-500mbit", "tb-h4x2-500mbit")),
+              ("2 hosts, 500 Mbit/s, 32 MiB", "tab:red", ("tb-h2x1-500mbit", "tb-h2x4-500mbit")))
+    for label, color, ids in series:
+        mine, ring = [], []
+        for cid in ids:
+            k = int(cid.split("x")[1].split("-")[0])
+            mine.append((k, row(BY_ID[cid], results)["median_s"]))
+            gloo = row(BY_ID[cid], results, "gloo")
+            if gloo:
+                ring.append((k, gloo["median_s"]))
+        ax.plot(*zip(*mine), "o-", color=color, label=f"switchml, {label}")
+        ax.plot(*zip(*ring), "x", color=color, markersize=9, label=f"gloo, {label}")
+    ax.set(xlabel="ranks a host", ylabel="median time (s)", xticks=[1, 2, 4], ylim=(0, 1.1),
+           title="allreduce time against ranks a host (the local stage)")
+
+
+def plot_latency_vs_size(ax, results):
     for cid, style in (("lat-tb-n4-mtu9000", "-"), ("lat-lo-n4", ":")):
         data = load(BY_ID[cid], results)
         for system, color in (("switchml-dense", "tab:blue"), ("gloo", "tab:orange")):
@@ -479,14 +562,14 @@ def plots(results: str = RESULTS) -> list:
                     label=f"{system}, {cid}")
     ax.set(xscale="log", yscale="log", xlabel="tensor bytes", ylabel="median time (ms)",
            title="allreduce latency against size, 4 workers")
-    ax.legend(fontsize="small")
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    path = os.path.join(ROOT, results, "latency_vs_size.png")
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    written.append(path)
-    return written
+
+
+#: File name -> what draws it on an axis.
+PLOTS = {"speedup_vs_workers.png": plot_speedup_vs_workers,
+         "speedup_vs_link.png": plot_speedup_vs_link,
+         "speedup_vs_density.png": plot_speedup_vs_density,
+         "time_vs_ranks_per_host.png": plot_time_vs_ranks,
+         "latency_vs_size.png": plot_latency_vs_size}
 
 
 def main(argv=None) -> int:

@@ -112,7 +112,7 @@ def test_every_case_has_its_results_and_nothing_else_is_kept():
     assert outside == [], "results no campaign case produces"
     kept = {f[len(campaign.RESULTS) + 1:].split("/")[0] for f in files}
     produced = {os.path.basename(campaign.output(c)) for c in campaign.CASES}
-    extra = {"machine.json", "speedup_vs_workers.png", "latency_vs_size.png"}
+    extra = {"machine.json", *campaign.PLOTS}
     assert produced <= kept, f"cases without results: {sorted(produced - kept)}"
     assert kept <= produced | extra, f"results of no case: {sorted(kept - produced - extra)}"
 
