@@ -26,11 +26,11 @@ static size_t lay_out(fp_io *io, uintptr_t base)
     CARVE(recv_addrs, FP_RECV_BATCH);
     CARVE(send_queue, FP_SEND_QUEUE);
     CARVE(order, FP_SEND_QUEUE);
-    CARVE(send_msgs, FP_SEND_QUEUE);
-    CARVE(send_addrs, FP_SEND_QUEUE);
-    CARVE(control, FP_SEND_QUEUE);
-    CARVE(msg_segments, FP_SEND_QUEUE);
-    CARVE(send_iov, FP_SEND_QUEUE);
+    CARVE(batch.msgs, FP_SEND_QUEUE);
+    CARVE(batch.addrs, FP_SEND_QUEUE);
+    CARVE(batch.control, FP_SEND_QUEUE);
+    CARVE(batch.segments, FP_SEND_QUEUE);
+    CARVE(batch.iov, FP_SEND_QUEUE);
 #undef CARVE
     return (size_t)(at - base);
 }
@@ -43,10 +43,7 @@ int fp_io_init(fp_io *io, fp_core *core)
     if (!io->block)
         return -1;
     lay_out(io, ((uintptr_t)io->block + 15) & ~(uintptr_t)15);
-    io->batch = (udp_batch){.msgs = io->send_msgs, .addrs = io->send_addrs,
-                            .control = io->control, .segments = io->msg_segments,
-                            .iov = io->send_iov, .max_messages = FP_SEND_QUEUE,
-                            .max_datagrams = FP_SEND_QUEUE};
+    io->batch.max_messages = io->batch.max_datagrams = FP_SEND_QUEUE;
     return 0;
 }
 

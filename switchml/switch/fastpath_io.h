@@ -34,12 +34,7 @@ typedef struct {
     struct sockaddr_in *recv_addrs;
     fp_out *send_queue;
     uint64_t (*order)[2]; /* (destination key, queue index) */
-    udp_batch batch;      /* the sender, over the storage below */
-    struct mmsghdr *send_msgs;
-    struct sockaddr_in *send_addrs;
-    udp_control *control;
-    uint32_t *msg_segments;
-    struct iovec *send_iov;
+    udp_batch batch;      /* the sender; its storage is in the block too */
     uint32_t queued;
     int fd;
     int gso;         /* this drain call may send GSO messages */
