@@ -518,11 +518,14 @@ def plot_speedup_vs_density(ax, results):
     dense = next(r["median_s"] for r in rows if r["system"] == "switchml-dense")
     sparse = sorted((r["density"], r["median_s"]) for r in rows
                     if r["system"] == "switchml-sparse")
+    n = rows[0]["workers"]
     ax.plot([d for d, _ in sparse], [gloo / t for _, t in sparse], "o-",
             label="switchml sparse (OmniReduce)")
     ax.axhline(gloo / dense, color="tab:blue", linestyle=":", label="switchml dense")
-    ax.plot([d for d, _ in sparse], [1 / (1 - (1 - d) ** 4) * 1.5 for d, _ in sparse], "k--",
-            linewidth=1, label="1.5 / (1 - (1-d)^4): the sparse bound's ratio")
+    # the ring moves 2(n-1)/n of the tensor, the sparse path the union of the
+    # ranks' blocks, 1 - (1-d)^n of it
+    ax.plot([d for d, _ in sparse], [2 * (n - 1) / n / (1 - (1 - d) ** n) for d, _ in sparse],
+            "k--", linewidth=1, label=f"2(n-1)/n / (1 - (1-d)^n), n={n}: the bounds' ratio")
     ax.set(xscale="log", yscale="log", xlabel="block density d (each rank's, at random)",
            ylabel="gloo time / switchml time",
            title="speedup over gloo against block density, 4 hosts, 64 MiB")
@@ -541,7 +544,9 @@ def plot_time_vs_ranks(ax, results):
     for label, color, ids in series:
         mine, ring = [], []
         for cid in ids:
-            k = int(cid.split("x")[1].split("-")[0])
+            args = BY_ID[cid].args
+            k = int(args[args.index("--ranks-per-host") + 1]) if "--ranks-per-host" in args \
+                else 1
             mine.append((k, row(BY_ID[cid], results)["median_s"]))
             gloo = row(BY_ID[cid], results, "gloo")
             if gloo:
