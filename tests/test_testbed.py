@@ -345,7 +345,7 @@ def test_two_ranks_a_host_put_the_tensor_on_each_host_link_once(tmp_path):
 
 
 @needs_root
-def test_a_multi_node_torchrun_of_two_ranks_a_host():
+def test_a_multi_node_torchrun_of_two_ranks_a_host(tmp_path):
     """torchrun --nnodes 2 --nproc-per-node 2, one in each host namespace: the
     ranks find their hosts through the store and combine before the switch."""
     pytest.importorskip("torch")
@@ -354,15 +354,12 @@ def test_a_multi_node_torchrun_of_two_ranks_a_host():
         start_switch(tb, "--slots", "256")
         procs = tb.run_torchrun([job, "local", "switchml"],
                                 env={"SWITCHML_LOCAL_STAGE": "1", "PYTHONPATH": ROOT,
-                                     "OMP_NUM_THREADS": "1"},
+                                     "OMP_NUM_THREADS": "1", "RESULT_DIR": str(tmp_path)},
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         outs = [p.communicate(timeout=300) for p in procs]
-    results = []
-    for proc, (out, err) in zip(procs, outs):
+    for proc, (_, err) in zip(procs, outs):
         assert proc.returncode == 0, err[-3000:]
-        results += [json.loads(line[len("RESULT "):]) for line in out.splitlines()
-                    if line.startswith("RESULT ")]
-    assert len(results) == 4
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
     for r in results:
         assert r["worker"] == "LocalStageWorker" and r["groups"] == [[0, 1], [2, 3]]
         assert r["local_calls"] > 0
