@@ -12,7 +12,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 $(STAMP): pyproject.toml setup.py $(wildcard switchml/*.h switchml/*.c switchml/switch/*.c switchml/switch/*.h switchml/worker/*.c switchml/worker/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(FIND_LINKS) -e '.[test,bench,torch,examples,metrics,integrations,docs]'
+	$(PY) -m pip install --quiet $(FIND_LINKS) -e '.[test,bench,torch,auth,examples,metrics,integrations,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -9,7 +9,7 @@ import socket
 import sys
 
 from . import __version__, config, protocol
-from .errors import MetricsUnavailableError
+from .errors import SwitchMLError
 from .netutil import LineReader
 from .switch.pipeline import MAX_WORKERS
 from .wire import max_packet_elements
@@ -29,7 +29,7 @@ LIMITS = f"""limits (each refused with an error that names it):
 #: ``switchml switch``'s flags that are settings of the switch (SwitchConfiguration).
 SWITCH_FLAGS = ("host", "port", "slots", "packet_elements", "block_elements", "slots_per_job",
                 "max_jobs", "metrics_port", "metrics_host", "keepalive", "drop_rate", "seed",
-                "upstream", "shared_link")
+                "upstream", "shared_link", "token_file")
 
 
 def switch_configuration(args, environ=None) -> config.SwitchConfiguration:
@@ -49,7 +49,7 @@ def _switch(args) -> int:
     try:
         switch = Switch(configuration=switch_configuration(args))
         switch.start()
-    except (ValueError, OSError, MetricsUnavailableError) as exc:
+    except (ValueError, OSError, SwitchMLError) as exc:
         print(f"switchml switch: {exc}", file=sys.stderr)
         return 2
     assert switch.address is not None
@@ -196,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this switch is a server behind one link all its workers share (no "
                         "programmable switch): a job's window is its ranks' share of that "
                         "link's ($SWITCHML_SHARED_LINK=1)")
+    p.add_argument("--token-file", metavar="FILE",
+                   help="admission token: only workers that prove they know the token in "
+                        "FILE (their SWITCHML_SWITCH_TOKEN) can create jobs "
+                        "($SWITCHML_SWITCH_TOKEN_FILE; $SWITCHML_SWITCH_TOKEN gives the token)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=_switch)
 

@@ -66,6 +66,16 @@ SWITCHML_LOCAL_GROUP        ranks of one host that name different    (none)
 SWITCHML_LOCAL_SEGMENT      bytes the local stage combines, sends    2097152
                             and copies back at a time (alike on
                             every rank of a job)
+SWITCHML_JOB_SECRET         the job's secret: only ranks that know   (none: an
+                            it join the job (every rank the same;    open job;
+                            never sent)                              torch: a
+                                                                     random one)
+SWITCHML_SWITCH_TOKEN       the switch's admission token: a switch   (none)
+                            with one creates jobs only for workers
+                            that prove they know it (switch and
+                            worker)
+SWITCHML_SWITCH_TOKEN_FILE  a file holding it (``switchml switch     (none)
+                            --token-file``)
 ==========================  =======================================  ==========
 
 A switch's settings are one ``SwitchConfiguration``, whichever way it starts
@@ -215,6 +225,7 @@ SWITCH_VARIABLES = {
     "keepalive": ("KEEPALIVE", float),
     "upstream": ("UPSTREAM", str),
     "shared_link": ("SHARED_LINK", parse_flag),
+    "token_file": ("SWITCH_TOKEN_FILE", str),
 }
 
 
@@ -243,7 +254,10 @@ class SwitchConfiguration:
     packets reach it through that link's one queue, so a job's window there is
     its ranks' share of one link's, ``ceil(slots_per_job / world_size)``, not
     ``slots_per_job`` each; on a switch with a port per worker, and on
-    loopback, it is not).
+    loopback, it is not), ``token_file`` (a file holding the switch's admission
+    token: without proof of it no job can be created; ``SWITCHML_SWITCH_TOKEN``
+    gives the token itself; a rack switch relays its workers' proofs to its
+    spine, which checks them, so it takes none).
     """
 
     host: str = "127.0.0.1"
@@ -262,6 +276,7 @@ class SwitchConfiguration:
     fastpath: bool | None = None
     upstream: str | None = None
     shared_link: bool = False
+    token_file: str | None = None
 
     def __post_init__(self):
         # Checked here, so that a switch started in a child process (SwitchProcess)
@@ -278,6 +293,10 @@ class SwitchConfiguration:
             if self.fastpath:
                 raise ValueError("a rack switch (upstream) runs its data plane in Python: "
                                  "fastpath=True cannot be kept")
+            if self.token_file is not None:
+                raise ValueError("a rack switch (upstream) relays its workers' proofs to its "
+                                 "spine, which checks the admission token: give the token "
+                                 "file to the spine")
 
     @classmethod
     def from_env(cls, defaults: dict | None = None, environ=None,

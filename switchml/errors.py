@@ -59,3 +59,20 @@ class ProtocolVersionError(JoinRefusedError):
         super().__init__(message)
         self.switch_version = switch_version
         self.worker_version = worker_version
+
+
+class AuthenticationError(JoinRefusedError):
+    """The switch refused a join or gather that could not prove what it must:
+    the job's secret (``reason`` ``"authentication"``) or the switch's admission
+    token (``reason`` ``"admission"``).  The message names the job and the rank,
+    never a secret or a token."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class AuthUnavailableError(SwitchMLError, ImportError):
+    """A job secret or an admission token was given, but the ``cryptography``
+    package that signs and checks them is not installed (``pip install
+    'switchml[auth]'``)."""

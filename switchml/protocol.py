@@ -2,10 +2,11 @@
 
 Control messages travel as JSON objects, one per line, over the switch's TCP
 control port (docs/protocol.md, "Joining").  A worker's requests carry ``"op"``
-(``Gather``, ``Join``, ``Leave``, ``Abort``, ``StatusQuery``, ``StatsQuery``; a rack
-switch's ``RackJoin``); the switch's answers carry ``"event"`` (``Gathered``,
-``Joined``, ``Ready``, ``Waiting``, ``Error``, ``Failed``, ``Left``, ``StatusReply``,
-``StatsReply``; to a rack switch, ``RackReady``).  Every field name and
+(``Gather``, ``Join``, ``Prove``, ``Leave``, ``Abort``, ``StatusQuery``,
+``StatsQuery``; a rack switch's ``RackJoin``); the switch's answers carry
+``"event"`` (``Challenge``, ``Gathered``, ``Joined``, ``Ready``, ``Waiting``,
+``Error``, ``Failed``, ``Left``, ``StatusReply``, ``StatsReply``; to a rack
+switch, ``RackReady``).  Every field name and
 every check of a field lives here, so that the switch's controller
 (``switch/control.py``), the worker's client (``worker/control.py``) and the CLI
 build and read the same messages.  Data packets are another format
@@ -18,6 +19,11 @@ with a type or a range.
 A ``Join`` carries ``version``; a switch that speaks another version refuses it
 with an ``Error`` naming both (and its own in ``version``).  A join without one
 is taken as version 1, what clients sent before the field existed.
+
+A join or gather of an authenticated job carries the job's public ``key``
+(``auth.py``); the switch answers it, and any request where the switch has an
+admission token, with a ``Challenge``, and takes the request once its ``Prove``
+checks out.
 """
 
 from __future__ import annotations
@@ -25,10 +31,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from .auth import ADMISSION_HEX, KEY_HEX, SIGNATURE_HEX
 from .netutil import encode_line
 
 #: Version of the control protocol this code speaks (``Join.version``).
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Challenge and Prove, job keys, per-rank data tokens
 #: Longest job name, abort reason and error message kept, in characters.
 MAX_NAME = 200
 #: Smallest MTU a worker may report: IPv4's minimum.
@@ -69,6 +76,17 @@ def _integer(msg: dict, key: str, low: int, high: int, default=None) -> int:
         raise BadRequest(f"{key} must be an integer, got {value!r}"[:MAX_NAME])
     if not low <= value <= high:
         raise BadRequest(f"{key} {value} is outside {low}..{high}"[:MAX_NAME])
+    return value
+
+
+def _hex(msg: dict, key: str, length: int) -> str | None:
+    """Field ``key`` as ``length`` lower-case hex digits, or None when absent."""
+    value = msg.get(key)
+    if value is None:
+        return None
+    if (not isinstance(value, str) or len(value) != length
+            or value.strip("0123456789abcdef")):
+        raise BadRequest(f"{key} must be {length} hex digits"[:MAX_NAME])
     return value
 
 
@@ -116,6 +134,9 @@ class Join(Request):
     #: Jobs whose packets the rank's link carries at once (the local stage's shards,
     #: one job each): the job's window is the link's over this.
     link_share: int = 1
+    #: The job's public key (``auth.JobKey.public``): its identity on the switch.
+    #: None: an open job, joined by name alone.
+    key: str | None = None
 
     def fields(self) -> dict:
         out = {"version": self.version, "job": self.job, "rank": self.rank,
@@ -123,14 +144,16 @@ class Join(Request):
                "slots": self.slots, "rcvbuf": self.rcvbuf, "mtu": self.mtu, "wait": self.wait}
         if self.link_share != 1:
             out["link_share"] = self.link_share
+        if self.key is not None:
+            out["key"] = self.key
         return out
 
     @classmethod
     def from_dict(cls, msg: dict) -> Join:
         """The checks a switch makes of a join; BadRequest (or VersionMismatch) names
         the first field that fails."""
-        if msg.get("version", PROTOCOL_VERSION) != PROTOCOL_VERSION:
-            raise VersionMismatch(msg.get("version"))
+        if msg.get("version", 1) != PROTOCOL_VERSION:
+            raise VersionMismatch(msg.get("version", 1))
         if not {"job", "rank", "world_size", "data_addr"} <= msg.keys():
             raise BadRequest("join needs job, rank, world_size and data_addr")
         job = str(msg["job"])[:MAX_NAME]
@@ -145,7 +168,7 @@ class Join(Request):
         mtu = _integer(msg, "mtu", MIN_MTU, 1 << 20) if msg.get("mtu") is not None else None
         share = _integer(msg, "link_share", 1, MAX_GATHER_RANKS, 1)
         return cls(job, rank, world, address, slots, rcvbuf, mtu, msg.get("wait") is True,
-                   link_share=share)
+                   link_share=share, key=_hex(msg, "key", KEY_HEX))
 
 
 @dataclass(frozen=True)
@@ -167,7 +190,7 @@ class RackJoin(Join):
         join = Join.from_dict(msg)
         return cls(join.job, join.rank, join.world_size, join.data_addr, join.slots,
                    join.rcvbuf, join.mtu, join.wait, link_share=join.link_share,
-                   rack=str(msg.get("rack", ""))[:MAX_NAME])
+                   key=join.key, rack=str(msg.get("rack", ""))[:MAX_NAME])
 
 
 @dataclass(frozen=True)
@@ -233,21 +256,50 @@ class Gather(Request):
     world_size: int
     value: str
     version: int = PROTOCOL_VERSION
+    key: str | None = None  # as Join.key
 
     def fields(self) -> dict:
-        return {"version": self.version, "job": self.job, "rank": self.rank,
-                "world_size": self.world_size, "value": self.value}
+        out = {"version": self.version, "job": self.job, "rank": self.rank,
+               "world_size": self.world_size, "value": self.value}
+        if self.key is not None:
+            out["key"] = self.key
+        return out
 
     @classmethod
     def from_dict(cls, msg: dict) -> Gather:
-        if msg.get("version", PROTOCOL_VERSION) != PROTOCOL_VERSION:
-            raise VersionMismatch(msg.get("version"))
+        if msg.get("version", 1) != PROTOCOL_VERSION:
+            raise VersionMismatch(msg.get("version", 1))
         value = msg.get("value")
         if not isinstance(value, str) or len(value) > MAX_NAME:
             raise BadRequest(f"value must be text of at most {MAX_NAME} characters")
         world = _integer(msg, "world_size", 1, MAX_GATHER_RANKS)
         rank = _integer(msg, "rank", 0, world - 1)
-        return cls(str(msg.get("job", ""))[:MAX_NAME], rank, world, value)
+        return cls(str(msg.get("job", ""))[:MAX_NAME], rank, world, value,
+                   key=_hex(msg, "key", KEY_HEX))
+
+
+@dataclass(frozen=True)
+class Prove(Request):
+    """A rank's answer to a ``Challenge``: the job key's ``signature`` and the
+    switch token's ``admission`` proof over ``auth.transcript`` (each where asked)."""
+
+    name = "prove"
+    rank: int
+    signature: str | None = None
+    admission: str | None = None
+
+    def fields(self) -> dict:
+        out: dict = {"rank": self.rank}
+        if self.signature is not None:
+            out["signature"] = self.signature
+        if self.admission is not None:
+            out["admission"] = self.admission
+        return out
+
+    @classmethod
+    def from_dict(cls, msg: dict) -> Prove:
+        return cls(_integer(msg, "rank", 0, 2**31), _hex(msg, "signature", SIGNATURE_HEX),
+                   _hex(msg, "admission", ADMISSION_HEX))
 
 
 @dataclass(frozen=True)
@@ -257,7 +309,7 @@ class StatsQuery(Request):
     name = "stats"
 
 
-REQUESTS: dict[str, Any] = {"join": Join, "rack_join": RackJoin, "leave": Leave,
+REQUESTS: dict[str, Any] = {"join": Join, "rack_join": RackJoin, "prove": Prove, "leave": Leave,
                             "abort": Abort, "status": StatusQuery, "stats": StatsQuery,
                             "gather": Gather}
 
@@ -306,11 +358,17 @@ class Ready(Event):
     #: splits this over its links (``multi.py``).  None: ``slot_count`` (a rack
     #: switch's, an older switch's).
     link_window: int | None = field(default=None, kw_only=True)
+    #: This rank's data-plane token: what its datagrams to the switch carry in the
+    #: header's session field (results carry ``session``), so that no other
+    #: member, and no spoofed source address, passes as this rank.  Each rank
+    #: gets its own over its own connection.  0: ``session`` (an older switch's).
+    token: int = field(default=0, kw_only=True)
 
     def fields(self) -> dict:
         out = {"session": self.session, "slot_base": self.slot_base,
                "slot_count": self.slot_count, "packet_elements": self.packet_elements,
-               "block_elements": self.block_elements, "data_port": self.data_port}
+               "block_elements": self.block_elements, "data_port": self.data_port,
+               "token": self.token}
         if self.link_window is not None:
             out["link_window"] = self.link_window
         return out
@@ -330,6 +388,20 @@ class RackReady(Ready):
     def fields(self) -> dict:
         return {**super().fields(), "member": self.member, "members": self.members,
                 "ranks": list(self.ranks)}
+
+
+@dataclass(frozen=True)
+class Challenge(Event):
+    """The switch asks rank ``rank`` to prove its request (``Prove``): a fresh
+    ``nonce``; ``admission``: whether the switch's admission token must be proven."""
+
+    name = "challenge"
+    nonce: str
+    rank: int
+    admission: bool = False
+
+    def fields(self) -> dict:
+        return {"nonce": self.nonce, "rank": self.rank, "admission": self.admission}
 
 
 @dataclass(frozen=True)
@@ -354,6 +426,8 @@ class Error(Event):
     message: str
     limit: str | None = None
     version: int | None = None
+    #: "authentication" or "admission": the request's proof failed.
+    reason: str | None = None
 
     def fields(self) -> dict:
         out: dict = {"message": self.message}
@@ -361,6 +435,8 @@ class Error(Event):
             out["limit"] = self.limit
         if self.version is not None:
             out["version"] = self.version
+        if self.reason is not None:
+            out["reason"] = self.reason
         return out
 
 
@@ -455,22 +531,29 @@ def decode_event(msg) -> Event | None:
             "session", "slot_base", "slot_count", "packet_elements", "block_elements",
             "data_port")), link_window=_field(msg, "link_window",
                                                lambda v: v is None or _is_int(v),
-                                               "an integer", None))
+                                               "an integer", None),
+            token=_field(msg, "token", _is_int, "an integer", 0))
     if name == "rack_ready":
         session, base, count, packet, block, port, member, members = (
             _field(msg, key, _is_int, "an integer") for key in (
                 "session", "slot_base", "slot_count", "packet_elements", "block_elements",
                 "data_port", "member", "members"))
         return RackReady(session, base, count, packet, block, port, member, members,
-                         tuple(_field(msg, "ranks", _ints, "ranks")))
+                         tuple(_field(msg, "ranks", _ints, "ranks")),
+                         token=_field(msg, "token", _is_int, "an integer", 0))
     if name == "waiting":
         return Waiting(str(msg.get("job", "")), str(msg.get("limit")),
                        _field(msg, "message", _text, "text"))
     if name == "error":
-        limit, version = msg.get("limit"), msg.get("version")
+        limit, version, reason = msg.get("limit"), msg.get("version"), msg.get("reason")
         return Error(_field(msg, "message", _text, "text"),
                      limit if isinstance(limit, str) and limit else None,
-                     version if _is_int(version) else None)
+                     version if _is_int(version) else None,
+                     reason if isinstance(reason, str) and reason else None)
+    if name == "challenge":
+        return Challenge(_field(msg, "nonce", _text, "text"),
+                         _field(msg, "rank", _is_int, "an integer"),
+                         msg.get("admission") is True)
     if name == "failed":
         return Failed(tuple(_field(msg, "missing", _ints, "ranks", [])),
                       str(msg.get("reason", "")), msg.get("mismatch") is True)

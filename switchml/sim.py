@@ -24,6 +24,12 @@ from .worker.multi import part_bounds
 SWITCH = ("switch", 0)
 
 
+def rank_token(session: int, rank: int) -> int:
+    """A rank's data-plane token in a simulated job: distinct from the session and
+    from the other ranks' (the controller draws them at random), never 0."""
+    return ((session ^ (0x9E3779B9 * (rank + 1))) & 0xFFFFFFFF) or 1
+
+
 @dataclass
 class Faults:
     loss: float = 0.0        # probability a datagram is lost (each direction)
@@ -206,9 +212,11 @@ class Simulation(CallDriver):
         self.rank_of = {addr: rank for rank, addr in enumerate(addrs)}
         self.addresses = list(addrs)
         base = self.pipeline.allocate(slots) if slot_base is None else slot_base
+        tokens = [rank_token(session, r) for r in range(world_size)]
         self.job = self.pipeline.install_job(f"sim-{session}", session, addrs, base, slots,
-                                             packet_elements, block_elements)
-        self.memberships = [Membership(session=session, rank=r, world_size=world_size,
+                                             packet_elements, block_elements, tokens)
+        self.memberships = [Membership(session=session, token=tokens[r], rank=r,
+                                       world_size=world_size,
                                        slot_base=base, slot_count=slots,
                                        packet_elements=self.job.packet_elements,
                                        block_elements=self.job.block_elements,

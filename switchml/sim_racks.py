@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .sim import SWITCH, CallDriver, Faults, Network, StalledSimulation, next_event
+from .sim import SWITCH, CallDriver, Faults, Network, StalledSimulation, next_event, rank_token
 from .switch.pipeline import Pipeline
 from .switch.rack import RackPipeline, Uplink
 from .worker.engine import Membership
@@ -118,23 +118,29 @@ class RackedJob(CallDriver):
         spine_session = session ^ 0x5A5A5A5A if spine_session is None else spine_session
         sources = [("uplink", r, session) for r in self.racks]
         spine_base = spine.allocate(slots)
+        spine_tokens = [rank_token(spine_session, m) for m in range(len(sources))]
         self.spine_job = spine.install_job(f"spine-{session}", spine_session, sources,
-                                           spine_base, slots, packet_elements, block_elements)
+                                           spine_base, slots, packet_elements, block_elements,
+                                           spine_tokens)
         self.rack_jobs = {}
         for member, (r, source) in enumerate(zip(self.racks, sources)):
             rack = fabric.racks[r]
-            uplink = Uplink(SPINE, source, spine_session, spine_base, member)
+            uplink = Uplink(SPINE, source, spine_session, spine_base, member,
+                            spine_tokens[member])
             self.rack_jobs[r] = rack.install_job(
                 self.name, session, [self.addresses[g] for g in self.ranks_behind[r]],
                 rack.allocate(slots), slots, self.spine_job.packet_elements,
-                self.spine_job.block_elements, uplink=uplink)
+                self.spine_job.block_elements, [rank_token(session, g)
+                                                for g in self.ranks_behind[r]],
+                uplink=uplink)
             fabric._rack_at[source] = r
         for g, addr in enumerate(self.addresses):
             fabric._worker_at[addr] = (self, g)
         self._rack_address = {addr: fabric.rack_addresses[r]
                               for addr, r in zip(self.addresses, placement)}
         # Workers quantise with the global world size: the spine's sum must fit.
-        self.memberships = [Membership(session=session, rank=g, world_size=world,
+        self.memberships = [Membership(session=session, token=rank_token(session, g), rank=g,
+                                       world_size=world,
                                        slot_base=self.rack_jobs[placement[g]].slot_base,
                                        slot_count=slots,
                                        packet_elements=self.spine_job.packet_elements,

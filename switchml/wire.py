@@ -18,7 +18,9 @@ records, then ``count`` int32 values, all little-endian::
          5    1 mode       bit 0: sparse (OmniReduce); bit 1: sparse seed round;
                               4 alone: values maxed (sparse exponent rounds)
          6    2 slot       absolute slot index in the switch's pool
-         8    4 session    random id of the job, given at join
+         8    4 session    from the switch: the job's random id, given at join;
+                           from a worker: its own token, given at join
+                           (``protocol.Ready.token``), which the switch checks
         12    4 msg        per-slot message number; the shadow-copy set is msg & 1
         16    4 seq        allreduce sequence number within the session
         20    4 pkt_id     packet index within the allreduce
@@ -52,7 +54,8 @@ late costs 32 bytes, not a second copy of the result.
 Dense packets carry their values as they are (``count`` may end mid-block at the
 tensor's end); sparse packets carry one full block per flagged lane, in lane
 order.  The worker's rank is deliberately not in the packet: like a switch's
-table entry, the switch knows it from the source address that joined the job.
+table entry, the switch knows it from the source address that joined the job,
+and the rank's token in ``session`` proves it.
 """
 
 from __future__ import annotations

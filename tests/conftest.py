@@ -149,7 +149,8 @@ def job_whose_rank_1_vanishes(address, job, timeout):
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as data, \
             socket.create_connection(address) as control:
         data.bind(("127.0.0.1", 0))
-        control.sendall(json.dumps({"op": "join", "job": job, "rank": 1, "world_size": 2,
+        control.sendall(json.dumps({"op": "join", "version": 2, "job": job, "rank": 1,
+                                    "world_size": 2,
                                     "data_addr": list(data.getsockname())}).encode() + b"\n")
         reader = LineReader()
         while not any(m.get("event") == "ready" for m in reader.feed(control.recv(4096))):

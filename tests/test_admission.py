@@ -18,7 +18,7 @@ from switchml.switch.pipeline import Pipeline
 
 
 def join(ctl, conn, rank, world, job, wait=False, **extra):
-    msg = {"op": "join", "job": job, "rank": rank, "world_size": world,
+    msg = {"op": "join", "version": 2, "job": job, "rank": rank, "world_size": world,
            "data_addr": ["10.0.0.1", 1000 + conn], "wait": wait, **extra}
     return ctl.handle_message(conn, msg)
 
@@ -165,7 +165,7 @@ def test_a_restarted_rank_is_refused_while_its_job_runs_then_the_job_re_forms(ct
 def test_a_new_job_never_gets_a_recent_session(ctl, monkeypatch):
     first = start_job(ctl, "j", [1])[1]["session"]
     ctl.handle_message(1, {"op": "leave"})
-    draws = iter([first, first, 12345])
+    draws = iter([first, first, 12345, 777])  # then the rank's token
     monkeypatch.setattr(control.secrets, "randbits", lambda bits: next(draws))
     assert start_job(ctl, "k", [2])[2]["session"] == 12345
 

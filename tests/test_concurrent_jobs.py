@@ -125,8 +125,9 @@ def test_two_jobs_stay_exact_while_garbage_is_sprayed_at_the_switch():
         lanes = np.zeros(K // 256, wire.LANE)
         forged = {"small": (wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, b_big, s_big,
                                         0, 0, 0, lanes, np.ones(K, np.int32)),
-                            "dropped_wrong_session"),
-                  "big": (wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, b_small, s_big,
+                            "dropped_bad_token"),
+                  "big": (wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, b_small,
+                                      members["big"][0].membership.token,
                                       0, 0, 0, lanes, np.ones(K, np.int32)),
                           "dropped_slot_out_of_range")}
         for job, (datagram, _) in forged.items():

@@ -9,7 +9,7 @@ from switchml.switch.pipeline import Pipeline
 
 
 def join(ctl, conn, rank, world, job="j", **extra):
-    msg = {"op": "join", "job": job, "rank": rank, "world_size": world,
+    msg = {"op": "join", "version": 2, "job": job, "rank": rank, "world_size": world,
            "data_addr": ["10.0.0.1", 1000 + rank + 100 * conn], **extra}
     return ctl.handle_message(conn, msg)
 
@@ -30,9 +30,11 @@ def test_ready_only_when_every_rank_joined(ctl):
 
 
 @pytest.mark.parametrize("msg, reason", [
-    ({"op": "join", "job": "j", "rank": 0}, "needs"),
-    ({"op": "join", "job": "j", "rank": 5, "world_size": 2, "data_addr": ["a", 1]}, "outside"),
-    ({"op": "join", "job": "j", "rank": 0, "world_size": 40, "data_addr": ["a", 1]}, "32"),
+    ({"op": "join", "version": 2, "job": "j", "rank": 0}, "needs"),
+    ({"op": "join", "version": 2, "job": "j", "rank": 5, "world_size": 2,
+      "data_addr": ["a", 1]}, "outside"),
+    ({"op": "join", "version": 2, "job": "j", "rank": 0, "world_size": 40,
+      "data_addr": ["a", 1]}, "32"),
     ({"op": "nonsense"}, "unknown"),
     ("not a dict", "unknown"),
 ])
@@ -112,10 +114,10 @@ def test_a_switch_behind_a_shared_link_gives_a_job_its_ranks_share(world, slots)
 def test_status_reports_bitmaps_of_own_slots_only(ctl):
     join(ctl, 1, 0, 2)
     [(_, ready), _] = join(ctl, 2, 1, 2)
-    base, session = ready["slot_base"], ready["session"]
+    base = ready["slot_base"]
     lanes = np.zeros(ctl.pipeline.lanes, wire.LANE)
-    pkt = wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, base, session, 5, 0, 0, lanes,
-                      np.zeros(2, np.int32))
+    pkt = wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, base, ready["token"], 5, 0, 0,
+                      lanes, np.zeros(2, np.int32))
     ctl.pipeline.receive_datagram(pkt, ("10.0.0.1", 1100))  # rank 0, joined on conn 1
     [(_, reply)] = ctl.handle_message(1, {"op": "status", "slots": [[base, 5], [15, 0]]})
     assert reply == {"event": "status", "slots": [[base, 5, True, 0b01]]}

@@ -6,6 +6,7 @@ join, a refusal, a failure and a leave, and every bad line a switch could send.
 """
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -62,7 +63,10 @@ def test_two_ranks_join_and_get_the_same_ready(ctl):
     out = to_switch(b, ctl, "b")
     [ready_a] = a.receive_data(replies_to(out, "a"), 2.0)
     [ready_b] = b.receive_data(replies_to(out, "b"), 2.0)
-    assert isinstance(ready_a, Ready) and ready_a == ready_b == a.ready == b.ready
+    assert isinstance(ready_a, Ready) and ready_a is a.ready and ready_b is b.ready
+    # the same job; each rank its own data-plane token
+    assert replace(ready_a, token=0) == replace(ready_b, token=0)
+    assert 0 != ready_a.token != ready_b.token != 0
     assert ready_a.slot_count == 4 and ready_a.data_port == 7300 and ready_a.session != 0
     assert a.state == b.state == RUNNING and a.get_timer() is None
 

@@ -116,11 +116,11 @@ def bad_packet(draw):
         return bytes(flipped), addr, job, "dropped_" + reason
     if case == "wrong_session":
         wrong = draw(u32.filter(lambda s: s != session))
-        return build(slot, wrong, 0, values), addr, job, "dropped_wrong_session"
+        return build(slot, wrong, 0, values), addr, job, "dropped_bad_token"
     if case == "other_jobs_session":  # posing as the other job, on its slots
         other_session, _, other_slots = JOBS[other]
         return build(draw(st.sampled_from(other_slots)), other_session, 0, values), addr, job, \
-            "dropped_wrong_session"
+            "dropped_bad_token"
     if case == "other_jobs_slot":  # its own session, the other job's slots
         return build(draw(st.sampled_from(JOBS[other][2])), session, 0, values), addr, job, \
             "dropped_slot_out_of_range"

@@ -53,16 +53,19 @@ def test_deeply_nested_json_does_not_kill_the_switch(switch):
 
 
 def test_non_finite_and_mistyped_join_fields_are_refused(switch):
-    base = '"op": "join", "job": "x", "rank": 0, "world_size": 1'
+    base = '"op": "join", "version": 2, "job": "x", "rank": 0, "world_size": 1'
     bad = [
         '{%s, "data_addr": ["127.0.0.1", 5000], "slots": Infinity}' % base,
         '{%s, "data_addr": ["127.0.0.1", 5000], "slots": NaN}' % base,
         '{%s, "data_addr": ["127.0.0.1", 1e999]}' % base,
         '{%s, "data_addr": ["127.0.0.1", 70000]}' % base,
         '{%s, "data_addr": "127.0.0.1:5000"}' % base,
-        '{"op": "join", "job": "x", "rank": 0.5, "world_size": 1, "data_addr": ["h", 1]}',
-        '{"op": "join", "job": "x", "rank": 0, "world_size": true, "data_addr": ["h", 1]}',
-        '{"op": "join", "job": "x", "rank": 0, "world_size": 1e300, "data_addr": ["h", 1]}',
+        '{"op": "join", "version": 2, "job": "x", "rank": 0.5, "world_size": 1, '
+        '"data_addr": ["h", 1]}',
+        '{"op": "join", "version": 2, "job": "x", "rank": 0, "world_size": true, '
+        '"data_addr": ["h", 1]}',
+        '{"op": "join", "version": 2, "job": "x", "rank": 0, "world_size": 1e300, '
+        '"data_addr": ["h", 1]}',
     ]
     for line in bad:
         [reply] = control_exchange(switch.address, line.encode() + b"\n")
@@ -75,7 +78,7 @@ def test_non_finite_and_mistyped_join_fields_are_refused(switch):
 def test_malformed_status_query_of_a_joined_rank_is_answered_empty(switch):
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     udp.bind(("127.0.0.1", 0))
-    join = {"op": "join", "job": "j", "rank": 0, "world_size": 1,
+    join = {"op": "join", "version": 2, "job": "j", "rank": 0, "world_size": 1,
             "data_addr": list(udp.getsockname())}
     queries = [5, {"a": 1}, "slots", [[0.5, 1]], [[1, 2, 3]], [[True, 0]], [[0, 2**40]]]
     lines = [json.dumps(join)] + [json.dumps({"op": "status", "slots": q}) for q in queries]

@@ -83,13 +83,13 @@ def test_metrics_count_a_real_allreduce_and_injected_garbage():
             workers[0]._udp.sendto(wrong[:20], sw.address)
         totals = lambda: sw.stats()["totals"]  # noqa: E731
         wait_for(lambda: totals().get("dropped_unknown_source", 0) == 7
-                 and totals().get("dropped_wrong_session", 0) == 5
+                 and totals().get("dropped_bad_token", 0) == 5
                  and totals().get("dropped_truncated", 0) == 4)
         m = scrape(sw)
         assert value(m, "switchml_dropped_packets_total", reason="unknown_source") == 7
-        assert value(m, "switchml_job_dropped_packets_total", reason="wrong_session", **job) == 5
+        assert value(m, "switchml_job_dropped_packets_total", reason="bad_token", **job) == 5
         assert value(m, "switchml_job_dropped_packets_total", reason="truncated", **job) == 4
-        assert value(m, "switchml_dropped_packets_total", reason="wrong_session") == 5
+        assert value(m, "switchml_dropped_packets_total", reason="bad_token") == 5
         stranger.close()
         for w in workers:
             w.close()
@@ -97,7 +97,7 @@ def test_metrics_count_a_real_allreduce_and_injected_garbage():
         m = scrape(sw)
         assert value(m, "switchml_job_info", slots="0..15", state="ended", world_size="2",
                      **job) == 1
-        assert value(m, "switchml_dropped_packets_total", reason="wrong_session") == 5
+        assert value(m, "switchml_dropped_packets_total", reason="bad_token") == 5
         assert value(m, "switchml_control_events_total", event="jobs_ended") == 1
         assert value(m, "switchml_slots_free") == 64
 

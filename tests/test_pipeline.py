@@ -329,13 +329,13 @@ def test_bad_packets_are_dropped_counted_and_leave_a_concurrent_job_alone():
         (good, ("mallory", 1), p.counters, "dropped_unknown_source"),
         (good, B[3], p.counters, "dropped_unknown_source"),  # rank beyond job B's world
         # job A's member writing into job B's slot: wrong session from its address...
-        (good, A[1], ja.counters, "dropped_wrong_session"),
+        (good, A[1], ja.counters, "dropped_bad_token"),
         # ...or with its own session: slot outside job A's range
         (contrib(slot, SA, 3, [10, 20, 30], seq=4, pkt_id=1), A[1], ja.counters,
          "dropped_slot_out_of_range"),
         # job B's member with a wrong session
         (contrib(slot, SB + 1, 3, [10, 20, 30], seq=4, pkt_id=1), B[1], jb.counters,
-         "dropped_wrong_session"),
+         "dropped_bad_token"),
         # job B's member on a slot outside B's range (job A's slot, and past the pool)
         (contrib(0, SB, 0, [5, 5, 5]), B[1], jb.counters, "dropped_slot_out_of_range"),
         (contrib(3, SB, 0, [5, 5, 5]), B[1], jb.counters, "dropped_slot_out_of_range"),
@@ -385,7 +385,7 @@ def test_bad_packets_are_dropped_counted_and_leave_a_concurrent_job_alone():
         _assert_bad_packet_dropped(p, data, addr, where, key)
         assert p.slot_state(slot, 3) == state_b
         assert p.slot_state(0, 0) == state_a
-    for key in ("dropped_unknown_source", "dropped_wrong_session",
+    for key in ("dropped_unknown_source", "dropped_bad_token",
                 "dropped_slot_out_of_range", "dropped_too_many_values", "dropped_bad_kind",
                 "dropped_truncated", "dropped_bad_length", "dropped_bad_mode",
                 "dropped_bad_lanes", "dropped_bad_block_count"):
@@ -761,7 +761,7 @@ def test_a_probe_with_values_or_lanes_is_dropped():
     # another job's session, a slot out of range: dropped as a contribution would be
     assert send(p, wire.probe_of(contrib(0, SB, 0, [1] * K)), A[0]) == []
     assert send(p, wire.probe_of(contrib(5, SA, 0, [1] * K)), A[0]) == []
-    assert job.counters["dropped_wrong_session"] == job.counters["dropped_slot_out_of_range"] == 1
+    assert job.counters["dropped_bad_token"] == job.counters["dropped_slot_out_of_range"] == 1
 
 
 def test_a_resend_posing_as_a_contribution_is_dropped():

@@ -65,16 +65,16 @@ def test_the_json_objects_are_those_of_docs_protocol_md():
     assert Join("j", 0, 1, ("h", 1)).to_dict()["version"] == protocol.PROTOCOL_VERSION
 
 
-def test_a_join_without_a_version_is_version_1():
-    join = protocol.decode_request({"op": "join", "job": "j", "rank": 0, "world_size": 1,
-                                    "data_addr": ["h", 1]})
-    assert join.version == 1 == protocol.PROTOCOL_VERSION
+def test_a_join_without_a_version_is_version_1_and_refused_naming_both():
+    with pytest.raises(protocol.VersionMismatch, match="version 1 unsupported.*speaks version 2"):
+        protocol.decode_request({"op": "join", "job": "j", "rank": 0, "world_size": 1,
+                                 "data_addr": ["h", 1]})
 
 
 @pytest.mark.parametrize("msg, error, words", [
     ({"op": "join", "version": 7, "job": "j"}, protocol.VersionMismatch, "version 7"),
-    ({"op": "join", "job": "j"}, protocol.BadRequest, "needs"),
-    ({"op": "join", "job": "j", "rank": -1, "world_size": 2, "data_addr": ["h", 1]},
+    ({"op": "join", "version": 2, "job": "j"}, protocol.BadRequest, "needs"),
+    ({"op": "join", "version": 2, "job": "j", "rank": -1, "world_size": 2, "data_addr": ["h", 1]},
      protocol.BadRequest, "rank -1 is outside"),
     ({"op": "teleport"}, protocol.UnknownMessage, "unknown control message 'teleport'"),
     ([], protocol.UnknownMessage, "unknown control message None"),

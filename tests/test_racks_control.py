@@ -72,7 +72,7 @@ class Relay:
 
 
 def join(rank, world=4, job="j", mtu=None):
-    return {"op": "join", "job": job, "rank": rank, "world_size": world,
+    return {"op": "join", "version": 2, "job": job, "rank": rank, "world_size": world,
             "data_addr": [f"10.0.2.{rank}", 5000 + rank], "mtu": mtu}
 
 
@@ -98,7 +98,8 @@ def test_racks_join_the_spine_as_one_member_each_and_their_workers_get_ready():
         assert local.members == [("10.0.2.%d" % g, 5000 + g) for g in (rack ^ 1, (rack ^ 1) + 2)]
         uplink = relay.racks[rack].pipeline.uplinks[ready["session"]]
         assert uplink == Uplink(("10.0.0.1", 7300), (f"10.0.1.{rack}", 9000 + rack),
-                                spine_job.session, spine_job.slot_base, 1 - rack)
+                                spine_job.session, spine_job.slot_base, 1 - rack,
+                                spine_job.tokens[1 - rack])
     # the ranks joined before the world was complete heard who was present, from the spine
     assert relay.told[("j", 0)][0] == {"event": "joined", "job": "j", "present": [0]}
 
@@ -164,7 +165,7 @@ def test_a_rank_gone_before_the_job_started_makes_its_rack_join_again():
     error = relay.told[("j", 1)][-1]
     assert error["event"] == "error" and "must join again" in error["message"]
     # the spine forgot rack 0's ranks: the job forms when they join again
-    assert relay.spine.jobs["j"].conns.keys() == {2}
+    assert relay.spine.jobs["j", None].conns.keys() == {2}
     relay.worker(0, ("j", 10), join(0))
     relay.worker(0, ("j", 11), join(1))
     relay.worker(1, ("j", 3), join(3))
@@ -302,8 +303,9 @@ def test_a_status_query_at_a_rack_asks_the_spine_which_ranks_it_has():
         ready = relay.told[("j", ranks[0])][-1]
         slots[r] = ready["slot_base"] + 1
         for g in ranks:
+            token = relay.told[("j", g)][-1]["token"]
             up = relay.racks[r].pipeline.receive_datagram(wire.encode(
-                wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, slots[r], ready["session"], 0, 0, 1,
+                wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, slots[r], token, 0, 0, 1,
                 lanes, np.ones(K, np.int32)), (f"10.0.2.{g}", 5000 + g))
         [(partial, uplink)] = up
         assert relay.spine.pipeline.receive_datagram(bytes(partial), uplink.source) == []

@@ -147,7 +147,7 @@ def test_switch_killed_mid_job_then_a_new_job_on_a_restarted_switch_works():
 def raw_join(address, data_sock, job):
     """Join a one-rank job from ``data_sock`` over a bare control connection."""
     control = socket.create_connection(address, timeout=5)
-    control.sendall(encode_line({"op": "join", "job": job, "rank": 0, "world_size": 1,
+    control.sendall(encode_line({"op": "join", "version": 2, "job": job, "rank": 0, "world_size": 1,
                                  "data_addr": list(data_sock.getsockname())}))
     reader = LineReader()
     while True:
@@ -156,9 +156,9 @@ def raw_join(address, data_sock, job):
                 return control, msg
 
 
-def contribution(ready, session, value=1):
+def contribution(ready, token, value=1):
     lanes = np.zeros(K // 256, wire.LANE)
-    return wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, ready["slot_base"], session,
+    return wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, ready["slot_base"], token,
                        0, 0, 0, lanes, np.full(K, value, np.int32))
 
 
@@ -172,7 +172,7 @@ def test_packets_of_an_old_session_are_dropped_and_counted(how):
     sw = switchml.Switch(packet_elements=K, slots=16, slots_per_job=16).start()
     try:
         control, old = raw_join(sw.address, data, "j")
-        data.sendto(contribution(old, old["session"]), sw.address)
+        data.sendto(contribution(old, old["token"]), sw.address)
         assert wire.decode_header(data.recv(65536)).session == old["session"]
         if how == "restarted switch":
             control.close()
@@ -186,15 +186,15 @@ def test_packets_of_an_old_session_are_dropped_and_counted(how):
             control.close()
         control, new = raw_join(sw.address, data, "j")
         assert new["session"] != old["session"] and new["slot_base"] == old["slot_base"]
-        for value in range(1, 6):  # late packets of the old session, from the same address
-            data.sendto(contribution(old, old["session"], value), sw.address)
-        data.sendto(contribution(new, new["session"], 7), sw.address)
+        for value in range(1, 6):  # late packets of the old job, from the same address
+            data.sendto(contribution(old, old["token"], value), sw.address)
+        data.sendto(contribution(new, new["token"], 7), sw.address)
         result = data.recv(65536)  # the only reply: to the new session's packet
         h = wire.decode_header(result)
         assert h.session == new["session"]
         assert wire.values(result, h.lanes, h.count).tolist() == [7] * K
         counters = sw.stats()["jobs"]["j"]["counters"]
-        assert counters["dropped_wrong_session"] == 5
+        assert counters["dropped_bad_token"] == 5
         assert counters["packets_in"] == 1 and counters["results_completed"] == 1
         data.settimeout(0.2)
         with pytest.raises(socket.timeout):

@@ -193,7 +193,8 @@ def test_cuda_tensors_are_staged_through_host_memory():
 def test_a_job_over_two_switches_trains_bit_for_bit_as_over_one(scenario):
     """SWITCHML_SWITCH=a,b through the backend's _connect and through HookState: the
     same weights as the same job through switch a alone, and both switches summed
-    (packets of 128 values: the model's 788 gradients are 7 of them, 4 and 3)."""
+    (packets of 128 values: the model's 788 gradients are 7 of them, 4 and 3);
+    every job authenticated by the secret rank 0 made."""
     import switchml
 
     def switch():
@@ -213,6 +214,10 @@ def test_a_job_over_two_switches_trains_bit_for_bit_as_over_one(scenario):
         for sw in (a, b):
             jobs = sw.stats()["ended_jobs"]
             assert sum(j["counters"]["packets_in"] for j in jobs.values()) > 0
+            # the backend and the hook made the job a secret, no variable set: no
+            # job on either switch was open
+            totals = sw.stats()["totals"]
+            assert totals["jobs_started"] > 0 and totals.get("jobs_open", 0) == 0
     finally:
         a.stop()
         b.stop()

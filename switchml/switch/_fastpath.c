@@ -86,20 +86,26 @@ static PyObject *Core_set_drop_rates(CoreObject *self, PyObject *args)
 static PyObject *Core_install(CoreObject *self, PyObject *args)
 {
     fp_job job;
-    PyObject *keys;
+    PyObject *keys, *tokens;
     Py_ssize_t i, n;
     memset(&job, 0, sizeof job);
-    if (!PyArg_ParseTuple(args, "IIIIIIO", &job.slot_base, &job.slot_count, &job.session,
-                          &job.lanes, &job.packet_elements, &job.block_elements, &keys) ||
+    if (!PyArg_ParseTuple(args, "IIIIIIOO", &job.slot_base, &job.slot_count, &job.session,
+                          &job.lanes, &job.packet_elements, &job.block_elements, &keys,
+                          &tokens) ||
         check_idle(self) < 0)
         return NULL;
     keys = PySequence_Fast(keys, "members must be a sequence of address keys");
     if (!keys)
         return NULL;
+    tokens = PySequence_Fast(tokens, "tokens must be a sequence of integers");
+    if (!tokens) {
+        Py_DECREF(keys);
+        return NULL;
+    }
     n = PySequence_Fast_GET_SIZE(keys);
     /* the Python pipeline checked these; the core relies on them for memory safety */
-    if (n < 1 || n > FP_MAX_WORKERS || job.session == 0 || job.slot_count < 1 ||
-        job.slot_base >= self->core.slots ||
+    if (n < 1 || n > FP_MAX_WORKERS || PySequence_Fast_GET_SIZE(tokens) != n ||
+        job.session == 0 || job.slot_count < 1 || job.slot_base >= self->core.slots ||
         job.slot_count > self->core.slots - job.slot_base || job.block_elements < 1 ||
         job.lanes != job.packet_elements / job.block_elements ||
         job.packet_elements % job.block_elements ||
@@ -108,18 +114,19 @@ static PyObject *Core_install(CoreObject *self, PyObject *args)
             self->core.row_size ||
         self->core.jobs[job.slot_base].session != 0) {
         Py_DECREF(keys);
+        Py_DECREF(tokens);
         PyErr_SetString(PyExc_ValueError, "job does not fit the switch core");
         return NULL;
     }
     job.world = (uint32_t)n;
-    for (i = 0; i < n; i++) {
+    for (i = 0; i < n && !PyErr_Occurred(); i++) {
         job.members[i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(keys, i));
-        if (PyErr_Occurred()) {
-            Py_DECREF(keys);
-            return NULL;
-        }
+        job.tokens[i] = (uint32_t)PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(tokens, i));
     }
     Py_DECREF(keys);
+    Py_DECREF(tokens);
+    if (PyErr_Occurred())
+        return NULL;
     if (fp_install(&self->core, &job) < 0) {
         PyErr_Format(PyExc_ValueError, "the switch core's member table is full (%u addresses)",
                      self->core.member_limit);
@@ -301,7 +308,7 @@ static PyMethodDef Core_methods[] = {
     {"set_drop_rates", (PyCFunction)Core_set_drop_rates, METH_VARARGS,
      "set_drop_rates(ingress, egress, seed): simulated drop probabilities"},
     {"install", (PyCFunction)Core_install, METH_VARARGS,
-     "install(slot_base, slot_count, session, lanes, packet_elements, block_elements, keys)"},
+     "install(slot_base, slot_count, session, lanes, packet_elements, block_elements, keys, tokens)"},
     {"remove", (PyCFunction)Core_remove, METH_VARARGS, "remove(slot_base)"},
     {"take_counters", (PyCFunction)Core_take_counters, METH_NOARGS,
      "take_counters() -> [(slot_base or -1, {name: increment})], then zero them"},

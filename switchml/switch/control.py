@@ -29,6 +29,18 @@ Job life cycle:
 A rank that restarts while its job runs is refused until the job has failed (its
 old connection dropped, or the others timed out); it then joins the job name
 afresh, and the job re-forms with a new session when the others rejoin too.
+
+Authentication (docs/protocol.md, "Authenticated jobs"): a job is its name and
+its public key (``Join.key``, derived from the job's secret: ``auth.py``), so a
+process that knows the name but not the secret is another job, which never
+holds a rank of the real one nor sees its sums.  A join or gather that carries
+a key, and every one where the switch has an admission token, is answered with
+a ``Challenge`` and taken only once its ``Prove`` checks out: a signature by the
+job's key and an HMAC by the token over a nonce made for that request, so a
+captured proof is never accepted again.  A job without a key is open: joined
+by name alone, and logged as such when it starts.  Every rank of a running job
+gets a data-plane token of its own in its ``Ready``, which its datagrams carry
+(``pipeline.Job.tokens``).
 """
 
 from __future__ import annotations
@@ -37,8 +49,9 @@ import logging
 import secrets
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Any
 
-from .. import protocol, wire
+from .. import auth, protocol, wire
 from ..config import DEFAULT_MAX_JOBS
 from ..netutil import datagrams_that_fit
 from ..protocol import (
@@ -65,6 +78,11 @@ LIMIT_MAX_JOBS = "max_jobs"
 LIMIT_SLOTS = "slots"
 #: Sessions of recently ended jobs that a new job never gets.
 RECENT_SESSIONS_KEPT = 4096
+#: Most requests one connection may hold unproven (a rack switch relays several).
+MAX_CHALLENGES_PER_CONNECTION = 64
+#: Refusal reasons of a request whose proof failed (``Error.reason``).
+REASON_AUTHENTICATION = "authentication"
+REASON_ADMISSION = "admission"
 
 
 def describe_mismatch(name: str, m) -> str:
@@ -87,6 +105,7 @@ class JobEntry:
     name: str
     world_size: int
     slot_request: int
+    key: str | None = None                        # the job's public key; None: an open job
     conns: dict = field(default_factory=dict)     # rank -> connection id
     addrs: dict = field(default_factory=dict)     # rank -> data address
     left: set = field(default_factory=set)
@@ -99,13 +118,19 @@ class JobEntry:
     slot_count: int = 0                           # the window, fixed once every rank joined
     waiting: bool = False                         # complete, queued for room
 
+    @property
+    def ident(self) -> tuple:
+        """What names the job on the switch: its name and key."""
+        return self.name, self.key
+
 
 class Controller:
     """Admits workers to jobs and installs/removes them in the pipeline."""
 
     def __init__(self, pipeline: Pipeline, *, data_port: int, slots_per_job: int = 32,
                  max_jobs: int = DEFAULT_MAX_JOBS, stats=None, rcvbuf: int | None = None,
-                 route_mtu=None, shared_link: bool = False):
+                 route_mtu=None, shared_link: bool = False,
+                 admission_token: bytes | None = None):
         if max_jobs < 1:
             raise ValueError(f"max_jobs must be at least 1, got {max_jobs}")
         self.pipeline = pipeline
@@ -119,10 +144,14 @@ class Controller:
         #: A server behind one link its ranks share (SwitchConfiguration.shared_link).
         self.shared_link = shared_link
         self.max_jobs = max_jobs
-        self.jobs: dict[str, JobEntry] = {}
-        self._conn_job: dict = {}  # connection id -> (job name, its first rank)
+        #: Without it, no job can be created at all (``switchml switch --token-file``).
+        self.admission_token = admission_token
+        self.jobs: dict[tuple, JobEntry] = {}  # (name, key) -> job
+        self._conn_job: dict = {}  # connection id -> ((name, key), its first rank)
+        #: Requests waiting for their proof: (connection, rank) -> (request, nonce).
+        self._challenges: dict[tuple, tuple[Any, str]] = {}
         self._racks: dict = {}  # connections of rack switches (several ranks each) -> name
-        self._queue: list[str] = []  # names of waiting jobs, in arrival order
+        self._queue: list[tuple] = []  # (name, key) of waiting jobs, in arrival order
         self._recent: deque[int] = deque(maxlen=RECENT_SESSIONS_KEPT)
         self.refused: Counter = Counter()  # joins refused, by reason
         #: Ranks exchanging their host records before they join (``protocol.Gather``).
@@ -150,13 +179,12 @@ class Controller:
             if conn in self._conn_job:  # as for a good join: that it joined comes first
                 return self._refuse(conn, "bad_request", "this connection already joined a job")
             return self._refuse(conn, "bad_request", str(exc))
-        if isinstance(request, protocol.Gather):
-            try:
-                return self.gatherings.gather(conn, request)
-            except GatherRefused as exc:
-                return self._refuse(conn, exc.reason, str(exc))
-        if isinstance(request, protocol.Join):
-            return self._join(conn, request)
+        if isinstance(request, (protocol.Gather, protocol.Join)):
+            if request.key is not None or self.admission_token is not None:
+                return self._challenge(conn, request)
+            return self._take(conn, request)
+        if isinstance(request, protocol.Prove):
+            return self._prove(conn, request)
         if isinstance(request, protocol.Leave):
             return self._leave(conn)
         if isinstance(request, protocol.Abort):
@@ -165,7 +193,57 @@ class Controller:
             return self._status(conn, request)
         return [(conn, StatsReply(self._stats()))]
 
+    def _take(self, conn, request) -> list:
+        """A gather or join, proven where it had to be."""
+        if isinstance(request, protocol.Gather):
+            try:
+                return self.gatherings.gather(conn, request)
+            except GatherRefused as exc:
+                return self._refuse(conn, exc.reason, str(exc))
+        return self._join(conn, request)
+
+    # ------------------------------------------------------------------ proofs
+    def _challenge(self, conn, request) -> list:
+        """Ask for the request's proof: a nonce of its own (module docstring)."""
+        if request.key is not None:
+            try:
+                auth.check_available()
+            except auth.AuthUnavailableError as exc:
+                return self._refuse(conn, REASON_AUTHENTICATION,
+                                    f"job '{request.job}' rank {request.rank}: this switch "
+                                    f"cannot check job secrets: {exc}", proof_failed=True)
+        pending = [k for k in self._challenges if k[0] == conn]
+        if len(pending) >= MAX_CHALLENGES_PER_CONNECTION:
+            return self._refuse(conn, "bad_request", "too many requests waiting for their proof")
+        nonce = auth.new_nonce()
+        self._challenges[conn, request.rank] = (request, nonce)
+        return [(conn, protocol.Challenge(nonce, request.rank,
+                                          self.admission_token is not None))]
+
+    def _prove(self, conn, prove: protocol.Prove) -> list:
+        """Check a proof; take the request it proves, or refuse it naming why."""
+        held = self._challenges.pop((conn, prove.rank), None)
+        if held is None:
+            return self._refuse(conn, "bad_request", f"no challenge is open for rank "
+                                f"{prove.rank} on this connection")
+        request, nonce = held
+        what = f"job '{request.job}' rank {request.rank}"
+        message = auth.transcript(nonce, request.job, request.rank, request.key)
+        if self.admission_token is not None and not auth.admitted(
+                self.admission_token, prove.admission, message):
+            return self._refuse(conn, REASON_ADMISSION, f"{what}: this switch admits only "
+                                f"workers that know its admission token (SWITCHML_SWITCH_TOKEN "
+                                f"or SWITCHML_SWITCH_TOKEN_FILE), and this one did not prove "
+                                f"it", proof_failed=True)
+        if request.key is not None and (prove.signature is None or not auth.verify(
+                request.key, prove.signature, message)):
+            return self._refuse(conn, REASON_AUTHENTICATION, f"{what}: the request did not "
+                                f"prove the job's secret", proof_failed=True)
+        return self._take(conn, request)
+
     def _disconnect(self, conn) -> list:
+        for pending in [k for k in self._challenges if k[0] == conn]:
+            del self._challenges[pending]
         gathering = self.gatherings.disconnect(conn)
         return gathering + self._leave_job(conn)
 
@@ -175,10 +253,11 @@ class Controller:
         if entry is None:
             return []
         rack = self._racks.pop(conn, None)
-        name, rank = entry
-        job = self.jobs.get(name)
+        ident, rank = entry
+        job = self.jobs.get(ident)
         if job is None:
             return []
+        name = job.name
         ranks = _ranks_of(job, conn)
         for r in ranks:
             job.conns.pop(r, None)
@@ -192,10 +271,10 @@ class Controller:
                 job.patient.discard(r)
             if job.waiting:
                 job.waiting = False
-                self._queue.remove(name)
+                self._queue.remove(ident)
             log.info("job %s: ranks %s went away before the job started", name, ranks)
             if not job.conns:
-                del self.jobs[name]
+                del self.jobs[ident]
                 return []
             return self._announce_present(job)
         if rack:
@@ -208,7 +287,7 @@ class Controller:
 
     def admission(self) -> dict:
         """Limits, and the jobs running, waiting for room and gathering ranks."""
-        waiting = [self.jobs[name] for name in self._queue]
+        waiting = [self.jobs[ident] for ident in self._queue]
         return {
             "max_jobs": self.max_jobs,
             "max_workers": MAX_WORKERS,
@@ -224,18 +303,20 @@ class Controller:
 
     # ------------------------------------------------------------------ joining
     def _refuse(self, conn, reason: str, why: str, limit: str | None = None,
-                version: int | None = None) -> list:
+                version: int | None = None, *, proof_failed: bool = False) -> list:
+        """Refuse a request, counted by ``limit`` or ``reason``; ``proof_failed`` puts
+        ``reason`` in the error (the worker raises AuthenticationError)."""
         self.pipeline.counters["control_join_refused"] += 1
         self.refused[limit or reason] += 1
         log.warning("join refused: %s", why)
-        return [(conn, Error(why, limit, version))]
+        return [(conn, Error(why, limit, version, reason if proof_failed else None))]
 
     def _join(self, conn, join: protocol.Join) -> list:
         # A rack switch relays its ranks' joins on one connection (several ranks, one
         # data address: the rack's in this job); any other connection holds one rank.
         relayed = isinstance(join, protocol.RackJoin)
         if conn in self._conn_job and not (relayed and conn in self._racks
-                                           and self._conn_job[conn][0] == join.job):
+                                           and self._conn_job[conn][0] == (join.job, join.key)):
             return self._refuse(conn, "bad_request", "this connection already joined a job")
         name, world, rank, addr = join.job, join.world_size, join.rank, join.data_addr
         # A rank whose link carries several jobs at once (its host's shards) asks for
@@ -250,9 +331,10 @@ class Controller:
                 f"{MAX_WORKERS} bits)", LIMIT_MAX_WORKERS)
         if rank >= world:
             return self._refuse(conn, "bad_request", f"rank {rank} is outside 0..{world - 1}")
-        job = self.jobs.get(name)
+        ident = (name, join.key)
+        job = self.jobs.get(ident)
         if job is None:
-            job = self.jobs[name] = JobEntry(name, world, request)
+            job = self.jobs[ident] = JobEntry(name, world, request, join.key)
         elif job.session:
             return self._refuse(
                 conn, "job_running", f"job '{name}' is already running and rank {rank} "
@@ -276,7 +358,7 @@ class Controller:
             job.mtus[rank] = mtu
         if join.wait:
             job.patient.add(rank)
-        self._conn_job.setdefault(conn, (name, rank))
+        self._conn_job.setdefault(conn, (ident, rank))
         if isinstance(join, protocol.RackJoin):
             self._racks[conn] = join.rack or "%s:%d" % addr
         log.info("job %s: rank %d/%d joined from %s:%d%s", name, rank, world, *addr,
@@ -314,7 +396,7 @@ class Controller:
         limit, why = blocked
         if job.patient == set(job.conns):
             job.waiting = True
-            self._queue.append(job.name)
+            self._queue.append(job.ident)
             log.info("job %s waits for room: %s", job.name, why)
             waiting = Waiting(job.name, limit, why)
             return [(c, waiting) for c in _members(job)]
@@ -322,7 +404,7 @@ class Controller:
         for c in conns:
             self._conn_job.pop(c, None)
             self._racks.pop(c, None)
-        del self.jobs[job.name]
+        del self.jobs[job.ident]
         self.pipeline.counters["control_join_refused"] += len(job.conns)
         self.refused[limit] += len(job.conns)
         log.warning("job %s refused: %s", job.name, why)
@@ -356,26 +438,36 @@ class Controller:
         # (their partial sum), in the order of their lowest rank.
         conns = _members(job)
         members = [job.addrs[_ranks_of(job, c)[0]] for c in conns]
+        # Each member's own token, which only its own connection hears: no member
+        # can pass for another, and a spoofed source address without it adds nothing.
+        tokens = new_tokens(len(conns), session)
         self.pipeline.install_job(job.name, session, members, base, job.slot_count,
                                   packet_elements=job.packet_elements,
-                                  block_elements=job.block_elements)
+                                  block_elements=job.block_elements, tokens=tokens)
         job.session = session
         self.pipeline.counters["jobs_started"] += 1
         log.info("job %s started: session %08x, %d ranks, slots %d..%d", job.name, session,
                  job.world_size, base, base + job.slot_count - 1)
+        if job.key is None:
+            self.pipeline.counters["jobs_open"] += 1
+            log.warning("job %s is unauthenticated: any host that knows its name can join "
+                        "it; give its workers a secret (SWITCHML_JOB_SECRET) to close it",
+                        job.name)
         geometry = (session, base, job.slot_count, job.packet_elements, job.block_elements,
                     self.data_port)
-        return [(c, protocol.RackReady(*geometry, i, len(conns), tuple(_ranks_of(job, c)))
-                 if c in self._racks else Ready(*geometry, link_window=job.slot_request))
+        return [(c, protocol.RackReady(*geometry, i, len(conns), tuple(_ranks_of(job, c)),
+                                       token=tokens[i])
+                 if c in self._racks else Ready(*geometry, link_window=job.slot_request,
+                                                token=tokens[i]))
                 for i, c in enumerate(conns)]
 
     def _admit_waiting(self) -> list:
         """Start the waiting jobs that fit now, in arrival order."""
         out = []
-        for name in list(self._queue):
-            job = self.jobs[name]
+        for ident in list(self._queue):
+            job = self.jobs[ident]
             if self._blocking_limit(job) is None:
-                self._queue.remove(name)
+                self._queue.remove(ident)
                 job.waiting = False
                 out += self._start(job)
         return out
@@ -412,8 +504,9 @@ class Controller:
         entry = self._conn_job.get(conn)
         if entry is None:  # the job already ended or failed
             return [(conn, protocol.Left())]
-        name, rank = entry
-        job = self.jobs[name]
+        ident, rank = entry
+        job = self.jobs[ident]
+        name = job.name
         if not job.session:
             return self._disconnect(conn)
         job.left.update(_ranks_of(job, conn))
@@ -441,8 +534,8 @@ class Controller:
         """Fail every job whose ranks the pipeline saw disagree on a call."""
         out: list = []
         for installed, m in self.pipeline.take_mismatches():
-            job = self.jobs.get(installed.name)
-            if job is None or job.session != installed.session:
+            job = self._by_session(installed.session)
+            if job is None:
                 continue
             members = [_ranks_of(job, c) for c in _members(job)]
             if len(members) < job.world_size:  # rack switches: the pipeline's members
@@ -468,13 +561,16 @@ class Controller:
         """Free the job's slots and connections; start waiting jobs that now fit."""
         self.pipeline.remove_job(job.session, state)
         self._recent.append(job.session)
-        self.jobs.pop(job.name, None)
+        self.jobs.pop(job.ident, None)
         for c in job.conns.values():
             self._conn_job.pop(c, None)
             self._racks.pop(c, None)
         if state == "ended":
             self.pipeline.counters["jobs_ended"] += 1
         return self._admit_waiting()
+
+    def _by_session(self, session: int) -> JobEntry | None:
+        return next((j for j in self.jobs.values() if j.session == session), None)
 
     def _status(self, conn, query: protocol.StatusQuery) -> list:
         entry = self._conn_job.get(conn)
@@ -495,6 +591,16 @@ class Controller:
                                  if bitmap >> i & 1 for g in ranks)
                 rows.append((slot, number, holds, bitmap))
         return [(conn, StatusReply(tuple(rows)))]
+
+
+def new_tokens(count: int, session: int) -> list[int]:
+    """``count`` random data-plane tokens, distinct, none 0 or ``session``."""
+    tokens: list[int] = []
+    while len(tokens) < count:
+        token = secrets.randbits(32)
+        if token not in (0, session) and token not in tokens:
+            tokens.append(token)
+    return tokens
 
 
 def _ranks_of(job: JobEntry, conn) -> list:

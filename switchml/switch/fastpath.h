@@ -26,7 +26,7 @@ enum fp_counter {
     C_PACKETS_IN, C_RESULTS_COMPLETED, C_RESULTS_OUT, C_RETRANSMISSIONS_ANSWERED,
     C_DUPLICATES, C_DROPPED_STALE, C_DROPPED_MISMATCH, C_DROPPED_TRUNCATED,
     C_DROPPED_BAD_MAGIC, C_DROPPED_BAD_VERSION, C_DROPPED_BAD_KIND, C_DROPPED_BAD_DTYPE,
-    C_DROPPED_BAD_MODE, C_DROPPED_BAD_LENGTH, C_DROPPED_WRONG_SESSION,
+    C_DROPPED_BAD_MODE, C_DROPPED_BAD_LENGTH, C_DROPPED_BAD_TOKEN,
     C_DROPPED_SLOT_OUT_OF_RANGE, C_DROPPED_BAD_LANES, C_DROPPED_TOO_MANY_VALUES,
     C_DROPPED_BAD_BLOCK_COUNT, C_DROPPED_EGRESS_SIMULATED, C_SPARSE_BLOCKS_IN,
     C_SPARSE_BLOCKS_SKIPPED, C_SPARSE_BYTES_SAVED, C_SPARSE_BLOCKS_OUT,
@@ -52,6 +52,7 @@ typedef struct {
     uint32_t session; /* 0: no job starts at this slot */
     uint32_t world, slot_base, slot_count, lanes, packet_elements, block_elements;
     uint64_t members[FP_MAX_WORKERS]; /* address key of each rank */
+    uint32_t tokens[FP_MAX_WORKERS];  /* what each rank's datagrams carry as session */
     fp_counters counters;
     /* The first disagreement between ranks (pipeline.Mismatch): 0 none, 1 waiting
      * for Python's take_mismatches, 2 taken.  `mismatch` holds the ranks' bitmap,

@@ -11,7 +11,7 @@ const char *const FP_COUNTER_NAMES[FP_NCOUNTERS] = {
     "packets_in", "results_completed", "results_out", "retransmissions_answered",
     "duplicates", "dropped_stale", "dropped_mismatch", "dropped_truncated",
     "dropped_bad_magic", "dropped_bad_version", "dropped_bad_kind", "dropped_bad_dtype",
-    "dropped_bad_mode", "dropped_bad_length", "dropped_wrong_session",
+    "dropped_bad_mode", "dropped_bad_length", "dropped_bad_token",
     "dropped_slot_out_of_range", "dropped_bad_lanes", "dropped_too_many_values",
     "dropped_bad_block_count", "dropped_egress_simulated", "sparse_blocks_in",
     "sparse_blocks_skipped", "sparse_bytes_saved", "sparse_blocks_out",
@@ -285,6 +285,7 @@ static int answer_header(fp_core *c, fp_job *job, uint32_t rank, uint32_t row,
     uint8_t *reply = c->rows + (size_t)(row + 1) * c->row_size - WIRE_HEADER_SIZE;
     memcpy(reply, d, WIRE_HEADER_SIZE);
     reply[3] = kind;
+    memcpy(reply + 8, &job->session, 4); /* not the rank's token */
     c->row_epoch[row] = c->epoch;
     out[0] = (fp_out){reply, WIRE_HEADER_SIZE, job->slot_base, rank};
     return 1;
@@ -366,8 +367,8 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
     /* admission: the job's table entries */
     if (kind != WIRE_KIND_CONTRIBUTION && kind != WIRE_KIND_PROBE && kind != WIRE_KIND_QUERY)
         DROP(C_DROPPED_BAD_KIND);
-    if (session != job->session)
-        DROP(C_DROPPED_WRONG_SESSION);
+    if (session != job->tokens[rank]) /* not this rank's token: forged, or an old job's */
+        DROP(C_DROPPED_BAD_TOKEN);
     if (slot < job->slot_base || slot >= job->slot_base + job->slot_count)
         DROP(C_DROPPED_SLOT_OUT_OF_RANGE);
     if (kind != WIRE_KIND_CONTRIBUTION)

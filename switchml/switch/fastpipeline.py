@@ -79,9 +79,9 @@ class FastPipeline(Pipeline):
 
     def install_job(self, name: str, session: int, members: list, slot_base: int,
                     slot_count: int, packet_elements: int | None = None,
-                    block_elements: int | None = None) -> Job:
+                    block_elements: int | None = None, tokens: list | None = None) -> Job:
         job = super().install_job(name, session, members, slot_base, slot_count,
-                                  packet_elements, block_elements)
+                                  packet_elements, block_elements, tokens)
         keys = []
         for addr in members:
             key = ipv4_key(addr)
@@ -90,7 +90,7 @@ class FastPipeline(Pipeline):
             self._keys[addr] = key
             keys.append(key)
         self._core.install(slot_base, slot_count, session, job.lanes, job.packet_elements,
-                           job.block_elements, keys)
+                           job.block_elements, keys, job.tokens)
         self._job_at[slot_base] = job
         return job
 

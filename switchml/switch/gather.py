@@ -2,7 +2,8 @@
 
 Before they join, the ranks of a job exchange their host records this way
 (worker/hosts.py): who shares a host, and so how the job's calls are cut.  A
-gathering is keyed by job name and lives only until every rank sent its value:
+gathering is keyed by the job's name and key (``protocol.Gather.key``: the
+job's identity, as for a join) and lives only until every rank sent its value:
 then each gets ``Gathered`` with all of them, by rank, and a random nonce, and
 the switch forgets it.  While ranks are missing, the present ones get
 ``Joined`` as a job's ranks do, so that a rank that gives up names the missing
@@ -41,23 +42,23 @@ class Gatherings:
 
     def __init__(self, limit: int):
         self.limit = limit
-        self._open: dict[str, _Gathering] = {}
-        self._conn: dict = {}  # connection -> (job name, rank)
+        self._open: dict[tuple, _Gathering] = {}  # (job name, key) -> its gathering
+        self._conn: dict = {}  # connection -> ((job name, key), rank)
 
     def __len__(self) -> int:
         return len(self._open)
 
     def gather(self, conn, request: Gather) -> list:
         """Take one rank's value: (connection, event) pairs to send; GatherRefused."""
-        name = request.job
+        name, ident = request.job, (request.job, request.key)
         if conn in self._conn:
             raise GatherRefused("bad_request", "this connection already gathers")
-        entry = self._open.get(name)
+        entry = self._open.get(ident)
         if entry is None:
             if len(self._open) >= self.limit:
                 raise GatherRefused("max_jobs", f"the switch holds at most {self.limit} "
                                                 "gatherings at once")
-            entry = self._open[name] = _Gathering(request.world_size)
+            entry = self._open[ident] = _Gathering(request.world_size)
         elif entry.world_size != request.world_size:
             raise GatherRefused("world_size_mismatch",
                                 f"job '{name}' gathers {entry.world_size} ranks, this "
@@ -67,11 +68,11 @@ class Gatherings:
                                 f"rank {request.rank} of job '{name}' is gathering already")
         entry.values[request.rank] = request.value
         entry.conns[request.rank] = conn
-        self._conn[conn] = (name, request.rank)
+        self._conn[conn] = (ident, request.rank)
         if len(entry.values) < entry.world_size:
             present = Joined(name, tuple(sorted(entry.values)))
             return [(c, present) for c in entry.conns.values()]
-        del self._open[name]
+        del self._open[ident]
         for c in entry.conns.values():
             del self._conn[c]
         done = Gathered(name, tuple(entry.values[r] for r in range(entry.world_size)),
@@ -83,16 +84,16 @@ class Gatherings:
         held = self._conn.pop(conn, None)
         if held is None:
             return []
-        name, rank = held
-        entry = self._open[name]
+        ident, rank = held
+        entry = self._open[ident]
         del entry.values[rank], entry.conns[rank]
         if not entry.values:
-            del self._open[name]
+            del self._open[ident]
             return []
-        present = Joined(name, tuple(sorted(entry.values)))
+        present = Joined(ident[0], tuple(sorted(entry.values)))
         return [(c, present) for c in entry.conns.values()]
 
     def describe(self) -> list:
         """The open gatherings: job, world size, ranks present."""
         return [{"job": name, "world_size": g.world_size, "present": sorted(g.values)}
-                for name, g in self._open.items()]
+                for (name, _key), g in self._open.items()]

@@ -99,6 +99,9 @@ class Job:
     slot_base: int
     slot_count: int
     members: list  # data address of each rank, by rank
+    #: Each rank's data-plane token: what its datagrams carry in the header's
+    #: session field (``protocol.Ready.token``).  Results carry ``session``.
+    tokens: list = field(default_factory=list)
     packet_elements: int = 0  # values per packet of this job (at most the pipeline's)
     block_elements: int = 0  # values per block (lane) of this job
     counters: Counter = field(default_factory=Counter)
@@ -220,12 +223,15 @@ class Pipeline:
 
     def install_job(self, name: str, session: int, members: list, slot_base: int,
                     slot_count: int, packet_elements: int | None = None,
-                    block_elements: int | None = None) -> Job:
+                    block_elements: int | None = None, tokens: list | None = None) -> Job:
         """Admit data from ``members`` (rank -> address) on slots [base, base+count).
 
         The job's packets carry ``packet_elements`` values in blocks of
-        ``block_elements`` (defaults: the pipeline's, its limit).
+        ``block_elements`` (defaults: the pipeline's, its limit).  A rank's
+        datagrams must carry its ``tokens`` entry (None: ``session`` for every
+        rank; the controller gives each rank a random one).
         """
+        tokens = [session] * len(members) if tokens is None else list(tokens)
         packet_elements = self.packet_elements if packet_elements is None else packet_elements
         block_elements = self.block_elements if block_elements is None else block_elements
         self.check_packet_size(packet_elements, block_elements)
@@ -243,7 +249,9 @@ class Pipeline:
         for addr in members:
             if addr in self._members:
                 raise ValueError(f"address {addr} already belongs to a job")
-        job = Job(name, session, world, slot_base, slot_count, list(members),
+        if len(tokens) != world or not all(0 < t <= 0xFFFFFFFF for t in tokens):
+            raise ValueError(f"a job needs a token in 1..2**32-1 per member, got {tokens}")
+        job = Job(name, session, world, slot_base, slot_count, list(members), tokens,
                   packet_elements, block_elements)
         self._job_views(job)
         for s in range(slot_base, slot_base + slot_count):
@@ -330,8 +338,8 @@ class Pipeline:
         if h.kind not in (wire.KIND_CONTRIBUTION, wire.KIND_PROBE, wire.KIND_QUERY):
             counters["dropped_bad_kind"] += 1
             return []
-        if h.session != job.session:
-            counters["dropped_wrong_session"] += 1
+        if h.session != job.tokens[rank]:  # not this rank's token: forged, or an old job's
+            counters["dropped_bad_token"] += 1
             return []
         slot = h.slot
         if not job.slot_base <= slot < job.slot_base + job.slot_count:
@@ -461,6 +469,7 @@ class Pipeline:
         reply = self._rows[v, slot, self.datagram_size:]
         reply[:] = np.frombuffer(data, np.uint8, wire.HEADER_SIZE)
         reply[3] = kind
+        reply[8:12] = np.frombuffer(job.session.to_bytes(4, "little"), np.uint8)  # not the token
         return [(reply.data, job.members[rank])]
 
     def _record_mismatch(self, job: Job, v: int, slot: int, rank: int, ids: tuple) -> None:

@@ -49,6 +49,11 @@ class Uplink:
     session: int        # the spine job's session
     slot_base: int      # the spine job's first slot (its window is the rack job's)
     member: int = 0     # this rack's rank in the spine's job, for errors and stats
+    token: int = 0      # what its partials carry as session (``Ready.token``; 0: session)
+
+    @property
+    def sender_token(self) -> int:
+        return self.token or self.session
 
 
 class RackPipeline(Pipeline):
@@ -70,7 +75,8 @@ class RackPipeline(Pipeline):
     # ------------------------------------------------------------------ control
     def install_job(self, name: str, session: int, members: list, slot_base: int,
                     slot_count: int, packet_elements: int | None = None,
-                    block_elements: int | None = None, uplink: Uplink | None = None) -> Job:
+                    block_elements: int | None = None, tokens: list | None = None,
+                    uplink: Uplink | None = None) -> Job:
         """``Pipeline.install_job``; with ``uplink``, the job's complete sets go up
         to the spine's job, whose window (``slot_count``) is the same."""
         if uplink is not None:
@@ -84,7 +90,7 @@ class RackPipeline(Pipeline):
                 raise ValueError(f"uplink address {uplink.source} already belongs to a job "
                                  f"(the spine knows a job's rack by it: one per job)")
         job = super().install_job(name, session, members, slot_base, slot_count,
-                                  packet_elements, block_elements)
+                                  packet_elements, block_elements, tokens)
         for s in range(slot_base, slot_base + slot_count):
             self._result_of[0][s] = self._result_of[1][s] = None
         if uplink is not None:
@@ -149,7 +155,7 @@ class RackPipeline(Pipeline):
         in place (the lane registers and values follow it already)."""
         seq, pkt_id, dtype, mode, count, call = self._ids[v][slot]
         wire.encode_header(self._rows[v, slot], wire.KIND_CONTRIBUTION, dtype, mode,
-                           uplink.slot_base + slot - job.slot_base, uplink.session,
+                           uplink.slot_base + slot - job.slot_base, uplink.sender_token,
                            self._msg[v][slot], seq, pkt_id, count, job.lanes, call=call)
         if self.egress_drop_rate and self._rng.random() < self.egress_drop_rate:
             job.counters["dropped_egress_simulated"] += 1

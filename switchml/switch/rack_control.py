@@ -16,6 +16,12 @@ opens the job's connection and uplink socket at its first) and
 ``CloseUplink(job)``.  The spine's events come in through ``handle_upstream``;
 its connection's end through ``handle_uplink_closed``.
 
+Authenticated jobs: the spine checks every rank's proof.  A join or gather
+with a key goes up as it came; the spine's ``Challenge`` comes down to the
+rank it names, and the rank's ``Prove`` goes up on the same connection.  A
+rack names a job by its name and key (``relay_name``), as the spine does, so
+that a process with the name but not the secret is another job here too.
+
 Failures: the spine's ``failed`` fails the local job and is relayed to the
 workers; a worker that disconnects or aborts fails the local job and is relayed
 up as ``abort`` (the spine fails the job on every rack, naming it); the
@@ -33,7 +39,7 @@ from dataclasses import dataclass, field
 
 from .. import protocol
 from ..protocol import Error, Failed, Joined, Ready, StatsReply, StatusReply
-from .control import describe_mismatch
+from .control import describe_mismatch, new_tokens
 from .pipeline import MAX_WORKERS, SlotPoolExhausted
 from .rack import RackPipeline, Uplink
 
@@ -57,11 +63,17 @@ class CloseUplink:
     job: str
 
 
+def relay_name(job: str, key: str | None) -> str:
+    """The name of a job's connection to the spine: its name, and its key if any."""
+    return job if key is None else f"{job}#key:{key}"
+
+
 @dataclass
 class RackJob:
     name: str
     world_size: int
     uplink_addr: tuple                          # the rack's data address in the spine's job
+    relay: str = ""                             # relay_name: this job's key in ``jobs``
     conns: dict = field(default_factory=dict)   # global rank -> worker connection
     addrs: dict = field(default_factory=dict)   # global rank -> worker data address
     left: set = field(default_factory=set)
@@ -91,8 +103,8 @@ class RackController:
         self.uplink_address = uplink_address
         self.route_mtu = route_mtu
         self._stats = stats or pipeline.stats
-        self.jobs: dict[str, RackJob] = {}
-        self._conn_job: dict = {}  # worker connection -> (job name, rank)
+        self.jobs: dict[str, RackJob] = {}  # relay name -> job
+        self._conn_job: dict = {}  # worker connection -> (relay name, rank)
         # A gather at join (who shares a host) spans racks: each rank's is relayed
         # to the spine on a connection of its own, named by _gather_name.
         self._gathers: dict = {}  # relay name -> worker connection
@@ -122,6 +134,8 @@ class RackController:
             return self._join(conn, request)
         if isinstance(request, protocol.Gather):
             return self._gather(conn, request)
+        if isinstance(request, protocol.Prove):
+            return self._prove(conn, request)
         if isinstance(request, protocol.Leave):
             return self._leave(conn)
         if isinstance(request, protocol.Abort):
@@ -132,8 +146,9 @@ class RackController:
 
     def _join(self, conn, join: protocol.Join) -> list:
         name, rank, world = join.job, join.rank, join.world_size
+        relay = relay_name(name, join.key)
         refused = None
-        job = self.jobs.get(name)
+        job = self.jobs.get(relay)
         if conn in self._conn_job:
             refused = "this connection already joined a job"
         elif world > MAX_WORKERS:
@@ -153,7 +168,8 @@ class RackController:
             self.pipeline.counters["control_join_refused"] += 1
             return self._to(conn, Error(refused, "max_workers" if world > MAX_WORKERS else None))
         if job is None:
-            job = self.jobs[name] = RackJob(name, world, tuple(self.uplink_address(name)))
+            job = self.jobs[relay] = RackJob(name, world, tuple(self.uplink_address(relay)),
+                                             relay)
         mtu = join.mtu
         if self.route_mtu is not None:
             try:
@@ -163,26 +179,35 @@ class RackController:
                 log.warning("job %s: no MTU for the routes of rank %d: %s", name, rank, exc)
         relayed = protocol.RackJoin(name, rank, world, job.uplink_addr, join.slots,
                                     join.rcvbuf, mtu, join.wait, link_share=join.link_share,
-                                    rack=f"{job.uplink_addr[0]}:{self.data_port}")
+                                    key=join.key, rack=f"{job.uplink_addr[0]}:{self.data_port}")
         job.conns[rank], job.addrs[rank] = conn, join.data_addr
-        self._conn_job[conn] = (name, rank)
+        self._conn_job[conn] = (relay, rank)
         log.info("job %s: rank %d/%d joined the rack from %s:%d; relayed to the spine",
                  name, rank, world, *join.data_addr)
-        return [ToSpine(name, relayed)]
+        return [ToSpine(relay, relayed)]
+
+    def _prove(self, conn, prove: protocol.Prove) -> list:
+        """A rank's proof for the spine's challenge: up on its join's or gather's
+        connection (the spine checks it)."""
+        entry = self._conn_job.get(conn)
+        relay = self._conn_gather.get(conn) or (entry[0] if entry else None)
+        if relay is None:
+            return self._to(conn, Error("no challenge is open on this connection"))
+        return [ToSpine(relay, prove)]
 
     def _leave(self, conn) -> list:
         entry = self._conn_job.get(conn)
         if entry is None:
             return self._to(conn, protocol.Left())
-        name, rank = entry
-        job = self.jobs[name]
+        relay, rank = entry
+        job = self.jobs[relay]
         if not job.session:
             return self._disconnect(conn)
         job.left.add(rank)
         out = self._to(conn, protocol.Left())
         if job.left == set(job.conns):  # the rack is done: it leaves the spine's job
             self._end(job, "ended")
-            out += [ToSpine(name, protocol.Leave()), CloseUplink(name)]
+            out += [ToSpine(relay, protocol.Leave()), CloseUplink(relay)]
         return out
 
     def _abort(self, conn, abort: protocol.Abort) -> list:
@@ -196,7 +221,7 @@ class RackController:
 
     def _gather(self, conn, gather: protocol.Gather) -> list:
         """A rank's host record for its job's ranks, in every rack: to the spine."""
-        name = f"{gather.job}#gather{gather.rank}"
+        name = f"{relay_name(gather.job, gather.key)}#gather{gather.rank}"
         if name in self._gathers or conn in self._conn_gather:
             return self._to(conn, Error(f"rank {gather.rank} of job '{gather.job}' is "
                                         "gathering already"))
@@ -226,22 +251,23 @@ class RackController:
         entry = self._conn_job.pop(conn, None)
         if entry is None:
             return []
-        name, rank = entry
-        job = self.jobs.get(name)
+        relay, rank = entry
+        job = self.jobs.get(relay)
         if job is None or rank in job.left:
             return []
+        name = job.name
         if not job.session:
             # The spine holds this rank through the rack's one connection for the job,
             # which cannot take a rank back: the rack's part of the gathering ends
             # (the spine forgets its ranks), and its other ranks are told to join
             # again, rather than left waiting for a job that cannot form.
-            del self.jobs[name]
+            del self.jobs[relay]
             for c in job.conns.values():
                 self._conn_job.pop(c, None)
             error = Error(f"job '{name}': rank {rank} left its rack switch before the job "
                           f"started; the rack's ranks must join again")
             return [(c, error.to_dict()) for r, c in sorted(job.conns.items())
-                    if r != rank] + [CloseUplink(name)]
+                    if r != rank] + [CloseUplink(relay)]
         reason = f"rank {rank} of job '{name}' disconnected"
         return self._fail(job, Failed((rank,), reason), skip=conn,
                           up=protocol.Abort("disconnected from its rack switch", (rank,)))
@@ -270,7 +296,7 @@ class RackController:
         if not ask:
             return self._to(conn, StatusReply(tuple(map(tuple, rows))))
         job.statuses.append((conn, rows, ask))
-        return [ToSpine(job.name, protocol.StatusQuery(tuple(spine for _, spine in ask)))]
+        return [ToSpine(job.relay, protocol.StatusQuery(tuple(spine for _, spine in ask)))]
 
     def _spine_status(self, job: RackJob, reply: StatusReply) -> list:
         """The spine's answer to the oldest status query relayed: its ranks added."""
@@ -287,8 +313,8 @@ class RackController:
         """Ranks of this rack disagree on a call: fail the job here and at the spine."""
         out: list = []
         for installed, m in self.pipeline.take_mismatches():
-            job = self.jobs.get(installed.name)
-            if job is None or job.session != installed.session:
+            job = next((j for j in self.jobs.values() if j.session == installed.session), None)
+            if job is None:
                 continue
             ranks = job.ranks
             m = type(m)(tuple(ranks[i] for i in m.ranks), m.first, ranks[m.rank], m.other)
@@ -312,10 +338,13 @@ class RackController:
         try:
             event = msg if isinstance(msg, protocol.Event) else protocol.decode_event(msg)
         except protocol.MalformedMessage as exc:
-            return self._fail(job, Failed((), f"job '{name}': the spine switch at "
+            return self._fail(job, Failed((), f"job '{job.name}': the spine switch at "
                                               f"{self._spine_name()} sent {exc}"))
         if isinstance(event, protocol.RackReady):
             return self._start(job, event)
+        if isinstance(event, protocol.Challenge):  # for the rank it names alone
+            conn = job.conns.get(event.rank)
+            return self._to(conn, event) if conn is not None else []
         if isinstance(event, (Joined, protocol.Waiting)):
             return self._to_all(job, event)
         if isinstance(event, Error):
@@ -337,7 +366,7 @@ class RackController:
         job = self.jobs.get(name)
         if job is None:
             return []
-        reason = f"job '{name}': the spine switch at {self._spine_name()} {why}"
+        reason = f"job '{job.name}': the spine switch at {self._spine_name()} {why}"
         if not job.session:
             del self.jobs[name]
             for c in job.conns.values():
@@ -360,11 +389,12 @@ class RackController:
         while session == 0 or session in self.pipeline.jobs:
             session = secrets.randbits(32)
         uplink = Uplink((self.spine[0], ready.data_port), job.uplink_addr, ready.session,
-                        ready.slot_base, ready.member)
+                        ready.slot_base, ready.member, ready.token)
+        tokens = new_tokens(len(job.ranks), session)
         try:
             self.pipeline.install_job(job.name, session, [job.addrs[r] for r in job.ranks],
                                       base, ready.slot_count, ready.packet_elements,
-                                      ready.block_elements, uplink=uplink)
+                                      ready.block_elements, tokens, uplink=uplink)
         except ValueError as exc:  # the spine's packets do not fit this rack's slots
             reason = f"job '{job.name}': the rack switch cannot take the spine's job: {exc}"
             return self._fail(job, Failed((), reason), up=protocol.Abort(reason))
@@ -373,8 +403,10 @@ class RackController:
         log.info("job %s started on the rack: ranks %s, rack %d of %d, slots %d..%d",
                  job.name, job.ranks, ready.member, ready.members, base,
                  base + ready.slot_count - 1)
-        return self._to_all(job, Ready(session, base, ready.slot_count, ready.packet_elements,
-                                       ready.block_elements, self.data_port))
+        return [(job.conns[r], Ready(session, base, ready.slot_count, ready.packet_elements,
+                                     ready.block_elements, self.data_port,
+                                     token=token).to_dict())
+                for r, token in zip(job.ranks, tokens)]
 
     # ------------------------------------------------------------------ helpers
     def _fail(self, job: RackJob, failed: Failed, skip=None, up=None) -> list:
@@ -385,13 +417,13 @@ class RackController:
         self._end(job, "failed")
         self.pipeline.counters["jobs_failed"] += 1
         if up is not None:
-            out.append(ToSpine(job.name, up))
-        return out + [CloseUplink(job.name)]
+            out.append(ToSpine(job.relay, up))
+        return out + [CloseUplink(job.relay)]
 
     def _end(self, job: RackJob, state: str) -> None:
         if job.session:
             self.pipeline.remove_job(job.session, state)
-        self.jobs.pop(job.name, None)
+        self.jobs.pop(job.relay, None)
         for c in job.conns.values():
             self._conn_job.pop(c, None)
         if state == "ended":

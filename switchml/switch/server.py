@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from ..auth import read_token, token_from_env
 from ..config import SwitchConfiguration, parse_address
 from ..netutil import (
     LineReader,
@@ -122,6 +123,9 @@ class Switch:
         self._slots_per_job = config.slots_per_job
         self._max_jobs = config.max_jobs
         self._shared_link = config.shared_link
+        # Read now: a missing or empty file fails the start, not a join.
+        self._admission_token = (None if self.upstream else read_token(config.token_file)
+                                 if config.token_file else token_from_env())
         self._metrics_port = config.metrics_port
         self._metrics_host = config.metrics_host or config.host
         self._metrics: MetricsServer | None = None
@@ -160,7 +164,7 @@ class Switch:
                 self.pipeline, data_port=self.address[1], slots_per_job=self._slots_per_job,
                 max_jobs=self._max_jobs, stats=self.stats,
                 rcvbuf=udp.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF), route_mtu=route_mtu,
-                shared_link=self._shared_link)
+                shared_link=self._shared_link, admission_token=self._admission_token)
         if self._metrics_port is not None:
             from .metrics import serve_metrics
             try:

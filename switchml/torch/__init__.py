@@ -17,10 +17,16 @@ first (the local stage: they find one another through the store); a job whose
 ranks all share one host needs, and starts, no switch.  ``SWITCHML_SPARSE``
 (false, true or auto: the default) picks the dense or sparse path.
 
+Every job is authenticated: rank 0 makes a secret (``SWITCHML_JOB_SECRET`` when
+set, else a random one) and hands it to the other ranks through the store (the
+hook: through its process group), so that no process outside the job can join
+it on the switch (docs/protocol.md, "Authenticated jobs").
+
 ``allreduce_hook`` is a DDP communication hook for users who keep their gloo or
 nccl group for everything else.
 """
 
+import logging
 import secrets
 from typing import Any
 
@@ -28,12 +34,15 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
+from .. import auth
 from ..config import SwitchConfiguration, env, local_stage_on
-from ..errors import SwitchMLError
+from ..errors import AuthUnavailableError, SwitchMLError
 from ..switch.process import SwitchProcess
 from ..worker.client import Worker
 from ..worker.hosts import HostRecord, Hosts, Placement, host_record
 from .staging import stage
+
+log = logging.getLogger("switchml.torch")
 
 __all__ = ["ProcessGroupSwitchML", "HookState", "allreduce_hook", "sparse_mode"]
 
@@ -128,6 +137,20 @@ def _one_host(hosts: Hosts | None) -> bool:
     return hosts is not None and Placement.of(hosts.records, 0).hosts == 1
 
 
+def _job_secret() -> str:
+    """A new job's secret: ``SWITCHML_JOB_SECRET``, or a random one; "" (an open
+    job, said in a warning) where the ``cryptography`` package is missing."""
+    configured = env("JOB_SECRET", None)
+    if configured is not None:
+        return configured
+    try:
+        auth.check_available()
+    except AuthUnavailableError as exc:
+        log.warning("this job is open to anyone who learns its name: %s", exc)
+        return ""
+    return auth.new_secret()
+
+
 def _connect(store, rank: int, size: int, timeout: float) -> tuple[Worker, bool]:
     """Join a job named through ``store``: (the worker, whether it is on the job's
     shared switch).  With ``SWITCHML_SWITCH`` unset, every group of the job shares one
@@ -140,14 +163,17 @@ def _connect(store, rank: int, size: int, timeout: float) -> tuple[Worker, bool]
         store.set("switchml/address", configured if configured is not None
                   else "" if alone else _JOB_SWITCH.publish())
         store.set("switchml/job", "torch-" + secrets.token_hex(6))
+        store.set("switchml/secret", _job_secret())
     address = store.get("switchml/address").decode() or None
     job = store.get("switchml/job").decode()
+    secret = store.get("switchml/secret").decode() or None
     shared = configured is None and not alone
     if shared:
         assert address is not None
         _JOB_SWITCH.joined(address)
     try:
-        return Worker(address, rank, size, job=job, timeout=timeout, hosts=hosts), shared
+        return (Worker(address, rank, size, job=job, timeout=timeout, hosts=hosts,
+                       secret=secret), shared)
     except BaseException:
         if shared:
             _JOB_SWITCH.left()
@@ -367,11 +393,14 @@ class HookState:
     state may be built before ``init_process_group`` (PyTorch Lightning does, as
     torch's ``PowerSGDState`` allows): it then joins on DDP's first bucket.
     ``bits=16`` puts the gradients on the 16-bit wire (half the bytes; dense).
+    ``secret``: the job's secret (the same on every rank); None: rank 0's
+    ``SWITCHML_JOB_SECRET``, else a random one, broadcast over the group.
     """
 
     def __init__(self, process_group=None, sparse="auto", timeout: float | None = None,
-                 bits: int | None = None):
+                 bits: int | None = None, secret: str | None = None):
         self.process_group = process_group
+        self._secret = secret
         self.sparse = sparse
         #: 16: the gradients on the 16-bit wire (None: SWITCHML_WIRE_BITS, else 32)
         self.bits = bits
@@ -401,19 +430,22 @@ class HookState:
             dist.all_gather_object(records, host_record().encode(), group=group)
             hosts = Hosts(tuple(map(HostRecord.decode, records)), "")
         address = env("SWITCH", None)
-        box: list = [None, None, None]
+        box: list = [None, None, None, None]
         if rank == 0:
             if address is None and not _one_host(hosts):
                 self.switch = _embedded_switch()
                 assert self.switch.address is not None
                 address = "%s:%d" % self.switch.address
-            box = [address, "ddp-hook-" + secrets.token_hex(6), secrets.token_hex(8)]
+            box = [address, "ddp-hook-" + secrets.token_hex(6), secrets.token_hex(8),
+                   self._secret if self._secret is not None else _job_secret()]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0,
                                    group=group)
         if hosts is not None:
             hosts = Hosts(hosts.records, box[2])
+        # Each rank's own secret where one was given: a broadcast one is only rank 0's.
+        secret = self._secret if self._secret is not None else box[3] or None
         self.worker = Worker(box[0], rank, size, job=box[1], timeout=self.timeout,
-                             hosts=hosts)
+                             hosts=hosts, secret=secret)
         self.world_size = size
 
     def close(self) -> None:

@@ -165,23 +165,23 @@ static int core_init(DenseCore *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"src", "out", "is_float", "session", "slot_base", "width",
                              "packet_elements", "lanes", "bits", "seq", "slot_msgs", "now",
                              "progress_timeout", "rtt", "window", "wire_bits", "world_size",
-                             "sparse", "block_elements", "reordering",
+                             "sparse", "block_elements", "reordering", "token",
                              NULL};
     PyObject *src, *out, *slot_msgs, *rtt_arg, *window_arg;
     int is_float, wire_bits = 32;
-    unsigned int session, seq;
+    unsigned int session, seq, token = 0;
     long long k;
     double now;
     int sparse = 0;
     long long block_elements = 0;
     c->world_size = 1;
     c->reordering = FAST_RETRANSMIT_THRESHOLD;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOpIiiLiiIOddOO|iipLi", kwlist, &src, &out,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOpIiiLiiIOddOO|iipLiI", kwlist, &src, &out,
                                      &is_float, &session, &c->slot_base, &c->width, &k,
                                      &c->lanes, &c->bits, &seq, &slot_msgs, &now,
                                      &c->progress_timeout, &rtt_arg, &window_arg,
                                      &wire_bits, &c->world_size, &sparse, &block_elements,
-                                     &c->reordering))
+                                     &c->reordering, &token))
         return -1;
     if (c->reordering < 1 || c->reordering > MAX_REORDERING) {
         PyErr_SetString(PyExc_ValueError, "reordering: 1 to MAX_REORDERING");
@@ -217,6 +217,7 @@ static int core_init(DenseCore *self, PyObject *args, PyObject *kwds) {
     c->dtype_code = c->per_word == 2 ? WIRE_DTYPE_FLOAT16_WIRE : is_float ? WIRE_DTYPE_FLOAT32 : WIRE_DTYPE_INT32;
     c->lag = is_float ? 1 : 0;
     c->session = session;
+    c->token = token ? token : session;
     c->seq = seq;
     c->k = k * c->per_word; /* values a chunk; a packet holds k words */
     c->src = self->src.buf;

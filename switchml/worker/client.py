@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..auth import token_from_env
 from ..config import (
     DEFAULT_KEEPALIVE,
     DEFAULT_SPARSE_AUTO_EVERY,
@@ -94,16 +95,18 @@ class Worker:
     def __new__(cls, switch=None, rank: int = 0, world_size: int = 1, job: str | None = None,
                 timeout: float | None = None, *, slots: int | None = None,
                 wait_for_slots: float | None = None, local_stage: bool | None = None,
-                hosts: Hosts | None = None, link_share: int = 1) -> Any:
+                hosts: Hosts | None = None, link_share: int = 1,
+                secret: str | bytes | None = None) -> Any:
         # Not an instance of cls, Python runs no __init__ on what this returns: one
         # switch keeps exactly this class; ranks that share hosts, or K switches, get
         # the class that runs them, whose parts are instances of this one.
         job = job if job is not None else env("JOB", "default")
         timeout = float(timeout if timeout is not None else env("TIMEOUT", DEFAULT_TIMEOUT, float))
+        secret = secret if secret is not None else env("JOB_SECRET", None)
         if world_size > 1 and local_stage_on(local_stage):
             if hosts is None:
                 hosts = exchange_through_switch(switch_addresses(switch)[0], job, rank,
-                                                world_size, timeout)
+                                                world_size, timeout, secret=secret)
             placement = Placement.of(hosts.records, rank)
             for ranks in placement.apart():
                 if rank in ranks:
@@ -116,18 +119,20 @@ class Worker:
                 addresses = (switch_addresses(switch) if placement.hosts > 1
                              or switch is not None or env("SWITCH", None) else [])
                 return LocalStageWorker(placement, hosts, addresses, job, timeout, slots=slots,
-                                        wait_for_slots=wait_for_slots, channel=cls)
+                                        wait_for_slots=wait_for_slots, channel=cls,
+                                        secret=secret)
         addresses = switch_addresses(switch)
         if len(addresses) > 1:
             return MultiSwitchWorker(addresses, rank, world_size, job, timeout, slots=slots,
                                      wait_for_slots=wait_for_slots, channel=cls,
-                                     link_share=link_share)
+                                     link_share=link_share, secret=secret)
         return super().__new__(cls)
 
     def __init__(self, switch=None, rank: int = 0, world_size: int = 1, job: str | None = None,
                  timeout: float | None = None, *, slots: int | None = None,
                  wait_for_slots: float | None = None, local_stage: bool | None = None,
-                 hosts: Hosts | None = None, link_share: int = 1):
+                 hosts: Hosts | None = None, link_share: int = 1,
+                 secret: str | bytes | None = None):
         (self.switch_address,) = switch_addresses(switch)  # several: __new__ took them
         self.rank = rank
         self.world_size = world_size
@@ -160,9 +165,11 @@ class Worker:
         #: of the others at once).
         self.on_failure: Callable[[SwitchMLError], None] | None = None
         host, port = self.switch_address
+        secret = secret if secret is not None else env("JOB_SECRET", None)
         self._protocol = ControlClient(self.job, rank, world_size, timeout=self.timeout,
                                        wait_for_slots=self.wait_for_slots,
-                                       where=f"switch at {host}:{port}")
+                                       where=f"switch at {host}:{port}", secret=secret,
+                                       switch_token=token_from_env())
         # News that follows "ready" in the same read (a rank that left at once) must
         # reach the I/O thread, not be dropped.
         self._early_events: list = []
@@ -172,7 +179,7 @@ class Worker:
         #: This worker's membership of the job (``engine.Membership``): the wire's
         #: ``session`` id, slots, packet geometry, and what its calls share in call
         #: order (message numbers, window, RTT, ``counters``).
-        self.membership = Membership(session=ready.session, rank=rank,
+        self.membership = Membership(session=ready.session, token=ready.token, rank=rank,
                                      world_size=world_size, slot_base=ready.slot_base,
                                      slot_count=ready.slot_count,
                                      packet_elements=ready.packet_elements,

@@ -66,6 +66,7 @@ class CompiledDenseAllreduce:
         chunks = -(-src.size // self.chunk_values)
         self._core = _fastengine.DenseCore(
             src, dst, is_float=array.dtype == np.float32, session=membership.session,
+            token=membership.token,
             slot_base=membership.slot_base, width=min(membership.slot_count, chunks),
             packet_elements=k, lanes=membership.lanes,
             bits=membership.bits16 if wire_bits == 16 else membership.bits, seq=seq,

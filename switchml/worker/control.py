@@ -13,7 +13,9 @@ What it returns are ``protocol`` events (``Joined``, ``Waiting``, ``Ready``,
 the error the worker raises (``error``):
 
 * joining: refused (``JoinRefusedError``; ``LimitExceededError`` naming the
-  limit; ``ProtocolVersionError`` naming both versions), ranks missing at the
+  limit; ``ProtocolVersionError`` naming both versions; ``AuthenticationError``
+  when the switch did not accept the proof of the job's secret or of its
+  admission token, or asked for a token this worker does not have), ranks missing at the
   join deadline (``SwitchMLTimeoutError`` naming them), room not found within
   ``wait_for_slots`` (``LimitExceededError``), or the switch gone
   (``SwitchUnreachableError``);
@@ -30,8 +32,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from .. import protocol
+from .. import auth, protocol
 from ..errors import (
+    AuthenticationError,
     CallMismatchError,
     JoinRefusedError,
     LimitExceededError,
@@ -43,6 +46,7 @@ from ..errors import (
 from ..netutil import LineReader
 from ..protocol import (
     PROTOCOL_VERSION,
+    Challenge,
     Error,
     Failed,
     Gathered,
@@ -72,13 +76,18 @@ class ControlClient:
     the wait for the other ranks to join, ``wait_for_slots`` the wait for room
     once the job is complete (0: a job that does not fit is refused).
     ``version`` is the protocol version the join claims (a test's stand-in for
-    another release).
+    another release).  ``secret``: the job's secret (None: an open job);
+    ``switch_token``: the switch's admission token, where it has one
+    (``auth.py``).  Neither ever goes on the wire.
     """
 
     def __init__(self, job: str, rank: int, world_size: int, *, timeout: float,
                  wait_for_slots: float = 0.0, where: str = "switch",
-                 version: int = PROTOCOL_VERSION):
+                 version: int = PROTOCOL_VERSION, secret: str | bytes | None = None,
+                 switch_token: bytes | None = None):
         self.job = job
+        self._key = auth.JobKey(secret, job) if secret is not None else None
+        self._switch_token = switch_token
         self.rank = rank
         self.world_size = world_size
         self.timeout = timeout
@@ -107,15 +116,38 @@ class ControlClient:
         host, port = data_addr
         self._send(protocol.Join(self.job, self.rank, self.world_size, (str(host), int(port)),
                                  slots, rcvbuf, mtu, self.wait_for_slots > 0, self.version,
-                                 link_share=link_share))
+                                 link_share=link_share, key=self.key))
         self._join_deadline = self._deadline = now + self.timeout
 
     def gather(self, value: str, now: float) -> None:
         """Send this rank's ``value`` for the job's allgather (before a join: the
         host records); the other ranks must send theirs within ``timeout``."""
         self._send(protocol.Gather(self.job, self.rank, self.world_size, value,
-                                   version=self.version))
+                                   version=self.version, key=self.key))
         self._join_deadline = self._deadline = now + self.timeout
+
+    @property
+    def key(self) -> str | None:
+        """The job's public key (its identity on the switch), None for an open job."""
+        return self._key.public if self._key is not None else None
+
+    def _answer(self, challenge: Challenge) -> list:
+        """Prove the request the switch challenged: the job's secret, its token."""
+        if challenge.rank != self.rank:
+            return self._fail(SwitchUnreachableError(
+                f"the {self.where} challenged rank {challenge.rank}, not this rank "
+                f"{self.rank}"))
+        if challenge.admission and self._switch_token is None:
+            return self._fail(AuthenticationError(
+                f"job '{self.job}' rank {self.rank}: the {self.where} admits only workers "
+                f"that know its admission token: set SWITCHML_SWITCH_TOKEN (or "
+                f"SWITCHML_SWITCH_TOKEN_FILE)", "admission"))
+        message = auth.transcript(challenge.nonce, self.job, self.rank, self.key)
+        admission = (auth.admission_proof(self._switch_token, message)
+                     if challenge.admission and self._switch_token is not None else None)
+        signature = self._key.sign(message) if self._key is not None else None
+        self._send(protocol.Prove(self.rank, signature, admission))
+        return []
 
     def leave(self) -> None:
         """This rank is done (the switch answers ``Left``)."""
@@ -197,6 +229,8 @@ class ControlClient:
             return self._fail(SwitchMLTimeoutError(f"job '{self.job}' failed: {event.reason}",
                                                    event.missing))
         if self.state == JOINING:
+            if isinstance(event, Challenge):
+                return self._answer(event)
             if isinstance(event, Gathered):
                 self.gathered = event
             elif isinstance(event, Ready):
@@ -219,6 +253,8 @@ class ControlClient:
                 f"the {self.where} speaks control protocol version {error.version} and this "
                 f"worker version {self.version}: run the same switchml release on both "
                 f"({error.message})", switch_version=error.version, worker_version=self.version)
+        if error.reason is not None:
+            return AuthenticationError(error.message, error.reason)
         if error.limit:
             return LimitExceededError(error.message, error.limit)
         return JoinRefusedError(error.message)

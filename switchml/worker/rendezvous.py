@@ -13,6 +13,7 @@ from __future__ import annotations
 import socket
 import time
 
+from ..auth import token_from_env
 from ..config import DEFAULT_KEEPALIVE, env
 from ..errors import SwitchMLError, SwitchUnreachableError
 from ..netutil import enable_keepalive
@@ -28,6 +29,13 @@ def control_events(conn, client: ControlClient, done):
     while not done():
         if client.error is not None:
             raise client.error
+        answer = client.data_to_send()  # a challenge's proof
+        if answer:
+            try:
+                conn.sendall(answer)
+            except OSError as exc:
+                yield client.connection_lost(exc)
+                continue
         timer = client.get_timer()
         left = timer - time.monotonic() if timer is not None else 1.0
         if left <= 0:
@@ -46,13 +54,16 @@ def control_events(conn, client: ControlClient, done):
 
 
 def exchange_through_switch(address: tuple[str, int], job: str, rank: int, world_size: int,
-                            timeout: float, record: HostRecord | None = None) -> Hosts:
+                            timeout: float, record: HostRecord | None = None, *,
+                            secret: str | bytes | None = None) -> Hosts:
     """Every rank's record, through the switch at ``address``: ``Hosts``.  The ranks
-    missing after ``timeout`` seconds are named (``SwitchMLTimeoutError``)."""
+    missing after ``timeout`` seconds are named (``SwitchMLTimeoutError``).
+    ``secret``: the job's (``auth.py``)."""
     host, port = address
     where = f"switch at {host}:{port}"
     record = host_record() if record is None else record
-    client = ControlClient(job, rank, world_size, timeout=timeout, where=where)
+    client = ControlClient(job, rank, world_size, timeout=timeout, where=where, secret=secret,
+                           switch_token=token_from_env())
     try:
         conn = socket.create_connection((host, port), timeout=min(timeout, 10.0))
     except OSError as exc:

@@ -126,7 +126,7 @@ static int send_message(StreamCore *c, int j, double now) {
     packet[4] = (uint8_t)c->dtype_code;
     packet[5] = (uint8_t)c->call->mode(c, j);
     put_u16(packet + 6, (uint16_t)(c->slot_base + j));
-    put_u32(packet + 8, c->session);
+    put_u32(packet + 8, c->token);
     put_u32(packet + 12, c->slot_msgs[j]);
     put_u32(packet + 16, c->seq);
     put_u32(packet + 20, (uint32_t)(m * W + j));

@@ -103,7 +103,8 @@ typedef struct StreamCore {
     int is_float, dtype_code, lag, bits, lanes;
     int per_word, world_size; /* values a 32-bit word: 2 on the 16-bit wire */
     int32_t *wide;            /* the 16-bit wire's int32 scratch, a chunk long */
-    uint32_t session, seq;
+    uint32_t session, seq; /* session: what the switch's answers carry */
+    uint32_t token;        /* what this rank's datagrams carry as session (Ready.token) */
     int slot_base, width;
     int64_t k, size, chunks;
     int16_t *local_exp;

@@ -110,8 +110,11 @@ class MembershipState:
     def __init__(self, *, session: int, rank: int, world_size: int, slot_base: int,
                  slot_count: int, packet_elements: int, block_elements: int | None = None,
                  progress_timeout: float = 30.0, rtt: RttEstimator | None = None,
-                 window: CongestionWindow | None = None):
+                 window: CongestionWindow | None = None, token: int = 0):
         self.session = session
+        #: What this rank's datagrams carry as session (``protocol.Ready.token``),
+        #: the switch's proof of who sent them; 0: ``session``.
+        self.token = token or session
         self.rank = rank
         self.world_size = world_size
         self.slot_base = slot_base
@@ -553,7 +556,7 @@ class Stream:
         s = self.s
         count = self._fill(j, self._round[j])
         wire.encode_header(s.packet_views[j], wire.KIND_CONTRIBUTION, self.dtype_code,
-                           self._mode(j), s.slot_base + j, s.session, s.slot_msgs[j], self.seq,
+                           self._mode(j), s.slot_base + j, s.token, s.slot_msgs[j], self.seq,
                            self._round[j] * self.width + j, count, s.lanes, call=self.call)
         datagram = s.packet_views[j][: wire.packet_size(s.lanes, count)]
         self._inflight[j] = datagram

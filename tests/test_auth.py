@@ -1,0 +1,356 @@
+"""Authenticated jobs: a job's secret proven at join, the switch's admission token,
+and per-rank data-plane tokens.
+
+Sans-IO against the controller (a squatter before and after the real ranks, a
+replayed proof, a wrong key or token), hypothesis over the data plane (Python and
+C: datagrams carrying another rank's token, from a stranger's address, with a
+guessed token change no sum and are counted), and real switches and workers
+(the squatter with real sockets; an admission token through the environment).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import switchml
+from switchml import auth, wire
+from switchml.errors import AuthenticationError, SwitchMLTimeoutError
+from switchml.netutil import encode_line
+from switchml.switch import fastpipeline
+from switchml.switch.control import Controller
+from switchml.switch.pipeline import Pipeline
+from switchml.worker.control import ControlClient
+
+SECRET = "correct horse battery staple"
+TOKEN = b"switch-admission-token-42"
+PIPELINES = [Pipeline] + ([fastpipeline.FastPipeline] if fastpipeline._fastpath else [])
+
+
+# ---------------------------------------------------------------- the key
+def test_every_rank_derives_the_same_key_and_another_secret_or_name_another():
+    key = auth.JobKey(SECRET, "j")
+    assert key.public == auth.JobKey(SECRET.encode(), "j").public
+    assert key.public != auth.JobKey(SECRET + "!", "j").public
+    assert key.public != auth.JobKey(SECRET, "k").public
+    assert SECRET not in repr(key) and len(key.public) == auth.KEY_HEX
+
+
+def test_a_signature_checks_only_under_its_key_and_message():
+    key, other = auth.JobKey(SECRET, "j"), auth.JobKey("guess", "j")
+    message = auth.transcript(auth.new_nonce(), "j", 0, key.public)
+    signature = key.sign(message)
+    assert auth.verify(key.public, signature, message)
+    assert not auth.verify(other.public, signature, message)
+    assert not auth.verify(key.public, signature, message + b"x")
+    assert not auth.verify(key.public, "00" * 64, message)
+    assert not auth.verify("zz", signature, message)
+
+
+# ---------------------------------------------------------------- sans-IO controller
+class Rank:
+    """A ControlClient wired to a Controller on connection ``conn``."""
+
+    def __init__(self, ctl, conn, rank, world, *, secret=None, token=None, job="j"):
+        self.ctl, self.conn = ctl, conn
+        self.client = ControlClient(job, rank, world, timeout=10, secret=secret,
+                                    switch_token=token)
+        self.events: list = []
+
+    def join(self):
+        self.client.join(("10.0.0.1", 1000 + self.conn), 0.0)
+        return self.flush()
+
+    def flush(self):
+        """Send what the client has; deliver every answer to whom it is for."""
+        out = []
+        data = self.client.data_to_send()
+        for line in data.splitlines():
+            out += self.ctl.handle_message(self.conn, json.loads(line))
+        deliver(out)
+        return out
+
+
+RANKS: dict = {}
+
+
+def deliver(out):
+    """The switch's answers to their clients; then what the clients answer (proofs)."""
+    for conn, msg in out:
+        RANKS[conn].events += RANKS[conn].client.receive_data(encode_line(msg), 1.0)
+    for conn in dict.fromkeys(c for c, _ in out):
+        RANKS[conn].flush()
+
+
+def rank(ctl, conn, r, world, **kw) -> Rank:
+    RANKS[conn] = Rank(ctl, conn, r, world, **kw)
+    return RANKS[conn]
+
+
+@pytest.fixture
+def ctl():
+    RANKS.clear()
+    return Controller(Pipeline(slots=16, packet_elements=64), data_port=9, slots_per_job=4)
+
+
+def readies(*ranks):
+    return [r.client.ready for r in ranks]
+
+
+def test_ranks_with_the_secret_form_the_job_and_get_tokens_of_their_own(ctl):
+    a, b = rank(ctl, 1, 0, 2, secret=SECRET), rank(ctl, 2, 1, 2, secret=SECRET)
+    a.join()
+    b.join()
+    ra, rb = readies(a, b)
+    assert ra and rb and ra.session == rb.session and 0 != ra.token != rb.token != 0
+    job = ctl.pipeline.jobs[ra.session]
+    assert job.tokens == [ra.token, rb.token]
+    assert ctl.pipeline.counters["jobs_open"] == 0
+
+
+@pytest.mark.parametrize("squatter", [None, "guessed secret"])
+def test_a_squatter_before_the_real_ranks_never_joins_their_job(ctl, squatter):
+    """It knows the job's name and takes rank 0 first, with no secret or a wrong
+    one: on the switch it is another job, so the real ranks form theirs and it
+    gets nothing of it."""
+    s = rank(ctl, 9, 0, 2, secret=squatter)
+    s.join()
+    a, b = rank(ctl, 1, 0, 2, secret=SECRET), rank(ctl, 2, 1, 2, secret=SECRET)
+    a.join()
+    b.join()
+    ra, rb = readies(a, b)
+    assert ra is not None and rb is not None
+    assert s.client.ready is None and s.client.error is None  # still waiting for its world
+    job = ctl.pipeline.jobs[ra.session]
+    assert ("10.0.0.1", 1009) not in job.members
+    assert len(ctl.pipeline.jobs) == 1
+
+
+def test_a_squatter_after_the_real_ranks_does_not_stop_them(ctl):
+    a, b = rank(ctl, 1, 0, 2, secret=SECRET), rank(ctl, 2, 1, 2, secret=SECRET)
+    a.join()
+    s = rank(ctl, 9, 1, 2, secret="guessed")  # takes rank 1 before the real rank 1
+    s.join()
+    b.join()
+    assert readies(a, b) != [None, None] and None not in readies(a, b)
+    s2 = rank(ctl, 8, 0, 2)  # and an open one with the name, once the job runs
+    s2.join()
+    assert s.client.ready is None and s2.client.ready is None
+    assert s2.client.error is None  # a job of its own, gathering
+    assert len(ctl.pipeline.jobs) == 1
+
+
+def test_a_replayed_proof_is_refused_and_counted(ctl):
+    """A proof captured from one connection: on another, the switch's nonce differs."""
+    a = rank(ctl, 1, 0, 2, secret=SECRET)
+    a.client.join(("10.0.0.1", 1001), 0.0)
+    [join_line] = a.client.data_to_send().splitlines()
+    [(_, challenge)] = ctl.handle_message(1, json.loads(join_line))
+    a.events += a.client.receive_data(json.dumps(challenge).encode() + b"\n", 0.0)
+    [prove_line] = a.client.data_to_send().splitlines()
+    ctl.handle_message(1, json.loads(prove_line))  # the real rank 0 is in
+    # the attacker replays both lines on its own connection
+    [(_, second)] = ctl.handle_message(7, json.loads(join_line))
+    assert second["event"] == "challenge" and second["nonce"] != challenge["nonce"]
+    [(_, refused)] = ctl.handle_message(7, json.loads(prove_line))
+    assert refused["event"] == "error" and refused["reason"] == "authentication"
+    assert "job 'j' rank 0" in refused["message"] and SECRET not in refused["message"]
+    assert ctl.refused["authentication"] == 1
+    assert sorted(ctl.jobs["j", a.client.key].conns) == [0]
+
+
+def test_a_proof_for_another_key_or_rank_is_refused(ctl):
+    a = rank(ctl, 1, 0, 2, secret=SECRET)
+    a.client.join(("10.0.0.1", 1001), 0.0)
+    [(_, challenge)] = ctl.handle_message(1, json.loads(a.client.data_to_send()))
+    message = auth.transcript(challenge["nonce"], "j", 0, a.client.key)
+    forged = auth.JobKey("guess", "j").sign(message)
+    [(_, refused)] = ctl.handle_message(1, {"op": "prove", "rank": 0, "signature": forged})
+    assert refused["reason"] == "authentication"
+    [(_, refused)] = ctl.handle_message(1, {"op": "prove", "rank": 1, "signature": forged})
+    assert "no challenge is open for rank 1" in refused["message"]
+
+
+def test_the_worker_raises_authentication_error_naming_job_and_rank(ctl):
+    client = ControlClient("j", 0, 2, timeout=10, secret=SECRET)
+    failed = client.receive_data(json.dumps({
+        "event": "error", "message": "job 'j' rank 0: the request did not prove the job's "
+        "secret", "reason": "authentication"}).encode() + b"\n", 0.0)
+    assert isinstance(client.error, AuthenticationError) and failed
+    assert client.error.reason == "authentication" and "rank 0" in str(client.error)
+
+
+# ---------------------------------------------------------------- admission token
+@pytest.fixture
+def guarded():
+    RANKS.clear()
+    return Controller(Pipeline(slots=16, packet_elements=64), data_port=9, slots_per_job=4,
+                      admission_token=TOKEN)
+
+
+def test_without_the_admission_token_no_job_is_created(guarded):
+    s = rank(guarded, 1, 0, 1)
+    s.join()
+    assert isinstance(s.client.error, AuthenticationError)
+    assert s.client.error.reason == "admission" and "SWITCHML_SWITCH_TOKEN" in str(s.client.error)
+    wrong = rank(guarded, 2, 0, 1, token=b"not it")
+    wrong.join()
+    assert isinstance(wrong.client.error, AuthenticationError)
+    assert not guarded.jobs and not guarded.pipeline.jobs
+    assert guarded.refused["admission"] == 1  # the first never sent a proof: it had none
+    ok = rank(guarded, 3, 0, 1, token=TOKEN)
+    ok.join()
+    assert ok.client.ready is not None
+    assert guarded.pipeline.counters["jobs_open"] == 1  # admitted, but its job has no secret
+
+
+def test_stats_show_job_names_but_never_secrets_or_tokens(guarded):
+    a = rank(guarded, 1, 0, 1, token=TOKEN, secret=SECRET, job="visible-name")
+    a.join()
+    ready = a.client.ready
+    assert ready is not None
+    stats = json.dumps({"admission": guarded.admission(), "pipeline": guarded.pipeline.stats()})
+    assert "visible-name" in stats
+    for hidden in (SECRET, TOKEN.decode(), str(ready.token), f"{ready.token:08x}"):
+        assert hidden not in stats
+
+
+# ---------------------------------------------------------------- data plane
+K = 8
+M0, M1, M2 = (("10.0.0.1", 1000 + r) for r in range(3))
+TOKENS = [0x11111111, 0x22222222, 0x33333333]
+SESSION = 0x5E55_1011
+
+
+def contribution(token: int, values, slot: int = 0) -> bytes:
+    return wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, slot, token, 0, 0, 0,
+                       np.zeros(1, wire.LANE), np.asarray(values, np.int32))
+
+
+hostile = st.one_of(
+    # a member with another rank's token (its own address)
+    st.tuples(st.sampled_from([M0, M1]), st.sampled_from(TOKENS), st.just("other")),
+    # another rank's address (spoofed) with this member's own token
+    st.tuples(st.just(M2), st.sampled_from(TOKENS[:2]), st.just("spoofed")),
+    # a stranger's address with any token
+    st.tuples(st.sampled_from([("10.0.0.9", 1002), ("10.0.0.1", 999)]),
+              st.sampled_from(TOKENS), st.just("stranger")),
+    # a guessed token
+    st.tuples(st.sampled_from([M0, M1, M2]), st.integers(0, 2**32 - 1), st.just("guess")),
+)
+
+
+@settings(max_examples=80, derandomize=True, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(attacks=st.lists(st.tuples(hostile, st.lists(st.integers(-2**31, 2**31 - 1),
+                                                     min_size=K, max_size=K)),
+                        max_size=12))
+def test_forged_datagrams_change_no_sum_and_are_counted_in_both_data_planes(attacks):
+    rng = np.random.default_rng(len(attacks))
+    real = rng.integers(-1000, 1000, (3, K)).astype(np.int32)
+    seen = []
+    for cls in PIPELINES:
+        p = cls(slots=4, packet_elements=K, block_elements=K)
+        p.install_job("j", SESSION, [M0, M1, M2], 0, 4, tokens=TOKENS)
+        addresses = {M0: 0, M1: 1, M2: 2}
+        out = p.receive_datagram(contribution(TOKENS[0], real[0]), M0)
+        out += p.receive_datagram(contribution(TOKENS[1], real[1]), M1)
+        expected_bad = expected_unknown = 0
+        for (addr, token, _what), values in attacks:
+            if addr not in addresses:
+                expected_unknown += 1
+            elif token != TOKENS[addresses[addr]]:
+                expected_bad += 1
+            else:
+                continue  # the genuine sender itself: not an attack (a guess that hit)
+            out += p.receive_datagram(contribution(token, values), addr)
+        assert out == []  # nothing completed, nothing answered
+        [(result, _), *_] = p.receive_datagram(contribution(TOKENS[2], real[2]), M2)
+        got = wire.values(bytes(result), 1, K)
+        assert (got == real.sum(axis=0, dtype=np.int32)).all()
+        assert wire.decode_header(bytes(result)).session == SESSION  # not a token
+        if hasattr(p, "sync_counters"):
+            p.sync_counters()
+        counters = p.totals()
+        assert counters["dropped_bad_token"] == expected_bad
+        assert counters["dropped_unknown_source"] == expected_unknown
+        seen.append((bytes(result), dict(counters)))
+    assert all(s == seen[0] for s in seen)  # the C data plane is the Python one
+
+
+@pytest.mark.parametrize("cls", PIPELINES)
+def test_a_probe_is_answered_with_the_jobs_session_not_the_rank_token(cls):
+    p = cls(slots=4, packet_elements=K, block_elements=K)
+    p.install_job("j", SESSION, [M0, M1], 0, 4, tokens=TOKENS[:2])
+    probe = wire.probe_of(contribution(TOKENS[0], np.ones(K)), wire.KIND_PROBE)
+    [(resend, addr)] = p.receive_datagram(probe, M0)
+    h = wire.decode_header(bytes(resend))
+    assert addr == M0 and h.kind == wire.KIND_RESEND and h.session == SESSION
+
+
+# ---------------------------------------------------------------- real sockets
+def run_ranks(address, world, job, secret, results, errors, timeout=20):
+    def body(r):
+        try:
+            with switchml.Worker(address, r, world, job=job, timeout=timeout,
+                                 secret=secret, local_stage=False) as w:
+                results[r] = w.allreduce(np.full(1000, r + 1, np.float32))
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            errors[r] = exc
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_a_squatter_process_with_the_name_gets_no_sum_and_the_job_runs():
+    with switchml.Switch() as sw:
+        stolen: dict = {}
+        squatter_errors: dict = {}
+        # The squatter joins rank 0 of "train" first, without the secret.
+        squat = threading.Thread(target=lambda: squatter_errors.setdefault(0, _squat(
+            sw.address, stolen)))
+        squat.start()
+        deadline = time.monotonic() + 10
+        while not sw.controller.jobs:  # it holds rank 0 of a job named "train"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        results: dict = {}
+        errors: dict = {}
+        for t in run_ranks(sw.address, 2, "train", SECRET, results, errors):
+            t.join(30)
+        assert not errors, errors
+        assert all((results[r] == 3.0).all() for r in (0, 1))
+        squat.join(30)
+        assert not stolen  # it never joined the real job, never received its sums
+        assert isinstance(squatter_errors[0], SwitchMLTimeoutError)
+
+
+def _squat(address, stolen):
+    try:
+        with switchml.Worker(address, 0, 2, job="train", timeout=3, local_stage=False) as w:
+            stolen["sum"] = w.allreduce(np.zeros(1000, np.float32))
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        return exc
+    return None
+
+
+def test_a_switch_with_an_admission_token_takes_workers_that_have_it(monkeypatch):
+    monkeypatch.setenv("SWITCHML_SWITCH_TOKEN", TOKEN.decode())
+    with switchml.Switch() as sw:
+        results: dict = {}
+        errors: dict = {}
+        for t in run_ranks(sw.address, 2, "ok", None, results, errors):
+            t.join(30)
+        assert not errors and all((results[r] == 3.0).all() for r in (0, 1))
+        monkeypatch.delenv("SWITCHML_SWITCH_TOKEN")
+        with pytest.raises(AuthenticationError, match="admission token"):
+            switchml.Worker(sw.address, 0, 1, job="nope", timeout=5, local_stage=False)
+        # refused before it sent a proof: it knew it had no token to prove
+        assert not sw.controller.jobs and "nope" not in json.dumps(sw.stats())
