@@ -6,6 +6,7 @@ with them: racks under a spine in this process, real workers, real failures.
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 
@@ -16,6 +17,7 @@ from test_racks import K, same_bits
 
 import switchml
 from switchml import Switch, protocol, wire
+from switchml.netutil import encode_line
 from switchml.switch.control import Controller
 from switchml.switch.pipeline import Pipeline
 from switchml.switch.rack import RackPipeline, Uplink
@@ -192,8 +194,13 @@ def rack_switches(racks=2, **settings):
     return stack, spine, under
 
 
-def test_two_levels_over_sockets_give_the_flat_sums():
+@pytest.mark.parametrize("guarded", [False, True])
+def test_two_levels_over_sockets_give_the_flat_sums(guarded, monkeypatch):
+    """(guarded: a job secret, and a spine with an admission token, both of which
+    the racks relay the proofs of.)"""
     placement = [0, 1, 0, 1]
+    if guarded:
+        monkeypatch.setenv("SWITCHML_SWITCH_TOKEN", "fabric token")
     stack, spine, racks = rack_switches()
     with stack:
         assert not racks[0].fastpath and racks[0].stats()["admission"]["upstream"]
@@ -202,7 +209,7 @@ def test_two_levels_over_sockets_give_the_flat_sums():
 
         def body(rank):
             with switchml.Worker(racks[placement[rank]].address, rank, 4, job="two-level",
-                                 timeout=20) as w:
+                                 timeout=20, secret="s3cret" if guarded else None) as w:
                 return w.membership.packet_elements, [w.allreduce(c[rank]) for c in calls]
 
         results = run_ranks(4, body)
@@ -212,6 +219,7 @@ def test_two_levels_over_sockets_give_the_flat_sums():
         stats = spine.stats()
         spine_job = stats["ended_jobs"]["two-level"]
         assert spine_job["world_size"] == 2  # two racks, one member each
+        assert stats["totals"].get("jobs_open", 0) == (0 if guarded else 1)
         for rack in racks:
             job = rack.stats()["ended_jobs"]["two-level"]
             assert job["counters"]["partials_up"] == job["counters"]["results_from_spine"] > 0
@@ -410,3 +418,43 @@ def test_the_exchange_of_host_records_spans_the_racks():
         with pytest.raises(switchml.SwitchMLTimeoutError) as info:
             exchange_through_switch(racks[0].address, "short", 0, 2, 0.5)
         assert info.value.missing_ranks == [1]
+
+
+def test_an_authenticated_job_forms_through_racks_and_a_squatter_stays_apart():
+    """The spine's challenges come down to the rank they name and the proofs go
+    up; a process with the name but not the secret, first at a rack, is another
+    job at the rack and at the spine, and the real ranks form theirs."""
+    relay = Relay(racks=2)
+    clients: dict = {}
+    heard: dict = {}
+
+    def start(rack, conn, rank, secret, host):
+        client = ControlClient("j", rank, 4, timeout=10, secret=secret)
+        clients[conn] = (rack, client)
+        client.join((f"10.0.2.{host}", 5000 + host), 0.0)
+
+    def pump():
+        moved = True
+        while moved:
+            moved = False
+            for conn, (rack, client) in clients.items():
+                for event in relay.told.get(conn, [])[heard.get(conn, 0):]:
+                    client.receive_data(encode_line(event), 1.0)
+                heard[conn] = len(relay.told.get(conn, []))
+                for line in client.data_to_send().splitlines():
+                    relay.worker(rack, conn, json.loads(line))
+                    moved = True
+
+    start(0, "squatter", 0, None, 50)
+    pump()
+    for rank, rack in enumerate((0, 0, 1, 1)):
+        start(rack, rank, rank, "the job's secret", rank)
+        pump()
+    readies = [clients[r][1].ready for r in range(4)]
+    assert None not in readies and len({r.token for r in readies}) == 4
+    squatter = clients["squatter"][1]
+    assert squatter.ready is None and squatter.error is None
+    [spine_job] = relay.spine.pipeline.jobs.values()
+    assert spine_job.members == [("10.0.1.0", 9000), ("10.0.1.1", 9001)]
+    assert all(("10.0.2.50", 5050) not in job.members
+               for rack in relay.racks for job in rack.pipeline.jobs.values())
