@@ -18,7 +18,9 @@ import time
 
 import numpy as np
 
+from . import auth
 from .config import DEFAULT_PACKET_ELEMENTS
+from .errors import AuthUnavailableError
 from .quant import error_bound
 from .switch.server import Switch
 from .worker.client import Worker
@@ -47,12 +49,22 @@ def expected_sum(world: int, size: int, dtype: str, seed: int, sparse: bool = Fa
     return np.sum(np.array(inputs, np.float64), axis=0), inputs
 
 
-def _rank_main(address, rank, world, cases, repeats, seed, results, timeout):
+def _demo_secret() -> str | None:
+    """The demo job's secret, as a real job has one; None (an open job) where the
+    ``cryptography`` package is not installed."""
+    try:
+        auth.check_available()
+    except AuthUnavailableError:
+        return None
+    return auth.new_secret()
+
+
+def _rank_main(address, rank, world, cases, repeats, seed, results, timeout, secret):
     try:
         # each process as a host of its own: every array crosses the switch (on one
         # machine the local stage would otherwise sum them in shared memory)
         with Worker(address, rank, world, job="demo", timeout=timeout,
-                    local_stage=False) as worker:
+                    local_stage=False, secret=secret) as worker:
             block = worker.membership.block_elements
             for size, dtype, sparse in cases:
                 data = make_input(rank, size, dtype, seed, sparse, block)
@@ -94,8 +106,9 @@ def run_demo(workers: int = 4, sizes=(0, 1, 1000, 1_000_003), repeats: int = 3,
         echo(f"switch on {switch.address[0]}:{switch.address[1]}, {workers} worker processes, "
              f"drop rate {drop_rate:g}; each process a host of its own (the local stage off), "
              "so every array crosses the switch")
+        secret = _demo_secret()
         procs = [ctx.Process(target=_rank_main, args=(switch.address, r, workers, cases, repeats,
-                                                        seed, results, timeout))
+                                                        seed, results, timeout, secret))
                  for r in range(workers)]
         for p in procs:
             p.start()
