@@ -7,6 +7,12 @@ counter, the message number it aggregates and the ids it echoes in results.
 Values are added as 32-bit integers with wrap-around.  Nothing grows with tensor
 size or job length.
 
+A datagram is admitted from a member's address only when its header's
+``session`` field holds that member's token (``Job.tokens``: each rank's own,
+from its join), so no member passes for another and a spoofed source address
+without the token changes nothing (``dropped_bad_token``).  Replies carry the
+job's session.
+
 Per slot and set ``v = msg & 1``, for a contribution from rank ``w``:
 
 * a message newer than the one the set holds starts a fresh aggregation: its
