@@ -11,10 +11,12 @@ import time
 import urllib.request
 
 import numpy as np
+import pytest
 from conftest import interruptible
 
 import switchml
 from switchml import config
+from switchml.errors import AuthenticationError
 
 CLI = [sys.executable, "-m", "switchml.cli"]
 
@@ -108,3 +110,32 @@ def test_version_is_the_packages():
     shown = subprocess.run(CLI + ["--version"], capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.strip() == f"switchml {switchml.__version__}"
+
+
+def test_a_switch_with_a_token_file_admits_only_workers_with_the_token(tmp_path, monkeypatch):
+    token = tmp_path / "token"
+    token.write_text("s3cret admission\n")
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    refused = subprocess.run(CLI + ["switch", "--port", "0", "--token-file", str(empty)],
+                             capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 2 and "token file" in refused.stderr and "empty" in refused.stderr
+    proc = subprocess.Popen(CLI + ["switch", "--port", "0", "--token-file", str(token),
+                                   "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=interruptible)
+    try:
+        line = proc.stdout.readline()
+        address = line.split("SWITCHML_SWITCH=")[1].strip()
+        with pytest.raises(AuthenticationError, match="admission token"):
+            switchml.Worker(address, 0, 1, job="no-token", timeout=10, local_stage=False)
+        monkeypatch.setenv("SWITCHML_SWITCH_TOKEN_FILE", str(token))
+        with switchml.Worker(address, 0, 1, job="with-token", timeout=10) as w:
+            assert np.array_equal(w.allreduce(np.arange(10, dtype=np.int32)), np.arange(10))
+        stats = json.loads(subprocess.run(CLI + ["stats", "--switch", address, "--json"],
+                                          capture_output=True, text=True, timeout=30).stdout)
+        assert "with-token" in stats["ended_jobs"] and "no-token" not in json.dumps(stats)
+        assert "s3cret" not in json.dumps(stats)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 0
