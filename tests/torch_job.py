@@ -31,12 +31,13 @@ def ddp(backend: str, steps: int, hook: bool, bits=None):
         dist.distributed_c10d._get_default_group(), "_worker", None)
     results = worker.counters["results_in"] if worker is not None else 0
     sent = worker.counters["bytes_sent"] if worker is not None else 0
+    received = worker.counters["bytes_received"] if worker is not None else 0
     datagrams = (worker.counters["results_in"] + worker.counters["retransmissions"]
                  if worker is not None else 0)
     if state is not None:
         state.close()
     return {"params": params.tolist(), "switch_results": results, "bytes_sent": sent,
-            "datagrams_sent": datagrams}
+            "datagrams_sent": datagrams, "bytes_received": received}
 
 
 def collectives():
