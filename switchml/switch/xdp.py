@@ -23,7 +23,8 @@ The object is built lazily, by clang (``-O2 -g -target bpf``), into a cache
 named by a hash of the sources, clang's version and the flags
 (``$SWITCHML_XDP_CACHE``, else ``$XDG_CACHE_HOME/switchml/xdp``); it is loaded
 with libbpf (``libbpf.so.1``) through ctypes: no Python dependency.  Loading
-needs root (CAP_BPF and CAP_NET_ADMIN); ``unavailable()`` says what is missing.
+needs root (CAP_BPF and CAP_NET_ADMIN, or CAP_SYS_ADMIN); ``unavailable()`` says
+what is missing.
 
 Not done yet, each a difference from the Python pipeline that the tests keep
 out of their traffic: sparse modes (dropped and counted as
@@ -111,14 +112,17 @@ def _include_dirs() -> list[str]:
 
 
 def _has_bpf_capability() -> bool:
-    if os.geteuid() == 0:
-        return True
+    """CAP_SYS_ADMIN, or CAP_BPF and CAP_NET_ADMIN (an XDP program): the effective
+    set, not the uid, as a container's root may lack them."""
     try:
         status = pathlib.Path("/proc/self/status").read_text()
     except OSError:
-        return False
-    caps = int(re.search(r"CapEff:\s*([0-9a-f]+)", status).group(1), 16)  # type: ignore[union-attr]
-    return bool(caps >> 39 & 1 or caps >> 21 & 1)  # CAP_BPF, or CAP_SYS_ADMIN
+        return os.geteuid() == 0
+    found = re.search(r"CapEff:\s*([0-9a-f]+)", status)
+    if found is None:
+        return os.geteuid() == 0
+    caps = int(found.group(1), 16)
+    return bool(caps >> 21 & 1 or (caps >> 39 & 1 and caps >> 12 & 1))
 
 
 def unavailable() -> str | None:
@@ -137,7 +141,7 @@ def unavailable() -> str | None:
     except OSError as exc:
         return f"no libbpf.so.1: {exc}"
     if not _has_bpf_capability():
-        return "loading a BPF program needs root (CAP_BPF)"
+        return "loading an XDP program needs root (CAP_BPF and CAP_NET_ADMIN)"
     return None
 
 
