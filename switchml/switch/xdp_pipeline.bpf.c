@@ -30,10 +30,17 @@
  *  - anything that is not a UDP datagram to the switch's port: XDP_PASS,
  *    untouched.
  *
- * What the verifier refused, and what this file does instead:
+ * What the verifier refused (seen), and what this file does instead:
+ *  - an offset into a map value computed from a header field before its bound
+ *    check: clang hoisted 12 * lanes above the `lanes > XDP_MAX_LANES` test and
+ *    kept the product, so the verifier saw row offsets up to 786420 in a
+ *    4928-byte value ("invalid access to map value ... R1 max value is outside
+ *    of the allowed memory range"); barrier_var() after the checks makes the
+ *    later arithmetic start from the checked registers.
+ * What it is known to refuse, designed around (not tried here):
  *  - loops over packet pointers: every access at a variable offset needs its
- *    own bounds check against data_end and each exit of a bounded loop carries
- *    a different packet range, so states do not prune; the datagram's body is
+ *    own bounds check against data_end, and each exit of a bounded loop carries
+ *    another packet range, so its states do not prune; the datagram's body is
  *    copied with bpf_xdp_load_bytes into a per-CPU scratch map value (sizes
  *    known to the verifier) and the answer written back with
  *    bpf_xdp_store_bytes (both also work on multi-buffer frames, later);
@@ -43,6 +50,9 @@
  *    the bytes to send are snapshotted into the scratch value there;
  *  - returning with the lock held: every branch under the lock sets an
  *    `action` and falls through to the one unlock.
+ * With these, it loads: about 89,000 instructions processed of the verifier's
+ * 1,000,000 (xdp.XdpPipeline.verifier_stats), with loops bounded by
+ * XDP_MAX_LANES and XDP_MAX_VALUES.
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
