@@ -6,10 +6,11 @@ STAMP := $(VENV)/.installed
 # torch==2.13.0 (the torch extra) installs its CPU build from a local wheel where there is one
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: demo test install bench clean nft conformance docs
+.PHONY: demo test install bench clean nft xdp-toolchain conformance docs
 
 # the compiled cores (setup.py) are built by the editable install: a change rebuilds them
-$(STAMP): pyproject.toml setup.py $(wildcard switchml/*.h switchml/*.c switchml/switch/*.c switchml/switch/*.h switchml/worker/*.c switchml/worker/*.h)
+# (not the XDP program, *.bpf.c: switch/xdp.py builds it with clang when it is used)
+$(STAMP): pyproject.toml setup.py $(filter-out %.bpf.c,$(wildcard switchml/*.h switchml/*.c switchml/switch/*.c switchml/switch/*.h switchml/worker/*.c switchml/worker/*.h))
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(FIND_LINKS) -e '.[test,bench,torch,auth,examples,metrics,integrations,docs]'
@@ -25,7 +26,7 @@ demo: $(STAMP)
 	SWITCHML_LOCAL_STAGE=0 OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone \
 		--nproc-per-node 4 examples/train_ddp.py --backend switchml --epochs 5
 
-test: $(STAMP) nft
+test: $(STAMP) nft xdp-toolchain
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(MAKE) --no-print-directory docs
@@ -53,6 +54,19 @@ nft:
 		echo "installing nftables for the testbed's loss tests"; \
 		(apt-get update -qq && apt-get install -y -qq --no-install-recommends nftables) \
 			>/dev/null 2>&1 || echo "could not install nftables: the loss tests will skip"; \
+	fi
+
+# The XDP data plane's tests (tests/test_xdp.py) build its program with clang and
+# load it with libbpf: as root, install clang, llvm and libbpf-dev when one is
+# missing, and bpftool (to look at a loaded program) where the distribution has it;
+# elsewhere those tests skip and say why.
+xdp-toolchain:
+	@if [ "$$(id -u)" = 0 ] && { ! command -v clang >/dev/null 2>&1 || \
+		! command -v llvm-objdump >/dev/null 2>&1 || [ ! -e /usr/include/bpf/bpf_helpers.h ]; }; then \
+		echo "installing clang, llvm and libbpf-dev for the XDP data plane's tests"; \
+		(apt-get update -qq && apt-get install -y -qq --no-install-recommends clang llvm libbpf-dev) \
+			>/dev/null 2>&1 || echo "could not install clang, llvm, libbpf-dev: the XDP tests will skip"; \
+		apt-get install -y -qq --no-install-recommends bpftool >/dev/null 2>&1 || true; \
 	fi
 
 bench: $(STAMP)

@@ -1,0 +1,570 @@
+"""The switch's data plane as an XDP program: ``XdpPipeline`` is a ``Pipeline``
+whose per-packet work runs in ``xdp_pipeline.bpf.c``, in the kernel.
+
+This is the first step of issue 27: the dense path (validation and every drop
+reason, members, shadow-copy sets, adds, MODE_MAX, duplicates, stale messages,
+retransmissions, probes and queries, results), run through
+``BPF_PROG_TEST_RUN`` on Ethernet/IPv4/UDP frames.  Nothing attaches it to an
+interface yet, and the server does not use it.
+
+As ``FastPipeline`` does, the control plane (slot allocation, the job table,
+ended jobs, stats) stays the Python reference's own code; ``install_job`` and
+``remove_job`` also write the program's maps (a hash map of member addresses,
+the job's entry with each rank's token, a reset of its sets), and the counters
+the program keeps per CPU with the Python names are added into
+``pipeline.counters`` and each ``job.counters`` by ``sync_counters()``.
+
+How a datagram's fate reads in XDP (the program's header comment says why):
+``XDP_DROP`` for nothing sent, ``XDP_TX`` for an answer to its sender alone
+(the frame rewritten, addresses swapped), ``XDP_PASS`` for a completed result,
+which the switch's socket then sends to every rank.
+
+The object is built lazily, by clang (``-O2 -g -target bpf``), into a cache
+named by a hash of the sources, clang's version and the flags
+(``$SWITCHML_XDP_CACHE``, else ``$XDG_CACHE_HOME/switchml/xdp``); it is loaded
+with libbpf (``libbpf.so.1``) through ctypes: no Python dependency.  Loading
+needs root (CAP_BPF and CAP_NET_ADMIN, or CAP_SYS_ADMIN); ``unavailable()`` says
+what is missing.
+
+Not done yet, each a difference from the Python pipeline that the tests keep
+out of their traffic: sparse modes (dropped and counted as
+``dropped_sparse_unsupported``), simulated drop rates, IPv6, frames past one
+page (multi-buffer), the UDP checksum of received datagrams (the kernel drops a
+bad one before the Python switch's socket; the program does not check it yet).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import re
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+from .. import wire
+from ..config import DEFAULT_PACKET_ELEMENTS, DEFAULT_PORT, DEFAULT_SLOTS
+from .pipeline import MAX_WORKERS, Job, Mismatch, Pipeline
+
+HERE = pathlib.Path(__file__).resolve().parent
+SOURCE = HERE / "xdp_pipeline.bpf.c"
+WIRE_H = HERE.parent / "wire.h"
+CFLAGS = ["-O2", "-g", "-target", "bpf", "-mcpu=v3", "-Wall", "-Werror"]
+PROGRAM = "xdp_pipeline"
+
+XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = range(5)
+ACTIONS = {XDP_ABORTED: "aborted", XDP_DROP: "drop", XDP_PASS: "pass", XDP_TX: "tx",
+           XDP_REDIRECT: "redirect"}
+
+ETH_HEADER = 14
+IP_HEADER = 20
+UDP_HEADER = 8
+FRAME_HEADERS = ETH_HEADER + IP_HEADER + UDP_HEADER
+#: Largest frame the program handles: one page less XDP's headroom (256) and the
+#: kernel's skb_shared_info (320), as BPF_PROG_TEST_RUN and drivers without
+#: multi-buffer give it.
+MAX_FRAME = 4096 - 256 - 320
+#: The switch's side of the frames ``receive_datagram`` builds.
+SWITCH_MAC = bytes.fromhex("020000000001")
+WORKER_MAC = bytes.fromhex("020000000002")
+SWITCH_IP = "10.255.0.1"
+
+
+def _source_constants() -> tuple[list[str], int, int]:
+    """The counter names (the program's enum) and its loop bounds, read from the
+    source, so that they have one definition."""
+    text = SOURCE.read_text()
+    enum = re.search(r"enum xdp_counter \{(.*?)\};", text, re.S)
+    if enum is None:
+        raise RuntimeError(f"{SOURCE.name}: no enum xdp_counter")
+    body = re.sub(r"/\*.*?\*/", "", enum.group(1), flags=re.S)
+    names = [n.strip() for n in body.split(",") if n.strip()]
+    if names[-1] != "XDP_NCOUNTERS" or not all(n.startswith("C_") for n in names[:-1]):
+        raise RuntimeError(f"{SOURCE.name}: enum xdp_counter is not C_* then XDP_NCOUNTERS")
+
+    def define(name: str) -> int:
+        found = re.search(rf"#define {name} (\d+)", text)
+        if found is None:
+            raise RuntimeError(f"{SOURCE.name}: no #define {name}")
+        return int(found.group(1))
+
+    return [n[2:].lower() for n in names[:-1]], define("XDP_MAX_LANES"), \
+        define("XDP_MAX_VALUES")
+
+
+COUNTER_NAMES, MAX_LANES, MAX_VALUES = _source_constants()
+#: Bytes of a slot row in the program's map (XDP_ROW_SIZE).
+ROW_SIZE = wire.HEADER_SIZE + wire.LANE_SIZE * MAX_LANES + wire.VALUE_SIZE * MAX_VALUES + \
+    wire.HEADER_SIZE
+
+
+# ---------------------------------------------------------------- the toolchain
+def _include_dirs() -> list[str]:
+    """<asm/types.h>, which <linux/bpf.h> includes, lives in the host's multiarch
+    directory, which clang does not search for -target bpf."""
+    return [str(p.parent.parent) for p in pathlib.Path("/usr/include").glob("*/asm/types.h")]
+
+
+def _has_bpf_capability() -> bool:
+    """CAP_SYS_ADMIN, or CAP_BPF and CAP_NET_ADMIN (an XDP program): the effective
+    set, not the uid, as a container's root may lack them."""
+    try:
+        status = pathlib.Path("/proc/self/status").read_text()
+    except OSError:
+        return os.geteuid() == 0
+    found = re.search(r"CapEff:\s*([0-9a-f]+)", status)
+    if found is None:
+        return os.geteuid() == 0
+    caps = int(found.group(1), 16)
+    return bool(caps >> 21 & 1 or (caps >> 39 & 1 and caps >> 12 & 1))
+
+
+def unavailable() -> str | None:
+    """Why the XDP data plane cannot run here, or None when it can."""
+    if not sys.platform.startswith("linux"):
+        return "XDP needs Linux"
+    if shutil.which("clang") is None:
+        return "no clang to build the XDP program (make test installs clang, llvm, libbpf-dev " \
+               "as root)"
+    if not pathlib.Path("/usr/include/linux/bpf.h").exists() or not _include_dirs():
+        return "no kernel headers (<linux/bpf.h>, <asm/types.h>: linux-libc-dev)"
+    if not pathlib.Path("/usr/include/bpf/bpf_helpers.h").exists():
+        return "no libbpf headers (<bpf/bpf_helpers.h>: libbpf-dev)"
+    try:
+        _libbpf()
+    except OSError as exc:
+        return f"no libbpf.so.1: {exc}"
+    if not _has_bpf_capability():
+        return "loading an XDP program needs root (CAP_BPF and CAP_NET_ADMIN)"
+    return None
+
+
+def _cache_dir() -> pathlib.Path:
+    given = os.environ.get("SWITCHML_XDP_CACHE")
+    if given:
+        return pathlib.Path(given)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "switchml" / "xdp"
+
+
+def build_object() -> pathlib.Path:
+    """The compiled program, built by clang on first use into the cache."""
+    clang = shutil.which("clang")
+    if clang is None:
+        raise RuntimeError(unavailable() or "no clang")
+    version = subprocess.run([clang, "--version"], capture_output=True, text=True,
+                             check=True).stdout
+    flags = CFLAGS + [f"-I{d}" for d in _include_dirs()]
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), WIRE_H.read_bytes(), version.encode(),
+                 " ".join(flags).encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    cache = _cache_dir()
+    target = cache / f"xdp_pipeline-{digest.hexdigest()[:16]}.o"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache, suffix=".o.tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run([clang, *flags, "-c", str(SOURCE), "-o", tmp],
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"clang failed on {SOURCE.name}:\n{done.stderr}")
+        os.replace(tmp, target)  # atomic: a concurrent build finds a whole object
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+# ---------------------------------------------------------------- libbpf
+class _TestRunOpts(ctypes.Structure):
+    """struct bpf_test_run_opts (libbpf's bpf.h)."""
+
+    _fields_ = [("sz", ctypes.c_size_t), ("data_in", ctypes.c_void_p),
+                ("data_out", ctypes.c_void_p), ("data_size_in", ctypes.c_uint32),
+                ("data_size_out", ctypes.c_uint32), ("ctx_in", ctypes.c_void_p),
+                ("ctx_out", ctypes.c_void_p), ("ctx_size_in", ctypes.c_uint32),
+                ("ctx_size_out", ctypes.c_uint32), ("retval", ctypes.c_uint32),
+                ("repeat", ctypes.c_int), ("duration", ctypes.c_uint32),
+                ("flags", ctypes.c_uint32), ("cpu", ctypes.c_uint32),
+                ("batch_size", ctypes.c_uint32)]
+
+
+_LIBBPF: ctypes.CDLL | None = None
+
+
+def _libbpf() -> ctypes.CDLL:
+    global _LIBBPF
+    if _LIBBPF is not None:
+        return _LIBBPF
+    lib = ctypes.CDLL("libbpf.so.1", use_errno=True)
+    vp, cp, u32, i = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint32, ctypes.c_int
+    for name, res, args in [
+        ("bpf_object__open_file", vp, [cp, vp]),
+        ("bpf_object__find_map_by_name", vp, [vp, cp]),
+        ("bpf_object__find_program_by_name", vp, [vp, cp]),
+        ("bpf_map__set_max_entries", i, [vp, u32]),
+        ("bpf_map__fd", i, [vp]),
+        ("bpf_program__fd", i, [vp]),
+        ("bpf_program__set_log_buf", i, [vp, vp, ctypes.c_size_t]),
+        ("bpf_program__set_log_level", i, [vp, u32]),
+        ("bpf_object__load", i, [vp]),
+        ("bpf_object__close", None, [vp]),
+        ("bpf_map_update_elem", i, [i, vp, vp, ctypes.c_uint64]),
+        ("bpf_map_lookup_elem", i, [i, vp, vp]),
+        ("bpf_map_delete_elem", i, [i, vp]),
+        ("bpf_prog_test_run_opts", i, [i, vp]),
+        ("libbpf_num_possible_cpus", i, []),
+    ]:
+        fn = getattr(lib, name)
+        fn.restype = res
+        fn.argtypes = args
+    _LIBBPF = lib
+    return lib
+
+
+def _check(rc: int, what: str) -> None:
+    if rc < 0:
+        raise OSError(-rc, f"{what}: {os.strerror(-rc)}")
+
+
+class _Refused(OSError):
+    """The kernel refused the program (the verifier's log is in the message)."""
+
+
+def _load(path: pathlib.Path, max_entries: dict[str, int]) -> _Program:
+    """Load the program; when the verifier refuses it, load it again with the
+    verifier's whole log (level 1, slower) to say why."""
+    try:
+        return _Program(path, max_entries)
+    except _Refused:
+        return _Program(path, max_entries, log_level=1, log_size=1 << 26)
+
+
+class _Program:
+    """The loaded object: its maps by name, its program, BPF_PROG_TEST_RUN."""
+
+    def __init__(self, path: pathlib.Path, max_entries: dict[str, int], log_level: int = 4,
+                 log_size: int = 1 << 16):
+        lib = _libbpf()
+        self._lib = lib
+        self._obj = lib.bpf_object__open_file(str(path).encode(), None)
+        if not self._obj:
+            err = ctypes.get_errno()
+            raise OSError(err, f"libbpf could not open {path}: {os.strerror(err)}")
+        try:
+            for name, entries in max_entries.items():
+                _check(lib.bpf_map__set_max_entries(self._map(name), entries),
+                       f"max_entries of {name}")
+            prog = lib.bpf_object__find_program_by_name(self._obj, PROGRAM.encode())
+            # log level 4: the verifier's statistics alone; on a refusal, the load
+            # is tried again with the whole log, which is what the error shows
+            self._log = ctypes.create_string_buffer(log_size)
+            lib.bpf_program__set_log_buf(prog, self._log, len(self._log))
+            lib.bpf_program__set_log_level(prog, log_level)
+            rc = lib.bpf_object__load(self._obj)
+            if rc < 0:
+                log = self._log.value.decode(errors="replace")
+                raise _Refused(-rc, f"the kernel refused {path.name}: {os.strerror(-rc)}; "
+                               f"the verifier's log ends:\n{log[-6000:]}")
+            self.verifier_stats = self._log.value.decode(errors="replace").strip()
+            self.prog_fd = lib.bpf_program__fd(prog)
+            self.fds = {name: lib.bpf_map__fd(self._map(name)) for name in
+                        ("config", "members", "jobs", "mismatches", "sets", "rows", "counts")}
+            self.cpus = lib.libbpf_num_possible_cpus()
+            _check(self.cpus, "libbpf_num_possible_cpus")
+        except BaseException:
+            self.close()
+            raise
+
+    def _map(self, name: str):
+        found = self._lib.bpf_object__find_map_by_name(self._obj, name.encode())
+        if not found:
+            raise RuntimeError(f"{SOURCE.name} has no map {name}")
+        return found
+
+    def close(self) -> None:
+        if self._obj:
+            self._lib.bpf_object__close(self._obj)
+            self._obj = None
+
+    def update(self, name: str, key, value) -> None:
+        _check(self._lib.bpf_map_update_elem(self.fds[name], ctypes.byref(key),
+                                             ctypes.byref(value), 0), f"update {name}")
+
+    def lookup(self, name: str, key, value):
+        _check(self._lib.bpf_map_lookup_elem(self.fds[name], ctypes.byref(key),
+                                             ctypes.byref(value)), f"lookup {name}")
+        return value
+
+    def delete(self, name: str, key) -> None:
+        self._lib.bpf_map_delete_elem(self.fds[name], ctypes.byref(key))
+
+    def test_run(self, frame: bytes) -> tuple[int, bytes]:
+        """Run the program once on ``frame``: (its XDP action, the frame it left)."""
+        data_in = ctypes.create_string_buffer(bytes(frame), len(frame))
+        data_out = ctypes.create_string_buffer(2 * 4096)
+        opts = _TestRunOpts(sz=ctypes.sizeof(_TestRunOpts),
+                            data_in=ctypes.cast(data_in, ctypes.c_void_p),
+                            data_out=ctypes.cast(data_out, ctypes.c_void_p),
+                            data_size_in=len(frame), data_size_out=len(data_out), repeat=1)
+        _check(self._lib.bpf_prog_test_run_opts(self.prog_fd, ctypes.byref(opts)),
+               "BPF_PROG_TEST_RUN")
+        return opts.retval, data_out.raw[: opts.data_size_out]
+
+
+# ---------------------------------------------------------------- map values
+class _Config(ctypes.Structure):
+    _fields_ = [("slots", ctypes.c_uint32), ("port", ctypes.c_uint16),
+                ("pad", ctypes.c_uint16)]
+
+
+class _MemberKey(ctypes.Structure):
+    _fields_ = [("addr", ctypes.c_uint8 * 4), ("port", ctypes.c_uint8 * 2),
+                ("pad", ctypes.c_uint16)]
+
+
+class _Member(ctypes.Structure):
+    _fields_ = [("job", ctypes.c_uint32), ("rank", ctypes.c_uint32)]
+
+
+class _Job(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint32) for name in (
+        "session", "world", "slot_base", "slot_count", "lanes", "packet_elements",
+        "block_elements", "pad")] + [("tokens", ctypes.c_uint32 * MAX_WORKERS)]
+
+
+#: pipeline.py's _ids, in the program's order
+SET_IDS = ("seq", "pkt_id", "dtype", "mode", "id_count", "call")
+
+
+class _Set(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint32) for name in (
+        "lock", "valid", "msg", "bitmap", "count") + SET_IDS]
+
+
+class _Mismatch(ctypes.Structure):
+    _fields_ = [("state", ctypes.c_uint32), ("record", ctypes.c_uint32 * 8)]
+
+
+def _u32(value: int) -> ctypes.c_uint32:
+    return ctypes.c_uint32(value)
+
+
+def member_key(addr) -> _MemberKey:
+    """The member table's key of an IPv4 ``(host, port)``; ValueError otherwise."""
+    try:
+        host, port = addr
+        packed = socket.inet_pton(socket.AF_INET, host)
+    except (TypeError, ValueError, OSError):
+        raise ValueError(f"the XDP data plane takes IPv4 (host, port) members, not "
+                         f"{addr!r}") from None
+    if type(port) is not int or not 0 <= port <= 0xFFFF:
+        raise ValueError(f"not a UDP port: {port!r}")
+    key = _MemberKey()
+    key.addr[:] = list(packed)
+    key.port[:] = list(port.to_bytes(2, "big"))
+    return key
+
+
+# ---------------------------------------------------------------- frames
+def _ip_checksum(header: bytes) -> int:
+    total = sum(struct.unpack("!10H", header))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
+def udp_frame(src, dst, payload: bytes, src_mac: bytes = WORKER_MAC,
+              dst_mac: bytes = SWITCH_MAC) -> bytes:
+    """An Ethernet/IPv4/UDP frame (DF, no UDP checksum) from ``src`` to ``dst``."""
+    ip = bytearray(struct.pack("!BBHHHBBH4s4s", 0x45, 0, IP_HEADER + UDP_HEADER + len(payload),
+                               0, 0x4000, 64, socket.IPPROTO_UDP, 0,
+                               socket.inet_aton(src[0]), socket.inet_aton(dst[0])))
+    ip[10:12] = _ip_checksum(bytes(ip)).to_bytes(2, "big")
+    udp = struct.pack("!HHHH", src[1], dst[1], UDP_HEADER + len(payload), 0)
+    return dst_mac + src_mac + b"\x08\x00" + bytes(ip) + udp + bytes(payload)
+
+
+def parse_udp_frame(frame: bytes) -> tuple[tuple, tuple, bytes]:
+    """(source, destination, payload) of a frame ``udp_frame`` describes."""
+    ip = frame[ETH_HEADER:ETH_HEADER + IP_HEADER]
+    total, = struct.unpack("!H", ip[2:4])
+    src = (socket.inet_ntoa(ip[12:16]), int.from_bytes(frame[34:36], "big"))
+    dst = (socket.inet_ntoa(ip[16:20]), int.from_bytes(frame[36:38], "big"))
+    length = int.from_bytes(frame[38:40], "big")
+    return src, dst, frame[FRAME_HEADERS: FRAME_HEADERS + length - UDP_HEADER] \
+        if total >= IP_HEADER + length else b""
+
+
+# ---------------------------------------------------------------- the pipeline
+class XdpPipeline(Pipeline):
+    """The same object as ``Pipeline``, with its data plane in the XDP program
+    (see the module doc).  ``port``: the switch's UDP port, which the program
+    serves (other traffic passes to the host); ``close()`` unloads it."""
+
+    def __init__(self, slots: int = DEFAULT_SLOTS, packet_elements: int = DEFAULT_PACKET_ELEMENTS,
+                 *, block_elements: int | None = None, port: int = DEFAULT_PORT,
+                 switch_ip: str = SWITCH_IP):
+        super().__init__(slots, packet_elements, block_elements=block_elements)
+        if self.lanes > MAX_LANES or self.packet_elements > MAX_VALUES or \
+                self.datagram_size + FRAME_HEADERS > MAX_FRAME:
+            raise ValueError(
+                f"the XDP data plane handles packets of at most {MAX_LANES} lanes, "
+                f"{MAX_VALUES} values and {MAX_FRAME - FRAME_HEADERS} bytes (one page); "
+                f"{self.packet_elements} values in blocks of {self.block_elements} take "
+                f"{self.datagram_size} bytes")
+        reason = unavailable()
+        if reason:
+            raise RuntimeError(f"the XDP data plane cannot run here: {reason}")
+        self.port = port
+        self.address = (switch_ip, port)
+        self._prog = _load(build_object(), {
+            "members": slots * MAX_WORKERS, "jobs": slots, "mismatches": slots,
+            "sets": 2 * slots, "rows": 2 * slots, "counts": slots + 1})
+        self.verifier_stats = self._prog.verifier_stats
+        self._prog.update("config", _u32(0), _Config(slots, socket.htons(port), 0))
+        self._counts_type = ctypes.c_uint64 * (len(COUNTER_NAMES) * self._prog.cpus)
+        self._counted: dict[int, list[int]] = {}  # counts entry -> its sums already taken
+        self._job_at: dict[int, Job] = {}  # slot_base -> running job
+
+    def close(self) -> None:
+        """Unload the program (its maps go with it)."""
+        self._prog.close()
+
+    # ---------------------------------------------------------------- control
+    def install_job(self, name: str, session: int, members: list, slot_base: int,
+                    slot_count: int, packet_elements: int | None = None,
+                    block_elements: int | None = None, tokens: list | None = None) -> Job:
+        keys = [member_key(addr) for addr in members]  # before anything changes
+        packet = self.packet_elements if packet_elements is None else packet_elements
+        block = self.block_elements if block_elements is None else block_elements
+        if block >= 1 and packet // block > MAX_LANES:
+            raise ValueError(f"the XDP data plane handles at most {MAX_LANES} lanes a packet")
+        job = super().install_job(name, session, members, slot_base, slot_count,
+                                  packet_elements, block_elements, tokens)
+        prog = self._prog
+        entry = _Job(job.session, job.world_size, slot_base, slot_count, job.lanes,
+                     job.packet_elements, job.block_elements, 0)
+        entry.tokens[: job.world_size] = job.tokens
+        prog.update("jobs", _u32(slot_base), entry)
+        prog.update("mismatches", _u32(slot_base), _Mismatch())
+        prog.update("counts", _u32(slot_base), self._counts_type())
+        self._counted[slot_base] = [0] * len(COUNTER_NAMES)
+        for s in range(slot_base, slot_base + slot_count):
+            for v in (0, 1):  # as pipeline.install_job: msg and ids stay
+                state = prog.lookup("sets", _u32(v * self.slots + s), _Set())
+                state.valid = state.bitmap = state.count = 0
+                prog.update("sets", _u32(v * self.slots + s), state)
+        # the members last: a datagram finds the job through them
+        for rank, key in enumerate(keys):
+            prog.update("members", key, _Member(slot_base, rank))
+        self._job_at[slot_base] = job
+        return job
+
+    def remove_job(self, session: int, state: str = "ended") -> Job | None:
+        job = self.jobs.get(session)
+        if job is None:
+            return None
+        for addr in job.members:  # first: no datagram of it gets in after this
+            self._prog.delete("members", member_key(addr))
+        self.sync_counters()
+        del self._job_at[job.slot_base]
+        self._prog.update("jobs", _u32(job.slot_base), _Job())
+        return super().remove_job(session, state)
+
+    def _take_counts(self, index: int) -> Counter:
+        """What the program counted at ``counts[index]`` since the last call."""
+        values = self._prog.lookup("counts", _u32(index), self._counts_type())
+        n = len(COUNTER_NAMES)
+        sums = [sum(values[cpu * n + i] for cpu in range(self._prog.cpus)) for i in range(n)]
+        before = self._counted.get(index, [0] * n)
+        self._counted[index] = sums
+        return Counter({COUNTER_NAMES[i]: sums[i] - before[i] for i in range(n)
+                        if sums[i] != before[i]})
+
+    def sync_counters(self) -> None:
+        """Add what the program counted since the last call to the Python counters."""
+        self.counters.update(self._take_counts(self.slots))
+        for base, job in self._job_at.items():
+            job.counters.update(self._take_counts(base))
+
+    def totals(self):
+        self.sync_counters()
+        return super().totals()
+
+    def stats(self) -> dict:
+        self.sync_counters()
+        return super().stats()
+
+    def set_registers(self, v: int, slot: int) -> dict:
+        """The program's registers of set ``v`` of ``slot``: valid, msg, bitmap,
+        count and the ids (``SET_IDS``)."""
+        state = self._prog.lookup("sets", _u32(v * self.slots + slot), _Set())
+        return {name: getattr(state, name) for name in
+                ("valid", "msg", "bitmap", "count") + SET_IDS}
+
+    def row(self, v: int, slot: int) -> bytes:
+        """The program's slot row of set ``v`` of ``slot``, as long as pipeline.py's
+        rows are up to the reply it builds past the datagram (``datagram_size``)."""
+        row = self._prog.lookup("rows", _u32(v * self.slots + slot),
+                                (ctypes.c_uint8 * ROW_SIZE)())
+        return bytes(row)[: self.datagram_size]
+
+    def slot_state(self, slot: int, msg: int) -> tuple[bool, int]:
+        regs = self.set_registers(msg & 1, slot)
+        holds = bool(regs["valid"]) and regs["msg"] == msg
+        return holds, regs["bitmap"] if holds else 0
+
+    @property
+    def has_mismatches(self) -> bool:
+        return any(self._prog.lookup("mismatches", _u32(base), _Mismatch()).state == 2
+                   for base in self._job_at)
+
+    def take_mismatches(self) -> list:
+        out = []
+        for base, job in self._job_at.items():
+            found = self._prog.lookup("mismatches", _u32(base), _Mismatch())
+            if found.state != 2:
+                continue
+            bitmap, seq0, call0, dtype0, rank, seq, call, dtype = found.record
+            job.mismatch = Mismatch(tuple(r for r in range(job.world_size) if bitmap >> r & 1),
+                                    (seq0, call0, dtype0), rank, (seq, call, dtype))
+            found.state = 3  # taken: the program records no other for this job
+            self._prog.update("mismatches", _u32(base), found)
+            out.append((job, job.mismatch))
+        return out
+
+    # ---------------------------------------------------------------- data
+    def run_frame(self, frame: bytes) -> tuple[int, bytes]:
+        """The program on one frame, as a NIC would run it: (XDP action, frame out)."""
+        action, out = self._prog.test_run(frame)
+        self.sync_counters()
+        return action, out
+
+    def receive_datagram(self, data, addr) -> list:
+        """``Pipeline.receive_datagram`` through the program: ``data`` from ``addr``
+        in a frame to the switch; the datagrams it sends and where.  A completed
+        result (``XDP_PASS``) goes to every rank of the sender's job, as the
+        switch's socket sends it."""
+        member_key(addr)  # IPv4 only: refuse anything else before building a frame
+        action, out = self.run_frame(udp_frame(addr, self.address, bytes(data)))
+        if action == XDP_DROP:
+            return []
+        src, dst, payload = parse_udp_frame(out)
+        if action == XDP_TX and dst == tuple(addr) and src == self.address:
+            return [(payload, tuple(addr))]
+        if action == XDP_PASS and payload[3:4] == bytes([wire.KIND_RESULT]) and \
+                addr in self._members:
+            return [(payload, m) for m in self._members[addr][0].members]
+        raise RuntimeError(f"the XDP program answered {ACTIONS.get(action, action)} with a "
+                           f"frame from {src} to {dst}")

@@ -1,0 +1,534 @@
+"""The XDP program (switch/xdp_pipeline.bpf.c) against the Python pipeline (the
+reference model): the same datagrams in must give the same datagrams out (bytes,
+destinations), the same counters and the same slot state (every set's
+registers and the bytes of every row), bit for bit.
+
+The program runs through BPF_PROG_TEST_RUN on whole Ethernet/IPv4/UDP frames,
+which these tests build with their own code (``frame``), not the loader's; its
+answer is read back from the frame it leaves and the XDP action it returns:
+XDP_DROP where the Python pipeline sends nothing, XDP_TX with the addresses
+swapped for an answer to the sender alone, XDP_PASS for a completed result
+(which the switch's socket sends to every rank).
+
+Traffic: hypothesis (derandomized) sequences of valid, duplicated, reordered,
+stale and hostile datagrams, and real worker engines in the simulator with
+loss, duplication and reordering.  The program does the dense path only: the
+traffic here has no sparse mode (a test below shows how it is refused).
+
+Skips, saying why, without root, clang, libbpf or the kernel headers
+(``make test`` installs them as root).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import socket
+import struct
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from switchml import wire
+from switchml.sim import Faults
+from switchml.switch import xdp
+from switchml.switch.pipeline import Pipeline
+
+REASON = xdp.unavailable()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"XDP: {REASON}")
+
+SWITCH = ("10.255.0.1", 7300)
+SWITCH_MAC, WORKER_MAC = bytes.fromhex("0a0000000001"), bytes.fromhex("0a0000000002")
+SLOTS, PACKET, BLOCK = 8, 16, 4
+JOB_A = dict(name="A", session=0xA11CE, slot_base=0, slots=4, packet=PACKET, block=BLOCK,
+             addresses=[("10.0.0.1", 5000 + r) for r in range(3)], tokens=[0x1111, 0x2222, 0x3333])
+JOB_B = dict(name="B", session=0xB0B, slot_base=4, slots=4, packet=8, block=2,
+             addresses=[("10.0.0.2", 6000 + r) for r in range(2)], tokens=[0xB1, 0xB2])
+STRANGERS = [("10.0.0.1", 4999), ("10.0.0.9", 5000), ("10.0.0.2", 5000)]
+# counters the program keeps that pipeline.py has no twin of: frames the kernel
+# would have dropped before the socket, and the paths the program does not do yet
+XDP_ONLY = {"dropped_bad_ip_udp", "dropped_ip_options", "dropped_ip_fragment",
+            "dropped_sparse_unsupported", "dropped_internal"}
+DIFF = settings(max_examples=40, derandomize=True, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+# ---------------------------------------------------------------- frames
+def checksum(header: bytes) -> int:
+    total = sum(struct.unpack(f"!{len(header) // 2}H", header))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
+def frame(src, payload: bytes, dst=SWITCH, *, ip_options=b"", frag=0x4000, ttl=64,
+          bad_checksum=False, udp_len=None) -> bytes:
+    """An Ethernet/IPv4/UDP frame from a worker to the switch."""
+    ihl = 5 + len(ip_options) // 4
+    ip = bytearray(struct.pack("!BBHHHBBH4s4s", 0x40 | ihl, 0,
+                               4 * ihl + 8 + len(payload), 0x1234, frag, ttl, socket.IPPROTO_UDP,
+                               0, socket.inet_aton(src[0]), socket.inet_aton(dst[0])))
+    ip += ip_options
+    ip[10:12] = (checksum(bytes(ip)) ^ (1 if bad_checksum else 0)).to_bytes(2, "big")
+    udp = struct.pack("!HHHH", src[1], dst[1], 8 + len(payload) if udp_len is None else udp_len,
+                      0)
+    return SWITCH_MAC + WORKER_MAC + b"\x08\x00" + bytes(ip) + udp + payload
+
+
+def unpack(out: bytes):
+    """(eth dst, eth src, ip src, ip dst, udp payload) of a frame the program left,
+    checking its IP checksum and lengths."""
+    ip = out[14:34]
+    assert ip[0] == 0x45 and ip[9] == socket.IPPROTO_UDP
+    assert checksum(ip) == 0, "bad IP header checksum"
+    total = int.from_bytes(ip[2:4], "big")
+    udp_len = int.from_bytes(out[38:40], "big")
+    assert total == 20 + udp_len and len(out) >= 14 + total
+    assert out[40:42] == b"\0\0"  # no UDP checksum: the payload was rewritten
+    src = (socket.inet_ntoa(ip[12:16]), int.from_bytes(out[34:36], "big"))
+    dst = (socket.inet_ntoa(ip[16:20]), int.from_bytes(out[36:38], "big"))
+    return out[:6], out[6:12], src, dst, out[42:34 + total]
+
+
+# ---------------------------------------------------------------- both pipelines
+class Both:
+    """The Python pipeline and the XDP program fed the same datagrams, compared
+    after every one."""
+
+    def __init__(self, slots=SLOTS, packet=PACKET, block=BLOCK, jobs=(JOB_A, JOB_B)):
+        self.ref = Pipeline(slots, packet, block_elements=block)
+        self.xdp = xdp.XdpPipeline(slots, packet, block_elements=block, port=SWITCH[1],
+                                   switch_ip=SWITCH[0])
+        self.jobs = {}
+        for job in jobs:
+            self.install(job)
+        self.deliveries = 0
+
+    def install(self, job):
+        for p in (self.ref, self.xdp):
+            p.install_job(job["name"], job["session"], job["addresses"], job["slot_base"],
+                          job["slots"], job["packet"], job["block"], tokens=job["tokens"])
+        self.jobs[job["session"]] = job
+
+    def close(self):
+        self.xdp.close()
+
+    def deliver(self, data: bytes, src) -> list:
+        before = self.ref.totals()["results_completed"]
+        want = [(bytes(d), a) for d, a in self.ref.receive_datagram(data, src)]
+        completed = self.ref.totals()["results_completed"] - before
+        action, out = self.xdp.run_frame(frame(src, data))
+        if not want:
+            assert action == xdp.XDP_DROP, (xdp.ACTIONS.get(action), want)
+        elif completed:  # the result, to every rank: handed to the switch's socket
+            job = self.ref._members[src][0]
+            assert [a for _, a in want] == job.members
+            assert action == xdp.XDP_PASS
+            eth_dst, eth_src, ip_src, ip_dst, payload = unpack(out)
+            assert (eth_dst, eth_src, ip_src, ip_dst) == (SWITCH_MAC, WORKER_MAC, src, SWITCH)
+            assert payload == want[0][0]
+        else:  # to the sender alone, back out of the port
+            assert len(want) == 1 and want[0][1] == src
+            assert action == xdp.XDP_TX
+            eth_dst, eth_src, ip_src, ip_dst, payload = unpack(out)
+            assert (eth_dst, eth_src, ip_src, ip_dst) == (WORKER_MAC, SWITCH_MAC, SWITCH, src)
+            assert payload == want[0][0]
+        self.check()
+        self.deliveries += 1
+        return want
+
+    def receive_datagram(self, data, addr):  # as the simulator's pipeline
+        return self.deliver(bytes(data), addr)
+
+    def __getattr__(self, name):  # packet_elements, block_elements, slots, ... for the sim
+        return getattr(self.ref, name)
+
+    def check(self):
+        assert without_zeros(self.xdp.counters) == without_zeros(self.ref.counters)
+        for session, job in self.ref.jobs.items():
+            assert without_zeros(self.xdp.jobs[session].counters) == without_zeros(job.counters)
+        assert [(j.name, m) for j, m in self.xdp.take_mismatches()] == \
+            [(j.name, m) for j, m in self.ref.take_mismatches()]
+        self.check_slots()
+
+    def check_slots(self):
+        """Every set's registers and row: pipeline.py's lists and _rows against the
+        program's maps (the rows up to the room past the datagram where pipeline.py
+        builds resends, which the program builds in the frame)."""
+        ref = self.ref
+        for v in (0, 1):
+            for slot in range(ref.slots):
+                got = self.xdp.set_registers(v, slot)
+                seq, pkt_id, dtype, mode, count, call = ref._ids[v][slot]
+                assert got == dict(valid=int(ref._valid[v][slot]), msg=ref._msg[v][slot],
+                                   bitmap=ref._bitmap[v][slot], count=ref._count[v][slot],
+                                   seq=seq, pkt_id=pkt_id, dtype=dtype, mode=mode,
+                                   id_count=count, call=call), (v, slot)
+                assert self.xdp.row(v, slot) == bytes(ref._rows[v, slot, : ref.datagram_size]), \
+                    (v, slot)
+
+
+def without_zeros(counter) -> dict:
+    return {k: v for k, v in counter.items() if v}
+
+
+@pytest.fixture
+def both():
+    b = Both()
+    yield b
+    b.close()
+
+
+# ---------------------------------------------------------------- datagrams
+def contribution(job, rank, *, slot=0, msg=0, seq=0, pkt_id=0, dtype=0, mode=0, count=None,
+                 values=None, exps=None, call=0, kind=wire.KIND_CONTRIBUTION, token=None):
+    lanes = job["packet"] // job["block"]
+    count = job["packet"] if count is None else count
+    table = np.zeros(lanes, wire.LANE)
+    if exps is not None:
+        table["exp"] = exps[:lanes]
+    vals = np.zeros(count, np.int32) if values is None else np.asarray(values[:count], np.int32)
+    return wire.encode(kind, dtype, job["slot_base"] + slot,
+                       job["tokens"][rank] if token is None else token, msg, seq, pkt_id,
+                       table, vals, mode=mode, call=call)
+
+
+I32 = st.integers(-2**31, 2**31 - 1)
+I16 = st.integers(-2**15, 2**15 - 1)
+
+
+def traffic(rng: random.Random, rounds: int, replay: float, hostile_rate: float):
+    """Datagrams and their sources: ``rounds`` aggregations (a job, a slot, a
+    message; every rank's contribution with random values and exponents), their
+    datagrams reordered, some replayed (duplicates, retransmissions of complete
+    sets, stale messages), probed or queried, made hostile; messages mostly follow
+    one another on a slot, sometimes jump ahead or go back; now and then a rank
+    disagrees on the call."""
+    msgs: dict = {}
+    pending: list = []
+    sent: list = []
+    for _ in range(rounds):
+        job = rng.choice([JOB_A, JOB_B])
+        slot = rng.randrange(job["slots"])
+        msg = msgs.get((job["name"], slot), rng.choice([0, 2**32 - 2]))
+        msg = (msg + rng.choice([1, 1, 1, 1, 2, 2**31, -1, 0])) % 2**32
+        msgs[job["name"], slot] = msg
+        ids = dict(slot=slot, msg=msg, seq=rng.randrange(3), pkt_id=rng.randrange(3),
+                   dtype=rng.randrange(3), mode=rng.choice([0, 0, wire.MODE_MAX]),
+                   count=rng.choice([job["packet"]] * 3 + [0, 1, job["packet"] - 1]),
+                   call=rng.choice([0, 17, 2**31 + 17]))
+        lanes = job["packet"] // job["block"]
+        for rank in range(len(job["addresses"])):
+            mine = dict(ids)
+            if rng.random() < 0.05:  # this rank calls something else
+                field = rng.choice(["seq", "pkt_id", "dtype", "call", "count", "mode"])
+                mine[field] = {"dtype": (ids["dtype"] + 1) % 3, "count": max(0, ids["count"] - 1),
+                               "mode": wire.MODE_MAX - ids["mode"]}.get(field, ids[field] + 1)
+            values = [rng.choice([rng.randrange(-2**31, 2**31), -2**31, 2**31 - 1, 0, 1])
+                      for _ in range(job["packet"])]
+            exps = [rng.choice([rng.randrange(-2**15, 2**15), -2**15, 2**15 - 1])
+                    for _ in range(lanes)]
+            pending.append((contribution(job, rank, values=values, exps=exps, **mine),
+                            job["addresses"][rank]))
+        while len(pending) > rng.randrange(4):  # the rest stays, to be reordered with later
+            data, src = pending.pop(rng.randrange(len(pending)))
+            yield data, src
+            sent.append((data, src))
+            while rng.random() < replay:
+                again, by = rng.choice(sent[-12:])
+                roll = rng.random()
+                if roll < 0.4:
+                    yield again, by
+                elif roll < 0.8:
+                    yield wire.probe_of(again, rng.choice([wire.KIND_PROBE, wire.KIND_QUERY])), by
+                else:  # another message of the slot (stale, newer, the other set)
+                    msg = (int.from_bytes(again[12:16], "little") +
+                           rng.choice([-2, -1, 1, 2])) % 2**32
+                    yield wire.probe_of(again[:12] + msg.to_bytes(4, "little") + again[16:],
+                                        rng.choice([wire.KIND_PROBE, wire.KIND_QUERY])), by
+            while rng.random() < hostile_rate:
+                yield hostile(rng, *rng.choice(sent[-12:]))
+    rng.shuffle(pending)
+    yield from pending
+
+
+def hostile(rng: random.Random, data: bytes, src):
+    """``data`` (valid, from member ``src``) made hostile in one of the ways the
+    pipeline counts; never a sparse mode (the program's gap, tested alone)."""
+    members = JOB_A["addresses"] + JOB_B["addresses"]
+    way = rng.randrange(14)
+    out = bytearray(data)
+    if way == 0:
+        out[0:2] = rng.choice([b"MS", b"\0\0", b"SN"])
+    elif way == 1:
+        out[2] = rng.choice([0, wire.VERSION - 1, wire.VERSION + 1, 255])
+    elif way == 2:  # a kind no worker sends, or none at all
+        out[3] = rng.choice([0, wire.KIND_RESULT, wire.KIND_RESEND, wire.KIND_DONE, 7, 255])
+    elif way == 3:
+        out[4] = rng.choice([3, 4, 255])
+    elif way == 4:  # a mode that is none (never sparse: 1 or 3)
+        out[5] = rng.choice([2, 5, 6, 8, 255])
+    elif way == 5:  # truncated, padded
+        out = out[: rng.randrange(len(out))] if rng.random() < 0.5 else \
+            out + bytes(rng.randrange(1, 9))
+    elif way == 6:
+        return bytes(out), rng.choice(STRANGERS)
+    elif way == 7:  # another member's token, another job's, none
+        tokens = JOB_A["tokens"] + JOB_B["tokens"] + [JOB_A["session"], 0]
+        out[8:12] = rng.choice(tokens).to_bytes(4, "little")
+    elif way == 8:  # a slot of the other job, or past the pool
+        out[6:8] = rng.choice([0, 3, 4, 7, 8, 0xFFFF]).to_bytes(2, "little")
+    elif way == 9:  # well formed, with another lane count or more values
+        lanes = rng.choice([int.from_bytes(data[26:28], "little"), rng.randrange(6)])
+        count = rng.choice([0, 1, 4, 8, 9, 16, 17, 20, 64])
+        body = bytes(rng.randrange(256) for _ in range(12 * lanes + 4 * count))
+        out = out[:24] + count.to_bytes(2, "little") + lanes.to_bytes(2, "little") + \
+            out[28:32] + body
+    elif way == 10:  # the same bytes from another member (its token is not this one)
+        return bytes(out), rng.choice(members)
+    elif way == 11:  # a probe with a lane table or values
+        out = bytearray(wire.probe_of(data, rng.choice([wire.KIND_PROBE, wire.KIND_QUERY])))
+        out[24:28] = bytes([1, 0, 0, 0])
+        out += bytes(4)
+    elif way == 12:  # random bytes, sometimes with our magic
+        out = bytearray(rng.randrange(256) for _ in range(rng.randrange(80)))
+        if rng.random() < 0.5:
+            out[0:4] = b"SM" + bytes([wire.VERSION, wire.KIND_CONTRIBUTION])
+    else:  # bit flips in the header (the mode byte is kept off sparse)
+        for _ in range(rng.randrange(1, 3)):
+            bit = rng.randrange(8 * min(len(out), 32))
+            out[bit // 8] ^= 1 << bit % 8
+    if len(out) > 5 and out[5] & wire.MODE_SPARSE and out[5] in wire.MODES:
+        out[5] = 0
+    return bytes(out), src
+
+
+# ---------------------------------------------------------------- tests
+def test_counter_names_are_the_pipelines():
+    """The program's counters are pipeline.py's (as the C core names them), but
+    for its own few."""
+    core = (xdp.HERE / "fastpath_core.c").read_text()
+    names = set(re.findall(r'"([a-z_]+)"',
+                           re.search(r"FP_COUNTER_NAMES\[FP_NCOUNTERS\] = \{(.*?)\};", core,
+                                     re.S).group(1)))
+    assert set(xdp.COUNTER_NAMES) - XDP_ONLY <= names
+    assert XDP_ONLY <= set(xdp.COUNTER_NAMES)
+    assert len(set(xdp.COUNTER_NAMES)) == len(xdp.COUNTER_NAMES)
+
+
+def test_the_verifier_takes_it_and_says_how_much_it_checked(both):
+    assert re.search(r"processed \d+ insns", both.xdp.verifier_stats)
+
+
+@DIFF
+@given(seed=st.integers(0, 2**32 - 1), rounds=st.integers(1, 24),
+       replay=st.sampled_from([0.0, 0.2, 0.5]), hostile_rate=st.sampled_from([0.0, 0.1, 0.4]))
+def test_same_datagrams_counters_and_slots_for_any_traffic(seed, rounds, replay, hostile_rate):
+    """Valid datagrams, reordered, replayed (duplicates, retransmissions, stale
+    messages), probed, queried, disagreeing, and made hostile, to both; equal
+    after every one."""
+    both = Both()
+    try:
+        for data, src in traffic(random.Random(seed), rounds, replay, hostile_rate):
+            both.deliver(data, src)
+    finally:
+        both.close()
+
+
+@DIFF
+@given(values=st.lists(st.lists(I32, min_size=16, max_size=16), min_size=3, max_size=3),
+       exps=st.lists(st.lists(I16, min_size=4, max_size=4), min_size=3, max_size=3),
+       mode=st.sampled_from([0, wire.MODE_MAX]), order=st.permutations([0, 1, 2]),
+       msg=st.integers(0, 2**32 - 1))
+def test_sums_and_maxima_wrap_and_exponents_max_as_the_reference(values, exps, mode, order, msg):
+    """One complete set of job A, in any order: the result is the int32 sum with
+    wrap-around (or the signed maximum) and per lane the largest exponent."""
+    both = Both()
+    try:
+        for rank in order:
+            want = both.deliver(contribution(JOB_A, rank, slot=1, msg=msg, mode=mode,
+                                             values=values[rank], exps=exps[rank]),
+                                JOB_A["addresses"][rank])
+        result = want[0][0]
+        got = wire.values(result, 4, 16)
+        v = np.array(values, np.int64)
+        expect = v.max(axis=0) if mode else (v.sum(axis=0) + 2**31) % 2**32 - 2**31
+        assert got.tolist() == expect.tolist()
+        assert wire.lane_table(result, 4)["exp"].tolist() == np.max(exps, axis=0).tolist()
+    finally:
+        both.close()
+
+
+def test_frame_sized_packets_of_one_lane(monkeypatch):
+    """MTU 1500's geometry (wire.frame_geometry: 352 values, one lane): the loops
+    run to their full length and the result fills the frame."""
+    packet, block = wire.frame_geometry(1500, 16128, 256)
+    assert (packet, block) == (352, 352)
+    job = dict(JOB_A, packet=packet, block=block, slots=2)
+    both = Both(slots=2, packet=packet, block=block, jobs=[job])
+    try:
+        rng = np.random.default_rng(1)
+        rows = rng.integers(-2**31, 2**31, (3, packet), dtype=np.int64).astype(np.int32)
+        for msg in range(4):  # both sets, twice, with a retransmission and a probe each
+            for rank in range(3):
+                data = contribution(job, rank, slot=msg % 2, msg=msg, values=rows[rank] + msg,
+                                    exps=[msg + rank])
+                want = both.deliver(data, job["addresses"][rank])
+            assert len(want) == 3 and len(want[0][0]) + 28 == 1480  # the IP packet
+            assert len(both.deliver(data, job["addresses"][2])) == 1
+            probe = wire.probe_of(data)
+            assert len(both.deliver(probe, job["addresses"][2])) == 1
+    finally:
+        both.close()
+
+
+def test_faulty_worker_traffic_through_both():
+    """Real worker engines (dense, int32 and float32) in the simulator with loss,
+    duplication and reordering: every datagram goes to both pipelines."""
+    from test_fastpath import run_jobs  # the C core's traffic, dense calls only
+
+    for seed, faults in [(1, Faults(loss=0.1, duplicate=0.1, jitter=2e-3)),
+                         (2, Faults(loss=0.2, jitter=1e-4)), (3, Faults())]:
+        both = Both(jobs=())
+        try:
+            calls = [("A", "int32", 300, False, 1.0), ("B", "float32", 70, False, 0.6),
+                     ("A", "float32", 41, False, 0.2), ("B", "int32", 5, False, 1.0)]
+            run_jobs(_SimAdapter(both), seed, faults, calls)
+            assert both.deliveries > 0
+        finally:
+            both.close()
+
+
+class _SimAdapter:
+    """Both as the simulator's pipeline: its jobs come from the simulation (with
+    the sessions as tokens, as a job without tokens has)."""
+
+    def __init__(self, both: Both):
+        self.both = both
+
+    def __getattr__(self, name):
+        return getattr(self.both.ref, name)
+
+    def allocate(self, count):
+        return self.both.ref.allocate(count)
+
+    def install_job(self, name, session, members, slot_base, slot_count, packet_elements=None,
+                    block_elements=None, tokens=None):
+        job = self.both.ref.install_job(name, session, members, slot_base, slot_count,
+                                        packet_elements, block_elements, tokens)
+        self.both.xdp.install_job(name, session, members, slot_base, slot_count,
+                                  packet_elements, block_elements, tokens)
+        return job
+
+    def remove_job(self, session, state="ended"):
+        self.both.xdp.remove_job(session, state)
+        return self.both.ref.remove_job(session, state)
+
+    def receive_datagram(self, data, addr):
+        return self.both.deliver(bytes(data), addr)
+
+
+def test_other_traffic_passes_untouched(both):
+    """What is not a UDP datagram to the switch's port is the host's: XDP_PASS, the
+    frame as it came, nothing counted."""
+    data = contribution(JOB_A, 0)
+    src = JOB_A["addresses"][0]
+    other_port = frame(src, data, dst=(SWITCH[0], SWITCH[1] + 1))
+    tcp = bytearray(frame(src, data))
+    tcp[23] = socket.IPPROTO_TCP
+    ipv6 = bytearray(frame(src, data))
+    ipv6[12:14] = b"\x86\xdd"
+    later_fragment = frame(src, data, frag=0x0010)
+    arp = SWITCH_MAC + WORKER_MAC + b"\x08\x06" + bytes(28)
+    for f in (other_port, bytes(tcp), bytes(ipv6), later_fragment, arp):
+        assert both.xdp.run_frame(f) == (xdp.XDP_PASS, f)
+    assert without_zeros(both.xdp.totals()) == {}
+
+
+def test_frames_the_kernel_would_drop_are_dropped_and_counted_apart(both):
+    """Python's switch never sees a datagram the kernel drops (bad IP checksum,
+    lengths that disagree); the program drops them, and the IP options and first
+    fragments it does not parse, under counters of its own."""
+    data = contribution(JOB_A, 0)
+    src = JOB_A["addresses"][0]
+    cases = {
+        "dropped_bad_ip_udp": [frame(src, data, bad_checksum=True),
+                               frame(src, data, udp_len=7),
+                               frame(src, data, udp_len=8 + len(data) + 1),
+                               frame(src, data)[:-4]],
+        "dropped_ip_options": [frame(src, data, ip_options=b"\x01\x01\x01\x00")],
+        "dropped_ip_fragment": [frame(src, data, frag=0x2000)],
+    }
+    for counter, frames in cases.items():
+        for f in frames:
+            assert both.xdp.run_frame(f)[0] == xdp.XDP_DROP
+        assert both.xdp.counters[counter] == len(frames)
+    assert without_zeros(both.ref.totals()) == {}
+    both.check_slots()
+    # a UDP length shorter than the IP packet's: the kernel trims the datagram to
+    # it, here to a valid contribution
+    assert both.xdp.run_frame(frame(src, data + bytes(8), udp_len=8 + len(data)))[0] == \
+        xdp.XDP_DROP
+    assert both.xdp.jobs[JOB_A["session"]].counters["packets_in"] == 1
+
+
+def test_sparse_contributions_are_refused_and_counted(both):
+    """Not in the program yet: a sparse contribution is dropped (pipeline.py
+    would aggregate it), counted as dropped_sparse_unsupported, no state touched."""
+    data = bytearray(contribution(JOB_A, 0))
+    data[5] = wire.MODE_SPARSE
+    assert both.xdp.run_frame(frame(JOB_A["addresses"][0], bytes(data)))[0] == xdp.XDP_DROP
+    assert without_zeros(both.xdp.jobs[JOB_A["session"]].counters) == \
+        {"dropped_sparse_unsupported": 1}
+    both.check_slots()
+
+
+def test_jobs_come_and_go_and_keep_their_counters(both):
+    """Removing a job forgets its members at once (their datagrams are a
+    stranger's); a new job on the same slots and addresses starts clean."""
+    src = JOB_B["addresses"][0]
+    both.deliver(contribution(JOB_B, 0, slot=2, msg=1), src)
+    for p in (both.ref, both.xdp):
+        p.remove_job(JOB_B["session"])
+    both.deliver(contribution(JOB_B, 0, slot=2, msg=1), src)
+    assert both.xdp.ended_jobs == both.ref.ended_jobs
+    assert both.xdp.ended_jobs["B"]["counters"]["packets_in"] == 1
+    both.install(dict(JOB_B, session=0xB0B2, tokens=[7, 8]))
+    job = both.jobs[0xB0B2]
+    both.deliver(contribution(job, 0, slot=2, msg=1), src)
+    both.deliver(contribution(job, 0, slot=2, msg=1, token=0xB1), src)  # the old token
+    assert both.xdp.stats() == both.ref.stats()
+
+
+def test_members_must_be_ipv4_and_packets_must_fit_a_page():
+    with pytest.raises(ValueError, match="one page"):
+        xdp.XdpPipeline(4, 1024, block_elements=1024)
+    p = xdp.XdpPipeline(4, 512, block_elements=512)
+    try:
+        with pytest.raises(ValueError, match="IPv4"):
+            p.install_job("x", 5, [("worker", 0)], 0, 1)
+        with pytest.raises(ValueError, match="lanes"):  # 66 lanes of one value: rows hold it
+            p.install_job("x", 5, [("10.0.0.1", 1)], 0, 1, 66, 1)
+        assert p.jobs == {} and p.free_slots() == 4
+    finally:
+        p.close()
+
+
+def test_results_to_every_rank_through_receive_datagram():
+    """The loader's own frames (receive_datagram) agree with these tests' frames."""
+    p = xdp.XdpPipeline(SLOTS, PACKET, block_elements=BLOCK)
+    try:
+        p.install_job("A", JOB_A["session"], JOB_A["addresses"], 0, 4, tokens=JOB_A["tokens"])
+        out = []
+        for rank in range(3):
+            out = p.receive_datagram(contribution(JOB_A, rank, values=[rank + 1] * 16),
+                                     JOB_A["addresses"][rank])
+        assert [a for _, a in out] == JOB_A["addresses"]
+        assert wire.values(out[0][0], 4, 16).tolist() == [6] * 16
+        assert Counter(p.jobs[JOB_A["session"]].counters) == Counter(
+            packets_in=3, results_completed=1, results_out=3)
+    finally:
+        p.close()
