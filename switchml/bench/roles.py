@@ -11,6 +11,17 @@ on stdout, one JSON object per line:
   and prints one ``case`` line per case: times, worker counters, link bytes, and
   the CPU and run-queue seconds of its threads a call (``scheduling``).
 - ``gloo``: one torch.distributed gloo rank; same cases, same tensors.
+- ``tcp_sink`` and ``tcp_send``: a bulk TCP flow with plain sockets (the
+  namespace's default congestion control, CUBIC on Linux), the competing traffic
+  of bench/beside_tcp.py.  The sink prints ``listening``, counts what it reads and
+  prints ``samples`` (monotonic time, bytes so far, every 10 ms) when the flow
+  ends; the sender (with the congestion control its spec names, if any: Linux
+  lets root pick any the kernel has) prints ``connected`` with its congestion
+  control and sends until a ``stop`` line (or end of input).
+
+Both job roles report the ``span`` of their timed calls in ``time.monotonic()``
+seconds (one clock for every namespace of the machine), so that a launcher can
+say what another flow carried meanwhile.
 
 Rank 0 checks every result against the exact sum of all ranks' inputs, which it
 rebuilds from their seeds; every rank prints a digest so that the launcher can
@@ -123,8 +134,10 @@ def switchml_role(spec) -> None:
             for _ in range(spec["warmup"]):
                 w.allreduce(data, out=out, sparse=sparse, bits=bits)
             c0, l0, s0 = w.counters, link_bytes(spec.get("ifname")), scheduling()
+            t0 = time.monotonic()
             call = functools.partial(w.allreduce, data, out=out, sparse=sparse, bits=bits)
             times = _time(call, 0, spec["repeats"])
+            t1 = time.monotonic()
             c1, l1, s1 = w.counters, link_bytes(spec.get("ifname")), scheduling()
             ok = None
             if spec.get("check") and rank == 0 and data.size:
@@ -152,7 +165,8 @@ def switchml_role(spec) -> None:
                      "fast_retransmissions", "probe_retransmissions", "spurious_retransmissions",
                      "window_decreases", "random_losses", "resends", "results_lost")},
                  link_tx=(l1[0] - l0[0]) / n if l0 else None,
-                 link_rx=(l1[1] - l0[1]) / n if l0 else None, **per_call(s0, s1, n))
+                 link_rx=(l1[1] - l0[1]) / n if l0 else None, span=[t0, t1],
+                 **per_call(s0, s1, n))
     emit(event="done", rank=rank)
 
 
@@ -193,7 +207,9 @@ def gloo_role(spec) -> None:
         l0 = link_bytes(spec.get("ifname"))
         # (the fresh copies and barriers between calls count too: a few per cent)
         s0 = scheduling()
+        t0 = time.monotonic()
         times = _time(once, 0, spec["repeats"], before=fresh_copy)
+        t1 = time.monotonic()
         l1, s1 = link_bytes(spec.get("ifname")), scheduling()
         out = holder["x"].numpy() if spec["repeats"] else data.numpy()
         ok = None
@@ -208,13 +224,85 @@ def gloo_role(spec) -> None:
         emit(event="case", id=case["id"], rank=rank, times=times, ok=ok,
              digest=hashlib.sha256(out.tobytes()).hexdigest(),
              link_tx=(l1[0] - l0[0]) / n if l0 else None,
-             link_rx=(l1[1] - l0[1]) / n if l0 else None, **per_call(s0, s1, n))
+             link_rx=(l1[1] - l0[1]) / n if l0 else None, span=[t0, t1],
+             **per_call(s0, s1, n))
     dist.barrier()
     dist.destroy_process_group()
     emit(event="done", rank=rank)
 
 
-ROLES = {"switch": switch_role, "switchml": switchml_role, "gloo": gloo_role}
+def congestion_control(sock=None) -> str:
+    """The TCP congestion control of ``sock``, or this namespace's default."""
+    import socket
+
+    if sock is not None:
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0] \
+            .decode()
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as f:
+        return f.read().strip()
+
+
+def tcp_sink_role(spec) -> None:
+    """Accept one connection, read it to its end, counting; then print the samples."""
+    import socket
+    import threading
+
+    with socket.create_server((spec["host"], spec["port"])) as server:
+        emit(event="listening", address=[spec["host"], spec["port"]],
+             congestion_control=congestion_control())
+        conn, _ = server.accept()
+    total = [0]
+
+    def read():
+        buf = bytearray(1 << 20)
+        view = memoryview(buf)
+        with conn:
+            while True:
+                n = conn.recv_into(view)
+                if not n:
+                    return
+                total[0] += n
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    samples = [[time.monotonic(), 0]]
+    while reader.is_alive():
+        reader.join(0.01)
+        samples.append([time.monotonic(), total[0]])
+    emit(event="samples", samples=samples)
+
+
+def tcp_send_role(spec) -> None:
+    """Send as fast as TCP lets until a ``stop`` line or the end of stdin."""
+    import socket
+    import threading
+
+    stop = threading.Event()
+
+    def watch():
+        for line in sys.stdin:
+            if line.strip() == "stop":
+                break
+        stop.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    chunk = bytes(1 << 20)
+    with socket.socket() as sock:
+        if spec.get("congestion_control"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION,
+                            spec["congestion_control"].encode())
+        sock.connect((spec["host"], spec["port"]))
+        emit(event="connected", congestion_control=congestion_control(sock))
+        sent = 0
+        while not stop.is_set():
+            sock.sendall(chunk)
+            sent += len(chunk)
+        sock.shutdown(socket.SHUT_WR)
+    emit(event="sent", bytes=sent)
+
+
+ROLES = {"switch": switch_role, "switchml": switchml_role, "gloo": gloo_role,
+         "tcp_sink": tcp_sink_role, "tcp_send": tcp_send_role}
 
 if __name__ == "__main__":
     ROLES[sys.argv[1]](json.loads(sys.argv[2]))

@@ -1,0 +1,226 @@
+"""A switchml job beside a bulk TCP flow on the same links: what share does each get?
+
+    python bench/beside_tcp.py --hosts 4 --link 1gbit --mtu 9000 --mib 64 --repeats 8
+
+On the testbed (every link shaped, port queues of ``--queue``), one invocation
+measures, in this order: a bulk TCP flow from host 0 to host 1 alone (plain
+sockets, CUBIC, Linux's default, set on the socket: this machine's default
+may be another, ``--tcp-cc`` picks), switchml's dense
+allreduce loop of ``--hosts`` ranks alone, the same loop while the TCP flow
+runs, then gloo's allreduce loop alone and beside the flow.  The flow starts
+``--settle`` seconds before the job (CUBIC fills the queues by then) and stops
+when the job is done.  The flow crosses host 0's uplink and host 1's downlink,
+which the job's ranks 0 and 1 use too.
+
+Shares are of host 0's uplink over the job's timed calls (rank 0's span, one
+monotonic clock for every namespace): the flow's is the bytes its receiver read
+in that span over what the link carries in it; the job's is the uplink's bytes
+(the veth counter, rank 0's report) less the flow's, over the same.  A call's
+time is its slowest rank's.  Prints a table and writes JSON (--json).  Root
+only (namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from switchml.bench.launch import OnTestbed, Roles  # noqa: E402
+
+TCP_PORT = 5201
+SYSTEMS = ("switchml", "gloo")
+
+
+def bytes_at(samples, t: float) -> float:
+    """The receiver's byte count at monotonic time ``t``, interpolated."""
+    times = [s[0] for s in samples]
+    i = bisect.bisect_left(times, t)
+    if i <= 0:
+        return samples[0][1]
+    if i >= len(samples):
+        return samples[-1][1]
+    (ta, ba), (tb, bb) = samples[i - 1], samples[i]
+    return ba + (bb - ba) * (t - ta) / (tb - ta) if tb > ta else bb
+
+
+class Flow:
+    """The bulk TCP flow host 0 -> host 1, started and stopped around a phase."""
+
+    def __init__(self, roles, tb, port, congestion_control):
+        self.roles = roles
+        host = tb.address(1)
+        self.sink = roles.start(f"sink{port}", 1, "tcp_sink", {"host": host, "port": port})
+        self.wait_for(f"sink{port}", "listening")
+        self.sender = roles.start(f"send{port}", 0, "tcp_send",
+                                  {"host": host, "port": port,
+                                   "congestion_control": congestion_control}, stdin=True)
+        self.port = port
+        self.congestion_control = self.wait_for(f"send{port}", "connected")["congestion_control"]
+        self.started = time.monotonic()
+
+    def wait_for(self, name, event) -> dict:
+        return self.roles.wait_for(name, event)
+
+    def stop(self) -> list:
+        self.sender.stdin.write("stop\n")
+        self.sender.stdin.flush()
+        return self.wait_for(f"sink{self.port}", "samples")["samples"]
+
+
+class Phases(Roles):
+    """Roles whose messages a phase did not wait for are kept for the next reader."""
+
+    def __init__(self, cluster, timeout):
+        super().__init__(cluster, timeout)
+        self.held: list = []
+
+    def next(self):
+        if self.held:
+            return self.held.pop(0)
+        return super().next()
+
+    def wait_for(self, name, event) -> dict:
+        """``name``'s next ``event`` message; others wait for ``next``."""
+        for i, (got, msg) in enumerate(self.held):
+            if got == name and msg["event"] == event:
+                return self.held.pop(i)[1]
+        while True:
+            got, msg = super().next()
+            if got == name and msg["event"] == event:
+                return msg
+            self.held.append((got, msg))
+
+
+def tcp_alone(tb, cluster, args, port) -> dict:
+    with Phases(cluster, args.timeout) as roles:
+        flow = Flow(roles, tb, port, args.tcp_cc)
+        time.sleep(args.settle + args.tcp_seconds)
+        samples = flow.stop()
+    t0, t1 = flow.started + args.settle, flow.started + args.settle + args.tcp_seconds
+    moved = bytes_at(samples, t1) - bytes_at(samples, t0)
+    return {"throughput_Mbps": moved * 8 / (t1 - t0) / 1e6,
+            "share": moved * 8 / (t1 - t0) / tb.link_bps,
+            "congestion_control": flow.congestion_control}
+
+
+def job(system, tb, cluster, args, switch, phase, port, beside: bool) -> dict:
+    """``system``'s allreduce loop on every host, alone or beside the flow."""
+    elements = int(args.mib * 2**20) // 4
+    case = {"id": 0, "elements": elements, "density": None, "sparse": False}
+    with Phases(cluster, args.timeout) as roles:
+        flow = None
+        if beside:
+            flow = Flow(roles, tb, port, args.tcp_cc)
+            time.sleep(args.settle)
+        for rank in range(args.hosts):
+            common = {"rank": rank, "world": args.hosts, "ifname": tb.ifname(rank),
+                      "warmup": args.warmup, "repeats": args.repeats, "check": False,
+                      "seed": 0, "timeout": args.timeout, "cases": [case]}
+            if system == "switchml":
+                spec = dict(common, switch=switch, job=f"{phase}")
+            else:
+                spec = dict(common, master_addr=tb.address(0), master_port=29500 + port % 100,
+                            block=256)
+            roles.start(rank, rank, system, spec)
+        reports, done = {}, 0
+        while done < args.hosts:
+            name, msg = roles.next()
+            if msg["event"] == "case":
+                reports[msg["rank"]] = msg
+            elif msg["event"] == "done":
+                done += 1
+        samples = flow.stop() if flow else None
+    slowest = [max(call) for call in zip(*(reports[r]["times"] for r in range(args.hosts)))]
+    t0, t1 = reports[0]["span"]
+    span = t1 - t0
+    capacity = tb.link_bps / 8 * span  # bytes host 0's uplink can carry in the span
+    uplink = reports[0]["link_tx"] * args.repeats
+    tcp = bytes_at(samples, t1) - bytes_at(samples, t0) if samples else 0.0
+    result = {"median_s": statistics.median(slowest), "times_s": slowest, "span_s": span,
+              "uplink_bytes": uplink, "tcp_bytes": tcp,
+              "share": (uplink - tcp) / capacity, "tcp_share": tcp / capacity,
+              "tcp_Mbps": tcp * 8 / span / 1e6}
+    if system == "switchml":
+        result["recovery"] = {k: statistics.mean(reports[r]["recovery"][k]
+                                                 for r in range(args.hosts))
+                              for k in reports[0]["recovery"]}
+        result["retransmissions"] = statistics.mean(reports[r]["retransmissions"]
+                                                    for r in range(args.hosts))
+    if flow:
+        result["congestion_control"] = flow.congestion_control
+    return result
+
+
+def run(args) -> dict:
+    from switchml.testbed import Testbed
+
+    with Testbed(args.hosts, args.link, mtu=args.mtu, queue=args.queue,
+                 prefix="smlbtcp") as tb:
+        cluster = OnTestbed(tb)
+        host, port = cluster.switch_bind
+        out: dict = {}
+        with Roles(cluster, args.timeout) as switch_roles:
+            switch_roles.start("switch", "switch", "switch",
+                               {"host": host, "port": port, "options": {}}, stdin=True)
+            _, msg = switch_roles.next()
+            address = "{}:{}".format(*msg["address"])
+            out["tcp_alone"] = tcp_alone(tb, cluster, args, TCP_PORT)
+            for k, system in enumerate(args.systems):
+                out[f"{system}_alone"] = job(system, tb, cluster, args, address,
+                                             f"{system}-alone", TCP_PORT + 10 * k + 1, False)
+                out[f"{system}_beside_tcp"] = job(system, tb, cluster, args, address,
+                                                  f"{system}-beside", TCP_PORT + 10 * k + 2, True)
+        link_bps = tb.link_bps
+    return {"command": "python bench/beside_tcp.py " + " ".join(sys.argv[1:]),
+            "settings": vars(args), "link_Gbps": link_bps / 1e9, **out}
+
+
+def format_table(result) -> str:
+    lines = ["| job beside the flow | job alone | job beside TCP | job's share of host 0's "
+             "uplink | TCP alone | TCP beside the job |", "|---|---|---|---|---|---|"]
+    alone = result["tcp_alone"]
+    for system in result["settings"]["systems"]:
+        a, b = result[f"{system}_alone"], result[f"{system}_beside_tcp"]
+        lines.append(f"| {system} | {a['median_s']:.3f} s | {b['median_s']:.3f} s | "
+                     f"{b['share']:.0%} | {alone['throughput_Mbps']:.0f} Mbit/s | "
+                     f"{b['tcp_Mbps']:.0f} Mbit/s ({b['tcp_share']:.0%}) |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--link", default="1gbit")
+    p.add_argument("--mtu", type=int, default=9000)
+    p.add_argument("--queue", default="256kb")
+    p.add_argument("--mib", type=float, default=64.0)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--settle", type=float, default=2.0,
+                   help="seconds the flow runs before the job starts")
+    p.add_argument("--tcp-seconds", type=float, default=5.0,
+                   help="seconds the flow alone is measured")
+    p.add_argument("--tcp-cc", default="cubic",
+                   help="the flow's TCP congestion control (default: cubic)")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--json", default=None, help="write the results here")
+    args = p.parse_args(argv)
+    result = run(args)
+    print(f"TCP congestion control: {result['tcp_alone']['congestion_control']}")
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
