@@ -16,8 +16,9 @@ Shares are of host 0's uplink over the job's timed calls (rank 0's span, one
 monotonic clock for every namespace): the flow's is the bytes its receiver read
 in that span over what the link carries in it; the job's is the uplink's bytes
 (the veth counter, rank 0's report) less the flow's, over the same.  A call's
-time is its slowest rank's.  Prints a table and writes JSON (--json).  Root
-only (namespaces).
+time is its slowest rank's.  ``--runs N`` makes N invocations, each on a testbed
+of its own, and reports the median of each figure over them.  Prints a table
+and writes JSON (--json).  Root only (namespaces).
 """
 
 from __future__ import annotations
@@ -158,6 +159,22 @@ def job(system, tb, cluster, args, switch, phase, port, beside: bool) -> dict:
     return result
 
 
+#: The figures ``--runs`` takes the median of, per phase.
+FIGURES = ("median_s", "share", "tcp_share", "tcp_Mbps", "throughput_Mbps")
+
+
+def medians(runs: list) -> dict:
+    """Each phase's figures, the median over ``runs`` (one invocation each)."""
+    out: dict = {}
+    for phase, first in runs[0].items():
+        if isinstance(first, dict):
+            out[phase] = {k: statistics.median(r[phase][k] for r in runs)
+                          for k in FIGURES if k in first}
+            if "congestion_control" in first:
+                out[phase]["congestion_control"] = first["congestion_control"]
+    return out
+
+
 def run(args) -> dict:
     from switchml.testbed import Testbed
 
@@ -177,9 +194,7 @@ def run(args) -> dict:
                                              f"{system}-alone", TCP_PORT + 10 * k + 1, False)
                 out[f"{system}_beside_tcp"] = job(system, tb, cluster, args, address,
                                                   f"{system}-beside", TCP_PORT + 10 * k + 2, True)
-        link_bps = tb.link_bps
-    return {"command": "python bench/beside_tcp.py " + " ".join(sys.argv[1:]),
-            "settings": vars(args), "link_Gbps": link_bps / 1e9, **out}
+    return out
 
 
 def format_table(result) -> str:
@@ -212,8 +227,24 @@ def main(argv=None) -> int:
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--runs", type=int, default=1,
+                   help="invocations, each on a testbed of its own (default: 1)")
     args = p.parse_args(argv)
-    result = run(args)
+    from switchml.testbed.netns import parse_rate
+
+    runs = []
+    for i in range(args.runs):
+        runs.append(run(args))
+        if args.runs > 1:
+            print(f"run {i + 1} of {args.runs}:")
+            print(format_table(dict(runs[-1], settings=vars(args))), flush=True)
+    result = {"command": "python bench/beside_tcp.py " + " ".join(sys.argv[1:] if argv is None
+                                                                   else argv),
+              "settings": vars(args), "link_Gbps": parse_rate(args.link) / 1e9,
+              **(runs[0] if args.runs == 1 else medians(runs))}
+    if args.runs > 1:
+        result["runs"] = runs
+        print(f"median of {args.runs} runs:")
     print(f"TCP congestion control: {result['tcp_alone']['congestion_control']}")
     print(format_table(result))
     if args.json:
