@@ -199,6 +199,17 @@ class _TestRunOpts(ctypes.Structure):
                 ("batch_size", ctypes.c_uint32)]
 
 
+class _LinkCreateOpts(ctypes.Structure):
+    """The head of struct bpf_link_create_opts (libbpf's bpf.h): ``sz`` tells
+    libbpf that the fields past ``flags`` are not given."""
+
+    _fields_ = [("sz", ctypes.c_size_t), ("flags", ctypes.c_uint32)]
+
+
+#: enum bpf_attach_type's BPF_XDP; if_link.h's XDP_FLAGS_SKB_MODE
+BPF_XDP = 37
+XDP_FLAGS_SKB_MODE = 1 << 1
+
 _LIBBPF: ctypes.CDLL | None = None
 
 
@@ -224,6 +235,7 @@ def _libbpf() -> ctypes.CDLL:
         ("bpf_map_delete_elem", i, [i, vp]),
         ("bpf_prog_test_run_opts", i, [i, vp]),
         ("libbpf_num_possible_cpus", i, []),
+        ("bpf_link_create", i, [i, i, i, vp]),
     ]:
         fn = getattr(lib, name)
         fn.restype = res
@@ -308,6 +320,16 @@ class _Program:
 
     def delete(self, name: str, key) -> None:
         self._lib.bpf_map_delete_elem(self.fds[name], ctypes.byref(key))
+
+    def attach(self, ifindex: int) -> int:
+        """Attach the program to interface ``ifindex`` in generic (skb) mode, which
+        every driver has (veth, lo...), through a BPF link: the link's fd, whose
+        close detaches it, also when the process dies (nothing stays attached
+        behind a crashed switch, unlike a netlink attach)."""
+        opts = _LinkCreateOpts(sz=ctypes.sizeof(_LinkCreateOpts), flags=XDP_FLAGS_SKB_MODE)
+        fd = self._lib.bpf_link_create(self.prog_fd, ifindex, BPF_XDP, ctypes.byref(opts))
+        _check(fd, f"attaching the XDP program to interface {ifindex}")
+        return fd
 
     def test_run(self, frame: bytes) -> tuple[int, bytes]:
         """Run the program once on ``frame``: (its XDP action, the frame it left)."""
@@ -406,6 +428,30 @@ def parse_udp_frame(frame: bytes) -> tuple[tuple, tuple, bytes]:
         if total >= IP_HEADER + length else b""
 
 
+def interface_of(host: str) -> int:
+    """The index of the interface that holds IPv4 address ``host``; ValueError
+    when none does (0.0.0.0 among them: the program serves one interface)."""
+    import fcntl
+
+    try:
+        packed = socket.inet_aton(socket.gethostbyname(host))
+    except OSError as exc:
+        raise ValueError(f"the XDP data plane needs an IPv4 address of this host: "
+                         f"{host!r}: {exc}") from None
+    SIOCGIFADDR = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for index, name in socket.if_nameindex():
+            try:
+                got = fcntl.ioctl(s.fileno(), SIOCGIFADDR,
+                                  struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address
+                continue
+            if got[20:24] == packed:
+                return index
+    raise ValueError(f"the XDP data plane attaches to the interface that holds the "
+                     f"switch's address; no interface holds {host}")
+
+
 # ---------------------------------------------------------------- the pipeline
 class XdpPipeline(Pipeline):
     """The same object as ``Pipeline``, with its data plane in the XDP program
@@ -436,10 +482,47 @@ class XdpPipeline(Pipeline):
         self._counts_type = ctypes.c_uint64 * (len(COUNTER_NAMES) * self._prog.cpus)
         self._counted: dict[int, list[int]] = {}  # counts entry -> its sums already taken
         self._job_at: dict[int, Job] = {}  # slot_base -> running job
+        self._link: int | None = None  # serve(): the BPF link's fd
+        self.ifindex: int | None = None
 
     def close(self) -> None:
-        """Unload the program (its maps go with it)."""
+        """Detach and unload the program (its maps go with it)."""
+        self.detach()
         self._prog.close()
+
+    def serve(self, address) -> int:
+        """Serve the switch's UDP ``address`` (host, port) for real: the program
+        takes the datagrams to that port and is attached to the interface that
+        holds the host's IPv4 address (``interface_of``), in generic mode.  Returns
+        the interface's index.  ``detach()`` (or ``close()``) undoes it."""
+        host, port = address
+        ifindex = interface_of(host)
+        self.port = port
+        self.address = (host, port)
+        self._prog.update("config", _u32(0), _Config(self.slots, socket.htons(port), 0))
+        self.detach()
+        self._link = self._prog.attach(ifindex)
+        self.ifindex = ifindex
+        return ifindex
+
+    def detach(self) -> None:
+        """Detach the program from its interface, if ``serve`` attached it."""
+        link, self._link = getattr(self, "_link", None), None
+        if link is not None:
+            os.close(link)
+
+    def passed_up(self, data, addr) -> list:
+        """What the switch's socket sends for a datagram it received while the
+        program serves its port: the program passes up nothing but the results
+        it completed (from the completing contribution's address), each for every
+        rank of that member's job.  Anything else reached the socket without
+        passing through the program (sent from this host, or before the attach):
+        dropped, counted as ``dropped_not_through_xdp``."""
+        if len(data) >= wire.HEADER_SIZE and data[3] == wire.KIND_RESULT and \
+                addr in self._members:
+            return [(data, m) for m in self._members[addr][0].members]
+        self.counters["dropped_not_through_xdp"] += 1
+        return []
 
     # ---------------------------------------------------------------- control
     def install_job(self, name: str, session: int, members: list, slot_base: int,

@@ -1,0 +1,197 @@
+"""The XDP data plane serving for real: ``switchml switch --data-plane xdp`` in a
+network namespace, its program attached (generic mode) to the veth that holds
+its address, and real ``switchml.Worker``s in this namespace on the veth's other
+end.  The sums must equal, bit for bit, those of a user-space switch (Python
+data plane) on the same veth, the same geometry, the same inputs.
+
+Skips, saying why, without root (namespaces, BPF), ``ip``, or what the XDP
+data plane needs (``xdp.unavailable``).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import switchml
+from switchml import config
+from switchml.errors import DataPlaneUnavailableError
+from switchml.switch import xdp
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+REASON = xdp.unavailable() or (None if shutil.which("ip") else "no ip(8) for the namespaces")
+needs_xdp = pytest.mark.skipif(REASON is not None, reason=f"XDP: {REASON}")
+
+
+def sh(*argv: str) -> str:
+    return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def veth():
+    """A namespace holding one end of a veth pair (the switch's, .1), this
+    namespace the other (the workers', .2); removed afterwards, with whatever ran
+    in it."""
+    tag = f"{os.getpid() % 100000}"
+    ns, here, there = f"smlxdp{tag}", f"smx{tag}a", f"smx{tag}b"
+    net = f"10.213.{os.getpid() % 250}"
+    sh("ip", "netns", "add", ns)
+    try:
+        sh("ip", "link", "add", here, "type", "veth", "peer", "name", there)
+        sh("ip", "link", "set", there, "netns", ns)
+        sh("ip", "addr", "add", f"{net}.2/24", "dev", here)
+        sh("ip", "link", "set", here, "up")
+        # UDP GSO segmented before the veth, as a NIC does on the wire: a veth
+        # passes a GSO super-packet whole, and the program sees one datagram a frame
+        sh(sys.executable, str(REPO / "switchml" / "testbed" / "offload.py"), here,
+           "tx-udp-segmentation", "off")  # the ethtool ioctl: no ethtool needed
+        sh("ip", "-n", ns, "addr", "add", f"{net}.1/24", "dev", there)
+        sh("ip", "-n", ns, "link", "set", there, "up")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        yield ns, there, f"{net}.1"
+    finally:
+        subprocess.run(["ip", "link", "del", here], capture_output=True)
+        for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                                  text=True).stdout.split():
+            os.kill(int(pid), 9)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+class SwitchIn:
+    """``switchml switch`` run in namespace ``ns`` until closed."""
+
+    def __init__(self, ns: str, host: str, port: int, *flags: str):
+        self.proc = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-c",
+             "import sys; from switchml.cli import main; sys.exit(main())", "switch",
+             "--host", host, "--port", str(port), "--packet-elements", "512",
+             "--block-elements", "256", "--log-level", "info", *flags],
+            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+        self.address = f"{host}:{port}"
+        line = self.proc.stdout.readline()  # "listening on ...", or nothing: it failed
+        if "listening" not in line:
+            self.proc.wait(timeout=10)
+            raise RuntimeError(f"the switch did not start: {line}{self.proc.stderr.read()}")
+
+    def stats(self) -> dict:
+        from switchml.cli import fetch_stats
+
+        return fetch_stats(self.address)
+
+    def close(self) -> str:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        return self.proc.stderr.read()
+
+
+def run_job(switch: str, inputs: list, job: str) -> list:
+    """Every rank's allreduce of each of its arrays through ``switch``: per rank,
+    the list of results."""
+    world = len(inputs)
+    out: list = [None] * world
+    errors: list = []
+
+    def rank(r):
+        try:
+            with switchml.Worker(switch, r, world_size=world, job=job, timeout=30) as w:
+                out[r] = [w.allreduce(a.copy()) for a in inputs[r]]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def inputs_for(world: int, seed: int = 3) -> list:
+    rng = np.random.default_rng(seed)
+    sizes = [1, 300, 5000, 70001]
+    return [[rng.integers(-2**31, 2**31, n, dtype=np.int64).astype(np.int32) if i % 2 == 0
+             else rng.standard_normal(n).astype(np.float32) * 10.0 ** (i - 2)
+             for i, n in enumerate(sizes)] for _ in range(world)]
+
+
+@needs_xdp
+def test_workers_get_the_user_space_switchs_sums_bit_for_bit(veth):
+    ns, dev, host = veth
+    world = 3
+    inputs = inputs_for(world)
+    reference = SwitchIn(ns, host, 7301, "--data-plane", "python")
+    try:
+        want = run_job(reference.address, inputs, "ref")
+    finally:
+        reference.close()
+    switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp")
+    try:
+        # attached where the address is, in generic mode, to this switch's program
+        assert "xdpgeneric" in sh("ip", "-n", ns, "link", "show", "dev", dev)
+        got = run_job(switch.address, inputs, "xdp")
+        stats = switch.stats()
+    finally:
+        log = switch.close()
+    assert "XDP program attached" in log
+    for r in range(world):
+        for a, b in zip(got[r], want[r]):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    # the int32 sums, exactly, with wrap-around
+    for i in (0, 2):
+        total = sum(x[i].astype(np.int64) for x in inputs)
+        assert got[0][i].tolist() == ((total + 2**31) % 2**32 - 2**31).tolist()
+    # the aggregation ran in the program: every contribution counted there, and
+    # nothing reached the switch's socket but the results it passed up
+    assert stats["data_plane"] == "xdp"
+    job = stats["ended_jobs"]["xdp"]["counters"]
+    assert stats["ended_jobs"]["xdp"]["packet_elements"] == 352  # a frame of MTU 1500
+    assert job["results_completed"] >= sum(-(-a.size // 352) for a in inputs[0])
+    # each set completed with every rank added once, and the result to every rank
+    assert job["packets_in"] == job["results_out"] == world * job["results_completed"]
+    assert not {k for k in job if k.startswith("dropped_")}, job
+    assert stats["counters"].get("dropped_not_through_xdp", 0) == 0
+    # stopped: detached
+    assert "xdp" not in sh("ip", "-n", ns, "link", "show", "dev", dev)
+
+
+@needs_xdp
+def test_a_host_no_interface_holds_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="no interface holds 192.0.2.1"):
+        xdp.interface_of("192.0.2.1")
+
+
+def test_data_plane_setting_is_checked():
+    with pytest.raises(ValueError, match="data_plane must be one of"):
+        config.SwitchConfiguration(data_plane="ebpf")
+    with pytest.raises(ValueError, match="contradicts"):
+        config.SwitchConfiguration(data_plane="xdp", fastpath=True)
+    with pytest.raises(ValueError, match="does not simulate drops"):
+        config.SwitchConfiguration(data_plane="xdp", drop_rate=0.1)
+    with pytest.raises(ValueError, match="rack switch"):
+        config.SwitchConfiguration(data_plane="xdp", upstream="127.0.0.1:7300")
+    assert config.SwitchConfiguration.from_env(environ={"SWITCHML_DATA_PLANE": "python"}) \
+        .data_plane == "python"
+
+
+def test_xdp_unavailable_is_a_clear_error(monkeypatch):
+    from switchml.switch.server import Switch
+
+    monkeypatch.setattr(xdp, "unavailable", lambda: "no clang (test)")
+    with pytest.raises(DataPlaneUnavailableError, match="data_plane='xdp' cannot run here: "
+                                                        "no clang"):
+        Switch(data_plane="xdp", packet_elements=512)
