@@ -195,3 +195,43 @@ def test_xdp_unavailable_is_a_clear_error(monkeypatch):
     with pytest.raises(DataPlaneUnavailableError, match="data_plane='xdp' cannot run here: "
                                                         "no clang"):
         Switch(data_plane="xdp", packet_elements=512)
+
+
+@needs_xdp
+def test_a_sparse_call_fails_the_job_with_a_reason_naming_the_data_plane(veth):
+    """The program does not aggregate sparse contributions: it drops them
+    (``dropped_sparse_unsupported``) and the switch fails the job with the
+    reason, rather than let its ranks time out; a dense job after it runs."""
+    ns, dev, host = veth
+    switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp")
+    try:
+        world, errors = 2, []
+        array = np.zeros(4096, np.float32)
+        array[:10] = 1.0  # one block of 352 present
+
+        def rank(r):
+            try:
+                with switchml.Worker(switch.address, r, world_size=world, job="sparse",
+                                     timeout=20) as w:
+                    w.allreduce(array, sparse=True)
+            except switchml.SwitchMLError as exc:
+                errors.append(exc)
+
+        started = time.monotonic()
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert len(errors) == world
+        assert all("XDP data plane does not aggregate" in str(e) for e in errors), errors
+        assert time.monotonic() - started < 10  # told, not timed out
+        stats = switch.stats()
+        assert stats["ended_jobs"]["sparse"]["state"] == "failed"
+        assert stats["ended_jobs"]["sparse"]["counters"]["dropped_sparse_unsupported"] >= 1
+        inputs = inputs_for(world)
+        got = run_job(switch.address, inputs, "dense-after")
+        total = sum(x[0].astype(np.int64) for x in inputs)
+        assert got[1][0].tolist() == ((total + 2**31) % 2**32 - 2**31).tolist()
+    finally:
+        switch.close()

@@ -484,6 +484,7 @@ class XdpPipeline(Pipeline):
         self._job_at: dict[int, Job] = {}  # slot_base -> running job
         self._link: int | None = None  # serve(): the BPF link's fd
         self.ifindex: int | None = None
+        self._refused: set[int] = set()  # sessions take_unsupported reported
 
     def close(self) -> None:
         """Detach and unload the program (its maps go with it)."""
@@ -510,6 +511,22 @@ class XdpPipeline(Pipeline):
         link, self._link = getattr(self, "_link", None), None
         if link is not None:
             os.close(link)
+
+    def take_unsupported(self) -> list:
+        """(session, why) of each running job whose ranks sent what the program
+        does not do (sparse contributions: dropped and counted as
+        ``dropped_sparse_unsupported``), once per job: the switch fails such a job
+        with that reason rather than let its ranks time out."""
+        self.sync_counters()
+        out = []
+        for job in self._job_at.values():
+            if job.counters["dropped_sparse_unsupported"] and job.session not in self._refused:
+                self._refused.add(job.session)
+                out.append((job.session, f"job '{job.name}' made a sparse allreduce, which the "
+                            f"switch's XDP data plane does not aggregate (data_plane='xdp': "
+                            f"dense calls only; a switch with data_plane 'c' or 'python' "
+                            f"does)"))
+        return out
 
     def passed_up(self, data, addr) -> list:
         """What the switch's socket sends for a datagram it received while the
