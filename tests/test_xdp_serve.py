@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import socket
 import subprocess
 import sys
 import threading
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 
 import switchml
-from switchml import config
+from switchml import config, wire
 from switchml.errors import DataPlaneUnavailableError
 from switchml.switch import xdp
 
@@ -56,7 +57,7 @@ def veth():
         sh("ip", "-n", ns, "addr", "add", f"{net}.1/24", "dev", there)
         sh("ip", "-n", ns, "link", "set", there, "up")
         sh("ip", "-n", ns, "link", "set", "lo", "up")
-        yield ns, there, f"{net}.1"
+        yield ns, there, f"{net}.1", here, f"{net}.2"
     finally:
         subprocess.run(["ip", "link", "del", here], capture_output=True)
         for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
@@ -131,7 +132,7 @@ def inputs_for(world: int, seed: int = 3) -> list:
 
 @needs_xdp
 def test_workers_get_the_user_space_switchs_sums_bit_for_bit(veth):
-    ns, dev, host = veth
+    ns, dev, host, _, _ = veth
     world = 3
     inputs = inputs_for(world)
     reference = SwitchIn(ns, host, 7301, "--data-plane", "python")
@@ -164,7 +165,7 @@ def test_workers_get_the_user_space_switchs_sums_bit_for_bit(veth):
     # each set completed with every rank added once, and the result to every rank
     assert job["packets_in"] == job["results_out"] == world * job["results_completed"]
     assert not {k for k in job if k.startswith("dropped_")}, job
-    assert stats["counters"].get("dropped_not_through_xdp", 0) == 0
+    assert stats["counters"].get("internal_errors", 0) == 0
     # stopped: detached
     assert "xdp" not in sh("ip", "-n", ns, "link", "show", "dev", dev)
 
@@ -202,7 +203,7 @@ def test_a_sparse_call_fails_the_job_with_a_reason_naming_the_data_plane(veth):
     """The program does not aggregate sparse contributions: it drops them
     (``dropped_sparse_unsupported``) and the switch fails the job with the
     reason, rather than let its ranks time out; a dense job after it runs."""
-    ns, dev, host = veth
+    ns, dev, host, _, _ = veth
     switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp")
     try:
         world, errors = 2, []
@@ -235,3 +236,76 @@ def test_a_sparse_call_fails_the_job_with_a_reason_naming_the_data_plane(veth):
         assert got[1][0].tolist() == ((total + 2**31) % 2**32 - 2**31).tolist()
     finally:
         switch.close()
+
+
+# A member in the namespace: sends the datagrams given (hex, each from its own
+# port) one after the other, then prints, as hex lines, what came back to them.
+PEER = """
+import socket, sys, time
+host, switch, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+socks = {}
+for item in sys.argv[4:]:
+    src, data = item.split(":")
+    s = socks.get(src)
+    if s is None:
+        s = socks[src] = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind((host, int(src)))
+        s.settimeout(0.5)
+    s.sendto(bytes.fromhex(data), (switch, port))
+    time.sleep(0.3)
+for src, s in socks.items():
+    try:
+        while True:
+            print(src, s.recv(65536).hex(), flush=True)
+    except socket.timeout:
+        pass
+"""
+
+
+@needs_xdp
+def test_a_probe_its_frame_has_no_room_to_answer_is_answered_through_user_space(veth):
+    """Attached in generic mode, a frame is the skb it came in: a 32-byte probe
+    of a complete set leaves no room for the result.  The program passes it up
+    (``probes_passed_up``), the switch runs it through the program in a page
+    (``passed_up``) and sends the answer: the member gets its result.  The
+    switch here is this process, on this namespace's end of the veth."""
+    ns, _, peer, here, me = veth
+    port = 7302
+    job = dict(packet=352, block=352, slot_base=0, tokens=[0x10, 0x20])
+    members = [(peer, 5000), (peer, 5001)]
+    p = xdp.XdpPipeline(8, 352, block_elements=352, port=port, switch_ip=me)
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        udp.bind((me, port))
+        udp.settimeout(5)
+        assert p.serve((me, port)) == socket.if_nametoindex(here)
+        p.install_job("probed", 0x77, members, 0, 4, 352, 352, tokens=job["tokens"])
+        ranks = [wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, 1, job["tokens"][r], 1,
+                             0, 0, np.zeros(1, wire.LANE), np.full(352, r + 1, np.int32))
+                 for r in range(2)]
+        probe = wire.probe_of(ranks[0])
+        peer_run = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-c", PEER, peer, me, str(port),
+             f"5000:{ranks[0].hex()}", f"5001:{ranks[1].hex()}", f"5000:{probe.hex()}"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        result, addr = udp.recvfrom(65536)  # the completed result, passed up
+        assert addr == members[1] and result[3] == wire.KIND_RESULT
+        assert wire.values(result, 1, 352).tolist() == [3] * 352
+        data, addr = udp.recvfrom(65536)  # the probe, passed up: no room in its frame
+        assert (data, addr) == (probe, members[0])
+        answers = p.passed_up(data, addr)
+        assert answers == [(result, members[0])]
+        udp.sendto(*answers[0])
+        out, err = peer_run.communicate(timeout=30)
+        assert out.split() == ["5000", result.hex()], err
+        p.sync_counters()
+        assert without_zeros(p.jobs[0x77].counters) == {"packets_in": 2, "results_completed": 1, "results_out": 3,
+                            "probes_in": 1, "probes_passed_up": 1,
+                            "retransmissions_answered": 1}
+    finally:
+        udp.close()
+        p.close()
+
+
+def without_zeros(counter) -> dict:
+    return {k: v for k, v in counter.items() if v}

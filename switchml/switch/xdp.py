@@ -530,16 +530,26 @@ class XdpPipeline(Pipeline):
 
     def passed_up(self, data, addr) -> list:
         """What the switch's socket sends for a datagram it received while the
-        program serves its port: the program passes up nothing but the results
-        it completed (from the completing contribution's address), each for every
-        rank of that member's job.  Anything else reached the socket without
-        passing through the program (sent from this host, or before the attach):
-        dropped, counted as ``dropped_not_through_xdp``."""
+        program serves its port.  A result (the program drops every result a
+        member sends) is one the program completed, passed up from the
+        completing contribution's address: for every rank of that member's job.
+        Anything else did not get its answer from the program: a probe it had no
+        room to answer in its frame (``probes_passed_up``), or a datagram that
+        never went through it (sent from this host, or before the attach); it
+        goes through the program now, by BPF_PROG_TEST_RUN (``receive_datagram``),
+        as if it had come in by the interface.
+
+        Trust: a result that reached the socket without passing through the
+        interface (a datagram from this host, with a member's address) would be
+        taken for the program's; only this host's own processes can send one."""
         if len(data) >= wire.HEADER_SIZE and data[3] == wire.KIND_RESULT and \
                 addr in self._members:
             return [(data, m) for m in self._members[addr][0].members]
-        self.counters["dropped_not_through_xdp"] += 1
-        return []
+        try:
+            return self.receive_datagram(data, addr)
+        except ValueError:  # not an IPv4 member's address: nothing the program takes
+            self.counters["dropped_unknown_source"] += 1
+            return []
 
     # ---------------------------------------------------------------- control
     def install_job(self, name: str, session: int, members: list, slot_base: int,
@@ -586,7 +596,9 @@ class XdpPipeline(Pipeline):
         """What the program counted at ``counts[index]`` since the last call."""
         values = self._prog.lookup("counts", _u32(index), self._counts_type())
         n = len(COUNTER_NAMES)
-        sums = [sum(values[cpu * n + i] for cpu in range(self._prog.cpus)) for i in range(n)]
+        # modulo 2**64: the program uncounts with a -1 on one CPU (C_PROBES_PASSED_UP)
+        sums = [sum(values[cpu * n + i] for cpu in range(self._prog.cpus)) % 2**64
+                for i in range(n)]
         before = self._counted.get(index, [0] * n)
         self._counted[index] = sums
         return Counter({COUNTER_NAMES[i]: sums[i] - before[i] for i in range(n)
