@@ -56,6 +56,9 @@ SWITCHML_WIRE_BITS          16: float allreduces on the 16-bit wire  32
                             error_bound16)
 SWITCHML_PURE_PYTHON        1: the Python data plane and engine      0
                             even where the C ones are built
+SWITCHML_DATA_PLANE         a switch's data plane: python, c or      (C when
+                            xdp (an XDP program on the interface     built)
+                            holding its host address; root)
 SWITCHML_LOCAL_STAGE        0: ranks that share a host each send     1
                             their whole array through the switch
                             (1: they combine in shared memory

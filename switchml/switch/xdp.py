@@ -1,11 +1,14 @@
 """The switch's data plane as an XDP program: ``XdpPipeline`` is a ``Pipeline``
 whose per-packet work runs in ``xdp_pipeline.bpf.c``, in the kernel.
 
-This is the first step of issue 27: the dense path (validation and every drop
-reason, members, shadow-copy sets, adds, MODE_MAX, duplicates, stale messages,
-retransmissions, probes and queries, results), run through
-``BPF_PROG_TEST_RUN`` on Ethernet/IPv4/UDP frames.  Nothing attaches it to an
-interface yet, and the server does not use it.
+Issue 27: the dense path (validation and every drop reason, members,
+shadow-copy sets, adds, MODE_MAX, duplicates, stale messages, retransmissions,
+probes and queries, results), tested against the Python pipeline through
+``BPF_PROG_TEST_RUN`` on Ethernet/IPv4/UDP frames (tests/test_xdp.py, also two
+CPUs at once), and served for real by ``Switch(data_plane="xdp")``: ``serve``
+attaches it (generic mode, a BPF link) to the interface holding the switch's
+address, and the switch's socket sends what it passes up (``passed_up``)
+(tests/test_xdp_serve.py, in network namespaces).
 
 As ``FastPipeline`` does, the control plane (slot allocation, the job table,
 ended jobs, stats) stays the Python reference's own code; ``install_job`` and
@@ -28,9 +31,13 @@ what is missing.
 
 Not done yet, each a difference from the Python pipeline that the tests keep
 out of their traffic: sparse modes (dropped and counted as
-``dropped_sparse_unsupported``), simulated drop rates, IPv6, frames past one
-page (multi-buffer), the UDP checksum of received datagrams (the kernel drops a
-bad one before the Python switch's socket; the program does not check it yet).
+``dropped_sparse_unsupported``; the switch fails such a job, ``take_unsupported``),
+simulated drop rates, IPv6, frames past one page (multi-buffer), the UDP
+checksum of received datagrams (the kernel drops a bad one before the Python
+switch's socket; the program does not check it yet), UDP GSO super-packets (a
+veth peer on the same host hands one over whole: dropped as ``bad_length``),
+secondary addresses of an interface (``interface_of`` reads the primary one),
+native (driver) mode.
 """
 
 from __future__ import annotations
