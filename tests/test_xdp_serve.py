@@ -130,23 +130,52 @@ def inputs_for(world: int, seed: int = 3) -> list:
              for i, n in enumerate(sizes)] for _ in range(world)]
 
 
+def lose(here: str, loss: float):
+    """Drop UDP datagrams with probability ``loss`` both ways on veth ``here`` (this
+    namespace's end): before the program sees them (output) and after it answered
+    (input; XDP runs before netfilter, so the loss goes where it can act).  Returns
+    the nftables table to delete."""
+    table = f"smlxdploss{os.getpid()}"
+    threshold = round(loss * 1_000_000)
+    rule = f"meta l4proto udp numgen random mod 1000000 < {threshold} counter drop"
+    subprocess.run(["nft", "-f", "-"], check=True, text=True, input=(
+        f"table inet {table} {{\n"
+        f"  chain out {{ type filter hook output priority 0; oifname \"{here}\" {rule}; }}\n"
+        f"  chain in {{ type filter hook input priority 0; iifname \"{here}\" {rule}; }}\n"
+        f"}}\n"))
+    return table
+
+
 @needs_xdp
-def test_workers_get_the_user_space_switchs_sums_bit_for_bit(veth):
-    ns, dev, host, _, _ = veth
+@pytest.mark.parametrize("loss", [0.0, 0.05])
+def test_workers_get_the_user_space_switchs_sums_bit_for_bit(veth, loss):
+    """Without loss, and with 5% of the datagrams lost both ways (the program's
+    answers to one rank, XDP_TX, then carry the recovery: resends, dones,
+    stored results)."""
+    ns, dev, host, here, _ = veth
+    if loss and shutil.which("nft") is None:
+        pytest.skip("no nft for the loss")
     world = 3
     inputs = inputs_for(world)
     reference = SwitchIn(ns, host, 7301, "--data-plane", "python")
     try:
         want = run_job(reference.address, inputs, "ref")
+        ref_job = reference.stats()["ended_jobs"]["ref"]["counters"]
     finally:
         reference.close()
     switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp")
+    table = lose(here, loss) if loss else None
     try:
         # attached where the address is, in generic mode, to this switch's program
         assert "xdpgeneric" in sh("ip", "-n", ns, "link", "show", "dev", dev)
         got = run_job(switch.address, inputs, "xdp")
+        if table:  # before the stats query, which is UDP-free but keeps it simple
+            subprocess.run(["nft", "delete", "table", "inet", table], check=True)
+            table = None
         stats = switch.stats()
     finally:
+        if table:
+            subprocess.run(["nft", "delete", "table", "inet", table])
         log = switch.close()
     assert "XDP program attached" in log
     for r in range(world):
@@ -161,10 +190,17 @@ def test_workers_get_the_user_space_switchs_sums_bit_for_bit(veth):
     assert stats["data_plane"] == "xdp"
     job = stats["ended_jobs"]["xdp"]["counters"]
     assert stats["ended_jobs"]["xdp"]["packet_elements"] == 352  # a frame of MTU 1500
-    assert job["results_completed"] >= sum(-(-a.size // 352) for a in inputs[0])
-    # each set completed with every rank added once, and the result to every rank
-    assert job["packets_in"] == job["results_out"] == world * job["results_completed"]
-    assert not {k for k in job if k.startswith("dropped_")}, job
+    # as many sets completed as on the user-space switch, each once
+    assert job["results_completed"] == ref_job["results_completed"] >= \
+        sum(-(-a.size // 352) for a in inputs[0])
+    if loss:  # recovered through the program's answers to one rank
+        assert job.get("resends_asked", 0) + job.get("retransmissions_answered", 0) + \
+            job.get("queries_done", 0) > 0, job
+        assert not {k for k in job if k.startswith("dropped_")} - \
+            {"dropped_stale"}, job
+    else:  # each rank added once, the result to every rank, nothing else: as there
+        assert job == ref_job
+        assert job["packets_in"] == job["results_out"] == world * job["results_completed"]
     assert stats["counters"].get("internal_errors", 0) == 0
     # stopped: detached
     assert "xdp" not in sh("ip", "-n", ns, "link", "show", "dev", dev)

@@ -435,6 +435,18 @@ def parse_udp_frame(frame: bytes) -> tuple[tuple, tuple, bytes]:
         if total >= IP_HEADER + length else b""
 
 
+def _fitting(block: int) -> int:
+    """The most values a packet of blocks of ``block`` values can hold here."""
+    best = 0
+    for lanes in range(1, MAX_LANES + 1):
+        values = lanes * block
+        if values > MAX_VALUES or FRAME_HEADERS + wire.HEADER_SIZE + wire.LANE_SIZE * lanes + \
+                wire.VALUE_SIZE * values > MAX_FRAME:
+            break
+        best = values
+    return best
+
+
 def interface_of(host: str) -> int:
     """The index of the interface that holds IPv4 address ``host``; ValueError
     when none does (0.0.0.0 among them: the program serves one interface)."""
@@ -475,7 +487,8 @@ class XdpPipeline(Pipeline):
                 f"the XDP data plane handles packets of at most {MAX_LANES} lanes, "
                 f"{MAX_VALUES} values and {MAX_FRAME - FRAME_HEADERS} bytes (one page); "
                 f"{self.packet_elements} values in blocks of {self.block_elements} take "
-                f"{self.datagram_size} bytes")
+                f"{self.datagram_size} bytes: set packet_elements (--packet-elements, "
+                f"SWITCHML_PACKET_ELEMENTS) to at most {_fitting(self.block_elements)}")
         reason = unavailable()
         if reason:
             raise RuntimeError(f"the XDP data plane cannot run here: {reason}")
