@@ -203,7 +203,7 @@ def test_workers_get_the_user_space_switchs_sums_bit_for_bit(veth, loss):
         assert job["packets_in"] == job["results_out"] == world * job["results_completed"]
     assert stats["counters"].get("internal_errors", 0) == 0
     # stopped: detached
-    assert "xdp" not in sh("ip", "-n", ns, "link", "show", "dev", dev)
+    assert "prog/xdp" not in sh("ip", "-n", ns, "link", "show", "dev", dev)
 
 
 @needs_xdp
@@ -345,3 +345,35 @@ def test_a_probe_its_frame_has_no_room_to_answer_is_answered_through_user_space(
 
 def without_zeros(counter) -> dict:
     return {k: v for k, v in counter.items() if v}
+
+
+@needs_xdp
+def test_the_switch_detaches_on_stop_and_when_its_start_fails(veth):
+    """Attached from start() on; detached by stop(), and by a start that fails
+    after the attach (here the metrics port is taken)."""
+    from switchml.switch.server import Switch
+
+    _, _, _, here, me = veth
+
+    def attached() -> bool:
+        return "prog/xdp" in sh("ip", "link", "show", "dev", here)
+
+    sw = Switch(me, 7303, data_plane="xdp", packet_elements=512)
+    assert not attached()
+    sw.start()
+    try:
+        assert attached() and sw.stats()["data_plane"] == "xdp"
+    finally:
+        sw.stop()
+    assert not attached()
+    taken = socket.socket()
+    try:
+        taken.bind((me, 0))
+        taken.listen()
+        sw = Switch(me, 7303, data_plane="xdp", packet_elements=512,
+                    metrics_port=taken.getsockname()[1])
+        with pytest.raises(OSError):
+            sw.start()
+        assert not attached()
+    finally:
+        taken.close()
