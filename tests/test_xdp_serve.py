@@ -193,12 +193,14 @@ def test_workers_get_the_user_space_switchs_sums_bit_for_bit(veth, loss):
     # as many sets completed as on the user-space switch, each once
     assert job["results_completed"] == ref_job["results_completed"] >= \
         sum(-(-a.size // 352) for a in inputs[0])
+    assert job["packets_in"] >= world * job["results_completed"]
+    assert not {k for k in job if k.startswith("dropped_")} - {"dropped_stale"}, job
     if loss:  # recovered through the program's answers to one rank
         assert job.get("resends_asked", 0) + job.get("retransmissions_answered", 0) + \
             job.get("queries_done", 0) > 0, job
-        assert not {k for k in job if k.startswith("dropped_")} - \
-            {"dropped_stale"}, job
-    else:  # each rank added once, the result to every rank, nothing else: as there
+    elif not set(job) - {"packets_in", "results_completed", "results_out"}:
+        # no timer fired (one may, on a loaded machine: a probe, answered): each
+        # rank added once, the result to every rank, as on the user-space switch
         assert job == ref_job
         assert job["packets_in"] == job["results_out"] == world * job["results_completed"]
     assert stats["counters"].get("internal_errors", 0) == 0
@@ -335,9 +337,9 @@ def test_a_probe_its_frame_has_no_room_to_answer_is_answered_through_user_space(
         out, err = peer_run.communicate(timeout=30)
         assert out.split() == ["5000", result.hex()], err
         p.sync_counters()
-        assert without_zeros(p.jobs[0x77].counters) == {"packets_in": 2, "results_completed": 1, "results_out": 3,
-                            "probes_in": 1, "probes_passed_up": 1,
-                            "retransmissions_answered": 1}
+        assert without_zeros(p.jobs[0x77].counters) == {
+            "packets_in": 2, "results_completed": 1, "results_out": 3, "probes_in": 1,
+            "probes_passed_up": 1, "retransmissions_answered": 1}
     finally:
         udp.close()
         p.close()

@@ -115,6 +115,7 @@ class Switch:
         self.data_plane = config.data_plane or ("c" if self.fastpath else "python")
         #: A rack switch's spine (host, port); None: a switch of one level.
         self.upstream = parse_address(config.upstream) if config.upstream else None
+        self.pipeline: Pipeline
         if self.data_plane == "xdp":
             self.pipeline = _xdp_pipeline(config)
         else:
@@ -300,7 +301,9 @@ class Switch:
                         next_xdp_check = time.monotonic() + CPU_READ_INTERVAL
                         failures = self._xdp.take_unsupported()
                         if failures:  # sparse calls: the program refused them
-                            self._send(self._control.fail_sessions(failures))
+                            controller = self._control
+                            assert isinstance(controller, Controller)  # xdp: no rack
+                            self._send(controller.fail_sessions(failures))
                 now = time.monotonic()
                 if now >= next_cpu_read:  # a syscall: not once per batch of datagrams
                     next_cpu_read = now + CPU_READ_INTERVAL
