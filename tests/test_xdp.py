@@ -18,8 +18,8 @@ traffic here has no sparse mode (a test below shows how it is refused).
 Several CPUs: two processes pinned to two CPUs feed the same slots at once
 (``test_two_cpus_*``): with the program's bpf_spin_lock calls removed it loses
 contributions (hundreds of 3000 results wrong or missing, each run tried), and
-without the probe path's lock alone answers to probes come out torn (a few of
-some 10,000 a run); with them, none.
+without the probe path's lock alone answers to probes come out torn (5 to 15
+of some 15,000 a run); with them, none.
 
 Skips, saying why, without root, clang, libbpf or the kernel headers
 (``make test`` installs them as root).
@@ -702,9 +702,9 @@ def test_two_cpus_probing_a_set_another_starts_afresh_get_whole_results():
     second CPU begins each round with 8 probes of the message two rounds back
     while the first CPU starts the set afresh: every answer must be that
     message's whole result (or none: stale), and the adds stay exact.  Without
-    the lock in the probe's path (the contributions' kept), 1 to 15 answers of
-    some 10,000 were torn in each of 7 runs: it fails, by a margin thinner than
-    the adds' test."""
+    the lock in the probe's path (the contributions' kept), 5 to 15 answers of
+    11,000 to 20,000 were torn in each of 8 runs: it fails, by a margin thinner
+    than the adds' test."""
     slots, rounds = 1, 4000
     # the largest rows a page holds: the longer the copies, the wider the window
     counters, answers, want = _race(slots, rounds, probes=8, packet=768)
