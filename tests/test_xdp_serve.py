@@ -185,8 +185,7 @@ def test_workers_get_the_user_space_switchs_sums_bit_for_bit(veth, loss):
     for i in (0, 2):
         total = sum(x[i].astype(np.int64) for x in inputs)
         assert got[0][i].tolist() == ((total + 2**31) % 2**32 - 2**31).tolist()
-    # the aggregation ran in the program: every contribution counted there, and
-    # nothing reached the switch's socket but the results it passed up
+    # the aggregation ran in the program: every contribution counted in its maps
     assert stats["data_plane"] == "xdp"
     job = stats["ended_jobs"]["xdp"]["counters"]
     assert stats["ended_jobs"]["xdp"]["packet_elements"] == 352  # a frame of MTU 1500
@@ -198,7 +197,9 @@ def test_workers_get_the_user_space_switchs_sums_bit_for_bit(veth, loss):
     if loss:  # recovered through the program's answers to one rank
         assert job.get("resends_asked", 0) + job.get("retransmissions_answered", 0) + \
             job.get("queries_done", 0) > 0, job
-    elif not set(job) - {"packets_in", "results_completed", "results_out"}:
+    else:  # results reach every rank from the switch's socket: a timer is rare
+        assert job.get("retransmissions_answered", 0) <= job["results_completed"] // 10, job
+    if not loss and not set(job) - {"packets_in", "results_completed", "results_out"}:
         # no timer fired (one may, on a loaded machine: a probe, answered): each
         # rank added once, the result to every rank, as on the user-space switch
         assert job == ref_job
