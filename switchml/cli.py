@@ -29,7 +29,7 @@ LIMITS = f"""limits (each refused with an error that names it):
 #: ``switchml switch``'s flags that are settings of the switch (SwitchConfiguration).
 SWITCH_FLAGS = ("host", "port", "slots", "packet_elements", "block_elements", "slots_per_job",
                 "max_jobs", "metrics_port", "metrics_host", "keepalive", "drop_rate", "seed",
-                "upstream", "shared_link", "token_file")
+                "upstream", "shared_link", "token_file", "data_plane")
 
 
 def switch_configuration(args, environ=None) -> config.SwitchConfiguration:
@@ -192,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--upstream", metavar="HOST:PORT",
                    help="a spine switch: run as a rack switch whose jobs' partial sums go "
                         "up to it (two levels; Python data plane) ($SWITCHML_UPSTREAM)")
+    p.add_argument("--data-plane", choices=["python", "c", "xdp"],
+                   help="where datagrams are aggregated: python, c (default when built), or "
+                        "xdp (an XDP program on the interface holding --host; root, clang, "
+                        "libbpf; dense calls only) ($SWITCHML_DATA_PLANE)")
     p.add_argument("--shared-link", action="store_true", default=None,
                    help="this switch is a server behind one link all its workers share (no "
                         "programmable switch): a job's window is its ranks' share of that "

@@ -56,6 +56,9 @@ SWITCHML_WIRE_BITS          16: float allreduces on the 16-bit wire  32
                             error_bound16)
 SWITCHML_PURE_PYTHON        1: the Python data plane and engine      0
                             even where the C ones are built
+SWITCHML_DATA_PLANE         a switch's data plane: python, c or      (C when
+                            xdp (an XDP program on the interface     built)
+                            holding its host address; root)
 SWITCHML_LOCAL_STAGE        0: ranks that share a host each send     1
                             their whole array through the switch
                             (1: they combine in shared memory
@@ -212,6 +215,9 @@ def switch_addresses(switch) -> list[tuple[str, int]]:
 
 
 #: The switch settings a SWITCHML_* variable gives: field -> (variable, type).
+#: SwitchConfiguration.data_plane's values
+DATA_PLANES = ("python", "c", "xdp", None)
+
 SWITCH_VARIABLES = {
     "host": ("HOST", str),
     "port": ("PORT", int),
@@ -224,6 +230,7 @@ SWITCH_VARIABLES = {
     "metrics_port": ("METRICS_PORT", int),
     "keepalive": ("KEEPALIVE", float),
     "upstream": ("UPSTREAM", str),
+    "data_plane": ("DATA_PLANE", str),
     "shared_link": ("SHARED_LINK", parse_flag),
     "token_file": ("SWITCH_TOKEN_FILE", str),
 }
@@ -247,6 +254,12 @@ class SwitchConfiguration:
     closing its control connection is noticed and its job failed),
     ``fastpath`` (run the data plane in C: None does when the extension is
     built and SWITCHML_PURE_PYTHON is not 1; False never does; True requires it),
+    ``data_plane`` ("python", "c", "xdp", or None: the ``fastpath`` rule; "xdp"
+    runs the dense path in an XDP program attached to the interface holding
+    ``host``: it needs Linux, clang, libbpf and CAP_BPF with CAP_NET_ADMIN,
+    packets of one page (``packet_elements`` of at most 1024, see
+    switch/xdp.py), no simulated drops and no ``upstream``; sparse calls are not
+    aggregated there),
     ``upstream`` ("host:port" of a spine switch: this switch is then a rack
     switch, whose jobs' partial sums go up to the spine; its data plane runs in
     Python), ``shared_link`` (the switch is a server behind one link that all
@@ -274,6 +287,7 @@ class SwitchConfiguration:
     metrics_host: str | None = None
     keepalive: float = DEFAULT_KEEPALIVE
     fastpath: bool | None = None
+    data_plane: str | None = None
     upstream: str | None = None
     shared_link: bool = False
     token_file: str | None = None
@@ -288,6 +302,20 @@ class SwitchConfiguration:
         if self.max_jobs < 1:
             raise ValueError(f"max_jobs must be at least 1, got {self.max_jobs}")
         check_keepalive(self.keepalive)
+        if self.data_plane not in DATA_PLANES:
+            raise ValueError(f"data_plane must be one of {', '.join(DATA_PLANES[:-1])} or None, "
+                             f"got {self.data_plane!r}")
+        if self.data_plane is not None and self.fastpath is not None and \
+                self.fastpath != (self.data_plane == "c"):
+            raise ValueError(f"fastpath={self.fastpath} contradicts "
+                             f"data_plane={self.data_plane!r}")
+        if self.data_plane == "xdp":
+            if self.upstream is not None:
+                raise ValueError("a rack switch (upstream) runs its data plane in Python: "
+                                 "data_plane='xdp' cannot be kept")
+            if self.drop_rate or self.egress_drop_rate:
+                raise ValueError("the XDP data plane does not simulate drops: drop_rate and "
+                                 "egress_drop_rate must be 0 with data_plane='xdp'")
         if self.upstream is not None:
             parse_address(self.upstream)  # 'host:port', or a clear error now
             if self.fastpath:

@@ -47,6 +47,11 @@ class MetricsUnavailableError(SwitchMLError, ImportError):
     """Prometheus metrics were asked for but prometheus-client is not installed."""
 
 
+class DataPlaneUnavailableError(SwitchMLError, RuntimeError):
+    """The data plane asked for (``data_plane="xdp"``) cannot run on this host: the
+    message says what is missing."""
+
+
 class SwitchUnreachableError(SwitchMLError, ConnectionError):
     """The switch could not be reached, or closed its connection during the job."""
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from ..auth import read_token, token_from_env
 from ..config import SwitchConfiguration, parse_address
+from ..errors import DataPlaneUnavailableError
 from ..netutil import (
     LineReader,
     drain_error_queue,
@@ -47,6 +48,7 @@ from .uplinks import Uplinks
 
 if TYPE_CHECKING:  # imported when metrics are asked for: it needs prometheus-client
     from .metrics import MetricsServer
+    from .xdp import XdpPipeline  # imported when data_plane="xdp"
 
 log = logging.getLogger("switchml.switch")
 
@@ -104,19 +106,25 @@ class Switch:
         if config.metrics_port is not None:
             from .metrics import require_prometheus_client
             require_prometheus_client()  # fail here, not after the switch started
-        fastpath = config.fastpath
+        fastpath = config.fastpath if config.data_plane is None else config.data_plane == "c"
         if fastpath is None:
             fastpath = fastpipeline.available() and config.upstream is None
         #: True when the data plane runs in C (FastPipeline and its socket loop).
         self.fastpath = bool(fastpath)
+        #: "python", "c" or "xdp": where datagrams are aggregated.
+        self.data_plane = config.data_plane or ("c" if self.fastpath else "python")
         #: A rack switch's spine (host, port); None: a switch of one level.
         self.upstream = parse_address(config.upstream) if config.upstream else None
-        pipeline_class = (RackPipeline if self.upstream else
-                          fastpipeline.FastPipeline if self.fastpath else Pipeline)
-        self.pipeline = pipeline_class(
-            config.slots, config.packet_elements, block_elements=config.block_elements,
-            drop_rate=config.drop_rate, egress_drop_rate=config.egress_drop_rate,
-            seed=config.seed)
+        self.pipeline: Pipeline
+        if self.data_plane == "xdp":
+            self.pipeline = _xdp_pipeline(config)
+        else:
+            pipeline_class = (RackPipeline if self.upstream else
+                              fastpipeline.FastPipeline if self.fastpath else Pipeline)
+            self.pipeline = pipeline_class(
+                config.slots, config.packet_elements, block_elements=config.block_elements,
+                drop_rate=config.drop_rate, egress_drop_rate=config.egress_drop_rate,
+                seed=config.seed)
         self._uplinks: Uplinks | None = None
         self._host = config.host
         self._port = config.port
@@ -152,6 +160,14 @@ class Switch:
             return self
         tcp, udp = self._tcp, self._udp = _bind_pair(self._host, self._port)
         self.address = (self._host, tcp.getsockname()[1])
+        if self.data_plane == "xdp":
+            try:  # the program takes the port's datagrams from here on
+                ifindex = self._xdp.serve(self.address)
+            except BaseException:
+                tcp.close()
+                udp.close()
+                raise
+            log.info("XDP program attached (generic mode) to %s", socket.if_indextoname(ifindex))
         if self.upstream is not None:
             assert isinstance(self.pipeline, RackPipeline)
             uplinks = self._uplinks = Uplinks(self, self.upstream, self.keepalive)
@@ -172,6 +188,8 @@ class Switch:
             except BaseException:
                 tcp.close()
                 udp.close()
+                if self.data_plane == "xdp":
+                    self._xdp.detach()
                 raise
             self._metrics = metrics
             self.metrics_address = metrics.address
@@ -184,7 +202,7 @@ class Switch:
         log.info("switch listening on %s:%d (slots=%d, packet_elements=%d, max_jobs=%d, "
                  "data plane in %s)%s", *self.address, self.pipeline.slots,
                  self.pipeline.packet_elements, self._max_jobs,
-                 "C" if self.fastpath else "Python",
+                 {"c": "C", "python": "Python", "xdp": "XDP"}[self.data_plane],
                  " as a rack switch under the spine at %s:%d" % self.upstream
                  if self.upstream else "")
         if self.metrics_address:
@@ -205,6 +223,8 @@ class Switch:
         for s in (self._tcp, self._udp, self._wake_r, self._wake_w):
             if s is not None:
                 s.close()
+        if self.data_plane == "xdp":
+            self._xdp.close()  # detached and unloaded: a stopped switch is not started again
 
     def __enter__(self) -> Switch:
         return self.start()
@@ -219,7 +239,7 @@ class Switch:
             if self.controller is not None:
                 stats["admission"] = self.controller.admission()
             stats = json.loads(json.dumps(stats))
-        stats["data_plane"] = "c" if self.fastpath else "python"
+        stats["data_plane"] = self.data_plane
         stats["uptime_s"] = time.monotonic() - self._started_at if self._thread else 0.0
         stats["cpu_s"] = self._cpu_seconds
         return stats
@@ -266,16 +286,24 @@ class Switch:
         buf = bytearray(65536)
         view = memoryview(buf)
         accept_paused_until = None
-        next_cpu_read = 0.0
+        next_cpu_read = next_xdp_check = 0.0
         try:
             while self._running:
                 with self._lock:
                     if self.fastpath:
                         busy = self._drain_fast()
-                    else:
+                    else:  # Python, or what the XDP program passes up
                         busy = self._drain(buf, view)
                     if self.pipeline.has_mismatches:  # ranks disagree: fail their job now
                         self._send(self._control.handle_mismatches())
+                    if self.data_plane == "xdp" and time.monotonic() >= next_xdp_check:
+                        # a syscall per job: not once per batch of datagrams
+                        next_xdp_check = time.monotonic() + CPU_READ_INTERVAL
+                        failures = self._xdp.take_unsupported()
+                        if failures:  # sparse calls: the program refused them
+                            controller = self._control
+                            assert isinstance(controller, Controller)  # xdp: no rack
+                            self._send(controller.fail_sessions(failures))
                 now = time.monotonic()
                 if now >= next_cpu_read:  # a syscall: not once per batch of datagrams
                     next_cpu_read = now + CPU_READ_INTERVAL
@@ -327,7 +355,9 @@ class Switch:
                 drain_error_queue(udp)
                 continue
             try:
-                replies = pipeline.receive_datagram(view[:n], addr)
+                replies = (self._xdp.passed_up(bytes(view[:n]), addr)
+                           if self.data_plane == "xdp" else
+                           pipeline.receive_datagram(view[:n], addr))
             except Exception:  # a bug must not take the switch down
                 pipeline.counters["internal_errors"] += 1
                 log.exception("pipeline failed on a datagram from %s", addr)
@@ -380,6 +410,13 @@ class Switch:
             self.pipeline.counters["send_errors"] += 1
         finally:
             forbid_fragmentation(udp)
+
+    @property
+    def _xdp(self) -> XdpPipeline:
+        from .xdp import XdpPipeline
+
+        assert isinstance(self.pipeline, XdpPipeline), "not the XDP data plane"
+        return self.pipeline
 
     def _drain_fast(self) -> bool:
         """The C data plane: recvmmsg, the pipeline and sendmmsg of up to
@@ -504,6 +541,17 @@ class Switch:
         if fresh:
             log.debug("dropped in the last %gs: %s", self.drop_log_interval,
                       ", ".join(f"{reason} {n}" for reason, n in sorted(fresh.items())))
+
+
+def _xdp_pipeline(config: SwitchConfiguration) -> XdpPipeline:
+    """The XDP data plane's pipeline, or an error saying why it cannot run here."""
+    from .xdp import XdpPipeline, unavailable
+
+    reason = unavailable()
+    if reason:
+        raise DataPlaneUnavailableError(f"data_plane='xdp' cannot run here: {reason}")
+    return XdpPipeline(config.slots, config.packet_elements,
+                       block_elements=config.block_elements, port=config.port or 0)
 
 
 def _bind_pair(host: str, port: int, attempts: int = 50):

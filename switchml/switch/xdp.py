@@ -1,11 +1,14 @@
 """The switch's data plane as an XDP program: ``XdpPipeline`` is a ``Pipeline``
 whose per-packet work runs in ``xdp_pipeline.bpf.c``, in the kernel.
 
-This is the first step of issue 27: the dense path (validation and every drop
-reason, members, shadow-copy sets, adds, MODE_MAX, duplicates, stale messages,
-retransmissions, probes and queries, results), run through
-``BPF_PROG_TEST_RUN`` on Ethernet/IPv4/UDP frames.  Nothing attaches it to an
-interface yet, and the server does not use it.
+Issue 27: the dense path (validation and every drop reason, members,
+shadow-copy sets, adds, MODE_MAX, duplicates, stale messages, retransmissions,
+probes and queries, results), tested against the Python pipeline through
+``BPF_PROG_TEST_RUN`` on Ethernet/IPv4/UDP frames (tests/test_xdp.py, also two
+CPUs at once), and served for real by ``Switch(data_plane="xdp")``: ``serve``
+attaches it (generic mode, a BPF link) to the interface holding the switch's
+address, and the switch's socket sends what it passes up (``passed_up``)
+(tests/test_xdp_serve.py, in network namespaces).
 
 As ``FastPipeline`` does, the control plane (slot allocation, the job table,
 ended jobs, stats) stays the Python reference's own code; ``install_job`` and
@@ -28,9 +31,13 @@ what is missing.
 
 Not done yet, each a difference from the Python pipeline that the tests keep
 out of their traffic: sparse modes (dropped and counted as
-``dropped_sparse_unsupported``), simulated drop rates, IPv6, frames past one
-page (multi-buffer), the UDP checksum of received datagrams (the kernel drops a
-bad one before the Python switch's socket; the program does not check it yet).
+``dropped_sparse_unsupported``; the switch fails such a job, ``take_unsupported``),
+simulated drop rates, IPv6, frames past one page (multi-buffer), the UDP
+checksum of received datagrams (the kernel drops a bad one before the Python
+switch's socket; the program does not check it yet), UDP GSO super-packets (a
+veth peer on the same host hands one over whole: dropped as ``bad_length``),
+secondary addresses of an interface (``interface_of`` reads the primary one),
+native (driver) mode.
 """
 
 from __future__ import annotations
@@ -199,6 +206,17 @@ class _TestRunOpts(ctypes.Structure):
                 ("batch_size", ctypes.c_uint32)]
 
 
+class _LinkCreateOpts(ctypes.Structure):
+    """The head of struct bpf_link_create_opts (libbpf's bpf.h): ``sz`` tells
+    libbpf that the fields past ``flags`` are not given."""
+
+    _fields_ = [("sz", ctypes.c_size_t), ("flags", ctypes.c_uint32)]
+
+
+#: enum bpf_attach_type's BPF_XDP; if_link.h's XDP_FLAGS_SKB_MODE
+BPF_XDP = 37
+XDP_FLAGS_SKB_MODE = 1 << 1
+
 _LIBBPF: ctypes.CDLL | None = None
 
 
@@ -224,6 +242,7 @@ def _libbpf() -> ctypes.CDLL:
         ("bpf_map_delete_elem", i, [i, vp]),
         ("bpf_prog_test_run_opts", i, [i, vp]),
         ("libbpf_num_possible_cpus", i, []),
+        ("bpf_link_create", i, [i, i, i, vp]),
     ]:
         fn = getattr(lib, name)
         fn.restype = res
@@ -308,6 +327,16 @@ class _Program:
 
     def delete(self, name: str, key) -> None:
         self._lib.bpf_map_delete_elem(self.fds[name], ctypes.byref(key))
+
+    def attach(self, ifindex: int) -> int:
+        """Attach the program to interface ``ifindex`` in generic (skb) mode, which
+        every driver has (veth, lo...), through a BPF link: the link's fd, whose
+        close detaches it, also when the process dies (nothing stays attached
+        behind a crashed switch, unlike a netlink attach)."""
+        opts = _LinkCreateOpts(sz=ctypes.sizeof(_LinkCreateOpts), flags=XDP_FLAGS_SKB_MODE)
+        fd = self._lib.bpf_link_create(self.prog_fd, ifindex, BPF_XDP, ctypes.byref(opts))
+        _check(fd, f"attaching the XDP program to interface {ifindex}")
+        return fd
 
     def test_run(self, frame: bytes) -> tuple[int, bytes]:
         """Run the program once on ``frame``: (its XDP action, the frame it left)."""
@@ -406,6 +435,42 @@ def parse_udp_frame(frame: bytes) -> tuple[tuple, tuple, bytes]:
         if total >= IP_HEADER + length else b""
 
 
+def _fitting(block: int) -> int:
+    """The most values a packet of blocks of ``block`` values can hold here."""
+    best = 0
+    for lanes in range(1, MAX_LANES + 1):
+        values = lanes * block
+        if values > MAX_VALUES or FRAME_HEADERS + wire.HEADER_SIZE + wire.LANE_SIZE * lanes + \
+                wire.VALUE_SIZE * values > MAX_FRAME:
+            break
+        best = values
+    return best
+
+
+def interface_of(host: str) -> int:
+    """The index of the interface that holds IPv4 address ``host``; ValueError
+    when none does (0.0.0.0 among them: the program serves one interface)."""
+    import fcntl
+
+    try:
+        packed = socket.inet_aton(socket.gethostbyname(host))
+    except OSError as exc:
+        raise ValueError(f"the XDP data plane needs an IPv4 address of this host: "
+                         f"{host!r}: {exc}") from None
+    SIOCGIFADDR = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for index, name in socket.if_nameindex():
+            try:
+                got = fcntl.ioctl(s.fileno(), SIOCGIFADDR,
+                                  struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address
+                continue
+            if got[20:24] == packed:
+                return index
+    raise ValueError(f"the XDP data plane attaches to the interface that holds the "
+                     f"switch's address; no interface holds {host}")
+
+
 # ---------------------------------------------------------------- the pipeline
 class XdpPipeline(Pipeline):
     """The same object as ``Pipeline``, with its data plane in the XDP program
@@ -422,7 +487,8 @@ class XdpPipeline(Pipeline):
                 f"the XDP data plane handles packets of at most {MAX_LANES} lanes, "
                 f"{MAX_VALUES} values and {MAX_FRAME - FRAME_HEADERS} bytes (one page); "
                 f"{self.packet_elements} values in blocks of {self.block_elements} take "
-                f"{self.datagram_size} bytes")
+                f"{self.datagram_size} bytes: set packet_elements (--packet-elements, "
+                f"SWITCHML_PACKET_ELEMENTS) to at most {_fitting(self.block_elements)}")
         reason = unavailable()
         if reason:
             raise RuntimeError(f"the XDP data plane cannot run here: {reason}")
@@ -436,10 +502,74 @@ class XdpPipeline(Pipeline):
         self._counts_type = ctypes.c_uint64 * (len(COUNTER_NAMES) * self._prog.cpus)
         self._counted: dict[int, list[int]] = {}  # counts entry -> its sums already taken
         self._job_at: dict[int, Job] = {}  # slot_base -> running job
+        self._link: int | None = None  # serve(): the BPF link's fd
+        self.ifindex: int | None = None
+        self._refused: set[int] = set()  # sessions take_unsupported reported
 
     def close(self) -> None:
-        """Unload the program (its maps go with it)."""
+        """Detach and unload the program (its maps go with it)."""
+        self.detach()
         self._prog.close()
+
+    def serve(self, address) -> int:
+        """Serve the switch's UDP ``address`` (host, port) for real: the program
+        takes the datagrams to that port and is attached to the interface that
+        holds the host's IPv4 address (``interface_of``), in generic mode.  Returns
+        the interface's index.  ``detach()`` (or ``close()``) undoes it."""
+        host, port = address
+        ifindex = interface_of(host)
+        self.port = port
+        self.address = (host, port)
+        self._prog.update("config", _u32(0), _Config(self.slots, socket.htons(port), 0))
+        self.detach()
+        self._link = self._prog.attach(ifindex)
+        self.ifindex = ifindex
+        return ifindex
+
+    def detach(self) -> None:
+        """Detach the program from its interface, if ``serve`` attached it."""
+        link, self._link = getattr(self, "_link", None), None
+        if link is not None:
+            os.close(link)
+
+    def take_unsupported(self) -> list:
+        """(session, why) of each running job whose ranks sent what the program
+        does not do (sparse contributions: dropped and counted as
+        ``dropped_sparse_unsupported``), once per job: the switch fails such a job
+        with that reason rather than let its ranks time out."""
+        self.sync_counters()
+        out = []
+        for job in self._job_at.values():
+            if job.counters["dropped_sparse_unsupported"] and job.session not in self._refused:
+                self._refused.add(job.session)
+                out.append((job.session, f"job '{job.name}' made a sparse allreduce, which the "
+                            f"switch's XDP data plane does not aggregate (data_plane='xdp': "
+                            f"dense calls only; a switch with data_plane 'c' or 'python' "
+                            f"does)"))
+        return out
+
+    def passed_up(self, data, addr) -> list:
+        """What the switch's socket sends for a datagram it received while the
+        program serves its port.  A result (the program drops every result a
+        member sends) is one the program completed, passed up from the
+        completing contribution's address: for every rank of that member's job.
+        Anything else did not get its answer from the program: a probe it had no
+        room to answer in its frame (``probes_passed_up``), or a datagram that
+        never went through it (sent from this host, or before the attach); it
+        goes through the program now, by BPF_PROG_TEST_RUN (``receive_datagram``),
+        as if it had come in by the interface.
+
+        Trust: a result that reached the socket without passing through the
+        interface (a datagram from this host, with a member's address) would be
+        taken for the program's; only this host's own processes can send one."""
+        if len(data) >= wire.HEADER_SIZE and data[3] == wire.KIND_RESULT and \
+                addr in self._members:
+            return [(data, m) for m in self._members[addr][0].members]
+        try:
+            return self.receive_datagram(data, addr)
+        except ValueError:  # not an IPv4 member's address: nothing the program takes
+            self.counters["dropped_unknown_source"] += 1
+            return []
 
     # ---------------------------------------------------------------- control
     def install_job(self, name: str, session: int, members: list, slot_base: int,
@@ -486,7 +616,9 @@ class XdpPipeline(Pipeline):
         """What the program counted at ``counts[index]`` since the last call."""
         values = self._prog.lookup("counts", _u32(index), self._counts_type())
         n = len(COUNTER_NAMES)
-        sums = [sum(values[cpu * n + i] for cpu in range(self._prog.cpus)) for i in range(n)]
+        # modulo 2**64: the program uncounts with a -1 on one CPU (C_PROBES_PASSED_UP)
+        sums = [sum(values[cpu * n + i] for cpu in range(self._prog.cpus)) % 2**64
+                for i in range(n)]
         before = self._counted.get(index, [0] * n)
         self._counted[index] = sums
         return Counter({COUNTER_NAMES[i]: sums[i] - before[i] for i in range(n)

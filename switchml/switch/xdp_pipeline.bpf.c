@@ -2,7 +2,8 @@
  * switch/pipeline.py (the reference model: read its docstring for the rules),
  * step by step, in the same order, with the same drop reasons and counter
  * names.  switch/xdp.py loads it (libbpf through ctypes), fills its maps from the
- * Python control plane and runs it with BPF_PROG_TEST_RUN; tests/test_xdp.py
+ * Python control plane, attaches it to the switch's interface (generic mode)
+ * and runs it with BPF_PROG_TEST_RUN (tests, and probes passed up); tests/test_xdp.py
  * feeds it and the Python pipeline the same frames and requires the same
  * datagrams out, the same counters and the same slot state.
  *
@@ -113,6 +114,7 @@ enum xdp_counter {
     C_DROPPED_IP_FRAGMENT,        /* first fragment of a datagram to the switch */
     C_DROPPED_SPARSE_UNSUPPORTED, /* sparse modes: not in this program yet */
     C_DROPPED_INTERNAL,           /* a map entry the control plane must have made */
+    C_PROBES_PASSED_UP,           /* no room to answer in the frame: user space does */
     XDP_NCOUNTERS
 };
 
@@ -371,14 +373,15 @@ static __always_inline int frame_to_host(struct xdp_md *ctx)
 
 /* Send the `len` bytes in scratch (a result) instead of the datagram, whose
  * length is `in_len`: the frame grows or shrinks to fit. */
+#define NO_ROOM 1
 static __always_inline int put_scratch(struct xdp_md *ctx, const __u8 *bytes, __u32 len,
                                        __u32 in_len)
 {
-    if (len != in_len && bpf_xdp_adjust_tail(ctx, (int)len - (int)in_len))
-        return -1; /* no room in the frame: dropped (counted by the caller) */
     if (len < 1 || len > XDP_ROW_SIZE)
         return -1; /* cannot be: a row prefix; bounds the helper's size */
-    return bpf_xdp_store_bytes(ctx, FRAME_HEADERS, (void *)bytes, len);
+    if (len != in_len && bpf_xdp_adjust_tail(ctx, (int)len - (int)in_len))
+        return NO_ROOM; /* the frame as it came: the caller decides */
+    return bpf_xdp_store_bytes(ctx, FRAME_HEADERS, (void *)bytes, len) ? -1 : 0;
 }
 
 /* pipeline.Pipeline._answer_probe: a retransmission without its values, a probe
@@ -437,14 +440,29 @@ static __always_inline int answer_probe(struct xdp_md *ctx, struct xdp_counters 
     case A_STALE:
         count(counters, C_DROPPED_STALE, 1);
         return XDP_DROP;
-    case A_RESULT_ONE:
-        count(counters, C_RETRANSMISSIONS_ANSWERED, 1);
-        if (put_scratch(ctx, out->bytes, out_len, WIRE_HEADER_SIZE)) {
+    case A_RESULT_ONE: {
+        int put = put_scratch(ctx, out->bytes, out_len, WIRE_HEADER_SIZE);
+        if (put == NO_ROOM) {
+            /* Attached in generic mode, a frame is the skb it came in, whose
+             * tail has no room for a result when it held a 32-byte probe; a
+             * driver's frame (a page) and BPF_PROG_TEST_RUN's do.  Passed up as
+             * it is (a probe: the switch's socket never takes it for a result),
+             * user space runs it through this program again in a page
+             * (xdp.XdpPipeline.passed_up), which answers it and counts it:
+             * uncounted here, by adding -1 (the per-CPU sums are taken modulo
+             * 2**64). */
+            count(counters, C_PROBES_IN, (__u64)-1);
+            count(counters, C_PROBES_PASSED_UP, 1);
+            return XDP_PASS;
+        }
+        if (put) {
             count(counters, C_DROPPED_INTERNAL, 1);
             return XDP_DROP;
         }
+        count(counters, C_RETRANSMISSIONS_ANSWERED, 1);
         count(counters, C_RESULTS_OUT, 1);
         return frame_to_sender(ctx, out_len);
+    }
     default: { /* pipeline._answer_header: the probe's header as a resend or done */
         __u8 kind = action == A_DONE ? WIRE_KIND_DONE : WIRE_KIND_RESEND;
         count(counters, action == A_DONE ? C_QUERIES_DONE : C_RESENDS_ASKED, 1);

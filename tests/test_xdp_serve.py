@@ -1,0 +1,382 @@
+"""The XDP data plane serving for real: ``switchml switch --data-plane xdp`` in a
+network namespace, its program attached (generic mode) to the veth that holds
+its address, and real ``switchml.Worker``s in this namespace on the veth's other
+end.  The sums must equal, bit for bit, those of a user-space switch (Python
+data plane) on the same veth, the same geometry, the same inputs.
+
+Skips, saying why, without root (namespaces, BPF), ``ip``, or what the XDP
+data plane needs (``xdp.unavailable``).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import switchml
+from switchml import config, wire
+from switchml.errors import DataPlaneUnavailableError
+from switchml.switch import xdp
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+REASON = xdp.unavailable() or (None if shutil.which("ip") else "no ip(8) for the namespaces")
+needs_xdp = pytest.mark.skipif(REASON is not None, reason=f"XDP: {REASON}")
+
+
+def sh(*argv: str) -> str:
+    return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def veth():
+    """A namespace holding one end of a veth pair (the switch's, .1), this
+    namespace the other (the workers', .2); removed afterwards, with whatever ran
+    in it."""
+    tag = f"{os.getpid() % 100000}"
+    ns, here, there = f"smlxdp{tag}", f"smx{tag}a", f"smx{tag}b"
+    net = f"10.213.{os.getpid() % 250}"
+    sh("ip", "netns", "add", ns)
+    try:
+        sh("ip", "link", "add", here, "type", "veth", "peer", "name", there)
+        sh("ip", "link", "set", there, "netns", ns)
+        sh("ip", "addr", "add", f"{net}.2/24", "dev", here)
+        sh("ip", "link", "set", here, "up")
+        # UDP GSO segmented before the veth, as a NIC does on the wire: a veth
+        # passes a GSO super-packet whole, and the program sees one datagram a frame
+        sh(sys.executable, str(REPO / "switchml" / "testbed" / "offload.py"), here,
+           "tx-udp-segmentation", "off")  # the ethtool ioctl: no ethtool needed
+        sh("ip", "-n", ns, "addr", "add", f"{net}.1/24", "dev", there)
+        sh("ip", "-n", ns, "link", "set", there, "up")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        yield ns, there, f"{net}.1", here, f"{net}.2"
+    finally:
+        subprocess.run(["ip", "link", "del", here], capture_output=True)
+        for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                                  text=True).stdout.split():
+            os.kill(int(pid), 9)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+class SwitchIn:
+    """``switchml switch`` run in namespace ``ns`` until closed."""
+
+    def __init__(self, ns: str, host: str, port: int, *flags: str):
+        self.proc = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-c",
+             "import sys; from switchml.cli import main; sys.exit(main())", "switch",
+             "--host", host, "--port", str(port), "--packet-elements", "512",
+             "--block-elements", "256", "--log-level", "info", *flags],
+            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+        self.address = f"{host}:{port}"
+        line = self.proc.stdout.readline()  # "listening on ...", or nothing: it failed
+        if "listening" not in line:
+            self.proc.wait(timeout=10)
+            raise RuntimeError(f"the switch did not start: {line}{self.proc.stderr.read()}")
+
+    def stats(self) -> dict:
+        from switchml.cli import fetch_stats
+
+        return fetch_stats(self.address)
+
+    def close(self) -> str:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        return self.proc.stderr.read()
+
+
+def run_job(switch: str, inputs: list, job: str) -> list:
+    """Every rank's allreduce of each of its arrays through ``switch``: per rank,
+    the list of results."""
+    world = len(inputs)
+    out: list = [None] * world
+    errors: list = []
+
+    def rank(r):
+        try:
+            with switchml.Worker(switch, r, world_size=world, job=job, timeout=30) as w:
+                out[r] = [w.allreduce(a.copy()) for a in inputs[r]]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def inputs_for(world: int, seed: int = 3) -> list:
+    rng = np.random.default_rng(seed)
+    sizes = [1, 300, 5000, 70001]
+    return [[rng.integers(-2**31, 2**31, n, dtype=np.int64).astype(np.int32) if i % 2 == 0
+             else rng.standard_normal(n).astype(np.float32) * 10.0 ** (i - 2)
+             for i, n in enumerate(sizes)] for _ in range(world)]
+
+
+def lose(here: str, loss: float):
+    """Drop UDP datagrams with probability ``loss`` both ways on veth ``here`` (this
+    namespace's end): before the program sees them (output) and after it answered
+    (input; XDP runs before netfilter, so the loss goes where it can act).  Returns
+    the nftables table to delete."""
+    table = f"smlxdploss{os.getpid()}"
+    threshold = round(loss * 1_000_000)
+    rule = f"meta l4proto udp numgen random mod 1000000 < {threshold} counter drop"
+    subprocess.run(["nft", "-f", "-"], check=True, text=True, input=(
+        f"table inet {table} {{\n"
+        f"  chain out {{ type filter hook output priority 0; oifname \"{here}\" {rule}; }}\n"
+        f"  chain in {{ type filter hook input priority 0; iifname \"{here}\" {rule}; }}\n"
+        f"}}\n"))
+    return table
+
+
+@needs_xdp
+@pytest.mark.parametrize("loss", [0.0, 0.05])
+def test_workers_get_the_user_space_switchs_sums_bit_for_bit(veth, loss):
+    """Without loss, and with 5% of the datagrams lost both ways (the program's
+    answers to one rank, XDP_TX, then carry the recovery: resends, dones,
+    stored results)."""
+    ns, dev, host, here, _ = veth
+    if loss and shutil.which("nft") is None:
+        pytest.skip("no nft for the loss")
+    world = 3
+    inputs = inputs_for(world)
+    reference = SwitchIn(ns, host, 7301, "--data-plane", "python")
+    try:
+        want = run_job(reference.address, inputs, "ref")
+        ref_job = reference.stats()["ended_jobs"]["ref"]["counters"]
+    finally:
+        reference.close()
+    switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp")
+    table = lose(here, loss) if loss else None
+    try:
+        # attached where the address is, in generic mode, to this switch's program
+        assert "xdpgeneric" in sh("ip", "-n", ns, "link", "show", "dev", dev)
+        got = run_job(switch.address, inputs, "xdp")
+        if table:  # before the stats query, which is UDP-free but keeps it simple
+            subprocess.run(["nft", "delete", "table", "inet", table], check=True)
+            table = None
+        stats = switch.stats()
+    finally:
+        if table:
+            subprocess.run(["nft", "delete", "table", "inet", table])
+        log = switch.close()
+    assert "XDP program attached" in log
+    for r in range(world):
+        for a, b in zip(got[r], want[r]):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    # the int32 sums, exactly, with wrap-around
+    for i in (0, 2):
+        total = sum(x[i].astype(np.int64) for x in inputs)
+        assert got[0][i].tolist() == ((total + 2**31) % 2**32 - 2**31).tolist()
+    # the aggregation ran in the program: every contribution counted in its maps
+    assert stats["data_plane"] == "xdp"
+    job = stats["ended_jobs"]["xdp"]["counters"]
+    assert stats["ended_jobs"]["xdp"]["packet_elements"] == 352  # a frame of MTU 1500
+    # as many sets completed as on the user-space switch, each once
+    assert job["results_completed"] == ref_job["results_completed"] >= \
+        sum(-(-a.size // 352) for a in inputs[0])
+    assert job["packets_in"] >= world * job["results_completed"]
+    assert not {k for k in job if k.startswith("dropped_")} - {"dropped_stale"}, job
+    if loss:  # recovered through the program's answers to one rank
+        assert job.get("resends_asked", 0) + job.get("retransmissions_answered", 0) + \
+            job.get("queries_done", 0) > 0, job
+    else:  # results reach every rank from the switch's socket: a timer is rare
+        assert job.get("retransmissions_answered", 0) <= job["results_completed"] // 10, job
+    if not loss and not set(job) - {"packets_in", "results_completed", "results_out"}:
+        # no timer fired (one may, on a loaded machine: a probe, answered): each
+        # rank added once, the result to every rank, as on the user-space switch
+        assert job == ref_job
+        assert job["packets_in"] == job["results_out"] == world * job["results_completed"]
+    assert stats["counters"].get("internal_errors", 0) == 0
+    # stopped: detached
+    assert "prog/xdp" not in sh("ip", "-n", ns, "link", "show", "dev", dev)
+
+
+@needs_xdp
+def test_a_host_no_interface_holds_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="no interface holds 192.0.2.1"):
+        xdp.interface_of("192.0.2.1")
+
+
+def test_data_plane_setting_is_checked():
+    with pytest.raises(ValueError, match="data_plane must be one of"):
+        config.SwitchConfiguration(data_plane="ebpf")
+    with pytest.raises(ValueError, match="contradicts"):
+        config.SwitchConfiguration(data_plane="xdp", fastpath=True)
+    with pytest.raises(ValueError, match="does not simulate drops"):
+        config.SwitchConfiguration(data_plane="xdp", drop_rate=0.1)
+    with pytest.raises(ValueError, match="rack switch"):
+        config.SwitchConfiguration(data_plane="xdp", upstream="127.0.0.1:7300")
+    assert config.SwitchConfiguration.from_env(environ={"SWITCHML_DATA_PLANE": "python"}) \
+        .data_plane == "python"
+
+
+def test_xdp_unavailable_is_a_clear_error(monkeypatch):
+    from switchml.switch.server import Switch
+
+    monkeypatch.setattr(xdp, "unavailable", lambda: "no clang (test)")
+    with pytest.raises(DataPlaneUnavailableError, match="data_plane='xdp' cannot run here: "
+                                                        "no clang"):
+        Switch(data_plane="xdp", packet_elements=512)
+
+
+@needs_xdp
+def test_a_sparse_call_fails_the_job_with_a_reason_naming_the_data_plane(veth):
+    """The program does not aggregate sparse contributions: it drops them
+    (``dropped_sparse_unsupported``) and the switch fails the job with the
+    reason, rather than let its ranks time out; a dense job after it runs."""
+    ns, dev, host, _, _ = veth
+    switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp")
+    try:
+        world, errors = 2, []
+        array = np.zeros(4096, np.float32)
+        array[:10] = 1.0  # one block of 352 present
+
+        def rank(r):
+            try:
+                with switchml.Worker(switch.address, r, world_size=world, job="sparse",
+                                     timeout=20) as w:
+                    w.allreduce(array, sparse=True)
+            except switchml.SwitchMLError as exc:
+                errors.append(exc)
+
+        started = time.monotonic()
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert len(errors) == world
+        assert all("XDP data plane does not aggregate" in str(e) for e in errors), errors
+        assert time.monotonic() - started < 10  # told, not timed out
+        stats = switch.stats()
+        assert stats["ended_jobs"]["sparse"]["state"] == "failed"
+        assert stats["ended_jobs"]["sparse"]["counters"]["dropped_sparse_unsupported"] >= 1
+        inputs = inputs_for(world)
+        got = run_job(switch.address, inputs, "dense-after")
+        total = sum(x[0].astype(np.int64) for x in inputs)
+        assert got[1][0].tolist() == ((total + 2**31) % 2**32 - 2**31).tolist()
+    finally:
+        switch.close()
+
+
+# A member in the namespace: sends the datagrams given (hex, each from its own
+# port) one after the other, then prints, as hex lines, what came back to them.
+PEER = """
+import socket, sys, time
+host, switch, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
+socks = {}
+for item in sys.argv[4:]:
+    src, data = item.split(":")
+    s = socks.get(src)
+    if s is None:
+        s = socks[src] = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind((host, int(src)))
+        s.settimeout(0.5)
+    s.sendto(bytes.fromhex(data), (switch, port))
+    time.sleep(0.3)
+for src, s in socks.items():
+    try:
+        while True:
+            print(src, s.recv(65536).hex(), flush=True)
+    except socket.timeout:
+        pass
+"""
+
+
+@needs_xdp
+def test_a_probe_its_frame_has_no_room_to_answer_is_answered_through_user_space(veth):
+    """Attached in generic mode, a frame is the skb it came in: a 32-byte probe
+    of a complete set leaves no room for the result.  The program passes it up
+    (``probes_passed_up``), the switch runs it through the program in a page
+    (``passed_up``) and sends the answer: the member gets its result.  The
+    switch here is this process, on this namespace's end of the veth."""
+    ns, _, peer, here, me = veth
+    port = 7302
+    job = dict(packet=352, block=352, slot_base=0, tokens=[0x10, 0x20])
+    members = [(peer, 5000), (peer, 5001)]
+    p = xdp.XdpPipeline(8, 352, block_elements=352, port=port, switch_ip=me)
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        udp.bind((me, port))
+        udp.settimeout(5)
+        assert p.serve((me, port)) == socket.if_nametoindex(here)
+        p.install_job("probed", 0x77, members, 0, 4, 352, 352, tokens=job["tokens"])
+        ranks = [wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, 1, job["tokens"][r], 1,
+                             0, 0, np.zeros(1, wire.LANE), np.full(352, r + 1, np.int32))
+                 for r in range(2)]
+        probe = wire.probe_of(ranks[0])
+        peer_run = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-c", PEER, peer, me, str(port),
+             f"5000:{ranks[0].hex()}", f"5001:{ranks[1].hex()}", f"5000:{probe.hex()}"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        result, addr = udp.recvfrom(65536)  # the completed result, passed up
+        assert addr == members[1] and result[3] == wire.KIND_RESULT
+        assert wire.values(result, 1, 352).tolist() == [3] * 352
+        data, addr = udp.recvfrom(65536)  # the probe, passed up: no room in its frame
+        assert (data, addr) == (probe, members[0])
+        answers = p.passed_up(data, addr)
+        assert answers == [(result, members[0])]
+        udp.sendto(*answers[0])
+        out, err = peer_run.communicate(timeout=30)
+        assert out.split() == ["5000", result.hex()], err
+        p.sync_counters()
+        assert without_zeros(p.jobs[0x77].counters) == {
+            "packets_in": 2, "results_completed": 1, "results_out": 3, "probes_in": 1,
+            "probes_passed_up": 1, "retransmissions_answered": 1}
+    finally:
+        udp.close()
+        p.close()
+
+
+def without_zeros(counter) -> dict:
+    return {k: v for k, v in counter.items() if v}
+
+
+@needs_xdp
+def test_the_switch_detaches_on_stop_and_when_its_start_fails(veth):
+    """Attached from start() on; detached by stop(), and by a start that fails
+    after the attach (here the metrics port is taken)."""
+    from switchml.switch.server import Switch
+
+    _, _, _, here, me = veth
+
+    def attached() -> bool:
+        return "prog/xdp" in sh("ip", "link", "show", "dev", here)
+
+    sw = Switch(me, 7303, data_plane="xdp", packet_elements=512)
+    assert not attached()
+    sw.start()
+    try:
+        assert attached() and sw.stats()["data_plane"] == "xdp"
+    finally:
+        sw.stop()
+    assert not attached()
+    taken = socket.socket()
+    try:
+        taken.bind((me, 0))
+        taken.listen()
+        sw = Switch(me, 7303, data_plane="xdp", packet_elements=512,
+                    metrics_port=taken.getsockname()[1])
+        with pytest.raises(OSError):
+            sw.start()
+        assert not attached()
+    finally:
+        taken.close()
