@@ -59,6 +59,9 @@ SWITCHML_PURE_PYTHON        1: the Python data plane and engine      0
 SWITCHML_DATA_PLANE         a switch's data plane: python, c or      (C when
                             xdp (an XDP program on the interface     built)
                             holding its host address; root)
+SWITCHML_XDP_CACHE          where the XDP program, built by clang    ~/.cache/
+                            on first use, is kept (or under          switchml/xdp
+                            $XDG_CACHE_HOME)
 SWITCHML_LOCAL_STAGE        0: ranks that share a host each send     1
                             their whole array through the switch
                             (1: they combine in shared memory
