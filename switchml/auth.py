@@ -61,6 +61,16 @@ def new_secret() -> str:
     return secrets.token_hex(32)
 
 
+def new_secret_if_available() -> str | None:
+    """``new_secret()`` where signatures can be made here; None (the job runs
+    open) where the ``cryptography`` package is missing."""
+    try:
+        check_available()
+    except AuthUnavailableError:
+        return None
+    return new_secret()
+
+
 class JobKey:
     """A job's signing key, derived from its secret and name (module docstring)."""
 
@@ -87,17 +97,14 @@ def verify(key: str, signature: str, message: bytes) -> bool:
     """Whether ``signature`` (hex) is ``key``'s (hex) over ``message``; False for
     anything malformed."""
     ed25519 = _ed25519()
+    from cryptography.exceptions import InvalidSignature  # there once _ed25519 is
+
     try:
         public = ed25519.Ed25519PublicKey.from_public_bytes(bytes.fromhex(key))
         public.verify(bytes.fromhex(signature), message)
-    except (ValueError, TypeError, _invalid_signature()):
+    except (ValueError, TypeError, InvalidSignature):
         return False
     return True
-
-
-def _invalid_signature():
-    from cryptography.exceptions import InvalidSignature
-    return InvalidSignature
 
 
 def admission_proof(token: bytes, message: bytes) -> str:

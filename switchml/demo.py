@@ -20,7 +20,6 @@ import numpy as np
 
 from . import auth
 from .config import DEFAULT_PACKET_ELEMENTS
-from .errors import AuthUnavailableError
 from .quant import error_bound
 from .switch.server import Switch
 from .worker.client import Worker
@@ -47,16 +46,6 @@ def expected_sum(world: int, size: int, dtype: str, seed: int, sparse: bool = Fa
     if dtype == "int32":
         return np.sum(inputs, axis=0, dtype=np.int32), None
     return np.sum(np.array(inputs, np.float64), axis=0), inputs
-
-
-def _demo_secret() -> str | None:
-    """The demo job's secret, as a real job has one; None (an open job) where the
-    ``cryptography`` package is not installed."""
-    try:
-        auth.check_available()
-    except AuthUnavailableError:
-        return None
-    return auth.new_secret()
 
 
 def _rank_main(address, rank, world, cases, repeats, seed, results, timeout, secret):
@@ -106,7 +95,7 @@ def run_demo(workers: int = 4, sizes=(0, 1, 1000, 1_000_003), repeats: int = 3,
         echo(f"switch on {switch.address[0]}:{switch.address[1]}, {workers} worker processes, "
              f"drop rate {drop_rate:g}; each process a host of its own (the local stage off), "
              "so every array crosses the switch")
-        secret = _demo_secret()
+        secret = auth.new_secret_if_available()  # as a real job has one
         procs = [ctx.Process(target=_rank_main, args=(switch.address, r, workers, cases, repeats,
                                                         seed, results, timeout, secret))
                  for r in range(workers)]

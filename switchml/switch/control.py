@@ -148,8 +148,8 @@ class Controller:
         self.admission_token = admission_token
         self.jobs: dict[tuple, JobEntry] = {}  # (name, key) -> job
         self._conn_job: dict = {}  # connection id -> ((name, key), its first rank)
-        #: Requests waiting for their proof: (connection, rank) -> (request, nonce).
-        self._challenges: dict[tuple, tuple[Any, str]] = {}
+        #: Requests waiting for their proof: connection -> rank -> (request, nonce).
+        self._challenges: dict[Any, dict[int, tuple[Any, str]]] = {}
         self._racks: dict = {}  # connections of rack switches (several ranks each) -> name
         self._queue: list[tuple] = []  # (name, key) of waiting jobs, in arrival order
         self._recent: deque[int] = deque(maxlen=RECENT_SESSIONS_KEPT)
@@ -212,17 +212,17 @@ class Controller:
                 return self._refuse(conn, REASON_AUTHENTICATION,
                                     f"job '{request.job}' rank {request.rank}: this switch "
                                     f"cannot check job secrets: {exc}", proof_failed=True)
-        pending = [k for k in self._challenges if k[0] == conn]
+        pending = self._challenges.setdefault(conn, {})
         if len(pending) >= MAX_CHALLENGES_PER_CONNECTION:
             return self._refuse(conn, "bad_request", "too many requests waiting for their proof")
         nonce = auth.new_nonce()
-        self._challenges[conn, request.rank] = (request, nonce)
+        pending[request.rank] = (request, nonce)
         return [(conn, protocol.Challenge(nonce, request.rank,
                                           self.admission_token is not None))]
 
     def _prove(self, conn, prove: protocol.Prove) -> list:
         """Check a proof; take the request it proves, or refuse it naming why."""
-        held = self._challenges.pop((conn, prove.rank), None)
+        held = self._challenges.get(conn, {}).pop(prove.rank, None)
         if held is None:
             return self._refuse(conn, "bad_request", f"no challenge is open for rank "
                                 f"{prove.rank} on this connection")
@@ -242,8 +242,7 @@ class Controller:
         return self._take(conn, request)
 
     def _disconnect(self, conn) -> list:
-        for pending in [k for k in self._challenges if k[0] == conn]:
-            del self._challenges[pending]
+        self._challenges.pop(conn, None)
         gathering = self.gatherings.disconnect(conn)
         return gathering + self._leave_job(conn)
 

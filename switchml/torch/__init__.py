@@ -36,7 +36,7 @@ from torch._C import _distributed_c10d as c10d
 
 from .. import auth
 from ..config import SwitchConfiguration, env, local_stage_on
-from ..errors import AuthUnavailableError, SwitchMLError
+from ..errors import SwitchMLError
 from ..switch.process import SwitchProcess
 from ..worker.client import Worker
 from ..worker.hosts import HostRecord, Hosts, Placement, host_record
@@ -143,12 +143,12 @@ def _job_secret() -> str:
     configured = env("JOB_SECRET", None)
     if configured is not None:
         return configured
-    try:
-        auth.check_available()
-    except AuthUnavailableError as exc:
-        log.warning("this job is open to anyone who learns its name: %s", exc)
+    secret = auth.new_secret_if_available()
+    if secret is None:
+        log.warning("this job is open to anyone who learns its name: authenticated jobs "
+                    "need the 'cryptography' package (pip install 'switchml[auth]')")
         return ""
-    return auth.new_secret()
+    return secret
 
 
 def _connect(store, rank: int, size: int, timeout: float) -> tuple[Worker, bool]:
