@@ -18,7 +18,12 @@ in that span over what the link carries in it; the job's is the uplink's bytes
 (the veth counter, rank 0's report) less the flow's, over the same.  A call's
 time is its slowest rank's.  ``--runs N`` makes N invocations, each on a testbed
 of its own, and reports the median of each figure over them.  Prints a table
-and writes JSON (--json).  Root only (namespaces).
+and writes JSON (--json), which also holds, to see how the two met: each
+switchml rank's window, RTT estimate and recovery counters after each call
+(``windows``), and the flow's TCP counters over the phase (``tcp_counters``:
+retransmissions, recoveries, timeouts, from the sender's namespace) and its
+socket's state every 0.1 s (``tcp_states``, ``ss -tin``).  Root only
+(namespaces).
 """
 
 from __future__ import annotations
@@ -72,7 +77,10 @@ class Flow:
     def stop(self) -> list:
         self.sender.stdin.write("stop\n")
         self.sender.stdin.flush()
-        return self.wait_for(f"sink{self.port}", "samples")["samples"]
+        samples = self.wait_for(f"sink{self.port}", "samples")["samples"]
+        sent = self.wait_for(f"send{self.port}", "sent")
+        self.counters, self.states = sent["counters"], sent.get("states")
+        return samples
 
 
 class Phases(Roles):
@@ -154,8 +162,11 @@ def job(system, tb, cluster, args, switch, phase, port, beside: bool) -> dict:
                               for k in reports[0]["recovery"]}
         result["retransmissions"] = statistics.mean(reports[r]["retransmissions"]
                                                     for r in range(args.hosts))
+        result["windows"] = [reports[r].get("windows") for r in range(args.hosts)]
     if flow:
         result["congestion_control"] = flow.congestion_control
+        result["tcp_counters"] = flow.counters
+        result["tcp_states"] = flow.states
     return result
 
 

@@ -41,6 +41,12 @@ def enlarge_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> int:
 
 
 
+#: A send this host's own queue refused (ENOBUFS, see ``report_local_drops``) is
+#: tried again after SEND_PAUSE seconds, for at most SEND_PATIENCE seconds, then
+#: lost (the switch's fastpath_io.h and the worker's stream_io.c have the same).
+SEND_PAUSE = 50e-6
+SEND_PATIENCE = 0.2
+
 #: Linux's IP_RECVERR (linux/in.h), which Python's socket module does not name.
 _IP_RECVERR = 11
 

@@ -44,10 +44,15 @@ class Bottleneck:
 
     Datagrams leave it one after another at ``rate`` bytes per second; those that
     find more than ``queue_bytes`` waiting are dropped (tail drop), as in a
-    switch port's buffer.
+    switch port's buffer.  With ``refuse``, the queue is the senders' own (a
+    host's queue toward its link, where the uplink is the bottleneck): a
+    datagram that does not fit is refused instead (the sender's call hears
+    ``send_refused``) and enters as soon as there is room, as a sender does that
+    waits while the kernel answers ENOBUFS.
     """
     rate: float
     queue_bytes: int
+    refuse: bool = False
 
 
 class StalledSimulation(RuntimeError):
@@ -69,12 +74,14 @@ class Network:
         self.datagrams = 0
         self.bottleneck_drops = 0
 
-    def send(self, data, src, dst, faults: Faults | None = None) -> None:
+    def send(self, data, src, dst, faults: Faults | None = None) -> bool:
         """Put a copy of ``data`` on the wire, subject to the faults (the network's, or
-        ``faults`` for this link) and the bottleneck."""
+        ``faults`` for this link) and the bottleneck.  Returns whether a refusing
+        bottleneck refused it at first (it waited for room)."""
         f = faults or self.faults
+        refused = False
         if f.loss and self.rng.random() < f.loss:
-            return
+            return refused
         data = bytes(data)
         copies = 2 if f.duplicate and self.rng.random() < f.duplicate else 1
         for _ in range(copies):
@@ -83,13 +90,16 @@ class Network:
                 link = self.bottleneck
                 start = max(self.now, self._link_free_at)
                 if (start - self.now) * link.rate + len(data) > link.queue_bytes:
-                    self.bottleneck_drops += 1
-                    continue
+                    if not link.refuse:
+                        self.bottleneck_drops += 1
+                        continue
+                    refused = True  # it waits for room, then leaves in its turn
                 departure = self._link_free_at = start + len(data) / link.rate
             delay = f.latency + (self.rng.random() * f.jitter if f.jitter else 0.0)
             self._order += 1
             heapq.heappush(self._queue, (departure + delay, self._order, src, dst, data))
             self.datagrams += 1
+        return refused
 
     def next_arrival(self) -> float:
         return self._queue[0][0] if self._queue else float("inf")
@@ -122,8 +132,16 @@ class CallDriver:
     def datagrams(self) -> int:
         return self.network.datagrams
 
-    def _send(self, data, src, dst) -> None:
+    def _send(self, data, src, dst) -> bool:
+        """Put ``data`` on the network; whether the sender's own queue refused it."""
         raise NotImplementedError
+
+    def _send_all(self, op, addr) -> None:
+        """What ``op`` (the call of the rank at ``addr``) has to send, to the switch;
+        a datagram its host's queue refused, ``op`` hears of."""
+        for d in op.datagrams_to_send():
+            if self._send(d, addr, self.switch_address):
+                op.send_refused(self.now)
 
     def step(self, give_up: float = float("inf"), max_time: float = float("inf")) -> None:
         raise NotImplementedError
@@ -138,8 +156,7 @@ class CallDriver:
         self.ops = [s.allreduce(a, o, self.now, sparse, **extra)
                     for s, a, o in zip(self.memberships, arrays, outs)]
         for addr, op in zip(self.addresses, self.ops):
-            for d in op.datagrams_to_send():
-                self._send(d, addr, self.switch_address)
+            self._send_all(op, addr)
         return outs
 
     @property
@@ -226,8 +243,8 @@ class Simulation(CallDriver):
         self.call_ops: list = []
         self.compiled = compiled  # calls on the C engine (worker/compiled.py)
 
-    def _send(self, data, src, dst) -> None:
-        self.network.send(data, src, dst)
+    def _send(self, data, src, dst) -> bool:
+        return self.network.send(data, src, dst)
 
     def step(self, give_up: float = float("inf"), max_time: float = float("inf")) -> None:
         """Deliver the next datagram or fire the next timers of the call running."""
@@ -267,14 +284,12 @@ def _step(sims: list[Simulation], give_up: float, max_time: float) -> None:
                 return  # a job between calls: a late datagram, dropped
             op = owner.ops[owner.rank_of[dst]]
             op.receive_datagram(data, network.now)
-            for d in op.datagrams_to_send():
-                owner._send(d, dst, owner.switch_address)
+            owner._send_all(op, dst)
     else:
         for sim in sims:
             for addr, op in zip(sim.job.members, sim.ops):
                 op.handle_timer(network.now)
-                for d in op.datagrams_to_send():
-                    sim._send(d, addr, sim.switch_address)
+                sim._send_all(op, addr)
 
 
 def _owner(sims: list[Simulation], addr) -> Simulation | None:

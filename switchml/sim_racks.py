@@ -63,9 +63,9 @@ class Fabric:
         """Rack ``rack``'s switch dies: from now on it takes and sends nothing."""
         self.dead.add(rack)
 
-    def _send(self, data, src, dst) -> None:
+    def _send(self, data, src, dst) -> bool:
         uplink = SPINE in (src, dst)
-        self.network.send(data, src, dst, self.uplink_faults if uplink else None)
+        return self.network.send(data, src, dst, self.uplink_faults if uplink else None)
 
     def deliver(self, src, dst, data) -> None:
         """One datagram arrives at ``dst``: the spine, a rack or a worker."""
@@ -151,10 +151,10 @@ class RackedJob(CallDriver):
         self.call_ops: list = []
         self.compiled = compiled
 
-    def _send(self, data, src, dst) -> None:
+    def _send(self, data, src, dst) -> bool:
         if dst == SWITCH:  # a worker's switch is its rack's
             dst = self._rack_address[src]
-        self.fabric._send(data, src, dst)
+        return self.fabric._send(data, src, dst)
 
     def step(self, give_up: float = float("inf"), max_time: float = float("inf")) -> None:
         _step([self], give_up, max_time)

@@ -209,7 +209,9 @@ def scenarios(draw):
         Faults(loss=0.05, duplicate=0.05, jitter=0.002),
         Faults(loss=0.2, duplicate=0.1, jitter=0.03),
     ]))
-    bottleneck = draw(st.sampled_from([None, Bottleneck(rate=2e6, queue_bytes=6 * (44 + 4 * k))]))
+    bottleneck = draw(st.sampled_from([
+        None, Bottleneck(rate=2e6, queue_bytes=6 * (44 + 4 * k)),
+        Bottleneck(rate=2e6, queue_bytes=6 * (44 + 4 * k), refuse=True)]))
     hostile_rate = draw(st.sampled_from([0.0, 0.3]))
     seed = draw(st.integers(0, 2**16))
     wire_bits = draw(st.sampled_from([32, 32, 16])) if dtype == np.float32 else 32

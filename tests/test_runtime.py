@@ -1,5 +1,7 @@
 """Real sockets on loopback: a running switch and worker threads."""
 
+import errno
+import os
 import socket
 import threading
 
@@ -9,6 +11,8 @@ from conftest import run_ranks
 
 import switchml
 from switchml.quant import error_bound
+from switchml.worker import client
+from switchml.worker.client import send_waiting
 
 K = 1024  # packet_elements of the test switch
 SIZES = [0, 1, K - 1, K + 1, 16 * K * 3 + 5]
@@ -242,3 +246,55 @@ def test_garbage_during_a_job_changes_no_sum(switch):
 def test_bad_switch_options_are_refused_before_it_starts(options):
     with pytest.raises(ValueError, match=next(iter(options))):
         switchml.Switch(**options)
+
+
+class RefusingSocket:
+    """A socket whose host queue refuses the first ``refusals`` sends (ENOBUFS)."""
+
+    def __init__(self, refusals: int, error: int = errno.ENOBUFS):
+        self.refusals, self.error, self.sent = refusals, error, []
+
+    def sendto(self, data, address):
+        if self.refusals:
+            self.refusals -= 1
+            raise OSError(self.error, os.strerror(self.error))
+        self.sent.append(data)
+        return len(data)
+
+
+class Call:
+    def __init__(self):
+        self.refused = []
+
+    def send_refused(self, now):
+        self.refused.append(now)
+
+
+def test_a_datagram_the_host_queue_refuses_waits_and_the_call_hears_once():
+    udp, call = RefusingSocket(3), Call()
+    assert send_waiting(udp, b"x" * 100, ("10.0.0.1", 7300), call) == 100
+    assert udp.sent == [b"x" * 100]
+    assert len(call.refused) == 1  # once a datagram, however many tries
+
+
+def test_a_queue_full_past_the_patience_loses_the_datagram_to_the_timers(monkeypatch):
+    monkeypatch.setattr(client, "SEND_PAUSE", client.SEND_PATIENCE / 4)
+    monkeypatch.setattr(client.time, "sleep", lambda s: None)
+    udp, call = RefusingSocket(100), Call()
+    assert send_waiting(udp, b"x", ("10.0.0.1", 7300), call) == 0
+    assert udp.sent == [] and len(call.refused) == 1
+
+
+def test_a_full_socket_buffer_is_a_loss_an_icmp_error_is_retried_once_others_raise():
+    call = Call()
+    assert send_waiting(RefusingSocket(1, errno.EAGAIN), b"x", ("h", 1), call) == 0
+    assert send_waiting(RefusingSocket(1, errno.ECONNREFUSED), b"x", ("h", 1), call) == 1
+    assert send_waiting(RefusingSocket(2, errno.ECONNREFUSED), b"x", ("h", 1), call) == 0
+    with pytest.raises(OSError):
+        send_waiting(RefusingSocket(1, errno.EMSGSIZE), b"x", ("h", 1), call)
+    assert call.refused == []
+
+
+def test_the_workers_socket_reports_refusals_of_its_host_queue(switch):
+    with switchml.Worker(switch.address, 0, 1, job="recverr", timeout=10) as w:
+        assert w._udp.getsockopt(socket.IPPROTO_IP, 11) == 1  # IP_RECVERR

@@ -422,6 +422,40 @@ def test_a_host_that_vanishes_without_closing_tcp_fails_its_job_within_the_keepa
 
 
 @needs_root
+def test_a_full_host_queue_is_waited_for_not_lost_and_the_window_hears_of_it(tmp_path):
+    """Each host's uplink queue (its own tbf, 72 KiB: more than a UDP GSO run, which
+    enters it whole) is smaller than a window of datagrams (32 of 4 KiB): the
+    kernel refuses what does not fit (ENOBUFS, IP_RECVERR on the worker's socket).
+    Counted as ``local_refusals``, each datagram waits for room instead of
+    vanishing, and the window comes down: the sums are exact and no more than a
+    few messages are sent twice.  (Silently dropped, as before, each such
+    datagram cost a retransmission.)  The C engine's loop; the Python one's
+    ``send_waiting`` is tested in test_runtime.py."""
+    from switchml.worker import compiled
+
+    if compiled._fastengine is None:
+        pytest.skip("the C engine is not built")
+    size, world = 1_500_000, 2
+    with Testbed(hosts=world, link="100mbit", mtu=9000, queue="72kb", prefix=prefix("q")) as tb:
+        start_switch(tb)
+        procs = [tb.popen(h, [sys.executable, HELPERS, "worker", tb.switch, str(h), str(world),
+                              str(size), "float32", str(tmp_path / f"q-{h}")],
+                          stderr=subprocess.PIPE, text=True) for h in range(world)]
+        for proc in procs:
+            assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    sys.path.insert(0, os.path.dirname(HELPERS))
+    from testbed_helpers import make_input
+    want = reference_sum([make_input(r, size, "float32") for r in range(world)], PACKET)
+    messages = size // PACKET
+    for h in range(world):
+        assert np.load(tmp_path / f"q-{h}.npy").tobytes() == want.tobytes()
+        counters = json.load(open(tmp_path / f"q-{h}.json"))
+        assert counters["local_refusals"] > 0, counters
+        assert counters["window_decreases"] > 0, counters
+        assert counters["retransmissions"] < 0.01 * messages, counters
+
+
+@needs_root
 def test_shaping_limits_the_rate_of_uplink_and_downlink():
     link = 40e6
     with Testbed(hosts=1, link="40mbit", prefix=prefix("g")) as tb:

@@ -198,6 +198,53 @@ def test_window_shrinks_on_loss():
         assert s.window.ssthresh < SLOTS
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["python", "c"])
+def test_a_queue_that_refuses_loses_nothing_and_the_window_keeps_it_short(compiled):
+    """Where the bottleneck is the senders' own queue (a host's, toward its link),
+    the kernel refuses a datagram that does not fit (ENOBUFS) instead of losing
+    it: the call waits for room, and the window halves, once a round trip, as
+    TCP's does when its own qdisc drops a segment.  Nothing is retransmitted and
+    the queue stays short: without the decrease the windows grow to 15, the
+    smoothed RTT to 8 ms (4.6 times) and 87 messages a rank time out."""
+    from switchml.worker import compiled as engine
+
+    if compiled and engine._fastengine is None:
+        pytest.skip("the C engine is not built")
+    world = 2
+    sim = Simulation(world, slots=SLOTS, packet_elements=K, compiled=compiled,
+                     bottleneck=Bottleneck(rate=1e6, queue_bytes=6 * PACKET, refuse=True))
+    arrays = ints(world, K * SLOTS * 20, seed=1)
+    outs = sim.allreduce(arrays, max_time=BIG_TIME)
+    for out in outs:
+        assert same_bits(out, reference_sum(arrays, K))
+    assert sim.network.bottleneck_drops == 0
+    for s in sim.memberships:
+        assert s.counters["local_refusals"] > 0
+        assert s.counters["window_decreases"] > 0
+        assert s.counters["retransmissions"] == 0
+        assert s.window.cwnd < SLOTS / 4
+        assert s.rtt.srtt < 2.5 * s.rtt.min_rtt + 0.0015  # 1.8 ms; 8.3 ms without
+
+
+def test_a_refusal_halves_the_window_once_a_round_trip_and_stands():
+    w = CongestionWindow(limit=32, initial=32)
+    assert w.on_local_refusal(now=1.0, rtt=0.01)
+    assert w.cwnd == 16 and w.ssthresh == 16
+    assert not w.on_local_refusal(now=1.005, rtt=0.01)  # the same round trip
+    assert w.cwnd == 16
+    assert w.on_timeout(sent_at=0.999, now=1.02) == SAME_EVENT  # sent before: the same event
+    assert w.on_local_refusal(now=1.011, rtt=0.01)
+    assert w.cwnd == 8
+    w.undo_decrease(1.011)  # nothing to undo: a refusal is certain
+    assert w.cwnd == 8
+    # a timeout's decrease, proven premature later, is not undone past a refusal since
+    w = CongestionWindow(limit=32, initial=32)
+    assert w.on_timeout(sent_at=0.5, now=1.0, retries=1) == DECREASED
+    assert w.on_local_refusal(now=2.0, rtt=0.01)
+    w.undo_decrease(1.0)
+    assert w.cwnd == 8
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
 def test_results_unchanged_under_loss_duplication_reordering_and_a_bottleneck(seed, sparse):

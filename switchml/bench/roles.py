@@ -30,7 +30,6 @@ check they agree bit for bit.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -112,6 +111,19 @@ def _time(fn, warmup, repeats, before=None):
     return times
 
 
+#: The counters that say how a call met losses and queues (per call, per rank).
+RECOVERY = ("retransmissions", "fast_retransmissions", "probe_retransmissions",
+            "spurious_retransmissions", "window_decreases", "random_losses", "resends",
+            "results_lost")
+
+
+def window_state(membership) -> dict:
+    """The window and RTT estimate a membership holds (seconds, messages)."""
+    window, rtt = membership.window, membership.rtt
+    return {"cwnd": window.cwnd, "ssthresh": window.ssthresh, "min_rtt": rtt.min_rtt,
+            "srtt": rtt.srtt}
+
+
 def switchml_role(spec) -> None:
     import switchml
     from switchml.config import DEFAULT_BLOCK_ELEMENTS, DEFAULT_PACKET_ELEMENTS
@@ -135,7 +147,16 @@ def switchml_role(spec) -> None:
                 w.allreduce(data, out=out, sparse=sparse, bits=bits)
             c0, l0, s0 = w.counters, link_bytes(spec.get("ifname")), scheduling()
             t0 = time.monotonic()
-            call = functools.partial(w.allreduce, data, out=out, sparse=sparse, bits=bits)
+            windows: list = []  # each call's window at its end: how it met the network
+
+            def call(data=data, out=out, sparse=sparse, bits=bits, windows=windows):
+                before = w.counters
+                w.allreduce(data, out=out, sparse=sparse, bits=bits)
+                if membership is not None:
+                    after = w.counters
+                    windows.append(dict(window_state(membership), **{
+                        k: after.get(k, 0) - before.get(k, 0) for k in RECOVERY}))
+
             times = _time(call, 0, spec["repeats"])
             t1 = time.monotonic()
             c1, l1, s1 = w.counters, link_bytes(spec.get("ifname")), scheduling()
@@ -161,9 +182,8 @@ def switchml_role(spec) -> None:
                  bytes_sent=(c1.get("bytes_sent", 0) - c0.get("bytes_sent", 0)) / n,
                  bytes_received=(c1.get("bytes_received", 0) - c0.get("bytes_received", 0)) / n,
                  retransmissions=(c1.get("retransmissions", 0) - c0.get("retransmissions", 0)) / n,
-                 recovery={k: (c1.get(k, 0) - c0.get(k, 0)) / n for k in (
-                     "fast_retransmissions", "probe_retransmissions", "spurious_retransmissions",
-                     "window_decreases", "random_losses", "resends", "results_lost")},
+                 recovery={k: (c1.get(k, 0) - c0.get(k, 0)) / n for k in RECOVERY},
+                 windows=windows,
                  link_tx=(l1[0] - l0[0]) / n if l0 else None,
                  link_rx=(l1[1] - l0[1]) / n if l0 else None, span=[t0, t1],
                  **per_call(s0, s1, n))
@@ -293,12 +313,50 @@ def tcp_send_role(spec) -> None:
                             spec["congestion_control"].encode())
         sock.connect((spec["host"], spec["port"]))
         emit(event="connected", congestion_control=congestion_control(sock))
+        before = tcp_counters()
+        states: list = []
+        threading.Thread(target=watch_socket, args=(spec, stop, states), daemon=True).start()
         sent = 0
         while not stop.is_set():
             sock.sendall(chunk)
             sent += len(chunk)
+        after = tcp_counters()
         sock.shutdown(socket.SHUT_WR)
-    emit(event="sent", bytes=sent)
+    emit(event="sent", bytes=sent, counters={k: after[k] - before.get(k, 0) for k in after},
+         states=states)
+
+
+def watch_socket(spec, stop, states, every: float = 0.1) -> None:
+    """Sample the flow's socket (``ss -tin``: its window, RTT, pacing and delivery
+    rates) every ``every`` seconds until ``stop``, into ``states``."""
+    import re
+    import subprocess
+
+    while not stop.wait(every):
+        text = subprocess.run(["ss", "-tinH", "dst", f"{spec['host']}:{spec['port']}"],
+                              capture_output=True, text=True).stdout
+        fields = dict(re.findall(r"\b(cwnd|rtt|pacing_rate|delivery_rate|unacked|"
+                                 r"notsent|retrans|ssthresh):(\S+)", text))
+        states.append([time.monotonic(), fields])
+
+
+#: The TCP counters of /proc/net/netstat and /proc/net/snmp (this network
+#: namespace's) that say how the flow met its losses.
+TCP_COUNTERS = ("RetransSegs", "TCPTimeouts", "TCPLossProbes", "TCPLossProbeRecovery",
+                "TCPFastRetrans", "TCPLostRetransmit", "TCPSpuriousRTOs", "TCPSackRecovery")
+
+
+def tcp_counters() -> dict:
+    """The namespace's ``TCP_COUNTERS`` now."""
+    found: dict = {}
+    for path in ("/proc/net/snmp", "/proc/net/netstat"):
+        with open(path) as f:
+            lines = f.read().splitlines()
+        for names, values in zip(lines[::2], lines[1::2]):
+            for name, value in zip(names.split()[1:], values.split()[1:]):
+                if name in TCP_COUNTERS:
+                    found[name] = int(value)
+    return found
 
 
 ROLES = {"switch": switch_role, "switchml": switchml_role, "gloo": gloo_role,

@@ -28,6 +28,8 @@ from ..auth import read_token, token_from_env
 from ..config import SwitchConfiguration, parse_address
 from ..errors import DataPlaneUnavailableError
 from ..netutil import (
+    SEND_PATIENCE,
+    SEND_PAUSE,
     LineReader,
     drain_error_queue,
     enable_keepalive,
@@ -56,10 +58,6 @@ log = logging.getLogger("switchml.switch")
 DRAIN_BATCH = 256
 #: The same for the C data plane, whose datagrams cost a few microseconds each.
 FAST_DRAIN_BATCH = 2048
-#: A send this host's own queue refused (ENOBUFS) is tried again after SEND_PAUSE
-#: seconds, for at most SEND_PATIENCE seconds, then lost (fastpath_io.h's values).
-SEND_PAUSE = 50e-6
-SEND_PATIENCE = 0.2
 #: Seconds between readings of the serving thread's CPU time (``cpu_s`` in stats).
 CPU_READ_INTERVAL = 0.1
 #: Bytes of control replies its client has not acknowledged, queued in the switch or

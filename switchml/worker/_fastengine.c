@@ -427,6 +427,14 @@ static PyObject *core_get_last_progress(DenseCore *self, void *unused) {
     return PyFloat_FromDouble(c->last_progress);
 }
 
+static PyObject *core_send_refused(DenseCore *self, PyObject *arg) {
+    double now = PyFloat_AsDouble(arg);
+    if (now == -1.0 && PyErr_Occurred())
+        return NULL;
+    send_refused(&self->core, now);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef core_methods[] = {
     {"receive_datagram", (PyCFunction)core_receive_datagram, METH_VARARGS,
      "receive_datagram(data, now): take one datagram from the switch."},
@@ -436,6 +444,8 @@ static PyMethodDef core_methods[] = {
      "Earliest time at which handle_timer must run, or None."},
     {"handle_timer", (PyCFunction)core_handle_timer, METH_O,
      "handle_timer(now): presume lost what timed out, resend what the window allows."},
+    {"send_refused", (PyCFunction)core_send_refused, METH_O,
+     "send_refused(now): this host's queue refused a datagram (ENOBUFS)."},
     {"pending", (PyCFunction)core_pending, METH_NOARGS,
      "(absolute slot, message number) of every message awaiting its result."},
     {"nonfinite_chunks", (PyCFunction)core_nonfinite_chunks, METH_NOARGS,

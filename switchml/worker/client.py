@@ -10,6 +10,7 @@ of another rank or of the switch.  The control protocol itself is the sans-IO
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import queue
 import selectors
@@ -35,7 +36,16 @@ from ..config import (
     switch_addresses,
 )
 from ..errors import SwitchMLError, SwitchMLTimeoutError, SwitchUnreachableError
-from ..netutil import enable_keepalive, enlarge_buffers, forbid_fragmentation, route_mtu
+from ..netutil import (
+    SEND_PATIENCE,
+    SEND_PAUSE,
+    drain_error_queue,
+    enable_keepalive,
+    enlarge_buffers,
+    forbid_fragmentation,
+    report_local_drops,
+    route_mtu,
+)
 from ..protocol import Left, StatusReply
 from . import compiled, nonfinite
 from .calls import AllreduceHandle, check_call, narrow_result, widen
@@ -57,6 +67,37 @@ DRAIN_BATCH = 64
 IO_SLICE = 0.02
 #: Seconds to wait for the switch's answer to a status query while diagnosing.
 STATUS_TIMEOUT = 2.0
+
+
+def send_waiting(udp, datagram, address, op) -> int:
+    """Send one datagram of the call ``op``; returns the bytes sent (0: lost).
+
+    Where this host's own queue toward the network refuses it (ENOBUFS, reported
+    by ``report_local_drops``), the call hears of it (``send_refused``: its
+    window) and it is tried again every SEND_PAUSE seconds for SEND_PATIENCE
+    seconds, as stream_io.c does.  A full socket buffer, a queue full that long,
+    or an ICMP error reported twice: lost, and the call's timers recover it.
+    """
+    waited, refused = 0.0, False
+    while True:
+        try:
+            return udp.sendto(datagram, address)
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            if exc.errno == errno.ECONNREFUSED:  # an ICMP error, reported once
+                if refused:  # the switch is gone: its control connection says so
+                    return 0
+                refused = True
+                continue
+            if exc.errno != errno.ENOBUFS:
+                raise
+            if waited == 0.0:  # once a datagram
+                op.send_refused(time.monotonic())
+            if waited >= SEND_PATIENCE:
+                return 0
+            time.sleep(SEND_PAUSE)
+            waited += SEND_PAUSE
 
 
 class Worker:
@@ -293,6 +334,7 @@ class Worker:
             udp.bind((local_ip, 0))
             rcvbuf = enlarge_buffers(udp)
             forbid_fragmentation(udp)
+            report_local_drops(udp)  # a full queue of this host's: the window hears of it
             udp.setblocking(False)
             self._protocol.join(udp.getsockname(), time.monotonic(), slots=slots,
                                 rcvbuf=rcvbuf, mtu=mtu, link_share=self.link_share)
@@ -528,7 +570,7 @@ class Worker:
 
         def flush():
             for d in op.datagrams_to_send():
-                counters["bytes_sent"] += udp.sendto(d, dst)
+                counters["bytes_sent"] += send_waiting(udp, d, dst, op)
 
         flush()
         while not op.done:
@@ -539,8 +581,9 @@ class Worker:
                     n = udp.recv_into(buf)
                 except BlockingIOError:
                     break
-                except OSError:
-                    continue  # ICMP unreachable: the switch went away; control tells us
+                except OSError:  # ICMP unreachable: the switch went away; control tells us
+                    drain_error_queue(udp)
+                    continue
                 received += 1
                 counters["bytes_received"] += n
                 op.receive_datagram(view[:n], time.monotonic())

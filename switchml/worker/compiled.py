@@ -129,6 +129,9 @@ class CompiledDenseAllreduce:
     def pending(self) -> list[tuple[int, int]]:
         return self._core.pending()
 
+    def send_refused(self, now: float) -> None:
+        self._core.send_refused(now)
+
     def receive_datagram(self, data, now: float) -> None:
         self._core.receive_datagram(data, now)
         self._sync_when_over()

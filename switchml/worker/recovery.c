@@ -84,6 +84,16 @@ static int window_on_timeout(StreamCore *c, double sent_at, double now, int retr
     return DECREASED;
 }
 
+static int window_on_local_refusal(StreamCore *c, double now, double rtt) {
+    if (now - c->last_decrease < rtt)
+        return 0;
+    c->has_undo = 0;
+    c->ssthresh = c->cwnd / 2 > 1.0 ? c->cwnd / 2 : 1.0;
+    c->cwnd = c->ssthresh;
+    c->last_decrease = now;
+    return 1;
+}
+
 static void window_undo_decrease(StreamCore *c, double decreased_at) {
     if (c->has_undo && c->undo_at == decreased_at) {
         if (c->undo_cwnd > c->cwnd)

@@ -189,6 +189,15 @@ class CongestionWindow:
     * A timeout that proves premature (its result comes sooner after the
       retransmission than any round trip) takes its decrease back, as Eifel
       does (RFC 4015): on a loaded host a late result is no sign of a full queue.
+    * A datagram this host's own queue toward the network refuses
+      (``on_local_refusal``: ENOBUFS, where the host's link is the bottleneck)
+      halves the window, at most once per smoothed round trip, as TCP enters
+      CWR when its own qdisc drops a segment: nothing was lost (the sender
+      waits for room and sends it), but the queue is full.  Where a host's
+      uplink is shared with a TCP flow, that queue is the one they share; the
+      kernel drops datagrams silently otherwise, and every such loss cost a
+      retransmission and a timer (2% of a call's datagrams beside one CUBIC
+      flow on the testbed).
     * It grows only while it limits the sender (RFC 7661): a stream of small
       calls that never fills it does not inflate it untested.
 
@@ -281,6 +290,18 @@ class CongestionWindow:
         self.cwnd = self.ssthresh
         self._last_decrease = now
         return self.DECREASED
+
+    def on_local_refusal(self, now: float, rtt: float) -> bool:
+        """This host's queue refused a datagram at ``now``: halve the window unless it
+        came down less than ``rtt`` (the smoothed round trip) ago.  Returns whether it
+        did.  Not undone: the refusal is certain."""
+        if now - self._last_decrease < rtt:
+            return False
+        self._undo = None
+        self.ssthresh = max(1.0, self.cwnd / 2)
+        self.cwnd = self.ssthresh
+        self._last_decrease = now
+        return True
 
     def undo_decrease(self, decreased_at: float) -> None:
         """The timeout that halved the window at ``decreased_at`` was premature: take

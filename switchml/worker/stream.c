@@ -315,6 +315,13 @@ static int send_ready(StreamCore *c, double now) {
 /* Stream._names_in_flight: whether the header at `data` (a result or a probe's
  * answer) is about slot j's message in flight (this call, its message number and
  * packet). */
+/* Stream.send_refused: this host's queue refused a datagram (ENOBUFS). */
+static void send_refused(StreamCore *c, double now) {
+    c->counters[COUNTER_LOCAL_REFUSALS]++;
+    if (window_on_local_refusal(c, now, c->have_srtt ? c->srtt : rto(c, 0)))
+        c->counters[COUNTER_WINDOW_DECREASES]++;
+}
+
 static int names_in_flight(StreamCore *c, int j, const uint8_t *data) {
     return c->inflight[j] && get_u32(data + 16) == c->seq &&
            get_u32(data + 12) == c->slot_msgs[j] &&

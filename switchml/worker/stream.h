@@ -83,13 +83,13 @@ enum { COUNTER_RESULTS_IN, COUNTER_RETRANSMISSIONS, COUNTER_SPURIOUS, COUNTER_WI
        COUNTER_BYTES_SENT, COUNTER_BYTES_RECEIVED, COUNTER_FAST_RETRANSMISSIONS,
        COUNTER_PROBE_RETRANSMISSIONS, COUNTER_SPARSE_BLOCKS_SENT,
        COUNTER_SPARSE_BLOCKS_RECEIVED, COUNTER_RESENDS, COUNTER_RESULTS_LOST,
-       COUNTER_COUNT };
+       COUNTER_LOCAL_REFUSALS, COUNTER_COUNT };
 
 static const char *counter_names[COUNTER_COUNT] = {
     "results_in", "retransmissions", "spurious_retransmissions", "window_decreases",
     "random_losses", "dropped_stale", "dropped_malformed", "dropped_foreign", "bytes_sent",
     "bytes_received", "fast_retransmissions", "probe_retransmissions", "sparse_blocks_sent",
-    "sparse_blocks_received", "resends", "results_lost"};
+    "sparse_blocks_received", "resends", "results_lost", "local_refusals"};
 
 struct SparseState; /* fastsparse.c */
 struct CallOps;

@@ -149,7 +149,7 @@ class MembershipState:
                          "window_decreases": 0, "random_losses": 0, "dropped_stale": 0,
                          "dropped_malformed": 0, "dropped_foreign": 0,
                          "sparse_blocks_sent": 0, "sparse_blocks_received": 0,
-                         "bytes_sent": 0, "bytes_received": 0}
+                         "bytes_sent": 0, "bytes_received": 0, "local_refusals": 0}
 
 
 class Stream:
@@ -282,6 +282,16 @@ class Stream:
             if (room > 0 or self._copy[j] == FAST) and self._probe_at(j) <= now:
                 room -= self._copy[j] == SENT
                 self._probe(j, now)
+
+    def send_refused(self, now: float) -> None:
+        """This host's own queue toward the network refused a datagram at ``now``
+        (ENOBUFS): the sender waits for room and sends it again; the window takes
+        it as a full queue (``CongestionWindow.on_local_refusal``)."""
+        s = self.s
+        s.counters["local_refusals"] += 1
+        rtt = s.rtt.srtt if s.rtt.srtt is not None else s.rtt.rto()
+        if s.window.on_local_refusal(now, rtt):
+            s.counters["window_decreases"] += 1
 
     def _names_in_flight(self, j: int, h: wire.Header) -> bool:
         """Whether ``h`` (a result or a probe's answer) is about the message slot j

@@ -23,16 +23,55 @@ static double monotonic_now(void) { /* time.monotonic()'s clock */
 
 enum { IO_DONE = 0, IO_STALLED = 1, IO_CONTROL = 2, IO_SLICE = 3 };
 
-/* A full socket buffer waits a little (1 ms, ten times a flush at most), then
- * what is left counts as lost: the retransmission timer recovers it. */
+/* netutil.SEND_PAUSE and SEND_PATIENCE (the switch's FP_SEND_PAUSE_NS and
+ * FP_SEND_PATIENCE_NS), in nanoseconds. */
+#define SEND_PAUSE_NS 50000L
+#define SEND_PATIENCE_NS 200000000L
+
+typedef struct {
+    StreamCore *core;
+    int socket_waits; /* full socket buffer waits of this flush */
+} send_wait;
+
+/* This host's queue toward the network refused a datagram (ENOBUFS, which the
+ * socket's IP_RECVERR reports: client.py sets it): the window hears of it once
+ * (send_refused), and the datagram waits for room, SEND_PAUSE_NS at a time, for
+ * SEND_PATIENCE_NS at most, as TCP's segments wait in its socket.  A full socket
+ * buffer (EAGAIN) waits a little (1 ms, ten times a flush at most).  Then what is
+ * left counts as lost: the retransmission timer recovers it. */
 static int wait_for_socket(void *ctx, int fd, int error, int tries) {
-    int *waits = ctx;
-    (void)error, (void)tries;
-    if ((*waits)++ >= 10)
+    send_wait *w = ctx;
+    if (error == ENOBUFS) {
+        if (tries == 1) /* once a datagram */
+            send_refused(w->core, monotonic_now());
+        if ((long)(tries - 1) * SEND_PAUSE_NS >= SEND_PATIENCE_NS)
+            return 0;
+        struct timespec pause = {0, SEND_PAUSE_NS};
+        nanosleep(&pause, NULL);
+        return 1;
+    }
+    if (w->socket_waits++ >= 10)
         return 0;
     struct pollfd p = {fd, POLLOUT, 0};
     poll(&p, 1, 1);
     return 1;
+}
+
+/* netutil.drain_error_queue: read away the ICMP errors IP_RECVERR queued (they
+ * take receive buffer space); the control connection says why the switch went. */
+static void drain_error_queue(int fd) {
+    char data[64], control[256];
+    for (int i = 0; i < 256; i++) {
+        struct iovec iov = {data, sizeof data};
+        struct msghdr m;
+        memset(&m, 0, sizeof m);
+        m.msg_iov = &iov;
+        m.msg_iovlen = 1;
+        m.msg_control = control;
+        m.msg_controllen = sizeof control;
+        if (recvmsg(fd, &m, MSG_ERRQUEUE | MSG_DONTWAIT) < 0)
+            break;
+    }
 }
 
 static void lost_to_timers(void *ctx, uint32_t datagrams, int error) {
@@ -47,7 +86,7 @@ static void flush_outbox(StreamCore *c, int fd, struct sockaddr_in *dst) {
     udp_control control[64];
     uint32_t segments[64];
     struct iovec iov[1024];
-    int waits = 0;
+    send_wait waits = {c, 0};
     const udp_policy policy = {wait_for_socket, NULL, lost_to_timers, &waits};
     udp_batch batch = {.msgs = msgs, .addrs = addrs, .control = control,
                        .segments = segments, .iov = iov, .max_messages = 64,
@@ -98,8 +137,11 @@ static int stream_run_io(StreamCore *c, int fd, struct sockaddr_in dst, int cont
             msgs[i].msg_hdr.msg_iovlen = 1;
         }
         int received = recvmmsg(fd, msgs, RECV_BATCH, MSG_DONTWAIT | MSG_TRUNC, NULL);
-        if (received < 0)
-            received = 0; /* EAGAIN, or an ICMP error queued: control tells us */
+        if (received < 0) {
+            if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+                drain_error_queue(fd); /* an ICMP error queued: control tells us */
+            received = 0;
+        }
         for (int i = 0; i < received; i++) { /* after the last result: stale, as in Python */
             c->counters[COUNTER_BYTES_RECEIVED] += msgs[i].msg_len;
             if (receive(c, iov[i].iov_base, msgs[i].msg_len, monotonic_now()) < 0)
