@@ -20,9 +20,12 @@ time is its slowest rank's.  ``--runs N`` makes N invocations, each on a testbed
 of its own, and reports the median of each figure over them.  Prints a table
 and writes JSON (--json), which also holds, to see how the two met: each
 switchml rank's window, RTT estimate and recovery counters after each call
-(``windows``), and the flow's TCP counters over the phase (``tcp_counters``:
-retransmissions, recoveries, timeouts, from the sender's namespace) and its
-socket's state every 0.1 s (``tcp_states``, ``ss -tin``).  Root only
+(``windows``; ``local_refusals``: rank 0's datagrams its host's queue refused),
+host 0's uplink queue over the phase (``uplink_queue``: packets, drops, that is
+refusals of both senders, and overlimits of its tbf), and the flow's TCP
+counters over the phase (``tcp_counters``: retransmissions, recoveries,
+timeouts, from the sender's namespace) and its socket's state every 0.1 s
+(``tcp_states``, ``ss -tin``).  Root only
 (namespaces).
 """
 
@@ -119,9 +122,19 @@ def tcp_alone(tb, cluster, args, port) -> dict:
             "congestion_control": flow.congestion_control}
 
 
+def uplink_queue(tb) -> dict:
+    """Host 0's uplink queue (its tbf): packets sent, dropped (refused) and over
+    the rate, so far."""
+    from switchml.testbed import netns
+
+    stats = netns.qdisc(tb.namespace(0), tb.ifname(0))[0]
+    return {k: stats.get(k, 0) for k in ("packets", "bytes", "drops", "overlimits")}
+
+
 def job(system, tb, cluster, args, switch, phase, port, beside: bool) -> dict:
     """``system``'s allreduce loop on every host, alone or beside the flow."""
     elements = int(args.mib * 2**20) // 4
+    queue_before = uplink_queue(tb)
     case = {"id": 0, "elements": elements, "density": None, "sparse": False}
     with Phases(cluster, args.timeout) as roles:
         flow = None
@@ -146,6 +159,7 @@ def job(system, tb, cluster, args, switch, phase, port, beside: bool) -> dict:
             elif msg["event"] == "done":
                 done += 1
         samples = flow.stop() if flow else None
+    queue_after = uplink_queue(tb)
     slowest = [max(call) for call in zip(*(reports[r]["times"] for r in range(args.hosts)))]
     t0, t1 = reports[0]["span"]
     span = t1 - t0
@@ -155,7 +169,9 @@ def job(system, tb, cluster, args, switch, phase, port, beside: bool) -> dict:
     result = {"median_s": statistics.median(slowest), "times_s": slowest, "span_s": span,
               "uplink_bytes": uplink, "tcp_bytes": tcp,
               "share": (uplink - tcp) / capacity, "tcp_share": tcp / capacity,
-              "tcp_Mbps": tcp * 8 / span / 1e6}
+              "tcp_Mbps": tcp * 8 / span / 1e6,
+              # host 0's uplink queue over the phase: what it refused, of whom
+              "uplink_queue": {k: queue_after[k] - queue_before[k] for k in queue_after}}
     if system == "switchml":
         result["recovery"] = {k: statistics.mean(reports[r]["recovery"][k]
                                                  for r in range(args.hosts))
@@ -163,6 +179,7 @@ def job(system, tb, cluster, args, switch, phase, port, beside: bool) -> dict:
         result["retransmissions"] = statistics.mean(reports[r]["retransmissions"]
                                                     for r in range(args.hosts))
         result["windows"] = [reports[r].get("windows") for r in range(args.hosts)]
+        result["local_refusals"] = sum(w["local_refusals"] for w in result["windows"][0] or ())
     if flow:
         result["congestion_control"] = flow.congestion_control
         result["tcp_counters"] = flow.counters

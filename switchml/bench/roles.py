@@ -114,7 +114,7 @@ def _time(fn, warmup, repeats, before=None):
 #: The counters that say how a call met losses and queues (per call, per rank).
 RECOVERY = ("retransmissions", "fast_retransmissions", "probe_retransmissions",
             "spurious_retransmissions", "window_decreases", "random_losses", "resends",
-            "results_lost")
+            "results_lost", "local_refusals")
 
 
 def window_state(membership) -> dict:
