@@ -5,7 +5,8 @@
 On the testbed (every link shaped, port queues of ``--queue``), one invocation
 measures, in this order: a bulk TCP flow from host 0 to host 1 alone (plain
 sockets, CUBIC, Linux's default, set on the socket: this machine's default
-may be another, ``--tcp-cc`` picks), switchml's dense
+may be another, ``--tcp-cc`` picks; gloo's sockets take the machine's default,
+``--gloo-cc`` another), switchml's dense
 allreduce loop of ``--hosts`` ranks alone, the same loop while the TCP flow
 runs, then gloo's allreduce loop alone and beside the flow.  The flow starts
 ``--settle`` seconds before the job (CUBIC fills the queues by then) and stops
@@ -136,6 +137,9 @@ def job(system, tb, cluster, args, switch, phase, port, beside: bool) -> dict:
     elements = int(args.mib * 2**20) // 4
     queue_before = uplink_queue(tb)
     case = {"id": 0, "elements": elements, "density": None, "sparse": False}
+    if system == "gloo" and args.gloo_cc:  # gloo's sockets take their namespace's default
+        for host in range(args.hosts):
+            tb.run(host, ["sysctl", "-qw", f"net.ipv4.tcp_congestion_control={args.gloo_cc}"])
     with Phases(cluster, args.timeout) as roles:
         flow = None
         if beside:
@@ -180,6 +184,10 @@ def job(system, tb, cluster, args, switch, phase, port, beside: bool) -> dict:
                                                     for r in range(args.hosts))
         result["windows"] = [reports[r].get("windows") for r in range(args.hosts)]
         result["local_refusals"] = sum(w["local_refusals"] for w in result["windows"][0] or ())
+    if system == "gloo":
+        result["gloo_congestion_control"] = tb.run(
+            0, ["sysctl", "-n", "net.ipv4.tcp_congestion_control"], capture_output=True,
+            text=True).stdout.strip()
     if flow:
         result["congestion_control"] = flow.congestion_control
         result["tcp_counters"] = flow.counters
@@ -198,12 +206,31 @@ def medians(runs: list) -> dict:
         if isinstance(first, dict):
             out[phase] = {k: statistics.median(r[phase][k] for r in runs)
                           for k in FIGURES if k in first}
-            if "congestion_control" in first:
-                out[phase]["congestion_control"] = first["congestion_control"]
+            for key in ("congestion_control", "gloo_congestion_control"):
+                if key in first:
+                    out[phase][key] = first[key]
     return out
 
 
+ALLOWED_CC = "/proc/sys/net/ipv4/tcp_allowed_congestion_control"
+
+
 def run(args) -> dict:
+    """One invocation; with ``--gloo-cc``, which a network namespace may only make
+    its default where the machine allows it to everyone, allowed for its span."""
+    with open(ALLOWED_CC) as f:
+        allowed = f.read().strip()
+    if args.gloo_cc and args.gloo_cc not in allowed.split():
+        with open(ALLOWED_CC, "w") as f:
+            f.write(f"{allowed} {args.gloo_cc}")
+    try:
+        return run_on_a_testbed(args)
+    finally:
+        with open(ALLOWED_CC, "w") as f:
+            f.write(allowed)
+
+
+def run_on_a_testbed(args) -> dict:
     from switchml.testbed import Testbed
 
     with Testbed(args.hosts, args.link, mtu=args.mtu, queue=args.queue,
@@ -252,6 +279,9 @@ def main(argv=None) -> int:
                    help="seconds the flow alone is measured")
     p.add_argument("--tcp-cc", default="cubic",
                    help="the flow's TCP congestion control (default: cubic)")
+    p.add_argument("--gloo-cc", default=None,
+                   help="gloo's TCP congestion control (default: the machine's, "
+                        "net.ipv4.tcp_congestion_control)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--json", default=None, help="write the results here")
@@ -273,7 +303,9 @@ def main(argv=None) -> int:
     if args.runs > 1:
         result["runs"] = runs
         print(f"median of {args.runs} runs:")
-    print(f"TCP congestion control: {result['tcp_alone']['congestion_control']}")
+    print(f"TCP congestion control: the flow's {result['tcp_alone']['congestion_control']}"
+          + (f", gloo's {result['gloo_beside_tcp'].get('gloo_congestion_control')}"
+             if "gloo_beside_tcp" in result else ""))
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:
