@@ -73,8 +73,7 @@ class SwitchIn:
         self.proc = subprocess.Popen(
             ["ip", "netns", "exec", ns, sys.executable, "-c",
              "import sys; from switchml.cli import main; sys.exit(main())", "switch",
-             "--host", host, "--port", str(port), "--packet-elements", "512",
-             "--block-elements", "256", "--log-level", "info", *flags],
+             "--host", host, "--port", str(port), "--log-level", "info", *flags],
             cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True)
         self.address = f"{host}:{port}"

@@ -22,6 +22,18 @@ How a datagram's fate reads in XDP (the program's header comment says why):
 (the frame rewritten, addresses swapped), ``XDP_PASS`` for a completed result,
 which the switch's socket then sends to every rank.
 
+Packets of any size the Python pipeline takes, up to 64 lanes (the default,
+16128 values in 63 blocks of 256, a 65,300-byte datagram, among them): the
+program is built for the pipeline's row size (``-DXDP_MAX_VALUES``, so that its
+maps and the loops the verifier walks are as long as the packets need), and
+loaded as ``xdp.frags``: a frame past one page comes in several buffers
+(multi-buffer XDP), which the program reads and writes with
+``bpf_xdp_load_bytes`` and ``bpf_xdp_store_bytes``.  An answer longer than the
+frame it replaces (a result for a 32-byte probe) needs room at the frame's
+tail, which a frame past one page and a generic-mode skb do not have: the
+program passes such a probe up (``probes_passed_up``) and ``passed_up`` runs it
+again in a frame padded to the result's length.
+
 The object is built lazily, by clang (``-O2 -g -target bpf``), into a cache
 named by a hash of the sources, clang's version and the flags
 (``$SWITCHML_XDP_CACHE``, else ``$XDG_CACHE_HOME/switchml/xdp``); it is loaded
@@ -32,7 +44,7 @@ what is missing.
 Not done yet, each a difference from the Python pipeline that the tests keep
 out of their traffic: sparse modes (dropped and counted as
 ``dropped_sparse_unsupported``; the switch fails such a job, ``take_unsupported``),
-simulated drop rates, IPv6, frames past one page (multi-buffer), the UDP
+simulated drop rates, IPv6, packets of more than 64 lanes (blocks), the UDP
 checksum of received datagrams (the kernel drops a bad one before the Python
 switch's socket; the program does not check it yet), UDP GSO super-packets (a
 veth peer on the same host hands one over whole: dropped as ``bad_length``),
@@ -73,19 +85,19 @@ ETH_HEADER = 14
 IP_HEADER = 20
 UDP_HEADER = 8
 FRAME_HEADERS = ETH_HEADER + IP_HEADER + UDP_HEADER
-#: Largest frame the program handles: one page less XDP's headroom (256) and the
-#: kernel's skb_shared_info (320), as BPF_PROG_TEST_RUN and drivers without
-#: multi-buffer give it.
-MAX_FRAME = 4096 - 256 - 320
+#: What BPF_PROG_TEST_RUN puts in a frame's first buffer: one page less XDP's
+#: headroom (256) and the kernel's skb_shared_info (320); the rest of a longer
+#: frame goes in pages of its own (multi-buffer XDP, which the program takes).
+FIRST_BUFFER = 4096 - 256 - 320
 #: The switch's side of the frames ``receive_datagram`` builds.
 SWITCH_MAC = bytes.fromhex("020000000001")
 WORKER_MAC = bytes.fromhex("020000000002")
 SWITCH_IP = "10.255.0.1"
 
 
-def _source_constants() -> tuple[list[str], int, int]:
-    """The counter names (the program's enum) and its loop bounds, read from the
-    source, so that they have one definition."""
+def _source_constants() -> tuple[list[str], int]:
+    """The counter names (the program's enum) and its bound on lanes, read from
+    the source, so that they have one definition."""
     text = SOURCE.read_text()
     enum = re.search(r"enum xdp_counter \{(.*?)\};", text, re.S)
     if enum is None:
@@ -101,14 +113,24 @@ def _source_constants() -> tuple[list[str], int, int]:
             raise RuntimeError(f"{SOURCE.name}: no #define {name}")
         return int(found.group(1))
 
-    return [n[2:].lower() for n in names[:-1]], define("XDP_MAX_LANES"), \
-        define("XDP_MAX_VALUES")
+    return [n[2:].lower() for n in names[:-1]], define("XDP_MAX_LANES")
 
 
-COUNTER_NAMES, MAX_LANES, MAX_VALUES = _source_constants()
-#: Bytes of a slot row in the program's map (XDP_ROW_SIZE).
-ROW_SIZE = wire.HEADER_SIZE + wire.LANE_SIZE * MAX_LANES + wire.VALUE_SIZE * MAX_VALUES + \
-    wire.HEADER_SIZE
+COUNTER_NAMES, MAX_LANES = _source_constants()
+
+
+def max_values(datagram_size: int) -> int:
+    """The values a slot row of the program holds (its XDP_MAX_VALUES, which
+    bounds its loops) for a pipeline whose datagrams take ``datagram_size``
+    bytes: as many as one lane leaves room for, a multiple of 8."""
+    values = max(1, (datagram_size - wire.HEADER_SIZE - wire.LANE_SIZE) // wire.VALUE_SIZE)
+    return -(-values // 8) * 8
+
+
+def row_size(values: int) -> int:
+    """Bytes of a slot row in the program's map (XDP_ROW_SIZE) for ``values``."""
+    return wire.HEADER_SIZE + wire.LANE_SIZE * MAX_LANES + wire.VALUE_SIZE * values + \
+        wire.HEADER_SIZE
 
 
 # ---------------------------------------------------------------- the toolchain
@@ -160,21 +182,22 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(base) / "switchml" / "xdp"
 
 
-def build_object() -> pathlib.Path:
-    """The compiled program, built by clang on first use into the cache."""
+def build_object(values: int) -> pathlib.Path:
+    """The compiled program whose rows hold ``values`` values (a multiple of 8),
+    built by clang on first use into the cache."""
     clang = shutil.which("clang")
     if clang is None:
         raise RuntimeError(unavailable() or "no clang")
     version = subprocess.run([clang, "--version"], capture_output=True, text=True,
                              check=True).stdout
-    flags = CFLAGS + [f"-I{d}" for d in _include_dirs()]
+    flags = CFLAGS + [f"-DXDP_MAX_VALUES={values}"] + [f"-I{d}" for d in _include_dirs()]
     digest = hashlib.sha256()
     for part in (SOURCE.read_bytes(), WIRE_H.read_bytes(), version.encode(),
                  " ".join(flags).encode()):
         digest.update(part)
         digest.update(b"\0")
     cache = _cache_dir()
-    target = cache / f"xdp_pipeline-{digest.hexdigest()[:16]}.o"
+    target = cache / f"xdp_pipeline-{values}-{digest.hexdigest()[:16]}.o"
     if target.exists():
         return target
     cache.mkdir(parents=True, exist_ok=True)
@@ -338,10 +361,11 @@ class _Program:
         _check(fd, f"attaching the XDP program to interface {ifindex}")
         return fd
 
-    def test_run(self, frame: bytes) -> tuple[int, bytes]:
-        """Run the program once on ``frame``: (its XDP action, the frame it left)."""
+    def test_run(self, frame: bytes, room: int = 0) -> tuple[int, bytes]:
+        """Run the program once on ``frame``: (its XDP action, the frame it left,
+        of at most ``room`` bytes or the frame's length and a page)."""
         data_in = ctypes.create_string_buffer(bytes(frame), len(frame))
-        data_out = ctypes.create_string_buffer(2 * 4096)
+        data_out = ctypes.create_string_buffer(max(room, len(frame) + 4096))
         opts = _TestRunOpts(sz=ctypes.sizeof(_TestRunOpts),
                             data_in=ctypes.cast(data_in, ctypes.c_void_p),
                             data_out=ctypes.cast(data_out, ctypes.c_void_p),
@@ -435,18 +459,6 @@ def parse_udp_frame(frame: bytes) -> tuple[tuple, tuple, bytes]:
         if total >= IP_HEADER + length else b""
 
 
-def _fitting(block: int) -> int:
-    """The most values a packet of blocks of ``block`` values can hold here."""
-    best = 0
-    for lanes in range(1, MAX_LANES + 1):
-        values = lanes * block
-        if values > MAX_VALUES or FRAME_HEADERS + wire.HEADER_SIZE + wire.LANE_SIZE * lanes + \
-                wire.VALUE_SIZE * values > MAX_FRAME:
-            break
-        best = values
-    return best
-
-
 def interface_of(host: str) -> int:
     """The index of the interface that holds IPv4 address ``host``; ValueError
     when none does (0.0.0.0 among them: the program serves one interface)."""
@@ -481,22 +493,25 @@ class XdpPipeline(Pipeline):
                  *, block_elements: int | None = None, port: int = DEFAULT_PORT,
                  switch_ip: str = SWITCH_IP):
         super().__init__(slots, packet_elements, block_elements=block_elements)
-        if self.lanes > MAX_LANES or self.packet_elements > MAX_VALUES or \
-                self.datagram_size + FRAME_HEADERS > MAX_FRAME:
+        if self.lanes > MAX_LANES:
             raise ValueError(
-                f"the XDP data plane handles packets of at most {MAX_LANES} lanes, "
-                f"{MAX_VALUES} values and {MAX_FRAME - FRAME_HEADERS} bytes (one page); "
-                f"{self.packet_elements} values in blocks of {self.block_elements} take "
-                f"{self.datagram_size} bytes: set packet_elements (--packet-elements, "
-                f"SWITCHML_PACKET_ELEMENTS) to at most {_fitting(self.block_elements)}")
+                f"the XDP data plane handles packets of at most {MAX_LANES} lanes (blocks, "
+                f"each an exponent register: the bound of the program's loop over them); "
+                f"{self.packet_elements} values in blocks of {self.block_elements} are "
+                f"{self.lanes}: set packet_elements (--packet-elements, "
+                f"SWITCHML_PACKET_ELEMENTS) to at most {MAX_LANES * self.block_elements}")
         reason = unavailable()
         if reason:
             raise RuntimeError(f"the XDP data plane cannot run here: {reason}")
         self.port = port
         self.address = (switch_ip, port)
-        self._prog = _load(build_object(), {
+        #: the values a row of the program holds (its loops' bound)
+        self.max_values = max_values(self.datagram_size)
+        self._row_size = row_size(self.max_values)
+        self._prog = _load(build_object(self.max_values), {
             "members": slots * MAX_WORKERS, "jobs": slots, "mismatches": slots,
-            "sets": 2 * slots, "rows": 2 * slots, "counts": slots + 1})
+            "sets": 2 * slots, "rows": 2 * slots, "counts": slots + 1,
+            "scratch": _libbpf().libbpf_num_possible_cpus()})
         self.verifier_stats = self._prog.verifier_stats
         self._prog.update("config", _u32(0), _Config(slots, socket.htons(port), 0))
         self._counts_type = ctypes.c_uint64 * (len(COUNTER_NAMES) * self._prog.cpus)
@@ -649,7 +664,7 @@ class XdpPipeline(Pipeline):
         """The program's slot row of set ``v`` of ``slot``, as long as pipeline.py's
         rows are up to the reply it builds past the datagram (``datagram_size``)."""
         row = self._prog.lookup("rows", _u32(v * self.slots + slot),
-                                (ctypes.c_uint8 * ROW_SIZE)())
+                                (ctypes.c_uint8 * self._row_size)())
         return bytes(row)[: self.datagram_size]
 
     def slot_state(self, slot: int, msg: int) -> tuple[bool, int]:
@@ -679,7 +694,7 @@ class XdpPipeline(Pipeline):
     # ---------------------------------------------------------------- data
     def run_frame(self, frame: bytes) -> tuple[int, bytes]:
         """The program on one frame, as a NIC would run it: (XDP action, frame out)."""
-        action, out = self._prog.test_run(frame)
+        action, out = self._prog.test_run(frame, FRAME_HEADERS + self.datagram_size + 4096)
         self.sync_counters()
         return action, out
 
@@ -687,9 +702,14 @@ class XdpPipeline(Pipeline):
         """``Pipeline.receive_datagram`` through the program: ``data`` from ``addr``
         in a frame to the switch; the datagrams it sends and where.  A completed
         result (``XDP_PASS``) goes to every rank of the sender's job, as the
-        switch's socket sends it."""
+        switch's socket sends it.  The frame is padded (past its IP packet, as
+        Ethernet pads short frames) to a whole result's length: the program
+        answers a probe in place, in a frame too short for the result otherwise
+        (one page is, for packets past it)."""
         member_key(addr)  # IPv4 only: refuse anything else before building a frame
-        action, out = self.run_frame(udp_frame(addr, self.address, bytes(data)))
+        frame = udp_frame(addr, self.address, bytes(data))
+        room = FRAME_HEADERS + self.datagram_size
+        action, out = self.run_frame(frame + bytes(max(0, room - len(frame))))
         if action == XDP_DROP:
             return []
         src, dst, payload = parse_udp_frame(out)

@@ -42,9 +42,10 @@
  *  - loops over packet pointers: every access at a variable offset needs its
  *    own bounds check against data_end, and each exit of a bounded loop carries
  *    another packet range, so its states do not prune; the datagram's body is
- *    copied with bpf_xdp_load_bytes into a per-CPU scratch map value (sizes
+ *    copied with bpf_xdp_load_bytes into the CPU's scratch map value (sizes
  *    known to the verifier) and the answer written back with
- *    bpf_xdp_store_bytes (both also work on multi-buffer frames, later);
+ *    bpf_xdp_store_bytes (both also work on multi-buffer frames, which a
+ *    datagram past one page comes in);
  *  - helper calls while a bpf_spin_lock is held: lookups, load/store_bytes and
  *    adjust_tail all happen before the set's lock is taken or after it is
  *    released; under the lock only plain loads, stores and bounded loops, and
@@ -71,11 +72,17 @@
 #include "../wire.h" /* the datagram format, shared with the C cores */
 
 #define XDP_MAX_WORKERS 32 /* pipeline.MAX_WORKERS: the bitmap is 32 bits */
-/* The bounds of the loops, hence of a job's packets: a frame of one page (XDP
- * without multi-buffer) holds at most 3478 bytes of UDP payload, 858 values with
- * one lane.  xdp.py refuses a pipeline whose rows exceed them. */
+/* The bounds of the loops, hence of a job's packets.  XDP_MAX_VALUES, the values
+ * a row holds, is the pipeline's (xdp.py builds the program for it, -D, a
+ * multiple of 8): the rows are the size the switch's packets need, and the
+ * verifier walks loops no longer than they need.  It takes them up to the
+ * largest UDP datagram (16360 values in one lane, 16128 in 63: some 577,000
+ * instructions processed of its 1,000,000; 79,000 at MTU 9000's 2048 values).
+ * xdp.py refuses a pipeline whose packets have more lanes. */
 #define XDP_MAX_LANES 64
-#define XDP_MAX_VALUES 1024
+#ifndef XDP_MAX_VALUES
+#error "XDP_MAX_VALUES: the values a slot row holds (xdp.py sets it)"
+#endif
 #define XDP_BODY_MAX (WIRE_LANE_SIZE * XDP_MAX_LANES + 4 * XDP_MAX_VALUES)
 /* A slot row: a result datagram (header, lane registers, values) and, as in
  * pipeline.py, room past it (pipeline.py builds resends there; here they are
@@ -225,10 +232,11 @@ struct {
     __type(value, struct xdp_counters);
 } counts SEC(".maps");
 
-/* The datagram's body in, the answer's bytes out: one per CPU, as a packet is
- * handled from start to end on one CPU. */
+/* The datagram's body in, the answer's bytes out: [cpu], as a packet is handled
+ * from start to end on one CPU (an array, not a per-CPU one, whose values are
+ * limited to 32 KiB; xdp.py sets max_entries to the possible CPUs). */
 struct {
-    __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+    __uint(type, BPF_MAP_TYPE_ARRAY);
     __uint(max_entries, 1);
     __type(key, __u32);
     __type(value, struct xdp_row);
@@ -347,6 +355,7 @@ static __always_inline void copy_body(__u8 *dst, const __u8 *src, __u32 len)
         __u32 at = done + 4 * i;
         if (at >= bytes || at >= XDP_BODY_MAX)
             break;
+        barrier_var(at);
         *(__u32 *)(dst + at) = *(const __u32 *)(src + at);
     }
 }
@@ -378,14 +387,18 @@ static __always_inline void add_values(__u8 *row, const __u8 *in, __u32 count)
         __u32 k = done + i;
         if (k >= values || k >= XDP_MAX_VALUES)
             break;
+        barrier_var(k); /* clang would index by done | i, whose bound the verifier loses */
         *(__u32 *)(row + 4 * k) += *(const __u32 *)(in + 4 * k);
     }
 }
 
+/* *r = max(*r, *x), as int32, without a branch: a branch per value would leave
+ * the verifier a pending state per value, past its limit (8192) at 16368. */
 static __always_inline void max_value(__s32 *r, const __s32 *x)
 {
-    if (*x > *r)
-        *r = *x;
+    __s64 a = *x, b = *r, d = a - b; /* no overflow in 64 bits */
+    barrier_var(d); /* else clang sees a max, and branches */
+    *r = (__s32)(a - (d & (d >> 63))); /* d < 0: a - d = b */
 }
 
 /* row[:values] = max(row[:values], in[:values]), as int32 (MODE_MAX). */
@@ -406,6 +419,7 @@ static __always_inline void max_values(__u8 *row, const __u8 *in, __u32 count)
         __u32 k = done + i;
         if (k >= values || k >= XDP_MAX_VALUES)
             break;
+        barrier_var(k); /* clang would index by done | i, whose bound the verifier loses */
         max_value((__s32 *)(row + 4 * k), (const __s32 *)(in + 4 * k));
     }
 }
@@ -486,15 +500,16 @@ static __always_inline int frame_to_host(struct xdp_md *ctx)
     return XDP_PASS;
 }
 
-/* Send the `len` bytes in scratch (a result) instead of the datagram, whose
- * length is `in_len`: the frame grows or shrinks to fit. */
+/* Send the `len` bytes in scratch (a result) instead of the datagram: the frame
+ * (of its headers and the datagram, and whatever padding followed it) grows or
+ * shrinks to fit. */
 #define NO_ROOM 1
-static __always_inline int put_scratch(struct xdp_md *ctx, const __u8 *bytes, __u32 len,
-                                       __u32 in_len)
+static __always_inline int put_scratch(struct xdp_md *ctx, const __u8 *bytes, __u32 len)
 {
     if (len < 1 || len > XDP_ROW_SIZE)
         return -1; /* cannot be: a row prefix; bounds the helper's size */
-    if (len != in_len && bpf_xdp_adjust_tail(ctx, (int)len - (int)in_len))
+    int delta = (int)(FRAME_HEADERS + len) - (int)bpf_xdp_get_buff_len(ctx);
+    if (delta && bpf_xdp_adjust_tail(ctx, delta))
         return NO_ROOM; /* the frame as it came: the caller decides */
     return bpf_xdp_store_bytes(ctx, FRAME_HEADERS, (void *)bytes, len) ? -1 : 0;
 }
@@ -510,10 +525,10 @@ static __always_inline int answer_probe(struct xdp_md *ctx, struct xdp_counters 
         return XDP_DROP;
     }
     count(counters, C_PROBES_IN, 1);
-    __u32 v = h->msg & 1, row_index = v * slots + h->slot, zero = 0;
+    __u32 v = h->msg & 1, row_index = v * slots + h->slot, cpu = bpf_get_smp_processor_id();
     struct xdp_set *set = bpf_map_lookup_elem(&sets, &row_index);
     struct xdp_row *row = bpf_map_lookup_elem(&rows, &row_index);
-    struct xdp_row *out = bpf_map_lookup_elem(&scratch, &zero);
+    struct xdp_row *out = bpf_map_lookup_elem(&scratch, &cpu);
     if (!set || !row || !out) {
         count(counters, C_DROPPED_INTERNAL, 1);
         return XDP_DROP;
@@ -556,14 +571,16 @@ static __always_inline int answer_probe(struct xdp_md *ctx, struct xdp_counters 
         count(counters, C_DROPPED_STALE, 1);
         return XDP_DROP;
     case A_RESULT_ONE: {
-        int put = put_scratch(ctx, out->bytes, out_len, WIRE_HEADER_SIZE);
+        int put = put_scratch(ctx, out->bytes, out_len);
         if (put == NO_ROOM) {
             /* Attached in generic mode, a frame is the skb it came in, whose
              * tail has no room for a result when it held a 32-byte probe; a
-             * driver's frame (a page) and BPF_PROG_TEST_RUN's do.  Passed up as
-             * it is (a probe: the switch's socket never takes it for a result),
-             * user space runs it through this program again in a page
-             * (xdp.XdpPipeline.passed_up), which answers it and counts it:
+             * driver's frame (a page) has room for a result that fits a page,
+             * and no frame for a result past the tail of its last buffer.
+             * Passed up as it is (a probe: the switch's socket never takes it
+             * for a result), user space runs it through this program again
+             * (xdp.XdpPipeline.passed_up) in a frame padded to a whole
+             * result's length, which answers it and counts it:
              * uncounted here, by adding -1 (the per-CPU sums are taken modulo
              * 2**64). */
             count(counters, C_PROBES_IN, (__u64)-1);
@@ -596,7 +613,7 @@ static __always_inline int answer_probe(struct xdp_md *ctx, struct xdp_counters 
 static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
                                             const struct member *m, __u32 slots)
 {
-    __u32 job_index = m->job, zero = 0;
+    __u32 job_index = m->job, cpu = bpf_get_smp_processor_id();
     const struct xdp_job *job = bpf_map_lookup_elem(&jobs, &job_index);
     struct xdp_counters *counters = bpf_map_lookup_elem(&counts, &job_index);
     if (!job || !counters)
@@ -658,7 +675,7 @@ static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
     __u32 v = h.msg & 1, row_index = v * slots + h.slot, bit = 1u << rank;
     struct xdp_set *set = bpf_map_lookup_elem(&sets, &row_index);
     struct xdp_row *row = bpf_map_lookup_elem(&rows, &row_index);
-    struct xdp_row *in = bpf_map_lookup_elem(&scratch, &zero);
+    struct xdp_row *in = bpf_map_lookup_elem(&scratch, &cpu);
     struct xdp_mismatch *mm = bpf_map_lookup_elem(&mismatches, &job_index);
     if (!set || !row || !in || body < 1 || body > XDP_BODY_MAX)
         DROP(C_DROPPED_INTERNAL);
@@ -744,13 +761,13 @@ static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
         DROP(C_DROPPED_MISMATCH);
     case A_RESULT_ONE:
         count(counters, C_RETRANSMISSIONS_ANSWERED, 1);
-        if (put_scratch(ctx, in->bytes, out_len, len))
+        if (put_scratch(ctx, in->bytes, out_len))
             DROP(C_DROPPED_INTERNAL);
         count(counters, C_RESULTS_OUT, 1);
         return frame_to_sender(ctx, out_len);
     case A_COMPLETE:
         count(counters, C_RESULTS_COMPLETED, 1);
-        if (put_scratch(ctx, in->bytes, out_len, len))
+        if (put_scratch(ctx, in->bytes, out_len))
             DROP(C_DROPPED_INTERNAL);
         count(counters, C_RESULTS_OUT, world); /* user space sends it to each rank */
         return frame_to_host(ctx);
@@ -760,7 +777,9 @@ static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
 #undef DROP
 }
 
-SEC("xdp")
+/* xdp.frags: frames past one page come as several buffers (multi-buffer XDP);
+ * the headers are read in the first, the datagram with load and store bytes. */
+SEC("xdp.frags")
 int xdp_pipeline(struct xdp_md *ctx)
 {
     void *data = (void *)(long)ctx->data, *data_end = (void *)(long)ctx->data_end;
@@ -801,7 +820,7 @@ int xdp_pipeline(struct xdp_md *ctx)
     /* What the kernel checks before a datagram reaches a socket (ip_rcv,
      * udp_rcv): a datagram it would drop is one pipeline.py never sees.  The UDP
      * checksum is not verified here yet (see xdp.py). */
-    __u32 frame = data_end - data, tot = bpf_ntohs(ip->tot_len), ulen = bpf_ntohs(udp->len);
+    __u32 frame = bpf_xdp_get_buff_len(ctx), tot = bpf_ntohs(ip->tot_len), ulen = bpf_ntohs(udp->len);
     __u16 check = ip->check;
     ip->check = 0;
     __u16 want = ip_checksum(ip);
