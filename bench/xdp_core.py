@@ -4,6 +4,7 @@ two: the XDP twin of ``bench/switch_core.py``.
 
     sudo python bench/xdp_core.py                        # both MTUs, 1 and 2 CPUs
     sudo python bench/xdp_core.py --mtu 1500 --cpus 1 --seconds 5 --json out.json
+    python bench/xdp_core.py --median run1.json run2.json run3.json   # Markdown, medians
 
 The program (switch/xdp_pipeline.bpf.c, loaded by ``XdpPipeline``) runs through
 BPF_PROG_TEST_RUN, one call a frame, on Ethernet/IPv4/UDP contribution frames of
@@ -138,6 +139,24 @@ def _runner(prog_fd, cpu, leader, frames, start, deadline, barrier, stop, conn):
         conn.send(exc)
 
 
+_AFFINITY = set(os.sched_getaffinity(0))
+
+
+def _duration(p, frame: bytes, repeat: int) -> int:
+    """BPF_PROG_TEST_RUN's nanoseconds a run of ``frame``, ``repeat`` runs at once."""
+    lib = xdp._libbpf()
+    data_in = ctypes.create_string_buffer(frame, len(frame))
+    out = ctypes.create_string_buffer(len(frame) + 4096)
+    opts = xdp._TestRunOpts(sz=ctypes.sizeof(xdp._TestRunOpts),
+                            data_in=ctypes.cast(data_in, ctypes.c_void_p),
+                            data_out=ctypes.cast(out, ctypes.c_void_p),
+                            data_size_in=len(frame), data_size_out=len(out), repeat=repeat)
+    rc = lib.bpf_prog_test_run_opts(p._prog.prog_fd, ctypes.byref(opts))
+    if rc:
+        raise OSError(-rc, "BPF_PROG_TEST_RUN")
+    return opts.duration
+
+
 def measure(mtu: int, cpus: int, share: str, workers: int, slots: int, block: int,
             seconds: float) -> dict:
     """One row: the program on ``cpus`` CPUs (1 or 2) for ``seconds``."""
@@ -185,6 +204,14 @@ def measure(mtu: int, cpus: int, share: str, workers: int, slots: int, block: in
                 raise answer
         p.sync_counters()
         c = p.jobs[SESSION].counters
+        if cpus == 1:  # the per-call cost: a frame (stale by now: its set moved on), alone or
+            # repeated
+            os.sched_setaffinity(0, {mine[0]})
+            last = bytes(frames[-1])
+            alone = sorted(_duration(p, last, 1) for _ in range(2001))[1000]
+            row["stale_ns_alone"] = alone
+            row["stale_ns_repeated"] = _duration(p, last, 100_000)
+            os.sched_setaffinity(0, set(range(os.cpu_count() or 1)) & _AFFINITY)
     finally:
         p.close()
     added = c["packets_in"] - sum(c[k] for k in (
@@ -207,6 +234,43 @@ def measure(mtu: int, cpus: int, share: str, workers: int, slots: int, block: in
                       actions=dict(zip(xdp.ACTIONS.values(), a[5]))) for a in answers])
 
 
+MEDIAN_COLUMNS = [("program_ns_per_frame", "ns a frame", "{:.0f}"),
+                  ("gbit_per_program_core_s", "Gbit/s a program core", "{:.1f}"),
+                  ("gbit_per_harness_core_s", "Gbit/s a harness core", "{:.2f}"),
+                  ("gbit_per_wall_s", "Gbit/s wall", "{:.2f}"),
+                  ("wall_vs_1_cpu", "wall x 1 CPU", "{:.2f}x"),
+                  ("program_vs_1_cpu", "program x 1 CPU", "{:.2f}x"),
+                  ("stale_ns_alone", "stale frame ns, alone", "{:.0f}"),
+                  ("stale_ns_repeated", "stale frame ns, repeated", "{:.0f}")]
+
+
+def median_table(paths: list) -> str:
+    """A Markdown table of the rows of several invocations' JSON files: each
+    figure the median of theirs, the invocations' figures beside it."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f)["rows"])
+    header = ["MTU", "datagram B", "CPUs", "slots"] + [c[1] for c in MEDIAN_COLUMNS]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for i, row in enumerate(runs[0]):
+        cells = [str(row["mtu"]), str(row["packet_bytes"]),
+                 f"{row['cpus']}" + (f" ({row['share']})" if row["cpus"] > 1 else ""),
+                 str(row["slots"])]
+        if "refused" in row:
+            lines.append("| " + " | ".join(cells + ["refused"] + [""] * (len(header) - 5)) + " |")
+            continue
+        for key, _, fmt in MEDIAN_COLUMNS:
+            values = [r[i].get(key) for r in runs]
+            if any(v is None for v in values):
+                cells.append("-")
+                continue
+            mid = sorted(values)[len(values) // 2]
+            cells.append(f"**{fmt.format(mid)}** ({', '.join(fmt.format(v) for v in values)})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mtu", type=int, nargs="+", default=[1500, 9000])
@@ -218,7 +282,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--block", type=int, default=256, help="values per block")
     parser.add_argument("--seconds", type=float, default=3.0, help="measured, per row")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--median", nargs="+", metavar="JSON",
+                        help="print the medians of these invocations' files; nothing run")
     args = parser.parse_args(argv)
+    if args.median:
+        print(median_table(args.median))
+        return []
     reason = xdp.unavailable()
     if reason:
         raise SystemExit(f"the XDP program cannot run here: {reason}")
@@ -237,7 +306,7 @@ def main(argv=None) -> list[dict]:
                 base["gbit_per_program_core_s"]
     print(f"{'MTU':>5} {'bytes':>6} {'cpus':>4} {'share':>8} {'ns/frame':>9} "
           f"{'Gbit/prog-core-s':>16} {'Gbit/harness-core-s':>19} {'Gbit/s wall':>11} "
-          f"{'x 1 cpu (wall, prog)':>20}")
+          f"{'x 1 cpu (wall, prog)':>20} {'stale ns (alone, rep.)':>22}")
     for r in rows:
         if "refused" in r:
             print(f"{r['mtu']:>5} {r['packet_bytes']:>6} {r['cpus']:>4} {r['share']:>8}  "
@@ -245,10 +314,11 @@ def main(argv=None) -> list[dict]:
             continue
         ratio = f"{r['wall_vs_1_cpu']:.2f}x {r['program_vs_1_cpu']:.2f}x" \
             if "wall_vs_1_cpu" in r else "-"
+        stale = f"{r['stale_ns_alone']} {r['stale_ns_repeated']}" if "stale_ns_alone" in r else "-"
         print(f"{r['mtu']:>5} {r['packet_bytes']:>6} {r['cpus']:>4} {r['share']:>8} "
               f"{r['program_ns_per_frame']:>9.0f} {r['gbit_per_program_core_s']:>16.2f} "
               f"{r['gbit_per_harness_core_s']:>19.2f} {r['gbit_per_wall_s']:>11.2f} "
-              f"{ratio:>20}")
+              f"{ratio:>20} {stale:>22}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
