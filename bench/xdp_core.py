@@ -62,7 +62,7 @@ if ROOT not in sys.path:
 
 from bench.switch_core import packet_elements_for  # noqa: E402
 from switchml import wire  # noqa: E402
-from switchml.switch import xdp  # noqa: E402
+from switchml.switch import xdp, xdp_loader  # noqa: E402
 
 SESSION = 0x5EED
 #: where a frame's header field ``msg`` starts (Ethernet, IPv4, UDP headers first)
@@ -93,13 +93,13 @@ def _runner(prog_fd, cpu, leader, frames, start, deadline, barrier, stop, conn):
     program ns, CPU s, wall s, actions)."""
     try:
         os.sched_setaffinity(0, {cpu})
-        lib = xdp._libbpf()
+        lib = xdp_loader.libbpf()
         run = lib.bpf_prog_test_run_opts
         size = frames.shape[1]
         out = ctypes.create_string_buffer(2 * size + 4096)
         opts = []
         for i in range(len(frames)):
-            o = xdp._TestRunOpts(sz=ctypes.sizeof(xdp._TestRunOpts),
+            o = xdp_loader.TestRunOpts(sz=ctypes.sizeof(xdp_loader.TestRunOpts),
                                  data_in=frames[i].ctypes.data,
                                  data_out=ctypes.cast(out, ctypes.c_void_p),
                                  data_size_in=size, data_size_out=len(out), repeat=1)
@@ -144,10 +144,10 @@ _AFFINITY = set(os.sched_getaffinity(0))
 
 def _duration(p, frame: bytes, repeat: int) -> int:
     """BPF_PROG_TEST_RUN's nanoseconds a run of ``frame``, ``repeat`` runs at once."""
-    lib = xdp._libbpf()
+    lib = xdp_loader.libbpf()
     data_in = ctypes.create_string_buffer(frame, len(frame))
     out = ctypes.create_string_buffer(len(frame) + 4096)
-    opts = xdp._TestRunOpts(sz=ctypes.sizeof(xdp._TestRunOpts),
+    opts = xdp_loader.TestRunOpts(sz=ctypes.sizeof(xdp_loader.TestRunOpts),
                             data_in=ctypes.cast(data_in, ctypes.c_void_p),
                             data_out=ctypes.cast(out, ctypes.c_void_p),
                             data_size_in=len(frame), data_size_out=len(out), repeat=repeat)

@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 
 from switchml import wire
 from switchml.sim import Faults
-from switchml.switch import xdp
+from switchml.switch import xdp, xdp_loader
 from switchml.switch.pipeline import Pipeline
 
 REASON = xdp.unavailable()
@@ -598,12 +598,12 @@ def _race_on(prog_fd: int, cpu: int, runs, rounds: int, barrier, conn, result_va
 
     try:
         os.sched_setaffinity(0, {cpu})
-        lib = xdp._libbpf()
+        lib = xdp_loader.libbpf()
         prepared = []
         for slot, data, delta in runs:
             data_in = ctypes.create_string_buffer(data, len(data))
             data_out = ctypes.create_string_buffer(8192)
-            opts = xdp._TestRunOpts(sz=ctypes.sizeof(xdp._TestRunOpts),
+            opts = xdp_loader.TestRunOpts(sz=ctypes.sizeof(xdp_loader.TestRunOpts),
                                     data_in=ctypes.cast(data_in, ctypes.c_void_p),
                                     data_out=ctypes.cast(data_out, ctypes.c_void_p),
                                     data_size_in=len(data), repeat=1)

@@ -1,8 +1,8 @@
 /* The switch's per-packet pipeline as an XDP program: the dense path of
  * switch/pipeline.py (the reference model: read its docstring for the rules),
  * step by step, in the same order, with the same drop reasons and counter
- * names.  switch/xdp.py loads it (libbpf through ctypes), fills its maps from the
- * Python control plane, attaches it to the switch's interface (generic mode)
+ * names.  switch/xdp_loader.py builds it (clang) and loads it (libbpf through
+ * ctypes); switch/xdp.py fills its maps from the Python control plane, attaches it to the switch's interface (generic mode)
  * and runs it with BPF_PROG_TEST_RUN (tests, and probes passed up); tests/test_xdp.py
  * feeds it and the Python pipeline the same frames and requires the same
  * datagrams out, the same counters and the same slot state.
