@@ -170,11 +170,13 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
             switch.stdin.write("stop\n")
             switch.stdin.flush()
         counters: dict = {}
+        planes: set = set()  # what the switches said they aggregated with
         stopped = 0
         while stopped < len(switches):
             name, msg = roles.next()
             if isinstance(name, str) and name.startswith("switch") and msg["event"] == "stats":
                 stopped += 1
+                planes.add(msg["stats"].get("data_plane"))
                 for key, value in msg["stats"]["ended_jobs"].get(job, {}).get(
                         "counters", {}).items():
                     counters[key] = (counters.get(key, 0) + value
@@ -188,6 +190,7 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
         rows.append(_row(system, world, case, items, cluster, args,
                          sent=_mean(items, "bytes_sent"), received=_mean(items, "bytes_received"),
                          retransmissions=_mean(items, "retransmissions")))
+        rows[-1]["switch_data_plane"] = ",".join(sorted(str(p) for p in planes))
     _note_uplinks(rows, uplinks, len(cases) * (args.warmup + args.repeats))
     return rows, counters
 
