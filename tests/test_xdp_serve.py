@@ -129,6 +129,36 @@ def inputs_for(world: int, seed: int = 3) -> list:
              for i, n in enumerate(sizes)] for _ in range(world)]
 
 
+@needs_xdp
+def test_jumbo_frames_past_one_page(veth):
+    """Links of MTU 9000: the ranks' packets take 8320-byte datagrams (8 blocks of
+    256 values), frames past one page, which come to the program in generic mode
+    as several buffers (multi-buffer XDP); the sums are the exact ones and every
+    contribution was added in the program."""
+    ns, dev, host, here, _ = veth
+    sh("ip", "link", "set", "dev", here, "mtu", "9000")
+    sh("ip", "-n", ns, "link", "set", "dev", dev, "mtu", "9000")
+    world = 3
+    inputs = inputs_for(world, seed=4)
+    switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp")
+    try:
+        got = run_job(switch.address, inputs, "jumbo")
+        stats = switch.stats()
+    finally:
+        switch.close()
+    for i in (0, 2):
+        total = sum(x[i].astype(np.int64) for x in inputs)
+        assert got[0][i].tolist() == ((total + 2**31) % 2**32 - 2**31).tolist()
+    for r in range(1, world):
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(got[r], got[0]))
+    ended = stats["ended_jobs"]["jumbo"]
+    assert ended["packet_elements"] == 2048  # wire.frame_geometry(9000, 16128, 256)
+    job = ended["counters"]
+    assert job["results_completed"] >= sum(-(-a.size // 2048) for a in inputs[0])
+    assert job["packets_in"] >= world * job["results_completed"]
+    assert not {k for k in job if k.startswith("dropped_")} - {"dropped_stale"}, job
+
+
 def lose(here: str, loss: float):
     """Drop UDP datagrams with probability ``loss`` both ways on veth ``here`` (this
     namespace's end): before the program sees them (output) and after it answered
