@@ -260,8 +260,8 @@ class SwitchConfiguration:
     ``data_plane`` ("python", "c", "xdp", or None: the ``fastpath`` rule; "xdp"
     runs the dense path in an XDP program attached to the interface holding
     ``host``: it needs Linux, clang, libbpf and CAP_BPF with CAP_NET_ADMIN,
-    packets of one page (``packet_elements`` of at most 1024, see
-    switch/xdp.py), no simulated drops and no ``upstream``; sparse calls are not
+    packets of at most 64 blocks (the default's 63 fit; see switch/xdp.py), no
+    simulated drops and no ``upstream``; sparse calls are not
     aggregated there),
     ``upstream`` ("host:port" of a spine switch: this switch is then a rack
     switch, whose jobs' partial sums go up to the spine; its data plane runs in

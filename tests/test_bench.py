@@ -185,6 +185,59 @@ def test_invocations_take_the_median_of_the_runs_and_gloo_from_the_same():
     assert "1.67x" in format_summary(list(rows.values()))
 
 
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None,
+                    reason="the testbed needs root and tc")
+def test_bench_on_the_testbed_with_the_xdp_data_plane(tmp_path):
+    from switchml.switch import xdp
+
+    if xdp.unavailable():
+        pytest.skip(f"XDP: {xdp.unavailable()}")
+    args = ["--testbed", "--link", "200mbit", "--workers", "2", "--sizes", "1",
+            "--repeats", "1", "--systems", "dense", "--slots-per-job", "4",
+            "--data-plane", "xdp", "--prefix", f"x{os.getpid() % 100000}", "--out",
+            str(tmp_path)]
+    done = subprocess.run(CLI + args, capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.load(open(os.path.join(tmp_path, "results.json")))
+    [dense] = data["rows"]
+    assert dense["system"] == "switchml-dense" and dense["switch_data_plane"] == "xdp"
+    assert dense["checked"] is True and dense["ranks_bit_identical"], dense
+    assert dense["bytes_sent_per_worker"] >= dense["size_bytes"]
+    assert data["switch_job_counters"]["2"]["results_completed"] > 0
+    refused = subprocess.run(CLI + args + ["--udp-offload", "on"], capture_output=True,
+                             text=True, timeout=60, cwd=ROOT)
+    assert refused.returncode != 0 and "--data-plane xdp" in refused.stderr
+
+
+def test_xdp_core_bench_runs_with_tiny_settings(tmp_path):
+    """bench/xdp_core.py end to end, tiny: every contribution added, each fourth
+    completing its slot, on one CPU and two; MTU 9000's packets (multi-buffer
+    frames) too; the medians table of its JSON.  No timing is checked."""
+    from switchml.switch import xdp
+
+    if xdp.unavailable():
+        pytest.skip(f"XDP: {xdp.unavailable()}")
+    out = tmp_path / "xdp.json"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "xdp_core.py"),
+                    "--mtu", "1500", "9000", "--slots", "4", "--seconds", "0.2",
+                    "--json", str(out)], check=True, timeout=120, env=env)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mtu"], r["cpus"], r["share"]) for r in rows] == [
+        (m, c, s) for m in (1500, 9000) for c, s in ((1, "-"), (2, "disjoint"), (2, "same"))]
+    for r in rows:
+        assert "refused" not in r and r["contributions_added"] > 0, r
+        # every fourth completed a slot, but those of the sets left waiting at the end
+        assert 0 <= r["contributions_added"] - 4 * r["results_completed"] <= 2 * r["slots"] * 3
+        if r["share"] != "same":  # nothing stale, duplicate or dropped
+            assert r["dropped"] == {} and r["contributions_added"] == r["runs"], r
+    assert rows[3]["packet_bytes"] == 8320 and rows[0]["packet_bytes"] == 1068
+    table = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "xdp_core.py"),
+                            "--median", str(out), str(out), str(out)], check=True,
+                           capture_output=True, text=True, timeout=60, env=env).stdout
+    assert table.count("\n| 9000 | 8320 |") == 3
+
+
 def test_switch_core_bench_runs_with_tiny_settings(tmp_path):
     """bench/switch_core.py end to end, both data planes, tiny; no timing is checked."""
     from switchml.switch import fastpipeline

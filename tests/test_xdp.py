@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 
 from switchml import wire
 from switchml.sim import Faults
-from switchml.switch import xdp
+from switchml.switch import xdp, xdp_loader
 from switchml.switch.pipeline import Pipeline
 
 REASON = xdp.unavailable()
@@ -123,11 +123,12 @@ class Both:
     def close(self):
         self.xdp.close()
 
-    def deliver(self, data: bytes, src) -> list:
+    def deliver(self, data: bytes, src, pad: int = 0) -> list:
+        """``pad``: zero bytes after the IP packet (as Ethernet pads short frames)."""
         before = self.ref.totals()["results_completed"]
         want = [(bytes(d), a) for d, a in self.ref.receive_datagram(data, src)]
         completed = self.ref.totals()["results_completed"] - before
-        action, out = self.xdp.run_frame(frame(src, data))
+        action, out = self.xdp.run_frame(frame(src, data) + bytes(pad))
         if not want:
             assert action == xdp.XDP_DROP, (xdp.ACTIONS.get(action), want)
         elif completed:  # the result, to every rank: handed to the switch's socket
@@ -392,6 +393,47 @@ def test_frame_sized_packets_of_one_lane(monkeypatch):
         both.close()
 
 
+@pytest.mark.parametrize("packet, block", [(2048, 256), (16128, 256)])
+def test_packets_past_one_page(packet, block):
+    """MTU 9000's geometry (8 lanes of 256 values: 8320-byte datagrams) and the
+    switch's default (63 lanes: 65,300 bytes, the most one datagram holds):
+    frames of several buffers (multi-buffer XDP), the rows and loops as long as
+    the pipeline's packets.  Sums, maxima, a count short of the packet, a
+    retransmission, and a probe in a frame padded to the result's length (which
+    the program answers in place); unpadded, a frame has no room to grow to the
+    result: the probe is passed up to user space, whose receive_datagram pads it."""
+    assert (packet, block) in {wire.frame_geometry(9000, 16128, 256), (16128, 256)}
+    job = dict(JOB_A, packet=packet, block=block, slots=2)
+    both = Both(slots=2, packet=packet, block=block, jobs=[job])
+    try:
+        assert both.xdp.max_values >= packet
+        rng = np.random.default_rng(2)
+        lanes = packet // block
+        pad = xdp.FRAME_HEADERS + both.ref.datagram_size
+        for msg, mode, count in [(0, 0, packet), (1, wire.MODE_MAX, packet), (2, 0, packet - 3),
+                                 (3, wire.MODE_MAX, packet - 9)]:
+            rows = rng.integers(-2**31, 2**31, (3, packet), dtype=np.int64).astype(np.int32)
+            exps = rng.integers(-2**15, 2**15, (3, lanes))
+            for rank in range(3):
+                data = contribution(job, rank, slot=msg % 2, msg=msg, mode=mode, count=count,
+                                    values=rows[rank], exps=exps[rank])
+                want = both.deliver(data, job["addresses"][rank])
+            assert len(want) == 3 and len(want[0][0]) == wire.packet_size(lanes, count)
+            v = rows[:, :count].astype(np.int64)
+            expect = v.max(axis=0) if mode else (v.sum(axis=0) + 2**31) % 2**32 - 2**31
+            assert wire.values(want[0][0], lanes, count).tolist() == expect.tolist()
+            src = job["addresses"][2]  # the last contributor's
+            assert both.deliver(data, src) == [(want[0][0], src)]  # a retransmission
+            probe = wire.probe_of(data)
+            assert both.deliver(probe, src, pad=pad) == [(want[0][0], src)]
+        action, out = both.xdp.run_frame(frame(src, probe))
+        assert (action, out) == (xdp.XDP_PASS, frame(src, probe))
+        assert both.xdp.jobs[job["session"]].counters["probes_passed_up"] == 1
+        assert both.xdp.passed_up(probe, src) == [(want[0][0], src)]
+    finally:
+        both.close()
+
+
 def test_faulty_worker_traffic_through_both():
     """Real worker engines (dense, int32 and float32) in the simulator with loss,
     duplication and reordering: every datagram goes to both pipelines."""
@@ -510,9 +552,9 @@ def test_jobs_come_and_go_and_keep_their_counters(both):
     assert both.xdp.stats() == both.ref.stats()
 
 
-def test_members_must_be_ipv4_and_packets_must_fit_a_page():
-    with pytest.raises(ValueError, match="one page"):
-        xdp.XdpPipeline(4, 1024, block_elements=1024)
+def test_members_must_be_ipv4_and_packets_have_at_most_64_lanes():
+    with pytest.raises(ValueError, match="at most 64 lanes"):
+        xdp.XdpPipeline(4, 8192, block_elements=64)
     p = xdp.XdpPipeline(4, 512, block_elements=512)
     try:
         with pytest.raises(ValueError, match="IPv4"):
@@ -556,12 +598,12 @@ def _race_on(prog_fd: int, cpu: int, runs, rounds: int, barrier, conn, result_va
 
     try:
         os.sched_setaffinity(0, {cpu})
-        lib = xdp._libbpf()
+        lib = xdp_loader.libbpf()
         prepared = []
         for slot, data, delta in runs:
             data_in = ctypes.create_string_buffer(data, len(data))
             data_out = ctypes.create_string_buffer(8192)
-            opts = xdp._TestRunOpts(sz=ctypes.sizeof(xdp._TestRunOpts),
+            opts = xdp_loader.TestRunOpts(sz=ctypes.sizeof(xdp_loader.TestRunOpts),
                                     data_in=ctypes.cast(data_in, ctypes.c_void_p),
                                     data_out=ctypes.cast(data_out, ctypes.c_void_p),
                                     data_size_in=len(data), repeat=1)

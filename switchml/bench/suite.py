@@ -92,6 +92,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix", default="smlbench", help="testbed name prefix (default: smlbench)")
     p.add_argument("--packet-elements", type=int, default=None,
                    help="switch: int32 values per packet (default: the switch's)")
+    p.add_argument("--data-plane", choices=["python", "c", "xdp"], default=None,
+                   help="switch: where datagrams are aggregated (default: the switch's, C "
+                        "where built); xdp (root, --testbed) attaches the XDP program to the "
+                        "switch's port, dense calls only, the veths' UDP segmentation "
+                        "offload off (a GSO run would reach it as one packet)")
     p.add_argument("--slots-per-job", type=int, default=None,
                    help="switch: window of a job (default: the switch's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs")
@@ -121,7 +126,9 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
     them), ``world`` worker processes, every case; rows and the switches' job
     counters (summed)."""
     options = {k: v for k, v in (("packet_elements", args.packet_elements),
-                                 ("slots_per_job", args.slots_per_job)) if v is not None}
+                                 ("slots_per_job", args.slots_per_job),
+                                 ("data_plane", getattr(args, "data_plane", None)))
+               if v is not None}
     job = f"bench-{world}"
     with Roles(cluster, args.timeout) as roles:
         switches: list = []
@@ -163,11 +170,13 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
             switch.stdin.write("stop\n")
             switch.stdin.flush()
         counters: dict = {}
+        planes: set = set()  # what the switches said they aggregated with
         stopped = 0
         while stopped < len(switches):
             name, msg = roles.next()
             if isinstance(name, str) and name.startswith("switch") and msg["event"] == "stats":
                 stopped += 1
+                planes.add(msg["stats"].get("data_plane"))
                 for key, value in msg["stats"]["ended_jobs"].get(job, {}).get(
                         "counters", {}).items():
                     counters[key] = (counters.get(key, 0) + value
@@ -181,6 +190,7 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
         rows.append(_row(system, world, case, items, cluster, args,
                          sent=_mean(items, "bytes_sent"), received=_mean(items, "bytes_received"),
                          retransmissions=_mean(items, "retransmissions")))
+        rows[-1]["switch_data_plane"] = ",".join(sorted(str(p) for p in planes))
     _note_uplinks(rows, uplinks, len(cases) * (args.warmup + args.repeats))
     return rows, counters
 
@@ -346,6 +356,12 @@ def _preflight(args) -> None:
                          "--switches nor --striped")
     if args.flat and not args.racks:
         raise SystemExit("switchml bench: --flat goes with --racks")
+    xdp = getattr(args, "data_plane", None) == "xdp"
+    if xdp and (not args.testbed or args.racks or args.striped > 1 or
+                args.udp_offload == "on" or "sparse" in args.systems):
+        raise SystemExit("switchml bench: --data-plane xdp needs --testbed (the program "
+                         "attaches to the switch's port, one a port), and goes with neither "
+                         "--racks, --striped, --udp-offload on nor sparse calls")
     if args.testbed and not 0.0 <= args.loss < 1.0:
         raise SystemExit("bench: --loss must be in [0, 1)")
 
@@ -416,7 +432,8 @@ def main(args, argv_text: str = "", prog: str = "switchml bench") -> int:
             try:
                 hosts = -(-max(args.workers) // args.ranks_per_host)
                 with Testbed(hosts, args.link, mtu=args.mtu, loss=args.loss,
-                             udp_offload=OFFLOAD[args.udp_offload], switches=args.switches,
+                             udp_offload=False if getattr(args, "data_plane", None) == "xdp" else
+                             OFFLOAD[args.udp_offload], switches=args.switches,
                              racks=args.racks, oversubscription=args.oversubscription,
                              prefix=args.prefix, queue=args.queue,
                              ranks_per_host=args.ranks_per_host) as tb:

@@ -19,6 +19,7 @@ import json
 import logging
 import selectors
 import socket
+import sys
 import threading
 import time
 from collections import Counter
@@ -56,6 +57,11 @@ log = logging.getLogger("switchml.switch")
 
 #: Datagrams handled between two looks at the control sockets.
 DRAIN_BATCH = 256
+#: linux/udp.h: a send's segment size, for UDP GSO; a GSO send's limits (the
+#: kernel's UDP_MAX_SEGMENTS, and one IP packet's worth of payload)
+UDP_SEGMENT = 103
+GSO_SEGMENTS = 64
+GSO_BYTES = 65507
 #: The same for the C data plane, whose datagrams cost a few microseconds each.
 FAST_DRAIN_BATCH = 2048
 #: Seconds between readings of the serving thread's CPU time (``cpu_s`` in stats).
@@ -340,7 +346,19 @@ class Switch:
             sel.close()
 
     def _drain(self, buf: bytearray, view: memoryview) -> bool:
-        """The Python data plane: up to DRAIN_BATCH datagrams; True when there may be more."""
+        """The Python data plane: up to DRAIN_BATCH datagrams; True when there may be more.
+        With the XDP data plane, what comes up is mostly completed results, each for
+        every rank: sent when the batch ends, those to one rank together
+        (``_send_results``)."""
+        if self.data_plane == "xdp":
+            results: list = []
+            try:
+                return self._drain_into(buf, view, results.extend)
+            finally:
+                self._send_results(results)
+        return self._drain_into(buf, view, self._send_datagrams)
+
+    def _drain_into(self, buf: bytearray, view: memoryview, send) -> bool:
         udp, pipeline = self._sockets[1], self.pipeline
         for _ in range(DRAIN_BATCH):
             try:
@@ -360,8 +378,37 @@ class Switch:
                 pipeline.counters["internal_errors"] += 1
                 log.exception("pipeline failed on a datagram from %s", addr)
                 continue
-            self._send_datagrams(replies)
+            send(replies)
         return True
+
+    def _send_results(self, replies) -> None:
+        """Datagrams to workers, those of equal size to one worker as the segments of
+        one UDP GSO send (as the C data plane sends a batch's results): one system
+        call and one pass through the stack a run, not one a datagram.  A send the
+        kernel refuses goes again datagram by datagram (``_send_one``)."""
+        udp = self._sockets[1]
+        by_dst: dict = {}
+        for datagram, dst in replies:
+            by_dst.setdefault(dst, []).append(datagram)
+        for dst, datagrams in by_dst.items():
+            i = 0
+            while i < len(datagrams):
+                size, j = len(datagrams[i]), i + 1
+                most = min(GSO_SEGMENTS, GSO_BYTES // max(size, 1))
+                while j < len(datagrams) and j - i < most and len(datagrams[j]) == size:
+                    j += 1
+                if j - i > 1 and self.udp_gso:
+                    try:
+                        segment = size.to_bytes(2, sys.byteorder)
+                        udp.sendmsg([b"".join(datagrams[i:j])],
+                                    [(socket.SOL_UDP, UDP_SEGMENT, segment)], 0, dst)
+                        i = j
+                        continue
+                    except OSError:
+                        self.pipeline.counters["gso_send_errors"] += 1
+                for datagram in datagrams[i:j]:
+                    self._send_one(udp, datagram, dst)
+                i = j
 
     def _send_datagrams(self, replies) -> None:
         """What the pipeline answered: to workers, or up to a rack switch's spine."""

@@ -22,17 +22,30 @@ How a datagram's fate reads in XDP (the program's header comment says why):
 (the frame rewritten, addresses swapped), ``XDP_PASS`` for a completed result,
 which the switch's socket then sends to every rank.
 
+Packets of any size the Python pipeline takes, up to 64 lanes (the default,
+16128 values in 63 blocks of 256, a 65,300-byte datagram, among them): the
+program is built for the pipeline's row size (``-DXDP_MAX_VALUES``, so that its
+maps and the loops the verifier walks are as long as the packets need), and
+loaded as ``xdp.frags``: a frame past one page comes in several buffers
+(multi-buffer XDP), which the program reads and writes with
+``bpf_xdp_load_bytes`` and ``bpf_xdp_store_bytes``.  An answer longer than the
+frame it replaces (a result for a 32-byte probe) needs room at the frame's
+tail, which a frame past one page and a generic-mode skb do not have: the
+program passes such a probe up (``probes_passed_up``) and ``passed_up`` runs it
+again in a frame padded to the result's length.
+
 The object is built lazily, by clang (``-O2 -g -target bpf``), into a cache
 named by a hash of the sources, clang's version and the flags
 (``$SWITCHML_XDP_CACHE``, else ``$XDG_CACHE_HOME/switchml/xdp``); it is loaded
-with libbpf (``libbpf.so.1``) through ctypes: no Python dependency.  Loading
+with libbpf (``libbpf.so.1``) through ctypes: no Python dependency
+(``xdp_loader.py``: the toolchain and the loader).  Loading
 needs root (CAP_BPF and CAP_NET_ADMIN, or CAP_SYS_ADMIN); ``unavailable()`` says
 what is missing.
 
 Not done yet, each a difference from the Python pipeline that the tests keep
 out of their traffic: sparse modes (dropped and counted as
 ``dropped_sparse_unsupported``; the switch fails such a job, ``take_unsupported``),
-simulated drop rates, IPv6, frames past one page (multi-buffer), the UDP
+simulated drop rates, IPv6, packets of more than 64 lanes (blocks), the UDP
 checksum of received datagrams (the kernel drops a bad one before the Python
 switch's socket; the program does not check it yet), UDP GSO super-packets (a
 veth peer on the same host hands one over whole: dropped as ``bad_length``),
@@ -43,27 +56,18 @@ native (driver) mode.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import pathlib
 import re
-import shutil
 import socket
 import struct
-import subprocess
-import sys
-import tempfile
 from collections import Counter
 
 from .. import wire
 from ..config import DEFAULT_PACKET_ELEMENTS, DEFAULT_PORT, DEFAULT_SLOTS
 from .pipeline import MAX_WORKERS, Job, Mismatch, Pipeline
+from .xdp_loader import HERE, SOURCE, build_object, libbpf, load, unavailable
 
-HERE = pathlib.Path(__file__).resolve().parent
-SOURCE = HERE / "xdp_pipeline.bpf.c"
-WIRE_H = HERE.parent / "wire.h"
-CFLAGS = ["-O2", "-g", "-target", "bpf", "-mcpu=v3", "-Wall", "-Werror"]
-PROGRAM = "xdp_pipeline"
+__all__ = ["HERE", "XdpPipeline", "unavailable"]
 
 XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = range(5)
 ACTIONS = {XDP_ABORTED: "aborted", XDP_DROP: "drop", XDP_PASS: "pass", XDP_TX: "tx",
@@ -73,19 +77,19 @@ ETH_HEADER = 14
 IP_HEADER = 20
 UDP_HEADER = 8
 FRAME_HEADERS = ETH_HEADER + IP_HEADER + UDP_HEADER
-#: Largest frame the program handles: one page less XDP's headroom (256) and the
-#: kernel's skb_shared_info (320), as BPF_PROG_TEST_RUN and drivers without
-#: multi-buffer give it.
-MAX_FRAME = 4096 - 256 - 320
+#: What BPF_PROG_TEST_RUN puts in a frame's first buffer: one page less XDP's
+#: headroom (256) and the kernel's skb_shared_info (320); the rest of a longer
+#: frame goes in pages of its own (multi-buffer XDP, which the program takes).
+FIRST_BUFFER = 4096 - 256 - 320
 #: The switch's side of the frames ``receive_datagram`` builds.
 SWITCH_MAC = bytes.fromhex("020000000001")
 WORKER_MAC = bytes.fromhex("020000000002")
 SWITCH_IP = "10.255.0.1"
 
 
-def _source_constants() -> tuple[list[str], int, int]:
-    """The counter names (the program's enum) and its loop bounds, read from the
-    source, so that they have one definition."""
+def _source_constants() -> tuple[list[str], int]:
+    """The counter names (the program's enum) and its bound on lanes, read from
+    the source, so that they have one definition."""
     text = SOURCE.read_text()
     enum = re.search(r"enum xdp_counter \{(.*?)\};", text, re.S)
     if enum is None:
@@ -101,254 +105,24 @@ def _source_constants() -> tuple[list[str], int, int]:
             raise RuntimeError(f"{SOURCE.name}: no #define {name}")
         return int(found.group(1))
 
-    return [n[2:].lower() for n in names[:-1]], define("XDP_MAX_LANES"), \
-        define("XDP_MAX_VALUES")
+    return [n[2:].lower() for n in names[:-1]], define("XDP_MAX_LANES")
 
 
-COUNTER_NAMES, MAX_LANES, MAX_VALUES = _source_constants()
-#: Bytes of a slot row in the program's map (XDP_ROW_SIZE).
-ROW_SIZE = wire.HEADER_SIZE + wire.LANE_SIZE * MAX_LANES + wire.VALUE_SIZE * MAX_VALUES + \
-    wire.HEADER_SIZE
+COUNTER_NAMES, MAX_LANES = _source_constants()
 
 
-# ---------------------------------------------------------------- the toolchain
-def _include_dirs() -> list[str]:
-    """<asm/types.h>, which <linux/bpf.h> includes, lives in the host's multiarch
-    directory, which clang does not search for -target bpf."""
-    return [str(p.parent.parent) for p in pathlib.Path("/usr/include").glob("*/asm/types.h")]
+def max_values(datagram_size: int) -> int:
+    """The values a slot row of the program holds (its XDP_MAX_VALUES, which
+    bounds its loops) for a pipeline whose datagrams take ``datagram_size``
+    bytes: as many as one lane leaves room for, a multiple of 8."""
+    values = max(1, (datagram_size - wire.HEADER_SIZE - wire.LANE_SIZE) // wire.VALUE_SIZE)
+    return -(-values // 8) * 8
 
 
-def _has_bpf_capability() -> bool:
-    """CAP_SYS_ADMIN, or CAP_BPF and CAP_NET_ADMIN (an XDP program): the effective
-    set, not the uid, as a container's root may lack them."""
-    try:
-        status = pathlib.Path("/proc/self/status").read_text()
-    except OSError:
-        return os.geteuid() == 0
-    found = re.search(r"CapEff:\s*([0-9a-f]+)", status)
-    if found is None:
-        return os.geteuid() == 0
-    caps = int(found.group(1), 16)
-    return bool(caps >> 21 & 1 or (caps >> 39 & 1 and caps >> 12 & 1))
-
-
-def unavailable() -> str | None:
-    """Why the XDP data plane cannot run here, or None when it can."""
-    if not sys.platform.startswith("linux"):
-        return "XDP needs Linux"
-    if shutil.which("clang") is None:
-        return "no clang to build the XDP program (make test installs clang, llvm, libbpf-dev " \
-               "as root)"
-    if not pathlib.Path("/usr/include/linux/bpf.h").exists() or not _include_dirs():
-        return "no kernel headers (<linux/bpf.h>, <asm/types.h>: linux-libc-dev)"
-    if not pathlib.Path("/usr/include/bpf/bpf_helpers.h").exists():
-        return "no libbpf headers (<bpf/bpf_helpers.h>: libbpf-dev)"
-    try:
-        _libbpf()
-    except OSError as exc:
-        return f"no libbpf.so.1: {exc}"
-    if not _has_bpf_capability():
-        return "loading an XDP program needs root (CAP_BPF and CAP_NET_ADMIN)"
-    return None
-
-
-def _cache_dir() -> pathlib.Path:
-    given = os.environ.get("SWITCHML_XDP_CACHE")
-    if given:
-        return pathlib.Path(given)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "switchml" / "xdp"
-
-
-def build_object() -> pathlib.Path:
-    """The compiled program, built by clang on first use into the cache."""
-    clang = shutil.which("clang")
-    if clang is None:
-        raise RuntimeError(unavailable() or "no clang")
-    version = subprocess.run([clang, "--version"], capture_output=True, text=True,
-                             check=True).stdout
-    flags = CFLAGS + [f"-I{d}" for d in _include_dirs()]
-    digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), WIRE_H.read_bytes(), version.encode(),
-                 " ".join(flags).encode()):
-        digest.update(part)
-        digest.update(b"\0")
-    cache = _cache_dir()
-    target = cache / f"xdp_pipeline-{digest.hexdigest()[:16]}.o"
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=cache, suffix=".o.tmp")
-    os.close(fd)
-    try:
-        done = subprocess.run([clang, *flags, "-c", str(SOURCE), "-o", tmp],
-                              capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"clang failed on {SOURCE.name}:\n{done.stderr}")
-        os.replace(tmp, target)  # atomic: a concurrent build finds a whole object
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-# ---------------------------------------------------------------- libbpf
-class _TestRunOpts(ctypes.Structure):
-    """struct bpf_test_run_opts (libbpf's bpf.h)."""
-
-    _fields_ = [("sz", ctypes.c_size_t), ("data_in", ctypes.c_void_p),
-                ("data_out", ctypes.c_void_p), ("data_size_in", ctypes.c_uint32),
-                ("data_size_out", ctypes.c_uint32), ("ctx_in", ctypes.c_void_p),
-                ("ctx_out", ctypes.c_void_p), ("ctx_size_in", ctypes.c_uint32),
-                ("ctx_size_out", ctypes.c_uint32), ("retval", ctypes.c_uint32),
-                ("repeat", ctypes.c_int), ("duration", ctypes.c_uint32),
-                ("flags", ctypes.c_uint32), ("cpu", ctypes.c_uint32),
-                ("batch_size", ctypes.c_uint32)]
-
-
-class _LinkCreateOpts(ctypes.Structure):
-    """The head of struct bpf_link_create_opts (libbpf's bpf.h): ``sz`` tells
-    libbpf that the fields past ``flags`` are not given."""
-
-    _fields_ = [("sz", ctypes.c_size_t), ("flags", ctypes.c_uint32)]
-
-
-#: enum bpf_attach_type's BPF_XDP; if_link.h's XDP_FLAGS_SKB_MODE
-BPF_XDP = 37
-XDP_FLAGS_SKB_MODE = 1 << 1
-
-_LIBBPF: ctypes.CDLL | None = None
-
-
-def _libbpf() -> ctypes.CDLL:
-    global _LIBBPF
-    if _LIBBPF is not None:
-        return _LIBBPF
-    lib = ctypes.CDLL("libbpf.so.1", use_errno=True)
-    vp, cp, u32, i = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint32, ctypes.c_int
-    for name, res, args in [
-        ("bpf_object__open_file", vp, [cp, vp]),
-        ("bpf_object__find_map_by_name", vp, [vp, cp]),
-        ("bpf_object__find_program_by_name", vp, [vp, cp]),
-        ("bpf_map__set_max_entries", i, [vp, u32]),
-        ("bpf_map__fd", i, [vp]),
-        ("bpf_program__fd", i, [vp]),
-        ("bpf_program__set_log_buf", i, [vp, vp, ctypes.c_size_t]),
-        ("bpf_program__set_log_level", i, [vp, u32]),
-        ("bpf_object__load", i, [vp]),
-        ("bpf_object__close", None, [vp]),
-        ("bpf_map_update_elem", i, [i, vp, vp, ctypes.c_uint64]),
-        ("bpf_map_lookup_elem", i, [i, vp, vp]),
-        ("bpf_map_delete_elem", i, [i, vp]),
-        ("bpf_prog_test_run_opts", i, [i, vp]),
-        ("libbpf_num_possible_cpus", i, []),
-        ("bpf_link_create", i, [i, i, i, vp]),
-    ]:
-        fn = getattr(lib, name)
-        fn.restype = res
-        fn.argtypes = args
-    _LIBBPF = lib
-    return lib
-
-
-def _check(rc: int, what: str) -> None:
-    if rc < 0:
-        raise OSError(-rc, f"{what}: {os.strerror(-rc)}")
-
-
-class _Refused(OSError):
-    """The kernel refused the program (the verifier's log is in the message)."""
-
-
-def _load(path: pathlib.Path, max_entries: dict[str, int]) -> _Program:
-    """Load the program; when the verifier refuses it, load it again with the
-    verifier's whole log (level 1, slower) to say why."""
-    try:
-        return _Program(path, max_entries)
-    except _Refused:
-        return _Program(path, max_entries, log_level=1, log_size=1 << 26)
-
-
-class _Program:
-    """The loaded object: its maps by name, its program, BPF_PROG_TEST_RUN."""
-
-    def __init__(self, path: pathlib.Path, max_entries: dict[str, int], log_level: int = 4,
-                 log_size: int = 1 << 16):
-        lib = _libbpf()
-        self._lib = lib
-        self._obj = lib.bpf_object__open_file(str(path).encode(), None)
-        if not self._obj:
-            err = ctypes.get_errno()
-            raise OSError(err, f"libbpf could not open {path}: {os.strerror(err)}")
-        try:
-            for name, entries in max_entries.items():
-                _check(lib.bpf_map__set_max_entries(self._map(name), entries),
-                       f"max_entries of {name}")
-            prog = lib.bpf_object__find_program_by_name(self._obj, PROGRAM.encode())
-            # log level 4: the verifier's statistics alone; on a refusal, the load
-            # is tried again with the whole log, which is what the error shows
-            self._log = ctypes.create_string_buffer(log_size)
-            lib.bpf_program__set_log_buf(prog, self._log, len(self._log))
-            lib.bpf_program__set_log_level(prog, log_level)
-            rc = lib.bpf_object__load(self._obj)
-            if rc < 0:
-                log = self._log.value.decode(errors="replace")
-                raise _Refused(-rc, f"the kernel refused {path.name}: {os.strerror(-rc)}; "
-                               f"the verifier's log ends:\n{log[-6000:]}")
-            self.verifier_stats = self._log.value.decode(errors="replace").strip()
-            self.prog_fd = lib.bpf_program__fd(prog)
-            self.fds = {name: lib.bpf_map__fd(self._map(name)) for name in
-                        ("config", "members", "jobs", "mismatches", "sets", "rows", "counts")}
-            self.cpus = lib.libbpf_num_possible_cpus()
-            _check(self.cpus, "libbpf_num_possible_cpus")
-        except BaseException:
-            self.close()
-            raise
-
-    def _map(self, name: str):
-        found = self._lib.bpf_object__find_map_by_name(self._obj, name.encode())
-        if not found:
-            raise RuntimeError(f"{SOURCE.name} has no map {name}")
-        return found
-
-    def close(self) -> None:
-        if self._obj:
-            self._lib.bpf_object__close(self._obj)
-            self._obj = None
-
-    def update(self, name: str, key, value) -> None:
-        _check(self._lib.bpf_map_update_elem(self.fds[name], ctypes.byref(key),
-                                             ctypes.byref(value), 0), f"update {name}")
-
-    def lookup(self, name: str, key, value):
-        _check(self._lib.bpf_map_lookup_elem(self.fds[name], ctypes.byref(key),
-                                             ctypes.byref(value)), f"lookup {name}")
-        return value
-
-    def delete(self, name: str, key) -> None:
-        self._lib.bpf_map_delete_elem(self.fds[name], ctypes.byref(key))
-
-    def attach(self, ifindex: int) -> int:
-        """Attach the program to interface ``ifindex`` in generic (skb) mode, which
-        every driver has (veth, lo...), through a BPF link: the link's fd, whose
-        close detaches it, also when the process dies (nothing stays attached
-        behind a crashed switch, unlike a netlink attach)."""
-        opts = _LinkCreateOpts(sz=ctypes.sizeof(_LinkCreateOpts), flags=XDP_FLAGS_SKB_MODE)
-        fd = self._lib.bpf_link_create(self.prog_fd, ifindex, BPF_XDP, ctypes.byref(opts))
-        _check(fd, f"attaching the XDP program to interface {ifindex}")
-        return fd
-
-    def test_run(self, frame: bytes) -> tuple[int, bytes]:
-        """Run the program once on ``frame``: (its XDP action, the frame it left)."""
-        data_in = ctypes.create_string_buffer(bytes(frame), len(frame))
-        data_out = ctypes.create_string_buffer(2 * 4096)
-        opts = _TestRunOpts(sz=ctypes.sizeof(_TestRunOpts),
-                            data_in=ctypes.cast(data_in, ctypes.c_void_p),
-                            data_out=ctypes.cast(data_out, ctypes.c_void_p),
-                            data_size_in=len(frame), data_size_out=len(data_out), repeat=1)
-        _check(self._lib.bpf_prog_test_run_opts(self.prog_fd, ctypes.byref(opts)),
-               "BPF_PROG_TEST_RUN")
-        return opts.retval, data_out.raw[: opts.data_size_out]
+def row_size(values: int) -> int:
+    """Bytes of a slot row in the program's map (XDP_ROW_SIZE) for ``values``."""
+    return wire.HEADER_SIZE + wire.LANE_SIZE * MAX_LANES + wire.VALUE_SIZE * values + \
+        wire.HEADER_SIZE
 
 
 # ---------------------------------------------------------------- map values
@@ -435,18 +209,6 @@ def parse_udp_frame(frame: bytes) -> tuple[tuple, tuple, bytes]:
         if total >= IP_HEADER + length else b""
 
 
-def _fitting(block: int) -> int:
-    """The most values a packet of blocks of ``block`` values can hold here."""
-    best = 0
-    for lanes in range(1, MAX_LANES + 1):
-        values = lanes * block
-        if values > MAX_VALUES or FRAME_HEADERS + wire.HEADER_SIZE + wire.LANE_SIZE * lanes + \
-                wire.VALUE_SIZE * values > MAX_FRAME:
-            break
-        best = values
-    return best
-
-
 def interface_of(host: str) -> int:
     """The index of the interface that holds IPv4 address ``host``; ValueError
     when none does (0.0.0.0 among them: the program serves one interface)."""
@@ -481,22 +243,25 @@ class XdpPipeline(Pipeline):
                  *, block_elements: int | None = None, port: int = DEFAULT_PORT,
                  switch_ip: str = SWITCH_IP):
         super().__init__(slots, packet_elements, block_elements=block_elements)
-        if self.lanes > MAX_LANES or self.packet_elements > MAX_VALUES or \
-                self.datagram_size + FRAME_HEADERS > MAX_FRAME:
+        if self.lanes > MAX_LANES:
             raise ValueError(
-                f"the XDP data plane handles packets of at most {MAX_LANES} lanes, "
-                f"{MAX_VALUES} values and {MAX_FRAME - FRAME_HEADERS} bytes (one page); "
-                f"{self.packet_elements} values in blocks of {self.block_elements} take "
-                f"{self.datagram_size} bytes: set packet_elements (--packet-elements, "
-                f"SWITCHML_PACKET_ELEMENTS) to at most {_fitting(self.block_elements)}")
+                f"the XDP data plane handles packets of at most {MAX_LANES} lanes (blocks, "
+                f"each an exponent register: the bound of the program's loop over them); "
+                f"{self.packet_elements} values in blocks of {self.block_elements} are "
+                f"{self.lanes}: set packet_elements (--packet-elements, "
+                f"SWITCHML_PACKET_ELEMENTS) to at most {MAX_LANES * self.block_elements}")
         reason = unavailable()
         if reason:
             raise RuntimeError(f"the XDP data plane cannot run here: {reason}")
         self.port = port
         self.address = (switch_ip, port)
-        self._prog = _load(build_object(), {
+        #: the values a row of the program holds (its loops' bound)
+        self.max_values = max_values(self.datagram_size)
+        self._row_size = row_size(self.max_values)
+        self._prog = load(build_object(self.max_values), {
             "members": slots * MAX_WORKERS, "jobs": slots, "mismatches": slots,
-            "sets": 2 * slots, "rows": 2 * slots, "counts": slots + 1})
+            "sets": 2 * slots, "rows": 2 * slots, "counts": slots + 1,
+            "scratch": libbpf().libbpf_num_possible_cpus()})
         self.verifier_stats = self._prog.verifier_stats
         self._prog.update("config", _u32(0), _Config(slots, socket.htons(port), 0))
         self._counts_type = ctypes.c_uint64 * (len(COUNTER_NAMES) * self._prog.cpus)
@@ -649,7 +414,7 @@ class XdpPipeline(Pipeline):
         """The program's slot row of set ``v`` of ``slot``, as long as pipeline.py's
         rows are up to the reply it builds past the datagram (``datagram_size``)."""
         row = self._prog.lookup("rows", _u32(v * self.slots + slot),
-                                (ctypes.c_uint8 * ROW_SIZE)())
+                                (ctypes.c_uint8 * self._row_size)())
         return bytes(row)[: self.datagram_size]
 
     def slot_state(self, slot: int, msg: int) -> tuple[bool, int]:
@@ -679,7 +444,7 @@ class XdpPipeline(Pipeline):
     # ---------------------------------------------------------------- data
     def run_frame(self, frame: bytes) -> tuple[int, bytes]:
         """The program on one frame, as a NIC would run it: (XDP action, frame out)."""
-        action, out = self._prog.test_run(frame)
+        action, out = self._prog.test_run(frame, FRAME_HEADERS + self.datagram_size + 4096)
         self.sync_counters()
         return action, out
 
@@ -687,9 +452,14 @@ class XdpPipeline(Pipeline):
         """``Pipeline.receive_datagram`` through the program: ``data`` from ``addr``
         in a frame to the switch; the datagrams it sends and where.  A completed
         result (``XDP_PASS``) goes to every rank of the sender's job, as the
-        switch's socket sends it."""
+        switch's socket sends it.  The frame is padded (past its IP packet, as
+        Ethernet pads short frames) to a whole result's length: the program
+        answers a probe in place, in a frame too short for the result otherwise
+        (one page is, for packets past it)."""
         member_key(addr)  # IPv4 only: refuse anything else before building a frame
-        action, out = self.run_frame(udp_frame(addr, self.address, bytes(data)))
+        frame = udp_frame(addr, self.address, bytes(data))
+        room = FRAME_HEADERS + self.datagram_size
+        action, out = self.run_frame(frame + bytes(max(0, room - len(frame))))
         if action == XDP_DROP:
             return []
         src, dst, payload = parse_udp_frame(out)

@@ -1,8 +1,8 @@
 /* The switch's per-packet pipeline as an XDP program: the dense path of
  * switch/pipeline.py (the reference model: read its docstring for the rules),
  * step by step, in the same order, with the same drop reasons and counter
- * names.  switch/xdp.py loads it (libbpf through ctypes), fills its maps from the
- * Python control plane, attaches it to the switch's interface (generic mode)
+ * names.  switch/xdp_loader.py builds it (clang) and loads it (libbpf through
+ * ctypes); switch/xdp.py fills its maps from the Python control plane, attaches it to the switch's interface (generic mode)
  * and runs it with BPF_PROG_TEST_RUN (tests, and probes passed up); tests/test_xdp.py
  * feeds it and the Python pipeline the same frames and requires the same
  * datagrams out, the same counters and the same slot state.
@@ -42,18 +42,23 @@
  *  - loops over packet pointers: every access at a variable offset needs its
  *    own bounds check against data_end, and each exit of a bounded loop carries
  *    another packet range, so its states do not prune; the datagram's body is
- *    copied with bpf_xdp_load_bytes into a per-CPU scratch map value (sizes
+ *    copied with bpf_xdp_load_bytes into the CPU's scratch map value (sizes
  *    known to the verifier) and the answer written back with
- *    bpf_xdp_store_bytes (both also work on multi-buffer frames, later);
+ *    bpf_xdp_store_bytes (both also work on multi-buffer frames, which a
+ *    datagram past one page comes in);
  *  - helper calls while a bpf_spin_lock is held: lookups, load/store_bytes and
  *    adjust_tail all happen before the set's lock is taken or after it is
  *    released; under the lock only plain loads, stores and bounded loops, and
  *    the bytes to send are snapshotted into the scratch value there;
  *  - returning with the lock held: every branch under the lock sets an
- *    `action` and falls through to the one unlock.
- * With these, it loads: about 89,000 instructions processed of the verifier's
- * 1,000,000 (xdp.XdpPipeline.verifier_stats), with loops bounded by
- * XDP_MAX_LANES and XDP_MAX_VALUES.
+ *    `action` and falls through to the one unlock;
+ *  - a loop bounded by a live length: each exit narrows the length's range
+ *    differently, so the rest of the program is walked once per exit (148,000
+ *    instructions processed at 1024 values; past the limit at 16128); the
+ *    loops are bounded by an `unlinked` copy instead (53,000 at 1024 values).
+ * With these, it loads with loops bounded by XDP_MAX_LANES and XDP_MAX_VALUES
+ * (xdp.XdpPipeline.verifier_stats says how many instructions were processed of
+ * the verifier's 1,000,000).
  */
 #include <linux/bpf.h>
 #include <linux/if_ether.h>
@@ -67,11 +72,17 @@
 #include "../wire.h" /* the datagram format, shared with the C cores */
 
 #define XDP_MAX_WORKERS 32 /* pipeline.MAX_WORKERS: the bitmap is 32 bits */
-/* The bounds of the loops, hence of a job's packets: a frame of one page (XDP
- * without multi-buffer) holds at most 3478 bytes of UDP payload, 858 values with
- * one lane.  xdp.py refuses a pipeline whose rows exceed them. */
+/* The bounds of the loops, hence of a job's packets.  XDP_MAX_VALUES, the values
+ * a row holds, is the pipeline's (xdp.py builds the program for it, -D, a
+ * multiple of 8): the rows are the size the switch's packets need, and the
+ * verifier walks loops no longer than they need.  It takes them up to the
+ * largest UDP datagram (16360 values in one lane, 16128 in 63: some 577,000
+ * instructions processed of its 1,000,000; 79,000 at MTU 9000's 2048 values).
+ * xdp.py refuses a pipeline whose packets have more lanes. */
 #define XDP_MAX_LANES 64
-#define XDP_MAX_VALUES 1024
+#ifndef XDP_MAX_VALUES
+#error "XDP_MAX_VALUES: the values a slot row holds (xdp.py sets it)"
+#endif
 #define XDP_BODY_MAX (WIRE_LANE_SIZE * XDP_MAX_LANES + 4 * XDP_MAX_VALUES)
 /* A slot row: a result datagram (header, lane registers, values) and, as in
  * pipeline.py, room past it (pipeline.py builds resends there; here they are
@@ -221,10 +232,11 @@ struct {
     __type(value, struct xdp_counters);
 } counts SEC(".maps");
 
-/* The datagram's body in, the answer's bytes out: one per CPU, as a packet is
- * handled from start to end on one CPU. */
+/* The datagram's body in, the answer's bytes out: [cpu], as a packet is handled
+ * from start to end on one CPU (an array, not a per-CPU one, whose values are
+ * limited to 32 KiB; xdp.py sets max_entries to the possible CPUs). */
 struct {
-    __uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+    __uint(type, BPF_MAP_TYPE_ARRAY);
     __uint(max_entries, 1);
     __type(key, __u32);
     __type(value, struct xdp_row);
@@ -283,15 +295,132 @@ static __always_inline __u16 ip_checksum(struct iphdr *ip)
     return (__u16)~sum;
 }
 
-/* Copy `words` 32-bit words of the row into the scratch value: the bytes to send,
- * taken while the set's lock is held so that no other CPU's update of the row
- * tears them. */
-static __always_inline void snapshot(__u8 *dst, const __u8 *row, __u32 words)
+/* The loops over a datagram's body and a row go by chunks of 32 bytes, four
+ * 64-bit words (8 values) a turn, then at most 7 single values: a quarter of
+ * the loop's own instructions per value, and a quarter of the turns for the
+ * verifier to walk. */
+#define CHUNK 32
+_Static_assert(XDP_ROW_SIZE % CHUNK == 0, "snapshot copies whole chunks of a row");
+_Static_assert(XDP_MAX_VALUES % 8 == 0, "the value loops go by 8 values");
+
+/* A copy of `var` that the verifier does not link to it (a mov would: the ALU
+ * operation gives the copy an identity of its own).  A loop bounded by the copy
+ * narrows what the verifier knows of the copy alone, at each of its exits; so
+ * the exits differ only in registers that are dead after the loop, and prune to
+ * one, instead of each taking the rest of the program with another range of
+ * `var` (with 16128 values, two thousand exits: past the verifier's limit). */
+#define unlinked(var)                                                               \
+    ({                                                                              \
+        __u32 __copy = (var);                                                       \
+        asm volatile("%0 |= 0" : "+r"(__copy));                                     \
+        __copy;                                                                     \
+    })
+
+/* Copy the first `bytes` bytes of the row into the scratch value, rounded up to
+ * whole chunks (both values hold them: `bytes` is at most a datagram, and a row
+ * has a header's room past one): the bytes to send, taken while the set's lock
+ * is held so that no other CPU's update of the row tears them. */
+static __always_inline void snapshot(__u8 *dst, const __u8 *row, __u32 len)
 {
-    for (__u32 i = 0; i < XDP_ROW_SIZE / 4; i++) {
-        if (i >= words)
+    __u32 bytes = unlinked(len);
+    for (__u32 i = 0; i < XDP_ROW_SIZE / CHUNK; i++) {
+        if (CHUNK * i >= bytes)
             break;
-        *(__u32 *)(dst + 4 * i) = *(const __u32 *)(row + 4 * i);
+        __u64 *d = (__u64 *)(dst + CHUNK * i);
+        const __u64 *s = (const __u64 *)(row + CHUNK * i);
+        d[0] = s[0];
+        d[1] = s[1];
+        d[2] = s[2];
+        d[3] = s[3];
+    }
+}
+
+/* dst[:bytes] = src[:bytes], exactly (`bytes` a multiple of 4, at most
+ * XDP_BODY_MAX): a contribution's lane table and values into a row. */
+static __always_inline void copy_body(__u8 *dst, const __u8 *src, __u32 len)
+{
+    __u32 i, bytes = unlinked(len);
+    for (i = 0; i < XDP_BODY_MAX / CHUNK; i++) {
+        if (CHUNK * i + CHUNK > bytes)
+            break;
+        __u64 *d = (__u64 *)(dst + CHUNK * i);
+        const __u64 *s = (const __u64 *)(src + CHUNK * i);
+        d[0] = s[0];
+        d[1] = s[1];
+        d[2] = s[2];
+        d[3] = s[3];
+    }
+    __u32 done = bytes & ~(__u32)(CHUNK - 1);
+    for (i = 0; i < CHUNK / 4 - 1; i++) {
+        __u32 at = done + 4 * i;
+        if (at >= bytes || at >= XDP_BODY_MAX)
+            break;
+        barrier_var(at);
+        *(__u32 *)(dst + at) = *(const __u32 *)(src + at);
+    }
+}
+
+/* Two int32 adds in one 64-bit word, each wrapping around on its own: the low 31
+ * bits of each half add without reaching the other half, the top bits by xor. */
+static __always_inline __u64 add2(__u64 a, __u64 b)
+{
+    const __u64 high = 0x8000000080000000ull;
+    return ((a & ~high) + (b & ~high)) ^ ((a ^ b) & high);
+}
+
+/* row[:values] += in[:values], as int32 with wrap-around. */
+static __always_inline void add_values(__u8 *row, const __u8 *in, __u32 count)
+{
+    __u32 i, values = unlinked(count);
+    for (i = 0; i < XDP_MAX_VALUES / 8; i++) {
+        if (8 * i + 8 > values)
+            break;
+        __u64 *r = (__u64 *)(row + CHUNK * i);
+        const __u64 *x = (const __u64 *)(in + CHUNK * i);
+        r[0] = add2(r[0], x[0]);
+        r[1] = add2(r[1], x[1]);
+        r[2] = add2(r[2], x[2]);
+        r[3] = add2(r[3], x[3]);
+    }
+    __u32 done = values & ~7u;
+    for (i = 0; i < 7; i++) {
+        __u32 k = done + i;
+        if (k >= values || k >= XDP_MAX_VALUES)
+            break;
+        barrier_var(k); /* clang would index by done | i, whose bound the verifier loses */
+        *(__u32 *)(row + 4 * k) += *(const __u32 *)(in + 4 * k);
+    }
+}
+
+/* *r = max(*r, *x), as int32, without a branch: a branch per value would leave
+ * the verifier a pending state per value, past its limit (8192) at 16368. */
+static __always_inline void max_value(__s32 *r, const __s32 *x)
+{
+    __s64 a = *x, b = *r, d = a - b; /* no overflow in 64 bits */
+    barrier_var(d); /* else clang sees a max, and branches */
+    *r = (__s32)(a - (d & (d >> 63))); /* d < 0: a - d = b */
+}
+
+/* row[:values] = max(row[:values], in[:values]), as int32 (MODE_MAX). */
+static __always_inline void max_values(__u8 *row, const __u8 *in, __u32 count)
+{
+    __u32 i, values = unlinked(count);
+    for (i = 0; i < XDP_MAX_VALUES / 8; i++) {
+        if (8 * i + 8 > values)
+            break;
+        __s32 *r = (__s32 *)(row + CHUNK * i);
+        const __s32 *x = (const __s32 *)(in + CHUNK * i);
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            max_value(r + j, x + j);
+    }
+    __u32 done = values & ~7u;
+    for (i = 0; i < 7; i++) {
+        __u32 k = done + i;
+        if (k >= values || k >= XDP_MAX_VALUES)
+            break;
+        barrier_var(k); /* clang would index by done | i, whose bound the verifier loses */
+        max_value((__s32 *)(row + 4 * k), (const __s32 *)(in + 4 * k));
     }
 }
 
@@ -371,15 +500,16 @@ static __always_inline int frame_to_host(struct xdp_md *ctx)
     return XDP_PASS;
 }
 
-/* Send the `len` bytes in scratch (a result) instead of the datagram, whose
- * length is `in_len`: the frame grows or shrinks to fit. */
+/* Send the `len` bytes in scratch (a result) instead of the datagram: the frame
+ * (of its headers and the datagram, and whatever padding followed it) grows or
+ * shrinks to fit. */
 #define NO_ROOM 1
-static __always_inline int put_scratch(struct xdp_md *ctx, const __u8 *bytes, __u32 len,
-                                       __u32 in_len)
+static __always_inline int put_scratch(struct xdp_md *ctx, const __u8 *bytes, __u32 len)
 {
     if (len < 1 || len > XDP_ROW_SIZE)
         return -1; /* cannot be: a row prefix; bounds the helper's size */
-    if (len != in_len && bpf_xdp_adjust_tail(ctx, (int)len - (int)in_len))
+    int delta = (int)(FRAME_HEADERS + len) - (int)bpf_xdp_get_buff_len(ctx);
+    if (delta && bpf_xdp_adjust_tail(ctx, delta))
         return NO_ROOM; /* the frame as it came: the caller decides */
     return bpf_xdp_store_bytes(ctx, FRAME_HEADERS, (void *)bytes, len) ? -1 : 0;
 }
@@ -395,10 +525,10 @@ static __always_inline int answer_probe(struct xdp_md *ctx, struct xdp_counters 
         return XDP_DROP;
     }
     count(counters, C_PROBES_IN, 1);
-    __u32 v = h->msg & 1, row_index = v * slots + h->slot, zero = 0;
+    __u32 v = h->msg & 1, row_index = v * slots + h->slot, cpu = bpf_get_smp_processor_id();
     struct xdp_set *set = bpf_map_lookup_elem(&sets, &row_index);
     struct xdp_row *row = bpf_map_lookup_elem(&rows, &row_index);
-    struct xdp_row *out = bpf_map_lookup_elem(&scratch, &zero);
+    struct xdp_row *out = bpf_map_lookup_elem(&scratch, &cpu);
     if (!set || !row || !out) {
         count(counters, C_DROPPED_INTERNAL, 1);
         return XDP_DROP;
@@ -418,7 +548,7 @@ static __always_inline int answer_probe(struct xdp_md *ctx, struct xdp_counters 
                 /* pipeline._answer_retransmission */
                 __u32 values = set->id_count > XDP_MAX_VALUES ? XDP_MAX_VALUES : set->id_count;
                 out_len = WIRE_HEADER_SIZE + WIRE_LANE_SIZE * lanes + 4 * values;
-                snapshot(out->bytes, row->bytes, out_len / 4);
+                snapshot(out->bytes, row->bytes, out_len);
                 action = A_RESULT_ONE;
             } else {
                 action = A_DONE; /* a query: its result went out already */
@@ -441,14 +571,16 @@ static __always_inline int answer_probe(struct xdp_md *ctx, struct xdp_counters 
         count(counters, C_DROPPED_STALE, 1);
         return XDP_DROP;
     case A_RESULT_ONE: {
-        int put = put_scratch(ctx, out->bytes, out_len, WIRE_HEADER_SIZE);
+        int put = put_scratch(ctx, out->bytes, out_len);
         if (put == NO_ROOM) {
             /* Attached in generic mode, a frame is the skb it came in, whose
              * tail has no room for a result when it held a 32-byte probe; a
-             * driver's frame (a page) and BPF_PROG_TEST_RUN's do.  Passed up as
-             * it is (a probe: the switch's socket never takes it for a result),
-             * user space runs it through this program again in a page
-             * (xdp.XdpPipeline.passed_up), which answers it and counts it:
+             * driver's frame (a page) has room for a result that fits a page,
+             * and no frame for a result past the tail of its last buffer.
+             * Passed up as it is (a probe: the switch's socket never takes it
+             * for a result), user space runs it through this program again
+             * (xdp.XdpPipeline.passed_up) in a frame padded to a whole
+             * result's length, which answers it and counts it:
              * uncounted here, by adding -1 (the per-CPU sums are taken modulo
              * 2**64). */
             count(counters, C_PROBES_IN, (__u64)-1);
@@ -481,7 +613,7 @@ static __always_inline int answer_probe(struct xdp_md *ctx, struct xdp_counters 
 static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
                                             const struct member *m, __u32 slots)
 {
-    __u32 job_index = m->job, zero = 0;
+    __u32 job_index = m->job, cpu = bpf_get_smp_processor_id();
     const struct xdp_job *job = bpf_map_lookup_elem(&jobs, &job_index);
     struct xdp_counters *counters = bpf_map_lookup_elem(&counts, &job_index);
     if (!job || !counters)
@@ -543,7 +675,7 @@ static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
     __u32 v = h.msg & 1, row_index = v * slots + h.slot, bit = 1u << rank;
     struct xdp_set *set = bpf_map_lookup_elem(&sets, &row_index);
     struct xdp_row *row = bpf_map_lookup_elem(&rows, &row_index);
-    struct xdp_row *in = bpf_map_lookup_elem(&scratch, &zero);
+    struct xdp_row *in = bpf_map_lookup_elem(&scratch, &cpu);
     struct xdp_mismatch *mm = bpf_map_lookup_elem(&mismatches, &job_index);
     if (!set || !row || !in || body < 1 || body > XDP_BODY_MAX)
         DROP(C_DROPPED_INTERNAL);
@@ -569,22 +701,13 @@ static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
         set->call = h.call;
         set->bitmap = bit;
         set->count = 1;
-        for (i = 0; i < 3 * XDP_MAX_LANES; i++) { /* regs[:] = lanes, word by word */
-            if (i >= 3 * lanes)
-                break;
-            *(__u32 *)(regs + 4 * i) = *(const __u32 *)(in_lanes + 4 * i);
-        }
-        for (i = 0; i < XDP_MAX_VALUES; i++) {
-            if (i >= values)
-                break;
-            *(__u32 *)(row_values + 4 * i) = *(const __u32 *)(in_values + 4 * i);
-        }
+        copy_body(regs, in_lanes, body); /* regs[:] = lanes, values[:count] = values */
     } else if (h.msg == set->msg) {
         if (set->bitmap & bit) {
             if (set->count == world) { /* pipeline._answer_retransmission */
                 __u32 stored = set->id_count > XDP_MAX_VALUES ? XDP_MAX_VALUES : set->id_count;
                 out_len = WIRE_HEADER_SIZE + WIRE_LANE_SIZE * lanes + 4 * stored;
-                snapshot(in->bytes, row->bytes, out_len / 4);
+                snapshot(in->bytes, row->bytes, out_len);
                 action = A_RESULT_ONE;
             } else {
                 action = A_DUPLICATE;
@@ -601,22 +724,10 @@ static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
             record[7] = h.dtype;
             action = A_MISMATCH;
         } else {
-            if (h.mode == WIRE_MODE_MAX) {
-                for (i = 0; i < XDP_MAX_VALUES; i++) {
-                    if (i >= values)
-                        break;
-                    __s32 x = *(const __s32 *)(in_values + 4 * i);
-                    __s32 *r = (__s32 *)(row_values + 4 * i);
-                    if (x > *r)
-                        *r = x;
-                }
-            } else {
-                for (i = 0; i < XDP_MAX_VALUES; i++) { /* unsigned: int32 sums wrap around */
-                    if (i >= values)
-                        break;
-                    *(__u32 *)(row_values + 4 * i) += *(const __u32 *)(in_values + 4 * i);
-                }
-            }
+            if (h.mode == WIRE_MODE_MAX)
+                max_values(row_values, in_values, values);
+            else
+                add_values(row_values, in_values, values);
             for (i = 0; i < XDP_MAX_LANES; i++) { /* per lane, the largest exponent */
                 if (i >= lanes)
                     break;
@@ -635,7 +746,7 @@ static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
         set->id_count = values;
         write_result_header(row->bytes, set, job, h.slot, (__u16)lanes);
         out_len = WIRE_HEADER_SIZE + body;
-        snapshot(in->bytes, row->bytes, out_len / 4);
+        snapshot(in->bytes, row->bytes, out_len);
         action = A_COMPLETE;
     }
     bpf_spin_unlock(&set->lock);
@@ -650,13 +761,13 @@ static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
         DROP(C_DROPPED_MISMATCH);
     case A_RESULT_ONE:
         count(counters, C_RETRANSMISSIONS_ANSWERED, 1);
-        if (put_scratch(ctx, in->bytes, out_len, len))
+        if (put_scratch(ctx, in->bytes, out_len))
             DROP(C_DROPPED_INTERNAL);
         count(counters, C_RESULTS_OUT, 1);
         return frame_to_sender(ctx, out_len);
     case A_COMPLETE:
         count(counters, C_RESULTS_COMPLETED, 1);
-        if (put_scratch(ctx, in->bytes, out_len, len))
+        if (put_scratch(ctx, in->bytes, out_len))
             DROP(C_DROPPED_INTERNAL);
         count(counters, C_RESULTS_OUT, world); /* user space sends it to each rank */
         return frame_to_host(ctx);
@@ -666,7 +777,9 @@ static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
 #undef DROP
 }
 
-SEC("xdp")
+/* xdp.frags: frames past one page come as several buffers (multi-buffer XDP);
+ * the headers are read in the first, the datagram with load and store bytes. */
+SEC("xdp.frags")
 int xdp_pipeline(struct xdp_md *ctx)
 {
     void *data = (void *)(long)ctx->data, *data_end = (void *)(long)ctx->data_end;
@@ -707,7 +820,7 @@ int xdp_pipeline(struct xdp_md *ctx)
     /* What the kernel checks before a datagram reaches a socket (ip_rcv,
      * udp_rcv): a datagram it would drop is one pipeline.py never sees.  The UDP
      * checksum is not verified here yet (see xdp.py). */
-    __u32 frame = data_end - data, tot = bpf_ntohs(ip->tot_len), ulen = bpf_ntohs(udp->len);
+    __u32 frame = bpf_xdp_get_buff_len(ctx), tot = bpf_ntohs(ip->tot_len), ulen = bpf_ntohs(udp->len);
     __u16 check = ip->check;
     ip->check = 0;
     __u16 want = ip_checksum(ip);

@@ -1,0 +1,266 @@
+"""The XDP program's toolchain and loader: ``build_object`` compiles
+``xdp_pipeline.bpf.c`` with clang into a cache, ``Program`` loads it with libbpf
+(``libbpf.so.1``, through ctypes: no Python dependency), reads and writes its
+maps, attaches it to an interface and runs it with BPF_PROG_TEST_RUN;
+``unavailable()`` says what is missing where it cannot run.  ``xdp.py`` is the
+pipeline that drives it."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HERE = pathlib.Path(__file__).resolve().parent
+SOURCE = HERE / "xdp_pipeline.bpf.c"
+WIRE_H = HERE.parent / "wire.h"
+CFLAGS = ["-O2", "-g", "-target", "bpf", "-mcpu=v3", "-Wall", "-Werror"]
+PROGRAM = "xdp_pipeline"
+
+
+# ---------------------------------------------------------------- the toolchain
+def _include_dirs() -> list[str]:
+    """<asm/types.h>, which <linux/bpf.h> includes, lives in the host's multiarch
+    directory, which clang does not search for -target bpf."""
+    return [str(p.parent.parent) for p in pathlib.Path("/usr/include").glob("*/asm/types.h")]
+
+
+def _has_bpf_capability() -> bool:
+    """CAP_SYS_ADMIN, or CAP_BPF and CAP_NET_ADMIN (an XDP program): the effective
+    set, not the uid, as a container's root may lack them."""
+    try:
+        status = pathlib.Path("/proc/self/status").read_text()
+    except OSError:
+        return os.geteuid() == 0
+    found = re.search(r"CapEff:\s*([0-9a-f]+)", status)
+    if found is None:
+        return os.geteuid() == 0
+    caps = int(found.group(1), 16)
+    return bool(caps >> 21 & 1 or (caps >> 39 & 1 and caps >> 12 & 1))
+
+
+def unavailable() -> str | None:
+    """Why the XDP data plane cannot run here, or None when it can."""
+    if not sys.platform.startswith("linux"):
+        return "XDP needs Linux"
+    if shutil.which("clang") is None:
+        return "no clang to build the XDP program (make test installs clang, llvm, libbpf-dev " \
+               "as root)"
+    if not pathlib.Path("/usr/include/linux/bpf.h").exists() or not _include_dirs():
+        return "no kernel headers (<linux/bpf.h>, <asm/types.h>: linux-libc-dev)"
+    if not pathlib.Path("/usr/include/bpf/bpf_helpers.h").exists():
+        return "no libbpf headers (<bpf/bpf_helpers.h>: libbpf-dev)"
+    try:
+        libbpf()
+    except OSError as exc:
+        return f"no libbpf.so.1: {exc}"
+    if not _has_bpf_capability():
+        return "loading an XDP program needs root (CAP_BPF and CAP_NET_ADMIN)"
+    return None
+
+
+def _cache_dir() -> pathlib.Path:
+    given = os.environ.get("SWITCHML_XDP_CACHE")
+    if given:
+        return pathlib.Path(given)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return pathlib.Path(base) / "switchml" / "xdp"
+
+
+def build_object(values: int) -> pathlib.Path:
+    """The compiled program whose rows hold ``values`` values (a multiple of 8),
+    built by clang on first use into the cache."""
+    clang = shutil.which("clang")
+    if clang is None:
+        raise RuntimeError(unavailable() or "no clang")
+    version = subprocess.run([clang, "--version"], capture_output=True, text=True,
+                             check=True).stdout
+    flags = CFLAGS + [f"-DXDP_MAX_VALUES={values}"] + [f"-I{d}" for d in _include_dirs()]
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), WIRE_H.read_bytes(), version.encode(),
+                 " ".join(flags).encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    cache = _cache_dir()
+    target = cache / f"xdp_pipeline-{values}-{digest.hexdigest()[:16]}.o"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=cache, suffix=".o.tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run([clang, *flags, "-c", str(SOURCE), "-o", tmp],
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"clang failed on {SOURCE.name}:\n{done.stderr}")
+        os.replace(tmp, target)  # atomic: a concurrent build finds a whole object
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+# ---------------------------------------------------------------- libbpf
+class TestRunOpts(ctypes.Structure):
+    """struct bpf_test_run_opts (libbpf's bpf.h)."""
+
+    _fields_ = [("sz", ctypes.c_size_t), ("data_in", ctypes.c_void_p),
+                ("data_out", ctypes.c_void_p), ("data_size_in", ctypes.c_uint32),
+                ("data_size_out", ctypes.c_uint32), ("ctx_in", ctypes.c_void_p),
+                ("ctx_out", ctypes.c_void_p), ("ctx_size_in", ctypes.c_uint32),
+                ("ctx_size_out", ctypes.c_uint32), ("retval", ctypes.c_uint32),
+                ("repeat", ctypes.c_int), ("duration", ctypes.c_uint32),
+                ("flags", ctypes.c_uint32), ("cpu", ctypes.c_uint32),
+                ("batch_size", ctypes.c_uint32)]
+
+
+class _LinkCreateOpts(ctypes.Structure):
+    """The head of struct bpf_link_create_opts (libbpf's bpf.h): ``sz`` tells
+    libbpf that the fields past ``flags`` are not given."""
+
+    _fields_ = [("sz", ctypes.c_size_t), ("flags", ctypes.c_uint32)]
+
+
+#: enum bpf_attach_type's BPF_XDP; if_link.h's XDP_FLAGS_SKB_MODE
+BPF_XDP = 37
+XDP_FLAGS_SKB_MODE = 1 << 1
+
+_LIBBPF: ctypes.CDLL | None = None
+
+
+def libbpf() -> ctypes.CDLL:
+    global _LIBBPF
+    if _LIBBPF is not None:
+        return _LIBBPF
+    lib = ctypes.CDLL("libbpf.so.1", use_errno=True)
+    vp, cp, u32, i = ctypes.c_void_p, ctypes.c_char_p, ctypes.c_uint32, ctypes.c_int
+    for name, res, args in [
+        ("bpf_object__open_file", vp, [cp, vp]),
+        ("bpf_object__find_map_by_name", vp, [vp, cp]),
+        ("bpf_object__find_program_by_name", vp, [vp, cp]),
+        ("bpf_map__set_max_entries", i, [vp, u32]),
+        ("bpf_map__fd", i, [vp]),
+        ("bpf_program__fd", i, [vp]),
+        ("bpf_program__set_log_buf", i, [vp, vp, ctypes.c_size_t]),
+        ("bpf_program__set_log_level", i, [vp, u32]),
+        ("bpf_object__load", i, [vp]),
+        ("bpf_object__close", None, [vp]),
+        ("bpf_map_update_elem", i, [i, vp, vp, ctypes.c_uint64]),
+        ("bpf_map_lookup_elem", i, [i, vp, vp]),
+        ("bpf_map_delete_elem", i, [i, vp]),
+        ("bpf_prog_test_run_opts", i, [i, vp]),
+        ("libbpf_num_possible_cpus", i, []),
+        ("bpf_link_create", i, [i, i, i, vp]),
+    ]:
+        fn = getattr(lib, name)
+        fn.restype = res
+        fn.argtypes = args
+    _LIBBPF = lib
+    return lib
+
+
+def _check(rc: int, what: str) -> None:
+    if rc < 0:
+        raise OSError(-rc, f"{what}: {os.strerror(-rc)}")
+
+
+class _Refused(OSError):
+    """The kernel refused the program (the verifier's log is in the message)."""
+
+
+def load(path: pathlib.Path, max_entries: dict[str, int]) -> Program:
+    """Load the program; when the verifier refuses it, load it again with the
+    verifier's whole log (level 1, slower) to say why."""
+    try:
+        return Program(path, max_entries)
+    except _Refused:
+        return Program(path, max_entries, log_level=1, log_size=1 << 26)
+
+
+class Program:
+    """The loaded object: its maps by name, its program, BPF_PROG_TEST_RUN."""
+
+    def __init__(self, path: pathlib.Path, max_entries: dict[str, int], log_level: int = 4,
+                 log_size: int = 1 << 16):
+        lib = libbpf()
+        self._lib = lib
+        self._obj = lib.bpf_object__open_file(str(path).encode(), None)
+        if not self._obj:
+            err = ctypes.get_errno()
+            raise OSError(err, f"libbpf could not open {path}: {os.strerror(err)}")
+        try:
+            for name, entries in max_entries.items():
+                _check(lib.bpf_map__set_max_entries(self._map(name), entries),
+                       f"max_entries of {name}")
+            prog = lib.bpf_object__find_program_by_name(self._obj, PROGRAM.encode())
+            # log level 4: the verifier's statistics alone; on a refusal, the load
+            # is tried again with the whole log, which is what the error shows
+            self._log = ctypes.create_string_buffer(log_size)
+            lib.bpf_program__set_log_buf(prog, self._log, len(self._log))
+            lib.bpf_program__set_log_level(prog, log_level)
+            rc = lib.bpf_object__load(self._obj)
+            if rc < 0:
+                log = self._log.value.decode(errors="replace")
+                raise _Refused(-rc, f"the kernel refused {path.name}: {os.strerror(-rc)}; "
+                               f"the verifier's log ends:\n{log[-6000:]}")
+            self.verifier_stats = self._log.value.decode(errors="replace").strip()
+            self.prog_fd = lib.bpf_program__fd(prog)
+            self.fds = {name: lib.bpf_map__fd(self._map(name)) for name in
+                        ("config", "members", "jobs", "mismatches", "sets", "rows", "counts")}
+            self.cpus = lib.libbpf_num_possible_cpus()
+            _check(self.cpus, "libbpf_num_possible_cpus")
+        except BaseException:
+            self.close()
+            raise
+
+    def _map(self, name: str):
+        found = self._lib.bpf_object__find_map_by_name(self._obj, name.encode())
+        if not found:
+            raise RuntimeError(f"{SOURCE.name} has no map {name}")
+        return found
+
+    def close(self) -> None:
+        if self._obj:
+            self._lib.bpf_object__close(self._obj)
+            self._obj = None
+
+    def update(self, name: str, key, value) -> None:
+        _check(self._lib.bpf_map_update_elem(self.fds[name], ctypes.byref(key),
+                                             ctypes.byref(value), 0), f"update {name}")
+
+    def lookup(self, name: str, key, value):
+        _check(self._lib.bpf_map_lookup_elem(self.fds[name], ctypes.byref(key),
+                                             ctypes.byref(value)), f"lookup {name}")
+        return value
+
+    def delete(self, name: str, key) -> None:
+        self._lib.bpf_map_delete_elem(self.fds[name], ctypes.byref(key))
+
+    def attach(self, ifindex: int) -> int:
+        """Attach the program to interface ``ifindex`` in generic (skb) mode, which
+        every driver has (veth, lo...), through a BPF link: the link's fd, whose
+        close detaches it, also when the process dies (nothing stays attached
+        behind a crashed switch, unlike a netlink attach)."""
+        opts = _LinkCreateOpts(sz=ctypes.sizeof(_LinkCreateOpts), flags=XDP_FLAGS_SKB_MODE)
+        fd = self._lib.bpf_link_create(self.prog_fd, ifindex, BPF_XDP, ctypes.byref(opts))
+        _check(fd, f"attaching the XDP program to interface {ifindex}")
+        return fd
+
+    def test_run(self, frame: bytes, room: int = 0) -> tuple[int, bytes]:
+        """Run the program once on ``frame``: (its XDP action, the frame it left,
+        of at most ``room`` bytes or the frame's length and a page)."""
+        data_in = ctypes.create_string_buffer(bytes(frame), len(frame))
+        data_out = ctypes.create_string_buffer(max(room, len(frame) + 4096))
+        opts = TestRunOpts(sz=ctypes.sizeof(TestRunOpts),
+                            data_in=ctypes.cast(data_in, ctypes.c_void_p),
+                            data_out=ctypes.cast(data_out, ctypes.c_void_p),
+                            data_size_in=len(frame), data_size_out=len(data_out), repeat=1)
+        _check(self._lib.bpf_prog_test_run_opts(self.prog_fd, ctypes.byref(opts)),
+               "BPF_PROG_TEST_RUN")
+        return opts.retval, data_out.raw[: opts.data_size_out]
