@@ -44,9 +44,10 @@ class Case:
     """One measurement: ``kind`` says which bench runs ``args``.
 
     suite: ``switchml bench ARGS``, ``runs`` invocations (bench/invocations.py);
-    train: bench/train.py; two_jobs: bench/two_jobs.py; switch_core:
-    bench/switch_core.py.  ``system`` is the suite row the figure is of;
-    ``reference`` a case the figure is compared with, as ``compare`` says.
+    train: bench/train.py; two_jobs: bench/two_jobs.py; beside_tcp:
+    bench/beside_tcp.py; switch_core: bench/switch_core.py.  ``system`` is the
+    suite row the figure is of; ``reference`` a case the figure is compared with,
+    as ``compare`` says.
     """
 
     id: str
@@ -170,6 +171,11 @@ CASES = (
     Case("two-jobs-mtu9000", "rest", "two jobs of 4 ranks sharing every link, 1 Gbit/s, MTU 9000",
          "two_jobs", ("--hosts", "4", "--link", "1gbit", "--mtu", "9000", "--mib", "64",
                       "--repeats", "8")),
+    Case("beside-tcp-mtu9000", "rest",
+         "a job of 4 ranks beside a bulk CUBIC flow host 0 to host 1, 1 Gbit/s, MTU 9000, "
+         "64 MiB", "beside_tcp",
+         ("--hosts", "4", "--link", "1gbit", "--mtu", "9000", "--mib", "64", "--repeats", "8",
+          "--runs", "3")),
     Case("switch-core", "rest", "one switch core, C data plane", "switch_core", ()),
     Case("train-testbed-digits-hidden2048", "ddp",
          "DDP, digits MLP (dense gradients), 4 hosts, 1 Gbit/s, MTU 9000", "train",
@@ -204,6 +210,7 @@ def command(case: Case, results: str = RESULTS, python: str = "python") -> list:
         return [python, "bench/invocations.py", "--runs", str(case.runs), "--out", out, "--",
                 *case.args]
     script, flag = {"train": ("train.py", "--out"), "two_jobs": ("two_jobs.py", "--json"),
+                    "beside_tcp": ("beside_tcp.py", "--json"),
                     "switch_core": ("switch_core.py", "--json")}[case.kind]
     return [python, f"bench/{script}", *case.args, flag, out]
 
@@ -322,6 +329,19 @@ def two_jobs_figures(case: Case, results: str = RESULTS) -> tuple:
             f"{shares} of an equal share")
 
 
+def beside_tcp_figures(case: Case, results: str = RESULTS) -> tuple:
+    data = load(case, results)
+
+    def cell(system):
+        alone, beside = data[f"{system}_alone"], data[f"{system}_beside_tcp"]
+        return (f"{beside['median_s']:.3f} s beside the flow ({alone['median_s']:.3f} s "
+                f"alone), {beside['share']:.0%} of the link")
+    mine, gloo = data["switchml_beside_tcp"], data["gloo_beside_tcp"]
+    return (cell("switchml"), cell("gloo"),
+            f"the flow keeps {mine['tcp_share']:.0%} beside switchml, {gloo['tcp_share']:.0%} "
+            f"beside gloo ({data['tcp_alone']['throughput_Mbps']:.0f} Mbit/s alone)")
+
+
 def switch_core_figures(case: Case, results: str = RESULTS) -> tuple:
     rows = load(case, results)["rows"]
     cells = [f"{r['gbit_per_core_s']:.1f} Gbit/s per core at {r['packet_bytes']} B"
@@ -330,7 +350,7 @@ def switch_core_figures(case: Case, results: str = RESULTS) -> tuple:
 
 
 FIGURES = {"suite": suite_figures, "train": train_figures, "two_jobs": two_jobs_figures,
-           "switch_core": switch_core_figures}
+           "beside_tcp": beside_tcp_figures, "switch_core": switch_core_figures}
 
 
 def figures(case: Case, results: str = RESULTS) -> tuple:

@@ -152,3 +152,19 @@ HIDDEN uint64_t udp_batch_send(udp_batch *b, int fd, int flags, const udp_policy
     b->run_open = 0;
     return sent;
 }
+
+HIDDEN void udp_drain_error_queue(int fd)
+{
+    char data[64], control[256];
+    for (int i = 0; i < 256; i++) {
+        struct iovec iov = {data, sizeof data};
+        struct msghdr m;
+        memset(&m, 0, sizeof m);
+        m.msg_iov = &iov;
+        m.msg_iovlen = 1;
+        m.msg_control = control;
+        m.msg_controllen = sizeof control;
+        if (recvmsg(fd, &m, MSG_ERRQUEUE | MSG_DONTWAIT) < 0)
+            break;
+    }
+}

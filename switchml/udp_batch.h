@@ -84,5 +84,9 @@ int udp_batch_add(udp_batch *b, const struct sockaddr_in *to, const void *data, 
  * The batch is empty afterwards. */
 uint64_t udp_batch_send(udp_batch *b, int fd, int flags, const udp_policy *policy,
                         int *gso_refused, uint64_t *bytes);
+/* netutil.drain_error_queue: read away what IP_RECVERR queued on `fd` (ICMP errors
+ * from a peer gone, a datagram refused for its size): the queue is charged to the
+ * receive buffer. */
+void udp_drain_error_queue(int fd);
 
 #endif

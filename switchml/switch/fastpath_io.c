@@ -62,25 +62,6 @@ static int sort_by_destination(const void *a, const void *b)
     return x[0] != y[0] ? (x[0] < y[0] ? -1 : 1) : (x[1] < y[1] ? -1 : x[1] > y[1]);
 }
 
-/* Read away what IP_RECVERR queued (ICMP errors from workers gone, a datagram
- * refused for its size): the queue is charged to the receive buffer. */
-static void drain_error_queue(int fd)
-{
-    char data[64], control[256];
-    int i;
-    for (i = 0; i < 256; i++) {
-        struct iovec iov = {data, sizeof data};
-        struct msghdr m;
-        memset(&m, 0, sizeof m);
-        m.msg_iov = &iov;
-        m.msg_iovlen = 1;
-        m.msg_control = control;
-        m.msg_controllen = sizeof control;
-        if (recvmsg(fd, &m, MSG_ERRQUEUE | MSG_DONTWAIT) < 0)
-            break;
-    }
-}
-
 /* A send this host's queue toward the network refused (ENOBUFS: a switch server
  * sending faster than its link, as IP_RECVERR says) waits for the queue to drain,
  * as a switch's port buffer holds what its port cannot send yet, instead of losing
@@ -113,7 +94,7 @@ static int send_fragmented(void *ctx, int fd, const struct msghdr *one)
     while (n < 0 && errno == EINTR);
     fp_count(&io->core->counters, n < 0 ? C_SEND_ERRORS : C_SEND_FRAGMENTED, 1);
     setsockopt(fd, IPPROTO_IP, IP_MTU_DISCOVER, &do_, sizeof do_);
-    drain_error_queue(fd); /* the refusal that brought us here queued one */
+    udp_drain_error_queue(fd); /* the refusal that brought us here queued one */
     return n >= 0;
 }
 
@@ -185,7 +166,7 @@ static uint32_t drain_socket(fp_io *io, uint32_t limit)
             if (errno == EAGAIN || errno == EWOULDBLOCK)
                 break;
             if (errno != EINTR) { /* e.g. an ICMP error surfacing on Linux */
-                drain_error_queue(io->fd);
+                udp_drain_error_queue(io->fd);
                 fp_count(&core->counters, C_SOCKET_ERRORS, 1);
                 if (++errors >= FP_MAX_RECV_ERRORS)
                     break;

@@ -57,23 +57,6 @@ static int wait_for_socket(void *ctx, int fd, int error, int tries) {
     return 1;
 }
 
-/* netutil.drain_error_queue: read away the ICMP errors IP_RECVERR queued (they
- * take receive buffer space); the control connection says why the switch went. */
-static void drain_error_queue(int fd) {
-    char data[64], control[256];
-    for (int i = 0; i < 256; i++) {
-        struct iovec iov = {data, sizeof data};
-        struct msghdr m;
-        memset(&m, 0, sizeof m);
-        m.msg_iov = &iov;
-        m.msg_iovlen = 1;
-        m.msg_control = control;
-        m.msg_controllen = sizeof control;
-        if (recvmsg(fd, &m, MSG_ERRQUEUE | MSG_DONTWAIT) < 0)
-            break;
-    }
-}
-
 static void lost_to_timers(void *ctx, uint32_t datagrams, int error) {
     (void)ctx, (void)datagrams, (void)error; /* the retransmission timer resends them */
 }
@@ -139,7 +122,7 @@ static int stream_run_io(StreamCore *c, int fd, struct sockaddr_in dst, int cont
         int received = recvmmsg(fd, msgs, RECV_BATCH, MSG_DONTWAIT | MSG_TRUNC, NULL);
         if (received < 0) {
             if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
-                drain_error_queue(fd); /* an ICMP error queued: control tells us */
+                udp_drain_error_queue(fd); /* an ICMP error queued: control tells us */
             received = 0;
         }
         for (int i = 0; i < received; i++) { /* after the last result: stale, as in Python */
