@@ -312,9 +312,6 @@ static int send_ready(StreamCore *c, double now) {
     return 0;
 }
 
-/* Stream._names_in_flight: whether the header at `data` (a result or a probe's
- * answer) is about slot j's message in flight (this call, its message number and
- * packet). */
 /* Stream.send_refused: this host's queue refused a datagram (ENOBUFS). */
 static void send_refused(StreamCore *c, double now) {
     c->counters[COUNTER_LOCAL_REFUSALS]++;
@@ -322,6 +319,9 @@ static void send_refused(StreamCore *c, double now) {
         c->counters[COUNTER_WINDOW_DECREASES]++;
 }
 
+/* Stream._names_in_flight: whether the header at `data` (a result or a probe's
+ * answer) is about slot j's message in flight (this call, its message number and
+ * packet). */
 static int names_in_flight(StreamCore *c, int j, const uint8_t *data) {
     return c->inflight[j] && get_u32(data + 16) == c->seq &&
            get_u32(data + 12) == c->slot_msgs[j] &&
