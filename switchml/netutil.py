@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import socket
 import struct
 import sys
+import time
 
 from .config import check_keepalive
 
@@ -43,7 +45,7 @@ def enlarge_buffers(sock: socket.socket, size: int = SOCKET_BUFFER) -> int:
 
 #: A send this host's own queue refused (ENOBUFS, see ``report_local_drops``) is
 #: tried again after SEND_PAUSE seconds, for at most SEND_PATIENCE seconds, then
-#: lost (the switch's fastpath_io.h and the worker's stream_io.c have the same).
+#: lost (udp_batch.h's UDP_SEND_PAUSE_NS and UDP_SEND_PATIENCE_NS, for both C loops).
 SEND_PAUSE = 50e-6
 SEND_PATIENCE = 0.2
 
@@ -66,6 +68,26 @@ def report_local_drops(sock: socket.socket) -> bool:
         return False
     sock.setsockopt(socket.IPPROTO_IP, getattr(socket, "IP_RECVERR", _IP_RECVERR), 1)
     return True
+
+
+def send_when_room(sock, datagram, address, on_wait=None) -> int:
+    """``sock.sendto(datagram, address)``; where this host's own queue toward the
+    network refuses it (ENOBUFS, see ``report_local_drops``), tried again every
+    SEND_PAUSE seconds for at most SEND_PATIENCE seconds, ``on_wait(waited)``
+    (the seconds waited so far) before each pause.  Returns the bytes sent;
+    raises the error that ended it: ENOBUFS past the patience, any other at once.
+    """
+    waited = 0.0
+    while True:
+        try:
+            return sock.sendto(datagram, address)
+        except OSError as exc:
+            if exc.errno != errno.ENOBUFS or waited >= SEND_PATIENCE:
+                raise
+        if on_wait is not None:
+            on_wait(waited)
+        time.sleep(SEND_PAUSE)
+        waited += SEND_PAUSE
 
 
 def drain_error_queue(sock: socket.socket, most: int = 256) -> None:

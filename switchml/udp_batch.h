@@ -23,6 +23,12 @@
 #ifndef UDP_SEGMENT /* Linux 4.18 */
 #define UDP_SEGMENT 103
 #endif
+/* A send this host's own queue refused (ENOBUFS: its link is full, as IP_RECVERR
+ * says) is tried again after UDP_SEND_PAUSE_NS, for at most UDP_SEND_PATIENCE_NS
+ * a message, then lost: netutil.SEND_PAUSE and SEND_PATIENCE, in nanoseconds,
+ * for the switch's results and the worker's contributions alike. */
+#define UDP_SEND_PAUSE_NS 50000L
+#define UDP_SEND_PATIENCE_NS 200000000L
 /* At most this many segments, of at most this many bytes in all, a message. */
 #define GSO_MAX_SEGMENTS 64
 #define GSO_MAX_BYTES 65000

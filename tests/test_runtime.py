@@ -10,8 +10,8 @@ import pytest
 from conftest import run_ranks
 
 import switchml
+from switchml import netutil
 from switchml.quant import error_bound
-from switchml.worker import client
 from switchml.worker.client import send_waiting
 
 K = 1024  # packet_elements of the test switch
@@ -278,8 +278,8 @@ def test_a_datagram_the_host_queue_refuses_waits_and_the_call_hears_once():
 
 
 def test_a_queue_full_past_the_patience_loses_the_datagram_to_the_timers(monkeypatch):
-    monkeypatch.setattr(client, "SEND_PAUSE", client.SEND_PATIENCE / 4)
-    monkeypatch.setattr(client.time, "sleep", lambda s: None)
+    monkeypatch.setattr(netutil, "SEND_PAUSE", netutil.SEND_PATIENCE / 4)
+    monkeypatch.setattr(netutil.time, "sleep", lambda s: None)
     udp, call = RefusingSocket(100), Call()
     assert send_waiting(udp, b"x", ("10.0.0.1", 7300), call) == 0
     assert udp.sent == [] and len(call.refused) == 1

@@ -70,9 +70,9 @@ static int wait_for_queue(void *ctx, int fd, int error, int tries)
 {
     fp_io *io = ctx;
     (void)fd;
-    if (error != ENOBUFS || (long)(tries - 1) * FP_SEND_PAUSE_NS >= FP_SEND_PATIENCE_NS)
+    if (error != ENOBUFS || (long)(tries - 1) * UDP_SEND_PAUSE_NS >= UDP_SEND_PATIENCE_NS)
         return 0;
-    struct timespec pause = {0, FP_SEND_PAUSE_NS};
+    struct timespec pause = {0, UDP_SEND_PAUSE_NS};
     nanosleep(&pause, NULL);
     fp_count(&io->core->counters, C_SEND_WAITS, 1);
     return 1;

@@ -18,11 +18,6 @@
 #define FP_MAX_RECV_ERRORS 16
 /* Address keys with this bit are not IPv4 addresses (FastPipeline gives them). */
 #define FP_KEY_NOT_IPV4 ((uint64_t)1 << 48)
-/* A send this host's own queue refused (ENOBUFS: a switch server's link is full)
- * is tried again after FP_SEND_PAUSE_NS, for at most FP_SEND_PATIENCE_NS a message,
- * then counted as lost (send_errors). */
-#define FP_SEND_PAUSE_NS 50000L
-#define FP_SEND_PATIENCE_NS 200000000L
 
 /* The loop's buffers, allocated once with the core, in one block. */
 typedef struct {

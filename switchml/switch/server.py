@@ -29,8 +29,6 @@ from ..auth import read_token, token_from_env
 from ..config import SwitchConfiguration, parse_address
 from ..errors import DataPlaneUnavailableError
 from ..netutil import (
-    SEND_PATIENCE,
-    SEND_PAUSE,
     LineReader,
     drain_error_queue,
     enable_keepalive,
@@ -39,6 +37,7 @@ from ..netutil import (
     forbid_fragmentation,
     report_local_drops,
     route_mtu,
+    send_when_room,
     unacknowledged,
 )
 from ..protocol import Error
@@ -424,22 +423,16 @@ class Switch:
         """One datagram to a worker; where this host's own queue refuses it (ENOBUFS:
         its link is full, ``report_local_drops``) try again after a pause, as the C
         data plane does (fastpath_io.c), rather than lose it."""
-        waited = 0.0
-        while True:
-            try:
-                udp.sendto(datagram, dst)
-                return
-            except OSError as exc:
-                if exc.errno == errno.ENOBUFS and waited < SEND_PATIENCE:
-                    time.sleep(SEND_PAUSE)
-                    waited += SEND_PAUSE
-                    self.pipeline.counters["send_waits"] += 1
-                    continue
-                if exc.errno == errno.EMSGSIZE:
-                    self._send_fragmented(datagram, dst)
-                else:
-                    self.pipeline.counters["send_errors"] += 1
-                return
+        def count_wait(waited):
+            self.pipeline.counters["send_waits"] += 1
+
+        try:
+            send_when_room(udp, datagram, dst, count_wait)
+        except OSError as exc:
+            if exc.errno == errno.EMSGSIZE:
+                self._send_fragmented(datagram, dst)
+            else:
+                self.pipeline.counters["send_errors"] += 1
 
     def _send_fragmented(self, datagram, dst) -> None:
         """A result larger than the path MTU, which IP_PMTUDISC_DO refuses: a job whose

@@ -37,14 +37,13 @@ from ..config import (
 )
 from ..errors import SwitchMLError, SwitchMLTimeoutError, SwitchUnreachableError
 from ..netutil import (
-    SEND_PATIENCE,
-    SEND_PAUSE,
     drain_error_queue,
     enable_keepalive,
     enlarge_buffers,
     forbid_fragmentation,
     report_local_drops,
     route_mtu,
+    send_when_room,
 )
 from ..protocol import Left, StatusReply
 from . import compiled, nonfinite
@@ -73,31 +72,31 @@ def send_waiting(udp, datagram, address, op) -> int:
     """Send one datagram of the call ``op``; returns the bytes sent (0: lost).
 
     Where this host's own queue toward the network refuses it (ENOBUFS, reported
-    by ``report_local_drops``), the call hears of it (``send_refused``: its
-    window) and it is tried again every SEND_PAUSE seconds for SEND_PATIENCE
-    seconds, as stream_io.c does.  A full socket buffer, a queue full that long,
-    or an ICMP error reported twice: lost, and the call's timers recover it.
+    by ``report_local_drops``), the call hears of it once (``send_refused``: its
+    window) and it waits for room (``send_when_room``), as stream_io.c does.  A
+    full socket buffer, a queue full that long, or an ICMP error reported twice:
+    lost, and the call's timers recover it.
     """
-    waited, refused = 0.0, False
-    while True:
+    told = False
+
+    def refused(waited):
+        nonlocal told
+        if not told:  # once a datagram
+            told = True
+            op.send_refused(time.monotonic())
+
+    for attempt in (1, 2):
         try:
-            return udp.sendto(datagram, address)
+            return send_when_room(udp, datagram, address, refused)
         except BlockingIOError:
             return 0
         except OSError as exc:
-            if exc.errno == errno.ECONNREFUSED:  # an ICMP error, reported once
-                if refused:  # the switch is gone: its control connection says so
-                    return 0
-                refused = True
-                continue
-            if exc.errno != errno.ENOBUFS:
+            if exc.errno == errno.ECONNREFUSED and attempt == 1:
+                continue  # an ICMP error, reported once
+            if exc.errno not in (errno.ECONNREFUSED, errno.ENOBUFS):
                 raise
-            if waited == 0.0:  # once a datagram
-                op.send_refused(time.monotonic())
-            if waited >= SEND_PATIENCE:
-                return 0
-            time.sleep(SEND_PAUSE)
-            waited += SEND_PAUSE
+            return 0  # the switch is gone (its control connection says so), or no room
+    return 0
 
 
 class Worker:

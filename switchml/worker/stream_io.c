@@ -23,11 +23,6 @@ static double monotonic_now(void) { /* time.monotonic()'s clock */
 
 enum { IO_DONE = 0, IO_STALLED = 1, IO_CONTROL = 2, IO_SLICE = 3 };
 
-/* netutil.SEND_PAUSE and SEND_PATIENCE (the switch's FP_SEND_PAUSE_NS and
- * FP_SEND_PATIENCE_NS), in nanoseconds. */
-#define SEND_PAUSE_NS 50000L
-#define SEND_PATIENCE_NS 200000000L
-
 typedef struct {
     StreamCore *core;
     int socket_waits; /* full socket buffer waits of this flush */
@@ -35,8 +30,8 @@ typedef struct {
 
 /* This host's queue toward the network refused a datagram (ENOBUFS, which the
  * socket's IP_RECVERR reports: client.py sets it): the window hears of it once
- * (send_refused), and the datagram waits for room, SEND_PAUSE_NS at a time, for
- * SEND_PATIENCE_NS at most, as TCP's segments wait in its socket.  A full socket
+ * (send_refused), and the datagram waits for room, UDP_SEND_PAUSE_NS at a time,
+ * for UDP_SEND_PATIENCE_NS at most, as TCP's segments wait in its socket.  A full socket
  * buffer (EAGAIN) waits a little (1 ms, ten times a flush at most).  Then what is
  * left counts as lost: the retransmission timer recovers it. */
 static int wait_for_socket(void *ctx, int fd, int error, int tries) {
@@ -44,9 +39,9 @@ static int wait_for_socket(void *ctx, int fd, int error, int tries) {
     if (error == ENOBUFS) {
         if (tries == 1) /* once a datagram */
             send_refused(w->core, monotonic_now());
-        if ((long)(tries - 1) * SEND_PAUSE_NS >= SEND_PATIENCE_NS)
+        if ((long)(tries - 1) * UDP_SEND_PAUSE_NS >= UDP_SEND_PATIENCE_NS)
             return 0;
-        struct timespec pause = {0, SEND_PAUSE_NS};
+        struct timespec pause = {0, UDP_SEND_PAUSE_NS};
         nanosleep(&pause, NULL);
         return 1;
     }
