@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import needs_root
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -236,6 +237,35 @@ def test_xdp_core_bench_runs_with_tiny_settings(tmp_path):
                             "--median", str(out), str(out), str(out)], check=True,
                            capture_output=True, text=True, timeout=60, env=env).stdout
     assert table.count("\n| 9000 | 8320 |") == 3
+
+
+@needs_root
+def test_xdp_driver_bench_runs_with_tiny_settings(tmp_path):
+    """bench/xdp_driver.py end to end, tiny: the program in veth's driver mode adds
+    every contribution the sender offered (nothing dropped), the kernel counted
+    its runs, and no namespace is left behind; the medians table of its JSON.
+    No timing is checked."""
+    from switchml.switch import xdp
+    from switchml.testbed import netns
+
+    if xdp.unavailable():
+        pytest.skip(f"XDP: {xdp.unavailable()}")
+    out = tmp_path / "driver.json"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "xdp_driver.py"),
+                    "--mtu", "1500", "9000", "--slots", "4", "--seconds", "0.3",
+                    "--json", str(out)], check=True, timeout=120, env=env)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mtu"] for r in rows] == [1500, 9000]
+    for r in rows:
+        assert r["dropped"] == {} and r["contributions_added"] > 0, r
+        assert r["runs"] >= r["contributions_added"] and r["program_ns_per_frame"] > 0, r
+        assert 0 <= r["contributions_added"] - 4 * r["results_completed"] <= 3 * r["slots"]
+    assert not [ns for ns in netns.list_namespaces() if ns.startswith("smlxdpd")]
+    table = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "xdp_driver.py"),
+                            "--median", str(out), str(out), str(out)], check=True,
+                           capture_output=True, text=True, timeout=60, env=env).stdout
+    assert table.count("\n| 9000 | 8320 |") == 1
 
 
 def test_switch_core_bench_runs_with_tiny_settings(tmp_path):
