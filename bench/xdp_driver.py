@@ -76,31 +76,41 @@ def program_runs(prog_fd: int) -> tuple[int, int]:
     return int(ns), int(runs)
 
 
-def contributions(rank: int, slots: int, packet_elements: int, block: int) -> bytearray:
-    """Rank ``rank``'s contributions to every slot, message 0, back to back."""
+def contributions(rank: int, slots: int, packet_elements: int, block: int, slot_base: int,
+                  token: int) -> bytearray:
+    """Rank ``rank``'s contributions to ``slots`` slots from ``slot_base``, message
+    0, back to back; ``token``: the rank's (the bench gives each job's ranks its
+    session)."""
     lanes = packet_elements // block
     rng = np.random.default_rng(rank)
     return bytearray(b"".join(
-        wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, slot, SESSION, 0, 0, slot,
+        wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, slot, token, 0, 0, slot,
                     np.zeros(lanes, wire.LANE),
                     rng.integers(-1000, 1000, packet_elements).astype(np.int32))
-        for slot in range(slots)))
+        for slot in range(slot_base, slot_base + slots)))
 
 
-def send(port: int, workers: int, slots: int, packet_elements: int, block: int,
+def sender_ip(index: int) -> str:
+    """The address of sender ``index`` (the ranks of job ``index``)."""
+    return f"10.98.0.{1 + index}"
+
+
+def send(index: int, port: int, workers: int, slots: int, packet_elements: int, block: int,
          seconds: float) -> None:
-    """The sender, in its namespace: passes over the slots, every rank's message
-    to each, the message number one more each pass; prints the datagrams sent."""
+    """Sender ``index``, in its namespace, on the CPU it was started on: passes over
+    the slots of job ``index``, every rank's message to each, the message number
+    one more each pass; prints the datagrams sent."""
     size = wire.packet_size(packet_elements // block, packet_elements)
     per_send = max(1, min(64, 65000 // size))  # a GSO run's datagrams
     socks, bodies = [], []
     for rank in range(workers):
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
-        s.bind((SENDER_IP, SENDER_PORT + rank))
+        s.bind((sender_ip(index), SENDER_PORT + rank))
         s.connect((SWITCH_IP, port))
         socks.append(s)
-        bodies.append(contributions(rank, slots, packet_elements, block))
+        bodies.append(contributions(rank, slots, packet_elements, block, index * slots,
+                                    SESSION + index))
     msg_fields = [np.frombuffer(b, np.uint8).reshape(slots, size)[:, 12:16] for b in bodies]
     segment = [(socket.SOL_UDP, UDP_SEGMENT, size.to_bytes(2, sys.byteorder))]
     sent = msg = 0
@@ -122,19 +132,25 @@ def send(port: int, workers: int, slots: int, packet_elements: int, block: int,
     print(json.dumps({"sent": sent, "passes": msg}), flush=True)
 
 
-def inside(mtu: int, dev: str, workers: int, slots: int, block: int, seconds: float) -> dict:
-    """In the switch's namespace: load and attach the program, run the sender, count."""
+def inside(mtu: int, dev: str, cpus: list, workers: int, slots: int, block: int,
+           seconds: float) -> dict:
+    """In the switch's namespace: load and attach the program, run a sender on each
+    of ``cpus`` (each its own job, on slots of its own), count."""
     packet_elements = packet_elements_for(mtu, block)
     size = wire.packet_size(packet_elements // block, packet_elements)
-    row = {"mtu": mtu, "workers": workers, "slots": slots, "packet_elements": packet_elements,
-           "block_elements": block, "packet_bytes": size}
-    p = xdp.XdpPipeline(slots, packet_elements, block_elements=block, switch_ip=SWITCH_IP)
+    row = {"mtu": mtu, "cpus": len(cpus), "workers": workers, "slots": slots,
+           "packet_elements": packet_elements, "block_elements": block, "packet_bytes": size}
+    p = xdp.XdpPipeline(slots * len(cpus), packet_elements, block_elements=block,
+                        switch_ip=SWITCH_IP)
     sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # the results' destination
     link = -1
     try:
         sink.bind((SWITCH_IP, p.port))
-        addresses = [(SENDER_IP, SENDER_PORT + r) for r in range(workers)]
-        p.install_job("bench", SESSION, addresses, 0, slots, packet_elements, block)
+        sessions = [SESSION + i for i in range(len(cpus))]
+        for i, session in enumerate(sessions):
+            addresses = [(sender_ip(i), SENDER_PORT + r) for r in range(workers)]
+            p.install_job(f"bench{i}", session, addresses, i * slots, slots, packet_elements,
+                          block)
         p.serve((SWITCH_IP, p.port))  # the program's configuration, as a switch's
         p.detach()  # ... then attached in driver mode instead of generic
         opts = xdp_loader._LinkCreateOpts(sz=ctypes.sizeof(xdp_loader._LinkCreateOpts),
@@ -150,22 +166,38 @@ def inside(mtu: int, dev: str, workers: int, slots: int, block: int, seconds: fl
             f.write("1")
         try:
             p.sync_counters()
-            before = dict(p.jobs[SESSION].counters)
+            before = Counter()
+            for session in sessions:
+                before.update(p.jobs[session].counters)
             ns0, runs0 = program_runs(prog_fd)
             t0 = time.monotonic()
-            sender = subprocess.run(
-                ["ip", "netns", "exec", f"{PREFIX}-w", sys.executable, __file__, "--send",
-                 str(p.port), str(workers), str(slots), str(packet_elements), str(block),
-                 str(seconds)], capture_output=True, text=True, timeout=seconds + 60)
+            senders = [subprocess.Popen(
+                ["ip", "netns", "exec", f"{PREFIX}-w", "taskset", "-c", str(cpu),
+                 sys.executable, __file__, "--send", str(i), str(p.port), str(workers),
+                 str(slots), str(packet_elements), str(block), str(seconds)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for i, cpu in enumerate(cpus)]
+            answers = [sender.communicate(timeout=seconds + 60) for sender in senders]
             wall = time.monotonic() - t0
             ns1, runs1 = program_runs(prog_fd)
         finally:
             with open(BPF_STATS, "w") as f:
                 f.write(stats_were)
-        if sender.returncode:
-            raise RuntimeError(f"the sender failed: {sender.stderr[-2000:]}")
+        for sender, (_, err) in zip(senders, answers):
+            if sender.returncode:
+                raise RuntimeError(f"a sender failed: {err[-2000:]}")
+        # the contributions each CPU admitted: where the program ran
+        per_cpu = [0] * p._prog.cpus
+        packets_in = xdp.COUNTER_NAMES.index("packets_in")
+        for i in range(len(cpus)):
+            values = p._prog.lookup("counts", xdp._u32(i * slots), p._counts_type())
+            for cpu in range(p._prog.cpus):
+                per_cpu[cpu] += values[cpu * len(xdp.COUNTER_NAMES) + packets_in]
         p.sync_counters()
-        c = Counter({k: v - before.get(k, 0) for k, v in p.jobs[SESSION].counters.items()})
+        c: Counter = Counter()
+        for session in sessions:
+            c.update(p.jobs[session].counters)
+        c.subtract(before)
     finally:
         if link >= 0:
             os.close(link)
@@ -175,9 +207,9 @@ def inside(mtu: int, dev: str, workers: int, slots: int, block: int, seconds: fl
         "dropped_stale", "dropped_mismatch", "duplicates", "retransmissions_answered"))
     ns, runs = ns1 - ns0, runs1 - runs0
     bits = added * size * 8
-    offered = json.loads(sender.stdout)["sent"]
+    offered = sum(json.loads(out)["sent"] for out, _ in answers)
     return dict(row, runs=runs, contributions_added=added,
-                results_completed=c["results_completed"],
+                admitted_per_cpu=per_cpu, results_completed=c["results_completed"],
                 dropped={k: v for k, v in c.items() if k.startswith("dropped_") and v},
                 program_s=ns / 1e9, wall_s=wall,
                 program_ns_per_frame=ns / runs if runs else 0.0,
@@ -185,10 +217,15 @@ def inside(mtu: int, dev: str, workers: int, slots: int, block: int, seconds: fl
                 offered_gbit_s=offered * size * 8 / wall / 1e9)
 
 
-def measure(mtu: int, workers: int, slots: int, block: int, seconds: float) -> dict:
-    """One row: two namespaces and a veth pair, the measurement inside, then none."""
+def measure(mtu: int, cpus: int, workers: int, slots: int, block: int,
+            seconds: float) -> dict:
+    """One row: two namespaces and a veth pair with a queue for each of ``cpus``
+    CPUs, each CPU's sender on its own (XPS), the measurement inside, then none."""
     from switchml.testbed import netns
 
+    mine = sorted(os.sched_getaffinity(0))[:cpus]
+    if len(mine) < cpus:
+        raise SystemExit(f"--cpus {cpus}: this process may use {len(mine)} CPU(s)")
     sw, snd = f"{PREFIX}-s", f"{PREFIX}-w"
     for ns in (sw, snd):
         netns.delete_namespace(ns)  # a crashed run's
@@ -196,16 +233,25 @@ def measure(mtu: int, workers: int, slots: int, block: int, seconds: float) -> d
         for ns in (sw, snd):
             netns.sh(["ip", "netns", "add", ns])
             netns.sh(["ip", "-n", ns, "link", "set", "lo", "up"])
-        netns.sh(["ip", "-n", sw, "link", "add", "xs", "type", "veth", "peer", "name", "xw",
-                  "netns", snd])
-        for ns, dev, ip in ((sw, "xs", SWITCH_IP), (snd, "xw", SENDER_IP)):
+        queues = ["numtxqueues", str(cpus), "numrxqueues", str(cpus)]
+        netns.sh(["ip", "-n", sw, "link", "add", "xs", *queues, "type", "veth", "peer",
+                  "name", "xw", *queues, "netns", snd])
+        for ns, dev, ips in ((sw, "xs", [SWITCH_IP]),
+                             (snd, "xw", [sender_ip(i) for i in range(cpus)])):
             netns.sh(["ip", "-n", ns, "link", "set", dev, "mtu", str(mtu)])
-            netns.sh(["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev])
+            for ip in ips:
+                netns.sh(["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev])
             netns.sh(["ip", "-n", ns, "link", "set", dev, "up"])
         netns.set_offloads(snd, ["xw"], {"tx-udp-segmentation": False})
+        # each CPU sends on a transmit queue of its own, which veth hands to the
+        # same receive queue at the switch's end: one NAPI, so one program run at a
+        # time, per CPU
+        for queue, cpu in enumerate(mine if cpus > 1 else []):
+            netns.sh(["ip", "netns", "exec", snd, "sh", "-c",
+                      f"echo {1 << cpu:x} > /sys/class/net/xw/queues/tx-{queue}/xps_cpus"])
         done = netns.sh(["ip", "netns", "exec", sw, sys.executable, __file__, "--inside",
-                         str(mtu), "xs", str(workers), str(slots), str(block), str(seconds)],
-                        timeout=seconds + 120)
+                         str(mtu), "xs", ",".join(map(str, mine)), str(workers), str(slots),
+                         str(block), str(seconds)], timeout=seconds + 120)
         return json.loads(done.stdout.strip().splitlines()[-1])
     finally:
         for ns in (sw, snd):
@@ -221,13 +267,17 @@ def median_table(paths: list) -> str:
             runs.append(json.load(f)["rows"])
     columns = [("program_ns_per_frame", "ns a frame", "{:.0f}"),
                ("gbit_per_program_core_s", "Gbit/s a program core", "{:.1f}"),
+               ("program_vs_1_cpu", "program x 1 CPU", "{:.2f}x"),
                ("offered_gbit_s", "Gbit/s offered", "{:.2f}")]
-    header = ["MTU", "datagram B"] + [c[1] for c in columns]
+    header = ["MTU", "datagram B", "CPUs"] + [c[1] for c in columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for i, row in enumerate(runs[0]):
-        cells = [str(row["mtu"]), str(row["packet_bytes"])]
+        cells = [str(row["mtu"]), str(row["packet_bytes"]), str(row["cpus"])]
         for key, _, fmt in columns:
-            values = [r[i][key] for r in runs]
+            values = [r[i].get(key) for r in runs]
+            if any(v is None for v in values):
+                cells.append("-")
+                continue
             mid = sorted(values)[len(values) // 2]
             cells.append(f"**{fmt.format(mid)}** ({', '.join(fmt.format(v) for v in values)})")
         lines.append("| " + " | ".join(cells) + " |")
@@ -237,15 +287,18 @@ def median_table(paths: list) -> str:
 def main(argv=None) -> list[dict]:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--send"]:
-        port, workers, slots, packet_elements, block = map(int, argv[1:6])
-        send(port, workers, slots, packet_elements, block, float(argv[6]))
+        index, port, workers, slots, packet_elements, block = map(int, argv[1:7])
+        send(index, port, workers, slots, packet_elements, block, float(argv[7]))
         return []
     if argv[:1] == ["--inside"]:
-        mtu, dev, workers, slots, block = int(argv[1]), argv[2], *map(int, argv[3:6])
-        print(json.dumps(inside(mtu, dev, workers, slots, block, float(argv[6]))))
+        mtu, dev, cpus = int(argv[1]), argv[2], [int(c) for c in argv[3].split(",")]
+        workers, slots, block = map(int, argv[4:7])
+        print(json.dumps(inside(mtu, dev, cpus, workers, slots, block, float(argv[7]))))
         return []
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mtu", type=int, nargs="+", default=[1500, 9000])
+    parser.add_argument("--cpus", type=int, nargs="+", choices=[1, 2], default=[1, 2],
+                        help="CPUs running the program at once, each on slots of its own")
     parser.add_argument("--workers", type=int, default=4, help="ranks of the job")
     parser.add_argument("--slots", type=int, default=64, help="the job's window")
     parser.add_argument("--block", type=int, default=256, help="values per block")
@@ -260,14 +313,20 @@ def main(argv=None) -> list[dict]:
     reason = xdp.unavailable()
     if reason:
         raise SystemExit(f"the XDP program cannot run here: {reason}")
-    rows = [measure(mtu, args.workers, args.slots, args.block, args.seconds)
-            for mtu in args.mtu]
-    print(f"{'MTU':>5} {'bytes':>6} {'ns/frame':>9} {'Gbit/prog-core-s':>16} "
-          f"{'Gbit/s offered':>14} {'added':>10}")
+    rows = [measure(mtu, cpus, args.workers, args.slots, args.block, args.seconds)
+            for mtu in args.mtu for cpus in args.cpus]
+    one = {r["mtu"]: r for r in rows if r["cpus"] == 1}
     for r in rows:
-        print(f"{r['mtu']:>5} {r['packet_bytes']:>6} {r['program_ns_per_frame']:>9.0f} "
-              f"{r['gbit_per_program_core_s']:>16.2f} {r['offered_gbit_s']:>14.2f} "
-              f"{r['contributions_added']:>10}")
+        if r["cpus"] > 1 and r["mtu"] in one:  # its per-core rate, times its CPUs, over one's
+            r["program_vs_1_cpu"] = r["cpus"] * r["gbit_per_program_core_s"] / \
+                one[r["mtu"]]["gbit_per_program_core_s"]
+    print(f"{'MTU':>5} {'bytes':>6} {'cpus':>4} {'ns/frame':>9} {'Gbit/prog-core-s':>16} "
+          f"{'x 1 cpu':>7} {'Gbit/s offered':>14} {'added':>10}")
+    for r in rows:
+        ratio = f"{r['program_vs_1_cpu']:.2f}x" if "program_vs_1_cpu" in r else "-"
+        print(f"{r['mtu']:>5} {r['packet_bytes']:>6} {r['cpus']:>4} "
+              f"{r['program_ns_per_frame']:>9.0f} {r['gbit_per_program_core_s']:>16.2f} "
+              f"{ratio:>7} {r['offered_gbit_s']:>14.2f} {r['contributions_added']:>10}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
