@@ -285,11 +285,15 @@ def test_a_queue_full_past_the_patience_loses_the_datagram_to_the_timers(monkeyp
     assert udp.sent == [] and len(call.refused) == 1
 
 
-def test_a_full_socket_buffer_is_a_loss_an_icmp_error_is_retried_once_others_raise():
+def test_a_full_socket_buffer_is_a_loss_an_icmp_error_is_retried_once_too_big_raises():
+    """A firewall's drop on the way out (EPERM) or no route is a loss the timers
+    recover, as the C engine counts it, not an error that ends the call."""
     call = Call()
     assert send_waiting(RefusingSocket(1, errno.EAGAIN), b"x", ("h", 1), call) == 0
     assert send_waiting(RefusingSocket(1, errno.ECONNREFUSED), b"x", ("h", 1), call) == 1
     assert send_waiting(RefusingSocket(2, errno.ECONNREFUSED), b"x", ("h", 1), call) == 0
+    for error in (errno.EPERM, errno.ENETUNREACH, errno.EHOSTUNREACH):
+        assert send_waiting(RefusingSocket(1, error), b"x", ("h", 1), call) == 0
     with pytest.raises(OSError):
         send_waiting(RefusingSocket(1, errno.EMSGSIZE), b"x", ("h", 1), call)
     assert call.refused == []

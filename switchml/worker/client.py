@@ -74,8 +74,10 @@ def send_waiting(udp, datagram, address, op) -> int:
     Where this host's own queue toward the network refuses it (ENOBUFS, reported
     by ``report_local_drops``), the call hears of it once (``send_refused``: its
     window) and it waits for room (``send_when_room``), as stream_io.c does.  A
-    full socket buffer, a queue full that long, or an ICMP error reported twice:
-    lost, and the call's timers recover it.
+    full socket buffer, a queue full that long, an ICMP error reported twice, a
+    local firewall's drop (EPERM) or no route: lost, and the call's timers
+    recover it, as the C engine counts any such error.  A datagram too big for
+    the path (EMSGSIZE) raises: no retransmission would get it through.
     """
     told = False
 
@@ -93,9 +95,9 @@ def send_waiting(udp, datagram, address, op) -> int:
         except OSError as exc:
             if exc.errno == errno.ECONNREFUSED and attempt == 1:
                 continue  # an ICMP error, reported once
-            if exc.errno not in (errno.ECONNREFUSED, errno.ENOBUFS):
+            if exc.errno == errno.EMSGSIZE:
                 raise
-            return 0  # the switch is gone (its control connection says so), or no room
+            return 0  # the switch is gone (its control connection says so), no room, ...
     return 0
 
 
