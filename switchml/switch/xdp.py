@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pathlib
 import re
 import socket
 import struct
@@ -128,7 +129,7 @@ def row_size(values: int) -> int:
 # ---------------------------------------------------------------- map values
 class _Config(ctypes.Structure):
     _fields_ = [("slots", ctypes.c_uint32), ("port", ctypes.c_uint16),
-                ("pad", ctypes.c_uint16)]
+                ("pad", ctypes.c_uint16), ("ifindex", ctypes.c_uint32)]
 
 
 class _MemberKey(ctypes.Structure):
@@ -138,6 +139,12 @@ class _MemberKey(ctypes.Structure):
 
 class _Member(ctypes.Structure):
     _fields_ = [("job", ctypes.c_uint32), ("rank", ctypes.c_uint32)]
+
+
+class _RankAddress(ctypes.Structure):
+    _fields_ = [("addr", ctypes.c_uint8 * 4), ("port", ctypes.c_uint8 * 2),
+                ("mac", ctypes.c_uint8 * 6), ("learned", ctypes.c_uint32),
+                ("pad", ctypes.c_uint32)]
 
 
 class _Job(ctypes.Structure):
@@ -209,6 +216,15 @@ def parse_udp_frame(frame: bytes) -> tuple[tuple, tuple, bytes]:
         if total >= IP_HEADER + length else b""
 
 
+def _is_loopback(ifindex: int) -> bool:
+    """Whether interface ``ifindex`` is a loopback one (IFF_LOOPBACK)."""
+    flags = pathlib.Path(f"/sys/class/net/{socket.if_indextoname(ifindex)}/flags")
+    try:
+        return bool(int(flags.read_text(), 16) & 0x8)
+    except OSError:
+        return False
+
+
 def interface_of(host: str) -> int:
     """The index of the interface that holds IPv4 address ``host``; ValueError
     when none does (0.0.0.0 among them: the program serves one interface)."""
@@ -259,15 +275,16 @@ class XdpPipeline(Pipeline):
         self.max_values = max_values(self.datagram_size)
         self._row_size = row_size(self.max_values)
         self._prog = load(build_object(self.max_values), {
-            "members": slots * MAX_WORKERS, "jobs": slots, "mismatches": slots,
+            "members": slots * MAX_WORKERS, "rank_addresses": slots * MAX_WORKERS, "jobs": slots, "mismatches": slots,
             "sets": 2 * slots, "rows": 2 * slots, "counts": slots + 1,
             "scratch": libbpf().libbpf_num_possible_cpus()})
         self.verifier_stats = self._prog.verifier_stats
-        self._prog.update("config", _u32(0), _Config(slots, socket.htons(port), 0))
+        self._prog.update("config", _u32(0), _Config(slots, socket.htons(port), 0, 0))
         self._counts_type = ctypes.c_uint64 * (len(COUNTER_NAMES) * self._prog.cpus)
         self._counted: dict[int, list[int]] = {}  # counts entry -> its sums already taken
         self._job_at: dict[int, Job] = {}  # slot_base -> running job
         self._link: int | None = None  # serve(): the BPF link's fd
+        self._fan_out_link: int | None = None  # serve(): the fan-out program's link
         self.ifindex: int | None = None
         self._refused: set[int] = set()  # sessions take_unsupported reported
 
@@ -279,23 +296,42 @@ class XdpPipeline(Pipeline):
     def serve(self, address) -> int:
         """Serve the switch's UDP ``address`` (host, port) for real: the program
         takes the datagrams to that port and is attached to the interface that
-        holds the host's IPv4 address (``interface_of``), in generic mode.  Returns
-        the interface's index.  ``detach()`` (or ``close()``) undoes it."""
+        holds the host's IPv4 address (``interface_of``), in generic mode, and the
+        fan-out program to that interface's TC ingress, which sends each
+        completed result to every rank (not on a loopback interface: its ranks
+        are this host's, which the switch's socket reaches).  Returns the
+        interface's index.  ``detach()`` (or ``close()``) undoes it."""
         host, port = address
         ifindex = interface_of(host)
         self.port = port
         self.address = (host, port)
-        self._prog.update("config", _u32(0), _Config(self.slots, socket.htons(port), 0))
         self.detach()
-        self._link = self._prog.attach(ifindex)
+        self._prog.update("config", _u32(0), _Config(self.slots, socket.htons(port), 0, ifindex))
+        try:
+            self._link = self._prog.attach(ifindex)
+            if not _is_loopback(ifindex):
+                self._fan_out_link = self._prog.attach_fan_out(ifindex)
+        except BaseException:
+            self.detach()
+            raise
         self.ifindex = ifindex
         return ifindex
 
+    @property
+    def fans_out(self) -> bool:
+        """Whether the fan-out program sends completed results (``serve``)."""
+        return self._fan_out_link is not None
+
     def detach(self) -> None:
-        """Detach the program from its interface, if ``serve`` attached it."""
-        link, self._link = getattr(self, "_link", None), None
-        if link is not None:
-            os.close(link)
+        """Detach the programs from their interface, if ``serve`` attached them."""
+        for name in ("_fan_out_link", "_link"):
+            link = getattr(self, name, None)
+            setattr(self, name, None)
+            if link is not None:
+                os.close(link)
+        if getattr(self, "_prog", None) is not None:  # nothing learned stays valid
+            self._prog.update("config", _u32(0),
+                              _Config(self.slots, socket.htons(self.port), 0, 0))
 
     def take_unsupported(self) -> list:
         """(session, why) of each running job whose ranks sent what the program
@@ -329,12 +365,20 @@ class XdpPipeline(Pipeline):
         taken for the program's; only this host's own processes can send one."""
         if len(data) >= wire.HEADER_SIZE and data[3] == wire.KIND_RESULT and \
                 addr in self._members:
-            return [(data, m) for m in self._members[addr][0].members]
+            return self._to_every_rank(data, addr)
         try:
-            return self.receive_datagram(data, addr)
+            return self._through_program(data, addr, self._to_every_rank)
         except ValueError:  # not an IPv4 member's address: nothing the program takes
             self.counters["dropped_unknown_source"] += 1
             return []
+
+    def _to_every_rank(self, result: bytes, addr) -> list:
+        """A completed result that the switch's socket sends to every rank of the
+        job of member ``addr``: counted as the job's ``results_passed_up`` (the
+        fan-out program sends the others)."""
+        job = self._members[addr][0]
+        job.counters["results_passed_up"] += 1
+        return [(result, m) for m in job.members]
 
     # ---------------------------------------------------------------- control
     def install_job(self, name: str, session: int, members: list, slot_base: int,
@@ -360,6 +404,9 @@ class XdpPipeline(Pipeline):
                 state = prog.lookup("sets", _u32(v * self.slots + s), _Set())
                 state.valid = state.bitmap = state.count = 0
                 prog.update("sets", _u32(v * self.slots + s), state)
+        for rank, key in enumerate(keys):  # not learned: the program learns them
+            prog.update("rank_addresses", _u32(slot_base * MAX_WORKERS + rank),
+                        _RankAddress(key.addr, key.port))
         # the members last: a datagram finds the job through them
         for rank, key in enumerate(keys):
             prog.update("members", key, _Member(slot_base, rank))
@@ -456,6 +503,12 @@ class XdpPipeline(Pipeline):
         Ethernet pads short frames) to a whole result's length: the program
         answers a probe in place, in a frame too short for the result otherwise
         (one page is, for packets past it)."""
+        return self._through_program(
+            data, addr, lambda result, a: [(result, m) for m in self._members[a][0].members])
+
+    def _through_program(self, data, addr, to_every_rank) -> list:
+        """``receive_datagram``, a completed result's datagrams made by
+        ``to_every_rank(result, addr)``."""
         member_key(addr)  # IPv4 only: refuse anything else before building a frame
         frame = udp_frame(addr, self.address, bytes(data))
         room = FRAME_HEADERS + self.datagram_size
@@ -467,6 +520,6 @@ class XdpPipeline(Pipeline):
             return [(payload, tuple(addr))]
         if action == XDP_PASS and payload[3:4] == bytes([wire.KIND_RESULT]) and \
                 addr in self._members:
-            return [(payload, m) for m in self._members[addr][0].members]
+            return to_every_rank(payload, tuple(addr))
         raise RuntimeError(f"the XDP program answered {ACTIONS.get(action, action)} with a "
                            f"frame from {src} to {dst}")
