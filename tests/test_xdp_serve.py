@@ -362,6 +362,14 @@ def received(out: str) -> list:
     return got
 
 
+def qdisc_sent_bytes(dev: str) -> int:
+    """The bytes the root qdisc of ``dev`` (in this namespace) has sent."""
+    import json
+
+    qdiscs = json.loads(sh("tc", "-s", "-j", "qdisc", "show", "dev", dev))
+    return sum(q["bytes"] for q in qdiscs if q.get("root"))
+
+
 def contributions(tokens: list, values: int = 352) -> list:
     """One contribution a rank to slot 0, message 1: rank r adds r + 1 in each
     value and r - 5 in the exponent register, so that both the sum and the
@@ -400,6 +408,10 @@ def test_every_rank_gets_its_result_from_the_data_plane_as_the_reference_sends_i
     ranks = contributions(tokens)
     want = reference_sends(members, tokens, ranks)
     assert sorted(a for _, a in want) == members  # the reference: one copy each
+    # a qdisc on the switch's interface: the copies must go through it (where
+    # the links are shaped, as on the testbed's bridge ports)
+    sh("tc", "qdisc", "add", "dev", here, "root", "tbf", "rate", "1gbit", "burst", "256kb",
+       "limit", "256kb")
     p = xdp.XdpPipeline(8, 352, block_elements=352, port=port, switch_ip=me)
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
@@ -407,12 +419,15 @@ def test_every_rank_gets_its_result_from_the_data_plane_as_the_reference_sends_i
         udp.settimeout(2)
         assert p.serve((me, port)) == socket.if_nametoindex(here) and p.fans_out
         p.install_job("fanned", 0x77, members, 0, 4, 352, 352, tokens=tokens)
+        before = qdisc_sent_bytes(here)
         run = peer_run(ns, peer, (me, port), [(5000 + r, ranks[r]) for r in range(3)])
         out, err = run.communicate(timeout=30)
         with pytest.raises(socket.timeout):  # nothing came up to the switch's socket
             udp.recvfrom(65536)
         got = received(out)
         assert sorted(got) == sorted((a[1], (me, port), d) for d, a in want), err
+        frame = 14 + 20 + 8 + len(want[0][0])
+        assert qdisc_sent_bytes(here) - before >= 3 * frame
         p.sync_counters()
         assert without_zeros(p.jobs[0x77].counters) == {
             "packets_in": 3, "results_completed": 1, "results_out": 3,

@@ -1,26 +1,44 @@
 """The switch's data plane as an XDP program: ``XdpPipeline`` is a ``Pipeline``
 whose per-packet work runs in ``xdp_pipeline.bpf.c``, in the kernel.
 
-Issue 27: the dense path (validation and every drop reason, members,
-shadow-copy sets, adds, MODE_MAX, duplicates, stale messages, retransmissions,
-probes and queries, results), tested against the Python pipeline through
+The dense path (validation and every drop reason, members, shadow-copy sets,
+adds, MODE_MAX, duplicates, stale messages, retransmissions, probes and
+queries, results), tested against the Python pipeline through
 ``BPF_PROG_TEST_RUN`` on Ethernet/IPv4/UDP frames (tests/test_xdp.py, also two
 CPUs at once), and served for real by ``Switch(data_plane="xdp")``: ``serve``
 attaches it (generic mode, a BPF link) to the interface holding the switch's
-address, and the switch's socket sends what it passes up (``passed_up``)
-(tests/test_xdp_serve.py, in network namespaces).
+address, and beside it, on that interface's TC ingress, the program that sends
+each completed result to every rank (tests/test_xdp_serve.py, in network
+namespaces).
 
 As ``FastPipeline`` does, the control plane (slot allocation, the job table,
 ended jobs, stats) stays the Python reference's own code; ``install_job`` and
 ``remove_job`` also write the program's maps (a hash map of member addresses,
-the job's entry with each rank's token, a reset of its sets), and the counters
-the program keeps per CPU with the Python names are added into
+the address each rank's copy of a result goes to, the job's entry with each
+rank's token, a reset of its sets), and the counters the program keeps per CPU
+with the Python names are added into
 ``pipeline.counters`` and each ``job.counters`` by ``sync_counters()``.
 
 How a datagram's fate reads in XDP (the program's header comment says why):
 ``XDP_DROP`` for nothing sent, ``XDP_TX`` for an answer to its sender alone
 (the frame rewritten, addresses swapped), ``XDP_PASS`` for a completed result,
-which the switch's socket then sends to every rank.
+which goes to every rank from the kernel: the TC program ``fan_out_results``
+(the same object, the same maps), which runs next on the same interface,
+sends one copy a rank (``bpf_clone_redirect`` out of the interface, through its
+normal transmit path: on a bridge, each copy to the port its Ethernet address
+is behind, through that port's qdisc), each rewritten as the switch's socket
+would address it (Ethernet, IP and UDP destination; from the switch's address
+and port; fresh IP checksum, no UDP checksum, as the XDP_TX answers), counted
+as ``results_fanned_out`` (``results_fanout_failed`` for a copy the kernel
+refused: that rank's probe recovers it).  Several ranks behind one port or
+host each get their copy.  A rank's Ethernet address is the one its datagrams
+come from on the served interface, which the XDP program learns (as a switch
+learns the port a host is behind) once the rank's token matched; a result for
+a job with a rank not learned (one on the switch's own host, whose datagrams
+come by the loopback device, or by another interface) goes up to the
+switch's socket instead, which sends it to every rank (``passed_up``, counted
+as ``results_passed_up``), as it does where the TC program is not attached
+(a switch on a loopback interface).
 
 Packets of any size the Python pipeline takes, up to 64 lanes (the default,
 16128 values in 63 blocks of 256, a 65,300-byte datagram, among them): the
@@ -50,7 +68,8 @@ checksum of received datagrams (the kernel drops a bad one before the Python
 switch's socket; the program does not check it yet), UDP GSO super-packets (a
 veth peer on the same host hands one over whole: dropped as ``bad_length``),
 secondary addresses of an interface (``interface_of`` reads the primary one),
-native (driver) mode.
+native (driver) mode, a UDP checksum on the results (sent without one, which
+IPv4 allows).
 """
 
 from __future__ import annotations
@@ -275,7 +294,8 @@ class XdpPipeline(Pipeline):
         self.max_values = max_values(self.datagram_size)
         self._row_size = row_size(self.max_values)
         self._prog = load(build_object(self.max_values), {
-            "members": slots * MAX_WORKERS, "rank_addresses": slots * MAX_WORKERS, "jobs": slots, "mismatches": slots,
+            "members": slots * MAX_WORKERS, "rank_addresses": slots * MAX_WORKERS,
+            "jobs": slots, "mismatches": slots,
             "sets": 2 * slots, "rows": 2 * slots, "counts": slots + 1,
             "scratch": libbpf().libbpf_num_possible_cpus()})
         self.verifier_stats = self._prog.verifier_stats

@@ -2,10 +2,13 @@
  * switch/pipeline.py (the reference model: read its docstring for the rules),
  * step by step, in the same order, with the same drop reasons and counter
  * names.  switch/xdp_loader.py builds it (clang) and loads it (libbpf through
- * ctypes); switch/xdp.py fills its maps from the Python control plane, attaches it to the switch's interface (generic mode)
- * and runs it with BPF_PROG_TEST_RUN (tests, and probes passed up); tests/test_xdp.py
- * feeds it and the Python pipeline the same frames and requires the same
- * datagrams out, the same counters and the same slot state.
+ * ctypes); switch/xdp.py fills its maps from the Python control plane, attaches
+ * it to the switch's interface (generic mode), with fan_out_results on the
+ * interface's TC ingress, and runs it with BPF_PROG_TEST_RUN (tests, and probes
+ * passed up); tests/test_xdp.py feeds it and the Python pipeline the same
+ * frames and requires the same datagrams out, the same counters and the same
+ * slot state; tests/test_xdp_serve.py requires of fan_out_results the
+ * datagrams the Python pipeline sends each rank.
  *
  * Function names follow pipeline.py: receive_datagram, answer_probe,
  * answer_retransmission (folded into the two callers' lock sections, see
@@ -19,15 +22,18 @@
  *    XDP_TX back out of the port it came in by (to the rank that sent it);
  *  - a completed result, for every rank of the job: written over the
  *    contribution that completed it (a dense result has exactly that size) and
- *    handed to the host stack with XDP_PASS, addressed as the contribution was
- *    (from the last contributor to the switch's port), so that the switch's own
- *    UDP socket receives it; user space sends it to each member (a datagram of
- *    kind RESULT on that socket can only come from here: the program drops
- *    every result a member or stranger sends).  A devmap broadcast
- *    (BPF_F_BROADCAST) clones a frame per *device*, not per destination
- *    address, and a devmap egress program does not learn which entry it runs
- *    for, so it cannot address the copies to n ranks behind one port: that
- *    needs n entries' worth of per-copy rewriting, the next step;
+ *    handed on with XDP_PASS, addressed as the contribution was (from the last
+ *    contributor to the switch's port).  The next hook on the same interface,
+ *    TC ingress, runs fan_out_results (below), which sends one copy to each
+ *    rank, addressed to it, and drops the frame: the kernel's multicast engine
+ *    and egress rewrite.  Where it cannot reach a rank, it leaves the frame to
+ *    the host stack: the switch's own UDP socket receives it and user space
+ *    sends it to each member (a datagram of kind RESULT on that socket can
+ *    only come from here: the program drops every result a member or
+ *    stranger sends).  Not XDP alone: an XDP program has no helper that copies
+ *    a frame, and a devmap broadcast (BPF_F_BROADCAST) clones one per *device*,
+ *    not per destination, with egress programs that do not learn which entry
+ *    they run for, so it cannot address copies to n ranks behind one port;
  *  - anything that is not a UDP datagram to the switch's port: XDP_PASS,
  *    untouched.
  *
