@@ -904,8 +904,9 @@ int xdp_pipeline(struct xdp_md *ctx)
  * program passes up (XDP runs first, on the same device).  A datagram of kind
  * RESULT to the switch's port from a member's address is a result the XDP
  * program completed (it drops every result a member sends); this sends one
- * copy to every rank of the member's job (bpf_clone_redirect, out of the
- * interface served, through its normal transmit path: a bridge forwards each
+ * copy to every rank of the member's job (bpf_clone_redirect, and the frame
+ * itself to the last rank, bpf_redirect; out of the interface served, through
+ * its normal transmit path: a bridge forwards each
  * copy to the port its Ethernet address is behind, through that port's
  * qdisc), each addressed as the switch's socket would address it: from the
  * switch's address and port to the rank's, to the Ethernet address its
@@ -994,13 +995,18 @@ int fan_out_results(struct __sk_buff *skb)
         f.udp.source = switch_port;
         f.udp.dest = a->port;
         f.udp.check = 0;
-        if (bpf_skb_store_bytes(skb, 0, (__u8 *)&f + RESULT_HEADERS_AT, FRAME_HEADERS, 0) ||
-            bpf_clone_redirect(skb, cfg->ifindex, 0))
+        if (bpf_skb_store_bytes(skb, 0, (__u8 *)&f + RESULT_HEADERS_AT, FRAME_HEADERS, 0)) {
             count(counters, C_RESULTS_FANOUT_FAILED, 1);
-        else
+            continue;
+        }
+        if (rank + 1 == world) { /* the frame itself goes to the last rank: no clone */
             count(counters, C_RESULTS_FANNED_OUT, 1);
+            return bpf_redirect(cfg->ifindex, 0);
+        }
+        count(counters, bpf_clone_redirect(skb, cfg->ifindex, 0) ? C_RESULTS_FANOUT_FAILED
+                                                                : C_RESULTS_FANNED_OUT, 1);
     }
-    return TC_ACT_SHOT; /* the copies went out; the switch's socket gets nothing */
+    return TC_ACT_SHOT; /* the last rank's copy failed: the socket gets nothing */
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
