@@ -10,6 +10,7 @@ data plane needs (``xdp.unavailable``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
@@ -362,6 +363,30 @@ def received(out: str) -> list:
     return got
 
 
+@contextlib.contextmanager
+def switch_here(address: tuple, members: list, tokens: list):
+    """An XdpPipeline in this process serving ``address`` (an address of this
+    namespace), with its UDP socket, and job 0x77 of ``members`` installed:
+    (pipeline, socket); both closed afterwards."""
+    p = xdp.XdpPipeline(8, 352, block_elements=352, port=address[1], switch_ip=address[0])
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        udp.bind(address)
+        udp.settimeout(5)
+        assert p.serve(address) == xdp.interface_of(address[0])
+        p.install_job("job", 0x77, members, 0, 4, 352, 352, tokens=tokens)
+        yield p, udp
+    finally:
+        udp.close()
+        p.close()
+
+
+def job_counters(p) -> dict:
+    """Job 0x77's counters, what the program counted included."""
+    p.sync_counters()
+    return without_zeros(p.jobs[0x77].counters)
+
+
 def qdisc_sent_bytes(dev: str) -> int:
     """The bytes the root qdisc of ``dev`` (in this namespace) has sent."""
     import json
@@ -412,29 +437,20 @@ def test_every_rank_gets_its_result_from_the_data_plane_as_the_reference_sends_i
     # the links are shaped, as on the testbed's bridge ports)
     sh("tc", "qdisc", "add", "dev", here, "root", "tbf", "rate", "1gbit", "burst", "256kb",
        "limit", "256kb")
-    p = xdp.XdpPipeline(8, 352, block_elements=352, port=port, switch_ip=me)
-    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        udp.bind((me, port))
-        udp.settimeout(2)
-        assert p.serve((me, port)) == socket.if_nametoindex(here) and p.fans_out
-        p.install_job("fanned", 0x77, members, 0, 4, 352, 352, tokens=tokens)
+    with switch_here((me, port), members, tokens) as (p, udp):
+        assert p.fans_out and p.ifindex == socket.if_nametoindex(here)
         before = qdisc_sent_bytes(here)
         run = peer_run(ns, peer, (me, port), [(5000 + r, ranks[r]) for r in range(3)])
         out, err = run.communicate(timeout=30)
+        udp.settimeout(1)
         with pytest.raises(socket.timeout):  # nothing came up to the switch's socket
             udp.recvfrom(65536)
         got = received(out)
         assert sorted(got) == sorted((a[1], (me, port), d) for d, a in want), err
         frame = 14 + 20 + 8 + len(want[0][0])
         assert qdisc_sent_bytes(here) - before >= 3 * frame
-        p.sync_counters()
-        assert without_zeros(p.jobs[0x77].counters) == {
-            "packets_in": 3, "results_completed": 1, "results_out": 3,
-            "results_fanned_out": 3}
-    finally:
-        udp.close()
-        p.close()
+        assert job_counters(p) == {"packets_in": 3, "results_completed": 1, "results_out": 3,
+                                   "results_fanned_out": 3}
 
 
 @needs_xdp
@@ -450,16 +466,11 @@ def test_a_rank_the_data_plane_cannot_reach_gets_its_result_from_user_space(veth
     members = [(me, 5003), (peer, 5000), (peer, 5001)]
     ranks = contributions(tokens)
     want = reference_sends(members, tokens, ranks)
-    p = xdp.XdpPipeline(8, 352, block_elements=352, port=port, switch_ip=me)
-    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     local = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        udp.bind((me, port))
-        udp.settimeout(5)
+    with switch_here((me, port), members, tokens) as (p, udp), local:
         local.bind(members[0])
         local.settimeout(5)
-        assert p.serve((me, port)) and p.fans_out
-        p.install_job("local", 0x77, members, 0, 4, 352, 352, tokens=tokens)
+        assert p.fans_out
         local.sendto(ranks[0], (me, port))
         data, addr = udp.recvfrom(65536)  # by the loopback device: not through XDP
         assert addr == members[0] and p.passed_up(data, addr) == []
@@ -475,14 +486,8 @@ def test_a_rank_the_data_plane_cannot_reach_gets_its_result_from_user_space(veth
                                                if a != members[0]), err
         assert local.recvfrom(65536) == (want[[a for _, a in want].index(members[0])][0],
                                          (me, port))
-        p.sync_counters()
-        assert without_zeros(p.jobs[0x77].counters) == {
-            "packets_in": 3, "results_completed": 1, "results_out": 3,
-            "results_passed_up": 1}
-    finally:
-        udp.close()
-        local.close()
-        p.close()
+        assert job_counters(p) == {"packets_in": 3, "results_completed": 1, "results_out": 3,
+                                   "results_passed_up": 1}
 
 
 @needs_xdp
@@ -496,16 +501,11 @@ def test_a_probe_its_frame_has_no_room_to_answer_is_answered_through_user_space(
     port = 7302
     tokens = [0x10, 0x20]
     members = [(peer, 5000), (peer, 5001)]
-    p = xdp.XdpPipeline(8, 352, block_elements=352, port=port, switch_ip=me)
-    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        udp.bind((me, port))
-        udp.settimeout(5)
-        assert p.serve((me, port)) == socket.if_nametoindex(here)
-        p.install_job("probed", 0x77, members, 0, 4, 352, 352, tokens=tokens)
-        ranks = contributions(tokens)
-        result = reference_sends(members, tokens, ranks)[0][0]
-        probe = wire.probe_of(ranks[0])
+    ranks = contributions(tokens)
+    result = reference_sends(members, tokens, ranks)[0][0]
+    probe = wire.probe_of(ranks[0])
+    with switch_here((me, port), members, tokens) as (p, udp):
+        assert p.ifindex == socket.if_nametoindex(here)
         run = peer_run(ns, peer, (me, port), [(5000, ranks[0]), (5001, ranks[1]),
                                               (5000, probe)])
         data, addr = udp.recvfrom(65536)  # the probe, passed up: no room in its frame
@@ -517,13 +517,9 @@ def test_a_probe_its_frame_has_no_room_to_answer_is_answered_through_user_space(
         switch = (me, port)
         assert received(out) == [(5000, switch, result), (5000, switch, result),
                                  (5001, switch, result)], err
-        p.sync_counters()
-        assert without_zeros(p.jobs[0x77].counters) == {
+        assert job_counters(p) == {
             "packets_in": 2, "results_completed": 1, "results_out": 3, "probes_in": 1,
             "probes_passed_up": 1, "retransmissions_answered": 1, "results_fanned_out": 2}
-    finally:
-        udp.close()
-        p.close()
 
 
 def without_zeros(counter) -> dict:
