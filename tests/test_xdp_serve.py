@@ -26,7 +26,7 @@ import pytest
 import switchml
 from switchml import config, wire
 from switchml.errors import DataPlaneUnavailableError
-from switchml.switch import xdp
+from switchml.switch import xdp, xdp_loader
 from switchml.switch.pipeline import Pipeline
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -487,6 +487,38 @@ def test_a_rank_the_data_plane_cannot_reach_gets_its_result_from_user_space(veth
         assert local.recvfrom(65536) == (want[[a for _, a in want].index(members[0])][0],
                                          (me, port))
         assert job_counters(p) == {"packets_in": 3, "results_completed": 1, "results_out": 3,
+                                   "results_passed_up": 1}
+
+
+@needs_xdp
+def test_results_go_through_user_space_where_the_kernel_refuses_the_fan_out(veth, monkeypatch,
+                                                                            caplog):
+    """A kernel without tcx (before 6.6) refuses the fan-out program's attach:
+    the switch serves all the same, logs why, and its socket sends each result
+    to every rank."""
+    import errno
+
+    def refused(self, ifindex):
+        raise OSError(errno.EINVAL, "attaching the fan-out program: Invalid argument")
+
+    monkeypatch.setattr(xdp_loader.Program, "attach_fan_out", refused)
+    ns, _, peer, _, me = veth
+    port = 7306
+    tokens = [0x10, 0x20]
+    members = [(peer, 5000), (peer, 5001)]
+    ranks = contributions(tokens)
+    want = reference_sends(members, tokens, ranks)
+    with switch_here((me, port), members, tokens) as (p, udp):
+        assert not p.fans_out and "not the kernel" in caplog.text
+        run = peer_run(ns, peer, (me, port), [(5000, ranks[0]), (5001, ranks[1])])
+        result, addr = udp.recvfrom(65536)  # completed in the program, passed up
+        sends = p.passed_up(result, addr)
+        assert sorted(sends) == sorted(want)
+        for data, dest in sends:
+            udp.sendto(data, dest)
+        out, err = run.communicate(timeout=30)
+        assert sorted(received(out)) == sorted((a[1], (me, port), d) for d, a in want), err
+        assert job_counters(p) == {"packets_in": 2, "results_completed": 1, "results_out": 2,
                                    "results_passed_up": 1}
 
 

@@ -75,6 +75,7 @@ IPv4 allows).
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import pathlib
 import re
@@ -88,6 +89,8 @@ from .pipeline import MAX_WORKERS, Job, Mismatch, Pipeline
 from .xdp_loader import HERE, SOURCE, build_object, libbpf, load, unavailable
 
 __all__ = ["HERE", "XdpPipeline", "unavailable"]
+
+log = logging.getLogger("switchml.switch")
 
 XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = range(5)
 ACTIONS = {XDP_ABORTED: "aborted", XDP_DROP: "drop", XDP_PASS: "pass", XDP_TX: "tx",
@@ -319,7 +322,8 @@ class XdpPipeline(Pipeline):
         holds the host's IPv4 address (``interface_of``), in generic mode, and the
         fan-out program to that interface's TC ingress, which sends each
         completed result to every rank (not on a loopback interface: its ranks
-        are this host's, which the switch's socket reaches).  Returns the
+        are this host's, which the switch's socket reaches; nor where the kernel
+        refuses it, logged: the socket sends the results).  Returns the
         interface's index.  ``detach()`` (or ``close()``) undoes it."""
         host, port = address
         ifindex = interface_of(host)
@@ -329,11 +333,15 @@ class XdpPipeline(Pipeline):
         self._prog.update("config", _u32(0), _Config(self.slots, socket.htons(port), 0, ifindex))
         try:
             self._link = self._prog.attach(ifindex)
-            if not _is_loopback(ifindex):
-                self._fan_out_link = self._prog.attach_fan_out(ifindex)
         except BaseException:
             self.detach()
             raise
+        if not _is_loopback(ifindex):
+            try:
+                self._fan_out_link = self._prog.attach_fan_out(ifindex)
+            except OSError as exc:  # a kernel before 6.6 (no tcx): the socket sends them
+                log.warning("results go to the ranks from the switch's socket, not the "
+                            "kernel: %s", exc)
         self.ifindex = ifindex
         return ifindex
 
