@@ -234,7 +234,7 @@ def run_on_a_testbed(args) -> dict:
     from switchml.testbed import Testbed
 
     with Testbed(args.hosts, args.link, mtu=args.mtu, queue=args.queue,
-                 prefix="smlbtcp") as tb:
+                 host_queue=args.host_queue, prefix="smlbtcp") as tb:
         cluster = OnTestbed(tb)
         host, port = cluster.switch_bind
         out: dict = {}
@@ -270,6 +270,9 @@ def main(argv=None) -> int:
     p.add_argument("--link", default="1gbit")
     p.add_argument("--mtu", type=int, default=9000)
     p.add_argument("--queue", default="256kb")
+    p.add_argument("--host-queue", choices=("fifo", "flows"), default="fifo",
+                   help="each host's uplink: one FIFO (default) or a FIFO per flow served "
+                        "in turn, as fq_codel keeps a host's NIC queue")
     p.add_argument("--mib", type=float, default=64.0)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=8)

@@ -176,6 +176,16 @@ CASES = (
          "64 MiB", "beside_tcp",
          ("--hosts", "4", "--link", "1gbit", "--mtu", "9000", "--mib", "64", "--repeats", "8",
           "--runs", "3")),
+    Case("two-jobs-flows-mtu9000", "rest",
+         "two jobs of 4 ranks sharing every link, a queue per flow in each host, 1 Gbit/s, "
+         "MTU 9000", "two_jobs",
+         ("--hosts", "4", "--link", "1gbit", "--mtu", "9000", "--mib", "64", "--repeats", "8",
+          "--host-queue", "flows")),
+    Case("beside-tcp-flows-mtu9000", "rest",
+         "a job of 4 ranks beside a bulk CUBIC flow host 0 to host 1, a queue per flow in "
+         "each host, 1 Gbit/s, MTU 9000, 64 MiB", "beside_tcp",
+         ("--hosts", "4", "--link", "1gbit", "--mtu", "9000", "--mib", "64", "--repeats", "8",
+          "--runs", "3", "--host-queue", "flows")),
     Case("switch-core", "rest", "one switch core, C data plane", "switch_core", ()),
     Case("train-testbed-digits-hidden2048", "ddp",
          "DDP, digits MLP (dense gradients), 4 hosts, 1 Gbit/s, MTU 9000", "train",

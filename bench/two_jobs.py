@@ -28,7 +28,7 @@ def run(args) -> dict:
 
     elements = int(args.mib * 2**20) // 4
     with Testbed(args.hosts, args.link, mtu=args.mtu, queue=args.queue,
-                 prefix="smltwo") as tb:
+                 host_queue=args.host_queue, prefix="smltwo") as tb:
         cluster = OnTestbed(tb)
         host, port = cluster.switch_bind
         with Roles(cluster, args.timeout) as roles:
@@ -83,6 +83,9 @@ def main(argv=None) -> int:
     p.add_argument("--link", default="1gbit")
     p.add_argument("--mtu", type=int, default=None)
     p.add_argument("--queue", default="256kb")
+    p.add_argument("--host-queue", choices=("fifo", "flows"), default="fifo",
+                   help="each host's uplink: one FIFO (default) or a FIFO per flow served "
+                        "in turn, as fq_codel keeps a host's NIC queue")
     p.add_argument("--mib", type=float, default=64.0)
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--timeout", type=float, default=120.0)

@@ -73,10 +73,14 @@ class Network:
         self._link_free_at = 0.0  # when the bottleneck has sent all it holds
         self.datagrams = 0
         self.bottleneck_drops = 0
+        #: (time it left the bottleneck, sender, bytes) of each datagram that crossed it.
+        self.departures: list[tuple[float, object, int]] = []
 
-    def send(self, data, src, dst, faults: Faults | None = None) -> bool:
+    def send(self, data, src, dst, faults: Faults | None = None,
+             through_bottleneck: bool | None = None) -> bool:
         """Put a copy of ``data`` on the wire, subject to the faults (the network's, or
-        ``faults`` for this link) and the bottleneck.  Returns whether a refusing
+        ``faults`` for this link) and the bottleneck, which what goes to the switch
+        crosses (or what ``through_bottleneck`` says).  Returns whether a refusing
         bottleneck refused it at first (it waited for room)."""
         f = faults or self.faults
         refused = False
@@ -86,7 +90,8 @@ class Network:
         copies = 2 if f.duplicate and self.rng.random() < f.duplicate else 1
         for _ in range(copies):
             departure = self.now
-            if dst == SWITCH and self.bottleneck is not None:
+            shaped = dst == SWITCH if through_bottleneck is None else through_bottleneck
+            if shaped and self.bottleneck is not None:
                 link = self.bottleneck
                 start = max(self.now, self._link_free_at)
                 if (start - self.now) * link.rate + len(data) > link.queue_bytes:
@@ -95,11 +100,16 @@ class Network:
                         continue
                     refused = True  # it waits for room, then leaves in its turn
                 departure = self._link_free_at = start + len(data) / link.rate
+                self.departures.append((departure, src, len(data)))
             delay = f.latency + (self.rng.random() * f.jitter if f.jitter else 0.0)
             self._order += 1
             heapq.heappush(self._queue, (departure + delay, self._order, src, dst, data))
             self.datagrams += 1
         return refused
+
+    def bottleneck_bytes(self, senders, t0: float, t1: float) -> int:
+        """Bytes of ``senders``' datagrams that left the bottleneck between t0 and t1."""
+        return sum(n for t, src, n in self.departures if t0 <= t < t1 and src in senders)
 
     def next_arrival(self) -> float:
         return self._queue[0][0] if self._queue else float("inf")
@@ -265,15 +275,21 @@ def next_event(network: Network, ops: list, give_up: float, max_time: float):
     return None
 
 
-def _step(sims: list[Simulation], give_up: float, max_time: float) -> None:
-    """Deliver the next datagram or fire the next timers, whichever comes first."""
+def _step(sims: list[Simulation], give_up: float, max_time: float, flows=()) -> None:
+    """Deliver the next datagram or fire the next timers, whichever comes first.
+    ``flows``: competitors beside the jobs (``sim_tcp.TcpLikeFlow``)."""
     network = sims[0].network
     for sim in sims:
         if any(op.error for op in sim.ops):
             raise StalledSimulation(f"a worker stalled at t={network.now:.3f}")
-    arrival = next_event(network, [op for sim in sims for op in sim.ops], give_up, max_time)
+    arrival = next_event(network, [op for sim in sims for op in sim.ops] + list(flows),
+                         give_up, max_time)
     if arrival is not None:
         src, dst, data = arrival
+        flow = next((f for f in flows if dst in f.addresses), None)
+        if flow is not None:
+            flow.receive(dst, data, network.now)
+            return
         switch = next((sim for sim in sims if sim.switch_address == dst), None)
         if switch is not None:
             for out, addr in switch.pipeline.receive_datagram(data, src):
@@ -290,6 +306,8 @@ def _step(sims: list[Simulation], give_up: float, max_time: float) -> None:
             for addr, op in zip(sim.job.members, sim.ops):
                 op.handle_timer(network.now)
                 sim._send_all(op, addr)
+        for flow in flows:
+            flow.handle_timer(network.now)
 
 
 def _owner(sims: list[Simulation], addr) -> Simulation | None:
@@ -301,13 +319,16 @@ def _owner(sims: list[Simulation], addr) -> Simulation | None:
 
 def run_concurrently(sims: list[Simulation], arrays: list[list[np.ndarray]], until: float,
                      start_at: list[float] | None = None,
-                     max_time: float = 600.0) -> list[list[float]]:
+                     max_time: float = 600.0, flows=()) -> list[list[float]]:
     """Run allreduces back to back on every job (sharing a network) until ``until``.
 
     Job i starts at ``start_at[i]`` (default 0) and sums ``arrays[i]`` again as soon
     as its previous call finished; returns, per job, the virtual times at which
-    its calls finished.
+    its calls finished.  ``flows`` (``sim_tcp.TcpLikeFlow``) start at once and run
+    beside them.
     """
+    for flow in flows:
+        flow.start(sims[0].network.now)
     start_at = start_at or [0.0] * len(sims)
     finished: list[list[float]] = [[] for _ in sims]
     started = [False] * len(sims)
@@ -323,11 +344,11 @@ def run_concurrently(sims: list[Simulation], arrays: list[list[np.ndarray]], unt
         pending_start = min((t for i, t in enumerate(start_at) if not started[i]),
                             default=float("inf"))
         if pending_start < network.next_arrival() and pending_start < min(
-                (t for sim in running for t in (op.get_timer() for op in sim.ops)
-                 if t is not None), default=float("inf")):
+                (t for op in [op for sim in running for op in sim.ops] + list(flows)
+                 if (t := op.get_timer()) is not None), default=float("inf")):
             network.now = pending_start
             continue
-        _step(running, give_up, max_time)
+        _step(running or sims[:1], give_up, max_time, flows)
         for i, sim in enumerate(sims):
             if started[i] and sim.finished:
                 finished[i].append(network.now)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import needs_root
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -236,6 +237,39 @@ def test_xdp_core_bench_runs_with_tiny_settings(tmp_path):
                             "--median", str(out), str(out), str(out)], check=True,
                            capture_output=True, text=True, timeout=60, env=env).stdout
     assert table.count("\n| 9000 | 8320 |") == 3
+
+
+@needs_root
+def test_xdp_driver_bench_runs_with_tiny_settings(tmp_path):
+    """bench/xdp_driver.py end to end, tiny: the program in veth's driver mode adds
+    every contribution the sender offered (nothing dropped), the kernel counted
+    its runs, and no namespace is left behind; the medians table of its JSON.
+    No timing is checked."""
+    from switchml.switch import xdp
+    from switchml.testbed import netns
+
+    if xdp.unavailable():
+        pytest.skip(f"XDP: {xdp.unavailable()}")
+    out = tmp_path / "driver.json"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    cpus = [1, 2] if len(os.sched_getaffinity(0)) >= 2 else [1]
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "xdp_driver.py"),
+                    "--mtu", "1500", "9000", "--cpus", *map(str, cpus), "--slots", "4",
+                    "--seconds", "0.3", "--json", str(out)], check=True, timeout=120, env=env)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mtu"], r["cpus"]) for r in rows] == [(m, c) for m in (1500, 9000) for c in cpus]
+    for r in rows:
+        assert r["dropped"] == {} and r["contributions_added"] > 0, r
+        assert r["runs"] >= r["contributions_added"] and r["program_ns_per_frame"] > 0, r
+        assert 0 <= r["contributions_added"] - 4 * r["results_completed"] <= 3 * r["slots"] * \
+            r["cpus"]
+        # the program ran on as many CPUs as the row says, each its own job's frames
+        assert sum(n > 0 for n in r["admitted_per_cpu"]) == r["cpus"], r
+    assert not [ns for ns in netns.list_namespaces() if ns.startswith("smlxdpd")]
+    table = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "xdp_driver.py"),
+                            "--median", str(out), str(out), str(out)], check=True,
+                           capture_output=True, text=True, timeout=60, env=env).stdout
+    assert table.count("\n| 9000 | 8320 |") == len(cpus)
 
 
 def test_switch_core_bench_runs_with_tiny_settings(tmp_path):

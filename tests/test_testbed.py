@@ -467,6 +467,31 @@ def test_shaping_limits_the_rate_of_uplink_and_downlink():
         assert 0.3 * link < rate < 1.3 * link, (up, down)
 
 
+@needs_root
+def test_a_host_queue_per_flow_keeps_a_modest_flow_its_share_beside_a_flood():
+    """Host 0 floods its uplink from one port and offers 75% of the link from
+    another.  In one FIFO the flood takes nearly all the room (the modest flow
+    kept 2%); with a queue per flow served in turn, each flow gets half (48%).
+    The two source ports' low bytes differ: different queues."""
+    link, seconds, flood, modest = 20e6, 2.0, 40001, 40002
+    with Testbed(hosts=2, link="20mbit", prefix=prefix("q"), host_queue="flows") as tb:
+        assert sum(q["kind"] == "bfifo" for q in netns.qdisc(tb.namespace(0), tb.ifname(0))) \
+            == netns.FLOW_QUEUES + 1
+        count = tb.popen(1, [sys.executable, HELPERS, "udp_count", tb.address(1), "6000",
+                             str(seconds + 1)], stdout=subprocess.PIPE, text=True)
+        assert count.stdout.readline().strip() == "ready"
+        senders = [tb.popen(0, [sys.executable, HELPERS, "udp_offer", tb.address(1), "6000",
+                                str(sport), str(seconds), str(rate)])
+                   for sport, rate in ((flood, 0), (modest, 0.75 * link))]
+        for sender in senders:
+            assert sender.wait(timeout=30) == 0
+        got = {int(k): v for k, v in json.loads(count.stdout.readline()).items()}
+        count.wait(timeout=10)
+    total = got.get(flood, 0) + got.get(modest, 0)
+    assert total > 0.6 * link * seconds / 8, got  # the link was full
+    assert 0.40 < got.get(modest, 0) / total < 0.60, got
+
+
 def assert_near_rate(drops, arrivals, loss, where=""):
     """``drops`` of ``arrivals`` datagrams is what dropping each one with probability
     ``loss`` gives: within 4.5 standard deviations of the binomial (a false alarm about

@@ -15,6 +15,11 @@
   socket's drops (RcvbufErrors) as JSON.
 - ``gso_send HOST PORT RUNS PER_RUN PAYLOAD``: send RUNS runs of PER_RUN datagrams
   of PAYLOAD bytes, each run one ``send`` with UDP_SEGMENT (as switchml sends).
+- ``udp_count HOST PORT SECONDS``: print "ready", then the UDP bytes that arrive
+  from each source port over SECONDS, as JSON.
+- ``udp_offer HOST PORT SPORT SECONDS RATE``: send 1400-byte datagrams from source
+  port SPORT for SECONDS, at RATE bits/s (0: as fast as the process can), with a
+  send buffer larger than a link's queue.
 - ``gloo RANK WORLD SIZE``: one torch gloo rank (MASTER_ADDR, MASTER_PORT and
   GLOO_SOCKET_IFNAME from the environment); prints its all_reduce result's sum.
 """
@@ -25,6 +30,8 @@ import sys
 import time
 
 import numpy as np
+
+SO_SNDBUFFORCE = 32  # Linux; the socket module does not name it
 
 
 def make_input(rank, size, dtype):
@@ -156,6 +163,42 @@ def gso_send(host, port, runs, per_run, payload):
         time.sleep(0.0005)  # the receiver, one Python process, keeps up
 
 
+def udp_count(host, port, seconds):
+    received: dict = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind((host, int(port)))
+        sock.settimeout(0.1)
+        print("ready", flush=True)
+        end = time.monotonic() + float(seconds)
+        while time.monotonic() < end:
+            try:
+                data, (_, sport) = sock.recvfrom(2048)
+            except TimeoutError:
+                continue
+            received[sport] = received.get(sport, 0) + len(data)
+    print(json.dumps(received), flush=True)
+
+
+def udp_offer(host, port, sport, seconds, rate):
+    payload, rate = b"x" * 1400, float(rate)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        # a send buffer larger than the queue: the sender is never held back by
+        # its own socket, so the queue, not the buffer, decides (root: FORCE)
+        sock.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, 4 << 20)
+        sock.bind(("", int(sport)))
+        start = time.monotonic()
+        sent = 0
+        while (now := time.monotonic()) < start + float(seconds):
+            if rate and sent * 8 > rate * (now - start):
+                time.sleep(0.001)
+                continue
+            try:
+                sock.sendto(payload, (host, int(port)))
+            except OSError:  # ENOBUFS: the queue is full, which is the point
+                pass
+            sent += len(payload)
+
+
 def gloo(rank, world, size):
     import torch
     import torch.distributed as dist
@@ -170,4 +213,5 @@ def gloo(rank, world, size):
 
 if __name__ == "__main__":
     {"worker": worker, "repeat": repeat, "idle": idle, "sink": sink, "source": source,
-     "gloo": gloo, "gso_receive": gso_receive, "gso_send": gso_send}[sys.argv[1]](*sys.argv[2:])
+     "gloo": gloo, "gso_receive": gso_receive, "gso_send": gso_send,
+     "udp_count": udp_count, "udp_offer": udp_offer}[sys.argv[1]](*sys.argv[2:])

@@ -126,7 +126,8 @@ class OnTestbed:
                 "racks": tb.racks, "oversubscription": tb.oversubscription,
                 "link": tb.link, "link_bps": tb.link_bps,
                 "mtu": tb.mtu or 1500, "loss": tb.loss, "tbf_burst_bytes": tb.burst,
-                "tbf_queue_bytes": tb.queue, "prefix": tb.prefix}
+                "tbf_queue_bytes": tb.queue, "host_queue": tb.host_queue,
+                "prefix": tb.prefix}
 
 
 class Roles:

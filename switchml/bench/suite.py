@@ -67,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="testbed UDP loss probability per link (default: 0)")
     p.add_argument("--queue", default="256kb",
                    help="testbed: bytes each link queues before dropping (default: 256kb)")
+    p.add_argument("--host-queue", choices=["fifo", "flows"], default="fifo",
+                   help="testbed: how each host's uplink queues: one FIFO of --queue bytes "
+                        "(fifo, the default) or a FIFO of --queue bytes per flow served in "
+                        "turn, as fq_codel keeps a host's NIC queue (flows)")
     p.add_argument("--udp-offload", choices=["auto", "on", "off"], default="auto",
                    help="the veths' UDP segmentation offload: on (a GSO run crosses the "
                         "emulated wire as one packet), off (cut into frames at the first "
@@ -436,6 +440,7 @@ def main(args, argv_text: str = "", prog: str = "switchml bench") -> int:
                              OFFLOAD[args.udp_offload], switches=args.switches,
                              racks=args.racks, oversubscription=args.oversubscription,
                              prefix=args.prefix, queue=args.queue,
+                             host_queue=args.host_queue,
                              ranks_per_host=args.ranks_per_host) as tb:
                     cluster: OnTestbed | Loopback = OnTestbed(tb)
                     results["cluster"] = cluster.describe()

@@ -680,8 +680,13 @@ static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
     /* wire.decode_header, in its order */
     if (len < WIRE_HEADER_SIZE)
         DROP(C_DROPPED_TRUNCATED);
+    /* The header is in the frame's first buffer (a page, or the whole frame):
+     * read in place, which costs less than the helper's copy. */
     struct wire_header h;
-    if (bpf_xdp_load_bytes(ctx, FRAME_HEADERS, &h, sizeof h))
+    const void *data = (void *)(long)ctx->data, *data_end = (void *)(long)ctx->data_end;
+    if (data + FRAME_HEADERS + sizeof h <= data_end)
+        __builtin_memcpy(&h, data + FRAME_HEADERS, sizeof h);
+    else if (bpf_xdp_load_bytes(ctx, FRAME_HEADERS, &h, sizeof h))
         DROP(C_DROPPED_TRUNCATED); /* cannot be: the UDP length was checked against the frame */
     if (h.magic != WIRE_MAGIC)
         DROP(C_DROPPED_BAD_MAGIC);
@@ -731,7 +736,6 @@ static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
     struct xdp_set *set = bpf_map_lookup_elem(&sets, &row_index);
     struct xdp_row *row = bpf_map_lookup_elem(&rows, &row_index);
     struct xdp_row *in = bpf_map_lookup_elem(&scratch, &cpu);
-    struct xdp_mismatch *mm = bpf_map_lookup_elem(&mismatches, &job_index);
     if (!set || !row || !in || body < 1 || body > XDP_BODY_MAX)
         DROP(C_DROPPED_INTERNAL);
     if (bpf_xdp_load_bytes(ctx, FRAME_HEADERS + WIRE_HEADER_SIZE, in->bytes, body))
@@ -811,8 +815,8 @@ static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
         DROP(C_DUPLICATES);
     case A_STALE:
         DROP(C_DROPPED_STALE);
-    case A_MISMATCH:
-        record_mismatch(mm, record);
+    case A_MISMATCH: /* the record's entry looked up only here: a rare path */
+        record_mismatch(bpf_map_lookup_elem(&mismatches, &job_index), record);
         DROP(C_DROPPED_MISMATCH);
     case A_RESULT_ONE:
         count(counters, C_RETRANSMISSIONS_ANSWERED, 1);

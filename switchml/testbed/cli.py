@@ -25,7 +25,7 @@ def _testbed_up(args) -> int:
                      queue=args.queue, udp_offload=OFFLOAD[args.udp_offload],
                      switches=args.switches, racks=args.racks,
                      oversubscription=args.oversubscription,
-                     ranks_per_host=args.ranks_per_host)
+                     ranks_per_host=args.ranks_per_host, host_queue=args.host_queue)
     except ValueError as exc:
         print(f"switchml testbed: {exc}", file=sys.stderr)
         return 2
@@ -92,7 +92,8 @@ def _describe(tb, running_switch=False) -> str:
     from . import racks
     link = f"{tb.link} each way" if tb.link_bps else "unshaped"
     lines = [f"testbed '{tb.prefix}': {tb.hosts} hosts of {tb.ranks_per_host} rank(s), links "
-             f"{link}, mtu {tb.mtu or 1500}, UDP loss {tb.loss:g}",
+             f"{link}, mtu {tb.mtu or 1500}, UDP loss {tb.loss:g}"
+             + (", a queue per flow in each host" if tb.host_queue == "flows" else ""),
              f"  switch   namespace {tb.switch_namespace:<12} bridge {tb.bridge} "
              f"{tb.switch_address}" + (f"  (switch running on {tb.switch})"
                                         if running_switch and not tb.switches else "")]
@@ -263,6 +264,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--queue", default="256kb",
                    help="bytes each link queues before it drops, as a switch port's buffer "
                         "(tbf limit; default %(default)s)")
+    p.add_argument("--host-queue", choices=["fifo", "flows"], default="fifo",
+                   help="how each host's uplink queues: one FIFO of --queue bytes (fifo, the "
+                        "default) or a FIFO of --queue bytes per flow served in turn, as "
+                        "fq_codel keeps a host's NIC queue (flows)")
     p.add_argument("--udp-offload", choices=["auto", "on", "off"], default="auto",
                    help="the veths' UDP segmentation offload: on (a GSO run crosses the "
                         "emulated wire as one packet), off (cut into frames at the first "

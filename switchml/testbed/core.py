@@ -119,6 +119,9 @@ def read_state(prefix: str = DEFAULT_PREFIX) -> dict | None:
 #: ``--udp-offload`` (the CLI's and the bench's) as ``Testbed(udp_offload=...)``.
 OFFLOAD = {"auto": None, "on": True, "off": False}
 
+#: How a host's uplink may queue (``Testbed(host_queue=...)``).
+HOST_QUEUES = ("fifo", "flows")
+
 
 class Testbed:
     """N host namespaces wired to a bridge in a switch namespace, links shaped with tbf.
@@ -131,6 +134,11 @@ class Testbed:
     its first addresses, the switch (bridge) its last usable one.  ``burst``: tbf
     bucket; ``queue``: bytes a link holds waiting for the wire (tbf ``limit``;
     256 KiB by default, a switch port's buffer), beyond which it drops.
+    ``host_queue``: how a host's own uplink queues, where its senders meet
+    before the wire: "fifo" (the default), one tbf FIFO of ``queue`` bytes as a
+    switch port's; "flows", a FIFO of ``queue`` bytes per flow served in turn,
+    as fq_codel (most distributions' default qdisc) keeps a host's NIC queue
+    (``netns.shape_per_flow``).  Switch ports stay FIFOs either way.
     ``udp_offload``: the veths' UDP segmentation offload.  On, a sender's UDP GSO
     run (up to 64 datagrams in one ``sendmsg``) crosses the links as one packet,
     as it leaves a NIC that segments it (rate and queue still count every byte:
@@ -158,7 +166,8 @@ class Testbed:
                  loss: float = 0.0, prefix: str = DEFAULT_PREFIX, subnet: str = DEFAULT_SUBNET,
                  burst=DEFAULT_BURST, queue=None, install_nft: bool = True,
                  udp_offload: bool | None = None, switches: int = 0, racks: int = 0,
-                 oversubscription: float = 1.0, ranks_per_host: int = 1):
+                 oversubscription: float = 1.0, ranks_per_host: int = 1,
+                 host_queue: str = "fifo"):
         self.prefix = _check_prefix(prefix)
         if not 1 <= ranks_per_host <= 256:
             raise ValueError(f"ranks_per_host must be between 1 and 256, got {ranks_per_host}")
@@ -195,6 +204,10 @@ class Testbed:
         if self.queue < 2 * 9000:
             raise ValueError(f"queue must hold at least two jumbo frames (18000 bytes), "
                              f"got {self.queue}")
+        if host_queue not in HOST_QUEUES:
+            raise ValueError(f"host_queue must be one of {', '.join(HOST_QUEUES)}, "
+                             f"got {host_queue!r}")
+        self.host_queue = host_queue
         self.install_nft = install_nft
         self.udp_offload = self.loss == 0 if udp_offload is None else bool(udp_offload)
         self._procs: list = []
@@ -465,7 +478,11 @@ class Testbed:
             sh(["ip", "-n", sw, "link", "set", port, "up"])
             sh(["ip", "-n", ns, "link", "set", dev, "up"])
             if self.link_bps is not None:
-                netns.shape(ns, dev, self.link_bps, self.burst, self.queue)    # uplink
+                if self.host_queue == "flows":
+                    netns.shape_per_flow(ns, dev, self.link_bps, self.burst,
+                                         self.queue)  # uplink
+                else:
+                    netns.shape(ns, dev, self.link_bps, self.burst, self.queue)  # uplink
                 netns.shape(sw, port, self.link_bps, self.burst, self.queue)   # downlink
             if self.loss > 0:
                 netns.add_udp_loss(ns, self._loss_table, self.loss)
@@ -490,7 +507,8 @@ class Testbed:
                  "subnet": str(self.subnet), "burst": self.burst, "queue": self.queue,
                  "udp_offload": self.udp_offload, "switches": self.switches,
                  "racks": self.racks, "oversubscription": self.oversubscription,
-                 "ranks_per_host": self.ranks_per_host, "switch": self.switch,
+                 "ranks_per_host": self.ranks_per_host, "host_queue": self.host_queue,
+                 "switch": self.switch,
                  "created": time.time()}
         with open(os.path.join(STATE_DIR, f"{self.prefix}.json"), "w") as f:
             json.dump(state, f, indent=2)
@@ -508,7 +526,8 @@ class Testbed:
                    queue=state["queue"], udp_offload=state.get("udp_offload", False),
                    switches=state.get("switches", 0), racks=state.get("racks", 0),
                    oversubscription=state.get("oversubscription", 1.0),
-                   ranks_per_host=state.get("ranks_per_host", 1))
+                   ranks_per_host=state.get("ranks_per_host", 1),
+                   host_queue=state.get("host_queue", "fifo"))
 
     # ------------------------------------------------------------------ signals
     def _catch_signals(self) -> None:

@@ -174,6 +174,51 @@ def shape(ns: str, dev: str, rate_bps: float, burst: int, limit: int) -> None:
         "rate", f"{int(rate_bps)}bit", "burst", str(burst), "limit", str(limit)])
 
 
+#: Flow queues of ``shape_per_flow``: u32 hashes one byte of a header, so at most 256.
+FLOW_QUEUES = 256
+
+
+#: Bytes a flow queue sends a turn: more than the largest packet a queue sees (a
+#: TSO or UDP GSO packet of 64 KiB and its headers), since HTB sends a packet
+#: whatever the turn's credit and charges it after: a quantum below the packet
+#: size gives each flow a packet a turn, so bytes go by packet size.
+FLOW_QUANTUM = 70000
+
+
+def shape_per_flow(ns: str, dev: str, rate_bps: float, burst: int, limit: int) -> None:
+    """``dev``'s egress at ``rate`` with a FIFO of ``limit`` bytes per flow, served in turn.
+
+    A host's own queue as fq_codel (most distributions' default) keeps it:
+    each flow waits in a queue of its own and the link takes from them in turn,
+    ``FLOW_QUANTUM`` bytes each, so one sender cannot take the room another
+    needs.  This kernel has no fq_codel, fq or sfq, so it is built from what it
+    has: an HTB class at the link's rate whose 256 children (a bfifo each)
+    share it by deficit round robin, and a u32 hash that picks a child by the
+    low byte of the source port.  As in fq_codel, two flows whose ports hash
+    alike share a queue; no AQM drops early.
+    """
+    rate = f"{int(rate_bps)}bit"
+    child_rate = f"{max(int(rate_bps) // FLOW_QUEUES, 8)}bit"
+    lines = [f"qdisc replace dev {dev} root handle 1: htb default 2",
+             f"class add dev {dev} parent 1: classid 1:1 htb rate {rate} ceil {rate} "
+             f"burst {burst} cburst {burst}",
+             # a hash table of FLOW_QUEUES buckets, and the root's rule sending every
+             # IPv4 packet to the bucket of its source port's low byte
+             f"filter add dev {dev} parent 1: prio 1 handle 2: protocol ip u32 "
+             f"divisor {FLOW_QUEUES}",
+             f"filter add dev {dev} parent 1: prio 1 protocol ip u32 ht 800:: "
+             f"match u32 0 0 hashkey mask 0x00ff0000 at 20 link 2:"]
+    for i in range(FLOW_QUEUES + 1):  # the last: packets that are not IPv4
+        classid = f"1:{0x100 + i:x}" if i < FLOW_QUEUES else "1:2"
+        lines += [f"class add dev {dev} parent 1:1 classid {classid} htb rate {child_rate} "
+                  f"ceil {rate} burst {burst} cburst {burst} quantum {FLOW_QUANTUM}",
+                  f"qdisc add dev {dev} parent {classid} bfifo limit {limit}"]
+        if i < FLOW_QUEUES:
+            lines.append(f"filter add dev {dev} parent 1: prio 1 protocol ip u32 "
+                         f"ht 2:{i:x}: match u32 0 0 flowid {classid}")
+    sh(["tc", "-n", ns, "-batch", "-"], input="\n".join(lines) + "\n")
+
+
 #: Run as a script inside a namespace: the ethtool ioctl acts on the caller's namespace.
 OFFLOAD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "offload.py")
 

@@ -1,0 +1,339 @@
+"""What the switch's XDP program costs a core per contribution in a driver's
+receive loop, where frames come one after another as from a NIC.
+
+    sudo python bench/xdp_driver.py                      # MTU 1500 and 9000
+    sudo python bench/xdp_driver.py --mtu 1500 --seconds 3 --json out.json
+    python bench/xdp_driver.py --median run1.json run2.json run3.json   # Markdown
+
+Two network namespaces joined by a veth pair.  The program
+(switch/xdp_pipeline.bpf.c, loaded by ``XdpPipeline``) is attached to the
+switch's end in driver (native) mode, so it runs in veth's NAPI poll over
+batches of up to 64 frames, as a NIC's driver runs it, and not one system call
+a frame as in ``bench/xdp_core.py`` (whose ``BPF_PROG_TEST_RUN`` starts each
+run cold).  A sender in the other namespace sends one job's contributions
+(``--workers`` ranks, ``--slots`` slots; xdp_core.py's packets: whole blocks of
+``--block`` values, as many as one frame of the MTU holds) as UDP GSO runs,
+which the sending veth cuts into frames (its UDP segmentation offload off).
+Every slot's message from every rank in turn: each contribution is added, and
+the last of a slot completes it (its result is passed up, to a socket that
+does not read it).
+
+The program's own time is the kernel's count of it (``run_time_ns`` and
+``run_cnt`` of the program's info, which ``kernel.bpf_stats_enabled`` turns
+on: the bench turns it on for the measurement and back as it was).  Gbit/s a
+program core is the contributions' datagram bytes added per second of it; the
+rate at which the sender, on this machine's cores, offers frames is given
+beside it (``offered``), and bounds the wall-clock rate here, not the
+program's.
+
+Needs root (CAP_BPF, CAP_NET_ADMIN, namespaces), clang and libbpf, as
+``switchml switch --data-plane xdp``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from bench.switch_core import packet_elements_for  # noqa: E402
+from switchml import wire  # noqa: E402
+from switchml.switch import xdp, xdp_loader  # noqa: E402
+
+SESSION = 0x5EED
+PREFIX = "smlxdpd"
+SWITCH_IP, SENDER_IP = "10.98.0.254", "10.98.0.1"
+SENDER_PORT = 5000
+#: if_link.h's XDP_FLAGS_DRV_MODE: the driver's own XDP hook, not the generic one
+XDP_FLAGS_DRV_MODE = 1 << 2
+#: where struct bpf_prog_info (linux/bpf.h) keeps run_time_ns and run_cnt, and its size
+INFO_RUN_TIME_NS, INFO_RUN_CNT, INFO_SIZE = 192, 200, 232
+BPF_STATS = "/proc/sys/kernel/bpf_stats_enabled"
+UDP_SEGMENT = 103  # linux/udp.h
+
+
+def program_runs(prog_fd: int) -> tuple[int, int]:
+    """(nanoseconds, runs) the kernel has counted for the program so far."""
+    info = ctypes.create_string_buffer(INFO_SIZE)
+    size = ctypes.c_uint32(INFO_SIZE)
+    rc = xdp_loader.libbpf().bpf_obj_get_info_by_fd(prog_fd, info, ctypes.byref(size))
+    if rc:
+        raise OSError(-rc, "bpf_obj_get_info_by_fd")
+    ns, runs = np.frombuffer(info.raw[INFO_RUN_TIME_NS:INFO_RUN_CNT + 8], np.uint64)
+    return int(ns), int(runs)
+
+
+def contributions(rank: int, slots: int, packet_elements: int, block: int, slot_base: int,
+                  token: int) -> bytearray:
+    """Rank ``rank``'s contributions to ``slots`` slots from ``slot_base``, message
+    0, back to back; ``token``: the rank's (the bench gives each job's ranks its
+    session)."""
+    lanes = packet_elements // block
+    rng = np.random.default_rng(rank)
+    return bytearray(b"".join(
+        wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, slot, token, 0, 0, slot,
+                    np.zeros(lanes, wire.LANE),
+                    rng.integers(-1000, 1000, packet_elements).astype(np.int32))
+        for slot in range(slot_base, slot_base + slots)))
+
+
+def sender_ip(index: int) -> str:
+    """The address of sender ``index`` (the ranks of job ``index``)."""
+    return f"10.98.0.{1 + index}"
+
+
+def send(index: int, port: int, workers: int, slots: int, packet_elements: int, block: int,
+         seconds: float) -> None:
+    """Sender ``index``, in its namespace, on the CPU it was started on: passes over
+    the slots of job ``index``, every rank's message to each, the message number
+    one more each pass; prints the datagrams sent."""
+    size = wire.packet_size(packet_elements // block, packet_elements)
+    per_send = max(1, min(64, 65000 // size))  # a GSO run's datagrams
+    socks, bodies = [], []
+    for rank in range(workers):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+        s.bind((sender_ip(index), SENDER_PORT + rank))
+        s.connect((SWITCH_IP, port))
+        socks.append(s)
+        bodies.append(contributions(rank, slots, packet_elements, block, index * slots,
+                                    SESSION + index))
+    msg_fields = [np.frombuffer(b, np.uint8).reshape(slots, size)[:, 12:16] for b in bodies]
+    segment = [(socket.SOL_UDP, UDP_SEGMENT, size.to_bytes(2, sys.byteorder))]
+    sent = msg = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for s, body, field in zip(socks, bodies, msg_fields):
+            field[:] = np.frombuffer(np.uint32(msg).tobytes(), np.uint8)  # header.msg
+            for first in range(0, slots, per_send):
+                n = min(per_send, slots - first)
+                run = bytes(body[first * size:(first + n) * size])
+                while True:
+                    try:
+                        s.sendmsg([run], segment)
+                        break
+                    except OSError:  # the socket's buffer or the veth's queue: wait
+                        time.sleep(0.0001)
+                sent += n
+        msg += 1
+    print(json.dumps({"sent": sent, "passes": msg}), flush=True)
+
+
+def inside(mtu: int, dev: str, cpus: list, workers: int, slots: int, block: int,
+           seconds: float) -> dict:
+    """In the switch's namespace: load and attach the program, run a sender on each
+    of ``cpus`` (each its own job, on slots of its own), count."""
+    packet_elements = packet_elements_for(mtu, block)
+    size = wire.packet_size(packet_elements // block, packet_elements)
+    row = {"mtu": mtu, "cpus": len(cpus), "workers": workers, "slots": slots,
+           "packet_elements": packet_elements, "block_elements": block, "packet_bytes": size}
+    p = xdp.XdpPipeline(slots * len(cpus), packet_elements, block_elements=block,
+                        switch_ip=SWITCH_IP)
+    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # the results' destination
+    link = -1
+    try:
+        sink.bind((SWITCH_IP, p.port))
+        sessions = [SESSION + i for i in range(len(cpus))]
+        for i, session in enumerate(sessions):
+            addresses = [(sender_ip(i), SENDER_PORT + r) for r in range(workers)]
+            p.install_job(f"bench{i}", session, addresses, i * slots, slots, packet_elements,
+                          block)
+        p.serve((SWITCH_IP, p.port))  # the program's configuration, as a switch's
+        p.detach()  # ... then attached in driver mode instead of generic
+        opts = xdp_loader._LinkCreateOpts(sz=ctypes.sizeof(xdp_loader._LinkCreateOpts),
+                                          flags=XDP_FLAGS_DRV_MODE)
+        prog_fd = p._prog.prog_fd
+        link = xdp_loader.libbpf().bpf_link_create(prog_fd, socket.if_nametoindex(dev),
+                                                   xdp_loader.BPF_XDP, ctypes.byref(opts))
+        if link < 0:
+            raise OSError(-link, f"attaching the program to {dev} in driver mode")
+        with open(BPF_STATS) as f:
+            stats_were = f.read().strip()
+        with open(BPF_STATS, "w") as f:
+            f.write("1")
+        try:
+            p.sync_counters()
+            before = Counter()
+            for session in sessions:
+                before.update(p.jobs[session].counters)
+            ns0, runs0 = program_runs(prog_fd)
+            t0 = time.monotonic()
+            senders = [subprocess.Popen(
+                ["ip", "netns", "exec", f"{PREFIX}-w", "taskset", "-c", str(cpu),
+                 sys.executable, __file__, "--send", str(i), str(p.port), str(workers),
+                 str(slots), str(packet_elements), str(block), str(seconds)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for i, cpu in enumerate(cpus)]
+            answers = [sender.communicate(timeout=seconds + 60) for sender in senders]
+            wall = time.monotonic() - t0
+            ns1, runs1 = program_runs(prog_fd)
+        finally:
+            with open(BPF_STATS, "w") as f:
+                f.write(stats_were)
+        for sender, (_, err) in zip(senders, answers):
+            if sender.returncode:
+                raise RuntimeError(f"a sender failed: {err[-2000:]}")
+        # the contributions each CPU admitted: where the program ran
+        per_cpu = [0] * p._prog.cpus
+        packets_in = xdp.COUNTER_NAMES.index("packets_in")
+        for i in range(len(cpus)):
+            values = p._prog.lookup("counts", xdp._u32(i * slots), p._counts_type())
+            for cpu in range(p._prog.cpus):
+                per_cpu[cpu] += values[cpu * len(xdp.COUNTER_NAMES) + packets_in]
+        p.sync_counters()
+        c: Counter = Counter()
+        for session in sessions:
+            c.update(p.jobs[session].counters)
+        c.subtract(before)
+    finally:
+        if link >= 0:
+            os.close(link)
+        sink.close()
+        p.close()
+    added = c["packets_in"] - sum(c[k] for k in (
+        "dropped_stale", "dropped_mismatch", "duplicates", "retransmissions_answered"))
+    ns, runs = ns1 - ns0, runs1 - runs0
+    bits = added * size * 8
+    offered = sum(json.loads(out)["sent"] for out, _ in answers)
+    return dict(row, runs=runs, contributions_added=added,
+                admitted_per_cpu=per_cpu, results_completed=c["results_completed"],
+                dropped={k: v for k, v in c.items() if k.startswith("dropped_") and v},
+                program_s=ns / 1e9, wall_s=wall,
+                program_ns_per_frame=ns / runs if runs else 0.0,
+                gbit_per_program_core_s=bits / ns if ns else 0.0,
+                offered_gbit_s=offered * size * 8 / wall / 1e9)
+
+
+def measure(mtu: int, cpus: int, workers: int, slots: int, block: int,
+            seconds: float) -> dict:
+    """One row: two namespaces and a veth pair with a queue for each of ``cpus``
+    CPUs, each CPU's sender on its own (XPS), the measurement inside, then none."""
+    from switchml.testbed import netns
+
+    mine = sorted(os.sched_getaffinity(0))[:cpus]
+    if len(mine) < cpus:
+        raise SystemExit(f"--cpus {cpus}: this process may use {len(mine)} CPU(s)")
+    sw, snd = f"{PREFIX}-s", f"{PREFIX}-w"
+    for ns in (sw, snd):
+        netns.delete_namespace(ns)  # a crashed run's
+    try:
+        for ns in (sw, snd):
+            netns.sh(["ip", "netns", "add", ns])
+            netns.sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+        queues = ["numtxqueues", str(cpus), "numrxqueues", str(cpus)]
+        netns.sh(["ip", "-n", sw, "link", "add", "xs", *queues, "type", "veth", "peer",
+                  "name", "xw", *queues, "netns", snd])
+        for ns, dev, ips in ((sw, "xs", [SWITCH_IP]),
+                             (snd, "xw", [sender_ip(i) for i in range(cpus)])):
+            netns.sh(["ip", "-n", ns, "link", "set", dev, "mtu", str(mtu)])
+            for ip in ips:
+                netns.sh(["ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev])
+            netns.sh(["ip", "-n", ns, "link", "set", dev, "up"])
+        netns.set_offloads(snd, ["xw"], {"tx-udp-segmentation": False})
+        # each CPU sends on a transmit queue of its own, which veth hands to the
+        # same receive queue at the switch's end: one NAPI, so one program run at a
+        # time, per CPU
+        for queue, cpu in enumerate(mine if cpus > 1 else []):
+            netns.sh(["ip", "netns", "exec", snd, "sh", "-c",
+                      f"echo {1 << cpu:x} > /sys/class/net/xw/queues/tx-{queue}/xps_cpus"])
+        done = netns.sh(["ip", "netns", "exec", sw, sys.executable, __file__, "--inside",
+                         str(mtu), "xs", ",".join(map(str, mine)), str(workers), str(slots),
+                         str(block), str(seconds)], timeout=seconds + 120)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    finally:
+        for ns in (sw, snd):
+            netns.delete_namespace(ns)
+
+
+def median_table(paths: list) -> str:
+    """A Markdown table of several invocations' rows: each figure the median of
+    theirs, the invocations' figures beside it."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f)["rows"])
+    columns = [("program_ns_per_frame", "ns a frame", "{:.0f}"),
+               ("gbit_per_program_core_s", "Gbit/s a program core", "{:.1f}"),
+               ("program_vs_1_cpu", "program x 1 CPU", "{:.2f}x"),
+               ("offered_gbit_s", "Gbit/s offered", "{:.2f}")]
+    header = ["MTU", "datagram B", "CPUs"] + [c[1] for c in columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for i, row in enumerate(runs[0]):
+        cells = [str(row["mtu"]), str(row["packet_bytes"]), str(row["cpus"])]
+        for key, _, fmt in columns:
+            values = [r[i].get(key) for r in runs]
+            if any(v is None for v in values):
+                cells.append("-")
+                continue
+            mid = sorted(values)[len(values) // 2]
+            cells.append(f"**{fmt.format(mid)}** ({', '.join(fmt.format(v) for v in values)})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--send"]:
+        index, port, workers, slots, packet_elements, block = map(int, argv[1:7])
+        send(index, port, workers, slots, packet_elements, block, float(argv[7]))
+        return []
+    if argv[:1] == ["--inside"]:
+        mtu, dev, cpus = int(argv[1]), argv[2], [int(c) for c in argv[3].split(",")]
+        workers, slots, block = map(int, argv[4:7])
+        print(json.dumps(inside(mtu, dev, cpus, workers, slots, block, float(argv[7]))))
+        return []
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mtu", type=int, nargs="+", default=[1500, 9000])
+    parser.add_argument("--cpus", type=int, nargs="+", choices=[1, 2], default=[1, 2],
+                        help="CPUs running the program at once, each on slots of its own")
+    parser.add_argument("--workers", type=int, default=4, help="ranks of the job")
+    parser.add_argument("--slots", type=int, default=64, help="the job's window")
+    parser.add_argument("--block", type=int, default=256, help="values per block")
+    parser.add_argument("--seconds", type=float, default=3.0, help="measured, per row")
+    parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--median", nargs="+", metavar="JSON",
+                        help="print the medians of these invocations' files; nothing run")
+    args = parser.parse_args(argv)
+    if args.median:
+        print(median_table(args.median))
+        return []
+    reason = xdp.unavailable()
+    if reason:
+        raise SystemExit(f"the XDP program cannot run here: {reason}")
+    rows = [measure(mtu, cpus, args.workers, args.slots, args.block, args.seconds)
+            for mtu in args.mtu for cpus in args.cpus]
+    one = {r["mtu"]: r for r in rows if r["cpus"] == 1}
+    for r in rows:
+        if r["cpus"] > 1 and r["mtu"] in one:  # its per-core rate, times its CPUs, over one's
+            r["program_vs_1_cpu"] = r["cpus"] * r["gbit_per_program_core_s"] / \
+                one[r["mtu"]]["gbit_per_program_core_s"]
+    print(f"{'MTU':>5} {'bytes':>6} {'cpus':>4} {'ns/frame':>9} {'Gbit/prog-core-s':>16} "
+          f"{'x 1 cpu':>7} {'Gbit/s offered':>14} {'added':>10}")
+    for r in rows:
+        ratio = f"{r['program_vs_1_cpu']:.2f}x" if "program_vs_1_cpu" in r else "-"
+        print(f"{r['mtu']:>5} {r['packet_bytes']:>6} {r['cpus']:>4} "
+              f"{r['program_ns_per_frame']:>9.0f} {r['gbit_per_program_core_s']:>16.2f} "
+              f"{ratio:>7} {r['offered_gbit_s']:>14.2f} {r['contributions_added']:>10}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                                   "python": platform.python_version()},
+                       "args": vars(args), "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
