@@ -357,7 +357,7 @@ class XdpPipeline(Pipeline):
             setattr(self, name, None)
             if link is not None:
                 os.close(link)
-        if getattr(self, "_prog", None) is not None:  # nothing learned stays valid
+        if getattr(self, "_prog", None) is not None:  # no interface: nothing to learn from
             self._prog.update("config", _u32(0),
                               _Config(self.slots, socket.htons(self.port), 0, 0))
 
@@ -381,9 +381,11 @@ class XdpPipeline(Pipeline):
         """What the switch's socket sends for a datagram it received while the
         program serves its port.  A result (the program drops every result a
         member sends) is one the program completed, passed up from the
-        completing contribution's address: for every rank of that member's job.
-        Anything else did not get its answer from the program: a probe it had no
-        room to answer in its frame (``probes_passed_up``), or a datagram that
+        completing contribution's address, which the fan-out program did not
+        send (a rank of the job it cannot reach, or no fan-out program): for
+        every rank of that member's job (``results_passed_up``).  Anything else
+        did not get its answer from the program: a probe it had no room to
+        answer in its frame (``probes_passed_up``), or a datagram that
         never went through it (sent from this host, or before the attach); it
         goes through the program now, by BPF_PROG_TEST_RUN (``receive_datagram``),
         as if it had come in by the interface.
