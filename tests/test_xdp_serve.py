@@ -10,6 +10,7 @@ data plane needs (``xdp.unavailable``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
@@ -25,7 +26,8 @@ import pytest
 import switchml
 from switchml import config, wire
 from switchml.errors import DataPlaneUnavailableError
-from switchml.switch import xdp
+from switchml.switch import xdp, xdp_loader
+from switchml.switch.pipeline import Pipeline
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 REASON = xdp.unavailable() or (None if shutil.which("ip") else "no ip(8) for the namespaces")
@@ -157,6 +159,8 @@ def test_jumbo_frames_past_one_page(veth):
     assert job["results_completed"] >= sum(-(-a.size // 2048) for a in inputs[0])
     assert job["packets_in"] >= world * job["results_completed"]
     assert not {k for k in job if k.startswith("dropped_")} - {"dropped_stale"}, job
+    # results of several buffers, sent to every rank by the fan-out program
+    assert job["results_fanned_out"] == world * job["results_completed"], job
 
 
 def lose(here: str, loss: float):
@@ -226,13 +230,18 @@ def test_workers_get_the_user_space_switchs_sums_bit_for_bit(veth, loss):
     if loss:  # recovered through the program's answers to one rank
         assert job.get("resends_asked", 0) + job.get("retransmissions_answered", 0) + \
             job.get("queries_done", 0) > 0, job
-    else:  # results reach every rank from the switch's socket: a timer is rare
+    else:  # results reach every rank from the data plane: a timer is rare
         assert job.get("retransmissions_answered", 0) <= job["results_completed"] // 10, job
+    # every completed result went to every rank from the fan-out program (the
+    # ranks' frames come in by the interface served), none through the socket
+    assert job["results_fanned_out"] == world * job["results_completed"], job
+    assert "results_passed_up" not in job and "results_fanout_failed" not in job, job
+    aggregated = {k: v for k, v in job.items() if k != "results_fanned_out"}
     timerless = {"packets_in", "results_completed", "results_out"}
-    if not loss and not set(job) - timerless and not set(ref_job) - timerless:
+    if not loss and not set(aggregated) - timerless and not set(ref_job) - timerless:
         # no timer fired in either run (one may, on a loaded machine: a probe,
         # answered): each rank added once, the result to every rank, on both
-        assert job == ref_job
+        assert aggregated == ref_job
         assert job["packets_in"] == job["results_out"] == world * job["results_completed"]
     assert stats["counters"].get("internal_errors", 0) == 0
     # stopped: detached
@@ -307,8 +316,9 @@ def test_a_sparse_call_fails_the_job_with_a_reason_naming_the_data_plane(veth):
         switch.close()
 
 
-# A member in the namespace: sends the datagrams given (hex, each from its own
-# port) one after the other, then prints, as hex lines, what came back to them.
+# Members in the namespace: sends the datagrams given (hex, each from its own
+# port) one after the other, then prints, a line each, what came back to them:
+# the port it came to, the address it came from and the datagram in hex.
 PEER = """
 import socket, sys, time
 host, switch, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -320,15 +330,196 @@ for item in sys.argv[4:]:
         s = socks[src] = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         s.bind((host, int(src)))
         s.settimeout(0.5)
-    s.sendto(bytes.fromhex(data), (switch, port))
-    time.sleep(0.3)
+    if data:
+        s.sendto(bytes.fromhex(data), (switch, port))
+        time.sleep(0.3)
 for src, s in socks.items():
     try:
         while True:
-            print(src, s.recv(65536).hex(), flush=True)
+            data, (a, p) = s.recvfrom(65536)
+            print(src, f"{a}:{p}", data.hex(), flush=True)
     except socket.timeout:
         pass
 """
+
+
+def peer_run(ns: str, peer: str, switch: tuple, sends: list) -> subprocess.Popen:
+    """PEER in namespace ``ns`` on address ``peer``: ``sends``, (port, datagram)
+    each (an empty datagram: only listen on that port)."""
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns, sys.executable, "-c", PEER, peer, switch[0],
+         str(switch[1])] + [f"{port}:{data.hex()}" for port, data in sends],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def received(out: str) -> list:
+    """PEER's lines: (port it came to, (host, port) it came from, datagram)."""
+    got = []
+    for line in out.split("\n"):
+        if line.strip():
+            port, source, data = line.split()
+            host, source_port = source.split(":")
+            got.append((int(port), (host, int(source_port)), bytes.fromhex(data)))
+    return got
+
+
+@contextlib.contextmanager
+def switch_here(address: tuple, members: list, tokens: list):
+    """An XdpPipeline in this process serving ``address`` (an address of this
+    namespace), with its UDP socket, and job 0x77 of ``members`` installed:
+    (pipeline, socket); both closed afterwards."""
+    p = xdp.XdpPipeline(8, 352, block_elements=352, port=address[1], switch_ip=address[0])
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        udp.bind(address)
+        udp.settimeout(5)
+        assert p.serve(address) == xdp.interface_of(address[0])
+        p.install_job("job", 0x77, members, 0, 4, 352, 352, tokens=tokens)
+        yield p, udp
+    finally:
+        udp.close()
+        p.close()
+
+
+def job_counters(p) -> dict:
+    """Job 0x77's counters, what the program counted included."""
+    p.sync_counters()
+    return without_zeros(p.jobs[0x77].counters)
+
+
+def qdisc_sent_bytes(dev: str) -> int:
+    """The bytes the root qdisc of ``dev`` (in this namespace) has sent."""
+    import json
+
+    qdiscs = json.loads(sh("tc", "-s", "-j", "qdisc", "show", "dev", dev))
+    return sum(q["bytes"] for q in qdiscs if q.get("root"))
+
+
+def contributions(tokens: list, values: int = 352) -> list:
+    """One contribution a rank to slot 0, message 1: rank r adds r + 1 in each
+    value and r - 5 in the exponent register, so that both the sum and the
+    register's max show which ranks were added."""
+    out = []
+    for r, token in enumerate(tokens):
+        lanes = np.zeros(1, wire.LANE)
+        lanes["exp"] = r - 5
+        out.append(wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, 1, token, 1, 0, 0,
+                               lanes, np.arange(values, dtype=np.int32) * (r + 1)))
+    return out
+
+
+def reference_sends(members: list, tokens: list, datagrams: list) -> list:
+    """What the Python pipeline (the reference) sends for ``datagrams``, from
+    the members in order: (datagram, destination) each."""
+    ref = Pipeline(8, 352, block_elements=352)
+    ref.install_job("ref", 0x77, members, 0, 4, 352, 352, tokens=tokens)
+    sends = []
+    for addr, data in zip(members, datagrams):
+        sends += ref.receive_datagram(data, addr)
+    return sends
+
+
+@needs_xdp
+def test_every_rank_gets_its_result_from_the_data_plane_as_the_reference_sends_it(veth):
+    """Three ranks behind one port (one host, three UDP ports): the rank whose
+    contribution completes the set gets no special treatment, and the
+    switch's socket gets nothing.  The fan-out program sends each rank one
+    copy, from the switch's address and port, bit for bit the datagram the
+    Python pipeline sends that rank; counted as results_fanned_out."""
+    ns, _, peer, here, me = veth
+    port = 7304
+    tokens = [0x10, 0x20, 0x30]
+    members = [(peer, 5000 + r) for r in range(3)]
+    ranks = contributions(tokens)
+    want = reference_sends(members, tokens, ranks)
+    assert sorted(a for _, a in want) == members  # the reference: one copy each
+    # a qdisc on the switch's interface: the copies must go through it (where
+    # the links are shaped, as on the testbed's bridge ports)
+    sh("tc", "qdisc", "add", "dev", here, "root", "tbf", "rate", "1gbit", "burst", "256kb",
+       "limit", "256kb")
+    with switch_here((me, port), members, tokens) as (p, udp):
+        assert p.fans_out and p.ifindex == socket.if_nametoindex(here)
+        before = qdisc_sent_bytes(here)
+        run = peer_run(ns, peer, (me, port), [(5000 + r, ranks[r]) for r in range(3)])
+        out, err = run.communicate(timeout=30)
+        udp.settimeout(1)
+        with pytest.raises(socket.timeout):  # nothing came up to the switch's socket
+            udp.recvfrom(65536)
+        got = received(out)
+        assert sorted(got) == sorted((a[1], (me, port), d) for d, a in want), err
+        frame = 14 + 20 + 8 + len(want[0][0])
+        assert qdisc_sent_bytes(here) - before >= 3 * frame
+        assert job_counters(p) == {"packets_in": 3, "results_completed": 1, "results_out": 3,
+                                   "results_fanned_out": 3}
+
+
+@needs_xdp
+def test_a_rank_the_data_plane_cannot_reach_gets_its_result_from_user_space(veth):
+    """A rank on the switch's own host sends by the loopback device: the program
+    never sees its frames, so the fan-out program has no Ethernet address for
+    it and passes the completed result up; the switch's socket sends it to
+    every rank (``passed_up``, counted as results_passed_up), each getting the
+    reference's datagram."""
+    ns, _, peer, here, me = veth
+    port = 7305
+    tokens = [0x10, 0x20, 0x30]
+    members = [(me, 5003), (peer, 5000), (peer, 5001)]
+    ranks = contributions(tokens)
+    want = reference_sends(members, tokens, ranks)
+    local = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with switch_here((me, port), members, tokens) as (p, udp), local:
+        local.bind(members[0])
+        local.settimeout(5)
+        assert p.fans_out
+        local.sendto(ranks[0], (me, port))
+        data, addr = udp.recvfrom(65536)  # by the loopback device: not through XDP
+        assert addr == members[0] and p.passed_up(data, addr) == []
+        run = peer_run(ns, peer, (me, port), [(5000, ranks[1]), (5001, ranks[2])])
+        result, addr = udp.recvfrom(65536)  # completed in the program, passed up
+        assert addr == members[2] and result[3] == wire.KIND_RESULT
+        sends = p.passed_up(result, addr)
+        assert sorted(sends) == sorted(want)
+        for data, dest in sends:
+            udp.sendto(data, dest)
+        out, err = run.communicate(timeout=30)
+        assert sorted(received(out)) == sorted((a[1], (me, port), d) for d, a in want
+                                               if a != members[0]), err
+        assert local.recvfrom(65536) == (want[[a for _, a in want].index(members[0])][0],
+                                         (me, port))
+        assert job_counters(p) == {"packets_in": 3, "results_completed": 1, "results_out": 3,
+                                   "results_passed_up": 1}
+
+
+@needs_xdp
+def test_results_go_through_user_space_where_the_kernel_refuses_the_fan_out(veth, monkeypatch,
+                                                                            caplog):
+    """A kernel without tcx (before 6.6) refuses the fan-out program's attach:
+    the switch serves all the same, logs why, and its socket sends each result
+    to every rank."""
+    import errno
+
+    def refused(self, ifindex):
+        raise OSError(errno.EINVAL, "attaching the fan-out program: Invalid argument")
+
+    monkeypatch.setattr(xdp_loader.Program, "attach_fan_out", refused)
+    ns, _, peer, _, me = veth
+    port = 7306
+    tokens = [0x10, 0x20]
+    members = [(peer, 5000), (peer, 5001)]
+    ranks = contributions(tokens)
+    want = reference_sends(members, tokens, ranks)
+    with switch_here((me, port), members, tokens) as (p, udp):
+        assert not p.fans_out and "not the kernel" in caplog.text
+        run = peer_run(ns, peer, (me, port), [(5000, ranks[0]), (5001, ranks[1])])
+        result, addr = udp.recvfrom(65536)  # completed in the program, passed up
+        sends = p.passed_up(result, addr)
+        assert sorted(sends) == sorted(want)
+        for data, dest in sends:
+            udp.sendto(data, dest)
+        out, err = run.communicate(timeout=30)
+        assert sorted(received(out)) == sorted((a[1], (me, port), d) for d, a in want), err
+        assert job_counters(p) == {"packets_in": 2, "results_completed": 1, "results_out": 2,
+                                   "results_passed_up": 1}
 
 
 @needs_xdp
@@ -336,44 +527,31 @@ def test_a_probe_its_frame_has_no_room_to_answer_is_answered_through_user_space(
     """Attached in generic mode, a frame is the skb it came in: a 32-byte probe
     of a complete set leaves no room for the result.  The program passes it up
     (``probes_passed_up``), the switch runs it through the program in a page
-    (``passed_up``) and sends the answer: the member gets its result.  The
-    switch here is this process, on this namespace's end of the veth."""
+    (``passed_up``) and sends the answer: the member gets its result again.
+    The switch here is this process, on this namespace's end of the veth."""
     ns, _, peer, here, me = veth
     port = 7302
-    job = dict(packet=352, block=352, slot_base=0, tokens=[0x10, 0x20])
+    tokens = [0x10, 0x20]
     members = [(peer, 5000), (peer, 5001)]
-    p = xdp.XdpPipeline(8, 352, block_elements=352, port=port, switch_ip=me)
-    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        udp.bind((me, port))
-        udp.settimeout(5)
-        assert p.serve((me, port)) == socket.if_nametoindex(here)
-        p.install_job("probed", 0x77, members, 0, 4, 352, 352, tokens=job["tokens"])
-        ranks = [wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, 1, job["tokens"][r], 1,
-                             0, 0, np.zeros(1, wire.LANE), np.full(352, r + 1, np.int32))
-                 for r in range(2)]
-        probe = wire.probe_of(ranks[0])
-        peer_run = subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, "-c", PEER, peer, me, str(port),
-             f"5000:{ranks[0].hex()}", f"5001:{ranks[1].hex()}", f"5000:{probe.hex()}"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        result, addr = udp.recvfrom(65536)  # the completed result, passed up
-        assert addr == members[1] and result[3] == wire.KIND_RESULT
-        assert wire.values(result, 1, 352).tolist() == [3] * 352
+    ranks = contributions(tokens)
+    result = reference_sends(members, tokens, ranks)[0][0]
+    probe = wire.probe_of(ranks[0])
+    with switch_here((me, port), members, tokens) as (p, udp):
+        assert p.ifindex == socket.if_nametoindex(here)
+        run = peer_run(ns, peer, (me, port), [(5000, ranks[0]), (5001, ranks[1]),
+                                              (5000, probe)])
         data, addr = udp.recvfrom(65536)  # the probe, passed up: no room in its frame
         assert (data, addr) == (probe, members[0])
         answers = p.passed_up(data, addr)
         assert answers == [(result, members[0])]
         udp.sendto(*answers[0])
-        out, err = peer_run.communicate(timeout=30)
-        assert out.split() == ["5000", result.hex()], err
-        p.sync_counters()
-        assert without_zeros(p.jobs[0x77].counters) == {
+        out, err = run.communicate(timeout=30)
+        switch = (me, port)
+        assert received(out) == [(5000, switch, result), (5000, switch, result),
+                                 (5001, switch, result)], err
+        assert job_counters(p) == {
             "packets_in": 2, "results_completed": 1, "results_out": 3, "probes_in": 1,
-            "probes_passed_up": 1, "retransmissions_answered": 1}
-    finally:
-        udp.close()
-        p.close()
+            "probes_passed_up": 1, "retransmissions_answered": 1, "results_fanned_out": 2}
 
 
 def without_zeros(counter) -> dict:

@@ -170,7 +170,8 @@ class Switch:
                 tcp.close()
                 udp.close()
                 raise
-            log.info("XDP program attached (generic mode) to %s", socket.if_indextoname(ifindex))
+            log.info("XDP program attached (generic mode) to %s%s", socket.if_indextoname(ifindex),
+                     ", results fanned out by its TC program" if self._xdp.fans_out else "")
         if self.upstream is not None:
             assert isinstance(self.pipeline, RackPipeline)
             uplinks = self._uplinks = Uplinks(self, self.upstream, self.keepalive)
@@ -346,9 +347,10 @@ class Switch:
 
     def _drain(self, buf: bytearray, view: memoryview) -> bool:
         """The Python data plane: up to DRAIN_BATCH datagrams; True when there may be more.
-        With the XDP data plane, what comes up is mostly completed results, each for
-        every rank: sent when the batch ends, those to one rank together
-        (``_send_results``)."""
+        With the XDP data plane, what comes up is what the program did not answer
+        itself (completed results for a rank it cannot reach, probes it had no
+        room to answer), each result for every rank: sent when the batch ends,
+        those to one rank together (``_send_results``)."""
         if self.data_plane == "xdp":
             results: list = []
             try:

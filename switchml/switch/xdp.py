@@ -1,26 +1,44 @@
 """The switch's data plane as an XDP program: ``XdpPipeline`` is a ``Pipeline``
 whose per-packet work runs in ``xdp_pipeline.bpf.c``, in the kernel.
 
-Issue 27: the dense path (validation and every drop reason, members,
-shadow-copy sets, adds, MODE_MAX, duplicates, stale messages, retransmissions,
-probes and queries, results), tested against the Python pipeline through
+The dense path (validation and every drop reason, members, shadow-copy sets,
+adds, MODE_MAX, duplicates, stale messages, retransmissions, probes and
+queries, results), tested against the Python pipeline through
 ``BPF_PROG_TEST_RUN`` on Ethernet/IPv4/UDP frames (tests/test_xdp.py, also two
 CPUs at once), and served for real by ``Switch(data_plane="xdp")``: ``serve``
 attaches it (generic mode, a BPF link) to the interface holding the switch's
-address, and the switch's socket sends what it passes up (``passed_up``)
-(tests/test_xdp_serve.py, in network namespaces).
+address, and beside it, on that interface's TC ingress, the program that sends
+each completed result to every rank (tests/test_xdp_serve.py, in network
+namespaces).
 
 As ``FastPipeline`` does, the control plane (slot allocation, the job table,
 ended jobs, stats) stays the Python reference's own code; ``install_job`` and
 ``remove_job`` also write the program's maps (a hash map of member addresses,
-the job's entry with each rank's token, a reset of its sets), and the counters
-the program keeps per CPU with the Python names are added into
+the address each rank's copy of a result goes to, the job's entry with each
+rank's token, a reset of its sets), and the counters the program keeps per CPU
+with the Python names are added into
 ``pipeline.counters`` and each ``job.counters`` by ``sync_counters()``.
 
 How a datagram's fate reads in XDP (the program's header comment says why):
 ``XDP_DROP`` for nothing sent, ``XDP_TX`` for an answer to its sender alone
 (the frame rewritten, addresses swapped), ``XDP_PASS`` for a completed result,
-which the switch's socket then sends to every rank.
+which goes to every rank from the kernel: the TC program ``fan_out_results``
+(the same object, the same maps), which runs next on the same interface,
+sends one copy a rank (``bpf_clone_redirect`` out of the interface, through its
+normal transmit path: on a bridge, each copy to the port its Ethernet address
+is behind, through that port's qdisc), each rewritten as the switch's socket
+would address it (Ethernet, IP and UDP destination; from the switch's address
+and port; fresh IP checksum, no UDP checksum, as the XDP_TX answers), counted
+as ``results_fanned_out`` (``results_fanout_failed`` for a copy the kernel
+refused: that rank's probe recovers it).  Several ranks behind one port or
+host each get their copy.  A rank's Ethernet address is the one its datagrams
+come from on the served interface, which the XDP program learns (as a switch
+learns the port a host is behind) once the rank's token matched; a result for
+a job with a rank not learned (one on the switch's own host, whose datagrams
+come by the loopback device, or by another interface) goes up to the
+switch's socket instead, which sends it to every rank (``passed_up``, counted
+as ``results_passed_up``), as it does where the TC program is not attached
+(a switch on a loopback interface).
 
 Packets of any size the Python pipeline takes, up to 64 lanes (the default,
 16128 values in 63 blocks of 256, a 65,300-byte datagram, among them): the
@@ -50,13 +68,16 @@ checksum of received datagrams (the kernel drops a bad one before the Python
 switch's socket; the program does not check it yet), UDP GSO super-packets (a
 veth peer on the same host hands one over whole: dropped as ``bad_length``),
 secondary addresses of an interface (``interface_of`` reads the primary one),
-native (driver) mode.
+native (driver) mode, a UDP checksum on the results (sent without one, which
+IPv4 allows).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
+import pathlib
 import re
 import socket
 import struct
@@ -68,6 +89,8 @@ from .pipeline import MAX_WORKERS, Job, Mismatch, Pipeline
 from .xdp_loader import HERE, SOURCE, build_object, libbpf, load, unavailable
 
 __all__ = ["HERE", "XdpPipeline", "unavailable"]
+
+log = logging.getLogger("switchml.switch")
 
 XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = range(5)
 ACTIONS = {XDP_ABORTED: "aborted", XDP_DROP: "drop", XDP_PASS: "pass", XDP_TX: "tx",
@@ -128,7 +151,7 @@ def row_size(values: int) -> int:
 # ---------------------------------------------------------------- map values
 class _Config(ctypes.Structure):
     _fields_ = [("slots", ctypes.c_uint32), ("port", ctypes.c_uint16),
-                ("pad", ctypes.c_uint16)]
+                ("pad", ctypes.c_uint16), ("ifindex", ctypes.c_uint32)]
 
 
 class _MemberKey(ctypes.Structure):
@@ -138,6 +161,12 @@ class _MemberKey(ctypes.Structure):
 
 class _Member(ctypes.Structure):
     _fields_ = [("job", ctypes.c_uint32), ("rank", ctypes.c_uint32)]
+
+
+class _RankAddress(ctypes.Structure):
+    _fields_ = [("addr", ctypes.c_uint8 * 4), ("port", ctypes.c_uint8 * 2),
+                ("mac", ctypes.c_uint8 * 6), ("learned", ctypes.c_uint32),
+                ("pad", ctypes.c_uint32)]
 
 
 class _Job(ctypes.Structure):
@@ -209,6 +238,15 @@ def parse_udp_frame(frame: bytes) -> tuple[tuple, tuple, bytes]:
         if total >= IP_HEADER + length else b""
 
 
+def _is_loopback(ifindex: int) -> bool:
+    """Whether interface ``ifindex`` is a loopback one (IFF_LOOPBACK)."""
+    flags = pathlib.Path(f"/sys/class/net/{socket.if_indextoname(ifindex)}/flags")
+    try:
+        return bool(int(flags.read_text(), 16) & 0x8)
+    except OSError:
+        return False
+
+
 def interface_of(host: str) -> int:
     """The index of the interface that holds IPv4 address ``host``; ValueError
     when none does (0.0.0.0 among them: the program serves one interface)."""
@@ -259,15 +297,17 @@ class XdpPipeline(Pipeline):
         self.max_values = max_values(self.datagram_size)
         self._row_size = row_size(self.max_values)
         self._prog = load(build_object(self.max_values), {
-            "members": slots * MAX_WORKERS, "jobs": slots, "mismatches": slots,
+            "members": slots * MAX_WORKERS, "rank_addresses": slots * MAX_WORKERS,
+            "jobs": slots, "mismatches": slots,
             "sets": 2 * slots, "rows": 2 * slots, "counts": slots + 1,
             "scratch": libbpf().libbpf_num_possible_cpus()})
         self.verifier_stats = self._prog.verifier_stats
-        self._prog.update("config", _u32(0), _Config(slots, socket.htons(port), 0))
+        self._prog.update("config", _u32(0), _Config(slots, socket.htons(port), 0, 0))
         self._counts_type = ctypes.c_uint64 * (len(COUNTER_NAMES) * self._prog.cpus)
         self._counted: dict[int, list[int]] = {}  # counts entry -> its sums already taken
         self._job_at: dict[int, Job] = {}  # slot_base -> running job
         self._link: int | None = None  # serve(): the BPF link's fd
+        self._fan_out_link: int | None = None  # serve(): the fan-out program's link
         self.ifindex: int | None = None
         self._refused: set[int] = set()  # sessions take_unsupported reported
 
@@ -279,23 +319,47 @@ class XdpPipeline(Pipeline):
     def serve(self, address) -> int:
         """Serve the switch's UDP ``address`` (host, port) for real: the program
         takes the datagrams to that port and is attached to the interface that
-        holds the host's IPv4 address (``interface_of``), in generic mode.  Returns
-        the interface's index.  ``detach()`` (or ``close()``) undoes it."""
+        holds the host's IPv4 address (``interface_of``), in generic mode, and the
+        fan-out program to that interface's TC ingress, which sends each
+        completed result to every rank (not on a loopback interface: its ranks
+        are this host's, which the switch's socket reaches; nor where the kernel
+        refuses it, logged: the socket sends the results).  Returns the
+        interface's index.  ``detach()`` (or ``close()``) undoes it."""
         host, port = address
         ifindex = interface_of(host)
         self.port = port
         self.address = (host, port)
-        self._prog.update("config", _u32(0), _Config(self.slots, socket.htons(port), 0))
         self.detach()
-        self._link = self._prog.attach(ifindex)
+        self._prog.update("config", _u32(0), _Config(self.slots, socket.htons(port), 0, ifindex))
+        try:
+            self._link = self._prog.attach(ifindex)
+        except BaseException:
+            self.detach()
+            raise
+        if not _is_loopback(ifindex):
+            try:
+                self._fan_out_link = self._prog.attach_fan_out(ifindex)
+            except OSError as exc:  # a kernel before 6.6 (no tcx): the socket sends them
+                log.warning("results go to the ranks from the switch's socket, not the "
+                            "kernel: %s", exc)
         self.ifindex = ifindex
         return ifindex
 
+    @property
+    def fans_out(self) -> bool:
+        """Whether the fan-out program sends completed results (``serve``)."""
+        return self._fan_out_link is not None
+
     def detach(self) -> None:
-        """Detach the program from its interface, if ``serve`` attached it."""
-        link, self._link = getattr(self, "_link", None), None
-        if link is not None:
-            os.close(link)
+        """Detach the programs from their interface, if ``serve`` attached them."""
+        for name in ("_fan_out_link", "_link"):
+            link = getattr(self, name, None)
+            setattr(self, name, None)
+            if link is not None:
+                os.close(link)
+        if getattr(self, "_prog", None) is not None:  # no interface: nothing to learn from
+            self._prog.update("config", _u32(0),
+                              _Config(self.slots, socket.htons(self.port), 0, 0))
 
     def take_unsupported(self) -> list:
         """(session, why) of each running job whose ranks sent what the program
@@ -317,9 +381,11 @@ class XdpPipeline(Pipeline):
         """What the switch's socket sends for a datagram it received while the
         program serves its port.  A result (the program drops every result a
         member sends) is one the program completed, passed up from the
-        completing contribution's address: for every rank of that member's job.
-        Anything else did not get its answer from the program: a probe it had no
-        room to answer in its frame (``probes_passed_up``), or a datagram that
+        completing contribution's address, which the fan-out program did not
+        send (a rank of the job it cannot reach, or no fan-out program): for
+        every rank of that member's job (``results_passed_up``).  Anything else
+        did not get its answer from the program: a probe it had no room to
+        answer in its frame (``probes_passed_up``), or a datagram that
         never went through it (sent from this host, or before the attach); it
         goes through the program now, by BPF_PROG_TEST_RUN (``receive_datagram``),
         as if it had come in by the interface.
@@ -329,12 +395,20 @@ class XdpPipeline(Pipeline):
         taken for the program's; only this host's own processes can send one."""
         if len(data) >= wire.HEADER_SIZE and data[3] == wire.KIND_RESULT and \
                 addr in self._members:
-            return [(data, m) for m in self._members[addr][0].members]
+            return self._to_every_rank(data, addr)
         try:
-            return self.receive_datagram(data, addr)
+            return self._through_program(data, addr, self._to_every_rank)
         except ValueError:  # not an IPv4 member's address: nothing the program takes
             self.counters["dropped_unknown_source"] += 1
             return []
+
+    def _to_every_rank(self, result: bytes, addr) -> list:
+        """A completed result that the switch's socket sends to every rank of the
+        job of member ``addr``: counted as the job's ``results_passed_up`` (the
+        fan-out program sends the others)."""
+        job = self._members[addr][0]
+        job.counters["results_passed_up"] += 1
+        return [(result, m) for m in job.members]
 
     # ---------------------------------------------------------------- control
     def install_job(self, name: str, session: int, members: list, slot_base: int,
@@ -360,6 +434,9 @@ class XdpPipeline(Pipeline):
                 state = prog.lookup("sets", _u32(v * self.slots + s), _Set())
                 state.valid = state.bitmap = state.count = 0
                 prog.update("sets", _u32(v * self.slots + s), state)
+        for rank, key in enumerate(keys):  # not learned: the program learns them
+            prog.update("rank_addresses", _u32(slot_base * MAX_WORKERS + rank),
+                        _RankAddress(key.addr, key.port))
         # the members last: a datagram finds the job through them
         for rank, key in enumerate(keys):
             prog.update("members", key, _Member(slot_base, rank))
@@ -456,6 +533,12 @@ class XdpPipeline(Pipeline):
         Ethernet pads short frames) to a whole result's length: the program
         answers a probe in place, in a frame too short for the result otherwise
         (one page is, for packets past it)."""
+        return self._through_program(
+            data, addr, lambda result, a: [(result, m) for m in self._members[a][0].members])
+
+    def _through_program(self, data, addr, to_every_rank) -> list:
+        """``receive_datagram``, a completed result's datagrams made by
+        ``to_every_rank(result, addr)``."""
         member_key(addr)  # IPv4 only: refuse anything else before building a frame
         frame = udp_frame(addr, self.address, bytes(data))
         room = FRAME_HEADERS + self.datagram_size
@@ -467,6 +550,6 @@ class XdpPipeline(Pipeline):
             return [(payload, tuple(addr))]
         if action == XDP_PASS and payload[3:4] == bytes([wire.KIND_RESULT]) and \
                 addr in self._members:
-            return [(payload, m) for m in self._members[addr][0].members]
+            return to_every_rank(payload, tuple(addr))
         raise RuntimeError(f"the XDP program answered {ACTIONS.get(action, action)} with a "
                            f"frame from {src} to {dst}")

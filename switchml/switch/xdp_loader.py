@@ -1,7 +1,8 @@
 """The XDP program's toolchain and loader: ``build_object`` compiles
 ``xdp_pipeline.bpf.c`` with clang into a cache, ``Program`` loads it with libbpf
 (``libbpf.so.1``, through ctypes: no Python dependency), reads and writes its
-maps, attaches it to an interface and runs it with BPF_PROG_TEST_RUN;
+maps, attaches its two programs to an interface (the pipeline to XDP, the
+fan-out of results to TC ingress) and runs the pipeline with BPF_PROG_TEST_RUN;
 ``unavailable()`` says what is missing where it cannot run.  ``xdp.py`` is the
 pipeline that drives it."""
 
@@ -22,6 +23,8 @@ SOURCE = HERE / "xdp_pipeline.bpf.c"
 WIRE_H = HERE.parent / "wire.h"
 CFLAGS = ["-O2", "-g", "-target", "bpf", "-mcpu=v3", "-Wall", "-Werror"]
 PROGRAM = "xdp_pipeline"
+#: the TC program that sends each completed result to every rank
+FAN_OUT_PROGRAM = "fan_out_results"
 
 
 # ---------------------------------------------------------------- the toolchain
@@ -127,8 +130,10 @@ class _LinkCreateOpts(ctypes.Structure):
     _fields_ = [("sz", ctypes.c_size_t), ("flags", ctypes.c_uint32)]
 
 
-#: enum bpf_attach_type's BPF_XDP; if_link.h's XDP_FLAGS_SKB_MODE
+#: enum bpf_attach_type's BPF_XDP and BPF_TCX_INGRESS (kernel 6.6; the uapi
+#: headers of older distributions lack it); if_link.h's XDP_FLAGS_SKB_MODE
 BPF_XDP = 37
+BPF_TCX_INGRESS = 46
 XDP_FLAGS_SKB_MODE = 1 << 1
 
 _LIBBPF: ctypes.CDLL | None = None
@@ -198,21 +203,26 @@ class Program:
             for name, entries in max_entries.items():
                 _check(lib.bpf_map__set_max_entries(self._map(name), entries),
                        f"max_entries of {name}")
-            prog = lib.bpf_object__find_program_by_name(self._obj, PROGRAM.encode())
+            progs = {name: lib.bpf_object__find_program_by_name(self._obj, name.encode())
+                     for name in (PROGRAM, FAN_OUT_PROGRAM)}
             # log level 4: the verifier's statistics alone; on a refusal, the load
             # is tried again with the whole log, which is what the error shows
-            self._log = ctypes.create_string_buffer(log_size)
-            lib.bpf_program__set_log_buf(prog, self._log, len(self._log))
-            lib.bpf_program__set_log_level(prog, log_level)
+            self._logs = {name: ctypes.create_string_buffer(log_size) for name in progs}
+            for name, prog in progs.items():
+                lib.bpf_program__set_log_buf(prog, self._logs[name], len(self._logs[name]))
+                lib.bpf_program__set_log_level(prog, log_level)
             rc = lib.bpf_object__load(self._obj)
             if rc < 0:
-                log = self._log.value.decode(errors="replace")
+                log = "\n".join(f"{name}: {buf.value.decode(errors='replace')[-6000:]}"
+                                for name, buf in self._logs.items() if buf.value)
                 raise _Refused(-rc, f"the kernel refused {path.name}: {os.strerror(-rc)}; "
-                               f"the verifier's log ends:\n{log[-6000:]}")
-            self.verifier_stats = self._log.value.decode(errors="replace").strip()
-            self.prog_fd = lib.bpf_program__fd(prog)
+                               f"the verifier's log ends:\n{log}")
+            self.verifier_stats = self._logs[PROGRAM].value.decode(errors="replace").strip()
+            self.prog_fd = lib.bpf_program__fd(progs[PROGRAM])
+            self.fan_out_fd = lib.bpf_program__fd(progs[FAN_OUT_PROGRAM])
             self.fds = {name: lib.bpf_map__fd(self._map(name)) for name in
-                        ("config", "members", "jobs", "mismatches", "sets", "rows", "counts")}
+                        ("config", "members", "rank_addresses", "jobs", "mismatches", "sets",
+                         "rows", "counts")}
             self.cpus = lib.libbpf_num_possible_cpus()
             _check(self.cpus, "libbpf_num_possible_cpus")
         except BaseException:
@@ -250,6 +260,15 @@ class Program:
         opts = _LinkCreateOpts(sz=ctypes.sizeof(_LinkCreateOpts), flags=XDP_FLAGS_SKB_MODE)
         fd = self._lib.bpf_link_create(self.prog_fd, ifindex, BPF_XDP, ctypes.byref(opts))
         _check(fd, f"attaching the XDP program to interface {ifindex}")
+        return fd
+
+    def attach_fan_out(self, ifindex: int) -> int:
+        """Attach the fan-out program to the TC ingress of interface ``ifindex``
+        (tcx, kernel 6.6), through a BPF link as ``attach``: the link's fd."""
+        opts = _LinkCreateOpts(sz=ctypes.sizeof(_LinkCreateOpts), flags=0)
+        fd = self._lib.bpf_link_create(self.fan_out_fd, ifindex, BPF_TCX_INGRESS,
+                                       ctypes.byref(opts))
+        _check(fd, f"attaching the fan-out program to the TC ingress of interface {ifindex}")
         return fd
 
     def test_run(self, frame: bytes, room: int = 0) -> tuple[int, bytes]:

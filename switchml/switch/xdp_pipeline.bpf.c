@@ -2,10 +2,13 @@
  * switch/pipeline.py (the reference model: read its docstring for the rules),
  * step by step, in the same order, with the same drop reasons and counter
  * names.  switch/xdp_loader.py builds it (clang) and loads it (libbpf through
- * ctypes); switch/xdp.py fills its maps from the Python control plane, attaches it to the switch's interface (generic mode)
- * and runs it with BPF_PROG_TEST_RUN (tests, and probes passed up); tests/test_xdp.py
- * feeds it and the Python pipeline the same frames and requires the same
- * datagrams out, the same counters and the same slot state.
+ * ctypes); switch/xdp.py fills its maps from the Python control plane, attaches
+ * it to the switch's interface (generic mode), with fan_out_results on the
+ * interface's TC ingress, and runs it with BPF_PROG_TEST_RUN (tests, and probes
+ * passed up); tests/test_xdp.py feeds it and the Python pipeline the same
+ * frames and requires the same datagrams out, the same counters and the same
+ * slot state; tests/test_xdp_serve.py requires of fan_out_results the
+ * datagrams the Python pipeline sends each rank.
  *
  * Function names follow pipeline.py: receive_datagram, answer_probe,
  * answer_retransmission (folded into the two callers' lock sections, see
@@ -19,15 +22,18 @@
  *    XDP_TX back out of the port it came in by (to the rank that sent it);
  *  - a completed result, for every rank of the job: written over the
  *    contribution that completed it (a dense result has exactly that size) and
- *    handed to the host stack with XDP_PASS, addressed as the contribution was
- *    (from the last contributor to the switch's port), so that the switch's own
- *    UDP socket receives it; user space sends it to each member (a datagram of
- *    kind RESULT on that socket can only come from here: the program drops
- *    every result a member or stranger sends).  A devmap broadcast
- *    (BPF_F_BROADCAST) clones a frame per *device*, not per destination
- *    address, and a devmap egress program does not learn which entry it runs
- *    for, so it cannot address the copies to n ranks behind one port: that
- *    needs n entries' worth of per-copy rewriting, the next step;
+ *    handed on with XDP_PASS, addressed as the contribution was (from the last
+ *    contributor to the switch's port).  The next hook on the same interface,
+ *    TC ingress, runs fan_out_results (below), which sends one copy to each
+ *    rank, addressed to it, and drops the frame: the kernel's multicast engine
+ *    and egress rewrite.  Where it cannot reach a rank, it leaves the frame to
+ *    the host stack: the switch's own UDP socket receives it and user space
+ *    sends it to each member (a datagram of kind RESULT on that socket can
+ *    only come from here: the program drops every result a member or
+ *    stranger sends).  Not XDP alone: an XDP program has no helper that copies
+ *    a frame, and a devmap broadcast (BPF_F_BROADCAST) clones one per *device*,
+ *    not per destination, with egress programs that do not learn which entry
+ *    they run for, so it cannot address copies to n ranks behind one port;
  *  - anything that is not a UDP datagram to the switch's port: XDP_PASS,
  *    untouched.
  *
@@ -64,6 +70,7 @@
 #include <linux/if_ether.h>
 #include <linux/in.h>
 #include <linux/ip.h>
+#include <linux/pkt_cls.h>
 #include <linux/udp.h>
 
 #include <bpf/bpf_endian.h>
@@ -126,6 +133,8 @@ enum xdp_counter {
     C_DROPPED_SPARSE_UNSUPPORTED, /* sparse modes: not in this program yet */
     C_DROPPED_INTERNAL,           /* a map entry the control plane must have made */
     C_PROBES_PASSED_UP,           /* no room to answer in the frame: user space does */
+    C_RESULTS_FANNED_OUT,         /* copies of a result sent to ranks by fan_out_results */
+    C_RESULTS_FANOUT_FAILED,      /* copies it could not send (the rank's probe recovers) */
     XDP_NCOUNTERS
 };
 
@@ -136,8 +145,9 @@ struct xdp_counters {
 /* The switch's settings (one entry). */
 struct xdp_config {
     __u32 slots;
-    __u16 port; /* the switch's UDP port, network order */
+    __u16 port;    /* the switch's UDP port, network order */
     __u16 pad;
+    __u32 ifindex; /* the interface served (xdp.XdpPipeline.serve); 0: none */
 };
 
 /* Member table, the controller's table entries: source address -> job, rank. */
@@ -149,6 +159,18 @@ struct member_key {
 struct member {
     __u32 job;  /* its job's slot_base: the index of the job in `jobs` */
     __u32 rank;
+};
+
+/* Where a rank's copy of a result goes: [slot_base * XDP_MAX_WORKERS + rank].
+ * The control plane writes the address and port at install (learned 0); the
+ * XDP program learns the Ethernet address a rank's datagrams come from on the
+ * served interface, as a switch learns which port a host is behind. */
+struct rank_address {
+    __u32 addr;          /* IPv4, network order */
+    __u16 port;          /* UDP, network order */
+    __u8 mac[ETH_ALEN];  /* the source address of its frames */
+    __u32 learned;       /* 1: mac holds it */
+    __u32 pad;
 };
 
 /* pipeline.Job, what the data plane reads of it (written once, at install). */
@@ -192,6 +214,14 @@ struct {
     __type(key, struct member_key);
     __type(value, struct member);
 } members SEC(".maps");
+
+/* xdp.py sets max_entries to slots * MAX_WORKERS */
+struct {
+    __uint(type, BPF_MAP_TYPE_ARRAY);
+    __uint(max_entries, 1);
+    __type(key, __u32);
+    __type(value, struct rank_address);
+} rank_addresses SEC(".maps");
 
 /* by slot_base; xdp.py sets max_entries to the pool's slots */
 struct {
@@ -609,9 +639,32 @@ static __always_inline int answer_probe(struct xdp_md *ctx, struct xdp_counters 
     }
 }
 
-/* pipeline.Pipeline.receive_datagram, after the frame's headers are checked. */
+/* Remember the Ethernet address rank `rank` of job `job_index` sends from, for
+ * fan_out_results: only for frames that came in by the interface served (not
+ * BPF_PROG_TEST_RUN's frames, which come "from" the loopback device with
+ * made-up addresses), and only once the rank's token matched. */
+static __always_inline void learn_address(__u32 job_index, __u32 rank, const __u8 *mac)
+{
+    __u32 at = job_index * XDP_MAX_WORKERS + rank;
+    struct rank_address *a = bpf_map_lookup_elem(&rank_addresses, &at);
+    if (!a)
+        return;
+    __u8 differ = !a->learned;
+#pragma unroll
+    for (int i = 0; i < ETH_ALEN; i++)
+        differ |= a->mac[i] ^ mac[i];
+    if (!differ)
+        return;
+    __builtin_memcpy(a->mac, mac, ETH_ALEN);
+    a->learned = 1;
+}
+
+/* pipeline.Pipeline.receive_datagram, after the frame's headers are checked.
+ * `src_mac`: the frame's Ethernet source where it came in by the interface
+ * served, else NULL. */
 static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
-                                            const struct member *m, __u32 slots)
+                                            const struct member *m, __u32 slots,
+                                            const __u8 *src_mac)
 {
     __u32 job_index = m->job, cpu = bpf_get_smp_processor_id();
     const struct xdp_job *job = bpf_map_lookup_elem(&jobs, &job_index);
@@ -654,6 +707,8 @@ static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
         DROP(C_DROPPED_BAD_KIND);
     if (h.session != job->tokens[rank]) /* not this rank's token: forged, or an old job's */
         DROP(C_DROPPED_BAD_TOKEN);
+    if (src_mac)
+        learn_address(job_index, rank, src_mac);
     if (h.slot < job->slot_base || h.slot >= job->slot_base + job->slot_count)
         DROP(C_DROPPED_SLOT_OUT_OF_RANGE);
     if (h.slot >= slots) /* cannot be: the job's slots are the pool's */
@@ -773,7 +828,7 @@ static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
         count(counters, C_RESULTS_COMPLETED, 1);
         if (put_scratch(ctx, in->bytes, out_len))
             DROP(C_DROPPED_INTERNAL);
-        count(counters, C_RESULTS_OUT, world); /* user space sends it to each rank */
+        count(counters, C_RESULTS_OUT, world); /* fan_out_results or user space: each rank */
         return frame_to_host(ctx);
     default:
         return XDP_DROP; /* added: the set waits for other ranks */
@@ -841,7 +896,121 @@ int xdp_pipeline(struct xdp_md *ctx)
         count(global, C_DROPPED_UNKNOWN_SOURCE, 1);
         return XDP_DROP;
     }
-    return receive_datagram(ctx, ulen - sizeof(struct udphdr), m, slots);
+    __u8 src_mac[ETH_ALEN];
+    __builtin_memcpy(src_mac, eth->h_source, ETH_ALEN);
+    int served = cfg->ifindex && ctx->ingress_ifindex == cfg->ifindex;
+    return receive_datagram(ctx, ulen - sizeof(struct udphdr), m, slots,
+                            served ? src_mac : (const __u8 *)0);
+}
+
+/* The multicast engine and egress of a switch, for completed results: a TC
+ * program on the ingress of the interface served, which sees what the XDP
+ * program passes up (XDP runs first, on the same device).  A datagram of kind
+ * RESULT to the switch's port from a member's address is a result the XDP
+ * program completed (it drops every result a member sends); this sends one
+ * copy to every rank of the member's job (bpf_clone_redirect, and the frame
+ * itself to the last rank, bpf_redirect; out of the interface served, through
+ * its normal transmit path: a bridge forwards each
+ * copy to the port its Ethernet address is behind, through that port's
+ * qdisc), each addressed as the switch's socket would address it: from the
+ * switch's address and port to the rank's, to the Ethernet address its
+ * datagrams come from, a fresh IP checksum, no UDP checksum (as XDP_TX's
+ * answers).  Several ranks behind one port or host each get their own copy.
+ *
+ * When a rank's Ethernet address is not known (it never sent a datagram in by
+ * this interface: a rank on the switch's own host, or one that came by
+ * another interface), the result goes up to the switch's socket as before
+ * (TC_ACT_OK) and user space sends it to every rank
+ * (xdp.XdpPipeline.passed_up, counted as results_passed_up). */
+struct result_headers {
+    __u16 pad; /* aligns the IP header: the verifier wants aligned stack accesses */
+    struct ethhdr eth;
+    struct iphdr ip;
+    struct udphdr udp;
+};
+#define RESULT_HEADERS_AT __builtin_offsetof(struct result_headers, eth)
+_Static_assert(sizeof(struct result_headers) == 2 + FRAME_HEADERS, "headers unpadded");
+
+SEC("tc")
+int fan_out_results(struct __sk_buff *skb)
+{
+    __u32 zero = 0;
+    const struct xdp_config *cfg = bpf_map_lookup_elem(&config, &zero);
+    if (!cfg || !cfg->ifindex)
+        return TC_ACT_OK;
+    struct result_headers f;
+    __u8 kind;
+    if (bpf_skb_load_bytes_relative(skb, 0, &f.eth, sizeof f.eth, BPF_HDR_START_MAC) ||
+        bpf_skb_load_bytes_relative(skb, 0, &f.ip, sizeof f.ip + sizeof f.udp,
+                                    BPF_HDR_START_NET) ||
+        f.eth.h_proto != bpf_htons(ETH_P_IP) || f.ip.ihl != 5 ||
+        f.ip.protocol != IPPROTO_UDP || f.udp.dest != cfg->port ||
+        bpf_skb_load_bytes_relative(skb, sizeof f.ip + sizeof f.udp + 3, &kind, 1,
+                                    BPF_HDR_START_NET) ||
+        kind != WIRE_KIND_RESULT)
+        return TC_ACT_OK;
+    struct member_key key = {.addr = f.ip.saddr, .port = f.udp.source, .pad = 0};
+    const struct member *m = bpf_map_lookup_elem(&members, &key);
+    if (!m)
+        return TC_ACT_OK;
+    __u32 job_index = m->job, rank, at;
+    const struct xdp_job *job = bpf_map_lookup_elem(&jobs, &job_index);
+    struct xdp_counters *counters = bpf_map_lookup_elem(&counts, &job_index);
+    if (!job || !counters || job->world < 1 || job->world > XDP_MAX_WORKERS)
+        return TC_ACT_OK;
+    __u32 world = job->world;
+    for (rank = 0; rank < XDP_MAX_WORKERS; rank++) { /* every rank reachable from here? */
+        if (rank >= world)
+            break;
+        at = job_index * XDP_MAX_WORKERS + rank;
+        const struct rank_address *a = bpf_map_lookup_elem(&rank_addresses, &at);
+        if (!a || !a->learned)
+            return TC_ACT_OK; /* user space sends it to every rank */
+    }
+    /* The copies leave from skb->data, which must be the Ethernet header.  At
+     * TC ingress it is where the kernel put it back for the program, but for
+     * a frame XDP passed up in generic mode this kernel leaves skb->data at
+     * the IP header (seen on 6.18: mac_len 0): then room is made for one. */
+    struct iphdr at_data;
+    if (bpf_skb_load_bytes(skb, 0, &at_data, sizeof at_data))
+        return TC_ACT_OK;
+    if (at_data.saddr == f.ip.saddr && at_data.daddr == f.ip.daddr &&
+        at_data.id == f.ip.id && at_data.tot_len == f.ip.tot_len &&
+        bpf_skb_change_head(skb, ETH_HLEN, 0))
+        return TC_ACT_OK;
+    __u8 switch_mac[ETH_ALEN];
+    __builtin_memcpy(switch_mac, f.eth.h_dest, ETH_ALEN);
+    __u32 switch_addr = f.ip.daddr;
+    __u16 switch_port = f.udp.dest;
+    for (rank = 0; rank < XDP_MAX_WORKERS; rank++) {
+        if (rank >= world)
+            break;
+        at = job_index * XDP_MAX_WORKERS + rank;
+        const struct rank_address *a = bpf_map_lookup_elem(&rank_addresses, &at);
+        if (!a)
+            break; /* cannot be: checked above */
+        __builtin_memcpy(f.eth.h_dest, a->mac, ETH_ALEN);
+        __builtin_memcpy(f.eth.h_source, switch_mac, ETH_ALEN);
+        f.ip.saddr = switch_addr;
+        f.ip.daddr = a->addr;
+        f.ip.ttl = 64;
+        f.ip.check = 0;
+        f.ip.check = ip_checksum(&f.ip);
+        f.udp.source = switch_port;
+        f.udp.dest = a->port;
+        f.udp.check = 0;
+        if (bpf_skb_store_bytes(skb, 0, (__u8 *)&f + RESULT_HEADERS_AT, FRAME_HEADERS, 0)) {
+            count(counters, C_RESULTS_FANOUT_FAILED, 1);
+            continue;
+        }
+        if (rank + 1 == world) { /* the frame itself goes to the last rank: no clone */
+            count(counters, C_RESULTS_FANNED_OUT, 1);
+            return bpf_redirect(cfg->ifindex, 0);
+        }
+        count(counters, bpf_clone_redirect(skb, cfg->ifindex, 0) ? C_RESULTS_FANOUT_FAILED
+                                                                : C_RESULTS_FANNED_OUT, 1);
+    }
+    return TC_ACT_SHOT; /* the last rank's copy failed: the socket gets nothing */
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
