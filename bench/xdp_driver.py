@@ -15,8 +15,10 @@ run cold).  A sender in the other namespace sends one job's contributions
 ``--block`` values, as many as one frame of the MTU holds) as UDP GSO runs,
 which the sending veth cuts into frames (its UDP segmentation offload off).
 Every slot's message from every rank in turn: each contribution is added, and
-the last of a slot completes it (its result is passed up, to a socket that
-does not read it).
+the last of a slot completes it.  The program is served as a switch serves it
+(``XdpPipeline.serve(..., driver=True)``): it learns the ranks' Ethernet
+addresses, and the fan-out program sends each result to every rank (whose
+sockets do not read them).
 
 The program's own time is the kernel's count of it (``run_time_ns`` and
 ``run_cnt`` of the program's info, which ``kernel.bpf_stats_enabled`` turns
@@ -57,8 +59,6 @@ SESSION = 0x5EED
 PREFIX = "smlxdpd"
 SWITCH_IP, SENDER_IP = "10.98.0.254", "10.98.0.1"
 SENDER_PORT = 5000
-#: if_link.h's XDP_FLAGS_DRV_MODE: the driver's own XDP hook, not the generic one
-XDP_FLAGS_DRV_MODE = 1 << 2
 #: where struct bpf_prog_info (linux/bpf.h) keeps run_time_ns and run_cnt, and its size
 INFO_RUN_TIME_NS, INFO_RUN_CNT, INFO_SIZE = 192, 200, 232
 BPF_STATS = "/proc/sys/kernel/bpf_stats_enabled"
@@ -142,8 +142,7 @@ def inside(mtu: int, dev: str, cpus: list, workers: int, slots: int, block: int,
            "packet_elements": packet_elements, "block_elements": block, "packet_bytes": size}
     p = xdp.XdpPipeline(slots * len(cpus), packet_elements, block_elements=block,
                         switch_ip=SWITCH_IP)
-    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # the results' destination
-    link = -1
+    sink = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)  # results passed up (none, or few)
     try:
         sink.bind((SWITCH_IP, p.port))
         sessions = [SESSION + i for i in range(len(cpus))]
@@ -151,15 +150,11 @@ def inside(mtu: int, dev: str, cpus: list, workers: int, slots: int, block: int,
             addresses = [(sender_ip(i), SENDER_PORT + r) for r in range(workers)]
             p.install_job(f"bench{i}", session, addresses, i * slots, slots, packet_elements,
                           block)
-        p.serve((SWITCH_IP, p.port))  # the program's configuration, as a switch's
-        p.detach()  # ... then attached in driver mode instead of generic
-        opts = xdp_loader._LinkCreateOpts(sz=ctypes.sizeof(xdp_loader._LinkCreateOpts),
-                                          flags=XDP_FLAGS_DRV_MODE)
+        # served as a switch serves, in driver mode: the ranks' Ethernet addresses
+        # learnt, each result sent to every rank by the fan-out program
+        if p.serve((SWITCH_IP, p.port), driver=True) != socket.if_nametoindex(dev):
+            raise RuntimeError(f"{SWITCH_IP} is not on {dev}")
         prog_fd = p._prog.prog_fd
-        link = xdp_loader.libbpf().bpf_link_create(prog_fd, socket.if_nametoindex(dev),
-                                                   xdp_loader.BPF_XDP, ctypes.byref(opts))
-        if link < 0:
-            raise OSError(-link, f"attaching the program to {dev} in driver mode")
         with open(BPF_STATS) as f:
             stats_were = f.read().strip()
         with open(BPF_STATS, "w") as f:
@@ -199,8 +194,6 @@ def inside(mtu: int, dev: str, cpus: list, workers: int, slots: int, block: int,
             c.update(p.jobs[session].counters)
         c.subtract(before)
     finally:
-        if link >= 0:
-            os.close(link)
         sink.close()
         p.close()
     added = c["packets_in"] - sum(c[k] for k in (

@@ -68,8 +68,9 @@ checksum of received datagrams (the kernel drops a bad one before the Python
 switch's socket; the program does not check it yet), UDP GSO super-packets (a
 veth peer on the same host hands one over whole: dropped as ``bad_length``),
 secondary addresses of an interface (``interface_of`` reads the primary one),
-native (driver) mode, a UDP checksum on the results (sent without one, which
-IPv4 allows).
+a UDP checksum on the results (sent without one, which IPv4 allows), and the
+switch's own choice of native (driver) mode: ``serve(address, driver=True)``
+attaches there (bench/xdp_driver.py), ``Switch`` serves in generic mode.
 """
 
 from __future__ import annotations
@@ -316,10 +317,11 @@ class XdpPipeline(Pipeline):
         self.detach()
         self._prog.close()
 
-    def serve(self, address) -> int:
+    def serve(self, address, driver: bool = False) -> int:
         """Serve the switch's UDP ``address`` (host, port) for real: the program
         takes the datagrams to that port and is attached to the interface that
-        holds the host's IPv4 address (``interface_of``), in generic mode, and the
+        holds the host's IPv4 address (``interface_of``), in generic mode (with
+        ``driver``, the driver's native mode: an error where it has none), and the
         fan-out program to that interface's TC ingress, which sends each
         completed result to every rank (not on a loopback interface: its ranks
         are this host's, which the switch's socket reaches; nor where the kernel
@@ -332,7 +334,7 @@ class XdpPipeline(Pipeline):
         self.detach()
         self._prog.update("config", _u32(0), _Config(self.slots, socket.htons(port), 0, ifindex))
         try:
-            self._link = self._prog.attach(ifindex)
+            self._link = self._prog.attach(ifindex, driver)
         except BaseException:
             self.detach()
             raise

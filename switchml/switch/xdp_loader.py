@@ -135,6 +135,8 @@ class _LinkCreateOpts(ctypes.Structure):
 BPF_XDP = 37
 BPF_TCX_INGRESS = 46
 XDP_FLAGS_SKB_MODE = 1 << 1
+#: if_link.h's XDP_FLAGS_DRV_MODE: the driver's own XDP hook
+XDP_FLAGS_DRV_MODE = 1 << 2
 
 _LIBBPF: ctypes.CDLL | None = None
 
@@ -252,12 +254,15 @@ class Program:
     def delete(self, name: str, key) -> None:
         self._lib.bpf_map_delete_elem(self.fds[name], ctypes.byref(key))
 
-    def attach(self, ifindex: int) -> int:
+    def attach(self, ifindex: int, driver: bool = False) -> int:
         """Attach the program to interface ``ifindex`` in generic (skb) mode, which
-        every driver has (veth, lo...), through a BPF link: the link's fd, whose
-        close detaches it, also when the process dies (nothing stays attached
-        behind a crashed switch, unlike a netlink attach)."""
-        opts = _LinkCreateOpts(sz=ctypes.sizeof(_LinkCreateOpts), flags=XDP_FLAGS_SKB_MODE)
+        every driver has (veth, lo...), or with ``driver`` in the driver's own
+        (native) mode, where the driver supports XDP (veth, most NICs; not a
+        bridge), through a BPF link: the link's fd, whose close detaches it, also
+        when the process dies (nothing stays attached behind a crashed switch,
+        unlike a netlink attach)."""
+        flags = XDP_FLAGS_DRV_MODE if driver else XDP_FLAGS_SKB_MODE
+        opts = _LinkCreateOpts(sz=ctypes.sizeof(_LinkCreateOpts), flags=flags)
         fd = self._lib.bpf_link_create(self.prog_fd, ifindex, BPF_XDP, ctypes.byref(opts))
         _check(fd, f"attaching the XDP program to interface {ifindex}")
         return fd
