@@ -588,3 +588,20 @@ def test_the_switch_detaches_on_stop_and_when_its_start_fails(veth):
         assert not attached()
     finally:
         taken.close()
+
+
+@needs_xdp
+def test_a_second_xdp_switch_on_one_interface_is_refused_naming_it(veth):
+    """An interface takes one XDP program: a second XDP switch there is refused
+    with the reason and the way out, and the first one keeps serving."""
+    from switchml.errors import DataPlaneUnavailableError
+    from switchml.switch.server import Switch
+
+    _, _, _, here, me = veth
+    with Switch(me, 7304, data_plane="xdp", packet_elements=512) as first:
+        second = Switch(me, 7305, data_plane="xdp", packet_elements=512)
+        with pytest.raises(DataPlaneUnavailableError, match=f"interface {here} already runs"):
+            second.start()
+        assert "prog/xdp" in sh("ip", "link", "show", "dev", here)
+        assert first.stats()["data_plane"] == "xdp"
+

@@ -169,6 +169,7 @@ class Switch:
             except BaseException:
                 tcp.close()
                 udp.close()
+                self._xdp.close()  # unloaded: nothing of a switch that did not start stays
                 raise
             log.info("XDP program attached (generic mode) to %s%s", socket.if_indextoname(ifindex),
                      ", results fanned out by its TC program" if self._xdp.fans_out else "")

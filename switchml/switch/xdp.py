@@ -68,7 +68,9 @@ checksum of received datagrams (the kernel drops a bad one before the Python
 switch's socket; the program does not check it yet), UDP GSO super-packets (a
 veth peer on the same host hands one over whole: dropped as ``bad_length``),
 secondary addresses of an interface (``interface_of`` reads the primary one),
-a UDP checksum on the results (sent without one, which IPv4 allows), and the
+a UDP checksum on the results (sent without one, which IPv4 allows), more than
+one XDP switch on an interface (it takes one XDP program: a second is refused
+with ``DataPlaneUnavailableError``), and the
 switch's own choice of native (driver) mode: ``serve(address, driver=True)``
 attaches there (bench/xdp_driver.py), ``Switch`` serves in generic mode.
 """
@@ -76,6 +78,7 @@ attaches there (bench/xdp_driver.py), ``Switch`` serves in generic mode.
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import os
 import pathlib
@@ -86,6 +89,7 @@ from collections import Counter
 
 from .. import wire
 from ..config import DEFAULT_PACKET_ELEMENTS, DEFAULT_PORT, DEFAULT_SLOTS
+from ..errors import DataPlaneUnavailableError
 from .pipeline import MAX_WORKERS, Job, Mismatch, Pipeline
 from .xdp_loader import HERE, SOURCE, build_object, libbpf, load, unavailable
 
@@ -335,6 +339,15 @@ class XdpPipeline(Pipeline):
         self._prog.update("config", _u32(0), _Config(self.slots, socket.htons(port), 0, ifindex))
         try:
             self._link = self._prog.attach(ifindex, driver)
+        except OSError as exc:
+            self.detach()
+            if exc.errno == errno.EBUSY:  # an interface takes one XDP program
+                name = socket.if_indextoname(ifindex)
+                raise DataPlaneUnavailableError(
+                    f"data_plane='xdp' cannot serve {host}: interface {name} already runs "
+                    f"an XDP program (another switch with data_plane='xdp' on {name}?); one "
+                    f"XDP switch an interface: serve another with data_plane='c'") from exc
+            raise
         except BaseException:
             self.detach()
             raise
