@@ -25,8 +25,9 @@ The program's own time is the kernel's count of it (``run_time_ns`` and
 on: the bench turns it on for the measurement and back as it was).  Gbit/s a
 program core is the contributions' datagram bytes added per second of it; the
 rate at which the sender, on this machine's cores, offers frames is given
-beside it (``offered``), and bounds the wall-clock rate here, not the
-program's.
+beside it (``offered``; ``dropped_at_the_veth``: frames the veth's ring could
+not hold, which the program never saw), and bounds the wall-clock rate here,
+not the program's.
 
 Needs root (CAP_BPF, CAP_NET_ADMIN, namespaces), clang and libbpf, as
 ``switchml switch --data-plane xdp``.
@@ -245,7 +246,11 @@ def measure(mtu: int, cpus: int, workers: int, slots: int, block: int,
         done = netns.sh(["ip", "netns", "exec", sw, sys.executable, __file__, "--inside",
                          str(mtu), "xs", ",".join(map(str, mine)), str(workers), str(slots),
                          str(block), str(seconds)], timeout=seconds + 120)
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        row = json.loads(done.stdout.strip().splitlines()[-1])
+        # frames the veth dropped before the program saw them (its ring full)
+        row["dropped_at_the_veth"] = (netns.link_counters(snd, "xw")["tx_dropped"]
+                                      + netns.link_counters(sw, "xs")["rx_dropped"])
+        return row
     finally:
         for ns in (sw, snd):
             netns.delete_namespace(ns)

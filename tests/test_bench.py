@@ -242,9 +242,9 @@ def test_xdp_core_bench_runs_with_tiny_settings(tmp_path):
 @needs_root
 def test_xdp_driver_bench_runs_with_tiny_settings(tmp_path):
     """bench/xdp_driver.py end to end, tiny: the program in veth's driver mode adds
-    every contribution the sender offered (nothing dropped), the kernel counted
-    its runs, and no namespace is left behind; the medians table of its JSON.
-    No timing is checked."""
+    every contribution that reaches it (it drops none), the kernel counted its
+    runs, and no namespace is left behind; the medians table of its JSON.  No
+    timing is checked."""
     from switchml.switch import xdp
     from switchml.testbed import netns
 
@@ -261,10 +261,13 @@ def test_xdp_driver_bench_runs_with_tiny_settings(tmp_path):
     for r in rows:
         assert r["dropped"] == {} and r["contributions_added"] > 0, r
         assert r["runs"] >= r["contributions_added"] and r["program_ns_per_frame"] > 0, r
-        assert 0 <= r["contributions_added"] - 4 * r["results_completed"] <= 3 * r["slots"] * \
-            r["cpus"]
-        # the program ran on as many CPUs as the row says, each its own job's frames
-        assert sum(n > 0 for n in r["admitted_per_cpu"]) == r["cpus"], r
+        # a completion takes four adds; a set short of one was left waiting at the
+        # end, or lost a contribution the veth dropped before the program (its ring full)
+        assert 0 <= r["contributions_added"] - 4 * r["results_completed"] <= 3 * (
+            r["slots"] * r["cpus"] + r["dropped_at_the_veth"]), r
+        # the program ran on each CPU the row has (on one, the kernel may still run
+        # some of a queue's frames on another)
+        assert sum(n > 0 for n in r["admitted_per_cpu"]) >= r["cpus"], r
     assert not [ns for ns in netns.list_namespaces() if ns.startswith("smlxdpd")]
     table = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "xdp_driver.py"),
                             "--median", str(out), str(out), str(out)], check=True,
