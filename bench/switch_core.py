@@ -47,6 +47,14 @@ IP_UDP_HEADERS = 28
 SESSION = 0x5EED
 
 
+def write_rows(path: str, args, rows: list) -> None:
+    """A core bench's JSON: the machine, the arguments, the rows."""
+    with open(path, "w") as f:
+        json.dump({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                               "python": platform.python_version()},
+                   "args": vars(args), "rows": rows}, f, indent=1)
+
+
 def packet_elements_for(mtu: int, block: int) -> int:
     """The most values, in whole blocks, whose datagram fits one frame of ``mtu``."""
     room = mtu - IP_UDP_HEADERS - wire.HEADER_SIZE
@@ -214,10 +222,7 @@ def main(argv=None) -> list[dict]:
               f"{r['packets_per_wall_s']:>10,.0f} {r['gbit_per_wall_s']:>8.2f} "
               f"{r['switch_cpu_share']:>5.0%} {sum(r['dropped'].values()):>8}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                   "python": platform.python_version()},
-                       "args": vars(args), "rows": rows}, f, indent=1)
+        write_rows(args.json, args, rows)
     return rows
 
 

@@ -49,7 +49,6 @@ import ctypes
 import json
 import multiprocessing
 import os
-import platform
 import resource
 import sys
 import time
@@ -60,7 +59,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.switch_core import packet_elements_for  # noqa: E402
+from bench.switch_core import packet_elements_for, write_rows  # noqa: E402
 from switchml import wire  # noqa: E402
 from switchml.switch import xdp, xdp_loader  # noqa: E402
 
@@ -244,13 +243,33 @@ MEDIAN_COLUMNS = [("program_ns_per_frame", "ns a frame", "{:.0f}"),
                   ("stale_ns_repeated", "stale frame ns, repeated", "{:.0f}")]
 
 
-def median_table(paths: list) -> str:
-    """A Markdown table of the rows of several invocations' JSON files: each
-    figure the median of theirs, the invocations' figures beside it."""
+def read_runs(paths: list) -> list:
+    """The rows of each invocation's JSON file."""
     runs = []
     for path in paths:
         with open(path) as f:
             runs.append(json.load(f)["rows"])
+    return runs
+
+
+def median_cells(runs: list, i: int, columns: list) -> list:
+    """Row ``i``'s cells for ``columns`` (key, title, format): each the median of
+    the invocations' figures in bold, theirs beside it; "-" where one lacks it."""
+    cells = []
+    for key, _, fmt in columns:
+        values = [r[i].get(key) for r in runs]
+        if any(v is None for v in values):
+            cells.append("-")
+            continue
+        mid = sorted(values)[len(values) // 2]
+        cells.append(f"**{fmt.format(mid)}** ({', '.join(fmt.format(v) for v in values)})")
+    return cells
+
+
+def median_table(paths: list) -> str:
+    """A Markdown table of the rows of several invocations' JSON files: each
+    figure the median of theirs, the invocations' figures beside it."""
+    runs = read_runs(paths)
     header = ["MTU", "datagram B", "CPUs", "slots"] + [c[1] for c in MEDIAN_COLUMNS]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for i, row in enumerate(runs[0]):
@@ -260,23 +279,15 @@ def median_table(paths: list) -> str:
         if "refused" in row:
             lines.append("| " + " | ".join(cells + ["refused"] + [""] * (len(header) - 5)) + " |")
             continue
-        for key, _, fmt in MEDIAN_COLUMNS:
-            values = [r[i].get(key) for r in runs]
-            if any(v is None for v in values):
-                cells.append("-")
-                continue
-            mid = sorted(values)[len(values) // 2]
-            cells.append(f"**{fmt.format(mid)}** ({', '.join(fmt.format(v) for v in values)})")
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cells + median_cells(runs, i, MEDIAN_COLUMNS)) + " |")
     return "\n".join(lines)
 
 
-def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(parser: argparse.ArgumentParser, cpus_help: str | None = None) -> None:
+    """The arguments the XDP benches share (this one and xdp_driver.py)."""
     parser.add_argument("--mtu", type=int, nargs="+", default=[1500, 9000])
-    parser.add_argument("--cpus", type=int, nargs="+", choices=[1, 2], default=[1, 2])
-    parser.add_argument("--share", nargs="+", choices=["disjoint", "same"],
-                        default=["disjoint", "same"], help="two CPUs: whose slots")
+    parser.add_argument("--cpus", type=int, nargs="+", choices=[1, 2], default=[1, 2],
+                        help=cpus_help)
     parser.add_argument("--workers", type=int, default=4, help="ranks of the job")
     parser.add_argument("--slots", type=int, default=64, help="the job's window")
     parser.add_argument("--block", type=int, default=256, help="values per block")
@@ -284,6 +295,13 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--median", nargs="+", metavar="JSON",
                         help="print the medians of these invocations' files; nothing run")
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    parser.add_argument("--share", nargs="+", choices=["disjoint", "same"],
+                        default=["disjoint", "same"], help="two CPUs: whose slots")
     args = parser.parse_args(argv)
     if args.median:
         print(median_table(args.median))
@@ -320,10 +338,7 @@ def main(argv=None) -> list[dict]:
               f"{r['gbit_per_harness_core_s']:>19.2f} {r['gbit_per_wall_s']:>11.2f} "
               f"{ratio:>20} {stale:>22}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                   "python": platform.python_version()},
-                       "args": vars(args), "rows": rows}, f, indent=1)
+        write_rows(args.json, args, rows)
     return rows
 
 

@@ -39,7 +39,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
@@ -52,7 +51,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.switch_core import packet_elements_for  # noqa: E402
+from bench.switch_core import packet_elements_for, write_rows  # noqa: E402
+from bench.xdp_core import add_arguments, median_cells, read_runs  # noqa: E402
 from switchml import wire  # noqa: E402
 from switchml.switch import xdp, xdp_loader  # noqa: E402
 
@@ -259,10 +259,7 @@ def measure(mtu: int, cpus: int, workers: int, slots: int, block: int,
 def median_table(paths: list) -> str:
     """A Markdown table of several invocations' rows: each figure the median of
     theirs, the invocations' figures beside it."""
-    runs = []
-    for path in paths:
-        with open(path) as f:
-            runs.append(json.load(f)["rows"])
+    runs = read_runs(paths)
     columns = [("program_ns_per_frame", "ns a frame", "{:.0f}"),
                ("gbit_per_program_core_s", "Gbit/s a program core", "{:.1f}"),
                ("program_vs_1_cpu", "program x 1 CPU", "{:.2f}x"),
@@ -271,14 +268,7 @@ def median_table(paths: list) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for i, row in enumerate(runs[0]):
         cells = [str(row["mtu"]), str(row["packet_bytes"]), str(row["cpus"])]
-        for key, _, fmt in columns:
-            values = [r[i].get(key) for r in runs]
-            if any(v is None for v in values):
-                cells.append("-")
-                continue
-            mid = sorted(values)[len(values) // 2]
-            cells.append(f"**{fmt.format(mid)}** ({', '.join(fmt.format(v) for v in values)})")
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(cells + median_cells(runs, i, columns)) + " |")
     return "\n".join(lines)
 
 
@@ -294,16 +284,7 @@ def main(argv=None) -> list[dict]:
         print(json.dumps(inside(mtu, dev, cpus, workers, slots, block, float(argv[7]))))
         return []
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mtu", type=int, nargs="+", default=[1500, 9000])
-    parser.add_argument("--cpus", type=int, nargs="+", choices=[1, 2], default=[1, 2],
-                        help="CPUs running the program at once, each on slots of its own")
-    parser.add_argument("--workers", type=int, default=4, help="ranks of the job")
-    parser.add_argument("--slots", type=int, default=64, help="the job's window")
-    parser.add_argument("--block", type=int, default=256, help="values per block")
-    parser.add_argument("--seconds", type=float, default=3.0, help="measured, per row")
-    parser.add_argument("--json", help="write the rows here")
-    parser.add_argument("--median", nargs="+", metavar="JSON",
-                        help="print the medians of these invocations' files; nothing run")
+    add_arguments(parser, "CPUs running the program at once, each on slots of its own")
     args = parser.parse_args(argv)
     if args.median:
         print(median_table(args.median))
@@ -326,10 +307,7 @@ def main(argv=None) -> list[dict]:
               f"{r['program_ns_per_frame']:>9.0f} {r['gbit_per_program_core_s']:>16.2f} "
               f"{ratio:>7} {r['offered_gbit_s']:>14.2f} {r['contributions_added']:>10}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                                   "python": platform.python_version()},
-                       "args": vars(args), "rows": rows}, f, indent=1)
+        write_rows(args.json, args, rows)
     return rows
 
 
