@@ -21,6 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from switchml.bench.launch import OnTestbed, Roles  # noqa: E402
+from switchml.testbed.core import add_host_queue_argument  # noqa: E402
 
 
 def run(args) -> dict:
@@ -83,9 +84,7 @@ def main(argv=None) -> int:
     p.add_argument("--link", default="1gbit")
     p.add_argument("--mtu", type=int, default=None)
     p.add_argument("--queue", default="256kb")
-    p.add_argument("--host-queue", choices=("fifo", "flows"), default="fifo",
-                   help="each host's uplink: one FIFO (default) or a FIFO per flow served "
-                        "in turn, as fq_codel keeps a host's NIC queue")
+    add_host_queue_argument(p)
     p.add_argument("--mib", type=float, default=64.0)
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--timeout", type=float, default=120.0)

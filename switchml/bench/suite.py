@@ -32,7 +32,7 @@ import sys
 import time
 
 from ..config import DEFAULT_BLOCK_ELEMENTS
-from ..testbed.core import OFFLOAD
+from ..testbed.core import OFFLOAD, add_host_queue_argument
 from .common import lower_bound_s, ring_bytes, summarize
 from .launch import BenchError, Loopback, OnTestbed, Roles
 
@@ -67,10 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="testbed UDP loss probability per link (default: 0)")
     p.add_argument("--queue", default="256kb",
                    help="testbed: bytes each link queues before dropping (default: 256kb)")
-    p.add_argument("--host-queue", choices=["fifo", "flows"], default="fifo",
-                   help="testbed: how each host's uplink queues: one FIFO of --queue bytes "
-                        "(fifo, the default) or a FIFO of --queue bytes per flow served in "
-                        "turn, as fq_codel keeps a host's NIC queue (flows)")
+    add_host_queue_argument(p, "testbed: ")
     p.add_argument("--udp-offload", choices=["auto", "on", "off"], default="auto",
                    help="the veths' UDP segmentation offload: on (a GSO run crosses the "
                         "emulated wire as one packet), off (cut into frames at the first "

@@ -1,7 +1,8 @@
 """``switchml testbed up|run|status|down``: their argparse set-up.
 
 ``switchml.cli.build_parser`` calls ``add_parsers``; nothing here is imported
-beyond argparse until a command runs.
+beyond argparse and the testbed's core (which the package imports anyway) until
+a command runs.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import os
 import subprocess
 import sys
 import time
+
+from .core import add_host_queue_argument
 
 DEFAULT_PREFIX = "smltb"
 
@@ -264,10 +267,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--queue", default="256kb",
                    help="bytes each link queues before it drops, as a switch port's buffer "
                         "(tbf limit; default %(default)s)")
-    p.add_argument("--host-queue", choices=["fifo", "flows"], default="fifo",
-                   help="how each host's uplink queues: one FIFO of --queue bytes (fifo, the "
-                        "default) or a FIFO of --queue bytes per flow served in turn, as "
-                        "fq_codel keeps a host's NIC queue (flows)")
+    add_host_queue_argument(p)
     p.add_argument("--udp-offload", choices=["auto", "on", "off"], default="auto",
                    help="the veths' UDP segmentation offload: on (a GSO run crosses the "
                         "emulated wire as one packet), off (cut into frames at the first "

@@ -123,6 +123,15 @@ OFFLOAD = {"auto": None, "on": True, "off": False}
 HOST_QUEUES = ("fifo", "flows")
 
 
+def add_host_queue_argument(parser, what: str = "") -> None:
+    """``--host-queue``, as every command that builds a testbed takes it;
+    ``what``: a word before the help (\"testbed: \")."""
+    parser.add_argument("--host-queue", choices=HOST_QUEUES, default="fifo",
+                        help=f"{what}how each host's uplink queues: one FIFO of --queue "
+                             f"bytes (fifo, the default) or a FIFO of --queue bytes per flow "
+                             f"served in turn, as fq_codel keeps a host's NIC queue (flows)")
+
+
 class Testbed:
     """N host namespaces wired to a bridge in a switch namespace, links shaped with tbf.
 
