@@ -183,12 +183,8 @@ def inside(mtu: int, dev: str, cpus: list, workers: int, slots: int, block: int,
             if sender.returncode:
                 raise RuntimeError(f"a sender failed: {err[-2000:]}")
         # the contributions each CPU admitted: where the program ran
-        per_cpu = [0] * p._prog.cpus
-        packets_in = xdp.COUNTER_NAMES.index("packets_in")
-        for i in range(len(cpus)):
-            values = p._prog.lookup("counts", xdp._u32(i * slots), p._counts_type())
-            for cpu in range(p._prog.cpus):
-                per_cpu[cpu] += values[cpu * len(xdp.COUNTER_NAMES) + packets_in]
+        per_cpu = [sum(n) for n in zip(*(p.counted_by_cpu(p.jobs[session], "packets_in")
+                                         for session in sessions))]
         p.sync_counters()
         c: Counter = Counter()
         for session in sessions:

@@ -469,13 +469,23 @@ class XdpPipeline(Pipeline):
         self._prog.update("jobs", _u32(job.slot_base), _Job())
         return super().remove_job(session, state)
 
-    def _take_counts(self, index: int) -> Counter:
-        """What the program counted at ``counts[index]`` since the last call."""
+    def _counts_by_cpu(self, index: int) -> list[list[int]]:
+        """The program's counters at ``counts[index]``, a list of them per CPU."""
         values = self._prog.lookup("counts", _u32(index), self._counts_type())
         n = len(COUNTER_NAMES)
+        return [list(values[cpu * n:(cpu + 1) * n]) for cpu in range(self._prog.cpus)]
+
+    def counted_by_cpu(self, job: Job, name: str) -> list[int]:
+        """What each CPU's runs of the program counted as ``name`` for ``job`` so
+        far: which CPUs ran its datagrams."""
+        i = COUNTER_NAMES.index(name)
+        return [counts[i] for counts in self._counts_by_cpu(job.slot_base)]
+
+    def _take_counts(self, index: int) -> Counter:
+        """What the program counted at ``counts[index]`` since the last call."""
+        n = len(COUNTER_NAMES)
         # modulo 2**64: the program uncounts with a -1 on one CPU (C_PROBES_PASSED_UP)
-        sums = [sum(values[cpu * n + i] for cpu in range(self._prog.cpus)) % 2**64
-                for i in range(n)]
+        sums = [sum(column) % 2**64 for column in zip(*self._counts_by_cpu(index))]
         before = self._counted.get(index, [0] * n)
         self._counted[index] = sums
         return Counter({COUNTER_NAMES[i]: sums[i] - before[i] for i in range(n)
