@@ -316,9 +316,6 @@ class SwitchConfiguration:
             if self.upstream is not None:
                 raise ValueError("a rack switch (upstream) runs its data plane in Python: "
                                  "data_plane='xdp' cannot be kept")
-            if self.drop_rate or self.egress_drop_rate:
-                raise ValueError("the XDP data plane does not simulate drops: drop_rate and "
-                                 "egress_drop_rate must be 0 with data_plane='xdp'")
         if self.upstream is not None:
             parse_address(self.upstream)  # 'host:port', or a clear error now
             if self.fastpath:

@@ -551,7 +551,38 @@ def test_jobs_come_and_go_and_keep_their_counters(both):
     job = both.jobs[0xB0B2]
     both.deliver(contribution(job, 0, slot=2, msg=1), src)
     both.deliver(contribution(job, 0, slot=2, msg=1, token=0xB1), src)  # the old token
-    assert both.xdp.stats() == both.ref.stats()
+    stats = both.xdp.stats()
+    # the kernel's count of the programs' runs, which the reference has no twin of
+    assert set(stats.pop("program_runs")) == set(stats.pop("program_time_s")) == \
+        {"xdp_pipeline", "fan_out_results"}
+    assert stats == both.ref.stats()
+
+
+def test_the_programs_runs_and_time_are_counted_while_statistics_are_on():
+    """``count_run_time``: the kernel counts each run of the program and its
+    time while the fd is open, and no longer once it is closed."""
+    p = xdp.XdpPipeline(SLOTS, PACKET, block_elements=BLOCK)
+    try:
+        p.install_job("A", JOB_A["session"], JOB_A["addresses"], 0, 4, tokens=JOB_A["tokens"])
+        counting = xdp_loader.count_run_time()
+        try:
+            before = p.stats()
+            for rank in range(3):
+                p.receive_datagram(contribution(JOB_A, rank), JOB_A["addresses"][rank])
+            during = p.stats()
+        finally:
+            os.close(counting)
+        for rank in range(3):
+            p.receive_datagram(contribution(JOB_A, rank, msg=1), JOB_A["addresses"][rank])
+        after = p.stats()
+    finally:
+        p.close()
+    runs = [s["program_runs"]["xdp_pipeline"] for s in (before, during, after)]
+    times = [s["program_time_s"]["xdp_pipeline"] for s in (before, during, after)]
+    assert runs[1] - runs[0] == 3 and times[1] > times[0]
+    if xdp_loader.run_time_counted_always():  # another process, or the setting, has it on
+        return
+    assert runs[2] == runs[1] and times[2] == times[1]
 
 
 def test_members_must_be_ipv4_and_packets_have_at_most_64_lanes():
@@ -581,6 +612,53 @@ def test_results_to_every_rank_through_receive_datagram():
         assert wire.values(out[0][0], 4, 16).tolist() == [6] * 16
         assert Counter(p.jobs[JOB_A["session"]].counters) == Counter(
             packets_in=3, results_completed=1, results_out=3)
+    finally:
+        p.close()
+
+
+def test_simulated_drops_lose_datagrams_in_and_copies_out_at_their_rates():
+    """drop_rate and egress_drop_rate as the Python pipeline simulates them: a
+    datagram in is lost before anything else counts it
+    (``dropped_ingress_simulated``), each result copy and each answer to a probe
+    out alone (``dropped_egress_simulated``, not in ``results_out``); every
+    datagram and copy is accounted for, and the losses come at their rates."""
+    p = xdp.XdpPipeline(SLOTS, PACKET, block_elements=BLOCK, drop_rate=0.3,
+                        egress_drop_rate=0.5, seed=1)
+    try:
+        p.install_job("A", JOB_A["session"], JOB_A["addresses"], 0, 4, tokens=JOB_A["tokens"])
+        rounds, copies = 300, 0
+        for n in range(rounds):  # each slot's messages in turn: a lost one's set is reset
+            for rank in range(3):
+                out = p.receive_datagram(
+                    contribution(JOB_A, rank, slot=n % 4, msg=n // 4, values=[1] * 16),
+                    JOB_A["addresses"][rank])
+                copies += len(out)
+                assert all(wire.values(d, 4, 16).tolist() == [3] * 16 for d, _ in out)
+        p.sync_counters()
+        job = p.jobs[JOB_A["session"]].counters
+        lost_in = p.counters["dropped_ingress_simulated"]
+        assert lost_in + job["packets_in"] == 3 * rounds
+        assert 0.2 * 3 * rounds < lost_in < 0.4 * 3 * rounds
+        completed, lost_out = job["results_completed"], job["dropped_egress_simulated"]
+        assert completed > rounds * 0.7**3 / 2
+        assert copies == job["results_out"] == 3 * completed - lost_out
+        assert completed < lost_out < 2 * completed  # half of 3 a result
+        # a probe of a set that completed is answered with its result, or lost
+        msg = rounds // 4
+        while p.slot_state(0, msg) != (True, 0b111):
+            msg += 1
+            for rank in range(3):
+                p.receive_datagram(contribution(JOB_A, rank, slot=0, msg=msg),
+                                   JOB_A["addresses"][rank])
+        p.sync_counters()
+        before = Counter(job)
+        probe = wire.probe_of(contribution(JOB_A, 0, slot=0, msg=msg), wire.KIND_PROBE)
+        answers = sum(len(p.receive_datagram(probe, JOB_A["addresses"][0])) for _ in range(200))
+        p.sync_counters()
+        asked = job["retransmissions_answered"] - before["retransmissions_answered"]
+        assert asked == job["probes_in"] - before["probes_in"] > 100  # the rest lost coming in
+        lost = job["dropped_egress_simulated"] - before["dropped_egress_simulated"]
+        assert answers + lost == asked and 0.3 * asked < answers < 0.7 * asked
     finally:
         p.close()
 
