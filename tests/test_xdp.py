@@ -59,7 +59,7 @@ STRANGERS = [("10.0.0.1", 4999), ("10.0.0.9", 5000), ("10.0.0.2", 5000)]
 # would have dropped before the socket, the paths the program does not do yet,
 # and the copies of results its fan-out sends (tests/test_xdp_serve.py)
 XDP_ONLY = {"dropped_bad_ip_udp", "dropped_ip_options", "dropped_ip_fragment",
-            "dropped_sparse_unsupported", "dropped_internal", "probes_passed_up",
+            "dropped_sparse_unsupported", "dropped_internal", "probes_passed_up", "gso_passed_up",
             "results_fanned_out", "results_fanout_failed"}
 DIFF = settings(max_examples=40, derandomize=True, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -535,6 +535,39 @@ def test_sparse_contributions_are_refused_and_counted(both):
     assert without_zeros(both.xdp.jobs[JOB_A["session"]].counters) == \
         {"dropped_sparse_unsupported": 1}
     both.check_slots()
+
+
+def test_a_gso_run_is_passed_up_and_a_long_datagram_in_user_space_is_bad_length():
+    """A UDP GSO super-packet (a same-host sender's run of datagrams, which XDP
+    sees whole): the program passes it up for the kernel to cut
+    (``gso_passed_up``), a result never; run again from user space, where the
+    kernel has cut every run already, a datagram that long is ``bad_length``,
+    as in the Python pipeline."""
+    p = xdp.XdpPipeline(SLOTS, PACKET, block_elements=BLOCK)
+    try:
+        p.install_job("A", JOB_A["session"], JOB_A["addresses"], 0, 4, tokens=JOB_A["tokens"])
+        src = JOB_A["addresses"][0]
+        run = contribution(JOB_A, 0, slot=0) + contribution(JOB_A, 0, slot=1)
+        action, _ = p._prog.test_run(frame(src, run), 4096)  # as it comes in
+        p.sync_counters()
+        job = p.jobs[JOB_A["session"]].counters
+        assert action == xdp.XDP_PASS and job["gso_passed_up"] == 1
+        assert p.run_frame(frame(src, run))[0] == xdp.XDP_DROP  # from user space
+        p.sync_counters()
+        assert job["gso_passed_up"] == 1 and job["dropped_bad_length"] == 1
+        # a result a member sends, however long, is dropped (bad_length, as the
+        # Python pipeline counts it): never passed up to be fanned out
+        result = bytearray(run)
+        result[3] = wire.KIND_RESULT
+        assert p._prog.test_run(frame(src, bytes(result)), 4096)[0] == xdp.XDP_DROP
+        # shorter than a header past what it says: bad_length in the kernel too
+        assert p._prog.test_run(frame(src, contribution(JOB_A, 0) + bytes(31)), 4096)[0] == \
+            xdp.XDP_DROP
+        p.sync_counters()
+        assert job["gso_passed_up"] == 1 and job["dropped_bad_length"] == 3
+        assert job["packets_in"] == 0
+    finally:
+        p.close()
 
 
 def test_jobs_come_and_go_and_keep_their_counters(both):

@@ -277,6 +277,33 @@ def test_simulated_drops_at_the_xdp_switch_are_recovered_exactly(veth):
 
 
 @needs_xdp
+def test_gso_runs_from_a_peer_on_the_same_host_are_cut_by_the_kernel_and_aggregated(veth):
+    """With the workers' veth passing UDP GSO runs whole (its segmentation
+    offload on, as a same-host peer's), the program passes each run up; the
+    kernel cuts it into its datagrams for the switch's socket, and they go
+    through the program from there: the exact sums, nothing dropped as
+    bad_length."""
+    ns, _, host, here, _ = veth
+    sh(sys.executable, str(REPO / "switchml" / "testbed" / "offload.py"), here,
+       "tx-udp-segmentation", "on")
+    world = 3
+    inputs = inputs_for(world)
+    switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp")
+    try:
+        got = run_job(switch.address, inputs, "xdp")
+        stats = switch.stats()
+    finally:
+        switch.close()
+    for i in (0, 2):  # the int32 sums, exactly, with wrap-around
+        total = sum(x[i].astype(np.int64) for x in inputs)
+        for r in range(world):
+            assert got[r][i].tolist() == ((total + 2**31) % 2**32 - 2**31).tolist()
+    job = stats["ended_jobs"]["xdp"]["counters"]
+    assert job["gso_passed_up"] > 0, job
+    assert "dropped_bad_length" not in job, job
+
+
+@needs_xdp
 def test_a_host_no_interface_holds_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="no interface holds 192.0.2.1"):
         xdp.interface_of("192.0.2.1")

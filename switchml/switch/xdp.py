@@ -40,6 +40,13 @@ switch's socket instead, which sends it to every rank (``passed_up``, counted
 as ``results_passed_up``), as it does where the TC program is not attached
 (a switch on a loopback interface).
 
+A UDP GSO super-packet (a run of datagrams that a sender on the same host, a
+veth peer or loopback, hands over whole; a NIC cuts it before the wire) is
+one frame to XDP: the program passes it up (``gso_passed_up``), the kernel
+cuts it into its datagrams for the switch's socket, and ``passed_up`` runs
+each through the program, a system call a datagram (``switchml bench
+--data-plane xdp`` turns the veths' segmentation offload off for that).
+
 Simulated drops (``drop_rate``, ``egress_drop_rate``) are the program's: a
 datagram coming in, or an answer or a result's copy going out, is lost when
 the kernel's random number (``bpf_get_prandom_u32``) falls below the rate
@@ -72,8 +79,7 @@ out of their traffic: sparse modes (dropped and counted as
 ``dropped_sparse_unsupported``; the switch fails such a job, ``take_unsupported``),
 IPv6, packets of more than 64 lanes (blocks), the UDP
 checksum of received datagrams (the kernel drops a bad one before the Python
-switch's socket; the program does not check it yet), UDP GSO super-packets (a
-veth peer on the same host hands one over whole: dropped as ``bad_length``),
+switch's socket; the program does not check it yet),
 secondary addresses of an interface (``interface_of`` reads the primary one),
 a UDP checksum on the results (sent without one, which IPv4 allows), more than
 one XDP switch on an interface (it takes one XDP program: a second is refused
@@ -255,6 +261,17 @@ def parse_udp_frame(frame: bytes) -> tuple[tuple, tuple, bytes]:
     length = int.from_bytes(frame[38:40], "big")
     return src, dst, frame[FRAME_HEADERS: FRAME_HEADERS + length - UDP_HEADER] \
         if total >= IP_HEADER + length else b""
+
+
+def _longer_than_its_header(datagram: bytes) -> bool:
+    """The program's test for a UDP GSO super-packet (xdp_pipeline.bpf.c,
+    receive_datagram): a datagram longer by a header or more than its header
+    says (its lanes and values)."""
+    if len(datagram) < wire.HEADER_SIZE or datagram[3] not in (
+            wire.KIND_CONTRIBUTION, wire.KIND_PROBE, wire.KIND_QUERY):
+        return False
+    count, lanes = struct.unpack_from("<HH", datagram, 24)
+    return len(datagram) - wire.packet_size(lanes, count) >= wire.HEADER_SIZE
 
 
 def _is_loopback(ifindex: int) -> bool:
@@ -588,9 +605,22 @@ class XdpPipeline(Pipeline):
 
     # ---------------------------------------------------------------- data
     def run_frame(self, frame: bytes) -> tuple[int, bytes]:
-        """The program on one frame, as a NIC would run it: (XDP action, frame out)."""
+        """The program on one frame, as a NIC would run it: (XDP action, frame out).
+
+        A frame the program passes up as a UDP GSO super-packet (longer than its
+        header says, by a header or more) is one datagram here, in user space,
+        where the kernel has cut every GSO run into its datagrams already: it is
+        dropped, and counted as ``dropped_bad_length``, as the Python pipeline
+        counts it."""
         action, out = self._prog.test_run(frame, FRAME_HEADERS + self.datagram_size + 4096)
         self.sync_counters()
+        if action == XDP_PASS:
+            src, _, payload = parse_udp_frame(out)
+            if src in self._members and _longer_than_its_header(payload):
+                job = self._members[src][0]
+                job.counters["gso_passed_up"] -= 1
+                job.counters["dropped_bad_length"] += 1
+                return XDP_DROP, out
         return action, out
 
     def receive_datagram(self, data, addr) -> list:

@@ -135,6 +135,7 @@ enum xdp_counter {
     C_DROPPED_SPARSE_UNSUPPORTED, /* sparse modes: not in this program yet */
     C_DROPPED_INTERNAL,           /* a map entry the control plane must have made */
     C_PROBES_PASSED_UP,           /* no room to answer in the frame: user space does */
+    C_GSO_PASSED_UP,              /* a UDP GSO super-packet: its datagrams go through user space */
     C_RESULTS_FANNED_OUT,         /* copies of a result sent to ranks by fan_out_results */
     C_RESULTS_FANOUT_FAILED,      /* copies it could not send (the rank's probe recovers) */
     XDP_NCOUNTERS
@@ -721,8 +722,22 @@ static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
     if (h.mode != 0 && h.mode != WIRE_MODE_SPARSE &&
         h.mode != (WIRE_MODE_SPARSE | WIRE_MODE_SEED) && h.mode != WIRE_MODE_MAX)
         DROP(C_DROPPED_BAD_MODE);
-    if (len != WIRE_HEADER_SIZE + WIRE_LANE_SIZE * (__u32)h.lanes + 4 * (__u32)h.count)
+    __u32 declared = WIRE_HEADER_SIZE + WIRE_LANE_SIZE * (__u32)h.lanes + 4 * (__u32)h.count;
+    if (len != declared) {
+        /* Longer by a header or more: a UDP GSO super-packet, a run of
+         * datagrams a sender on this host (a veth peer, loopback) hands over
+         * whole, which XDP sees as one.  Passed up, the kernel cuts it into its
+         * datagrams for the switch's socket (a socket without UDP_GRO), and
+         * user space runs each through this program (xdp.XdpPipeline.passed_up);
+         * anything else that long is dropped there, as bad_length. */
+        if (len > declared && len - declared >= WIRE_HEADER_SIZE &&
+            (h.kind == WIRE_KIND_CONTRIBUTION || h.kind == WIRE_KIND_PROBE ||
+             h.kind == WIRE_KIND_QUERY)) { /* what a worker sends: never a result */
+            count(counters, C_GSO_PASSED_UP, 1);
+            return XDP_PASS;
+        }
         DROP(C_DROPPED_BAD_LENGTH);
+    }
     /* admission: the job's table entries */
     if (h.kind != WIRE_KIND_CONTRIBUTION && h.kind != WIRE_KIND_PROBE &&
         h.kind != WIRE_KIND_QUERY)
