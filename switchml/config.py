@@ -167,6 +167,11 @@ def local_stage_on(given: bool | None = None) -> bool:
     return env("LOCAL_STAGE", True, parse_flag) if given is None else bool(given)
 
 
+def _disagree(fastpath: bool, data_plane: str) -> bool:
+    """Whether ``fastpath`` (the C data plane or not) contradicts ``data_plane``."""
+    return fastpath != (data_plane == "c")
+
+
 def parse_address(address) -> tuple[str, int]:
     """'host:port' or (host, port) to a (host, port) tuple, with a clear error."""
     if isinstance(address, (tuple, list)) and len(address) == 2:
@@ -309,7 +314,7 @@ class SwitchConfiguration:
             raise ValueError(f"data_plane must be one of {', '.join(DATA_PLANES[:-1])} or None, "
                              f"got {self.data_plane!r}")
         if self.data_plane is not None and self.fastpath is not None and \
-                self.fastpath != (self.data_plane == "c"):
+                _disagree(self.fastpath, self.data_plane):
             raise ValueError(f"fastpath={self.fastpath} contradicts "
                              f"data_plane={self.data_plane!r}")
         if self.data_plane == "xdp":
@@ -344,6 +349,13 @@ class SwitchConfiguration:
             if value is not None:
                 settings[name] = value
         settings.update(given)
+        # fastpath and data_plane both choose the data plane: one the caller
+        # gives wins over the other, from the environment or the defaults, where
+        # they disagree
+        for mine, other in (("fastpath", "data_plane"), ("data_plane", "fastpath")):
+            if mine in given and other not in given and settings.get(other) is not None and \
+                    _disagree(settings["fastpath"], settings["data_plane"]):
+                del settings[other]
         return cls(**settings)
 
     @classmethod
