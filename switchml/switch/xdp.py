@@ -91,7 +91,8 @@ from .. import wire
 from ..config import DEFAULT_PACKET_ELEMENTS, DEFAULT_PORT, DEFAULT_SLOTS
 from ..errors import DataPlaneUnavailableError
 from .pipeline import MAX_WORKERS, Job, Mismatch, Pipeline
-from .xdp_loader import HERE, SOURCE, build_object, libbpf, load, unavailable
+from .xdp_loader import (HERE, SOURCE, Dispatcher, InterfaceTaken, build_object, libbpf, load,
+                         unavailable, xdp_attached)
 
 __all__ = ["HERE", "XdpPipeline", "unavailable"]
 
@@ -311,7 +312,8 @@ class XdpPipeline(Pipeline):
         self._counts_type = ctypes.c_uint64 * (len(COUNTER_NAMES) * self._prog.cpus)
         self._counted: dict[int, list[int]] = {}  # counts entry -> its sums already taken
         self._job_at: dict[int, Job] = {}  # slot_base -> running job
-        self._link: int | None = None  # serve(): the BPF link's fd
+        self._link: int | None = None  # serve(driver=True): the BPF link's fd
+        self._dispatch: Dispatcher | None = None  # serve(): its hold on the dispatcher
         self._fan_out_link: int | None = None  # serve(): the fan-out program's link
         self.ifindex: int | None = None
         self._refused: set[int] = set()  # sessions take_unsupported reported
@@ -337,16 +339,27 @@ class XdpPipeline(Pipeline):
         self.address = (host, port)
         self.detach()
         self._prog.update("config", _u32(0), _Config(self.slots, socket.htons(port), 0, ifindex))
+        name = socket.if_indextoname(ifindex)
         try:
-            self._link = self._prog.attach(ifindex, driver)
+            if driver:  # the program alone on the interface, as a benchmark wants it
+                self._link = self._prog.attach(ifindex, driver)
+            else:  # shared with the other XDP switches there, through the dispatcher
+                self._dispatch = Dispatcher(ifindex)
+                self._dispatch.register(port, self._prog.prog_fd, self._prog.prog_id)
+        except InterfaceTaken as exc:
+            self.detach()
+            raise DataPlaneUnavailableError(
+                f"data_plane='xdp' cannot serve {host}:{port}: {exc}") from None
         except OSError as exc:
             self.detach()
-            if exc.errno == errno.EBUSY:  # an interface takes one XDP program
-                name = socket.if_indextoname(ifindex)
+            if exc.errno in (errno.EBUSY, errno.EEXIST):  # driver mode: one XDP program
+                attached = xdp_attached(ifindex)
                 raise DataPlaneUnavailableError(
-                    f"data_plane='xdp' cannot serve {host}: interface {name} already runs "
-                    f"an XDP program (another switch with data_plane='xdp' on {name}?); one "
-                    f"XDP switch an interface: serve another with data_plane='c'") from exc
+                    f"data_plane='xdp' cannot serve {host}:{port} in driver mode: interface "
+                    f"{name} already runs XDP program {attached.prog_id} (other XDP "
+                    f"switches there?); in driver mode the switch's program is the "
+                    f"interface's only one: serve in generic mode (driver=False), which "
+                    f"XDP switches share") from exc
             raise
         except BaseException:
             self.detach()
@@ -372,6 +385,9 @@ class XdpPipeline(Pipeline):
             setattr(self, name, None)
             if link is not None:
                 os.close(link)
+        dispatch, self._dispatch = getattr(self, "_dispatch", None), None
+        if dispatch is not None:  # its port out; the last switch's close detaches it
+            dispatch.close()
         if getattr(self, "_prog", None) is not None:  # no interface: nothing to learn from
             self._prog.update("config", _u32(0),
                               _Config(self.slots, socket.htons(self.port), 0, 0))
