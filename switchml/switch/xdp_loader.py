@@ -188,6 +188,7 @@ def libbpf() -> ctypes.CDLL:
         ("bpf_link_get_fd_by_id", i, [u32]),
         ("bpf_link_get_next_id", i, [u32, ctypes.POINTER(u32)]),
         ("bpf_xdp_query", i, [i, i, vp]),
+        ("bpf_prog_query", i, [i, i, u32, vp, vp, ctypes.POINTER(u32)]),
     ]:
         fn = getattr(lib, name)
         fn.restype = res
@@ -359,7 +360,6 @@ class _Owner(ctypes.Structure):
     _fields_ = [("pid", ctypes.c_uint32), ("prog_id", ctypes.c_uint32)]
 
 
-BPF_LINK_TYPE_XDP = 6
 BPF_NOEXIST, BPF_ANY = 1, 0
 
 
@@ -390,13 +390,16 @@ def xdp_attached(ifindex: int) -> _XdpQueryOpts:
 
 
 def tcx_programs(ifindex: int) -> list[int]:
-    """The ids of the programs attached by a BPF link to the TC ingress or egress
-    of interface ``ifindex`` (this network namespace's): those tcx links."""
-    return [info.prog_id for info in _links() if info.type == BPF_LINK_TYPE_TCX and
-            info.ifindex == ifindex]
+    """The ids of the programs on the tcx (TC ingress) hook of interface
+    ``ifindex`` of this network namespace, in the order they run."""
+    ids = (ctypes.c_uint32 * 64)()
+    count = ctypes.c_uint32(len(ids))
+    _check(libbpf().bpf_prog_query(ifindex, BPF_TCX_INGRESS, 0, None, ids, ctypes.byref(count)),
+           f"querying the TC ingress programs of interface {ifindex}")
+    return list(ids[: count.value])
 
 
-BPF_LINK_TYPE_TCX = 11
+BPF_LINK_TYPE_XDP = 6
 
 
 def _links():
