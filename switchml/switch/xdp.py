@@ -6,10 +6,29 @@ adds, MODE_MAX, duplicates, stale messages, retransmissions, probes and
 queries, results), tested against the Python pipeline through
 ``BPF_PROG_TEST_RUN`` on Ethernet/IPv4/UDP frames (tests/test_xdp.py, also two
 CPUs at once), and served for real by ``Switch(data_plane="xdp")``: ``serve``
-attaches it (generic mode, a BPF link) to the interface holding the switch's
-address, and beside it, on that interface's TC ingress, the program that sends
-each completed result to every rank (tests/test_xdp_serve.py, in network
+runs it (generic mode) on the interface holding the switch's address, and
+beside it, on that interface's TC ingress, the program that sends each
+completed result to every rank (tests/test_xdp_serve.py, in network
 namespaces).
+
+An interface runs one XDP program, and several XDP switches may serve one
+(other ports, of one process or several: several ``Switch(data_plane="xdp")``
+on 127.0.0.1): the interface's program is a dispatcher
+(``xdp_dispatch.bpf.c``, ``xdp_loader.Dispatcher``), which the first switch
+attaches through a BPF link and the later ones join (their own file
+descriptors of its link and maps, found from the attached program's id).  It
+tail-calls, for each UDP datagram, the program of the switch that serves its
+destination port (each switch keeps its own object and maps) and passes the
+rest to the host.  The kernel detaches it when the last switch holding its
+link closes it, or dies; a switch that closes takes its port out; the port of
+a switch that was killed is taken out by the next switch that joins.  An
+interface whose XDP program is not the dispatcher (a switch attached alone in
+driver mode, another tool's program) is left alone: ``serve`` raises
+``DataPlaneUnavailableError`` naming it.  Each switch's fan-out program has a
+tcx link of its own on the TC ingress, and passes on (TCX_NEXT) what is not
+its own.  ``serve(address, driver=True)`` (bench/xdp_driver.py) attaches the
+switch's program alone, in the driver's native mode, without the dispatcher:
+it is the interface's only XDP switch.
 
 As ``FastPipeline`` does, the control plane (slot allocation, the job table,
 ended jobs, stats) stays the Python reference's own code; ``install_job`` and
@@ -68,9 +87,7 @@ checksum of received datagrams (the kernel drops a bad one before the Python
 switch's socket; the program does not check it yet), UDP GSO super-packets (a
 veth peer on the same host hands one over whole: dropped as ``bad_length``),
 secondary addresses of an interface (``interface_of`` reads the primary one),
-a UDP checksum on the results (sent without one, which IPv4 allows), more than
-one XDP switch on an interface (it takes one XDP program: a second is refused
-with ``DataPlaneUnavailableError``), and the
+a UDP checksum on the results (sent without one, which IPv4 allows), and the
 switch's own choice of native (driver) mode: ``serve(address, driver=True)``
 attaches there (bench/xdp_driver.py), ``Switch`` serves in generic mode.
 """
@@ -91,8 +108,17 @@ from .. import wire
 from ..config import DEFAULT_PACKET_ELEMENTS, DEFAULT_PORT, DEFAULT_SLOTS
 from ..errors import DataPlaneUnavailableError
 from .pipeline import MAX_WORKERS, Job, Mismatch, Pipeline
-from .xdp_loader import (HERE, SOURCE, Dispatcher, InterfaceTaken, build_object, libbpf, load,
-                         unavailable, xdp_attached)
+from .xdp_loader import (
+    HERE,
+    SOURCE,
+    Dispatcher,
+    InterfaceTaken,
+    build_object,
+    libbpf,
+    load,
+    unavailable,
+    xdp_attached,
+)
 
 __all__ = ["HERE", "XdpPipeline", "unavailable"]
 
@@ -325,9 +351,11 @@ class XdpPipeline(Pipeline):
 
     def serve(self, address, driver: bool = False) -> int:
         """Serve the switch's UDP ``address`` (host, port) for real: the program
-        takes the datagrams to that port and is attached to the interface that
-        holds the host's IPv4 address (``interface_of``), in generic mode (with
-        ``driver``, the driver's native mode: an error where it has none), and the
+        takes the datagrams to that port on the interface that holds the host's
+        IPv4 address (``interface_of``), in generic mode, through the
+        interface's dispatcher, which the XDP switches there share (with
+        ``driver``, attached alone, in the driver's native mode: an error where
+        it has none, or where another XDP program is attached), and the
         fan-out program to that interface's TC ingress, which sends each
         completed result to every rank (not on a loopback interface: its ranks
         are this host's, which the switch's socket reaches; nor where the kernel

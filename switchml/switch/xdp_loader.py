@@ -3,8 +3,10 @@
 (``libbpf.so.1``, through ctypes: no Python dependency), reads and writes its
 maps, attaches its two programs to an interface (the pipeline to XDP, the
 fan-out of results to TC ingress) and runs the pipeline with BPF_PROG_TEST_RUN;
-``unavailable()`` says what is missing where it cannot run.  ``xdp.py`` is the
-pipeline that drives it."""
+``Dispatcher`` is a switch's share of the dispatcher (``xdp_dispatch.bpf.c``,
+built by ``build_dispatcher``) through which the XDP switches on one interface
+take their datagrams; ``unavailable()`` says what is missing where it cannot
+run.  ``xdp.py`` is the pipeline that drives it."""
 
 from __future__ import annotations
 
