@@ -373,7 +373,8 @@ class XdpPipeline(Pipeline):
                 self._link = self._prog.attach(ifindex, driver)
             else:  # shared with the other XDP switches there, through the dispatcher
                 self._dispatch = Dispatcher(ifindex)
-                self._dispatch.register(port, self._prog.prog_fd, self._prog.prog_id)
+                self._dispatch.register(port, self._prog.prog_fd, self._prog.prog_id,
+                                        self._prog.fan_out_id)
         except InterfaceTaken as exc:
             self.detach()
             raise DataPlaneUnavailableError(

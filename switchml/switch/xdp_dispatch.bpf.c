@@ -27,10 +27,10 @@
  *    to rewrite it each time one comes or goes; here one lookup picks the one
  *    program the frame is for.
  *
- * `switchml_owners` (port -> the registering process and its program's id) is
- * user space's: xdp_loader.py tells from it whether a port's program belongs
- * to a live process (a SIGKILLed switch's entry is removed by the next switch
- * that registers on the interface).  The dispatcher stays attached while any
+ * `switchml_owners` (port -> the registering switch) is user space's:
+ * xdp_loader.py tells from it whether a port's program belongs to a switch
+ * still running (a SIGKILLed switch's port is taken out by the next switch
+ * that joins or leaves the interface).  The dispatcher stays attached while any
  * switch holds a file descriptor of its BPF link, and the kernel detaches it
  * when the last holder closes it or dies.
  */
@@ -45,8 +45,12 @@
 
 /* what user space keeps of a registered switch (xdp_loader.Dispatcher) */
 struct switchml_owner {
-    __u32 pid;     /* the process serving the port */
-    __u32 prog_id; /* its xdp_pipeline program, as put in switchml_progs */
+    __u32 pid;      /* the process serving the port (as it sees itself: for messages) */
+    __u32 prog_id;  /* its xdp_pipeline program, as put in switchml_progs */
+    __u32 alive_id; /* a program of its own that nothing else holds (its
+                     * fan_out_results): the kernel frees it, and its id, when the
+                     * switch closes or dies, which tells, across PID namespaces
+                     * too, whether the switch is there */
 };
 
 /* [UDP port, host order] -> the xdp_pipeline serving it */

@@ -249,8 +249,11 @@ class Program:
             self.verifier_stats = self._logs[PROGRAM].value.decode(errors="replace").strip()
             self.prog_fd = lib.bpf_program__fd(progs[PROGRAM])
             self.fan_out_fd = lib.bpf_program__fd(progs[FAN_OUT_PROGRAM])
-            #: the kernel's id of the pipeline program (what a dispatcher records)
+            #: the kernel's ids of the two programs (what a dispatcher records:
+            #: the fan-out program, which only this object holds, tells that the
+            #: switch is there)
             self.prog_id = prog_info(self.prog_fd).id
+            self.fan_out_id = prog_info(self.fan_out_fd).id
             self.fds = {name: lib.bpf_map__fd(self._map(name)) for name in
                         ("config", "members", "rank_addresses", "jobs", "mismatches", "sets",
                          "rows", "counts")}
@@ -359,7 +362,8 @@ class _XdpQueryOpts(ctypes.Structure):
 class _Owner(ctypes.Structure):
     """xdp_dispatch.bpf.c's struct switchml_owner."""
 
-    _fields_ = [("pid", ctypes.c_uint32), ("prog_id", ctypes.c_uint32)]
+    _fields_ = [("pid", ctypes.c_uint32), ("prog_id", ctypes.c_uint32),
+                ("alive_id", ctypes.c_uint32)]
 
 
 BPF_NOEXIST, BPF_ANY = 1, 0
@@ -423,23 +427,14 @@ class InterfaceTaken(RuntimeError):
     message says what holds it."""
 
 
-def _holds_program(pid: int, prog_id: int) -> bool:
-    """Whether process ``pid`` holds a file descriptor of BPF program ``prog_id``
-    (a switch serving: its pipeline's object stays loaded while it runs)."""
-    base = pathlib.Path(f"/proc/{pid}")
-    try:
-        fds = list((base / "fd").iterdir())
-    except OSError:  # gone (or not ours to read: then taken for gone)
+def _alive(owner: _Owner) -> bool:
+    """Whether the switch that registered ``owner`` is still there: its
+    ``alive_id`` program, which only its process holds, is not freed."""
+    fd = libbpf().bpf_prog_get_fd_by_id(owner.alive_id)
+    if fd < 0:
         return False
-    for fd in fds:
-        try:
-            if os.readlink(fd) != "anon_inode:bpf-prog":
-                continue
-            if f"prog_id:\t{prog_id}\n" in (base / "fdinfo" / fd.name).read_text():
-                return True
-        except OSError:
-            continue
-    return False
+    os.close(fd)
+    return True
 
 
 class Dispatcher:
@@ -574,24 +569,25 @@ class Dispatcher:
         while self._lib.bpf_map_get_next_key(self.owners_fd, at, ctypes.byref(key)) == 0:
             at = ctypes.byref(ctypes.c_uint32(key.value))
             owner = self._owner(key.value)
-            if owner is not None and not _holds_program(owner.pid, owner.prog_id):
+            if owner is not None and not _alive(owner):
                 gone.append(key.value)
         for port in gone:
             self._remove(port)
         return gone
 
-    def register(self, port: int, prog_fd: int, prog_id: int) -> None:
-        """The dispatcher runs program ``prog_fd`` (id ``prog_id``, this
-        process's) on the interface's datagrams to UDP ``port``;
-        ``InterfaceTaken`` if another live switch serves that port there."""
+    def register(self, port: int, prog_fd: int, prog_id: int, alive_id: int) -> None:
+        """The dispatcher runs program ``prog_fd`` (id ``prog_id``) on the
+        interface's datagrams to UDP ``port``, while program ``alive_id`` (one
+        that only this switch holds) exists; ``InterfaceTaken`` if another
+        switch still running serves that port there."""
         self.sweep()
         key = ctypes.c_uint32(port)
-        mine = _Owner(os.getpid(), prog_id)
+        mine = _Owner(os.getpid(), prog_id, alive_id)
         rc = self._lib.bpf_map_update_elem(self.owners_fd, ctypes.byref(key),
                                            ctypes.byref(mine), BPF_NOEXIST)
         if rc == -errno.EEXIST:
             owner = self._owner(port)
-            if owner is not None and _holds_program(owner.pid, owner.prog_id):
+            if owner is not None and _alive(owner):
                 raise InterfaceTaken(f"port {port} of interface {_ifname(self.ifindex)} is "
                                      f"served by another XDP switch (process {owner.pid})")
             rc = self._lib.bpf_map_update_elem(self.owners_fd, ctypes.byref(key),
@@ -606,13 +602,14 @@ class Dispatcher:
             _check(rc, f"putting the switch's program in the XDP dispatcher at port {port}")
 
     def close(self) -> None:
-        """Take this switch's port out, if it is still its own, and let go of
-        the dispatcher."""
+        """Take this switch's port out, if it is still its own (and those of
+        switches gone), and let go of the dispatcher."""
         if self.port is not None and self.owners_fd >= 0:
             owner = self._owner(self.port)
             if owner is not None and (owner.pid, owner.prog_id) == (os.getpid(), self._prog_id):
                 self._remove(self.port)
             self.port = None
+            self.sweep()
         self._close_fds()
 
     def _close_fds(self) -> None:
