@@ -21,10 +21,11 @@ tail-calls, for each UDP datagram, the program of the switch that serves its
 destination port (each switch keeps its own object and maps) and passes the
 rest to the host.  The kernel detaches it when the last switch holding its
 link closes it, or dies; a switch that closes takes its port out; the port of
-a switch that was killed is taken out by the next switch that joins.  An
-interface whose XDP program is not the dispatcher (a switch attached alone in
-driver mode, another tool's program) is left alone: ``serve`` raises
-``DataPlaneUnavailableError`` naming it.  Each switch's fan-out program has a
+a switch that was killed (its program, still in the dispatcher, takes that
+port's datagrams meanwhile) is taken out by the next switch that joins or
+leaves.  An interface whose XDP program is not the dispatcher (a switch
+attached alone in driver mode, another tool's program) is left alone:
+``serve`` raises ``DataPlaneUnavailableError`` naming it.  Each switch's fan-out program has a
 tcx link of its own on the TC ingress, and passes on (TCX_NEXT) what is not
 its own.  ``serve(address, driver=True)`` (bench/xdp_driver.py) attaches the
 switch's program alone, in the driver's native mode, without the dispatcher:
