@@ -311,15 +311,21 @@ class Program:
     def test_run(self, frame: bytes, room: int = 0) -> tuple[int, bytes]:
         """Run the program once on ``frame``: (its XDP action, the frame it left,
         of at most ``room`` bytes or the frame's length and a page)."""
-        data_in = ctypes.create_string_buffer(bytes(frame), len(frame))
-        data_out = ctypes.create_string_buffer(max(room, len(frame) + 4096))
-        opts = TestRunOpts(sz=ctypes.sizeof(TestRunOpts),
-                            data_in=ctypes.cast(data_in, ctypes.c_void_p),
-                            data_out=ctypes.cast(data_out, ctypes.c_void_p),
-                            data_size_in=len(frame), data_size_out=len(data_out), repeat=1)
-        _check(self._lib.bpf_prog_test_run_opts(self.prog_fd, ctypes.byref(opts)),
-               "BPF_PROG_TEST_RUN")
-        return opts.retval, data_out.raw[: opts.data_size_out]
+        return run_xdp(self.prog_fd, frame, room)
+
+
+def run_xdp(prog_fd: int, frame: bytes, room: int = 0) -> tuple[int, bytes]:
+    """Run XDP program ``prog_fd`` once on ``frame`` (BPF_PROG_TEST_RUN): its
+    action and the frame it left, of at most ``room`` bytes or the frame's
+    length and a page."""
+    data_in = ctypes.create_string_buffer(bytes(frame), len(frame))
+    data_out = ctypes.create_string_buffer(max(room, len(frame) + 4096))
+    opts = TestRunOpts(sz=ctypes.sizeof(TestRunOpts),
+                       data_in=ctypes.cast(data_in, ctypes.c_void_p),
+                       data_out=ctypes.cast(data_out, ctypes.c_void_p),
+                       data_size_in=len(frame), data_size_out=len(data_out), repeat=1)
+    _check(libbpf().bpf_prog_test_run_opts(prog_fd, ctypes.byref(opts)), "BPF_PROG_TEST_RUN")
+    return opts.retval, data_out.raw[: opts.data_size_out]
 
 
 # ---------------------------------------------------------------- sharing an interface
@@ -427,6 +433,31 @@ class InterfaceTaken(RuntimeError):
     message says what holds it."""
 
 
+def load_dispatcher() -> tuple[int, int]:
+    """The dispatcher loaded, not attached: its libbpf object (for
+    ``dispatcher_map_fd``; ``libbpf().bpf_object__close`` unloads it) and its
+    program's fd."""
+    lib = libbpf()
+    path = build_dispatcher()
+    obj = lib.bpf_object__open_file(str(path).encode(), None)
+    if not obj:
+        err = ctypes.get_errno()
+        raise OSError(err, f"libbpf could not open {path}: {os.strerror(err)}")
+    rc = lib.bpf_object__load(obj)
+    if rc < 0:
+        lib.bpf_object__close(obj)
+        raise OSError(-rc, f"the kernel refused {path.name}: {os.strerror(-rc)}")
+    return obj, lib.bpf_program__fd(lib.bpf_object__find_program_by_name(
+        obj, DISPATCH_PROGRAM.encode()))
+
+
+def dispatcher_map_fd(obj: int, name: str) -> int:
+    """The fd of map ``name`` (switchml_progs, switchml_owners) of a dispatcher
+    object that ``load_dispatcher`` loaded."""
+    lib = libbpf()
+    return lib.bpf_map__fd(lib.bpf_object__find_map_by_name(obj, name.encode()))
+
+
 def _alive(owner: _Owner) -> bool:
     """Whether the switch that registered ``owner`` is still there: its
     ``alive_id`` program, which only its process holds, is not freed."""
@@ -471,17 +502,7 @@ class Dispatcher:
         if xdp_attached(self.ifindex).prog_id:
             return False
         lib = self._lib
-        path = build_dispatcher()
-        obj = lib.bpf_object__open_file(str(path).encode(), None)
-        if not obj:
-            err = ctypes.get_errno()
-            raise OSError(err, f"libbpf could not open {path}: {os.strerror(err)}")
-        rc = lib.bpf_object__load(obj)
-        if rc < 0:
-            lib.bpf_object__close(obj)
-            raise OSError(-rc, f"the kernel refused {path.name}: {os.strerror(-rc)}")
-        prog = lib.bpf_program__fd(lib.bpf_object__find_program_by_name(
-            obj, DISPATCH_PROGRAM.encode()))
+        obj, prog = load_dispatcher()
         opts = _LinkCreateOpts(sz=ctypes.sizeof(_LinkCreateOpts), flags=XDP_FLAGS_SKB_MODE)
         fd = lib.bpf_link_create(prog, self.ifindex, BPF_XDP, ctypes.byref(opts))
         if fd < 0:
@@ -490,10 +511,8 @@ class Dispatcher:
                 return False
             _check(fd, f"attaching the XDP dispatcher to interface {self.ifindex}")
         self._obj, self.link_fd = obj, fd
-        self.progs_fd = lib.bpf_map__fd(lib.bpf_object__find_map_by_name(
-            obj, b"switchml_progs"))
-        self.owners_fd = lib.bpf_map__fd(lib.bpf_object__find_map_by_name(
-            obj, b"switchml_owners"))
+        self.progs_fd = dispatcher_map_fd(obj, "switchml_progs")
+        self.owners_fd = dispatcher_map_fd(obj, "switchml_owners")
         return True
 
     def _join(self) -> bool:
