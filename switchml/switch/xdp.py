@@ -25,11 +25,11 @@ a switch that was killed (its program, still in the dispatcher, takes that
 port's datagrams meanwhile) is taken out by the next switch that joins or
 leaves.  An interface whose XDP program is not the dispatcher (a switch
 attached alone in driver mode, another tool's program) is left alone:
-``serve`` raises ``DataPlaneUnavailableError`` naming it.  Each switch's fan-out program has a
-tcx link of its own on the TC ingress, and passes on (TCX_NEXT) what is not
-its own.  ``serve(address, driver=True)`` (bench/xdp_driver.py) attaches the
-switch's program alone, in the driver's native mode, without the dispatcher:
-it is the interface's only XDP switch.
+``serve`` raises ``DataPlaneUnavailableError`` naming it.  Each switch's
+fan-out program has a tcx link of its own on the TC ingress, and passes on
+(TCX_NEXT) what is not its own.  ``serve(address, driver=True)``
+(bench/xdp_driver.py) attaches the switch's program alone, in the driver's
+native mode, without the dispatcher: it is the interface's only XDP switch.
 
 As ``FastPipeline`` does, the control plane (slot allocation, the job table,
 ended jobs, stats) stays the Python reference's own code; ``install_job`` and
@@ -382,7 +382,7 @@ class XdpPipeline(Pipeline):
                 f"data_plane='xdp' cannot serve {host}:{port}: {exc}") from None
         except OSError as exc:
             self.detach()
-            if exc.errno in (errno.EBUSY, errno.EEXIST):  # driver mode: one XDP program
+            if driver and exc.errno in (errno.EBUSY, errno.EEXIST):  # taken
                 attached = xdp_attached(ifindex)
                 raise DataPlaneUnavailableError(
                     f"data_plane='xdp' cannot serve {host}:{port} in driver mode: interface "

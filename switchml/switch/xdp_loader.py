@@ -398,6 +398,8 @@ def xdp_attached(ifindex: int) -> _XdpQueryOpts:
     opts = _XdpQueryOpts(sz=ctypes.sizeof(_XdpQueryOpts))
     _check(libbpf().bpf_xdp_query(ifindex, 0, ctypes.byref(opts)),
            f"querying the XDP program of interface {ifindex}")
+    if not opts.prog_id:  # one in each of two modes (driver and hardware): either
+        opts.prog_id = opts.drv_prog_id or opts.hw_prog_id or opts.skb_prog_id
     return opts
 
 
@@ -535,8 +537,9 @@ class Dispatcher:
                 raise InterfaceTaken(
                     f"interface {_ifname(self.ifindex)} runs XDP program {name!r} (id "
                     f"{attached.prog_id}, {mode} mode), not the dispatcher that XDP switches "
-                    f"share" + (" (a switch attached there directly, in driver mode)"
-                                if name == PROGRAM else ""))
+                    f"share" + (" (a switch's program attached there alone, as "
+                                "serve(..., driver=True) attaches it)" if name == PROGRAM
+                                else ""))
             for map_id in map_ids[: min(info.nr_map_ids, len(map_ids))]:
                 fd = lib.bpf_map_get_fd_by_id(map_id)
                 if fd < 0:
