@@ -372,6 +372,8 @@ class _Owner(ctypes.Structure):
                 ("alive_id", ctypes.c_uint32)]
 
 
+#: linux/bpf.h's BPF_LINK_TYPE_XDP, BPF_NOEXIST and BPF_ANY
+BPF_LINK_TYPE_XDP = 6
 BPF_NOEXIST, BPF_ANY = 1, 0
 
 
@@ -411,9 +413,6 @@ def tcx_programs(ifindex: int) -> list[int]:
     _check(libbpf().bpf_prog_query(ifindex, BPF_TCX_INGRESS, 0, None, ids, ctypes.byref(count)),
            f"querying the TC ingress programs of interface {ifindex}")
     return list(ids[: count.value])
-
-
-BPF_LINK_TYPE_XDP = 6
 
 
 def _links():
