@@ -816,3 +816,37 @@ def test_a_program_on_the_interface_alone_or_a_port_served_is_not_taken(veth):
         second.close()
         first.close()
     assert attached() == []
+
+
+@needs_xdp
+def test_a_switch_that_loses_the_race_to_attach_joins_the_winner(veth, monkeypatch):
+    """Two switches that find the interface free at once both try to attach a
+    dispatcher: the kernel takes one, and the other switch joins it instead of
+    failing.  Here the second switch is made to see no program twice (before
+    joining, and before attaching), as if the first had attached just after."""
+    _, _, _, here, me = veth
+    real, stale = xdp_loader.xdp_attached, [2]
+
+    def looked_too_early(ifindex):
+        got = real(ifindex)
+        if stale[0]:
+            stale[0] -= 1
+            got.prog_id = 0
+        return got
+
+    first = xdp.XdpPipeline(8, 352, block_elements=352, port=7340, switch_ip=me)
+    second = xdp.XdpPipeline(8, 352, block_elements=352, port=7341, switch_ip=me)
+    try:
+        first.serve((me, 7340))
+        monkeypatch.setattr(xdp_loader, "xdp_attached", looked_too_early)
+        second.serve((me, 7341))
+        assert stale == [0]
+        assert second._dispatch is not None and second._dispatch._obj is None  # joined
+        shown = sh("ip", "-d", "link", "show", "dev", here)
+        assert shown.count("prog/xdp") == 1 and "switchml_dispat" in shown
+        first.detach()  # the winner goes: the dispatcher stays for the other
+        assert "switchml_dispat" in sh("ip", "-d", "link", "show", "dev", here)
+    finally:
+        second.close()
+        first.close()
+    assert "prog/xdp" not in sh("ip", "link", "show", "dev", here)
