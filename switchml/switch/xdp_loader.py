@@ -483,7 +483,7 @@ class Dispatcher:
     def __init__(self, ifindex: int):
         self.ifindex = ifindex
         self._lib = libbpf()
-        self._obj = None  # the dispatcher's object, where this one loaded it
+        self._obj: int | None = None  # the dispatcher's object, where this one loaded it
         self.link_fd = self.progs_fd = self.owners_fd = -1
         self.port: int | None = None
         self._prog_id = 0  # register's
