@@ -584,17 +584,22 @@ class Dispatcher:
         self._lib.bpf_map_delete_elem(self.owners_fd, ctypes.byref(key))
 
     def sweep(self) -> list[int]:
-        """Take out the ports whose switch is gone (killed: its process no
-        longer holds its program); the ports taken out."""
+        """Take out the ports whose switch is gone (killed: the program only
+        it held is freed); the ports taken out."""
         gone, key, at = [], ctypes.c_uint32(), None
         while self._lib.bpf_map_get_next_key(self.owners_fd, at, ctypes.byref(key)) == 0:
             at = ctypes.byref(ctypes.c_uint32(key.value))
             owner = self._owner(key.value)
             if owner is not None and not _alive(owner):
-                gone.append(key.value)
-        for port in gone:
-            self._remove(port)
-        return gone
+                gone.append((key.value, owner.alive_id))
+        taken = []
+        for port, alive_id in gone:
+            # looked up again: a switch that took the port meanwhile keeps it
+            owner = self._owner(port)
+            if owner is not None and owner.alive_id == alive_id:
+                self._remove(port)
+                taken.append(port)
+        return taken
 
     def register(self, port: int, prog_fd: int, prog_id: int, alive_id: int) -> None:
         """The dispatcher runs program ``prog_fd`` (id ``prog_id``) on the
