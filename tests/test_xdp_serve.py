@@ -643,18 +643,263 @@ def test_the_switch_detaches_on_stop_and_when_its_start_fails(veth):
         taken.close()
 
 
+# Several switches with data_plane="xdp" in one process, in a namespace: the
+# ports given, on the address given; "stop I" on stdin stops the I-th.
+SWITCHES = """
+import sys, switchml
+host = sys.argv[1]
+switches = [switchml.Switch(host, int(p), data_plane="xdp").start() for p in sys.argv[2:]]
+print("ready", flush=True)
+for line in sys.stdin:
+    i = int(line.split()[1])
+    switches[i].stop()
+    print("stopped", i, flush=True)
+for s in switches:
+    s.stop()
+"""
+
+
+def in_ns(ns: str, code: str, *args: str, **kw) -> subprocess.Popen:
+    """Python ``code`` run in namespace ``ns`` with this checkout's switchml."""
+    return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-c", code, *args],
+                            env=dict(os.environ, PYTHONPATH=str(REPO)), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+def hooks(ns: str, dev: str) -> tuple[list, int]:
+    """What runs on interface ``dev`` of namespace ``ns``: the names of its XDP
+    programs (``ip link``) and the number of its tcx programs (the kernel's
+    query of the hook)."""
+    import re
+
+    shown = sh("ip", "-n", ns, "-d", "link", "show", "dev", dev)
+    xdp_names = re.findall(r"prog/xdp id \d+ name (\S+)", shown)
+    run = in_ns(ns, "import sys, socket; from switchml.switch import xdp_loader as L; "
+                    "print(len(L.tcx_programs(socket.if_nametoindex(sys.argv[1]))))", dev)
+    out, err = run.communicate(timeout=30)
+    assert run.returncode == 0, err
+    return xdp_names, int(out)
+
+
+def served_by_the_kernel(stats: dict, job: str, world: int) -> dict:
+    """Job ``job``'s counters, checked to say that its datagrams were aggregated
+    by its switch's program and every result sent to every rank by its fan-out
+    program (none through the switch's socket)."""
+    assert stats["data_plane"] == "xdp"
+    counters = stats["ended_jobs"][job]["counters"]
+    assert counters["results_completed"] >= 1, counters
+    assert counters["packets_in"] >= world * counters["results_completed"], counters
+    assert counters["results_fanned_out"] == world * counters["results_completed"], counters
+    assert "results_passed_up" not in counters and "results_fanout_failed" not in counters, \
+        counters
+    assert not {k for k in counters if k.startswith("dropped_")} - {"dropped_stale"}, counters
+    return counters
+
+
+def same_bits(got: list, want: list) -> None:
+    for g, w in zip(got, want):
+        for a, b in zip(g, w):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def run_jobs(jobs: list) -> list:
+    """``run_job(*job)`` of each of ``jobs`` at once; their results, in order."""
+    out: list = [None] * len(jobs)
+    errors: list = []
+
+    def one(i):
+        try:
+            out[i] = run_job(*jobs[i])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    if errors:
+        raise errors[0]
+    return out
+
+
 @needs_xdp
-def test_a_second_xdp_switch_on_one_interface_is_refused_naming_it(veth):
-    """An interface takes one XDP program: a second XDP switch there is refused
-    with the reason and the way out, and the first one keeps serving."""
-    from switchml.errors import DataPlaneUnavailableError
-    from switchml.switch.server import Switch
+def test_xdp_switches_of_one_process_share_an_interface(veth):
+    """Three switches with data_plane="xdp" in one process on one interface, each
+    serving its own job at once: the dispatcher is the interface's one XDP
+    program, each switch's fan-out program is on its tcx hook, and each job's
+    ranks get the Python switch's sums bit for bit, aggregated and sent to
+    every rank by the kernel (its switch's counters).  A switch that stops takes
+    out its programs alone: the others serve on; the last one leaves no XDP
+    and no tcx program on the interface."""
+    ns, dev, host, _, _ = veth
+    world, ports = 2, [7310, 7311, 7312]
+    inputs = [inputs_for(world, seed=10 + i) for i in range(3)]
+    reference = SwitchIn(ns, host, 7319, "--data-plane", "python")
+    try:
+        want = [run_job(reference.address, inputs[i], f"ref{i}") for i in range(3)]
+    finally:
+        reference.close()
+    switches = in_ns(ns, SWITCHES, host, *map(str, ports), stdin=subprocess.PIPE)
+    try:
+        assert switches.stdout.readline().strip() == "ready", switches.stderr.read()
+        assert hooks(ns, dev) == (["switchml_dispat"], 3)
+        addresses = [f"{host}:{p}" for p in ports]
+        got = run_jobs([(addresses[i], inputs[i], f"job{i}") for i in range(3)])
+        for i in range(3):
+            same_bits(got[i], want[i])
+            served_by_the_kernel(fetch_stats(addresses[i]), f"job{i}", world)
+        # the first one stops: the two others serve on, through the kernel
+        switches.stdin.write("stop 0\n")
+        switches.stdin.flush()
+        assert switches.stdout.readline().strip() == "stopped 0"
+        assert hooks(ns, dev) == (["switchml_dispat"], 2)
+        got = run_jobs([(addresses[i], inputs[i], f"again{i}") for i in (1, 2)])
+        for i, g in zip((1, 2), got):
+            same_bits(g, want[i])
+            served_by_the_kernel(fetch_stats(addresses[i]), f"again{i}", world)
+        switches.stdin.write("stop 2\n")
+        switches.stdin.flush()
+        assert switches.stdout.readline().strip() == "stopped 2"
+        assert hooks(ns, dev) == (["switchml_dispat"], 1)
+        switches.stdin.close()  # the last one stops
+        assert switches.wait(timeout=30) == 0, switches.stderr.read()
+        assert hooks(ns, dev) == ([], 0)
+    finally:
+        switches.kill()
+        switches.wait()
 
-    _, _, _, here, me = veth
-    with Switch(me, 7304, data_plane="xdp", packet_elements=512) as first:
-        second = Switch(me, 7305, data_plane="xdp", packet_elements=512)
+
+def fetch_stats(address: str) -> dict:
+    from switchml.cli import fetch_stats as fetch
+
+    return fetch(address)
+
+
+@needs_xdp
+def test_xdp_switches_of_several_processes_share_an_interface_and_a_killed_one_leaves_nothing(
+        veth):
+    """Two ``switchml switch --data-plane xdp`` processes on one interface, each
+    serving its job through the kernel.  The first (which attached the
+    dispatcher) is killed with SIGKILL: the second serves on; a new switch on
+    the dead one's port takes its place (the dead one's program, which the
+    dispatcher still held, is taken out) and serves through the kernel; when
+    the last process stops, no XDP and no tcx program is left on the
+    interface."""
+    ns, dev, host, _, _ = veth
+    world = 2
+    inputs = [inputs_for(world, seed=20 + i) for i in range(2)]
+    reference = SwitchIn(ns, host, 7329, "--data-plane", "python")
+    try:
+        want = [run_job(reference.address, inputs[i], f"ref{i}") for i in range(2)]
+    finally:
+        reference.close()
+    first = SwitchIn(ns, host, 7320, "--data-plane", "xdp")
+    second = third = None
+    try:
+        second = SwitchIn(ns, host, 7321, "--data-plane", "xdp")
+        assert hooks(ns, dev) == (["switchml_dispat"], 2)
+        got = run_jobs([(first.address, inputs[0], "a"), (second.address, inputs[1], "b")])
+        same_bits(got[0], want[0])
+        same_bits(got[1], want[1])
+        served_by_the_kernel(first.stats(), "a", world)
+        served_by_the_kernel(second.stats(), "b", world)
+        first.proc.kill()
+        first.proc.wait()
+        assert hooks(ns, dev) == (["switchml_dispat"], 1)  # its fan-out went with it
+        same_bits(run_job(second.address, inputs[1], "b2"), want[1])
+        served_by_the_kernel(second.stats(), "b2", world)
+        third = SwitchIn(ns, host, 7320, "--data-plane", "xdp")  # the dead one's port
+        same_bits(run_job(third.address, inputs[0], "c"), want[0])
+        served_by_the_kernel(third.stats(), "c", world)
+        third.close()
+        assert hooks(ns, dev) == (["switchml_dispat"], 1)
+        second.close()
+        assert hooks(ns, dev) == ([], 0)
+    finally:
+        for s in (first, second, third):
+            if s is not None:
+                s.close()
+
+
+@needs_xdp
+def test_a_program_on_the_interface_alone_or_a_port_served_is_not_taken(veth):
+    """An XDP switch attached alone (driver mode, as bench/xdp_driver.py does)
+    is left alone: a switch that would share the interface is refused, naming
+    it, and the other way round; and a port of the interface that a live switch
+    serves is refused to a second one."""
+    ns, _, _, here, me = veth
+
+    def attached() -> list:
+        import re
+
+        return re.findall(r"prog/xdp id (\d+) name (\S+)", sh("ip", "-d", "link", "show",
+                                                                "dev", here))
+
+    alone = xdp.XdpPipeline(8, 352, block_elements=352, port=7330, switch_ip=me)
+    try:
+        alone.serve((me, 7330), driver=True)
+        before = attached()
+        assert [name for _, name in before] == ["xdp_pipeline"]
+        shared = xdp.XdpPipeline(8, 352, block_elements=352, port=7331, switch_ip=me)
+        try:
+            with pytest.raises(DataPlaneUnavailableError,
+                               match=f"interface {here} runs XDP program 'xdp_pipeline'.*"
+                                     f"driver mode"):
+                shared.serve((me, 7331))
+            assert attached() == before
+        finally:
+            shared.close()
+    finally:
+        alone.close()
+    assert attached() == []
+    first = xdp.XdpPipeline(8, 352, block_elements=352, port=7330, switch_ip=me)
+    second = xdp.XdpPipeline(8, 352, block_elements=352, port=7330, switch_ip=me)
+    try:
+        first.serve((me, 7330))
+        with pytest.raises(DataPlaneUnavailableError,
+                           match=f"port 7330 of interface {here} is served by another XDP "
+                                 f"switch \\(process {os.getpid()}\\)"):
+            second.serve((me, 7330))
         with pytest.raises(DataPlaneUnavailableError, match=f"interface {here} already runs"):
-            second.start()
-        assert "prog/xdp" in sh("ip", "link", "show", "dev", here)
-        assert first.stats()["data_plane"] == "xdp"
+            second.serve((me, 7330), driver=True)
+        assert [name for _, name in attached()] == ["switchml_dispat"]
+        assert first.fans_out
+    finally:
+        second.close()
+        first.close()
+    assert attached() == []
 
+
+@needs_xdp
+def test_a_switch_that_loses_the_race_to_attach_joins_the_winner(veth, monkeypatch):
+    """Two switches that find the interface free at once both try to attach a
+    dispatcher: the kernel takes one, and the other switch joins it instead of
+    failing.  Here the second switch is made to see no program twice (before
+    joining, and before attaching), as if the first had attached just after."""
+    _, _, _, here, me = veth
+    real, stale = xdp_loader.xdp_attached, [2]
+
+    def looked_too_early(ifindex):
+        got = real(ifindex)
+        if stale[0]:
+            stale[0] -= 1
+            got.prog_id = 0
+        return got
+
+    first = xdp.XdpPipeline(8, 352, block_elements=352, port=7340, switch_ip=me)
+    second = xdp.XdpPipeline(8, 352, block_elements=352, port=7341, switch_ip=me)
+    try:
+        first.serve((me, 7340))
+        monkeypatch.setattr(xdp_loader, "xdp_attached", looked_too_early)
+        second.serve((me, 7341))
+        assert stale == [0]
+        assert second._dispatch is not None and second._dispatch._obj is None  # joined
+        shown = sh("ip", "-d", "link", "show", "dev", here)
+        assert shown.count("prog/xdp") == 1 and "switchml_dispat" in shown
+        first.detach()  # the winner goes: the dispatcher stays for the other
+        assert "switchml_dispat" in sh("ip", "-d", "link", "show", "dev", here)
+    finally:
+        second.close()
+        first.close()
+    assert "prog/xdp" not in sh("ip", "link", "show", "dev", here)

@@ -6,10 +6,30 @@ adds, MODE_MAX, duplicates, stale messages, retransmissions, probes and
 queries, results), tested against the Python pipeline through
 ``BPF_PROG_TEST_RUN`` on Ethernet/IPv4/UDP frames (tests/test_xdp.py, also two
 CPUs at once), and served for real by ``Switch(data_plane="xdp")``: ``serve``
-attaches it (generic mode, a BPF link) to the interface holding the switch's
-address, and beside it, on that interface's TC ingress, the program that sends
-each completed result to every rank (tests/test_xdp_serve.py, in network
+runs it (generic mode) on the interface holding the switch's address, and
+beside it, on that interface's TC ingress, the program that sends each
+completed result to every rank (tests/test_xdp_serve.py, in network
 namespaces).
+
+An interface runs one XDP program, and several XDP switches may serve one
+(other ports, of one process or several: several ``Switch(data_plane="xdp")``
+on 127.0.0.1): the interface's program is a dispatcher
+(``xdp_dispatch.bpf.c``, ``xdp_loader.Dispatcher``), which the first switch
+attaches through a BPF link and the later ones join (their own file
+descriptors of its link and maps, found from the attached program's id).  It
+tail-calls, for each UDP datagram, the program of the switch that serves its
+destination port (each switch keeps its own object and maps) and passes the
+rest to the host.  The kernel detaches it when the last switch holding its
+link closes it, or dies; a switch that closes takes its port out; the port of
+a switch that was killed (its program, still in the dispatcher, takes that
+port's datagrams meanwhile) is taken out by the next switch that joins or
+leaves.  An interface whose XDP program is not the dispatcher (a switch
+attached alone in driver mode, another tool's program) is left alone:
+``serve`` raises ``DataPlaneUnavailableError`` naming it.  Each switch's
+fan-out program has a tcx link of its own on the TC ingress, and passes on
+(TCX_NEXT) what is not its own.  ``serve(address, driver=True)``
+(bench/xdp_driver.py) attaches the switch's program alone, in the driver's
+native mode, without the dispatcher: it is the interface's only XDP switch.
 
 As ``FastPipeline`` does, the control plane (slot allocation, the job table,
 ended jobs, stats) stays the Python reference's own code; ``install_job`` and
@@ -81,9 +101,7 @@ IPv6, packets of more than 64 lanes (blocks), the UDP
 checksum of received datagrams (the kernel drops a bad one before the Python
 switch's socket; the program does not check it yet),
 secondary addresses of an interface (``interface_of`` reads the primary one),
-a UDP checksum on the results (sent without one, which IPv4 allows), more than
-one XDP switch on an interface (it takes one XDP program: a second is refused
-with ``DataPlaneUnavailableError``), and the
+a UDP checksum on the results (sent without one, which IPv4 allows), and the
 switch's own choice of native (driver) mode: ``serve(address, driver=True)``
 attaches there (bench/xdp_driver.py), ``Switch`` serves in generic mode.
 """
@@ -104,7 +122,17 @@ from .. import wire
 from ..config import DEFAULT_PACKET_ELEMENTS, DEFAULT_PORT, DEFAULT_SLOTS
 from ..errors import DataPlaneUnavailableError
 from .pipeline import MAX_WORKERS, Job, Mismatch, Pipeline
-from .xdp_loader import HERE, SOURCE, build_object, libbpf, load, unavailable
+from .xdp_loader import (
+    HERE,
+    SOURCE,
+    Dispatcher,
+    InterfaceTaken,
+    build_object,
+    libbpf,
+    load,
+    unavailable,
+    xdp_attached,
+)
 
 __all__ = ["HERE", "XdpPipeline", "unavailable"]
 
@@ -344,7 +372,8 @@ class XdpPipeline(Pipeline):
         self._counts_type = ctypes.c_uint64 * (len(COUNTER_NAMES) * self._prog.cpus)
         self._counted: dict[int, list[int]] = {}  # counts entry -> its sums already taken
         self._job_at: dict[int, Job] = {}  # slot_base -> running job
-        self._link: int | None = None  # serve(): the BPF link's fd
+        self._link: int | None = None  # serve(driver=True): the BPF link's fd
+        self._dispatch: Dispatcher | None = None  # serve(): its hold on the dispatcher
         self._fan_out_link: int | None = None  # serve(): the fan-out program's link
         self.ifindex: int | None = None
         self._refused: set[int] = set()  # sessions take_unsupported reported
@@ -356,9 +385,11 @@ class XdpPipeline(Pipeline):
 
     def serve(self, address, driver: bool = False) -> int:
         """Serve the switch's UDP ``address`` (host, port) for real: the program
-        takes the datagrams to that port and is attached to the interface that
-        holds the host's IPv4 address (``interface_of``), in generic mode (with
-        ``driver``, the driver's native mode: an error where it has none), and the
+        takes the datagrams to that port on the interface that holds the host's
+        IPv4 address (``interface_of``), in generic mode, through the
+        interface's dispatcher, which the XDP switches there share (with
+        ``driver``, attached alone, in the driver's native mode: an error where
+        it has none, or where another XDP program is attached), and the
         fan-out program to that interface's TC ingress, which sends each
         completed result to every rank (not on a loopback interface: its ranks
         are this host's, which the switch's socket reaches; nor where the kernel
@@ -370,16 +401,28 @@ class XdpPipeline(Pipeline):
         self.address = (host, port)
         self.detach()
         self._configure(ifindex)
+        name = socket.if_indextoname(ifindex)
         try:
-            self._link = self._prog.attach(ifindex, driver)
+            if driver:  # the program alone on the interface, as a benchmark wants it
+                self._link = self._prog.attach(ifindex, driver)
+            else:  # shared with the other XDP switches there, through the dispatcher
+                self._dispatch = Dispatcher(ifindex)
+                self._dispatch.register(port, self._prog.prog_fd, self._prog.prog_id,
+                                        self._prog.fan_out_id)
+        except InterfaceTaken as exc:
+            self.detach()
+            raise DataPlaneUnavailableError(
+                f"data_plane='xdp' cannot serve {host}:{port}: {exc}") from None
         except OSError as exc:
             self.detach()
-            if exc.errno == errno.EBUSY:  # an interface takes one XDP program
-                name = socket.if_indextoname(ifindex)
+            if driver and exc.errno in (errno.EBUSY, errno.EEXIST):  # taken
+                attached = xdp_attached(ifindex)
                 raise DataPlaneUnavailableError(
-                    f"data_plane='xdp' cannot serve {host}: interface {name} already runs "
-                    f"an XDP program (another switch with data_plane='xdp' on {name}?); one "
-                    f"XDP switch an interface: serve another with data_plane='c'") from exc
+                    f"data_plane='xdp' cannot serve {host}:{port} in driver mode: interface "
+                    f"{name} already runs XDP program {attached.prog_id} (other XDP "
+                    f"switches there?); in driver mode the switch's program is the "
+                    f"interface's only one: serve in generic mode (driver=False), which "
+                    f"XDP switches share") from exc
             raise
         except BaseException:
             self.detach()
@@ -405,6 +448,9 @@ class XdpPipeline(Pipeline):
             setattr(self, name, None)
             if link is not None:
                 os.close(link)
+        dispatch, self._dispatch = getattr(self, "_dispatch", None), None
+        if dispatch is not None:  # its port out; the last switch's close detaches it
+            dispatch.close()
         if getattr(self, "_prog", None) is not None:  # no interface: nothing to learn from
             self._configure(ifindex=0)
 

@@ -2,10 +2,13 @@
  * switch/pipeline.py (the reference model: read its docstring for the rules),
  * step by step, in the same order, with the same drop reasons and counter
  * names.  switch/xdp_loader.py builds it (clang) and loads it (libbpf through
- * ctypes); switch/xdp.py fills its maps from the Python control plane, attaches
- * it to the switch's interface (generic mode), with fan_out_results on the
- * interface's TC ingress, and runs it with BPF_PROG_TEST_RUN (tests, and probes
- * passed up); tests/test_xdp.py feeds it and the Python pipeline the same
+ * ctypes); switch/xdp.py fills its maps from the Python control plane, serves
+ * the switch's interface with it (generic mode: through the dispatcher that the
+ * XDP switches on one interface share, xdp_dispatch.bpf.c, which tail-calls it
+ * for the datagrams to its port; in driver mode, attached alone), with
+ * fan_out_results on the interface's TC ingress (one tcx program a switch,
+ * each passing on what is not its own), and runs it with BPF_PROG_TEST_RUN
+ * (tests, and probes passed up); tests/test_xdp.py feeds it and the Python pipeline the same
  * frames and requires the same datagrams out, the same counters and the same
  * slot state; tests/test_xdp_serve.py requires of fan_out_results the
  * datagrams the Python pipeline sends each rank.
@@ -962,8 +965,9 @@ int xdp_pipeline(struct xdp_md *ctx)
  *
  * When a rank's Ethernet address is not known (it never sent a datagram in by
  * this interface: a rank on the switch's own host, or one that came by
- * another interface), the result goes up to the switch's socket as before
- * (TC_ACT_OK) and user space sends it to every rank
+ * another interface), the result goes on to the switch's socket (TCX_NEXT,
+ * below: the stack after the hook's other programs) and user space sends it
+ * to every rank
  * (xdp.XdpPipeline.passed_up, counted as results_passed_up). */
 struct result_headers {
     __u16 pad; /* aligns the IP header: the verifier wants aligned stack accesses */
@@ -971,6 +975,13 @@ struct result_headers {
     struct iphdr ip;
     struct udphdr udp;
 };
+/* What a tcx program returns for a frame it leaves alone: the next program on
+ * the hook runs (another switch's fan_out_results, on an interface that
+ * several XDP switches share), and after the last, the stack.  TC_ACT_OK
+ * (TCX_PASS) would end the chain there, and a later switch's program would
+ * never see its results.  TCX_NEXT is TC_ACT_UNSPEC, which older uapi headers
+ * have under that name only. */
+#define TCX_NEXT TC_ACT_UNSPEC
 #define RESULT_HEADERS_AT __builtin_offsetof(struct result_headers, eth)
 _Static_assert(sizeof(struct result_headers) == 2 + FRAME_HEADERS, "headers unpadded");
 
@@ -980,7 +991,7 @@ int fan_out_results(struct __sk_buff *skb)
     __u32 zero = 0;
     const struct xdp_config *cfg = bpf_map_lookup_elem(&config, &zero);
     if (!cfg || !cfg->ifindex)
-        return TC_ACT_OK;
+        return TCX_NEXT;
     struct result_headers f;
     __u8 kind;
     if (bpf_skb_load_bytes_relative(skb, 0, &f.eth, sizeof f.eth, BPF_HDR_START_MAC) ||
@@ -991,16 +1002,16 @@ int fan_out_results(struct __sk_buff *skb)
         bpf_skb_load_bytes_relative(skb, sizeof f.ip + sizeof f.udp + 3, &kind, 1,
                                     BPF_HDR_START_NET) ||
         kind != WIRE_KIND_RESULT)
-        return TC_ACT_OK;
+        return TCX_NEXT;
     struct member_key key = {.addr = f.ip.saddr, .port = f.udp.source, .pad = 0};
     const struct member *m = bpf_map_lookup_elem(&members, &key);
     if (!m)
-        return TC_ACT_OK;
+        return TCX_NEXT;
     __u32 job_index = m->job, rank, at;
     const struct xdp_job *job = bpf_map_lookup_elem(&jobs, &job_index);
     struct xdp_counters *counters = bpf_map_lookup_elem(&counts, &job_index);
     if (!job || !counters || job->world < 1 || job->world > XDP_MAX_WORKERS)
-        return TC_ACT_OK;
+        return TCX_NEXT;
     __u32 world = job->world;
     for (rank = 0; rank < XDP_MAX_WORKERS; rank++) { /* every rank reachable from here? */
         if (rank >= world)
@@ -1008,7 +1019,7 @@ int fan_out_results(struct __sk_buff *skb)
         at = job_index * XDP_MAX_WORKERS + rank;
         const struct rank_address *a = bpf_map_lookup_elem(&rank_addresses, &at);
         if (!a || !a->learned)
-            return TC_ACT_OK; /* user space sends it to every rank */
+            return TCX_NEXT; /* user space sends it to every rank */
     }
     /* The copies leave from skb->data, which must be the Ethernet header.  At
      * TC ingress it is where the kernel put it back for the program, but for
@@ -1016,11 +1027,11 @@ int fan_out_results(struct __sk_buff *skb)
      * the IP header (seen on 6.18: mac_len 0): then room is made for one. */
     struct iphdr at_data;
     if (bpf_skb_load_bytes(skb, 0, &at_data, sizeof at_data))
-        return TC_ACT_OK;
+        return TCX_NEXT;
     if (at_data.saddr == f.ip.saddr && at_data.daddr == f.ip.daddr &&
         at_data.id == f.ip.id && at_data.tot_len == f.ip.tot_len &&
         bpf_skb_change_head(skb, ETH_HLEN, 0))
-        return TC_ACT_OK;
+        return TCX_NEXT;
     __u8 switch_mac[ETH_ALEN];
     __builtin_memcpy(switch_mac, f.eth.h_dest, ETH_ALEN);
     __u32 switch_addr = f.ip.daddr;
