@@ -291,7 +291,7 @@ class Switch:
         buf = bytearray(65536)
         view = memoryview(buf)
         accept_paused_until = None
-        next_cpu_read = next_xdp_check = 0.0
+        next_cpu_read = 0.0
         try:
             while self._running:
                 with self._lock:
@@ -301,14 +301,6 @@ class Switch:
                         busy = self._drain(buf, view)
                     if self.pipeline.has_mismatches:  # ranks disagree: fail their job now
                         self._send(self._control.handle_mismatches())
-                    if self.data_plane == "xdp" and time.monotonic() >= next_xdp_check:
-                        # a syscall per job: not once per batch of datagrams
-                        next_xdp_check = time.monotonic() + CPU_READ_INTERVAL
-                        failures = self._xdp.take_unsupported()
-                        if failures:  # sparse calls: the program refused them
-                            controller = self._control
-                            assert isinstance(controller, Controller)  # xdp: no rack
-                            self._send(controller.fail_sessions(failures))
                 now = time.monotonic()
                 if now >= next_cpu_read:  # a syscall: not once per batch of datagrams
                     next_cpu_read = now + CPU_READ_INTERVAL

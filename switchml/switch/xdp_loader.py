@@ -137,6 +137,8 @@ BPF_TCX_INGRESS = 46
 XDP_FLAGS_SKB_MODE = 1 << 1
 #: if_link.h's XDP_FLAGS_DRV_MODE: the driver's own XDP hook
 XDP_FLAGS_DRV_MODE = 1 << 2
+#: bpf.h's BPF_F_LOCK: a map element's copy in or out under its bpf_spin_lock
+BPF_F_LOCK = 4
 
 _LIBBPF: ctypes.CDLL | None = None
 
@@ -160,6 +162,7 @@ def libbpf() -> ctypes.CDLL:
         ("bpf_object__close", None, [vp]),
         ("bpf_map_update_elem", i, [i, vp, vp, ctypes.c_uint64]),
         ("bpf_map_lookup_elem", i, [i, vp, vp]),
+        ("bpf_map_lookup_elem_flags", i, [i, vp, vp, ctypes.c_uint64]),
         ("bpf_map_delete_elem", i, [i, vp]),
         ("bpf_prog_test_run_opts", i, [i, vp]),
         ("libbpf_num_possible_cpus", i, []),
@@ -242,13 +245,17 @@ class Program:
             self._lib.bpf_object__close(self._obj)
             self._obj = None
 
-    def update(self, name: str, key, value) -> None:
+    def update(self, name: str, key, value, flags: int = 0) -> None:
+        """``flags``: BPF_F_LOCK writes a value that holds a bpf_spin_lock under
+        that lock, as the program's locked sections see it: whole or not yet."""
         _check(self._lib.bpf_map_update_elem(self.fds[name], ctypes.byref(key),
-                                             ctypes.byref(value), 0), f"update {name}")
+                                             ctypes.byref(value), flags), f"update {name}")
 
-    def lookup(self, name: str, key, value):
-        _check(self._lib.bpf_map_lookup_elem(self.fds[name], ctypes.byref(key),
-                                             ctypes.byref(value)), f"lookup {name}")
+    def lookup(self, name: str, key, value, flags: int = 0):
+        """``flags``: BPF_F_LOCK reads such a value under its lock."""
+        _check(self._lib.bpf_map_lookup_elem_flags(self.fds[name], ctypes.byref(key),
+                                                   ctypes.byref(value), flags),
+               f"lookup {name}")
         return value
 
     def delete(self, name: str, key) -> None:

@@ -130,7 +130,7 @@ enum xdp_counter {
     C_DROPPED_BAD_IP_UDP,         /* a header the kernel refuses: checksum, lengths */
     C_DROPPED_IP_OPTIONS,         /* an IPv4 header with options (no worker sends one) */
     C_DROPPED_IP_FRAGMENT,        /* first fragment of a datagram to the switch */
-    C_DROPPED_SPARSE_UNSUPPORTED, /* sparse modes: not in this program yet */
+    C_SPARSE_PASSED_UP,           /* sparse contributions: user space aggregates them */
     C_DROPPED_INTERNAL,           /* a map entry the control plane must have made */
     C_PROBES_PASSED_UP,           /* no room to answer in the frame: user space does */
     C_RESULTS_FANNED_OUT,         /* copies of a result sent to ranks by fan_out_results */
@@ -720,8 +720,19 @@ static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
         DROP(C_DROPPED_BAD_LANES);
     if (values > job->packet_elements)
         DROP(C_DROPPED_TOO_MANY_VALUES);
-    if (h.mode & WIRE_MODE_SPARSE)
-        DROP(C_DROPPED_SPARSE_UNSUPPORTED); /* pipeline.py goes on with the sparse path */
+    if (h.mode & WIRE_MODE_SPARSE) {
+        /* The sparse path (its blocks flagged per lane, added at their own
+         * places, compacted at the end) is not in this program: the datagram
+         * goes up to the switch's socket as it came, checked so far, and
+         * xdp.XdpPipeline.passed_up runs pipeline.py's sparse path on this
+         * set, read from and written back to these maps (which this program
+         * then answers the set's probes and retransmissions from).  A set
+         * holding a sparse message is written by user space alone: a dense
+         * contribution of its message differs in mode (a mismatch), and a
+         * newer message comes only once its result went out. */
+        count(counters, C_SPARSE_PASSED_UP, 1);
+        return XDP_PASS;
+    }
     if (lanes > XDP_MAX_LANES || values > XDP_MAX_VALUES)
         DROP(C_DROPPED_INTERNAL); /* cannot be: xdp.py refuses such jobs; bounds the loops */
     /* clang computed 12 * lanes from the unchecked u16 before this check and kept
