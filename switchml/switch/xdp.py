@@ -3,13 +3,13 @@ whose per-packet work runs in ``xdp_pipeline.bpf.c``, in the kernel.
 
 The dense path (validation and every drop reason, members, shadow-copy sets,
 adds, MODE_MAX, duplicates, stale messages, retransmissions, probes and
-queries, results), tested against the Python pipeline through
-``BPF_PROG_TEST_RUN`` on Ethernet/IPv4/UDP frames (tests/test_xdp.py, also two
-CPUs at once), and served for real by ``Switch(data_plane="xdp")``: ``serve``
-attaches it (generic mode, a BPF link) to the interface holding the switch's
-address, and beside it, on that interface's TC ingress, the program that sends
-each completed result to every rank (tests/test_xdp_serve.py, in network
-namespaces).
+queries, results; sparse contributions are passed up, below), tested against
+the Python pipeline through ``BPF_PROG_TEST_RUN`` on Ethernet/IPv4/UDP frames
+(tests/test_xdp.py, also two CPUs at once), and served for real by
+``Switch(data_plane="xdp")``: ``serve`` attaches it (generic mode, a BPF link)
+to the interface holding the switch's address, and beside it, on that
+interface's TC ingress, the program that sends each completed result to every
+rank (tests/test_xdp_serve.py, in network namespaces).
 
 As ``FastPipeline`` does, the control plane (slot allocation, the job table,
 ended jobs, stats) stays the Python reference's own code; ``install_job`` and
@@ -52,6 +52,20 @@ tail, which a frame past one page and a generic-mode skb do not have: the
 program passes such a probe up (``probes_passed_up``) and ``passed_up`` runs it
 again in a frame padded to the result's length.
 
+Sparse calls (``MODE_SPARSE``, with or without ``MODE_SEED``): the program
+checks a sparse contribution as any (member, header, token, slot, lanes,
+count) and passes it up as it came (``XDP_PASS``, counted as
+``sparse_passed_up``); the switch's socket hands it to ``passed_up``, which
+runs ``Pipeline.receive_datagram`` itself, the reference's sparse path, drops
+and counters included, on the set the datagram names, read from the program's
+maps into the reference's registers and row and written back (under the set's
+lock, in an order in which the program, running meanwhile, always sees a state
+it answers rightly: ``_sparse_in_user_space``, ``_store_set``).  The result
+goes to every rank from the socket; the program answers the set's probes and
+queries from its maps, as for a dense set, and a job's dense and sparse calls
+share its slots.  The switch logs once per job that its sparse calls go
+through user space, where they run at the Python data plane's speed.
+
 The object is built lazily, by clang (``-O2 -g -target bpf``), into a cache
 named by a hash of the sources, clang's version and the flags
 (``$SWITCHML_XDP_CACHE``, else ``$XDG_CACHE_HOME/switchml/xdp``); it is loaded
@@ -61,9 +75,8 @@ needs root (CAP_BPF and CAP_NET_ADMIN, or CAP_SYS_ADMIN); ``unavailable()`` says
 what is missing.
 
 Not done yet, each a difference from the Python pipeline that the tests keep
-out of their traffic: sparse modes (dropped and counted as
-``dropped_sparse_unsupported``; the switch fails such a job, ``take_unsupported``),
-simulated drop rates, IPv6, packets of more than 64 lanes (blocks), the UDP
+out of their traffic: the sparse path in the program itself (in user space,
+above), simulated drop rates, IPv6, packets of more than 64 lanes (blocks), the UDP
 checksum of received datagrams (the kernel drops a bad one before the Python
 switch's socket; the program does not check it yet), UDP GSO super-packets (a
 veth peer on the same host hands one over whole: dropped as ``bad_length``),

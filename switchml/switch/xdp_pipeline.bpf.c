@@ -1,7 +1,9 @@
 /* The switch's per-packet pipeline as an XDP program: the dense path of
  * switch/pipeline.py (the reference model: read its docstring for the rules),
  * step by step, in the same order, with the same drop reasons and counter
- * names.  switch/xdp_loader.py builds it (clang) and loads it (libbpf through
+ * names.  A sparse contribution is checked up to its sparseness and passed up
+ * as it came: user space runs pipeline.py's sparse path on the set in these
+ * maps (xdp.XdpPipeline.passed_up; see receive_datagram).  switch/xdp_loader.py builds it (clang) and loads it (libbpf through
  * ctypes); switch/xdp.py fills its maps from the Python control plane, attaches
  * it to the switch's interface (generic mode), with fan_out_results on the
  * interface's TC ingress, and runs it with BPF_PROG_TEST_RUN (tests, and probes
@@ -34,6 +36,8 @@
  *    a frame, and a devmap broadcast (BPF_F_BROADCAST) clones one per *device*,
  *    not per destination, with egress programs that do not learn which entry
  *    they run for, so it cannot address copies to n ranks behind one port;
+ *  - a sparse contribution, once checked: XDP_PASS, untouched (user space
+ *    aggregates it and sends its result from the switch's socket);
  *  - anything that is not a UDP datagram to the switch's port: XDP_PASS,
  *    untouched.
  *
@@ -100,7 +104,7 @@
 /* Counters: the Python pipeline's names (pipeline.py, fastpath.h), C_ and
  * upper case; xdp.py reads the names from this enum.  The last ones are this
  * program's own: frames the kernel would have dropped before the switch's
- * socket (so pipeline.py never sees them), and the paths not done here yet. */
+ * socket (so pipeline.py never sees them), and what it passes up. */
 enum xdp_counter {
     C_PACKETS_IN,
     C_RESULTS_COMPLETED,
