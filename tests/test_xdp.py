@@ -22,7 +22,11 @@ Several CPUs: two processes pinned to two CPUs feed the same slots at once
 (``test_two_cpus_*``): with the program's bpf_spin_lock calls removed it loses
 contributions (hundreds of 3000 results wrong or missing, each run tried), and
 without the probe path's lock alone answers to probes come out torn (5 to 15
-of some 15,000 a run); with them, none.
+of some 15,000 a run); with them, none.  And a process on one CPU probes a
+sparse set while user space writes it on another
+(``test_probes_on_another_cpu_*``): with the row written before the registers
+that make the set hold its new message, some 300 of 20,000 answers come out
+torn; in ``_store_set``'s order, none.
 
 Skips, saying why, without root, clang, libbpf or the kernel headers
 (``make test`` installs them as root).
@@ -922,3 +926,108 @@ def test_two_cpus_probing_a_set_another_starts_afresh_get_whole_results():
     assert counters["packets_in"] == rounds * slots * want["world"]
     assert counters["retransmissions_answered"] == answered
 
+
+
+def _probe_while(prog_fd: int, cpu: int, probe: bytes, progress, done, expected: dict,
+                 conn) -> None:
+    """A child process on CPU ``cpu``: until ``done``, probes (``probe``, its
+    message patched in) of the messages around ``progress`` (the one the parent
+    aggregates: it and the two before) through BPF_PROG_TEST_RUN.  Sends back
+    how many answers were stored results, how many of those were not the whole
+    result of the message probed (``expected``), and any action but XDP_TX or
+    XDP_DROP."""
+    import ctypes
+
+    try:
+        os.sched_setaffinity(0, {cpu})
+        lib = xdp_loader.libbpf()
+        data_in = ctypes.create_string_buffer(probe, len(probe))
+        data_out = ctypes.create_string_buffer(8192)
+        opts = xdp_loader.TestRunOpts(sz=ctypes.sizeof(xdp_loader.TestRunOpts),
+                                      data_in=ctypes.cast(data_in, ctypes.c_void_p),
+                                      data_out=ctypes.cast(data_out, ctypes.c_void_p),
+                                      data_size_in=len(probe), repeat=1)
+        ref = ctypes.byref(opts)
+        answers, wrong, other = 0, 0, Counter()
+        while not done.is_set():
+            now = progress.value
+            for msg in range(max(0, now - 2), now + 1):
+                struct.pack_into("<I", data_in, 42 + 12, msg)
+                opts.data_size_out = len(data_out)
+                rc = lib.bpf_prog_test_run_opts(prog_fd, ref)
+                if rc:
+                    raise OSError(-rc, "BPF_PROG_TEST_RUN")
+                payload = data_out.raw[42: opts.data_size_out]
+                if opts.retval == xdp.XDP_TX and payload[3] == wire.KIND_RESULT:
+                    answers += 1
+                    wrong += payload != expected[msg]
+                elif opts.retval not in (xdp.XDP_TX, xdp.XDP_DROP):
+                    other[opts.retval] += 1
+        conn.send((answers, wrong, other))
+    except BaseException as exc:  # the parent reports it
+        conn.send(exc)
+
+
+def test_probes_on_another_cpu_while_user_space_aggregates_sparse_sets_get_whole_results():
+    """The program answers a sparse set's probes from its maps while user space
+    writes that set (``_store_set``): a child on another CPU probes, without a
+    pause, the message the parent aggregates by passed_up and the two before
+    (the same set: each sparse message starts afresh over the one two back);
+    every stored result it gets must be the whole result of the message it
+    asked for, and the parent's results the Python pipeline's.  Writing the row
+    before the registers that make the set hold the new message (a probe of the
+    old message then reads a row half new) makes this fail."""
+    import multiprocessing
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    packet, block, messages = 768, 192, 1500
+    job = dict(JOB_A, packet=packet, block=block, slots=1, addresses=JOB_A["addresses"][:2],
+               tokens=JOB_A["tokens"][:2])
+    ref = Pipeline(1, packet, block_elements=block)
+    p = xdp.XdpPipeline(1, packet, block_elements=block, port=SWITCH[1], switch_ip=SWITCH[0])
+    try:
+        for pipeline in (ref, p):
+            pipeline.install_job("A", job["session"], job["addresses"], 0, 1, packet, block,
+                                 tokens=job["tokens"])
+        rng = random.Random(8)
+        calls, expected = [], {}
+        for msg in range(messages):
+            pos = [msg] * (packet // block)
+            datagrams = [sparse_contribution(job, rank, rng, pos, msg=msg,
+                                             values=[rng.randrange(-2**31, 2**31)
+                                                     for _ in range(packet)])
+                         for rank in range(2)]
+            for rank, data in enumerate(datagrams):
+                out = ref.receive_datagram(data, job["addresses"][rank])
+            expected[msg] = bytes(out[0][0]) if out else None
+            calls.append(datagrams)
+        probe = frame(job["addresses"][1], wire.probe_of(calls[0][1]))
+        ctx = multiprocessing.get_context("fork")
+        progress, done = ctx.Value("l", 0), ctx.Event()
+        here, there = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_probe_while, args=(p._prog.prog_fd, cpus[1], probe,
+                                                       progress, done, expected, there))
+        os.sched_setaffinity(0, {cpus[0]})
+        child.start()
+        try:
+            got = {}
+            for msg, datagrams in enumerate(calls):
+                progress.value = msg
+                for rank, data in enumerate(datagrams):
+                    out = p.passed_up(data, job["addresses"][rank])
+                got[msg] = out[0][0] if out else None
+        finally:
+            done.set()
+            answer = here.recv()
+            child.join(timeout=60)
+            os.sched_setaffinity(0, cpus)
+        if isinstance(answer, BaseException):
+            raise answer
+        answers, wrong, other = answer
+        assert got == expected
+        assert (wrong, other) == (0, Counter()), f"{wrong} of {answers} answers torn"
+        assert answers > 0
+    finally:
+        p.close()
