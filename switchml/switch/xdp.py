@@ -21,8 +21,9 @@ with the Python names are added into
 
 How a datagram's fate reads in XDP (the program's header comment says why):
 ``XDP_DROP`` for nothing sent, ``XDP_TX`` for an answer to its sender alone
-(the frame rewritten, addresses swapped), ``XDP_PASS`` for a completed result,
-which goes to every rank from the kernel: the TC program ``fan_out_results``
+(the frame rewritten, addresses swapped), ``XDP_PASS`` for a sparse
+contribution (untouched: user space aggregates it, below) and for a completed
+result, which goes to every rank from the kernel: the TC program ``fan_out_results``
 (the same object, the same maps), which runs next on the same interface,
 sends one copy a rank (``bpf_clone_redirect`` out of the interface, through its
 normal transmit path: on a bridge, each copy to the port its Ethernet address
