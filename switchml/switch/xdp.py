@@ -451,16 +451,21 @@ class XdpPipeline(Pipeline):
         (a completed result, to every rank; a stored one, to the sender) goes
         out of the switch's socket.  Logged once per job.
 
-        Concurrency: the program may run a datagram of the same set meanwhile
-        (on another CPU, or the kernel's receive path while this runs).  It
-        writes the set only for a dense contribution of its message (refused: a
-        set started by a sparse contribution holds a sparse mode, so the ids
-        differ: a mismatch) or of a newer message (which no rank sends before
-        the result of the one this completes went out: wire.msg_newer's
-        window).  It reads the row only for a complete set.  So the write-back
-        goes in an order in which each state the program can see is one it
-        answers rightly (``_store_set``), and each register write is whole
-        (BPF_F_LOCK: under the set's lock, which the program's reads take)."""
+        Concurrency: user space runs one datagram at a time (the switch's
+        loop), but the program may run a datagram of the same set meanwhile, on
+        any CPU.  It writes the set only for a dense contribution of the set's
+        message (a set started by a sparse contribution holds a sparse mode:
+        the ids differ, a mismatch, nothing written) or of a newer message,
+        which no rank sends before the result of the message this completes
+        went out (a rank sends message m+2 of a slot only once it has m+1's
+        result, which needs every rank's m+1, each sent once its m's result
+        came); a faulty rank that did would have its contribution undone by
+        the write-back below: lost, never added twice, and its probe asks it
+        again.  The program reads the row only for a complete set.  So the
+        write-back goes in an order in which each state the program can see is
+        one it answers rightly (``_store_set``), each register write whole
+        (BPF_F_LOCK: under the set's lock, which the program holds while it
+        reads a set and snapshots its row)."""
         job = self._members[addr][0]
         if job.session not in self._sparse_logged:
             self._sparse_logged.add(job.session)
