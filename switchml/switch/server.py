@@ -342,7 +342,8 @@ class Switch:
         """The Python data plane: up to DRAIN_BATCH datagrams; True when there may be more.
         With the XDP data plane, what comes up is what the program did not answer
         itself (completed results for a rank it cannot reach, probes it had no
-        room to answer), each result for every rank: sent when the batch ends,
+        room to answer, sparse contributions, which user space aggregates),
+        each result for every rank: sent when the batch ends,
         those to one rank together (``_send_results``)."""
         if self.data_plane == "xdp":
             results: list = []
