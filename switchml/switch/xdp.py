@@ -3,13 +3,13 @@ whose per-packet work runs in ``xdp_pipeline.bpf.c``, in the kernel.
 
 The dense path (validation and every drop reason, members, shadow-copy sets,
 adds, MODE_MAX, duplicates, stale messages, retransmissions, probes and
-queries, results; sparse contributions are passed up, below), tested against
-the Python pipeline through ``BPF_PROG_TEST_RUN`` on Ethernet/IPv4/UDP frames
-(tests/test_xdp.py, also two CPUs at once), and served for real by
-``Switch(data_plane="xdp")``: ``serve`` attaches it (generic mode, a BPF link)
-to the interface holding the switch's address, and beside it, on that
-interface's TC ingress, the program that sends each completed result to every
-rank (tests/test_xdp_serve.py, in network namespaces).
+queries, results), tested against the Python pipeline through
+``BPF_PROG_TEST_RUN`` on Ethernet/IPv4/UDP frames (tests/test_xdp.py, also two
+CPUs at once), and served for real by ``Switch(data_plane="xdp")``: ``serve``
+attaches it (generic mode, a BPF link) to the interface holding the switch's
+address, and beside it, on that interface's TC ingress, the program that sends
+each completed result to every rank (tests/test_xdp_serve.py, in network
+namespaces).
 
 As ``FastPipeline`` does, the control plane (slot allocation, the job table,
 ended jobs, stats) stays the Python reference's own code; ``install_job`` and
@@ -107,7 +107,7 @@ from .. import wire
 from ..config import DEFAULT_PACKET_ELEMENTS, DEFAULT_PORT, DEFAULT_SLOTS
 from ..errors import DataPlaneUnavailableError
 from .pipeline import MAX_WORKERS, Job, Mismatch, Pipeline
-from .xdp_loader import BPF_F_LOCK, HERE, SOURCE, build_object, libbpf, load, unavailable
+from .xdp_loader import HERE, SOURCE, build_object, libbpf, load, unavailable
 
 __all__ = ["HERE", "XdpPipeline", "unavailable"]
 
@@ -495,7 +495,7 @@ class XdpPipeline(Pipeline):
         ``_rows``; returns (registers, row) as loaded.  ``_blocks`` (the sparse
         blocks this message received) is the reference's own: only this path
         reads or writes it, and it starts afresh with each sparse message."""
-        state = self._prog.lookup("sets", _u32(v * self.slots + slot), _Set(), BPF_F_LOCK)
+        state = self._prog.lookup("sets", _u32(v * self.slots + slot), _Set(), locked=True)
         self._valid[v][slot] = bool(state.valid)
         self._msg[v][slot] = state.msg
         self._bitmap[v][slot] = state.bitmap
@@ -527,11 +527,11 @@ class XdpPipeline(Pipeline):
         key = _u32(v * self.slots + slot)
         valid, msg, bitmap, count, *ids = registers
         if not before[0][0] or before[0][1] != msg:
-            self._prog.update("sets", key, _Set(0, valid, msg, 0, 0, *ids), BPF_F_LOCK)
+            self._prog.update("sets", key, _Set(0, valid, msg, 0, 0, *ids), locked=True)
         buffer = (ctypes.c_uint8 * self._row_size)()
         ctypes.memmove(buffer, row, len(row))
         self._prog.update("rows", key, buffer)
-        self._prog.update("sets", key, _Set(0, valid, msg, bitmap, count, *ids), BPF_F_LOCK)
+        self._prog.update("sets", key, _Set(0, valid, msg, bitmap, count, *ids), locked=True)
 
     # ---------------------------------------------------------------- control
     def install_job(self, name: str, session: int, members: list, slot_base: int,

@@ -245,16 +245,19 @@ class Program:
             self._lib.bpf_object__close(self._obj)
             self._obj = None
 
-    def update(self, name: str, key, value, flags: int = 0) -> None:
-        """``flags``: BPF_F_LOCK writes a value that holds a bpf_spin_lock under
-        that lock, as the program's locked sections see it: whole or not yet."""
+    def update(self, name: str, key, value, locked: bool = False) -> None:
+        """``locked``: a value that holds a bpf_spin_lock is written under that
+        lock (BPF_F_LOCK), so that the program's locked sections see it whole
+        or not yet."""
         _check(self._lib.bpf_map_update_elem(self.fds[name], ctypes.byref(key),
-                                             ctypes.byref(value), flags), f"update {name}")
+                                             ctypes.byref(value),
+                                             BPF_F_LOCK if locked else 0), f"update {name}")
 
-    def lookup(self, name: str, key, value, flags: int = 0):
-        """``flags``: BPF_F_LOCK reads such a value under its lock."""
+    def lookup(self, name: str, key, value, locked: bool = False):
+        """``locked``: such a value is read under its lock (BPF_F_LOCK)."""
         _check(self._lib.bpf_map_lookup_elem_flags(self.fds[name], ctypes.byref(key),
-                                                   ctypes.byref(value), flags),
+                                                   ctypes.byref(value),
+                                                   BPF_F_LOCK if locked else 0),
                f"lookup {name}")
         return value
 

@@ -1,9 +1,7 @@
 /* The switch's per-packet pipeline as an XDP program: the dense path of
  * switch/pipeline.py (the reference model: read its docstring for the rules),
  * step by step, in the same order, with the same drop reasons and counter
- * names.  A sparse contribution is checked up to its sparseness and passed up
- * as it came: user space runs pipeline.py's sparse path on the set in these
- * maps (xdp.XdpPipeline.passed_up; see receive_datagram).  switch/xdp_loader.py builds it (clang) and loads it (libbpf through
+ * names.  switch/xdp_loader.py builds it (clang) and loads it (libbpf through
  * ctypes); switch/xdp.py fills its maps from the Python control plane, attaches
  * it to the switch's interface (generic mode), with fan_out_results on the
  * interface's TC ingress, and runs it with BPF_PROG_TEST_RUN (tests, and probes
@@ -11,6 +9,11 @@
  * frames and requires the same datagrams out, the same counters and the same
  * slot state; tests/test_xdp_serve.py requires of fan_out_results the
  * datagrams the Python pipeline sends each rank.
+ *
+ * The sparse path is not here: a sparse contribution is checked up to its
+ * sparseness and passed up as it came, and user space runs pipeline.py's
+ * sparse path on the set in these maps (xdp.XdpPipeline.passed_up; see
+ * receive_datagram).
  *
  * Function names follow pipeline.py: receive_datagram, answer_probe,
  * answer_retransmission (folded into the two callers' lock sections, see
