@@ -21,8 +21,9 @@ addresses, and the fan-out program sends each result to every rank (whose
 sockets do not read them).
 
 The program's own time is the kernel's count of it (``run_time_ns`` and
-``run_cnt`` of the program's info, which ``kernel.bpf_stats_enabled`` turns
-on: the bench turns it on for the measurement and back as it was).  Gbit/s a
+``run_cnt`` of the program's info, which the kernel keeps while run-time
+statistics are on: ``xdp_loader.count_run_time`` turns them on for the
+measurement alone).  Gbit/s a
 program core is the contributions' datagram bytes added per second of it; the
 rate at which the sender, on this machine's cores, offers frames is given
 beside it (``offered``; ``dropped_at_the_veth``: frames the veth's ring could
@@ -36,7 +37,6 @@ Needs root (CAP_BPF, CAP_NET_ADMIN, namespaces), clang and libbpf, as
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import socket
@@ -60,21 +60,7 @@ SESSION = 0x5EED
 PREFIX = "smlxdpd"
 SWITCH_IP, SENDER_IP = "10.98.0.254", "10.98.0.1"
 SENDER_PORT = 5000
-#: where struct bpf_prog_info (linux/bpf.h) keeps run_time_ns and run_cnt, and its size
-INFO_RUN_TIME_NS, INFO_RUN_CNT, INFO_SIZE = 192, 200, 232
-BPF_STATS = "/proc/sys/kernel/bpf_stats_enabled"
 UDP_SEGMENT = 103  # linux/udp.h
-
-
-def program_runs(prog_fd: int) -> tuple[int, int]:
-    """(nanoseconds, runs) the kernel has counted for the program so far."""
-    info = ctypes.create_string_buffer(INFO_SIZE)
-    size = ctypes.c_uint32(INFO_SIZE)
-    rc = xdp_loader.libbpf().bpf_obj_get_info_by_fd(prog_fd, info, ctypes.byref(size))
-    if rc:
-        raise OSError(-rc, "bpf_obj_get_info_by_fd")
-    ns, runs = np.frombuffer(info.raw[INFO_RUN_TIME_NS:INFO_RUN_CNT + 8], np.uint64)
-    return int(ns), int(runs)
 
 
 def contributions(rank: int, slots: int, packet_elements: int, block: int, slot_base: int,
@@ -156,16 +142,13 @@ def inside(mtu: int, dev: str, cpus: list, workers: int, slots: int, block: int,
         if p.serve((SWITCH_IP, p.port), driver=True) != socket.if_nametoindex(dev):
             raise RuntimeError(f"{SWITCH_IP} is not on {dev}")
         prog_fd = p._prog.prog_fd
-        with open(BPF_STATS) as f:
-            stats_were = f.read().strip()
-        with open(BPF_STATS, "w") as f:
-            f.write("1")
+        stats_fd = xdp_loader.count_run_time()
         try:
             p.sync_counters()
             before = Counter()
             for session in sessions:
                 before.update(p.jobs[session].counters)
-            ns0, runs0 = program_runs(prog_fd)
+            ns0, runs0 = xdp_loader.run_time(prog_fd)
             t0 = time.monotonic()
             senders = [subprocess.Popen(
                 ["ip", "netns", "exec", f"{PREFIX}-w", "taskset", "-c", str(cpu),
@@ -175,10 +158,9 @@ def inside(mtu: int, dev: str, cpus: list, workers: int, slots: int, block: int,
                 for i, cpu in enumerate(cpus)]
             answers = [sender.communicate(timeout=seconds + 60) for sender in senders]
             wall = time.monotonic() - t0
-            ns1, runs1 = program_runs(prog_fd)
+            ns1, runs1 = xdp_loader.run_time(prog_fd)
         finally:
-            with open(BPF_STATS, "w") as f:
-                f.write(stats_were)
+            os.close(stats_fd)
         for sender, (_, err) in zip(senders, answers):
             if sender.returncode:
                 raise RuntimeError(f"a sender failed: {err[-2000:]}")
@@ -280,8 +262,11 @@ def main(argv=None) -> list[dict]:
         print(json.dumps(inside(mtu, dev, cpus, workers, slots, block, float(argv[7]))))
         return []
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(parser, "CPUs running the program at once, each on slots of its own")
+    add_arguments(parser, "CPUs running the program at once, each on slots of its own "
+                          "(each count a row)")
     args = parser.parse_args(argv)
+    if min(args.cpus) < 1:
+        parser.error("--cpus: counts of 1 or more")
     if args.median:
         print(median_table(args.median))
         return []

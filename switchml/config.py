@@ -167,6 +167,11 @@ def local_stage_on(given: bool | None = None) -> bool:
     return env("LOCAL_STAGE", True, parse_flag) if given is None else bool(given)
 
 
+def _disagree(fastpath: bool, data_plane: str) -> bool:
+    """Whether ``fastpath`` (the C data plane or not) contradicts ``data_plane``."""
+    return fastpath != (data_plane == "c")
+
+
 def parse_address(address) -> tuple[str, int]:
     """'host:port' or (host, port) to a (host, port) tuple, with a clear error."""
     if isinstance(address, (tuple, list)) and len(address) == 2:
@@ -260,9 +265,9 @@ class SwitchConfiguration:
     ``data_plane`` ("python", "c", "xdp", or None: the ``fastpath`` rule; "xdp"
     runs the dense path in an XDP program attached to the interface holding
     ``host``: it needs Linux, clang, libbpf and CAP_BPF with CAP_NET_ADMIN,
-    packets of at most 64 blocks (the default's 63 fit; see switch/xdp.py), no
-    simulated drops and no ``upstream``; the program passes sparse
-    contributions up to the switch, which aggregates them in user space),
+    packets of at most 64 blocks (the default's 63 fit; see switch/xdp.py) and
+    no ``upstream``; the program passes sparse contributions up to the switch,
+    which aggregates them in user space),
     ``upstream`` ("host:port" of a spine switch: this switch is then a rack
     switch, whose jobs' partial sums go up to the spine; its data plane runs in
     Python), ``shared_link`` (the switch is a server behind one link that all
@@ -309,16 +314,13 @@ class SwitchConfiguration:
             raise ValueError(f"data_plane must be one of {', '.join(DATA_PLANES[:-1])} or None, "
                              f"got {self.data_plane!r}")
         if self.data_plane is not None and self.fastpath is not None and \
-                self.fastpath != (self.data_plane == "c"):
+                _disagree(self.fastpath, self.data_plane):
             raise ValueError(f"fastpath={self.fastpath} contradicts "
                              f"data_plane={self.data_plane!r}")
         if self.data_plane == "xdp":
             if self.upstream is not None:
                 raise ValueError("a rack switch (upstream) runs its data plane in Python: "
                                  "data_plane='xdp' cannot be kept")
-            if self.drop_rate or self.egress_drop_rate:
-                raise ValueError("the XDP data plane does not simulate drops: drop_rate and "
-                                 "egress_drop_rate must be 0 with data_plane='xdp'")
         if self.upstream is not None:
             parse_address(self.upstream)  # 'host:port', or a clear error now
             if self.fastpath:
@@ -347,6 +349,13 @@ class SwitchConfiguration:
             if value is not None:
                 settings[name] = value
         settings.update(given)
+        # fastpath and data_plane both choose the data plane: one the caller
+        # gives wins over the other, from the environment or the defaults, where
+        # they disagree
+        for mine, other in (("fastpath", "data_plane"), ("data_plane", "fastpath")):
+            if mine in given and other not in given and settings.get(other) is not None and \
+                    _disagree(settings["fastpath"], settings["data_plane"]):
+                del settings[other]
         return cls(**settings)
 
     @classmethod

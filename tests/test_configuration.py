@@ -112,3 +112,17 @@ def test_a_torch_jobs_own_switch_reads_the_environment(monkeypatch):
         8 * config.DEFAULT_MAX_JOBS, 8, 1024)
     monkeypatch.setenv("SWITCHML_SLOTS", "100")
     assert _JobSwitch.configuration().slots == 100
+
+
+def test_a_given_data_plane_choice_wins_over_the_environments_other_one():
+    """fastpath and data_plane choose the same thing: the one a caller gives
+    wins where the environment's (or a default's) other disagrees; both given
+    must agree."""
+    xdp = {"SWITCHML_DATA_PLANE": "xdp"}
+    assert SwitchConfiguration.from_env(environ=xdp, fastpath=True).data_plane is None
+    assert SwitchConfiguration.from_env(environ=xdp, fastpath=False).data_plane == "xdp"
+    c = {"fastpath": True}  # an entry point's default
+    assert SwitchConfiguration.from_env(c, {}, data_plane="python").fastpath is None
+    assert SwitchConfiguration.from_env(c, {}, data_plane="c").fastpath is True
+    with pytest.raises(ValueError, match="contradicts"):
+        SwitchConfiguration.from_env(environ={}, fastpath=True, data_plane="xdp")

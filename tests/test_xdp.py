@@ -66,7 +66,7 @@ STRANGERS = [("10.0.0.1", 4999), ("10.0.0.9", 5000), ("10.0.0.2", 5000)]
 # would have dropped before the socket, what it passes up to user space, and
 # the copies of results its fan-out sends (tests/test_xdp_serve.py)
 XDP_ONLY = {"dropped_bad_ip_udp", "dropped_ip_options", "dropped_ip_fragment",
-            "sparse_passed_up", "dropped_internal", "probes_passed_up",
+            "sparse_passed_up", "dropped_internal", "probes_passed_up", "gso_passed_up",
             "results_fanned_out", "results_fanout_failed"}
 DIFF = settings(max_examples=40, derandomize=True, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -701,6 +701,39 @@ def test_sparse_calls_aggregate_in_user_space_on_the_programs_sets(both, caplog)
     assert len(said) == 1 and "'A'" in said[0].getMessage()
 
 
+def test_a_gso_run_is_passed_up_and_a_long_datagram_in_user_space_is_bad_length():
+    """A UDP GSO super-packet (a same-host sender's run of datagrams, which XDP
+    sees whole): the program passes it up for the kernel to cut
+    (``gso_passed_up``), a result never; run again from user space, where the
+    kernel has cut every run already, a datagram that long is ``bad_length``,
+    as in the Python pipeline."""
+    p = xdp.XdpPipeline(SLOTS, PACKET, block_elements=BLOCK)
+    try:
+        p.install_job("A", JOB_A["session"], JOB_A["addresses"], 0, 4, tokens=JOB_A["tokens"])
+        src = JOB_A["addresses"][0]
+        run = contribution(JOB_A, 0, slot=0) + contribution(JOB_A, 0, slot=1)
+        action, _ = p._prog.test_run(frame(src, run), 4096)  # as it comes in
+        p.sync_counters()
+        job = p.jobs[JOB_A["session"]].counters
+        assert action == xdp.XDP_PASS and job["gso_passed_up"] == 1
+        assert p.run_frame(frame(src, run))[0] == xdp.XDP_DROP  # from user space
+        p.sync_counters()
+        assert job["gso_passed_up"] == 1 and job["dropped_bad_length"] == 1
+        # a result a member sends, however long, is dropped (bad_length, as the
+        # Python pipeline counts it): never passed up to be fanned out
+        result = bytearray(run)
+        result[3] = wire.KIND_RESULT
+        assert p._prog.test_run(frame(src, bytes(result)), 4096)[0] == xdp.XDP_DROP
+        # shorter than a header past what it says: bad_length in the kernel too
+        assert p._prog.test_run(frame(src, contribution(JOB_A, 0) + bytes(31)), 4096)[0] == \
+            xdp.XDP_DROP
+        p.sync_counters()
+        assert job["gso_passed_up"] == 1 and job["dropped_bad_length"] == 3
+        assert job["packets_in"] == 0
+    finally:
+        p.close()
+
+
 def test_jobs_come_and_go_and_keep_their_counters(both):
     """Removing a job forgets its members at once (their datagrams are a
     stranger's); a new job on the same slots and addresses starts clean."""
@@ -715,7 +748,38 @@ def test_jobs_come_and_go_and_keep_their_counters(both):
     job = both.jobs[0xB0B2]
     both.deliver(contribution(job, 0, slot=2, msg=1), src)
     both.deliver(contribution(job, 0, slot=2, msg=1, token=0xB1), src)  # the old token
-    assert both.xdp.stats() == both.ref.stats()
+    stats = both.xdp.stats()
+    # the kernel's count of the programs' runs, which the reference has no twin of
+    assert set(stats.pop("program_runs")) == set(stats.pop("program_time_s")) == \
+        {"xdp_pipeline", "fan_out_results"}
+    assert stats == both.ref.stats()
+
+
+def test_the_programs_runs_and_time_are_counted_while_statistics_are_on():
+    """``count_run_time``: the kernel counts each run of the program and its
+    time while the fd is open, and no longer once it is closed."""
+    p = xdp.XdpPipeline(SLOTS, PACKET, block_elements=BLOCK)
+    try:
+        p.install_job("A", JOB_A["session"], JOB_A["addresses"], 0, 4, tokens=JOB_A["tokens"])
+        counting = xdp_loader.count_run_time()
+        try:
+            before = p.stats()
+            for rank in range(3):
+                p.receive_datagram(contribution(JOB_A, rank), JOB_A["addresses"][rank])
+            during = p.stats()
+        finally:
+            os.close(counting)
+        for rank in range(3):
+            p.receive_datagram(contribution(JOB_A, rank, msg=1), JOB_A["addresses"][rank])
+        after = p.stats()
+    finally:
+        p.close()
+    runs = [s["program_runs"]["xdp_pipeline"] for s in (before, during, after)]
+    times = [s["program_time_s"]["xdp_pipeline"] for s in (before, during, after)]
+    assert runs[1] - runs[0] == 3 and times[1] > times[0]
+    if xdp_loader.run_time_counted_always():  # another process, or the setting, has it on
+        return
+    assert runs[2] == runs[1] and times[2] == times[1]
 
 
 def test_members_must_be_ipv4_and_packets_have_at_most_64_lanes():
@@ -745,6 +809,53 @@ def test_results_to_every_rank_through_receive_datagram():
         assert wire.values(out[0][0], 4, 16).tolist() == [6] * 16
         assert Counter(p.jobs[JOB_A["session"]].counters) == Counter(
             packets_in=3, results_completed=1, results_out=3)
+    finally:
+        p.close()
+
+
+def test_simulated_drops_lose_datagrams_in_and_copies_out_at_their_rates():
+    """drop_rate and egress_drop_rate as the Python pipeline simulates them: a
+    datagram in is lost before anything else counts it
+    (``dropped_ingress_simulated``), each result copy and each answer to a probe
+    out alone (``dropped_egress_simulated``, not in ``results_out``); every
+    datagram and copy is accounted for, and the losses come at their rates."""
+    p = xdp.XdpPipeline(SLOTS, PACKET, block_elements=BLOCK, drop_rate=0.3,
+                        egress_drop_rate=0.5, seed=1)
+    try:
+        p.install_job("A", JOB_A["session"], JOB_A["addresses"], 0, 4, tokens=JOB_A["tokens"])
+        rounds, copies = 300, 0
+        for n in range(rounds):  # each slot's messages in turn: a lost one's set is reset
+            for rank in range(3):
+                out = p.receive_datagram(
+                    contribution(JOB_A, rank, slot=n % 4, msg=n // 4, values=[1] * 16),
+                    JOB_A["addresses"][rank])
+                copies += len(out)
+                assert all(wire.values(d, 4, 16).tolist() == [3] * 16 for d, _ in out)
+        p.sync_counters()
+        job = p.jobs[JOB_A["session"]].counters
+        lost_in = p.counters["dropped_ingress_simulated"]
+        assert lost_in + job["packets_in"] == 3 * rounds
+        assert 0.2 * 3 * rounds < lost_in < 0.4 * 3 * rounds
+        completed, lost_out = job["results_completed"], job["dropped_egress_simulated"]
+        assert completed > rounds * 0.7**3 / 2
+        assert copies == job["results_out"] == 3 * completed - lost_out
+        assert completed < lost_out < 2 * completed  # half of 3 a result
+        # a probe of a set that completed is answered with its result, or lost
+        msg = rounds // 4
+        while p.slot_state(0, msg) != (True, 0b111):
+            msg += 1
+            for rank in range(3):
+                p.receive_datagram(contribution(JOB_A, rank, slot=0, msg=msg),
+                                   JOB_A["addresses"][rank])
+        p.sync_counters()
+        before = Counter(job)
+        probe = wire.probe_of(contribution(JOB_A, 0, slot=0, msg=msg), wire.KIND_PROBE)
+        answers = sum(len(p.receive_datagram(probe, JOB_A["addresses"][0])) for _ in range(200))
+        p.sync_counters()
+        asked = job["retransmissions_answered"] - before["retransmissions_answered"]
+        assert asked == job["probes_in"] - before["probes_in"] > 100  # the rest lost coming in
+        lost = job["dropped_egress_simulated"] - before["dropped_egress_simulated"]
+        assert answers + lost == asked and 0.3 * asked < answers < 0.7 * asked
     finally:
         p.close()
 

@@ -173,12 +173,15 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
             switch.stdin.flush()
         counters: dict = {}
         planes: set = set()  # what the switches said they aggregated with
+        switch_cpu = {"thread_s": 0.0, "program_s": 0.0}
         stopped = 0
         while stopped < len(switches):
             name, msg = roles.next()
             if isinstance(name, str) and name.startswith("switch") and msg["event"] == "stats":
                 stopped += 1
                 planes.add(msg["stats"].get("data_plane"))
+                switch_cpu["thread_s"] += msg["stats"].get("cpu_s", 0.0)
+                switch_cpu["program_s"] += sum(msg["stats"].get("program_time_s", {}).values())
                 for key, value in msg["stats"]["ended_jobs"].get(job, {}).get(
                         "counters", {}).items():
                     counters[key] = (counters.get(key, 0) + value
@@ -193,8 +196,20 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
                          sent=_mean(items, "bytes_sent"), received=_mean(items, "bytes_received"),
                          retransmissions=_mean(items, "retransmissions")))
         rows[-1]["switch_data_plane"] = ",".join(sorted(str(p) for p in planes))
-    _note_uplinks(rows, uplinks, len(cases) * (args.warmup + args.repeats))
+    calls = len(cases) * (args.warmup + args.repeats)
+    _note_uplinks(rows, uplinks, calls)
+    _note_switch_cpu(rows, switch_cpu, calls)
     return rows, counters
+
+
+def _note_switch_cpu(rows, switch_cpu: dict, calls: int) -> None:
+    """The switches' CPU seconds per call, over the run's calls (all its cases
+    together, their start and end included): their serving threads' (the C and
+    Python data planes' whole work, the XDP switch's control plane) and their
+    XDP programs' own time, counted by the kernel (in no process's CPU time)."""
+    for row in rows:
+        row["switch_thread_cpu_s_per_call"] = switch_cpu["thread_s"] / calls
+        row["switch_program_s_per_call"] = switch_cpu["program_s"] / calls
 
 
 def _note_uplinks(rows, uplinks, calls: int) -> None:

@@ -585,7 +585,9 @@ def _xdp_pipeline(config: SwitchConfiguration) -> XdpPipeline:
     if reason:
         raise DataPlaneUnavailableError(f"data_plane='xdp' cannot run here: {reason}")
     return XdpPipeline(config.slots, config.packet_elements,
-                       block_elements=config.block_elements, port=config.port or 0)
+                       block_elements=config.block_elements, port=config.port or 0,
+                       drop_rate=config.drop_rate, egress_drop_rate=config.egress_drop_rate,
+                       seed=config.seed)
 
 
 def _bind_pair(host: str, port: int, attempts: int = 50):

@@ -41,6 +41,20 @@ switch's socket instead, which sends it to every rank (``passed_up``, counted
 as ``results_passed_up``), as it does where the TC program is not attached
 (a switch on a loopback interface).
 
+A UDP GSO super-packet (a run of datagrams that a sender on the same host, a
+veth peer or loopback, hands over whole; a NIC cuts it before the wire) is
+one frame to XDP: the program passes it up (``gso_passed_up``), the kernel
+cuts it into its datagrams for the switch's socket, and ``passed_up`` runs
+each through the program, a system call a datagram (``switchml bench
+--data-plane xdp`` turns the veths' segmentation offload off for that).
+
+Simulated drops (``drop_rate``, ``egress_drop_rate``) are the program's: a
+datagram coming in, or an answer or a result's copy going out, is lost when
+the kernel's random number (``bpf_get_prandom_u32``) falls below the rate
+(``dropped_ingress_simulated``, ``dropped_egress_simulated``), at the Python
+pipeline's rates, not on the same datagrams (``seed`` seeds the copies user
+space sends alone).
+
 Packets of any size the Python pipeline takes, up to 64 lanes (the default,
 16128 values in 63 blocks of 256, a 65,300-byte datagram, among them): the
 program is built for the pipeline's row size (``-DXDP_MAX_VALUES``, so that its
@@ -77,10 +91,9 @@ what is missing.
 
 Not done yet, each a difference from the Python pipeline that the tests keep
 out of their traffic: the sparse path in the program itself (in user space,
-above), simulated drop rates, IPv6, packets of more than 64 lanes (blocks), the UDP
+above), IPv6, packets of more than 64 lanes (blocks), the UDP
 checksum of received datagrams (the kernel drops a bad one before the Python
-switch's socket; the program does not check it yet), UDP GSO super-packets (a
-veth peer on the same host hands one over whole: dropped as ``bad_length``),
+switch's socket; the program does not check it yet),
 secondary addresses of an interface (``interface_of`` reads the primary one),
 a UDP checksum on the results (sent without one, which IPv4 allows), more than
 one XDP switch on an interface (it takes one XDP program: a second is refused
@@ -172,7 +185,14 @@ def row_size(values: int) -> int:
 # ---------------------------------------------------------------- map values
 class _Config(ctypes.Structure):
     _fields_ = [("slots", ctypes.c_uint32), ("port", ctypes.c_uint16),
-                ("pad", ctypes.c_uint16), ("ifindex", ctypes.c_uint32)]
+                ("pad", ctypes.c_uint16), ("ifindex", ctypes.c_uint32),
+                ("ingress_drop", ctypes.c_uint32), ("egress_drop", ctypes.c_uint32)]
+
+
+def drop_threshold(rate: float) -> int:
+    """A simulated drop rate as the program takes it: a datagram is lost when a
+    random u32 falls below this."""
+    return min(int(round(rate * 2**32)), 2**32 - 1)
 
 
 class _MemberKey(ctypes.Structure):
@@ -266,6 +286,17 @@ def _is_sparse_contribution(data) -> bool:
         bool(data[5] & wire.MODE_SPARSE)
 
 
+def _longer_than_its_header(datagram: bytes) -> bool:
+    """The program's test for a UDP GSO super-packet (xdp_pipeline.bpf.c,
+    receive_datagram): a datagram longer by a header or more than its header
+    says (its lanes and values)."""
+    if len(datagram) < wire.HEADER_SIZE or datagram[3] not in (
+            wire.KIND_CONTRIBUTION, wire.KIND_PROBE, wire.KIND_QUERY):
+        return False
+    count, lanes = struct.unpack_from("<HH", datagram, 24)
+    return len(datagram) - wire.packet_size(lanes, count) >= wire.HEADER_SIZE
+
+
 def _is_loopback(ifindex: int) -> bool:
     """Whether interface ``ifindex`` is a loopback one (IFF_LOOPBACK)."""
     flags = pathlib.Path(f"/sys/class/net/{socket.if_indextoname(ifindex)}/flags")
@@ -307,8 +338,10 @@ class XdpPipeline(Pipeline):
 
     def __init__(self, slots: int = DEFAULT_SLOTS, packet_elements: int = DEFAULT_PACKET_ELEMENTS,
                  *, block_elements: int | None = None, port: int = DEFAULT_PORT,
-                 switch_ip: str = SWITCH_IP):
-        super().__init__(slots, packet_elements, block_elements=block_elements)
+                 switch_ip: str = SWITCH_IP, drop_rate: float = 0.0,
+                 egress_drop_rate: float | None = None, seed: int | None = None):
+        super().__init__(slots, packet_elements, block_elements=block_elements,
+                         drop_rate=drop_rate, egress_drop_rate=egress_drop_rate, seed=seed)
         if self.lanes > MAX_LANES:
             raise ValueError(
                 f"the XDP data plane handles packets of at most {MAX_LANES} lanes (blocks, "
@@ -330,7 +363,7 @@ class XdpPipeline(Pipeline):
             "sets": 2 * slots, "rows": 2 * slots, "counts": slots + 1,
             "scratch": libbpf().libbpf_num_possible_cpus()})
         self.verifier_stats = self._prog.verifier_stats
-        self._prog.update("config", _u32(0), _Config(slots, socket.htons(port), 0, 0))
+        self._configure(ifindex=0)
         self._counts_type = ctypes.c_uint64 * (len(COUNTER_NAMES) * self._prog.cpus)
         self._counted: dict[int, list[int]] = {}  # counts entry -> its sums already taken
         self._job_at: dict[int, Job] = {}  # slot_base -> running job
@@ -359,7 +392,7 @@ class XdpPipeline(Pipeline):
         self.port = port
         self.address = (host, port)
         self.detach()
-        self._prog.update("config", _u32(0), _Config(self.slots, socket.htons(port), 0, ifindex))
+        self._configure(ifindex)
         try:
             self._link = self._prog.attach(ifindex, driver)
         except OSError as exc:
@@ -396,8 +429,14 @@ class XdpPipeline(Pipeline):
             if link is not None:
                 os.close(link)
         if getattr(self, "_prog", None) is not None:  # no interface: nothing to learn from
-            self._prog.update("config", _u32(0),
-                              _Config(self.slots, socket.htons(self.port), 0, 0))
+            self._configure(ifindex=0)
+
+    def _configure(self, ifindex: int) -> None:
+        """The program's settings: the pool, the port, the interface served (0:
+        none), the simulated drop rates."""
+        self._prog.update("config", _u32(0), _Config(
+            self.slots, socket.htons(self.port), 0, ifindex,
+            drop_threshold(self.ingress_drop_rate), drop_threshold(self.egress_drop_rate)))
 
     def passed_up(self, data, addr) -> list:
         """What the switch's socket sends for a datagram it received while the
@@ -438,7 +477,21 @@ class XdpPipeline(Pipeline):
         fan-out program sends the others)."""
         job = self._members[addr][0]
         job.counters["results_passed_up"] += 1
-        return [(result, m) for m in job.members]
+        return self._to_members(job, result)
+
+    def _to_members(self, job: Job, result: bytes) -> list:
+        """A completed result's datagrams to every rank of ``job``, as the fan-out
+        program sends them: each copy lost at the simulated egress drop rate (the
+        program counted every rank's in ``results_out``: a lost one is taken
+        out)."""
+        out = []
+        for member in job.members:
+            if self.egress_drop_rate and self._rng.random() < self.egress_drop_rate:
+                job.counters["dropped_egress_simulated"] += 1
+                job.counters["results_out"] -= 1
+                continue
+            out.append((result, member))
+        return out
 
     # ---------------------------------------------------------------- sparse
     def _sparse_in_user_space(self, data, addr) -> list:
@@ -478,12 +531,24 @@ class XdpPipeline(Pipeline):
         except wire.MalformedPacket:  # the reference drops it and counts why
             slot = msg = -1
         if not 0 <= slot < self.slots:  # no set to load: the reference drops it
-            return [(bytes(d), a) for d, a in Pipeline.receive_datagram(self, data, addr)]
+            return self._reference_on(data, addr)
         v = msg & 1
         before = self._load_set(v, slot)
-        out = [(bytes(d), a) for d, a in Pipeline.receive_datagram(self, data, addr)]
+        out = self._reference_on(data, addr)
         self._store_set(v, slot, before)
         return out
+
+    def _reference_on(self, data, addr) -> list:
+        """``Pipeline.receive_datagram`` on ``data``, its datagrams out copied (the
+        socket sends them after the batch), without its simulated ingress drop:
+        the program drew it for the datagram already (for a UDP GSO run it
+        passed up, once for the run).  Its simulated egress drops stay: user
+        space sends these copies alone."""
+        rate, self.ingress_drop_rate = self.ingress_drop_rate, 0.0
+        try:
+            return [(bytes(d), a) for d, a in Pipeline.receive_datagram(self, data, addr)]
+        finally:
+            self.ingress_drop_rate = rate
 
     def _python_registers(self, v: int, slot: int) -> tuple:
         return (int(self._valid[v][slot]), self._msg[v][slot], self._bitmap[v][slot],
@@ -610,8 +675,15 @@ class XdpPipeline(Pipeline):
         return super().totals()
 
     def stats(self) -> dict:
+        """The reference's stats, and the kernel's count of the programs' runs and
+        their time (zero unless run-time statistics are on:
+        ``xdp_loader.count_run_time``)."""
         self.sync_counters()
-        return super().stats()
+        stats = super().stats()
+        times = self._prog.run_times()
+        stats["program_runs"] = {name: runs for name, (_, runs) in times.items()}
+        stats["program_time_s"] = {name: ns / 1e9 for name, (ns, _) in times.items()}
+        return stats
 
     def set_registers(self, v: int, slot: int) -> dict:
         """The program's registers of set ``v`` of ``slot``: valid, msg, bitmap,
@@ -660,9 +732,22 @@ class XdpPipeline(Pipeline):
 
     # ---------------------------------------------------------------- data
     def run_frame(self, frame: bytes) -> tuple[int, bytes]:
-        """The program on one frame, as a NIC would run it: (XDP action, frame out)."""
+        """The program on one frame, as a NIC would run it: (XDP action, frame out).
+
+        A frame the program passes up as a UDP GSO super-packet (longer than its
+        header says, by a header or more) is one datagram here, in user space,
+        where the kernel has cut every GSO run into its datagrams already: it is
+        dropped, and counted as ``dropped_bad_length``, as the Python pipeline
+        counts it."""
         action, out = self._prog.test_run(frame, FRAME_HEADERS + self.datagram_size + 4096)
         self.sync_counters()
+        if action == XDP_PASS:
+            src, _, payload = parse_udp_frame(out)
+            if src in self._members and _longer_than_its_header(payload):
+                job = self._members[src][0]
+                job.counters["gso_passed_up"] -= 1
+                job.counters["dropped_bad_length"] += 1
+                return XDP_DROP, out
         return action, out
 
     def receive_datagram(self, data, addr) -> list:
@@ -674,7 +759,7 @@ class XdpPipeline(Pipeline):
         answers a probe in place, in a frame too short for the result otherwise
         (one page is, for packets past it)."""
         return self._through_program(
-            data, addr, lambda result, a: [(result, m) for m in self._members[a][0].members])
+            data, addr, lambda result, a: self._to_members(self._members[a][0], result))
 
     def _through_program(self, data, addr, to_every_rank) -> list:
         """``receive_datagram``, a completed result's datagrams made by

@@ -14,6 +14,7 @@ import os
 import pathlib
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -167,12 +168,51 @@ def libbpf() -> ctypes.CDLL:
         ("bpf_prog_test_run_opts", i, [i, vp]),
         ("libbpf_num_possible_cpus", i, []),
         ("bpf_link_create", i, [i, i, i, vp]),
+        ("bpf_obj_get_info_by_fd", i, [i, vp, vp]),
+        ("bpf_enable_stats", i, [i]),
     ]:
         fn = getattr(lib, name)
         fn.restype = res
         fn.argtypes = args
     _LIBBPF = lib
     return lib
+
+
+#: where struct bpf_prog_info (linux/bpf.h) keeps run_time_ns and run_cnt, and its
+#: size up to them; enum bpf_stats_type's BPF_STATS_RUN_TIME
+_INFO_RUN_TIME_NS, _INFO_SIZE = 192, 208
+BPF_STATS_RUN_TIME = 0
+
+
+def count_run_time() -> int:
+    """Turn on the kernel's count of every BPF program's runs and their time (two
+    reads of the clock a run) while the returned fd is open: BPF_ENABLE_STATS,
+    which, unlike the ``kernel.bpf_stats_enabled`` setting, stays on behind no
+    process that died."""
+    fd = libbpf().bpf_enable_stats(BPF_STATS_RUN_TIME)
+    _check(fd, "turning on BPF run-time statistics")
+    return fd
+
+
+def run_time_counted_always() -> bool:
+    """Whether the ``kernel.bpf_stats_enabled`` setting keeps run-time statistics
+    on (then they count whether or not ``count_run_time`` asked)."""
+    try:
+        with open("/proc/sys/kernel/bpf_stats_enabled") as f:
+            return f.read().strip() != "0"
+    except OSError:
+        return False
+
+
+def run_time(prog_fd: int) -> tuple[int, int]:
+    """(nanoseconds, runs) the kernel has counted for a program so far: it counts
+    while run-time statistics are on (``count_run_time``)."""
+    info = ctypes.create_string_buffer(_INFO_SIZE)
+    size = ctypes.c_uint32(_INFO_SIZE)
+    _check(libbpf().bpf_obj_get_info_by_fd(prog_fd, info, ctypes.byref(size)),
+           "reading a program's info")
+    ns, runs = struct.unpack_from("=QQ", info.raw, _INFO_RUN_TIME_NS)
+    return ns, runs
 
 
 def _check(rc: int, what: str) -> None:
@@ -244,6 +284,10 @@ class Program:
         if self._obj:
             self._lib.bpf_object__close(self._obj)
             self._obj = None
+
+    def run_times(self) -> dict[str, tuple[int, int]]:
+        """(nanoseconds, runs) of each of the object's programs (``run_time``)."""
+        return {PROGRAM: run_time(self.prog_fd), FAN_OUT_PROGRAM: run_time(self.fan_out_fd)}
 
     def update(self, name: str, key, value, locked: bool = False) -> None:
         """``locked``: a value that holds a bpf_spin_lock is written under that

@@ -133,6 +133,8 @@ enum xdp_counter {
     C_RESENDS_ASKED,
     C_DROPPED_BAD_PROBE,
     C_QUERIES_DONE,
+    C_DROPPED_INGRESS_SIMULATED,
+    C_DROPPED_EGRESS_SIMULATED,
     /* this program's own */
     C_DROPPED_BAD_IP_UDP,         /* a header the kernel refuses: checksum, lengths */
     C_DROPPED_IP_OPTIONS,         /* an IPv4 header with options (no worker sends one) */
@@ -140,6 +142,7 @@ enum xdp_counter {
     C_SPARSE_PASSED_UP,           /* sparse contributions: user space aggregates them */
     C_DROPPED_INTERNAL,           /* a map entry the control plane must have made */
     C_PROBES_PASSED_UP,           /* no room to answer in the frame: user space does */
+    C_GSO_PASSED_UP,              /* a UDP GSO super-packet: its datagrams go through user space */
     C_RESULTS_FANNED_OUT,         /* copies of a result sent to ranks by fan_out_results */
     C_RESULTS_FANOUT_FAILED,      /* copies it could not send (the rank's probe recovers) */
     XDP_NCOUNTERS
@@ -155,6 +158,10 @@ struct xdp_config {
     __u16 port;    /* the switch's UDP port, network order */
     __u16 pad;
     __u32 ifindex; /* the interface served (xdp.XdpPipeline.serve); 0: none */
+    /* simulated drops (pipeline.py's drop_rate, egress_drop_rate): a datagram
+     * in, or an answer or result copy out, is lost when a random u32 falls
+     * below these (the rate times 2**32); 0: none */
+    __u32 ingress_drop, egress_drop;
 };
 
 /* Member table, the controller's table entries: source address -> job, rank. */
@@ -537,6 +544,18 @@ static __always_inline int frame_to_host(struct xdp_md *ctx)
     return XDP_PASS;
 }
 
+/* pipeline.py's simulated egress drop of one answer or result copy: whether it
+ * is lost (counted). */
+static __always_inline int egress_dropped(struct xdp_counters *counters)
+{
+    __u32 zero = 0;
+    const struct xdp_config *cfg = bpf_map_lookup_elem(&config, &zero);
+    if (!cfg || !cfg->egress_drop || bpf_get_prandom_u32() >= cfg->egress_drop)
+        return 0;
+    count(counters, C_DROPPED_EGRESS_SIMULATED, 1);
+    return 1;
+}
+
 /* Send the `len` bytes in scratch (a result) instead of the datagram: the frame
  * (of its headers and the datagram, and whatever padding followed it) grows or
  * shrinks to fit. */
@@ -629,12 +648,16 @@ static __always_inline int answer_probe(struct xdp_md *ctx, struct xdp_counters 
             return XDP_DROP;
         }
         count(counters, C_RETRANSMISSIONS_ANSWERED, 1);
+        if (egress_dropped(counters))
+            return XDP_DROP;
         count(counters, C_RESULTS_OUT, 1);
         return frame_to_sender(ctx, out_len);
     }
     default: { /* pipeline._answer_header: the probe's header as a resend or done */
         __u8 kind = action == A_DONE ? WIRE_KIND_DONE : WIRE_KIND_RESEND;
         count(counters, action == A_DONE ? C_QUERIES_DONE : C_RESENDS_ASKED, 1);
+        if (egress_dropped(counters))
+            return XDP_DROP;
         __u32 session = job->session; /* the job's, not the rank's token */
         if (bpf_xdp_store_bytes(ctx, FRAME_HEADERS + 3, &kind, 1) ||
             bpf_xdp_store_bytes(ctx, FRAME_HEADERS + 8, &session, 4)) {
@@ -706,8 +729,22 @@ static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
     if (h.mode != 0 && h.mode != WIRE_MODE_SPARSE &&
         h.mode != (WIRE_MODE_SPARSE | WIRE_MODE_SEED) && h.mode != WIRE_MODE_MAX)
         DROP(C_DROPPED_BAD_MODE);
-    if (len != WIRE_HEADER_SIZE + WIRE_LANE_SIZE * (__u32)h.lanes + 4 * (__u32)h.count)
+    __u32 declared = WIRE_HEADER_SIZE + WIRE_LANE_SIZE * (__u32)h.lanes + 4 * (__u32)h.count;
+    if (len != declared) {
+        /* Longer by a header or more: a UDP GSO super-packet, a run of
+         * datagrams a sender on this host (a veth peer, loopback) hands over
+         * whole, which XDP sees as one.  Passed up, the kernel cuts it into its
+         * datagrams for the switch's socket (a socket without UDP_GRO), and
+         * user space runs each through this program (xdp.XdpPipeline.passed_up);
+         * anything else that long is dropped there, as bad_length. */
+        if (len > declared && len - declared >= WIRE_HEADER_SIZE &&
+            (h.kind == WIRE_KIND_CONTRIBUTION || h.kind == WIRE_KIND_PROBE ||
+             h.kind == WIRE_KIND_QUERY)) { /* what a worker sends: never a result */
+            count(counters, C_GSO_PASSED_UP, 1);
+            return XDP_PASS;
+        }
         DROP(C_DROPPED_BAD_LENGTH);
+    }
     /* admission: the job's table entries */
     if (h.kind != WIRE_KIND_CONTRIBUTION && h.kind != WIRE_KIND_PROBE &&
         h.kind != WIRE_KIND_QUERY)
@@ -838,6 +875,8 @@ static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
         DROP(C_DROPPED_MISMATCH);
     case A_RESULT_ONE:
         count(counters, C_RETRANSMISSIONS_ANSWERED, 1);
+        if (egress_dropped(counters))
+            return XDP_DROP;
         if (put_scratch(ctx, in->bytes, out_len))
             DROP(C_DROPPED_INTERNAL);
         count(counters, C_RESULTS_OUT, 1);
@@ -906,6 +945,10 @@ int xdp_pipeline(struct xdp_md *ctx)
         tot > frame - sizeof(struct ethhdr) || ulen < sizeof(struct udphdr) ||
         ulen > tot - sizeof(struct iphdr)) {
         count(global, C_DROPPED_BAD_IP_UDP, 1);
+        return XDP_DROP;
+    }
+    if (cfg->ingress_drop && bpf_get_prandom_u32() < cfg->ingress_drop) {
+        count(global, C_DROPPED_INGRESS_SIMULATED, 1);
         return XDP_DROP;
     }
     struct member_key key = {.addr = ip->saddr, .port = udp->source, .pad = 0};
@@ -1007,6 +1050,10 @@ int fan_out_results(struct __sk_buff *skb)
         const struct rank_address *a = bpf_map_lookup_elem(&rank_addresses, &at);
         if (!a)
             break; /* cannot be: checked above */
+        if (egress_dropped(counters)) { /* this copy lost: counted out again */
+            count(counters, C_RESULTS_OUT, (__u64)-1);
+            continue;
+        }
         __builtin_memcpy(f.eth.h_dest, a->mac, ETH_ALEN);
         __builtin_memcpy(f.eth.h_source, switch_mac, ETH_ALEN);
         f.ip.saddr = switch_addr;
@@ -1028,7 +1075,7 @@ int fan_out_results(struct __sk_buff *skb)
         count(counters, bpf_clone_redirect(skb, cfg->ifindex, 0) ? C_RESULTS_FANOUT_FAILED
                                                                 : C_RESULTS_FANNED_OUT, 1);
     }
-    return TC_ACT_SHOT; /* the last rank's copy failed: the socket gets nothing */
+    return TC_ACT_SHOT; /* the last rank's copy failed or was lost: the socket gets nothing */
 }
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
