@@ -860,6 +860,40 @@ def test_simulated_drops_lose_datagrams_in_and_copies_out_at_their_rates():
         p.close()
 
 
+def test_sparse_contributions_are_lost_coming_in_once_at_the_rate():
+    """With simulated drops, a sparse contribution meets the ingress drop once:
+    in the program, which passes up the rest; the reference's sparse path in
+    user space does not draw it again (which would lose about half, 0.51, at a
+    rate of 0.3).  The results it sends alone meet the egress drop there."""
+    p = xdp.XdpPipeline(SLOTS, PACKET, block_elements=BLOCK, drop_rate=0.3,
+                        egress_drop_rate=0.5, seed=2)
+    try:
+        p.install_job("A", JOB_A["session"], JOB_A["addresses"], 0, 4, tokens=JOB_A["tokens"])
+        table = np.zeros(PACKET // BLOCK, wire.LANE)
+        table["pos"], table["nxt"], table["flag"] = 0, 1, wire.FLAG_BLOCK
+        rounds, copies = 300, 0
+        for n in range(rounds):
+            for rank in range(3):
+                data = wire.encode(wire.KIND_CONTRIBUTION, 0, n % 4, JOB_A["tokens"][rank],
+                                   n // 4, 0, 0, table, np.ones(PACKET, np.int32),
+                                   mode=wire.MODE_SPARSE)
+                out = p.receive_datagram(data, JOB_A["addresses"][rank])
+                copies += len(out)
+                assert all(wire.values(d, 4, 16).tolist() == [3] * 16 for d, _ in out)
+        p.sync_counters()
+        job = p.jobs[JOB_A["session"]].counters
+        lost_in = p.counters["dropped_ingress_simulated"]
+        assert lost_in + job["packets_in"] == 3 * rounds
+        assert job["sparse_passed_up"] == job["packets_in"]
+        assert 0.2 * 3 * rounds < lost_in < 0.4 * 3 * rounds
+        completed, lost_out = job["results_completed"], job["dropped_egress_simulated"]
+        assert completed > rounds * 0.7**3 / 2
+        assert copies == job["results_out"] == 3 * completed - lost_out
+        assert completed < lost_out < 2 * completed
+    finally:
+        p.close()
+
+
 # ---------------------------------------------------------------- several CPUs
 def _race_on(prog_fd: int, cpu: int, runs, rounds: int, barrier, conn, result_values: dict,
              values_at: int) -> None:
