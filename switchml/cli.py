@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-plane", choices=["python", "c", "xdp"],
                    help="where datagrams are aggregated: python, c (default when built), or "
                         "xdp (an XDP program on the interface holding --host; root, clang, "
-                        "libbpf; dense calls only) ($SWITCHML_DATA_PLANE)")
+                        "libbpf; sparse calls go through the switch's user space) "
+                        "($SWITCHML_DATA_PLANE)")
     p.add_argument("--shared-link", action="store_true", default=None,
                    help="this switch is a server behind one link all its workers share (no "
                         "programmable switch): a job's window is its ranks' share of that "

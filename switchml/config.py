@@ -265,9 +265,9 @@ class SwitchConfiguration:
     ``data_plane`` ("python", "c", "xdp", or None: the ``fastpath`` rule; "xdp"
     runs the dense path in an XDP program attached to the interface holding
     ``host``: it needs Linux, clang, libbpf and CAP_BPF with CAP_NET_ADMIN,
-    packets of at most 64 blocks (the default's 63 fit; see switch/xdp.py), no
-    simulated drops and no ``upstream``; sparse calls are not
-    aggregated there),
+    packets of at most 64 blocks (the default's 63 fit; see switch/xdp.py) and
+    no ``upstream``; the program passes sparse contributions up to the switch,
+    which aggregates them in user space),
     ``upstream`` ("host:port" of a spine switch: this switch is then a rack
     switch, whose jobs' partial sums go up to the spine; its data plane runs in
     Python), ``shared_link`` (the switch is a server behind one link that all

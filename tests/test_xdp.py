@@ -12,14 +12,21 @@ swapped for an answer to the sender alone, XDP_PASS for a completed result
 
 Traffic: hypothesis (derandomized) sequences of valid, duplicated, reordered,
 stale and hostile datagrams, and real worker engines in the simulator with
-loss, duplication and reordering.  The program does the dense path only: the
-traffic here has no sparse mode (a test below shows how it is refused).
+loss, duplication and reordering, dense calls and sparse ones.  The program
+does the dense path; a sparse contribution it passes up (XDP_PASS, the frame
+as it came), and the switch's socket hands it to ``XdpPipeline.passed_up``,
+which runs pipeline.py's sparse path on the set in the program's maps: these
+tests do the same (``Both.deliver``), and then compare as for any datagram.
 
 Several CPUs: two processes pinned to two CPUs feed the same slots at once
 (``test_two_cpus_*``): with the program's bpf_spin_lock calls removed it loses
 contributions (hundreds of 3000 results wrong or missing, each run tried), and
 without the probe path's lock alone answers to probes come out torn (5 to 15
-of some 15,000 a run); with them, none.
+of some 15,000 a run); with them, none.  And a process on one CPU probes a
+sparse set while user space writes it on another
+(``test_probes_on_another_cpu_*``): with the row written before the registers
+that make the set hold its new message, some 300 of 20,000 answers come out
+torn; in ``_store_set``'s order, none.
 
 Skips, saying why, without root, clang, libbpf or the kernel headers
 (``make test`` installs them as root).
@@ -56,10 +63,10 @@ JOB_B = dict(name="B", session=0xB0B, slot_base=4, slots=4, packet=8, block=2,
              addresses=[("10.0.0.2", 6000 + r) for r in range(2)], tokens=[0xB1, 0xB2])
 STRANGERS = [("10.0.0.1", 4999), ("10.0.0.9", 5000), ("10.0.0.2", 5000)]
 # counters the program keeps that pipeline.py has no twin of: frames the kernel
-# would have dropped before the socket, the paths the program does not do yet,
-# and the copies of results its fan-out sends (tests/test_xdp_serve.py)
+# would have dropped before the socket, what it passes up to user space, and
+# the copies of results its fan-out sends (tests/test_xdp_serve.py)
 XDP_ONLY = {"dropped_bad_ip_udp", "dropped_ip_options", "dropped_ip_fragment",
-            "dropped_sparse_unsupported", "dropped_internal", "probes_passed_up", "gso_passed_up",
+            "sparse_passed_up", "dropped_internal", "probes_passed_up", "gso_passed_up",
             "results_fanned_out", "results_fanout_failed"}
 DIFF = settings(max_examples=40, derandomize=True, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -115,6 +122,7 @@ class Both:
         for job in jobs:
             self.install(job)
         self.deliveries = 0
+        self.sparse_passed_up = 0  # datagrams the program passed up to passed_up
 
     def install(self, job):
         for p in (self.ref, self.xdp):
@@ -130,8 +138,14 @@ class Both:
         before = self.ref.totals()["results_completed"]
         want = [(bytes(d), a) for d, a in self.ref.receive_datagram(data, src)]
         completed = self.ref.totals()["results_completed"] - before
-        action, out = self.xdp.run_frame(frame(src, data) + bytes(pad))
-        if not want:
+        sent = frame(src, data) + bytes(pad)
+        action, out = self.xdp.run_frame(sent)
+        if action == xdp.XDP_PASS and out == sent and data[3] == wire.KIND_CONTRIBUTION and \
+                data[5] & wire.MODE_SPARSE:  # passed up, as it came: the socket's path
+            got = self.xdp.passed_up(data, src)
+            assert [(bytes(d), a) for d, a in got] == want
+            self.sparse_passed_up += 1
+        elif not want:
             assert action == xdp.XDP_DROP, (xdp.ACTIONS.get(action), want)
         elif completed:  # the result, to every rank: handed to the switch's socket
             job = self.ref._members[src][0]
@@ -159,7 +173,11 @@ class Both:
     def check(self):
         assert without_zeros(self.xdp.counters) == without_zeros(self.ref.counters)
         for session, job in self.ref.jobs.items():
-            assert without_zeros(self.xdp.jobs[session].counters) == without_zeros(job.counters)
+            got = without_zeros(self.xdp.jobs[session].counters)
+            got.pop("sparse_passed_up", None)
+            assert got == without_zeros(job.counters)
+        # each sparse contribution the program passed up, counted once
+        assert self.xdp.totals()["sparse_passed_up"] == self.sparse_passed_up
         assert [(j.name, m) for j, m in self.xdp.take_mismatches()] == \
             [(j.name, m) for j, m in self.ref.take_mismatches()]
         self.check_slots()
@@ -206,17 +224,49 @@ def contribution(job, rank, *, slot=0, msg=0, seq=0, pkt_id=0, dtype=0, mode=0, 
                        table, vals, mode=mode, call=call)
 
 
+def sparse_contribution(job, rank, rng: random.Random, pos: list, *, slot=0, msg=0, seq=0,
+                        pkt_id=0, dtype=0, mode=wire.MODE_SPARSE, values=None, exps=None,
+                        call=0, **_) -> bytes:
+    """A sparse contribution (OmniReduce's, as a worker's sparse engine sends it):
+    the blocks it flags (a random few of the packet's lanes, maybe none), their
+    values, and per lane the call's position ``pos`` and the rank's next one;
+    now and then out of step with the others (another position in a lane), a
+    block count that disagrees with the flags, or flag bits besides the block's."""
+    lanes = job["packet"] // job["block"]
+    table = np.zeros(lanes, wire.LANE)
+    table["pos"] = pos
+    if rng.random() < 0.05:
+        table["pos"][rng.randrange(lanes)] ^= 1
+    table["nxt"] = [p + rng.choice([0, 1, 1, 2, 7]) for p in pos]  # 0: the lane is done
+    if exps is not None:
+        table["exp"] = exps[:lanes]
+    flagged = [lane for lane in range(lanes) if rng.random() < 0.5]
+    table["flag"][flagged] = wire.FLAG_BLOCK
+    if rng.random() < 0.1:
+        table["flag"][rng.randrange(lanes)] |= 2
+    count = len(flagged) * job["block"]
+    if rng.random() < 0.05:
+        count = rng.choice([max(0, count - job["block"]), count + 1])
+    vals = np.asarray(values if values is not None else [0] * job["packet"], np.int32)
+    vals = np.resize(vals, count)
+    return wire.encode(wire.KIND_CONTRIBUTION, dtype, job["slot_base"] + slot,
+                       job["tokens"][rank], msg, seq, pkt_id, table, vals, mode=mode, call=call)
+
+
 I32 = st.integers(-2**31, 2**31 - 1)
 I16 = st.integers(-2**15, 2**15 - 1)
 
 
-def traffic(rng: random.Random, rounds: int, replay: float, hostile_rate: float):
+def traffic(rng: random.Random, rounds: int, replay: float, hostile_rate: float,
+            sparse: bool = False):
     """Datagrams and their sources: ``rounds`` aggregations (a job, a slot, a
     message; every rank's contribution with random values and exponents), their
     datagrams reordered, some replayed (duplicates, retransmissions of complete
     sets, stale messages), probed or queried, made hostile; messages mostly follow
     one another on a slot, sometimes jump ahead or go back; now and then a rank
-    disagrees on the call."""
+    disagrees on the call.  With ``sparse``, half the calls are sparse (with or
+    without MODE_SEED: ``sparse_contribution``), on the same slots as the dense
+    ones, and a rank may disagree on the sparseness."""
     msgs: dict = {}
     pending: list = []
     sent: list = []
@@ -227,21 +277,29 @@ def traffic(rng: random.Random, rounds: int, replay: float, hostile_rate: float)
         msg = (msg + rng.choice([1, 1, 1, 1, 2, 2**31, -1, 0])) % 2**32
         msgs[job["name"], slot] = msg
         ids = dict(slot=slot, msg=msg, seq=rng.randrange(3), pkt_id=rng.randrange(3),
-                   dtype=rng.randrange(3), mode=rng.choice([0, 0, wire.MODE_MAX]),
+                   dtype=rng.randrange(3),
+                   mode=rng.choice([0, 0, wire.MODE_MAX] + ([
+                       wire.MODE_SPARSE, wire.MODE_SPARSE, wire.MODE_SPARSE | wire.MODE_SEED]
+                       if sparse else [])),
                    count=rng.choice([job["packet"]] * 3 + [0, 1, job["packet"] - 1]),
                    call=rng.choice([0, 17, 2**31 + 17]))
         lanes = job["packet"] // job["block"]
+        pos = [rng.randrange(2**31) for _ in range(lanes)]  # a sparse call's, per lane
         for rank in range(len(job["addresses"])):
             mine = dict(ids)
             if rng.random() < 0.05:  # this rank calls something else
                 field = rng.choice(["seq", "pkt_id", "dtype", "call", "count", "mode"])
+                other_mode = {0: wire.MODE_MAX, wire.MODE_MAX: 0, wire.MODE_SPARSE: 0,
+                              wire.MODE_SPARSE | wire.MODE_SEED: wire.MODE_SPARSE}
                 mine[field] = {"dtype": (ids["dtype"] + 1) % 3, "count": max(0, ids["count"] - 1),
-                               "mode": wire.MODE_MAX - ids["mode"]}.get(field, ids[field] + 1)
+                               "mode": other_mode[ids["mode"]]}.get(field, ids[field] + 1)
             values = [rng.choice([rng.randrange(-2**31, 2**31), -2**31, 2**31 - 1, 0, 1])
                       for _ in range(job["packet"])]
             exps = [rng.choice([rng.randrange(-2**15, 2**15), -2**15, 2**15 - 1])
                     for _ in range(lanes)]
-            pending.append((contribution(job, rank, values=values, exps=exps, **mine),
+            make = sparse_contribution if mine["mode"] & wire.MODE_SPARSE else contribution
+            extra = (rng, pos) if make is sparse_contribution else ()
+            pending.append((make(job, rank, *extra, values=values, exps=exps, **mine),
                             job["addresses"][rank]))
         while len(pending) > rng.randrange(4):  # the rest stays, to be reordered with later
             data, src = pending.pop(rng.randrange(len(pending)))
@@ -260,14 +318,15 @@ def traffic(rng: random.Random, rounds: int, replay: float, hostile_rate: float)
                     yield wire.probe_of(again[:12] + msg.to_bytes(4, "little") + again[16:],
                                         rng.choice([wire.KIND_PROBE, wire.KIND_QUERY])), by
             while rng.random() < hostile_rate:
-                yield hostile(rng, *rng.choice(sent[-12:]))
+                yield hostile(rng, *rng.choice(sent[-12:]), sparse=sparse)
     rng.shuffle(pending)
     yield from pending
 
 
-def hostile(rng: random.Random, data: bytes, src):
+def hostile(rng: random.Random, data: bytes, src, sparse: bool = False):
     """``data`` (valid, from member ``src``) made hostile in one of the ways the
-    pipeline counts; never a sparse mode (the program's gap, tested alone)."""
+    pipeline counts; in a sparse mode only with ``sparse`` (kept apart: the
+    dense traffic's examples stay the program's alone)."""
     members = JOB_A["addresses"] + JOB_B["addresses"]
     way = rng.randrange(14)
     out = bytearray(data)
@@ -311,7 +370,7 @@ def hostile(rng: random.Random, data: bytes, src):
         for _ in range(rng.randrange(1, 3)):
             bit = rng.randrange(8 * min(len(out), 32))
             out[bit // 8] ^= 1 << bit % 8
-    if len(out) > 5 and out[5] & wire.MODE_SPARSE and out[5] in wire.MODES:
+    if not sparse and len(out) > 5 and out[5] & wire.MODE_SPARSE and out[5] in wire.MODES:
         out[5] = 0
     return bytes(out), src
 
@@ -453,6 +512,27 @@ def test_faulty_worker_traffic_through_both():
             both.close()
 
 
+def test_faulty_worker_traffic_of_sparse_and_dense_calls_through_both():
+    """Real worker engines alternating dense and sparse calls (OmniReduce's
+    rounds, their exponent rounds MODE_MAX, MODE_SEED) in the simulator, with
+    loss, duplication and reordering: the program and the sparse path it passes
+    up against the Python pipeline, every datagram; the sums exact."""
+    from test_fastpath import run_jobs
+
+    for seed, faults in [(4, Faults(loss=0.1, duplicate=0.1, jitter=2e-3)),
+                         (5, Faults(loss=0.2, jitter=1e-4)), (6, Faults())]:
+        both = Both(jobs=())
+        try:
+            calls = [("A", "int32", 300, True, 0.3), ("A", "float32", 200, False, 1.0),
+                     ("B", "float32", 70, True, 0.5), ("A", "float32", 130, True, 0.1),
+                     ("B", "int32", 40, False, 1.0), ("B", "int32", 33, True, 0.0)]
+            run_jobs(_SimAdapter(both), seed, faults, calls)
+            assert both.sparse_passed_up > 0
+            assert both.xdp.totals()["sparse_blocks_in"] > 0
+        finally:
+            both.close()
+
+
 class _SimAdapter:
     """Both as the simulator's pipeline: its jobs come from the simulation (with
     the sessions as tokens, as a job without tokens has)."""
@@ -526,15 +606,99 @@ def test_frames_the_kernel_would_drop_are_dropped_and_counted_apart(both):
     assert both.xdp.jobs[JOB_A["session"]].counters["packets_in"] == 1
 
 
-def test_sparse_contributions_are_refused_and_counted(both):
-    """Not in the program yet: a sparse contribution is dropped (pipeline.py
-    would aggregate it), counted as dropped_sparse_unsupported, no state touched."""
-    data = bytearray(contribution(JOB_A, 0))
-    data[5] = wire.MODE_SPARSE
-    assert both.xdp.run_frame(frame(JOB_A["addresses"][0], bytes(data)))[0] == xdp.XDP_DROP
-    assert without_zeros(both.xdp.jobs[JOB_A["session"]].counters) == \
-        {"dropped_sparse_unsupported": 1}
-    both.check_slots()
+@DIFF
+@given(seed=st.integers(0, 2**32 - 1), rounds=st.integers(1, 24),
+       replay=st.sampled_from([0.0, 0.2, 0.5]), hostile_rate=st.sampled_from([0.0, 0.1, 0.4]))
+def test_sparse_and_dense_calls_same_datagrams_counters_and_slots(seed, rounds, replay,
+                                                                  hostile_rate):
+    """Sparse calls (OmniReduce's blocks, with or without MODE_SEED) among dense
+    ones on the same slots, reordered, replayed, probed, disagreeing (on the
+    sparseness too), out of step, made hostile: the program's dense path and
+    the sparse path it passes up to user space (``passed_up``), against the
+    Python pipeline alone; equal after every datagram, the slot state in the
+    program's maps included (which the program answers the sparse sets'
+    probes from)."""
+    both = Both()
+    try:
+        for data, src in traffic(random.Random(seed), rounds, replay, hostile_rate, sparse=True):
+            both.deliver(data, src)
+    finally:
+        both.close()
+
+
+def test_sparse_traffic_goes_up_and_completes():
+    """The traffic of the test above does what it is for: sparse contributions
+    passed up, sparse sets completed, started over dense ones and dense ones
+    over them, their probes answered by the program (seeds chosen here, not by
+    hypothesis, so that this holds for each)."""
+    totals: Counter = Counter()
+    for seed in range(4):
+        both = Both()
+        try:
+            for data, src in traffic(random.Random(seed), 40, 0.3, 0.1, sparse=True):
+                both.deliver(data, src)
+            assert both.sparse_passed_up > 0
+            totals.update(both.ref.totals())
+        finally:
+            both.close()
+    for counter in ("sparse_blocks_in", "sparse_blocks_out", "sparse_blocks_skipped",
+                    "results_completed", "retransmissions_answered", "resends_asked",
+                    "dropped_mismatch", "dropped_bad_block_count", "duplicates"):
+        assert totals[counter] > 0, counter
+
+
+def test_sparse_calls_aggregate_in_user_space_on_the_programs_sets(both, caplog):
+    """A sparse call of job A (three ranks, blocks of their own) goes up, whole,
+    to passed_up, which completes it on the set in the program's maps: the
+    result holds the blocks any rank sent, summed and compacted; the program
+    answers its probe itself (XDP_TX) from the maps; a retransmission of a
+    sparse contribution goes up and gets the stored result; dense calls on the
+    same slot before and after, in the program; the job's sparse path logged
+    once."""
+    import logging
+
+    caplog.set_level(logging.INFO, "switchml.switch")
+    rng = np.random.default_rng(5)
+    lanes, block = JOB_A["packet"] // JOB_A["block"], JOB_A["block"]
+    srcs = JOB_A["addresses"]
+    for msg in range(4):  # sparse, dense, dense over the sparse set, sparse over the dense
+        sparse = msg in (0, 3)
+        full = rng.integers(-2**31, 2**31, (3, lanes, block), dtype=np.int64).astype(np.int32)
+        present = [[0, 2], [2], []] if msg == 0 else [[1], [1, 3], [0, 1]]
+        for rank in range(3):
+            if sparse:
+                table = np.zeros(lanes, wire.LANE)
+                table["pos"], table["nxt"] = 10, 11
+                table["flag"][present[rank]] = wire.FLAG_BLOCK
+                data = wire.encode(wire.KIND_CONTRIBUTION, 0, 1, JOB_A["tokens"][rank], msg, 0,
+                                   0, table, full[rank, present[rank]].ravel(),
+                                   mode=wire.MODE_SPARSE)
+            else:
+                data = contribution(JOB_A, rank, slot=1, msg=msg, values=full[rank].ravel())
+            want = both.deliver(data, srcs[rank])
+        assert [a for _, a in want] == srcs
+        if sparse:
+            blocks = sorted({b for p in present for b in p})
+            sums = np.zeros((lanes, block), np.int64)
+            for rank in range(3):
+                sums[present[rank]] += full[rank, present[rank]]
+            expect = ((sums[blocks] + 2**31) % 2**32 - 2**31).ravel()
+            assert wire.values(want[0][0], lanes, len(blocks) * block).tolist() == \
+                expect.tolist()
+            assert both.xdp.set_registers(msg & 1, 1)["id_count"] == len(blocks) * block
+            # a retransmission goes up and gets the stored result
+            assert both.deliver(data, srcs[2]) == [(want[0][0], srcs[2])]
+        # the probe of the complete set: answered by the program, from its maps
+        probe = wire.probe_of(data)
+        action, out = both.xdp.run_frame(frame(srcs[2], probe))
+        assert action == xdp.XDP_TX and unpack(out)[4] == want[0][0]
+        both.ref.receive_datagram(probe, srcs[2])  # as both.deliver: the reference counts it
+        both.check()
+    counters = both.xdp.jobs[JOB_A["session"]].counters
+    assert counters["sparse_passed_up"] == both.sparse_passed_up == 2 * 3 + 2
+    assert counters["results_completed"] == 4
+    said = [r for r in caplog.records if "sparse calls" in r.getMessage()]
+    assert len(said) == 1 and "'A'" in said[0].getMessage()
 
 
 def test_a_gso_run_is_passed_up_and_a_long_datagram_in_user_space_is_bad_length():
@@ -692,6 +856,40 @@ def test_simulated_drops_lose_datagrams_in_and_copies_out_at_their_rates():
         assert asked == job["probes_in"] - before["probes_in"] > 100  # the rest lost coming in
         lost = job["dropped_egress_simulated"] - before["dropped_egress_simulated"]
         assert answers + lost == asked and 0.3 * asked < answers < 0.7 * asked
+    finally:
+        p.close()
+
+
+def test_sparse_contributions_are_lost_coming_in_once_at_the_rate():
+    """With simulated drops, a sparse contribution meets the ingress drop once:
+    in the program, which passes up the rest; the reference's sparse path in
+    user space does not draw it again (which would lose about half, 0.51, at a
+    rate of 0.3).  The results it sends alone meet the egress drop there."""
+    p = xdp.XdpPipeline(SLOTS, PACKET, block_elements=BLOCK, drop_rate=0.3,
+                        egress_drop_rate=0.5, seed=2)
+    try:
+        p.install_job("A", JOB_A["session"], JOB_A["addresses"], 0, 4, tokens=JOB_A["tokens"])
+        table = np.zeros(PACKET // BLOCK, wire.LANE)
+        table["pos"], table["nxt"], table["flag"] = 0, 1, wire.FLAG_BLOCK
+        rounds, copies = 300, 0
+        for n in range(rounds):
+            for rank in range(3):
+                data = wire.encode(wire.KIND_CONTRIBUTION, 0, n % 4, JOB_A["tokens"][rank],
+                                   n // 4, 0, 0, table, np.ones(PACKET, np.int32),
+                                   mode=wire.MODE_SPARSE)
+                out = p.receive_datagram(data, JOB_A["addresses"][rank])
+                copies += len(out)
+                assert all(wire.values(d, 4, 16).tolist() == [3] * 16 for d, _ in out)
+        p.sync_counters()
+        job = p.jobs[JOB_A["session"]].counters
+        lost_in = p.counters["dropped_ingress_simulated"]
+        assert lost_in + job["packets_in"] == 3 * rounds
+        assert job["sparse_passed_up"] == job["packets_in"]
+        assert 0.2 * 3 * rounds < lost_in < 0.4 * 3 * rounds
+        completed, lost_out = job["results_completed"], job["dropped_egress_simulated"]
+        assert completed > rounds * 0.7**3 / 2
+        assert copies == job["results_out"] == 3 * completed - lost_out
+        assert completed < lost_out < 2 * completed
     finally:
         p.close()
 
@@ -873,3 +1071,108 @@ def test_two_cpus_probing_a_set_another_starts_afresh_get_whole_results():
     assert counters["packets_in"] == rounds * slots * want["world"]
     assert counters["retransmissions_answered"] == answered
 
+
+
+def _probe_while(prog_fd: int, cpu: int, probe: bytes, progress, done, expected: dict,
+                 conn) -> None:
+    """A child process on CPU ``cpu``: until ``done``, probes (``probe``, its
+    message patched in) of the messages around ``progress`` (the one the parent
+    aggregates: it and the two before) through BPF_PROG_TEST_RUN.  Sends back
+    how many answers were stored results, how many of those were not the whole
+    result of the message probed (``expected``), and any action but XDP_TX or
+    XDP_DROP."""
+    import ctypes
+
+    try:
+        os.sched_setaffinity(0, {cpu})
+        lib = xdp_loader.libbpf()
+        data_in = ctypes.create_string_buffer(probe, len(probe))
+        data_out = ctypes.create_string_buffer(8192)
+        opts = xdp_loader.TestRunOpts(sz=ctypes.sizeof(xdp_loader.TestRunOpts),
+                                      data_in=ctypes.cast(data_in, ctypes.c_void_p),
+                                      data_out=ctypes.cast(data_out, ctypes.c_void_p),
+                                      data_size_in=len(probe), repeat=1)
+        ref = ctypes.byref(opts)
+        answers, wrong, other = 0, 0, Counter()
+        while not done.is_set():
+            now = progress.value
+            for msg in range(max(0, now - 2), now + 1):
+                struct.pack_into("<I", data_in, 42 + 12, msg)
+                opts.data_size_out = len(data_out)
+                rc = lib.bpf_prog_test_run_opts(prog_fd, ref)
+                if rc:
+                    raise OSError(-rc, "BPF_PROG_TEST_RUN")
+                payload = data_out.raw[42: opts.data_size_out]
+                if opts.retval == xdp.XDP_TX and payload[3] == wire.KIND_RESULT:
+                    answers += 1
+                    wrong += payload != expected[msg]
+                elif opts.retval not in (xdp.XDP_TX, xdp.XDP_DROP):
+                    other[opts.retval] += 1
+        conn.send((answers, wrong, other))
+    except BaseException as exc:  # the parent reports it
+        conn.send(exc)
+
+
+def test_probes_on_another_cpu_while_user_space_aggregates_sparse_sets_get_whole_results():
+    """The program answers a sparse set's probes from its maps while user space
+    writes that set (``_store_set``): a child on another CPU probes, without a
+    pause, the message the parent aggregates by passed_up and the two before
+    (the same set: each sparse message starts afresh over the one two back);
+    every stored result it gets must be the whole result of the message it
+    asked for, and the parent's results the Python pipeline's.  Writing the row
+    before the registers that make the set hold the new message (a probe of the
+    old message then reads a row half new) makes this fail."""
+    import multiprocessing
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    packet, block, messages = 768, 192, 1500
+    job = dict(JOB_A, packet=packet, block=block, slots=1, addresses=JOB_A["addresses"][:2],
+               tokens=JOB_A["tokens"][:2])
+    ref = Pipeline(1, packet, block_elements=block)
+    p = xdp.XdpPipeline(1, packet, block_elements=block, port=SWITCH[1], switch_ip=SWITCH[0])
+    try:
+        for pipeline in (ref, p):
+            pipeline.install_job("A", job["session"], job["addresses"], 0, 1, packet, block,
+                                 tokens=job["tokens"])
+        rng = random.Random(8)
+        calls, expected = [], {}
+        for msg in range(messages):
+            pos = [msg] * (packet // block)
+            datagrams = [sparse_contribution(job, rank, rng, pos, msg=msg,
+                                             values=[rng.randrange(-2**31, 2**31)
+                                                     for _ in range(packet)])
+                         for rank in range(2)]
+            for rank, data in enumerate(datagrams):
+                out = ref.receive_datagram(data, job["addresses"][rank])
+            expected[msg] = bytes(out[0][0]) if out else None
+            calls.append(datagrams)
+        probe = frame(job["addresses"][1], wire.probe_of(calls[0][1]))
+        ctx = multiprocessing.get_context("fork")
+        progress, done = ctx.Value("l", 0), ctx.Event()
+        here, there = ctx.Pipe(duplex=False)
+        child = ctx.Process(target=_probe_while, args=(p._prog.prog_fd, cpus[1], probe,
+                                                       progress, done, expected, there))
+        os.sched_setaffinity(0, {cpus[0]})
+        child.start()
+        try:
+            got = {}
+            for msg, datagrams in enumerate(calls):
+                progress.value = msg
+                for rank, data in enumerate(datagrams):
+                    out = p.passed_up(data, job["addresses"][rank])
+                got[msg] = out[0][0] if out else None
+        finally:
+            done.set()
+            answer = here.recv()
+            child.join(timeout=60)
+            os.sched_setaffinity(0, cpus)
+        if isinstance(answer, BaseException):
+            raise answer
+        answers, wrong, other = answer
+        assert got == expected
+        assert (wrong, other) == (0, Counter()), f"{wrong} of {answers} answers torn"
+        assert answers > 0
+    finally:
+        p.close()

@@ -96,8 +96,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-plane", choices=["python", "c", "xdp"], default=None,
                    help="switch: where datagrams are aggregated (default: the switch's, C "
                         "where built); xdp (root, --testbed) attaches the XDP program to the "
-                        "switch's port, dense calls only, the veths' UDP segmentation "
-                        "offload off (a GSO run would reach it as one packet)")
+                        "switch's port (sparse calls aggregate in the switch's user "
+                        "space), the veths' UDP segmentation offload off (a GSO run would "
+                        "reach it as one packet)")
     p.add_argument("--slots-per-job", type=int, default=None,
                    help="switch: window of a job (default: the switch's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs")
@@ -374,10 +375,10 @@ def _preflight(args) -> None:
         raise SystemExit("switchml bench: --flat goes with --racks")
     xdp = getattr(args, "data_plane", None) == "xdp"
     if xdp and (not args.testbed or args.racks or args.striped > 1 or
-                args.udp_offload == "on" or "sparse" in args.systems):
+                args.udp_offload == "on"):
         raise SystemExit("switchml bench: --data-plane xdp needs --testbed (the program "
                          "attaches to the switch's port, one a port), and goes with neither "
-                         "--racks, --striped, --udp-offload on nor sparse calls")
+                         "--racks, --striped nor --udp-offload on")
     if args.testbed and not 0.0 <= args.loss < 1.0:
         raise SystemExit("bench: --loss must be in [0, 1)")
 

@@ -547,18 +547,6 @@ class Controller:
             out += self._fail(job, [], reason, mismatch=True)
         return _on_wire(out)
 
-    def fail_sessions(self, failures: list) -> list:
-        """Fail the jobs of ``failures`` ((session, reason) pairs: what the data
-        plane cannot do for them), telling every rank why."""
-        out: list = []
-        for session, reason in failures:
-            job = self._by_session(session)
-            if job is None:
-                continue
-            log.warning("job %s failed: %s", job.name, reason)
-            out += self._fail(job, [], reason)
-        return _on_wire(out)
-
     def _fail(self, job: JobEntry, missing: list, reason: str, skip=None,
               mismatch: bool = False) -> list:
         conns = list(dict.fromkeys(c for r, c in sorted(job.conns.items())

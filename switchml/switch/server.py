@@ -291,7 +291,7 @@ class Switch:
         buf = bytearray(65536)
         view = memoryview(buf)
         accept_paused_until = None
-        next_cpu_read = next_xdp_check = 0.0
+        next_cpu_read = 0.0
         try:
             while self._running:
                 with self._lock:
@@ -301,14 +301,6 @@ class Switch:
                         busy = self._drain(buf, view)
                     if self.pipeline.has_mismatches:  # ranks disagree: fail their job now
                         self._send(self._control.handle_mismatches())
-                    if self.data_plane == "xdp" and time.monotonic() >= next_xdp_check:
-                        # a syscall per job: not once per batch of datagrams
-                        next_xdp_check = time.monotonic() + CPU_READ_INTERVAL
-                        failures = self._xdp.take_unsupported()
-                        if failures:  # sparse calls: the program refused them
-                            controller = self._control
-                            assert isinstance(controller, Controller)  # xdp: no rack
-                            self._send(controller.fail_sessions(failures))
                 now = time.monotonic()
                 if now >= next_cpu_read:  # a syscall: not once per batch of datagrams
                     next_cpu_read = now + CPU_READ_INTERVAL
@@ -350,7 +342,8 @@ class Switch:
         """The Python data plane: up to DRAIN_BATCH datagrams; True when there may be more.
         With the XDP data plane, what comes up is what the program did not answer
         itself (completed results for a rank it cannot reach, probes it had no
-        room to answer), each result for every rank: sent when the batch ends,
+        room to answer, sparse contributions, which user space aggregates),
+        each result for every rank: sent when the batch ends,
         those to one rank together (``_send_results``)."""
         if self.data_plane == "xdp":
             results: list = []

@@ -41,8 +41,9 @@ with the Python names are added into
 
 How a datagram's fate reads in XDP (the program's header comment says why):
 ``XDP_DROP`` for nothing sent, ``XDP_TX`` for an answer to its sender alone
-(the frame rewritten, addresses swapped), ``XDP_PASS`` for a completed result,
-which goes to every rank from the kernel: the TC program ``fan_out_results``
+(the frame rewritten, addresses swapped), ``XDP_PASS`` for a sparse
+contribution (untouched: user space aggregates it, below) and for a completed
+result, which goes to every rank from the kernel: the TC program ``fan_out_results``
 (the same object, the same maps), which runs next on the same interface,
 sends one copy a rank (``bpf_clone_redirect`` out of the interface, through its
 normal transmit path: on a bridge, each copy to the port its Ethernet address
@@ -86,6 +87,20 @@ tail, which a frame past one page and a generic-mode skb do not have: the
 program passes such a probe up (``probes_passed_up``) and ``passed_up`` runs it
 again in a frame padded to the result's length.
 
+Sparse calls (``MODE_SPARSE``, with or without ``MODE_SEED``): the program
+checks a sparse contribution as any (member, header, token, slot, lanes,
+count) and passes it up as it came (``XDP_PASS``, counted as
+``sparse_passed_up``); the switch's socket hands it to ``passed_up``, which
+runs ``Pipeline.receive_datagram`` itself, the reference's sparse path, drops
+and counters included, on the set the datagram names, read from the program's
+maps into the reference's registers and row and written back (under the set's
+lock, in an order in which the program, running meanwhile, always sees a state
+it answers rightly: ``_sparse_in_user_space``, ``_store_set``).  The result
+goes to every rank from the socket; the program answers the set's probes and
+queries from its maps, as for a dense set, and a job's dense and sparse calls
+share its slots.  The switch logs once per job that its sparse calls go
+through user space, where they run at the Python data plane's speed.
+
 The object is built lazily, by clang (``-O2 -g -target bpf``), into a cache
 named by a hash of the sources, clang's version and the flags
 (``$SWITCHML_XDP_CACHE``, else ``$XDG_CACHE_HOME/switchml/xdp``); it is loaded
@@ -95,9 +110,8 @@ needs root (CAP_BPF and CAP_NET_ADMIN, or CAP_SYS_ADMIN); ``unavailable()`` says
 what is missing.
 
 Not done yet, each a difference from the Python pipeline that the tests keep
-out of their traffic: sparse modes (dropped and counted as
-``dropped_sparse_unsupported``; the switch fails such a job, ``take_unsupported``),
-IPv6, packets of more than 64 lanes (blocks), the UDP
+out of their traffic: the sparse path in the program itself (in user space,
+above), IPv6, packets of more than 64 lanes (blocks), the UDP
 checksum of received datagrams (the kernel drops a bad one before the Python
 switch's socket; the program does not check it yet),
 secondary addresses of an interface (``interface_of`` reads the primary one),
@@ -117,6 +131,8 @@ import re
 import socket
 import struct
 from collections import Counter
+
+import numpy as np
 
 from .. import wire
 from ..config import DEFAULT_PACKET_ELEMENTS, DEFAULT_PORT, DEFAULT_SLOTS
@@ -291,6 +307,13 @@ def parse_udp_frame(frame: bytes) -> tuple[tuple, tuple, bytes]:
         if total >= IP_HEADER + length else b""
 
 
+def _is_sparse_contribution(data) -> bool:
+    """Whether ``data``'s header says a sparse contribution (its kind and mode
+    bytes: wire.HEADER), the datagrams the program passes up to user space."""
+    return len(data) >= wire.HEADER_SIZE and data[3] == wire.KIND_CONTRIBUTION and \
+        bool(data[5] & wire.MODE_SPARSE)
+
+
 def _longer_than_its_header(datagram: bytes) -> bool:
     """The program's test for a UDP GSO super-packet (xdp_pipeline.bpf.c,
     receive_datagram): a datagram longer by a header or more than its header
@@ -376,7 +399,7 @@ class XdpPipeline(Pipeline):
         self._dispatch: Dispatcher | None = None  # serve(): its hold on the dispatcher
         self._fan_out_link: int | None = None  # serve(): the fan-out program's link
         self.ifindex: int | None = None
-        self._refused: set[int] = set()  # sessions take_unsupported reported
+        self._sparse_logged: set[int] = set()  # sessions whose sparse path was logged
 
     def close(self) -> None:
         """Detach and unload the program (its maps go with it)."""
@@ -461,29 +484,16 @@ class XdpPipeline(Pipeline):
             self.slots, socket.htons(self.port), 0, ifindex,
             drop_threshold(self.ingress_drop_rate), drop_threshold(self.egress_drop_rate)))
 
-    def take_unsupported(self) -> list:
-        """(session, why) of each running job whose ranks sent what the program
-        does not do (sparse contributions: dropped and counted as
-        ``dropped_sparse_unsupported``), once per job: the switch fails such a job
-        with that reason rather than let its ranks time out."""
-        self.sync_counters()
-        out = []
-        for job in self._job_at.values():
-            if job.counters["dropped_sparse_unsupported"] and job.session not in self._refused:
-                self._refused.add(job.session)
-                out.append((job.session, f"job '{job.name}' made a sparse allreduce, which the "
-                            f"switch's XDP data plane does not aggregate (data_plane='xdp': "
-                            f"dense calls only; a switch with data_plane 'c' or 'python' "
-                            f"does)"))
-        return out
-
     def passed_up(self, data, addr) -> list:
         """What the switch's socket sends for a datagram it received while the
         program serves its port.  A result (the program drops every result a
         member sends) is one the program completed, passed up from the
         completing contribution's address, which the fan-out program did not
         send (a rank of the job it cannot reach, or no fan-out program): for
-        every rank of that member's job (``results_passed_up``).  Anything else
+        every rank of that member's job (``results_passed_up``).  A sparse
+        contribution is one the program checked and passed up
+        (``sparse_passed_up``): ``Pipeline``'s own code aggregates it into the
+        set in the program's maps (``_sparse_in_user_space``).  Anything else
         did not get its answer from the program: a probe it had no room to
         answer in its frame (``probes_passed_up``), or a datagram that
         never went through it (sent from this host, or before the attach); it
@@ -492,10 +502,15 @@ class XdpPipeline(Pipeline):
 
         Trust: a result that reached the socket without passing through the
         interface (a datagram from this host, with a member's address) would be
-        taken for the program's; only this host's own processes can send one."""
+        taken for the program's; only this host's own processes can send one.
+        A sparse contribution that did not pass through the program is
+        aggregated all the same (the reference checks everything the program
+        would), only not counted as ``sparse_passed_up``."""
         if len(data) >= wire.HEADER_SIZE and data[3] == wire.KIND_RESULT and \
                 addr in self._members:
             return self._to_every_rank(data, addr)
+        if _is_sparse_contribution(data) and addr in self._members:
+            return self._sparse_in_user_space(data, addr)
         try:
             return self._through_program(data, addr, self._to_every_rank)
         except ValueError:  # not an IPv4 member's address: nothing the program takes
@@ -523,6 +538,111 @@ class XdpPipeline(Pipeline):
                 continue
             out.append((result, member))
         return out
+
+    # ---------------------------------------------------------------- sparse
+    def _sparse_in_user_space(self, data, addr) -> list:
+        """A sparse contribution from member ``addr``, which the program passes up:
+        ``Pipeline.receive_datagram`` (the reference's code, drops and counters
+        included) run on the set it names, loaded from the program's maps into
+        the reference's registers and row, and written back when it changed, so
+        that the program answers the set's probes and retransmissions, and
+        starts its next message, from what the sparse path left.  What it sends
+        (a completed result, to every rank; a stored one, to the sender) goes
+        out of the switch's socket.  Logged once per job.
+
+        Concurrency: user space runs one datagram at a time (the switch's
+        loop), but the program may run a datagram of the same set meanwhile, on
+        any CPU.  It writes the set only for a dense contribution of the set's
+        message (a set started by a sparse contribution holds a sparse mode:
+        the ids differ, a mismatch, nothing written) or of a newer message,
+        which no rank sends before the result of the message this completes
+        went out (a rank sends message m+2 of a slot only once it has m+1's
+        result, which needs every rank's m+1, each sent once its m's result
+        came); a faulty rank that did would have its contribution undone by
+        the write-back below: lost, never added twice, and its probe asks it
+        again.  The program reads the row only for a complete set.  So the
+        write-back goes in an order in which each state the program can see is
+        one it answers rightly (``_store_set``), each register write whole
+        (BPF_F_LOCK: under the set's lock, which the program holds while it
+        reads a set and snapshots its row)."""
+        job = self._members[addr][0]
+        if job.session not in self._sparse_logged:
+            self._sparse_logged.add(job.session)
+            log.info("job '%s' makes sparse calls: the XDP program passes them up and the "
+                     "switch aggregates them in user space (its dense calls stay in the "
+                     "program)", job.name)
+        try:
+            header = wire.decode_header(data)
+            slot, msg = header.slot, header.msg
+        except wire.MalformedPacket:  # the reference drops it and counts why
+            slot = msg = -1
+        if not 0 <= slot < self.slots:  # no set to load: the reference drops it
+            return self._reference_on(data, addr)
+        v = msg & 1
+        before = self._load_set(v, slot)
+        out = self._reference_on(data, addr)
+        self._store_set(v, slot, before)
+        return out
+
+    def _reference_on(self, data, addr) -> list:
+        """``Pipeline.receive_datagram`` on ``data``, its datagrams out copied (the
+        socket sends them after the batch), without its simulated ingress drop:
+        the program drew it for the datagram already (for a UDP GSO run it
+        passed up, once for the run).  Its simulated egress drops stay: user
+        space sends these copies alone."""
+        rate, self.ingress_drop_rate = self.ingress_drop_rate, 0.0
+        try:
+            return [(bytes(d), a) for d, a in Pipeline.receive_datagram(self, data, addr)]
+        finally:
+            self.ingress_drop_rate = rate
+
+    def _python_registers(self, v: int, slot: int) -> tuple:
+        return (int(self._valid[v][slot]), self._msg[v][slot], self._bitmap[v][slot],
+                self._count[v][slot]) + tuple(self._ids[v][slot])
+
+    def _load_set(self, v: int, slot: int) -> tuple:
+        """Set ``v`` of ``slot`` from the program's maps into the reference's
+        registers (``_valid``, ``_msg``, ``_bitmap``, ``_count``, ``_ids``) and
+        ``_rows``; returns (registers, row) as loaded.  ``_blocks`` (the sparse
+        blocks this message received) is the reference's own: only this path
+        reads or writes it, and it starts afresh with each sparse message."""
+        state = self._prog.lookup("sets", _u32(v * self.slots + slot), _Set(), locked=True)
+        self._valid[v][slot] = bool(state.valid)
+        self._msg[v][slot] = state.msg
+        self._bitmap[v][slot] = state.bitmap
+        self._count[v][slot] = state.count
+        self._ids[v][slot] = tuple(getattr(state, name) for name in SET_IDS)
+        row = self._prog.lookup("rows", _u32(v * self.slots + slot),
+                                (ctypes.c_uint8 * self._row_size)())
+        self._rows[v, slot] = np.frombuffer(row, np.uint8, self.row_size)
+        return self._python_registers(v, slot), bytes(self._rows[v, slot])
+
+    def _store_set(self, v: int, slot: int, before: tuple) -> None:
+        """Write set ``v`` of ``slot`` back to the maps if the reference changed it
+        (a mismatch, a duplicate or a stale message changes nothing: nothing is
+        written, nor can a concurrent write of the program's be undone).  The
+        order keeps each state the program sees a right one:
+
+        - a message newer than the set's (or a set not valid) first becomes the
+          set's registers with no contribution in: the program then reads no
+          row of the set (not complete: a probe of the new message asks a
+          resend, one of the old is stale) and writes none (a dense
+          contribution of it mismatches);
+        - the row next;
+        - the registers last: a set complete only once its row holds the result.
+        """
+        registers = self._python_registers(v, slot)
+        row = bytes(self._rows[v, slot])
+        if (registers, row) == before:
+            return
+        key = _u32(v * self.slots + slot)
+        valid, msg, bitmap, count, *ids = registers
+        if not before[0][0] or before[0][1] != msg:
+            self._prog.update("sets", key, _Set(0, valid, msg, 0, 0, *ids), locked=True)
+        buffer = (ctypes.c_uint8 * self._row_size)()
+        ctypes.memmove(buffer, row, len(row))
+        self._prog.update("rows", key, buffer)
+        self._prog.update("sets", key, _Set(0, valid, msg, bitmap, count, *ids), locked=True)
 
     # ---------------------------------------------------------------- control
     def install_job(self, name: str, session: int, members: list, slot_base: int,
@@ -632,20 +752,27 @@ class XdpPipeline(Pipeline):
 
     @property
     def has_mismatches(self) -> bool:
-        return any(self._prog.lookup("mismatches", _u32(base), _Mismatch()).state == 2
-                   for base in self._job_at)
+        return super().has_mismatches or \
+            any(self._prog.lookup("mismatches", _u32(base), _Mismatch()).state == 2
+                for base in self._job_at)
 
     def take_mismatches(self) -> list:
-        out = []
+        """The program's records and the sparse path's (``Pipeline``'s own, from
+        ``_sparse_in_user_space``), the first of a job only, as the reference:
+        a job whose first one the sparse path recorded (``job.mismatch``) has
+        the program's record taken and not reported."""
+        out = super().take_mismatches()
         for base, job in self._job_at.items():
             found = self._prog.lookup("mismatches", _u32(base), _Mismatch())
             if found.state != 2:
                 continue
+            found.state = 3  # taken: the program records no other for this job
+            self._prog.update("mismatches", _u32(base), found)
+            if job.mismatch is not None:
+                continue
             bitmap, seq0, call0, dtype0, rank, seq, call, dtype = found.record
             job.mismatch = Mismatch(tuple(r for r in range(job.world_size) if bitmap >> r & 1),
                                     (seq0, call0, dtype0), rank, (seq, call, dtype))
-            found.state = 3  # taken: the program records no other for this job
-            self._prog.update("mismatches", _u32(base), found)
             out.append((job, job.mismatch))
         return out
 
@@ -695,5 +822,7 @@ class XdpPipeline(Pipeline):
         if action == XDP_PASS and payload[3:4] == bytes([wire.KIND_RESULT]) and \
                 addr in self._members:
             return to_every_rank(payload, tuple(addr))
+        if action == XDP_PASS and _is_sparse_contribution(payload) and addr in self._members:
+            return self._sparse_in_user_space(payload, tuple(addr))
         raise RuntimeError(f"the XDP program answered {ACTIONS.get(action, action)} with a "
                            f"frame from {src} to {dst}")

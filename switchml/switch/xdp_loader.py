@@ -157,6 +157,8 @@ BPF_TCX_INGRESS = 46
 XDP_FLAGS_SKB_MODE = 1 << 1
 #: if_link.h's XDP_FLAGS_DRV_MODE: the driver's own XDP hook
 XDP_FLAGS_DRV_MODE = 1 << 2
+#: bpf.h's BPF_F_LOCK: a map element's copy in or out under its bpf_spin_lock
+BPF_F_LOCK = 4
 
 _LIBBPF: ctypes.CDLL | None = None
 
@@ -180,6 +182,7 @@ def libbpf() -> ctypes.CDLL:
         ("bpf_object__close", None, [vp]),
         ("bpf_map_update_elem", i, [i, vp, vp, ctypes.c_uint64]),
         ("bpf_map_lookup_elem", i, [i, vp, vp]),
+        ("bpf_map_lookup_elem_flags", i, [i, vp, vp, ctypes.c_uint64]),
         ("bpf_map_delete_elem", i, [i, vp]),
         ("bpf_prog_test_run_opts", i, [i, vp]),
         ("libbpf_num_possible_cpus", i, []),
@@ -317,13 +320,20 @@ class Program:
         """(nanoseconds, runs) of each of the object's programs (``run_time``)."""
         return {PROGRAM: run_time(self.prog_fd), FAN_OUT_PROGRAM: run_time(self.fan_out_fd)}
 
-    def update(self, name: str, key, value) -> None:
+    def update(self, name: str, key, value, locked: bool = False) -> None:
+        """``locked``: a value that holds a bpf_spin_lock is written under that
+        lock (BPF_F_LOCK), so that the program's locked sections see it whole
+        or not yet."""
         _check(self._lib.bpf_map_update_elem(self.fds[name], ctypes.byref(key),
-                                             ctypes.byref(value), 0), f"update {name}")
+                                             ctypes.byref(value),
+                                             BPF_F_LOCK if locked else 0), f"update {name}")
 
-    def lookup(self, name: str, key, value):
-        _check(self._lib.bpf_map_lookup_elem(self.fds[name], ctypes.byref(key),
-                                             ctypes.byref(value)), f"lookup {name}")
+    def lookup(self, name: str, key, value, locked: bool = False):
+        """``locked``: such a value is read under its lock (BPF_F_LOCK)."""
+        _check(self._lib.bpf_map_lookup_elem_flags(self.fds[name], ctypes.byref(key),
+                                                   ctypes.byref(value),
+                                                   BPF_F_LOCK if locked else 0),
+               f"lookup {name}")
         return value
 
     def delete(self, name: str, key) -> None:

@@ -13,6 +13,11 @@
  * slot state; tests/test_xdp_serve.py requires of fan_out_results the
  * datagrams the Python pipeline sends each rank.
  *
+ * The sparse path is not here: a sparse contribution is checked up to its
+ * sparseness and passed up as it came, and user space runs pipeline.py's
+ * sparse path on the set in these maps (xdp.XdpPipeline.passed_up; see
+ * receive_datagram).
+ *
  * Function names follow pipeline.py: receive_datagram, answer_probe,
  * answer_retransmission (folded into the two callers' lock sections, see
  * below), complete, answer_header, record_mismatch.
@@ -37,6 +42,8 @@
  *    a frame, and a devmap broadcast (BPF_F_BROADCAST) clones one per *device*,
  *    not per destination, with egress programs that do not learn which entry
  *    they run for, so it cannot address copies to n ranks behind one port;
+ *  - a sparse contribution, once checked: XDP_PASS, untouched (user space
+ *    aggregates it and sends its result from the switch's socket);
  *  - anything that is not a UDP datagram to the switch's port: XDP_PASS,
  *    untouched.
  *
@@ -103,7 +110,7 @@
 /* Counters: the Python pipeline's names (pipeline.py, fastpath.h), C_ and
  * upper case; xdp.py reads the names from this enum.  The last ones are this
  * program's own: frames the kernel would have dropped before the switch's
- * socket (so pipeline.py never sees them), and the paths not done here yet. */
+ * socket (so pipeline.py never sees them), and what it passes up. */
 enum xdp_counter {
     C_PACKETS_IN,
     C_RESULTS_COMPLETED,
@@ -135,7 +142,7 @@ enum xdp_counter {
     C_DROPPED_BAD_IP_UDP,         /* a header the kernel refuses: checksum, lengths */
     C_DROPPED_IP_OPTIONS,         /* an IPv4 header with options (no worker sends one) */
     C_DROPPED_IP_FRAGMENT,        /* first fragment of a datagram to the switch */
-    C_DROPPED_SPARSE_UNSUPPORTED, /* sparse modes: not in this program yet */
+    C_SPARSE_PASSED_UP,           /* sparse contributions: user space aggregates them */
     C_DROPPED_INTERNAL,           /* a map entry the control plane must have made */
     C_PROBES_PASSED_UP,           /* no room to answer in the frame: user space does */
     C_GSO_PASSED_UP,              /* a UDP GSO super-packet: its datagrams go through user space */
@@ -760,8 +767,19 @@ static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
         DROP(C_DROPPED_BAD_LANES);
     if (values > job->packet_elements)
         DROP(C_DROPPED_TOO_MANY_VALUES);
-    if (h.mode & WIRE_MODE_SPARSE)
-        DROP(C_DROPPED_SPARSE_UNSUPPORTED); /* pipeline.py goes on with the sparse path */
+    if (h.mode & WIRE_MODE_SPARSE) {
+        /* The sparse path (its blocks flagged per lane, added at their own
+         * places, compacted at the end) is not in this program: the datagram
+         * goes up to the switch's socket as it came, checked so far, and
+         * xdp.XdpPipeline.passed_up runs pipeline.py's sparse path on this
+         * set, read from and written back to these maps (which this program
+         * then answers the set's probes and retransmissions from).  A set
+         * holding a sparse message is written by user space alone: a dense
+         * contribution of its message differs in mode (a mismatch), and a
+         * newer message comes only once its result went out. */
+        count(counters, C_SPARSE_PASSED_UP, 1);
+        return XDP_PASS;
+    }
     if (lanes > XDP_MAX_LANES || values > XDP_MAX_VALUES)
         DROP(C_DROPPED_INTERNAL); /* cannot be: xdp.py refuses such jobs; bounds the loops */
     /* clang computed 12 * lanes from the unchecked u16 before this check and kept
