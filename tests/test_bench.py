@@ -204,10 +204,16 @@ def test_bench_on_the_testbed_with_the_xdp_data_plane(tmp_path):
     assert dense["system"] == "switchml-dense" and dense["switch_data_plane"] == "xdp"
     assert dense["checked"] is True and dense["ranks_bit_identical"], dense
     assert dense["bytes_sent_per_worker"] >= dense["size_bytes"]
-    assert data["switch_job_counters"]["2"]["results_completed"] > 0
-    refused = subprocess.run(CLI + args + ["--udp-offload", "on"], capture_output=True,
+    counters = data["switch_job_counters"]["2"]
+    assert counters["results_completed"] > 0
+    # the veths' segmentation offload off for it: no GSO run reached the program whole
+    assert "gso_passed_up" not in counters, counters
+    # the switch's CPU a call: its serving thread's, and the programs' own (counted)
+    assert dense["switch_thread_cpu_s_per_call"] > 0 and dense["switch_program_s_per_call"] > 0
+    refused = subprocess.run(CLI + args + ["--racks", "2"], capture_output=True,
                              text=True, timeout=60, cwd=ROOT)
-    assert refused.returncode != 0 and "--data-plane xdp" in refused.stderr
+    assert refused.returncode != 0 and "--data-plane xdp goes without --racks" in \
+        refused.stderr, refused.stderr
 
 
 def test_xdp_core_bench_runs_with_tiny_settings(tmp_path):

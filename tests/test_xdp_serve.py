@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -835,6 +836,7 @@ def test_xdp_switches_of_several_processes_share_an_interface_and_a_killed_one_l
         first.proc.kill()
         first.proc.wait()
         assert hooks(ns, dev) == (["switchml_dispat"], 1)  # its fan-out went with it
+        time.sleep(2.5)  # the second looks for switches gone every second
         same_bits(run_job(second.address, inputs[1], "b2"), want[1])
         served_by_the_kernel(second.stats(), "b2", world)
         third = SwitchIn(ns, host, 7320, "--data-plane", "xdp")  # the dead one's port
@@ -842,8 +844,10 @@ def test_xdp_switches_of_several_processes_share_an_interface_and_a_killed_one_l
         served_by_the_kernel(third.stats(), "c", world)
         third.close()
         assert hooks(ns, dev) == (["switchml_dispat"], 1)
-        second.close()
+        log = second.close()
         assert hooks(ns, dev) == ([], 0)
+        # the second took the dead one's port out on its own, before the third came
+        assert "XDP switch of port 7320 on this interface is gone" in log
     finally:
         for s in (first, second, third):
             if s is not None:

@@ -95,10 +95,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="switch: int32 values per packet (default: the switch's)")
     p.add_argument("--data-plane", choices=["python", "c", "xdp"], default=None,
                    help="switch: where datagrams are aggregated (default: the switch's, C "
-                        "where built); xdp (root, --testbed) attaches the XDP program to the "
-                        "switch's port (sparse calls aggregate in the switch's user "
-                        "space), the veths' UDP segmentation offload off (a GSO run would "
-                        "reach it as one packet)")
+                        "where built); xdp (root) attaches the XDP program to the interface "
+                        "of the switch's address (sparse calls aggregate in the switch's "
+                        "user space); on the testbed, the veths' UDP segmentation offload "
+                        "off unless --udp-offload on (a GSO run reaches it as one packet, "
+                        "which the kernel cuts for user space to aggregate)")
     p.add_argument("--slots-per-job", type=int, default=None,
                    help="switch: window of a job (default: the switch's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs")
@@ -374,11 +375,9 @@ def _preflight(args) -> None:
     if args.flat and not args.racks:
         raise SystemExit("switchml bench: --flat goes with --racks")
     xdp = getattr(args, "data_plane", None) == "xdp"
-    if xdp and (not args.testbed or args.racks or args.striped > 1 or
-                args.udp_offload == "on"):
-        raise SystemExit("switchml bench: --data-plane xdp needs --testbed (the program "
-                         "attaches to the switch's port, one a port), and goes with neither "
-                         "--racks, --striped nor --udp-offload on")
+    if xdp and args.racks:
+        raise SystemExit("switchml bench: --data-plane xdp goes without --racks (a rack "
+                         "switch runs the Python data plane)")
     if args.testbed and not 0.0 <= args.loss < 1.0:
         raise SystemExit("bench: --loss must be in [0, 1)")
 
@@ -449,7 +448,8 @@ def main(args, argv_text: str = "", prog: str = "switchml bench") -> int:
             try:
                 hosts = -(-max(args.workers) // args.ranks_per_host)
                 with Testbed(hosts, args.link, mtu=args.mtu, loss=args.loss,
-                             udp_offload=False if getattr(args, "data_plane", None) == "xdp" else
+                             udp_offload=False if getattr(args, "data_plane", None) == "xdp" and
+                             args.udp_offload == "auto" else
                              OFFLOAD[args.udp_offload], switches=args.switches,
                              racks=args.racks, oversubscription=args.oversubscription,
                              prefix=args.prefix, queue=args.queue,

@@ -65,6 +65,10 @@ GSO_BYTES = 65507
 FAST_DRAIN_BATCH = 2048
 #: Seconds between readings of the serving thread's CPU time (``cpu_s`` in stats).
 CPU_READ_INTERVAL = 0.1
+#: Seconds between looks for XDP switches gone from the interface (killed),
+#: whose programs and maps the dispatcher would hold until another switch there
+#: comes or goes.
+XDP_SWEEP_INTERVAL = 1.0
 #: Bytes of control replies its client has not acknowledged, queued in the switch or
 #: in its kernel's send buffer, after which a connection that does not read is closed.
 MAX_CONTROL_BACKLOG = 4 << 20
@@ -291,7 +295,7 @@ class Switch:
         buf = bytearray(65536)
         view = memoryview(buf)
         accept_paused_until = None
-        next_cpu_read = 0.0
+        next_cpu_read = next_sweep = 0.0
         try:
             while self._running:
                 with self._lock:
@@ -308,6 +312,11 @@ class Switch:
                 if now >= self._next_drop_log:
                     self._next_drop_log = now + self.drop_log_interval
                     self._log_drops()
+                if self.data_plane == "xdp" and now >= next_sweep:
+                    next_sweep = now + XDP_SWEEP_INTERVAL
+                    for port in self._xdp.sweep_gone_switches():
+                        log.info("the XDP switch of port %d on this interface is gone: its "
+                                 "program is out of the dispatcher", port)
                 wait = 0 if busy else min(1.0, self._next_drop_log - now)
                 if accept_paused_until is not None:
                     if now >= accept_paused_until:

@@ -477,6 +477,12 @@ class XdpPipeline(Pipeline):
         if getattr(self, "_prog", None) is not None:  # no interface: nothing to learn from
             self._configure(ifindex=0)
 
+    def sweep_gone_switches(self) -> list[int]:
+        """Take the ports of the XDP switches gone from this interface (killed,
+        not closed) out of its dispatcher, which frees their programs and maps;
+        the ports taken out (``Dispatcher.sweep``)."""
+        return self._dispatch.sweep() if self._dispatch is not None else []
+
     def _configure(self, ifindex: int) -> None:
         """The program's settings: the pool, the port, the interface served (0:
         none), the simulated drop rates."""
