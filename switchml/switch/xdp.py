@@ -22,8 +22,9 @@ destination port (each switch keeps its own object and maps) and passes the
 rest to the host.  The kernel detaches it when the last switch holding its
 link closes it, or dies; a switch that closes takes its port out; the port of
 a switch that was killed (its program, still in the dispatcher, takes that
-port's datagrams meanwhile) is taken out by the next switch that joins or
-leaves.  An interface whose XDP program is not the dispatcher (a switch
+port's datagrams meanwhile) is taken out by the switches still serving
+there, which look every second (``sweep_gone_switches``, from the switch's
+loop), or by the next that joins or leaves.  An interface whose XDP program is not the dispatcher (a switch
 attached alone in driver mode, another tool's program) is left alone:
 ``serve`` raises ``DataPlaneUnavailableError`` naming it.  Each switch's
 fan-out program has a tcx link of its own on the TC ingress, and passes on
