@@ -813,6 +813,29 @@ def test_results_to_every_rank_through_receive_datagram():
         p.close()
 
 
+def lost_at_their_rates(p, rounds: int, datagram_of) -> Counter:
+    """``rounds`` rounds of job A's ranks' ``datagram_of(rank, round)`` (ones)
+    through ``p``, whose drop rates are 0.3 in and 0.5 out: every result the
+    sum, every datagram in and copy out accounted for, each lost at about its
+    rate; the job's counters."""
+    copies = 0
+    for n in range(rounds):  # each slot's messages in turn: a lost one's set is reset
+        for rank in range(3):
+            out = p.receive_datagram(datagram_of(rank, n), JOB_A["addresses"][rank])
+            copies += len(out)
+            assert all(wire.values(d, 4, 16).tolist() == [3] * 16 for d, _ in out)
+    p.sync_counters()
+    job = p.jobs[JOB_A["session"]].counters
+    lost_in = p.counters["dropped_ingress_simulated"]
+    assert lost_in + job["packets_in"] == 3 * rounds
+    assert 0.2 * 3 * rounds < lost_in < 0.4 * 3 * rounds
+    completed, lost_out = job["results_completed"], job["dropped_egress_simulated"]
+    assert completed > rounds * 0.7**3 / 2
+    assert copies == job["results_out"] == 3 * completed - lost_out
+    assert completed < lost_out < 2 * completed  # half of 3 a result
+    return job
+
+
 def test_simulated_drops_lose_datagrams_in_and_copies_out_at_their_rates():
     """drop_rate and egress_drop_rate as the Python pipeline simulates them: a
     datagram in is lost before anything else counts it
@@ -823,23 +846,9 @@ def test_simulated_drops_lose_datagrams_in_and_copies_out_at_their_rates():
                         egress_drop_rate=0.5, seed=1)
     try:
         p.install_job("A", JOB_A["session"], JOB_A["addresses"], 0, 4, tokens=JOB_A["tokens"])
-        rounds, copies = 300, 0
-        for n in range(rounds):  # each slot's messages in turn: a lost one's set is reset
-            for rank in range(3):
-                out = p.receive_datagram(
-                    contribution(JOB_A, rank, slot=n % 4, msg=n // 4, values=[1] * 16),
-                    JOB_A["addresses"][rank])
-                copies += len(out)
-                assert all(wire.values(d, 4, 16).tolist() == [3] * 16 for d, _ in out)
-        p.sync_counters()
-        job = p.jobs[JOB_A["session"]].counters
-        lost_in = p.counters["dropped_ingress_simulated"]
-        assert lost_in + job["packets_in"] == 3 * rounds
-        assert 0.2 * 3 * rounds < lost_in < 0.4 * 3 * rounds
-        completed, lost_out = job["results_completed"], job["dropped_egress_simulated"]
-        assert completed > rounds * 0.7**3 / 2
-        assert copies == job["results_out"] == 3 * completed - lost_out
-        assert completed < lost_out < 2 * completed  # half of 3 a result
+        rounds = 300
+        job = lost_at_their_rates(p, rounds, lambda rank, n: contribution(
+            JOB_A, rank, slot=n % 4, msg=n // 4, values=[1] * 16))
         # a probe of a set that completed is answered with its result, or lost
         msg = rounds // 4
         while p.slot_state(0, msg) != (True, 0b111):
@@ -871,30 +880,26 @@ def test_sparse_contributions_are_lost_coming_in_once_at_the_rate():
         p.install_job("A", JOB_A["session"], JOB_A["addresses"], 0, 4, tokens=JOB_A["tokens"])
         table = np.zeros(PACKET // BLOCK, wire.LANE)
         table["pos"], table["nxt"], table["flag"] = 0, 1, wire.FLAG_BLOCK
-        rounds, copies = 300, 0
-        for n in range(rounds):
-            for rank in range(3):
-                data = wire.encode(wire.KIND_CONTRIBUTION, 0, n % 4, JOB_A["tokens"][rank],
-                                   n // 4, 0, 0, table, np.ones(PACKET, np.int32),
-                                   mode=wire.MODE_SPARSE)
-                out = p.receive_datagram(data, JOB_A["addresses"][rank])
-                copies += len(out)
-                assert all(wire.values(d, 4, 16).tolist() == [3] * 16 for d, _ in out)
-        p.sync_counters()
-        job = p.jobs[JOB_A["session"]].counters
-        lost_in = p.counters["dropped_ingress_simulated"]
-        assert lost_in + job["packets_in"] == 3 * rounds
+        job = lost_at_their_rates(p, 300, lambda rank, n: wire.encode(
+            wire.KIND_CONTRIBUTION, 0, n % 4, JOB_A["tokens"][rank], n // 4, 0, 0, table,
+            np.ones(PACKET, np.int32), mode=wire.MODE_SPARSE))
         assert job["sparse_passed_up"] == job["packets_in"]
-        assert 0.2 * 3 * rounds < lost_in < 0.4 * 3 * rounds
-        completed, lost_out = job["results_completed"], job["dropped_egress_simulated"]
-        assert completed > rounds * 0.7**3 / 2
-        assert copies == job["results_out"] == 3 * completed - lost_out
-        assert completed < lost_out < 2 * completed
     finally:
         p.close()
 
 
 # ---------------------------------------------------------------- several CPUs
+def run_opts(data_in, data_out):
+    """BPF_PROG_TEST_RUN's options for one run on the frame in buffer
+    ``data_in``, the frame it leaves into buffer ``data_out``."""
+    import ctypes
+
+    return xdp_loader.TestRunOpts(sz=ctypes.sizeof(xdp_loader.TestRunOpts),
+                                  data_in=ctypes.cast(data_in, ctypes.c_void_p),
+                                  data_out=ctypes.cast(data_out, ctypes.c_void_p),
+                                  data_size_in=len(data_in), repeat=1)
+
+
 def _race_on(prog_fd: int, cpu: int, runs, rounds: int, barrier, conn, result_values: dict,
              values_at: int) -> None:
     """A child process on CPU ``cpu``: round after round, every one of ``runs``
@@ -914,10 +919,7 @@ def _race_on(prog_fd: int, cpu: int, runs, rounds: int, barrier, conn, result_va
         for slot, data, delta in runs:
             data_in = ctypes.create_string_buffer(data, len(data))
             data_out = ctypes.create_string_buffer(8192)
-            opts = xdp_loader.TestRunOpts(sz=ctypes.sizeof(xdp_loader.TestRunOpts),
-                                    data_in=ctypes.cast(data_in, ctypes.c_void_p),
-                                    data_out=ctypes.cast(data_out, ctypes.c_void_p),
-                                    data_size_in=len(data), repeat=1)
+            opts = run_opts(data_in, data_out)
             prepared.append((slot, delta, data_in, data_out, opts, ctypes.byref(opts)))
         results, wrong, answered, wrong_answers, other = [], 0, 0, 0, Counter()
         for r in range(rounds):
@@ -1088,10 +1090,7 @@ def _probe_while(prog_fd: int, cpu: int, probe: bytes, progress, done, expected:
         lib = xdp_loader.libbpf()
         data_in = ctypes.create_string_buffer(probe, len(probe))
         data_out = ctypes.create_string_buffer(8192)
-        opts = xdp_loader.TestRunOpts(sz=ctypes.sizeof(xdp_loader.TestRunOpts),
-                                      data_in=ctypes.cast(data_in, ctypes.c_void_p),
-                                      data_out=ctypes.cast(data_out, ctypes.c_void_p),
-                                      data_size_in=len(probe), repeat=1)
+        opts = run_opts(data_in, data_out)
         ref = ctypes.byref(opts)
         answers, wrong, other = 0, 0, Counter()
         while not done.is_set():

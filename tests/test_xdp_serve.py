@@ -104,22 +104,31 @@ def run_job(switch: str, inputs: list, job: str, sparse: tuple = ()) -> list:
     the list of results; the arrays at the indices in ``sparse`` by sparse
     calls (``allreduce(..., sparse=True)``), the others by dense ones."""
     world = len(inputs)
-    out: list = [None] * world
-    errors: list = []
 
     def rank(r):
+        with switchml.Worker(switch, r, world_size=world, job=job, timeout=30) as w:
+            return [w.allreduce(a.copy(), sparse=i in sparse) for i, a in enumerate(inputs[r])]
+
+    return in_threads(rank, world, 120)
+
+
+def in_threads(task, n: int, timeout: float) -> list:
+    """``task(i)`` for each i < ``n``, each in a thread of its own, at once: their
+    results in order, or the first one's error."""
+    out: list = [None] * n
+    errors: list = []
+
+    def one(i):
         try:
-            with switchml.Worker(switch, r, world_size=world, job=job, timeout=30) as w:
-                out[r] = [w.allreduce(a.copy(), sparse=i in sparse)
-                          for i, a in enumerate(inputs[r])]
+            out[i] = task(i)
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=timeout)
     if errors:
         raise errors[0]
     return out
@@ -143,18 +152,7 @@ def test_jumbo_frames_past_one_page(veth):
     sh("ip", "link", "set", "dev", here, "mtu", "9000")
     sh("ip", "-n", ns, "link", "set", "dev", dev, "mtu", "9000")
     world = 3
-    inputs = inputs_for(world, seed=4)
-    switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp")
-    try:
-        got = run_job(switch.address, inputs, "jumbo")
-        stats = switch.stats()
-    finally:
-        switch.close()
-    for i in (0, 2):
-        total = sum(x[i].astype(np.int64) for x in inputs)
-        assert got[0][i].tolist() == ((total + 2**31) % 2**32 - 2**31).tolist()
-    for r in range(1, world):
-        assert all(a.tobytes() == b.tobytes() for a, b in zip(got[r], got[0]))
+    stats, inputs = exact_sums_through_an_xdp_switch(ns, host, world, seed=4, job="jumbo")
     ended = stats["ended_jobs"]["jumbo"]
     assert ended["packet_elements"] == 2048  # wire.frame_geometry(9000, 16128, 256)
     job = ended["counters"]
@@ -250,6 +248,26 @@ def test_workers_get_the_user_space_switchs_sums_bit_for_bit(veth, loss):
     assert "prog/xdp" not in sh("ip", "-n", ns, "link", "show", "dev", dev)
 
 
+def exact_sums_through_an_xdp_switch(ns: str, host: str, world: int, *flags: str, seed=3,
+                                     job="xdp") -> tuple[dict, list]:
+    """A job of ``world`` ranks through an XDP switch in ``ns`` started with
+    ``flags``: the int32 sums exactly, with wrap-around, and every result the
+    same on every rank; the switch's stats, and the inputs."""
+    inputs = inputs_for(world, seed=seed)
+    switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp", *flags)
+    try:
+        got = run_job(switch.address, inputs, job)
+        stats = switch.stats()
+    finally:
+        switch.close()
+    for i in (0, 2):
+        total = sum(x[i].astype(np.int64) for x in inputs)
+        assert got[0][i].tolist() == ((total + 2**31) % 2**32 - 2**31).tolist()
+    for r in range(1, world):
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(got[r], got[0]))
+    return stats, inputs
+
+
 @needs_xdp
 def test_simulated_drops_at_the_xdp_switch_are_recovered_exactly(veth):
     """``--drop-rate``: the program loses datagrams coming in and copies going
@@ -257,17 +275,7 @@ def test_simulated_drops_at_the_xdp_switch_are_recovered_exactly(veth):
     one, and get the exact sums."""
     ns, _, host, _, _ = veth
     world = 3
-    inputs = inputs_for(world)
-    switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp", "--drop-rate", "0.05")
-    try:
-        got = run_job(switch.address, inputs, "xdp")
-        stats = switch.stats()
-    finally:
-        switch.close()
-    for i in (0, 2):  # the int32 sums, exactly, with wrap-around
-        total = sum(x[i].astype(np.int64) for x in inputs)
-        for r in range(world):
-            assert got[r][i].tolist() == ((total + 2**31) % 2**32 - 2**31).tolist()
+    stats, _ = exact_sums_through_an_xdp_switch(ns, host, world, "--drop-rate", "0.05")
     job = stats["ended_jobs"]["xdp"]["counters"]
     assert stats["counters"]["dropped_ingress_simulated"] > 0
     assert job["dropped_egress_simulated"] > 0
@@ -288,18 +296,7 @@ def test_gso_runs_from_a_peer_on_the_same_host_are_cut_by_the_kernel_and_aggrega
     ns, _, host, here, _ = veth
     sh(sys.executable, str(REPO / "switchml" / "testbed" / "offload.py"), here,
        "tx-udp-segmentation", "on")
-    world = 3
-    inputs = inputs_for(world)
-    switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp")
-    try:
-        got = run_job(switch.address, inputs, "xdp")
-        stats = switch.stats()
-    finally:
-        switch.close()
-    for i in (0, 2):  # the int32 sums, exactly, with wrap-around
-        total = sum(x[i].astype(np.int64) for x in inputs)
-        for r in range(world):
-            assert got[r][i].tolist() == ((total + 2**31) % 2**32 - 2**31).tolist()
+    stats, _ = exact_sums_through_an_xdp_switch(ns, host, 3)
     job = stats["ended_jobs"]["xdp"]["counters"]
     assert job["gso_passed_up"] > 0, job
     assert "dropped_bad_length" not in job, job
@@ -731,25 +728,21 @@ def same_bits(got: list, want: list) -> None:
             assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
+def jobs_through_the_python_switch(ns: str, host: str, world: int, jobs: int,
+                                   seed: int) -> tuple[list, list]:
+    """The inputs of ``jobs`` jobs of ``world`` ranks (seeds from ``seed``), and
+    the results a Python switch gives each: what an XDP switch must give."""
+    inputs = [inputs_for(world, seed=seed + i) for i in range(jobs)]
+    reference = SwitchIn(ns, host, 7309, "--data-plane", "python")
+    try:
+        return inputs, [run_job(reference.address, inputs[i], f"ref{i}") for i in range(jobs)]
+    finally:
+        reference.close()
+
+
 def run_jobs(jobs: list) -> list:
     """``run_job(*job)`` of each of ``jobs`` at once; their results, in order."""
-    out: list = [None] * len(jobs)
-    errors: list = []
-
-    def one(i):
-        try:
-            out[i] = run_job(*jobs[i])
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=180)
-    if errors:
-        raise errors[0]
-    return out
+    return in_threads(lambda i: run_job(*jobs[i]), len(jobs), 180)
 
 
 @needs_xdp
@@ -763,12 +756,7 @@ def test_xdp_switches_of_one_process_share_an_interface(veth):
     and no tcx program on the interface."""
     ns, dev, host, _, _ = veth
     world, ports = 2, [7310, 7311, 7312]
-    inputs = [inputs_for(world, seed=10 + i) for i in range(3)]
-    reference = SwitchIn(ns, host, 7319, "--data-plane", "python")
-    try:
-        want = [run_job(reference.address, inputs[i], f"ref{i}") for i in range(3)]
-    finally:
-        reference.close()
+    inputs, want = jobs_through_the_python_switch(ns, host, world, 3, 10)
     switches = in_ns(ns, SWITCHES, host, *map(str, ports), stdin=subprocess.PIPE)
     try:
         assert switches.stdout.readline().strip() == "ready", switches.stderr.read()
@@ -817,12 +805,7 @@ def test_xdp_switches_of_several_processes_share_an_interface_and_a_killed_one_l
     interface."""
     ns, dev, host, _, _ = veth
     world = 2
-    inputs = [inputs_for(world, seed=20 + i) for i in range(2)]
-    reference = SwitchIn(ns, host, 7329, "--data-plane", "python")
-    try:
-        want = [run_job(reference.address, inputs[i], f"ref{i}") for i in range(2)]
-    finally:
-        reference.close()
+    inputs, want = jobs_through_the_python_switch(ns, host, world, 2, 20)
     first = SwitchIn(ns, host, 7320, "--data-plane", "xdp")
     second = third = None
     try:
