@@ -356,6 +356,10 @@ class SwitchConfiguration:
             if mine in given and other not in given and settings.get(other) is not None and \
                     _disagree(settings["fastpath"], settings["data_plane"]):
                 del settings[other]
+        if given.get("upstream") is not None and "data_plane" not in given and \
+                "fastpath" not in given:  # a rack switch's data plane is Python's
+            settings.pop("data_plane", None)
+            settings.pop("fastpath", None)
         return cls(**settings)
 
     @classmethod

@@ -126,3 +126,8 @@ def test_a_given_data_plane_choice_wins_over_the_environments_other_one():
     assert SwitchConfiguration.from_env(c, {}, data_plane="c").fastpath is True
     with pytest.raises(ValueError, match="contradicts"):
         SwitchConfiguration.from_env(environ={}, fastpath=True, data_plane="xdp")
+    # a rack switch runs the Python data plane, whatever the environment says
+    rack = SwitchConfiguration.from_env(environ=xdp, upstream="127.0.0.1:7300")
+    assert rack.data_plane is None and rack.upstream == "127.0.0.1:7300"
+    with pytest.raises(ValueError, match="rack switch"):
+        SwitchConfiguration.from_env(environ={}, upstream="127.0.0.1:7300", data_plane="xdp")

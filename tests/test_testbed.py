@@ -134,13 +134,19 @@ def test_a_missing_tool_is_a_clear_error_before_anything_is_made(monkeypatch):
         Testbed(hosts=2, loss=0.01, prefix="zztool", install_nft=False).up()
 
 
-def test_the_udp_offload_is_on_without_loss_and_off_with_it_unless_told():
+def test_the_udp_offload_is_on_without_loss_and_off_with_it_unless_told(monkeypatch):
     """Per-datagram loss needs the runs cut into frames; without loss that only
-    costs this machine's cores frame-by-frame work a real switch's fabric does not."""
+    costs this machine's cores frame-by-frame work a real switch's fabric does not.
+    Switches on the XDP data plane (by the environment) get the runs cut too, as
+    a sender's NIC cuts them before a real switch."""
+    monkeypatch.delenv("SWITCHML_DATA_PLANE", raising=False)
     assert Testbed(hosts=1, prefix="zzoff").udp_offload is True
     assert Testbed(hosts=1, loss=0.01, prefix="zzoff").udp_offload is False
     assert Testbed(hosts=1, prefix="zzoff", udp_offload=False).udp_offload is False
     assert Testbed(hosts=1, loss=0.01, prefix="zzoff", udp_offload=True).udp_offload is True
+    monkeypatch.setenv("SWITCHML_DATA_PLANE", "xdp")
+    assert Testbed(hosts=1, prefix="zzoff").udp_offload is False
+    assert Testbed(hosts=1, prefix="zzoff", udp_offload=True).udp_offload is True
 
 
 # ---------------------------------------------------------------- root
@@ -654,13 +660,19 @@ def fragments_made(tb, where) -> int:
 
 
 @needs_root
-@pytest.mark.parametrize("plane", ["c", "python"])
+@pytest.mark.parametrize("plane", ["c", "python", "xdp"])
 def test_every_packet_is_one_frame_whatever_the_switchs_packet_limit(tmp_path, plane):
     """A job's packets fit its 1500-byte links both ways, with the switch's limit above
     a frame (PACKET values) or below it (256, the Tofino program's size): no host and
     no switch makes an IP fragment, and nothing needed the fragmenting fallback."""
+    if plane == "xdp":
+        from switchml.switch import xdp
+
+        if xdp.unavailable():
+            pytest.skip(f"XDP: {xdp.unavailable()}")
     size = 20_000
-    env = {"SWITCHML_PURE_PYTHON": "1" if plane == "python" else "0"}
+    env = {"SWITCHML_PURE_PYTHON": "1" if plane == "python" else "0",
+           "SWITCHML_DATA_PLANE": plane}
     with Testbed(hosts=2, link=None, prefix=prefix("m" + plane[0])) as tb:
         for packet in (256, PACKET):
             before = [fragments_made(tb, w) for w in ("switch", 0, 1)]

@@ -24,8 +24,9 @@ link closes it, or dies; a switch that closes takes its port out; the port of
 a switch that was killed (its program, still in the dispatcher, takes that
 port's datagrams meanwhile) is taken out by the switches still serving
 there, which look every second (``sweep_gone_switches``, from the switch's
-loop), or by the next that joins or leaves.  An interface whose XDP program is not the dispatcher (a switch
-attached alone in driver mode, another tool's program) is left alone:
+loop), or by the next that joins or leaves.  An interface whose XDP
+program is not the dispatcher (a switch attached alone in driver mode,
+another tool's program) is left alone:
 ``serve`` raises ``DataPlaneUnavailableError`` naming it.  Each switch's
 fan-out program has a tcx link of its own on the TC ingress, and passes on
 (TCX_NEXT) what is not its own.  ``serve(address, driver=True)``

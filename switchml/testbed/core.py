@@ -42,6 +42,7 @@ import subprocess
 import threading
 import time
 
+from ..config import env
 from . import netns
 from . import racks as rack_layout
 from .errors import TestbedError, TestbedExistsError
@@ -157,7 +158,10 @@ class Testbed:
     veth, bridge) handles each frame on this machine's cores, which a real
     switch's fabric does not, so the machine's cores, not the links, can bound
     a run at small MTUs.  None (the default): on
-    without loss, off with loss, where per-datagram loss needs it.
+    without loss, off with loss, where per-datagram loss needs it, and off where
+    the environment runs switches on the XDP data plane
+    (``SWITCHML_DATA_PLANE=xdp``), whose program would see a run as one frame
+    (a real switch gets it cut by the sender's NIC).
     ``switches``: switch servers (0: none, the switch on the bridge as before);
     each is a namespace ``"s<k>"`` behind a shaped link like a host's.
     ``racks``: R racks under the spine on the bridge, each a namespace ``"r<k>"``
@@ -218,7 +222,8 @@ class Testbed:
                              f"got {host_queue!r}")
         self.host_queue = host_queue
         self.install_nft = install_nft
-        self.udp_offload = self.loss == 0 if udp_offload is None else bool(udp_offload)
+        self.udp_offload = (self.loss == 0 and env("DATA_PLANE", None) != "xdp"
+                            if udp_offload is None else bool(udp_offload))
         self._procs: list = []
         self._up = False
         self._saved_handlers: dict = {}
