@@ -272,8 +272,8 @@ def add_parsers(sub) -> None:
                    help="the veths' UDP segmentation offload: on (a GSO run crosses the "
                         "emulated wire as one packet), off (cut into frames at the first "
                         "link: per-datagram loss, and frame-by-frame work on this machine), "
-                        "or auto: on without loss, off with it or where $SWITCHML_DATA_PLANE is xdp "
-                        "(default)")
+                        "or auto: on without loss, off with it or where $SWITCHML_DATA_PLANE "
+                        "is xdp (default)")
     p.add_argument("--switches", type=int, default=0,
                    help="switch servers: namespaces s0..s<K-1> behind shaped links like "
                         "hosts', for one job over K switch processes (default 0: the "
