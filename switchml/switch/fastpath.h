@@ -40,8 +40,10 @@ enum fp_counter {
     C_PROBES_IN, C_PROBES_WAITING, C_RESENDS_ASKED, C_DROPPED_BAD_PROBE,
     C_SEND_WAITS, /* not a job's: sends this host's queue refused, tried again */
     C_QUERIES_DONE,
-    /* a datagram for a slot another data thread owns: the socket steering failed */
-    C_DROPPED_WRONG_THREAD,
+    /* a datagram of a slot another data thread owns (the steering could not see it:
+     * a UDP GSO run on loopback) that could not be handed over to that thread */
+    C_DROPPED_NOT_HANDED_OVER,
+    C_HANDED_OVER, /* datagrams a data thread gave to the thread owning their slot */
     FP_NCOUNTERS
 };
 extern const char *const FP_COUNTER_NAMES[FP_NCOUNTERS];
@@ -133,10 +135,17 @@ void fp_core_free(fp_core *c);
  * table is full. */
 int fp_install(fp_core *c, const fp_job *job);
 void fp_remove(fp_core *c, uint32_t slot_base);
+/* fp_receive's answer for a datagram of a slot another thread owns: the caller
+ * hands it over to that thread (slot % thread_count), which calls fp_admit. */
+#define FP_OTHER_THREAD (-1)
 /* One datagram from the member with address key `src`, handled by data thread `t`:
- * fills `out` (room for FP_MAX_WORKERS) and returns how many datagrams to send. */
+ * fills `out` (room for FP_MAX_WORKERS) and returns how many datagrams to send, or
+ * FP_OTHER_THREAD (nothing counted, nothing touched). */
 int fp_receive(fp_core *c, fp_thread *t, const uint8_t *data, size_t len, uint64_t src,
                fp_out *out);
+/* fp_receive past the simulated ingress loss: a datagram handed over had its draw. */
+int fp_admit(fp_core *c, fp_thread *t, const uint8_t *data, size_t len, uint64_t src,
+             fp_out *out);
 
 static inline void fp_count(fp_counters *c, enum fp_counter which, int64_t n)
 {

@@ -17,7 +17,8 @@ const char *const FP_COUNTER_NAMES[FP_NCOUNTERS] = {
     "sparse_blocks_skipped", "sparse_bytes_saved", "sparse_blocks_out",
     "dropped_unknown_source", "dropped_ingress_simulated", "socket_errors", "send_errors",
     "send_fragmented", "probes_in", "probes_waiting", "resends_asked", "dropped_bad_probe",
-    "send_waits", "queries_done", "dropped_wrong_thread",
+    "send_waits", "queries_done", "dropped_not_handed_over",
+    "handed_over",
 };
 
 /* Received datagrams may start anywhere: read them through these. */
@@ -366,6 +367,12 @@ int fp_receive(fp_core *c, fp_thread *t, const uint8_t *d, size_t len, uint64_t 
         fp_count(&t->counters, C_DROPPED_INGRESS_SIMULATED, 1);
         return 0;
     }
+    return fp_admit(c, t, d, len, src, out);
+}
+
+int fp_admit(fp_core *c, fp_thread *t, const uint8_t *d, size_t len, uint64_t src,
+             fp_out *out)
+{
     fp_member *member = member_find(c, src);
     if (!member) {
         fp_count(&t->counters, C_DROPPED_UNKNOWN_SOURCE, 1);
@@ -406,10 +413,11 @@ int fp_receive(fp_core *c, fp_thread *t, const uint8_t *d, size_t len, uint64_t 
         DROP(C_DROPPED_BAD_TOKEN);
     if (slot < job->slot_base || slot >= job->slot_base + job->slot_count)
         DROP(C_DROPPED_SLOT_OUT_OF_RANGE);
-    /* Never touch another thread's slot (the socket steering sends a slot's
-     * datagrams to its owner; this holds whatever the kernel does). */
+    /* Never touch another thread's slot: the socket steering gives a slot's
+     * datagrams to its owner, but the kernel steers a UDP GSO run (loopback
+     * delivers it unsegmented) by its first datagram's slot. */
     if (slot % t->of != t->index)
-        DROP(C_DROPPED_WRONG_THREAD);
+        return FP_OTHER_THREAD;
     if (kind != WIRE_KIND_CONTRIBUTION)
         return answer_probe(c, t, job, rank, d, out);
     if (lanes != job->lanes)

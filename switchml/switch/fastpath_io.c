@@ -148,6 +148,114 @@ static void flush_queue(fp_thread *thread, void *ctx)
     thread->epoch++; /* no row of its slots holds a datagram waiting to be sent */
 }
 
+/* ------------------------------------------------------------ handing over */
+/* An inbox entry: the sender's key, the length, then the datagram. */
+#define INBOX_HEADER 16
+
+static int inbox_init(fp_inbox *inbox, uint32_t row_size)
+{
+    memset(inbox, 0, sizeof *inbox);
+    /* a datagram a row holds, and no longer: a longer one fits no job's packets */
+    inbox->entry_size = (INBOX_HEADER + row_size + 15) & ~15u;
+    inbox->capacity = FP_INBOX_BYTES / inbox->entry_size;
+    if (inbox->capacity < FP_INBOX_MIN)
+        inbox->capacity = FP_INBOX_MIN;
+    inbox->event_fd = -1;
+    if (!(inbox->entries = malloc((size_t)inbox->capacity * inbox->entry_size)))
+        return ENOMEM;
+    if ((inbox->event_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) < 0) {
+        free(inbox->entries);
+        inbox->entries = NULL;
+        return errno;
+    }
+    pthread_mutex_init(&inbox->lock, NULL);
+    return 0;
+}
+
+static void inbox_free(fp_inbox *inbox)
+{
+    if (!inbox->entries)
+        return;
+    pthread_mutex_destroy(&inbox->lock);
+    close(inbox->event_fd);
+    free(inbox->entries);
+    inbox->entries = NULL;
+}
+
+/* Give a datagram of another thread's slot to that thread; 0 when its inbox is
+ * full (or the datagram longer than any the switch takes): then it is dropped,
+ * counted, as a full socket buffer would drop it. */
+static int hand_over(fp_io *io, const uint8_t *data, uint32_t len, uint64_t key)
+{
+    fp_serving *serving = io->serving;
+    uint32_t slot = (uint32_t)data[6] | (uint32_t)data[7] << 8; /* fp_receive read it */
+    uint64_t one = 1;
+    int wake;
+    if (!serving) /* not a data thread: drain() of a core of one thread */
+        return 0;
+    fp_inbox *inbox = &serving->ios[slot % serving->count].inbox;
+    if (len > inbox->entry_size - INBOX_HEADER)
+        return 0;
+    pthread_mutex_lock(&inbox->lock);
+    if (inbox->count == inbox->capacity) {
+        pthread_mutex_unlock(&inbox->lock);
+        return 0;
+    }
+    uint8_t *entry = inbox->entries +
+                     (size_t)((inbox->head + inbox->count) % inbox->capacity) * inbox->entry_size;
+    memcpy(entry, &key, 8);
+    memcpy(entry + 8, &len, 4);
+    memcpy(entry + INBOX_HEADER, data, len);
+    wake = inbox->count++ == 0; /* else the owner finds it when it frees what it took */
+    pthread_mutex_unlock(&inbox->lock);
+    if (wake)
+        (void)!write(inbox->event_fd, &one, sizeof one);
+    return 1;
+}
+
+static void queue_results(fp_io *io, const fp_out *out, int n)
+{
+    memcpy(io->send_queue + io->queued, out, (size_t)n * sizeof *out);
+    io->queued += (uint32_t)n;
+}
+
+/* Handle what other threads handed over; how many there were (io->inbox_left:
+ * entries handed over meanwhile, which woke no one). */
+static uint32_t drain_inbox(fp_io *io)
+{
+    fp_inbox *inbox = &io->inbox;
+    fp_out out[FP_MAX_WORKERS];
+    uint64_t ticks;
+    uint32_t head, count, i;
+    (void)!read(inbox->event_fd, &ticks, sizeof ticks); /* before looking: no wake is lost */
+    pthread_mutex_lock(&inbox->lock);
+    head = inbox->head;
+    count = inbox->count;
+    pthread_mutex_unlock(&inbox->lock);
+    for (i = 0; i < count; i++) { /* producers write only past head + count */
+        const uint8_t *entry =
+            inbox->entries + (size_t)((head + i) % inbox->capacity) * inbox->entry_size;
+        uint64_t key;
+        uint32_t len;
+        memcpy(&key, entry, 8);
+        memcpy(&len, entry + 8, 4);
+        if (io->queued + FP_MAX_WORKERS > FP_SEND_QUEUE)
+            flush_queue(io->thread, io);
+        int n = fp_admit(io->core, io->thread, entry + INBOX_HEADER, len, key, out);
+        if (n > 0)
+            queue_results(io, out, n);
+    }
+    if (count) {
+        flush_queue(io->thread, io);
+        pthread_mutex_lock(&inbox->lock);
+        inbox->head = (head + count) % inbox->capacity;
+        inbox->count -= count;
+        io->inbox_left = inbox->count;
+        pthread_mutex_unlock(&inbox->lock);
+    }
+    return count;
+}
+
 static uint32_t drain_socket(fp_io *io, uint32_t limit)
 {
     fp_core *core = io->core;
@@ -189,8 +297,14 @@ static uint32_t drain_socket(fp_io *io, uint32_t limit)
                 flush_queue(io->thread, io);
             int n = fp_receive(core, io->thread, io->recv_iov[i].iov_base,
                                io->recv_msgs[i].msg_len, key, out);
-            memcpy(io->send_queue + io->queued, out, (size_t)n * sizeof *out);
-            io->queued += (uint32_t)n;
+            if (n == FP_OTHER_THREAD) {
+                int given = hand_over(io, io->recv_iov[i].iov_base, io->recv_msgs[i].msg_len,
+                                      key);
+                fp_count(&io->thread->counters, given ? C_HANDED_OVER : C_DROPPED_NOT_HANDED_OVER,
+                         1);
+                continue;
+            }
+            queue_results(io, out, n);
         }
         received += (uint32_t)got;
         flush_queue(io->thread, io);
@@ -210,6 +324,8 @@ uint32_t fp_io_drain(fp_io *io, int fd, uint32_t limit, int gso)
     io->thread->flush = flush_queue;
     io->thread->flush_ctx = io;
     received = drain_socket(io, limit);
+    if (io->inbox.entries)
+        received += drain_inbox(io);
     io->thread->flush = NULL;
     return received;
 }
@@ -250,7 +366,8 @@ static void *serve(void *arg)
 {
     fp_io *io = arg;
     fp_serving *serving = io->serving;
-    struct pollfd watch[2] = {{io->serve_fd, POLLIN, 0}, {serving->stop_fd, POLLIN, 0}};
+    struct pollfd watch[3] = {{io->serve_fd, POLLIN, 0}, {serving->stop_fd, POLLIN, 0},
+                              {io->inbox.event_fd, POLLIN, 0}};
     for (;;) {
         pthread_rwlock_rdlock(&serving->tables);
         uint32_t got = fp_io_drain(io, io->serve_fd, FP_RECV_BATCH, serving->gso);
@@ -261,9 +378,9 @@ static void *serve(void *arg)
             (void)!send(serving->notify_fd, "m", 1, MSG_DONTWAIT | MSG_NOSIGNAL);
         if (__atomic_load_n(&serving->stopping, __ATOMIC_ACQUIRE))
             break;
-        if (got == FP_RECV_BATCH)
+        if (got >= FP_RECV_BATCH || io->inbox_left)
             continue; /* there may be more */
-        if (poll(watch, 2, -1) < 0) {
+        if (poll(watch, 3, -1) < 0) {
             if (errno == EINTR)
                 continue;
             io->failure = errno;
@@ -291,6 +408,8 @@ void fp_serve_stop(fp_serving *serving, fp_io *ios, uint32_t n)
     (void)!write(serving->stop_fd, &one, sizeof one); /* never read: wakes every poll */
     for (i = 0; i < n; i++)
         pthread_join(ios[i].pthread, NULL);
+    for (i = 0; i < serving->count; i++) /* every one: those of threads never started too */
+        inbox_free(&ios[i].inbox);
     close(serving->stop_fd);
     serving->stop_fd = -1;
     serving->started = 0;
@@ -308,6 +427,16 @@ int fp_serve_start(fp_serving *serving, fp_io *ios, const int *fds, uint32_t n, 
     serving->notify_fd = notify_fd;
     serving->gso = gso;
     serving->stopping = 0;
+    serving->ios = ios;
+    serving->count = n;
+    for (i = 0; i < n; i++)
+        if ((error = inbox_init(&ios[i].inbox, ios[i].core->row_size))) {
+            while (i--)
+                inbox_free(&ios[i].inbox);
+            close(serving->stop_fd);
+            serving->stop_fd = -1;
+            return error;
+        }
     for (i = 0; i < n; i++) {
         fp_io *io = &ios[i];
         io->serving = serving;

@@ -13,6 +13,9 @@
 #define FP_RECV_BATCH 64
 /* Results queued for sending at most; a batch's results fit beside each other. */
 #define FP_SEND_QUEUE (FP_RECV_BATCH * FP_MAX_WORKERS)
+/* Bytes of a data thread's inbox (at least FP_INBOX_MIN entries). */
+#define FP_INBOX_BYTES (4u << 20)
+#define FP_INBOX_MIN 16
 /* An IPv4 UDP datagram is at most 65507 bytes. */
 #define FP_RECV_BUFFER 65536
 /* recvmmsg errors (ICMP errors surfacing, say) tolerated in one drain call. */
@@ -21,6 +24,19 @@
 #define FP_KEY_NOT_IPV4 ((uint64_t)1 << 48)
 
 typedef struct fp_serving fp_serving;
+
+/* Datagrams other data threads handed over to a thread: those of its slots that
+ * reached their sockets.  The kernel steers each datagram by its slot, but a UDP
+ * GSO run that stays unsegmented up to the socket (a worker on the switch's own
+ * host: loopback) goes whole to the socket its first datagram's slot picks.
+ * A ring of fixed entries (key, length, datagram); producers append under
+ * `lock`, the owner takes what is there, handles it, then frees the entries. */
+typedef struct {
+    pthread_mutex_t lock;
+    uint8_t *entries;
+    uint32_t entry_size, capacity, head, count;
+    int event_fd; /* readable while the ring may hold entries: the owner polls it */
+} fp_inbox;
 
 /* The loop's buffers, allocated once with the core, in one block; one per data
  * thread, with what that thread owns. */
@@ -44,6 +60,8 @@ typedef struct {
     fp_serving *serving;
     pthread_t pthread;
     int serve_fd;      /* its own socket of the port's SO_REUSEPORT group */
+    fp_inbox inbox;
+    uint32_t inbox_left; /* its inbox held entries when it last freed some */
     int failure;       /* the errno that ended it; 0 while it serves, or stopped when told */
     int exited;        /* 1 once it returned (atomic) */
     double cpu_s;      /* its CPU time when it returned */
@@ -59,6 +77,8 @@ typedef struct {
  * all at once by the writer would save that, at more code, for no rate we saw. */
 struct fp_serving {
     pthread_rwlock_t tables;
+    fp_io *ios;      /* [thread_count]: whose inbox a datagram is handed over to */
+    uint32_t count;
     int started;   /* threads running (0: the core is drained by drain() calls) */
     int stopping;  /* atomic: set before stop_fd is written */
     int stop_fd;   /* an eventfd, readable once the threads are to stop */
