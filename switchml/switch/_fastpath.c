@@ -351,6 +351,8 @@ static PyObject *Core_receive(CoreObject *self, PyObject *args)
     fp_thread *thread = &self->core.threads[slot % self->core.thread_count];
     n = fp_receive(&self->core, thread, data.buf, (size_t)data.len, key, out);
     PyBuffer_Release(&data);
+    if (n == FP_OTHER_THREAD) /* never: the thread is the slot's owner */
+        n = 0;
     if (!(list = PyList_New(n)))
         return NULL;
     for (i = 0; i < n; i++) {

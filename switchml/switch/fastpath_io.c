@@ -395,6 +395,8 @@ static void *serve(void *arg)
     }
     io->cpu_s = thread_cpu_seconds(CLOCK_THREAD_CPUTIME_ID);
     __atomic_store_n(&io->exited, 1, __ATOMIC_RELEASE);
+    if (io->failure && serving->notify_fd >= 0) /* the control plane reports it now */
+        (void)!send(serving->notify_fd, "f", 1, MSG_DONTWAIT | MSG_NOSIGNAL);
     return NULL;
 }
 

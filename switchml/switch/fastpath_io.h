@@ -82,7 +82,7 @@ struct fp_serving {
     int started;   /* threads running (0: the core is drained by drain() calls) */
     int stopping;  /* atomic: set before stop_fd is written */
     int stop_fd;   /* an eventfd, readable once the threads are to stop */
-    int notify_fd; /* a byte is written here when a thread recorded a mismatch; -1 none */
+    int notify_fd; /* a byte here when a thread recorded a mismatch or failed; -1 none */
     int gso;
 };
 
