@@ -206,7 +206,8 @@ static int hand_over(fp_io *io, const uint8_t *data, uint32_t len, uint64_t key)
     memcpy(entry, &key, 8);
     memcpy(entry + 8, &len, 4);
     memcpy(entry + INBOX_HEADER, data, len);
-    wake = inbox->count++ == 0; /* else the owner finds it when it frees what it took */
+    /* 0 to 1: wake the owner; else it finds the entry when it frees what it took */
+    wake = __atomic_fetch_add(&inbox->count, 1, __ATOMIC_RELEASE) == 0;
     pthread_mutex_unlock(&inbox->lock);
     if (wake)
         (void)!write(inbox->event_fd, &one, sizeof one);
@@ -225,9 +226,11 @@ static uint32_t drain_inbox(fp_io *io)
 {
     fp_inbox *inbox = &io->inbox;
     fp_out out[FP_MAX_WORKERS];
-    uint64_t ticks;
     uint32_t head, count, i;
-    (void)!read(inbox->event_fd, &ticks, sizeof ticks); /* before looking: no wake is lost */
+    /* a look without the lock, every batch: no system call while nothing comes (the
+     * event is read when poll reports it, so a wake stays until then) */
+    if (!__atomic_load_n(&inbox->count, __ATOMIC_RELAXED))
+        return 0;
     pthread_mutex_lock(&inbox->lock);
     head = inbox->head;
     count = inbox->count;
@@ -249,7 +252,7 @@ static uint32_t drain_inbox(fp_io *io)
         flush_queue(io->thread, io);
         pthread_mutex_lock(&inbox->lock);
         inbox->head = (head + count) % inbox->capacity;
-        inbox->count -= count;
+        __atomic_fetch_sub(&inbox->count, count, __ATOMIC_RELAXED); /* under the lock too */
         io->inbox_left = inbox->count;
         pthread_mutex_unlock(&inbox->lock);
     }
@@ -392,6 +395,10 @@ static void *serve(void *arg)
         }
         if (watch[0].revents & POLLERR) /* errors queued (IP_RECVERR): else poll spins */
             udp_drain_error_queue(io->serve_fd);
+        if (watch[2].revents & POLLIN) { /* a hand-over woke it: its inbox is read next */
+            uint64_t ticks;
+            (void)!read(io->inbox.event_fd, &ticks, sizeof ticks);
+        }
     }
     io->cpu_s = thread_cpu_seconds(CLOCK_THREAD_CPUTIME_ID);
     __atomic_store_n(&io->exited, 1, __ATOMIC_RELEASE);
