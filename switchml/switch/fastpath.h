@@ -70,12 +70,15 @@ typedef struct {
     uint32_t mismatch[8];
 } fp_job;
 
-/* One shadow-copy set of one slot: the registers beside its row of the pool. */
+/* One shadow-copy set of one slot: the registers beside its row of the pool.  A
+ * cache line each: neighbouring slots belong to different data threads, which
+ * write their sets every packet. */
 typedef struct {
     uint32_t valid, msg, bitmap, count, blocks;
     /* the ids a contribution must match, echoed in the result */
     uint32_t seq, pkt_id, dtype, mode, id_count, call;
-} fp_set;
+    uint32_t unsent_epoch; /* == its thread's epoch: datagrams of the row wait to be sent */
+} __attribute__((aligned(64))) fp_set;
 
 typedef struct {
     uint64_t key; /* FP_KEY_NONE: empty */
@@ -104,7 +107,7 @@ struct fp_thread {
     fp_counters counters;      /* drops no job owns, socket errors */
     fp_counters *job_counters; /* [slot_base]: this thread's part of each job's */
     uint64_t rng;
-    uint32_t epoch; /* rows of its slots with datagrams not sent: row_epoch[row] == epoch */
+    uint32_t epoch; /* rows of its slots with datagrams not sent: unsent_epoch == epoch */
     fp_flush_fn flush;
     void *flush_ctx;
     uint32_t mismatched; /* it recorded a job's first disagreement since this was cleared */
@@ -118,7 +121,6 @@ typedef struct fp_core {
     fp_member *members;
     uint32_t member_mask, member_count, member_limit;
     double ingress_drop_rate, egress_drop_rate;
-    uint32_t *row_epoch; /* [row]: each row written by its slot's thread only */
     uint32_t mismatches; /* jobs with mismatch_state 1 (atomic: threads add to it) */
     uint32_t thread_count;
     fp_thread *threads; /* [thread_count]; thread 0 alone when the core is not threaded */

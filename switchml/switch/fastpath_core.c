@@ -116,10 +116,11 @@ int fp_core_init(fp_core *c, uint32_t slots, uint32_t row_size, uint8_t *rows,
     c->rows = rows;
     c->member_limit = member_limit;
     c->member_mask = capacity - 1;
-    c->sets = calloc(2 * (size_t)slots, sizeof *c->sets);
+    c->sets = aligned_alloc(64, 2 * (size_t)slots * sizeof *c->sets);
+    if (c->sets)
+        memset(c->sets, 0, 2 * (size_t)slots * sizeof *c->sets);
     c->jobs = calloc(slots, sizeof *c->jobs);
     c->members = calloc(capacity, sizeof *c->members);
-    c->row_epoch = calloc(2 * (size_t)slots, sizeof *c->row_epoch);
     c->threads = aligned_alloc(64, threads * sizeof *c->threads);
     if (c->threads) {
         memset(c->threads, 0, threads * sizeof *c->threads);
@@ -133,7 +134,7 @@ int fp_core_init(fp_core *c, uint32_t slots, uint32_t row_size, uint8_t *rows,
             failed |= !t->job_counters;
         }
     }
-    if (failed || !c->sets || !c->jobs || !c->members || !c->row_epoch || !c->threads) {
+    if (failed || !c->sets || !c->jobs || !c->members || !c->threads) {
         fp_core_free(c);
         return -1;
     }
@@ -147,7 +148,6 @@ void fp_core_free(fp_core *c)
     free(c->sets);
     free(c->jobs);
     free(c->members);
-    free(c->row_epoch);
     for (uint32_t i = 0; c->threads && i < c->thread_count; i++)
         free(c->threads[i].job_counters);
     free(c->threads);
@@ -156,7 +156,6 @@ void fp_core_free(fp_core *c)
     c->sets = NULL;
     c->jobs = NULL;
     c->members = NULL;
-    c->row_epoch = NULL;
 }
 
 void fp_seed(fp_core *c, uint64_t seed)
@@ -210,7 +209,7 @@ static inline int msg_newer(uint32_t a, uint32_t b)
 /* A row is about to change: datagrams pointing into it must leave first. */
 static inline void before_write(fp_core *c, fp_thread *t, uint32_t row)
 {
-    if (t->flush && c->row_epoch[row] == t->epoch)
+    if (t->flush && c->sets[row].unsent_epoch == t->epoch)
         t->flush(t, t->flush_ctx);
 }
 
@@ -230,7 +229,7 @@ static int emit(fp_core *c, fp_thread *t, fp_job *job, fp_set *set, uint32_t row
     }
     fp_count(&t->job_counters[job->slot_base], C_RESULTS_OUT, n);
     if (n)
-        c->row_epoch[row] = t->epoch;
+        c->sets[row].unsent_epoch = t->epoch;
     return (int)n;
 }
 
@@ -320,7 +319,7 @@ static int answer_header(fp_core *c, fp_thread *t, fp_job *job, uint32_t rank, u
     memcpy(reply, d, WIRE_HEADER_SIZE);
     reply[3] = kind;
     memcpy(reply + 8, &job->session, 4); /* not the rank's token */
-    c->row_epoch[row] = t->epoch;
+    c->sets[row].unsent_epoch = t->epoch;
     out[0] = (fp_out){reply, WIRE_HEADER_SIZE, job->slot_base, rank};
     return 1;
 }
