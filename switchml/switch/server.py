@@ -280,7 +280,10 @@ class Switch:
             stats = json.loads(json.dumps(stats))
         stats["data_plane"] = self.data_plane
         stats["uptime_s"] = time.monotonic() - self._started_at if self._thread else 0.0
-        stats["cpu_s"] = self._cpu_seconds
+        # the data threads' time read now: the serving thread, idle while they
+        # work, reads its own only when it wakes
+        stats["cpu_s"] = self._cpu_seconds + (self._fast.threads_cpu_s()
+                                              if self.threads > 1 else 0.0)
         return stats
 
     def serve_forever(self) -> None:
@@ -334,7 +337,8 @@ class Switch:
                 with self._lock:
                     if self.threads > 1:
                         busy = False
-                        self._check_data_threads()
+                        if self._data_threads_failed():
+                            break
                     elif self.fastpath:
                         busy = self._drain_fast()
                     else:  # Python, or what the XDP program passes up
@@ -352,8 +356,7 @@ class Switch:
                 now = time.monotonic()
                 if now >= next_cpu_read:  # a syscall: not once per batch of datagrams
                     next_cpu_read = now + CPU_READ_INTERVAL
-                    self._cpu_seconds = time.thread_time() + (
-                        self._fast.threads_cpu_s() if self.threads > 1 else 0.0)
+                    self._cpu_seconds = time.thread_time()
                 if now >= self._next_drop_log:
                     self._next_drop_log = now + self.drop_log_interval
                     self._log_drops()
@@ -381,7 +384,7 @@ class Switch:
         finally:
             if self.threads > 1:  # joined before stop() closes their sockets
                 self._fast.stop_serving()
-                self._cpu_seconds = time.thread_time() + self._fast.threads_cpu_s()
+                self._cpu_seconds = time.thread_time()
             if self._uplinks is not None:
                 self._uplinks.close_all()
             for conn in list(self._conns.values()):
@@ -508,7 +511,7 @@ class Switch:
         assert isinstance(self.pipeline, fastpipeline.FastPipeline), "not the C data plane"
         return self.pipeline
 
-    def _check_data_threads(self) -> None:
+    def _data_threads_failed(self) -> bool:
         """A data thread that ended by itself (its socket failed) stops the switch:
         its slots would never be aggregated, and its workers would wait for them
         until their timeout; closing the control connections tells them now."""
@@ -519,6 +522,7 @@ class Switch:
                 for thread, error in failures))
             log.error("%s", self.failure)
             self._running = False
+        return bool(failures)
 
     def _drain_fast(self) -> bool:
         """The C data plane: recvmmsg, the pipeline and sendmmsg of up to
