@@ -3,6 +3,7 @@ against the C one, at the packet sizes of MTU 1500 and MTU 9000 frames.
 
     python bench/switch_core.py                          # both MTUs, both data planes
     python bench/switch_core.py --mtu 9000 --workers 4 --seconds 5 --json out.json
+    python bench/switch_core.py --paths c --threads 1 2     # the C data plane's threads
 
 A switch runs in this process (its serving thread); ``--senders`` processes play
 the ``--workers`` ranks of one job: each rank has its own UDP socket, and its
@@ -12,13 +13,20 @@ as fast as the senders can. Results go back to the ranks' sockets, which nobody
 reads (the kernel drops them once their buffers are full): the switch pays for
 sending them, as it would for real workers.
 
-Per switch core means per second of the serving thread's CPU time (``cpu_s`` in
-the switch's stats: user and system, recvmmsg and sendmmsg included), so the
-figures do not depend on how many other processes share the machine; the wall
-clock rates are given too. Only contributions added to a sum count: not those
-the kernel dropped before the switch read them (its buffer full), nor those the
-switch admitted and then dropped as stale, mismatched or duplicate (with several
-senders, ranks' messages interleave and some arrive after their slot moved on).
+Per switch core means per second of the switch's CPU time (``cpu_s`` in the
+switch's stats: its serving thread's and its data threads', user and system,
+recvmmsg and sendmmsg included), so the figures do not depend on how many other
+processes share the machine; the wall clock rates are given too.  With
+``--threads``, the C data plane runs that many data threads (the switch's
+``threads``), and each row gives its rates against the same path's row of one
+thread: ``wall_ratio`` (contributions a wall-clock second: what several cores
+buy, where the machine has cores to spare for them and the senders) and
+``core_ratio`` (a CPU second: what threading costs each core).
+
+Only contributions added to a sum count: not those the kernel dropped before
+the switch read them (its buffer full), nor those the switch admitted and then
+dropped as stale, mismatched or duplicate (with several senders, ranks'
+messages interleave and some arrive after their slot moved on).
 """
 
 from __future__ import annotations
@@ -136,15 +144,17 @@ def _sender(ranks, world, switch_addr, slots, packet_elements, block, conn):
 
 # ---------------------------------------------------------------- one measurement
 def measure(path: str, mtu: int, workers: int, senders: int, slots: int, block: int,
-            seconds: float, warmup: float) -> dict:
-    """One row: ``path`` is "python", "c" (with UDP GSO for the results) or "c-nogso"."""
+            seconds: float, warmup: float, threads: int = 1) -> dict:
+    """One row: ``path`` is "python", "c" (with UDP GSO for the results) or "c-nogso";
+    ``threads``: the C data plane's data threads."""
     fastpath = path != "python"
     packet_elements = packet_elements_for(mtu, block)
     lanes = packet_elements // block
     size = wire.packet_size(lanes, packet_elements)
     ctx = multiprocessing.get_context("spawn")
-    with Switch(slots=slots, fastpath=fastpath) as sw:
-        sw.udp_gso = path == "c"
+    sw = Switch(slots=slots, fastpath=fastpath, threads=threads)
+    sw.udp_gso = path == "c"  # before start(): data threads take it when they start
+    with sw:
         groups = [list(range(workers))[i::senders] for i in range(senders)]
         pipes, procs, addrs = [], [], [None] * workers
         for ranks in groups:
@@ -180,7 +190,7 @@ def measure(path: str, mtu: int, workers: int, senders: int, slots: int, block: 
     packets = delta("packets_in") - sum(delta(k) for k in (
         "dropped_stale", "dropped_mismatch", "duplicates", "retransmissions_answered"))
     return {
-        "data_plane": path, "mtu": mtu, "workers": workers,
+        "data_plane": path, "threads": threads, "mtu": mtu, "workers": workers,
         "senders": senders, "slots": slots, "packet_elements": packet_elements,
         "block_elements": block, "packet_bytes": size, "wall_s": wall, "switch_cpu_s": cpu,
         "switch_cpu_share": cpu / wall if wall else 0.0,
@@ -201,6 +211,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--mtu", type=int, nargs="+", default=[1500, 9000])
     parser.add_argument("--paths", nargs="+", choices=["python", "c", "c-nogso"],
                         default=["python", "c", "c-nogso"])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1],
+                        help="data threads of the C data plane (rows for each)")
     parser.add_argument("--workers", type=int, default=4, help="ranks of the job")
     parser.add_argument("--senders", type=int, default=1, help="sender processes")
     parser.add_argument("--slots", type=int, default=64, help="the job's window")
@@ -212,15 +224,25 @@ def main(argv=None) -> list[dict]:
     rows = []
     for mtu in args.mtu:
         for path in args.paths:
-            rows.append(measure(path, mtu, args.workers, min(args.senders, args.workers),
-                                args.slots, args.block, args.seconds, args.warmup))
-    print(f"{'plane':>7} {'MTU':>5} {'bytes':>6} {'pkts/core-s':>12} {'Gbit/core-s':>12} "
-          f"{'pkts/s':>10} {'Gbit/s':>8} {'cpu':>5} {'drops':>8}")
+            one = None
+            for threads in args.threads if path != "python" else [1]:
+                row = measure(path, mtu, args.workers, min(args.senders, args.workers),
+                              args.slots, args.block, args.seconds, args.warmup, threads)
+                one = one or row  # the first count given is the reference
+                row["wall_ratio"] = (row["packets_per_wall_s"] / one["packets_per_wall_s"]
+                                     if one["packets_per_wall_s"] else 0.0)
+                row["core_ratio"] = (row["packets_per_core_s"] / one["packets_per_core_s"]
+                                     if one["packets_per_core_s"] else 0.0)
+                rows.append(row)
+    print(f"{'plane':>7} {'thr':>3} {'MTU':>5} {'bytes':>6} {'pkts/core-s':>12} "
+          f"{'Gbit/core-s':>12} {'pkts/s':>10} {'Gbit/s':>8} {'cpu':>5} {'wall x':>6} "
+          f"{'core x':>6} {'drops':>8}")
     for r in rows:
-        print(f"{r['data_plane']:>7} {r['mtu']:>5} {r['packet_bytes']:>6} "
+        print(f"{r['data_plane']:>7} {r['threads']:>3} {r['mtu']:>5} {r['packet_bytes']:>6} "
               f"{r['packets_per_core_s']:>12,.0f} {r['gbit_per_core_s']:>12.2f} "
               f"{r['packets_per_wall_s']:>10,.0f} {r['gbit_per_wall_s']:>8.2f} "
-              f"{r['switch_cpu_share']:>5.0%} {sum(r['dropped'].values()):>8}")
+              f"{r['switch_cpu_share']:>5.0%} {r['wall_ratio']:>6.2f} {r['core_ratio']:>6.2f} "
+              f"{sum(r['dropped'].values()):>8}")
     if args.json:
         write_rows(args.json, args, rows)
     return rows

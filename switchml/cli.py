@@ -29,7 +29,7 @@ LIMITS = f"""limits (each refused with an error that names it):
 #: ``switchml switch``'s flags that are settings of the switch (SwitchConfiguration).
 SWITCH_FLAGS = ("host", "port", "slots", "packet_elements", "block_elements", "slots_per_job",
                 "max_jobs", "metrics_port", "metrics_host", "keepalive", "drop_rate", "seed",
-                "upstream", "shared_link", "token_file", "data_plane")
+                "upstream", "shared_link", "token_file", "data_plane", "threads")
 
 
 def switch_configuration(args, environ=None) -> config.SwitchConfiguration:
@@ -197,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "xdp (an XDP program on the interface holding --host; root, clang, "
                         "libbpf; sparse calls go through the switch's user space) "
                         "($SWITCHML_DATA_PLANE)")
+    p.add_argument("--threads", type=int,
+                   help="data threads of the C data plane, a core each: each owns the slots "
+                        "s where s %% threads is its index, with a socket of its own "
+                        "($SWITCHML_SWITCH_THREADS, default 1)")
     p.add_argument("--shared-link", action="store_true", default=None,
                    help="this switch is a server behind one link all its workers share (no "
                         "programmable switch): a job's window is its ranks' share of that "

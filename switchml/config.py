@@ -59,6 +59,10 @@ SWITCHML_PURE_PYTHON        1: the Python data plane and engine      0
 SWITCHML_DATA_PLANE         a switch's data plane: python, c or      (C when
                             xdp (an XDP program on the interface     built)
                             holding its host address; root)
+SWITCHML_SWITCH_THREADS     data threads of a switch's C data        1
+                            plane, each with the slots s where
+                            s % threads is its index and a socket
+                            of its own (a core each)
 SWITCHML_XDP_CACHE          where the XDP program, built by clang    ~/.cache/
                             on first use, is kept (or under          switchml/xdp
                             $XDG_CACHE_HOME)
@@ -104,6 +108,8 @@ DEFAULT_PACKET_ELEMENTS = 16128  # 63 blocks of 256: the most one UDP datagram h
 DEFAULT_BLOCK_ELEMENTS = 256
 DEFAULT_SLOTS_PER_JOB = 32
 DEFAULT_MAX_JOBS = 64
+#: A switch's data threads at most (switch/fastpath.h FP_MAX_THREADS)
+MAX_SWITCH_THREADS = 64
 DEFAULT_TIMEOUT = 30.0
 #: Seconds within which a control connection's peer that vanished without
 #: closing it (host down, cable cut) is noticed, by TCP keepalive probes.
@@ -239,6 +245,7 @@ SWITCH_VARIABLES = {
     "keepalive": ("KEEPALIVE", float),
     "upstream": ("UPSTREAM", str),
     "data_plane": ("DATA_PLANE", str),
+    "threads": ("SWITCH_THREADS", int),
     "shared_link": ("SHARED_LINK", parse_flag),
     "token_file": ("SWITCH_TOKEN_FILE", str),
 }
@@ -268,6 +275,12 @@ class SwitchConfiguration:
     packets of at most 64 blocks (the default's 63 fit; see switch/xdp.py) and
     no ``upstream``; the program passes sparse contributions up to the switch,
     which aggregates them in user space),
+    ``threads`` (data threads of the C data plane, at most 64: each owns the
+    slots ``s`` with ``s % threads`` equal to its index and drains a socket of
+    its own, to which the kernel steers those slots' datagrams, so that a
+    switch aggregates with that many cores; 1: the serving thread drains the
+    one socket itself, between control messages; the Python and XDP data
+    planes take 1 only),
     ``upstream`` ("host:port" of a spine switch: this switch is then a rack
     switch, whose jobs' partial sums go up to the spine; its data plane runs in
     Python), ``shared_link`` (the switch is a server behind one link that all
@@ -296,6 +309,7 @@ class SwitchConfiguration:
     keepalive: float = DEFAULT_KEEPALIVE
     fastpath: bool | None = None
     data_plane: str | None = None
+    threads: int = 1
     upstream: str | None = None
     shared_link: bool = False
     token_file: str | None = None
@@ -317,6 +331,16 @@ class SwitchConfiguration:
                 _disagree(self.fastpath, self.data_plane):
             raise ValueError(f"fastpath={self.fastpath} contradicts "
                              f"data_plane={self.data_plane!r}")
+        if not 1 <= self.threads <= MAX_SWITCH_THREADS:
+            raise ValueError(f"threads must be 1 to {MAX_SWITCH_THREADS}, got {self.threads}")
+        if self.threads > 1:
+            other = ("a rack switch's (upstream)" if self.upstream is not None else
+                     "the XDP" if self.data_plane == "xdp" else
+                     "the Python" if self.data_plane == "python" or self.fastpath is False
+                     else None)
+            if other:  # XDP spreads over the interface's queues' CPUs by itself
+                raise ValueError(f"threads={self.threads} is a setting of the C data plane: "
+                                 f"{other} data plane runs with threads=1")
         if self.data_plane == "xdp":
             if self.upstream is not None:
                 raise ValueError("a rack switch (upstream) runs its data plane in Python: "

@@ -5,12 +5,18 @@
  * control plane (jobs, slot allocation, counters by name) in Python and hands
  * the per-packet work here.  Its methods must not be called concurrently; the
  * switch calls them under its lock, and a call during drain() raises.
+ *
+ * A core of several threads (Core(..., threads=N)) is served by its own data
+ * threads (serve(): pthreads, no Python), each on its own socket; then the
+ * control methods take the tables' write lock (lock_tables), which waits for
+ * the batch each thread is in, and drain() and receive() are refused.
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
 
+#include <errno.h>
 #include <string.h>
 
 #include "fastpath_io.h"
@@ -18,9 +24,10 @@
 typedef struct {
     PyObject_HEAD
     fp_core core;
-    fp_io io;
+    fp_io *io; /* [core.thread_count] */
+    fp_serving serving;
     Py_buffer rows;
-    int has_rows, busy;
+    int has_rows, has_serving, busy;
 } CoreObject;
 
 static int check_idle(CoreObject *self)
@@ -32,17 +39,42 @@ static int check_idle(CoreObject *self)
     return 0;
 }
 
+/* drain() and receive() run the pipeline on the caller's thread: not while the
+ * core's own data threads do. */
+static int check_not_serving(CoreObject *self)
+{
+    if (self->serving.started) {
+        PyErr_SetString(PyExc_RuntimeError, "the switch core's data threads are serving");
+        return -1;
+    }
+    return check_idle(self);
+}
+
+/* The job and member tables, registers and counters, for the control plane: while
+ * data threads serve, once each is between two batches. */
+static void lock_tables(CoreObject *self)
+{
+    if (self->serving.started)
+        pthread_rwlock_wrlock(&self->serving.tables);
+}
+
+static void unlock_tables(CoreObject *self)
+{
+    if (self->serving.started)
+        pthread_rwlock_unlock(&self->serving.tables);
+}
+
 /* ------------------------------------------------------------ life cycle */
 static int Core_init(CoreObject *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"rows", "slots", "row_size", "member_limit", NULL};
-    unsigned int slots, row_size, member_limit;
+    static char *kwlist[] = {"rows", "slots", "row_size", "member_limit", "threads", NULL};
+    unsigned int slots, row_size, member_limit, threads = 1, i;
     if (self->has_rows) {
         PyErr_SetString(PyExc_RuntimeError, "Core is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "w*III", kwlist, &self->rows, &slots,
-                                     &row_size, &member_limit))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "w*III|I", kwlist, &self->rows, &slots,
+                                     &row_size, &member_limit, &threads))
         return -1;
     self->has_rows = 1;
     if (slots < 1 || row_size < 2 * WIRE_HEADER_SIZE || row_size % 4 ||
@@ -50,21 +82,42 @@ static int Core_init(CoreObject *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_ValueError, "rows must be 2 * slots * row_size bytes");
         return -1;
     }
-    if (fp_core_init(&self->core, slots, row_size, self->rows.buf, member_limit) < 0) {
+    if (threads < 1 || threads > FP_MAX_THREADS) {
+        PyErr_Format(PyExc_ValueError, "threads must be 1 to %d", FP_MAX_THREADS);
+        return -1;
+    }
+    if (fp_core_init(&self->core, slots, row_size, self->rows.buf, member_limit, threads) < 0 ||
+        !(self->io = PyMem_Calloc(threads, sizeof *self->io))) {
         PyErr_NoMemory();
         return -1;
     }
-    if (fp_io_init(&self->io, &self->core) < 0) {
-        PyErr_NoMemory();
+    for (i = 0; i < threads; i++)
+        if (fp_io_init(&self->io[i], &self->core, &self->core.threads[i]) < 0) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    if ((errno = fp_serving_init(&self->serving))) {
+        PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
+    self->has_serving = 1;
     return 0;
 }
 
 static void Core_dealloc(CoreObject *self)
 {
+    uint32_t i;
+    if (self->serving.started) { /* never left running on freed memory */
+        Py_BEGIN_ALLOW_THREADS
+        fp_serve_stop(&self->serving, self->io, self->core.thread_count);
+        Py_END_ALLOW_THREADS
+    }
+    if (self->has_serving)
+        fp_serving_free(&self->serving);
+    for (i = 0; self->io && i < self->core.thread_count; i++)
+        fp_io_free(&self->io[i]);
+    PyMem_Free(self->io);
     fp_core_free(&self->core);
-    fp_io_free(&self->io);
     if (self->has_rows)
         PyBuffer_Release(&self->rows);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -77,9 +130,11 @@ static PyObject *Core_set_drop_rates(CoreObject *self, PyObject *args)
     unsigned long long seed;
     if (!PyArg_ParseTuple(args, "ddK", &ingress, &egress, &seed) || check_idle(self) < 0)
         return NULL;
+    lock_tables(self);
     self->core.ingress_drop_rate = ingress;
     self->core.egress_drop_rate = egress;
-    self->core.rng = seed;
+    fp_seed(&self->core, seed);
+    unlock_tables(self);
     Py_RETURN_NONE;
 }
 
@@ -127,7 +182,10 @@ static PyObject *Core_install(CoreObject *self, PyObject *args)
     Py_DECREF(tokens);
     if (PyErr_Occurred())
         return NULL;
-    if (fp_install(&self->core, &job) < 0) {
+    lock_tables(self);
+    int installed = fp_install(&self->core, &job);
+    unlock_tables(self);
+    if (installed < 0) {
         PyErr_Format(PyExc_ValueError, "the switch core's member table is full (%u addresses)",
                      self->core.member_limit);
         return NULL;
@@ -144,7 +202,9 @@ static PyObject *Core_remove(CoreObject *self, PyObject *args)
         PyErr_SetString(PyExc_KeyError, "no job starts at that slot");
         return NULL;
     }
+    lock_tables(self);
     fp_remove(&self->core, base);
+    unlock_tables(self);
     Py_RETURN_NONE;
 }
 
@@ -169,20 +229,44 @@ static PyObject *counters_dict(fp_counters *c)
     return d;
 }
 
+/* One counter set summed over the data threads (each counts its own), and zeroed. */
+static void take_sum(fp_core *core, uint32_t s, fp_counters *sum)
+{
+    uint32_t i, k;
+    memset(sum, 0, sizeof *sum);
+    for (i = 0; i < core->thread_count; i++) {
+        fp_thread *t = &core->threads[i];
+        fp_counters *c = s < core->slots ? &t->job_counters[s] : &t->counters;
+        if (!c->touched)
+            continue;
+        for (k = 0; k < FP_NCOUNTERS; k++)
+            sum->value[k] += c->value[k];
+        sum->touched |= c->touched;
+        memset(c, 0, sizeof *c);
+    }
+}
+
 /* take_counters() -> [(slot_base or -1, {name: increment})]: what was counted since
  * the last call (a key for every counter incremented, even by 0), then zero. */
 static PyObject *Core_take_counters(CoreObject *self, PyObject *unused)
 {
-    PyObject *out, *d, *item;
+    PyObject *out = NULL, *d, *item;
+    fp_counters *sums;
     uint32_t s;
-    if (check_idle(self) < 0 || !(out = PyList_New(0)))
+    if (check_idle(self) < 0)
         return NULL;
+    if (!(sums = PyMem_Malloc((self->core.slots + 1) * sizeof *sums)))
+        return PyErr_NoMemory();
+    lock_tables(self); /* summed at once, then the dicts built: threads wait for no dict */
+    for (s = 0; s <= self->core.slots; s++)
+        take_sum(&self->core, s, &sums[s]);
+    unlock_tables(self);
+    if (!(out = PyList_New(0)))
+        goto fail;
     for (s = 0; s <= self->core.slots; s++) {
-        fp_counters *c = s < self->core.slots ? &self->core.jobs[s].counters
-                                              : &self->core.counters;
-        if (!c->touched)
+        if (!sums[s].touched)
             continue;
-        if (!(d = counters_dict(c)))
+        if (!(d = counters_dict(&sums[s])))
             goto fail;
         item = Py_BuildValue("(iN)", s < self->core.slots ? (int)s : -1, d);
         if (!item || PyList_Append(out, item) < 0) {
@@ -191,9 +275,11 @@ static PyObject *Core_take_counters(CoreObject *self, PyObject *unused)
         }
         Py_DECREF(item);
     }
+    PyMem_Free(sums);
     return out;
 fail:
-    Py_DECREF(out);
+    PyMem_Free(sums);
+    Py_XDECREF(out);
     return NULL;
 }
 
@@ -205,6 +291,7 @@ static PyObject *Core_take_mismatches(CoreObject *self, PyObject *unused)
     uint32_t s;
     if (check_idle(self) < 0 || !(out = PyList_New(0)))
         return NULL;
+    lock_tables(self); /* a record is whole once its thread's batch ended */
     for (s = 0; self->core.mismatches && s < self->core.slots; s++) {
         fp_job *job = &self->core.jobs[s];
         const uint32_t *m = job->mismatch;
@@ -212,14 +299,16 @@ static PyObject *Core_take_mismatches(CoreObject *self, PyObject *unused)
             continue;
         item = Py_BuildValue("(IIIIIIIII)", s, m[0], m[1], m[2], m[3], m[4], m[5], m[6], m[7]);
         if (!item || PyList_Append(out, item) < 0) {
+            unlock_tables(self);
             Py_XDECREF(item);
             Py_DECREF(out);
             return NULL;
         }
         Py_DECREF(item);
         job->mismatch_state = 2;
-        self->core.mismatches--;
+        __atomic_fetch_sub(&self->core.mismatches, 1, __ATOMIC_RELAXED);
     }
+    unlock_tables(self);
     return out;
 }
 
@@ -233,9 +322,12 @@ static PyObject *Core_slot_state(CoreObject *self, PyObject *args)
         PyErr_SetString(PyExc_IndexError, "slot out of range");
         return NULL;
     }
+    lock_tables(self);
     fp_set *set = &self->core.sets[(msg & 1) * self->core.slots + slot];
     int holds = set->valid && set->msg == msg;
-    return Py_BuildValue("(OI)", holds ? Py_True : Py_False, holds ? set->bitmap : 0);
+    uint32_t bitmap = holds ? set->bitmap : 0;
+    unlock_tables(self);
+    return Py_BuildValue("(OI)", holds ? Py_True : Py_False, bitmap);
 }
 
 /* receive(datagram, key) -> [(offset in rows, length, rank)]: one datagram from the
@@ -249,12 +341,18 @@ static PyObject *Core_receive(CoreObject *self, PyObject *args)
     PyObject *list;
     if (!PyArg_ParseTuple(args, "y*K", &data, &key))
         return NULL;
-    if (check_idle(self) < 0) {
+    if (check_not_serving(self) < 0) {
         PyBuffer_Release(&data);
         return NULL;
     }
-    n = fp_receive(&self->core, data.buf, (size_t)data.len, key, out);
+    /* the thread the socket steering would pick (fp_steer_by_slot) */
+    uint32_t slot = data.len >= 8 ? ((const uint8_t *)data.buf)[6] |
+                                        ((const uint8_t *)data.buf)[7] << 8 : 0;
+    fp_thread *thread = &self->core.threads[slot % self->core.thread_count];
+    n = fp_receive(&self->core, thread, data.buf, (size_t)data.len, key, out);
     PyBuffer_Release(&data);
+    if (n == FP_OTHER_THREAD) /* never: the thread is the slot's owner */
+        n = 0;
     if (!(list = PyList_New(n)))
         return NULL;
     for (i = 0; i < n; i++) {
@@ -277,14 +375,111 @@ static PyObject *Core_drain(CoreObject *self, PyObject *args)
     int fd, gso = 1;
     unsigned int limit;
     uint32_t received;
-    if (!PyArg_ParseTuple(args, "iI|p", &fd, &limit, &gso) || check_idle(self) < 0)
+    if (!PyArg_ParseTuple(args, "iI|p", &fd, &limit, &gso) || check_not_serving(self) < 0)
         return NULL;
+    if (self->core.thread_count > 1) {
+        PyErr_SetString(PyExc_RuntimeError, "a core of several threads is drained by its own "
+                                            "data threads: serve()");
+        return NULL;
+    }
     self->busy = 1;
     Py_BEGIN_ALLOW_THREADS
-    received = fp_io_drain(&self->io, fd, limit, gso);
+    received = fp_io_drain(&self->io[0], fd, limit, gso);
     Py_END_ALLOW_THREADS
     self->busy = 0;
-    return Py_BuildValue("(IK)", received, (unsigned long long)self->io.sent);
+    return Py_BuildValue("(IK)", received, (unsigned long long)self->io[0].sent);
+}
+
+/* serve(fds, notify_fd, gso): a data thread per socket, thread i on fds[i] (the
+ * sockets of the port's SO_REUSEPORT group, in the order they were bound), until
+ * stop(); notify_fd gets a byte when a thread recorded a mismatch (-1: none). */
+static PyObject *Core_serve(CoreObject *self, PyObject *args)
+{
+    PyObject *list;
+    int fds[FP_MAX_THREADS], notify_fd, gso, error;
+    Py_ssize_t i, n;
+    if (!PyArg_ParseTuple(args, "Oip", &list, &notify_fd, &gso) || check_not_serving(self) < 0)
+        return NULL;
+    if (!(list = PySequence_Fast(list, "fds must be a sequence of file descriptors")))
+        return NULL;
+    n = PySequence_Fast_GET_SIZE(list);
+    for (i = 0; i < n && i < FP_MAX_THREADS; i++)
+        fds[i] = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(list, i));
+    Py_DECREF(list);
+    if (PyErr_Occurred())
+        return NULL;
+    if (n != (Py_ssize_t)self->core.thread_count) {
+        PyErr_Format(PyExc_ValueError, "a socket per data thread: %u, got %zd",
+                     self->core.thread_count, n);
+        return NULL;
+    }
+    if ((error = fp_serve_start(&self->serving, self->io, fds, (uint32_t)n, notify_fd, gso))) {
+        errno = error;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+/* stop(): tell the data threads to stop, and join them. */
+static PyObject *Core_stop(CoreObject *self, PyObject *unused)
+{
+    Py_BEGIN_ALLOW_THREADS
+    fp_serve_stop(&self->serving, self->io, self->core.thread_count);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* failures() -> [(thread, errno)]: data threads that ended without being told. */
+static PyObject *Core_failures(CoreObject *self, PyObject *unused)
+{
+    PyObject *out = PyList_New(0), *item;
+    uint32_t i;
+    for (i = 0; out && i < self->core.thread_count; i++) {
+        fp_io *io = &self->io[i];
+        if (!__atomic_load_n(&io->exited, __ATOMIC_ACQUIRE) || !io->failure)
+            continue;
+        item = Py_BuildValue("(Ii)", i, io->failure);
+        if (!item || PyList_Append(out, item) < 0) {
+            Py_XDECREF(item);
+            Py_CLEAR(out);
+        }
+        Py_XDECREF(item);
+    }
+    return out;
+}
+
+/* cpu_seconds() -> the data threads' CPU time together (0 when it never served). */
+static PyObject *Core_cpu_seconds(CoreObject *self, PyObject *unused)
+{
+    double total = 0.0;
+    uint32_t i;
+    for (i = 0; self->io[0].serving && i < self->core.thread_count; i++)
+        total += fp_io_cpu_seconds(&self->io[i]);
+    return PyFloat_FromDouble(total);
+}
+
+static PyObject *Core_get_gso_refused(CoreObject *self, void *unused)
+{
+    uint32_t i;
+    for (i = 0; i < self->core.thread_count; i++)
+        if (__atomic_load_n(&self->io[i].gso_refused, __ATOMIC_RELAXED))
+            Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
+}
+
+/* steer_by_slot(fd, n): the kernel gives each datagram of the SO_REUSEPORT group
+ * of fd to its socket slot % n (fastpath_io.c fp_steer_by_slot). */
+static PyObject *steer_by_slot(PyObject *module, PyObject *args)
+{
+    int fd, error;
+    unsigned int n;
+    if (!PyArg_ParseTuple(args, "iI", &fd, &n))
+        return NULL;
+    if ((error = fp_steer_by_slot(fd, n))) {
+        errno = error;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
 }
 
 static PyObject *Core_counter_names(PyObject *cls, PyObject *unused)
@@ -320,6 +515,13 @@ static PyMethodDef Core_methods[] = {
      "receive(datagram, key) -> [(offset, length, rank)]"},
     {"drain", (PyCFunction)Core_drain, METH_VARARGS,
      "drain(fd, limit) -> (received, sent), with the GIL released"},
+    {"serve", (PyCFunction)Core_serve, METH_VARARGS,
+     "serve(fds, notify_fd, gso): a data thread per socket, until stop()"},
+    {"stop", (PyCFunction)Core_stop, METH_NOARGS, "stop(): stop the data threads, join them"},
+    {"failures", (PyCFunction)Core_failures, METH_NOARGS,
+     "failures() -> [(thread, errno)] of data threads that ended by themselves"},
+    {"cpu_seconds", (PyCFunction)Core_cpu_seconds, METH_NOARGS,
+     "cpu_seconds() -> the data threads' CPU time together"},
     {"counter_names", (PyCFunction)Core_counter_names, METH_NOARGS | METH_CLASS,
      "the names of the counters the core keeps"},
     {NULL, NULL, 0, NULL},
@@ -328,9 +530,21 @@ static PyMethodDef Core_methods[] = {
 static PyMemberDef Core_members[] = {
     {"mismatches", T_UINT, offsetof(CoreObject, core.mismatches), READONLY,
      "jobs with a disagreement between ranks that take_mismatches() has not returned"},
-    {"gso_refused", T_INT, offsetof(CoreObject, io.gso_refused), READONLY,
-     "true once the kernel refused a UDP GSO send (then results go one per datagram)"},
+    {"thread_count", T_UINT, offsetof(CoreObject, core.thread_count), READONLY,
+     "the data threads it has (each owns the slots s with s % thread_count == its index)"},
     {NULL, 0, 0, 0, NULL},
+};
+
+static PyGetSetDef Core_getset[] = {
+    {"gso_refused", (getter)Core_get_gso_refused, NULL,
+     "true once the kernel refused a UDP GSO send (then results go one per datagram)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef module_methods[] = {
+    {"steer_by_slot", steer_by_slot, METH_VARARGS,
+     "steer_by_slot(fd, n): each datagram to the SO_REUSEPORT group's socket slot % n"},
+    {NULL, NULL, 0, NULL},
 };
 
 static PyTypeObject CoreType = {
@@ -342,13 +556,14 @@ static PyTypeObject CoreType = {
     .tp_doc = "Core(rows, slots, row_size, member_limit): the switch's data plane in C",
     .tp_methods = Core_methods,
     .tp_members = Core_members,
+    .tp_getset = Core_getset,
     .tp_init = (initproc)Core_init,
     .tp_new = PyType_GenericNew,
 };
 
 static struct PyModuleDef fastpath_module = {
     PyModuleDef_HEAD_INIT, "switchml.switch._fastpath",
-    "The switch's data plane in C, and its batched UDP loop.", -1, NULL,
+    "The switch's data plane in C, and its batched UDP loop.", -1, module_methods,
 };
 
 PyMODINIT_FUNC PyInit__fastpath(void)
@@ -361,7 +576,8 @@ PyMODINIT_FUNC PyInit__fastpath(void)
     Py_INCREF(&CoreType);
     if (PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0 ||
         PyModule_AddIntConstant(m, "KEY_NOT_IPV4", (long long)FP_KEY_NOT_IPV4) < 0 ||
-        PyModule_AddIntConstant(m, "RECV_BATCH", FP_RECV_BATCH) < 0) {
+        PyModule_AddIntConstant(m, "RECV_BATCH", FP_RECV_BATCH) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_THREADS", FP_MAX_THREADS) < 0) {
         Py_DECREF(&CoreType);
         Py_DECREF(m);
         return NULL;

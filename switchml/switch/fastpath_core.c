@@ -17,7 +17,8 @@ const char *const FP_COUNTER_NAMES[FP_NCOUNTERS] = {
     "sparse_blocks_skipped", "sparse_bytes_saved", "sparse_blocks_out",
     "dropped_unknown_source", "dropped_ingress_simulated", "socket_errors", "send_errors",
     "send_fragmented", "probes_in", "probes_waiting", "resends_asked", "dropped_bad_probe",
-    "send_waits", "queries_done",
+    "send_waits", "queries_done", "dropped_not_handed_over",
+    "handed_over",
 };
 
 /* Received datagrams may start anywhere: read them through these. */
@@ -32,13 +33,17 @@ typedef uint32_t unaligned_u32 __attribute__((aligned(1), may_alias));
 #define LANE_EXP 8
 #define LANE_FLAG 10
 
-static double rng_uniform(fp_core *c)
-{ /* splitmix64: the simulated drops need no more than a seeded uniform draw */
-    uint64_t z = (c->rng += 0x9E3779B97F4A7C15ULL);
+static uint64_t splitmix64(uint64_t *state)
+{ /* the simulated drops need no more than a seeded uniform draw */
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ULL);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-    z ^= z >> 31;
-    return (double)(z >> 11) * (1.0 / 9007199254740992.0);
+    return z ^ (z >> 31);
+}
+
+static double rng_uniform(fp_thread *t)
+{
+    return (double)(splitmix64(&t->rng) >> 11) * (1.0 / 9007199254740992.0);
 }
 
 /* ------------------------------------------------------------ member table */
@@ -99,9 +104,10 @@ static void member_delete(fp_core *c, uint64_t key)
 
 /* ------------------------------------------------------------ life cycle */
 int fp_core_init(fp_core *c, uint32_t slots, uint32_t row_size, uint8_t *rows,
-                 uint32_t member_limit)
+                 uint32_t member_limit, uint32_t threads)
 {
     uint32_t capacity = 16, i;
+    int failed = 0;
     memset(c, 0, sizeof *c);
     while (capacity < 2 * member_limit)
         capacity <<= 1;
@@ -110,12 +116,25 @@ int fp_core_init(fp_core *c, uint32_t slots, uint32_t row_size, uint8_t *rows,
     c->rows = rows;
     c->member_limit = member_limit;
     c->member_mask = capacity - 1;
-    c->sets = calloc(2 * (size_t)slots, sizeof *c->sets);
+    c->sets = aligned_alloc(64, 2 * (size_t)slots * sizeof *c->sets);
+    if (c->sets)
+        memset(c->sets, 0, 2 * (size_t)slots * sizeof *c->sets);
     c->jobs = calloc(slots, sizeof *c->jobs);
     c->members = calloc(capacity, sizeof *c->members);
-    c->row_epoch = calloc(2 * (size_t)slots, sizeof *c->row_epoch);
-    c->epoch = 1;
-    if (!c->sets || !c->jobs || !c->members || !c->row_epoch) {
+    c->threads = aligned_alloc(64, threads * sizeof *c->threads);
+    if (c->threads) {
+        memset(c->threads, 0, threads * sizeof *c->threads);
+        c->thread_count = threads;
+        for (i = 0; i < threads; i++) {
+            fp_thread *t = &c->threads[i];
+            t->index = i;
+            t->of = threads;
+            t->epoch = 1;
+            t->job_counters = calloc(slots, sizeof *t->job_counters);
+            failed |= !t->job_counters;
+        }
+    }
+    if (failed || !c->sets || !c->jobs || !c->members || !c->threads) {
         fp_core_free(c);
         return -1;
     }
@@ -129,20 +148,33 @@ void fp_core_free(fp_core *c)
     free(c->sets);
     free(c->jobs);
     free(c->members);
-    free(c->row_epoch);
+    for (uint32_t i = 0; c->threads && i < c->thread_count; i++)
+        free(c->threads[i].job_counters);
+    free(c->threads);
+    c->threads = NULL;
+    c->thread_count = 0;
     c->sets = NULL;
     c->jobs = NULL;
     c->members = NULL;
-    c->row_epoch = NULL;
+}
+
+void fp_seed(fp_core *c, uint64_t seed)
+{
+    uint32_t i;
+    uint64_t state = seed;
+    c->threads[0].rng = seed; /* one thread draws as before threads came */
+    for (i = 1; i < c->thread_count; i++) /* a hashed start: far from the others' draws */
+        c->threads[i].rng = splitmix64(&state);
 }
 
 int fp_install(fp_core *c, const fp_job *job)
 {
-    uint32_t s, v, r;
+    uint32_t s, v, r, i;
     if (c->member_count + job->world > c->member_limit)
         return -1;
     c->jobs[job->slot_base] = *job;
-    memset(&c->jobs[job->slot_base].counters, 0, sizeof(fp_counters));
+    for (i = 0; i < c->thread_count; i++)
+        memset(&c->threads[i].job_counters[job->slot_base], 0, sizeof(fp_counters));
     for (s = job->slot_base; s < job->slot_base + job->slot_count; s++)
         for (v = 0; v < 2; v++) {
             fp_set *set = &c->sets[v * c->slots + s];
@@ -162,7 +194,7 @@ void fp_remove(fp_core *c, uint32_t slot_base)
     for (r = 0; r < job->world; r++)
         member_delete(c, job->members[r]);
     if (job->mismatch_state == 1)
-        c->mismatches--;
+        __atomic_fetch_sub(&c->mismatches, 1, __ATOMIC_RELAXED);
     job->mismatch_state = 0;
     job->session = 0;
 }
@@ -175,29 +207,29 @@ static inline int msg_newer(uint32_t a, uint32_t b)
 }
 
 /* A row is about to change: datagrams pointing into it must leave first. */
-static inline void before_write(fp_core *c, uint32_t row)
+static inline void before_write(fp_core *c, fp_thread *t, uint32_t row)
 {
-    if (c->flush && c->row_epoch[row] == c->epoch)
-        c->flush(c, c->flush_ctx);
+    if (t->flush && c->sets[row].unsent_epoch == t->epoch)
+        t->flush(t, t->flush_ctx);
 }
 
-static int emit(fp_core *c, fp_job *job, fp_set *set, uint32_t row, uint32_t only_rank,
-                fp_out *out)
+static int emit(fp_core *c, fp_thread *t, fp_job *job, fp_set *set, uint32_t row,
+                uint32_t only_rank, fp_out *out)
 {
     uint32_t len = WIRE_HEADER_SIZE + WIRE_LANE_SIZE * job->lanes + 4 * set->id_count, r, n = 0;
     const uint8_t *data = c->rows + (size_t)row * c->row_size;
     uint32_t first = only_rank == UINT32_MAX ? 0 : only_rank;
     uint32_t last = only_rank == UINT32_MAX ? job->world : only_rank + 1;
     for (r = first; r < last; r++) {
-        if (c->egress_drop_rate > 0 && rng_uniform(c) < c->egress_drop_rate) {
-            fp_count(&job->counters, C_DROPPED_EGRESS_SIMULATED, 1);
+        if (c->egress_drop_rate > 0 && rng_uniform(t) < c->egress_drop_rate) {
+            fp_count(&t->job_counters[job->slot_base], C_DROPPED_EGRESS_SIMULATED, 1);
             continue;
         }
         out[n++] = (fp_out){data, len, job->slot_base, r};
     }
-    fp_count(&job->counters, C_RESULTS_OUT, n);
+    fp_count(&t->job_counters[job->slot_base], C_RESULTS_OUT, n);
     if (n)
-        c->row_epoch[row] = c->epoch;
+        c->sets[row].unsent_epoch = t->epoch;
     return (int)n;
 }
 
@@ -242,7 +274,8 @@ static void add_sparse(fp_job *job, fp_set *set, uint8_t *regs, uint32_t *vals,
 
 /* Compact the present blocks to the front; count blocks seen and skipped.
  * Returns the result's value count. */
-static uint32_t finish_sparse(fp_job *job, fp_set *set, uint8_t *regs, uint32_t *vals)
+static uint32_t finish_sparse(fp_counters *counters, fp_job *job, fp_set *set, uint8_t *regs,
+                              uint32_t *vals)
 {
     int64_t n = job->world, skipped = 0, active = 0, gaps = 0;
     uint32_t i, present = 0, block = job->block_elements;
@@ -266,36 +299,37 @@ static uint32_t finish_sparse(fp_job *job, fp_set *set, uint8_t *regs, uint32_t 
         skipped *= n;
     else
         skipped = n * active - set->blocks + n * gaps;
-    fp_count(&job->counters, C_SPARSE_BLOCKS_IN, set->blocks);
-    fp_count(&job->counters, C_SPARSE_BLOCKS_SKIPPED, skipped);
-    fp_count(&job->counters, C_SPARSE_BYTES_SAVED, skipped * block * 4);
-    fp_count(&job->counters, C_SPARSE_BLOCKS_OUT, (int64_t)present * n);
+    fp_count(counters, C_SPARSE_BLOCKS_IN, set->blocks);
+    fp_count(counters, C_SPARSE_BLOCKS_SKIPPED, skipped);
+    fp_count(counters, C_SPARSE_BYTES_SAVED, skipped * block * 4);
+    fp_count(counters, C_SPARSE_BLOCKS_OUT, (int64_t)present * n);
     return present * block;
 }
 
 /* pipeline.Pipeline._answer_header: the probe's header as `kind`, past the row. */
-static int answer_header(fp_core *c, fp_job *job, uint32_t rank, uint32_t row,
+static int answer_header(fp_core *c, fp_thread *t, fp_job *job, uint32_t rank, uint32_t row,
                          const uint8_t *d, uint8_t kind, fp_out *out)
 {
-    if (c->egress_drop_rate > 0 && rng_uniform(c) < c->egress_drop_rate) {
-        fp_count(&job->counters, C_DROPPED_EGRESS_SIMULATED, 1);
+    if (c->egress_drop_rate > 0 && rng_uniform(t) < c->egress_drop_rate) {
+        fp_count(&t->job_counters[job->slot_base], C_DROPPED_EGRESS_SIMULATED, 1);
         return 0;
     }
-    before_write(c, row); /* a reply of this row may still wait to leave */
+    before_write(c, t, row); /* a reply of this row may still wait to leave */
     uint8_t *reply = c->rows + (size_t)(row + 1) * c->row_size - WIRE_HEADER_SIZE;
     memcpy(reply, d, WIRE_HEADER_SIZE);
     reply[3] = kind;
     memcpy(reply + 8, &job->session, 4); /* not the rank's token */
-    c->row_epoch[row] = c->epoch;
+    c->sets[row].unsent_epoch = t->epoch;
     out[0] = (fp_out){reply, WIRE_HEADER_SIZE, job->slot_base, rank};
     return 1;
 }
 
 /* pipeline.Pipeline._answer_probe: a retransmission without its values (a probe or
  * a query). */
-static int answer_probe(fp_core *c, fp_job *job, uint32_t rank, const uint8_t *d, fp_out *out)
+static int answer_probe(fp_core *c, fp_thread *t, fp_job *job, uint32_t rank,
+                        const uint8_t *d, fp_out *out)
 {
-    fp_counters *counters = &job->counters;
+    fp_counters *counters = &t->job_counters[job->slot_base];
     uint32_t slot = le16(d + 6), msg = le32(d + 12);
     if (le16(d + 24) || le16(d + 26)) {
         fp_count(counters, C_DROPPED_BAD_PROBE, 1);
@@ -312,32 +346,39 @@ static int answer_probe(fp_core *c, fp_job *job, uint32_t rank, const uint8_t *d
             }
             if (d[3] == WIRE_KIND_PROBE) {
                 fp_count(counters, C_RETRANSMISSIONS_ANSWERED, 1);
-                return emit(c, job, set, row, rank, out);
+                return emit(c, t, job, set, row, rank, out);
             }
             fp_count(counters, C_QUERIES_DONE, 1); /* a query: its result went out already */
-            return answer_header(c, job, rank, row, d, WIRE_KIND_DONE, out);
+            return answer_header(c, t, job, rank, row, d, WIRE_KIND_DONE, out);
         }
     } else if (set->valid && !msg_newer(msg, set->msg)) {
         fp_count(counters, C_DROPPED_STALE, 1);
         return 0;
     }
     fp_count(counters, C_RESENDS_ASKED, 1);
-    return answer_header(c, job, rank, row, d, WIRE_KIND_RESEND, out);
+    return answer_header(c, t, job, rank, row, d, WIRE_KIND_RESEND, out);
 }
 
-int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *out)
+int fp_receive(fp_core *c, fp_thread *t, const uint8_t *d, size_t len, uint64_t src,
+               fp_out *out)
 {
-    if (c->ingress_drop_rate > 0 && rng_uniform(c) < c->ingress_drop_rate) {
-        fp_count(&c->counters, C_DROPPED_INGRESS_SIMULATED, 1);
+    if (c->ingress_drop_rate > 0 && rng_uniform(t) < c->ingress_drop_rate) {
+        fp_count(&t->counters, C_DROPPED_INGRESS_SIMULATED, 1);
         return 0;
     }
+    return fp_admit(c, t, d, len, src, out);
+}
+
+int fp_admit(fp_core *c, fp_thread *t, const uint8_t *d, size_t len, uint64_t src,
+             fp_out *out)
+{
     fp_member *member = member_find(c, src);
     if (!member) {
-        fp_count(&c->counters, C_DROPPED_UNKNOWN_SOURCE, 1);
+        fp_count(&t->counters, C_DROPPED_UNKNOWN_SOURCE, 1);
         return 0;
     }
     fp_job *job = &c->jobs[member->job];
-    fp_counters *counters = &job->counters;
+    fp_counters *counters = &t->job_counters[member->job];
     uint32_t rank = member->rank;
 #define DROP(reason)                                                                      \
     do {                                                                                  \
@@ -371,8 +412,13 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
         DROP(C_DROPPED_BAD_TOKEN);
     if (slot < job->slot_base || slot >= job->slot_base + job->slot_count)
         DROP(C_DROPPED_SLOT_OUT_OF_RANGE);
+    /* Never touch another thread's slot: the socket steering gives a slot's
+     * datagrams to its owner, but the kernel steers a UDP GSO run (loopback
+     * delivers it unsegmented) by its first datagram's slot. */
+    if (slot % t->of != t->index)
+        return FP_OTHER_THREAD;
     if (kind != WIRE_KIND_CONTRIBUTION)
-        return answer_probe(c, job, rank, d, out);
+        return answer_probe(c, t, job, rank, d, out);
     if (lanes != job->lanes)
         DROP(C_DROPPED_BAD_LANES);
     if (count > job->packet_elements)
@@ -394,7 +440,7 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
     uint8_t *regs = c->rows + (size_t)row * c->row_size + WIRE_HEADER_SIZE;
     uint32_t *vals = (uint32_t *)(regs + WIRE_LANE_SIZE * lanes);
     if (!set->valid || msg_newer(msg, set->msg)) { /* a fresh aggregation */
-        before_write(c, row);
+        before_write(c, t, row);
         set->valid = 1;
         set->msg = msg;
         set->seq = seq;
@@ -414,25 +460,28 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
         if (set->bitmap & bit) {
             if (set->count == job->world) {
                 fp_count(counters, C_RETRANSMISSIONS_ANSWERED, 1);
-                return emit(c, job, set, row, rank, out);
+                return emit(c, t, job, set, row, rank, out);
             }
             DROP(C_DUPLICATES);
         }
         int mismatch = seq != set->seq || pkt_id != set->pkt_id || dtype != set->dtype ||
                        mode != set->mode || id_count != set->id_count || call != set->call;
-        if (mismatch && !job->mismatch_state) { /* pipeline._record_mismatch */
+        uint32_t unclaimed = 0;
+        if (mismatch && __atomic_compare_exchange_n(&job->mismatch_state, &unclaimed, 1, 0,
+                                                    __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            /* pipeline._record_mismatch: the job's first, whichever thread saw it */
             uint32_t record[8] = {set->bitmap, set->seq, set->call, set->dtype,
                                   rank,        seq,      call,      dtype};
             memcpy(job->mismatch, record, sizeof record);
-            job->mismatch_state = 1;
-            c->mismatches++;
+            __atomic_fetch_add(&c->mismatches, 1, __ATOMIC_RELAXED);
+            t->mismatched = 1;
         }
         for (i = 0; sparse && !mismatch && i < lanes; i++)
             mismatch = le32(lane_table + WIRE_LANE_SIZE * i + LANE_POS) !=
                        le32(regs + WIRE_LANE_SIZE * i + LANE_POS);
         if (mismatch)
             DROP(C_DROPPED_MISMATCH);
-        before_write(c, row);
+        before_write(c, t, row);
         if (sparse) {
             add_sparse(job, set, regs, vals, lane_table, payload, flagged);
         } else {
@@ -461,7 +510,7 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
 
     if (set->count < job->world)
         return 0;
-    set->id_count = sparse ? finish_sparse(job, set, regs, vals) : count;
+    set->id_count = sparse ? finish_sparse(counters, job, set, regs, vals) : count;
     uint8_t *header = regs - WIRE_HEADER_SIZE;
     uint16_t magic = WIRE_MAGIC, slot16 = (uint16_t)slot, count16 = (uint16_t)set->id_count;
     uint16_t lanes16 = (uint16_t)lanes;
@@ -479,5 +528,5 @@ int fp_receive(fp_core *c, const uint8_t *d, size_t len, uint64_t src, fp_out *o
     memcpy(header + 26, &lanes16, 2);
     memcpy(header + 28, &set->call, 4);
     fp_count(counters, C_RESULTS_COMPLETED, 1);
-    return emit(c, job, set, row, UINT32_MAX, out);
+    return emit(c, t, job, set, row, UINT32_MAX, out);
 }

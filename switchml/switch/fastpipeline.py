@@ -15,6 +15,15 @@ into ``pipeline.counters`` and each ``job.counters`` by ``sync_counters()``, whi
 socket loop calls ``drain`` (recvmmsg, the pipeline, sendmmsg, without the GIL)
 and reads counters only through ``stats``/``totals``.
 
+With ``threads`` above 1, the core has that many data threads of its own
+(``serve``), each owning the slots ``s`` with ``s % threads`` equal to its index
+and draining its own socket of the port's SO_REUSEPORT group, to which the
+kernel steers each datagram by its slot (``steer_by_slot``).  No two threads
+ever touch one slot, so slots need no lock and a server's cores add up; each
+thread keeps its own counters, which ``take_counters`` sums; the job and member
+tables, which the control plane changes, are behind a read-write lock the data
+threads hold for reading across a batch (see ``fastpath_io.h``).
+
 Member addresses are keys in the C member table: ``(ipv4 << 16) | port`` for an
 IPv4 ``(host, port)`` as ``recvfrom`` gives it, which is what the socket loop
 computes from a datagram's source; any other address (the simulator's names)
@@ -61,7 +70,8 @@ class FastPipeline(Pipeline):
 
     def __init__(self, slots: int = DEFAULT_SLOTS, packet_elements: int = DEFAULT_PACKET_ELEMENTS,
                  *, block_elements: int | None = None, drop_rate: float = 0.0,
-                 egress_drop_rate: float | None = None, seed: int | None = None):
+                 egress_drop_rate: float | None = None, seed: int | None = None,
+                 threads: int = 1):
         if _fastpath is None:
             raise RuntimeError("switchml.switch._fastpath is not built: reinstall switchml "
                                "with a C compiler, or use Pipeline")
@@ -69,7 +79,9 @@ class FastPipeline(Pipeline):
                          drop_rate=drop_rate, egress_drop_rate=egress_drop_rate, seed=seed)
         rows = self._rows.reshape(-1)
         # Every job holds a slot, so there are at most slots * MAX_WORKERS members.
-        self._core = _fastpath.Core(rows, slots, self.row_size, slots * MAX_WORKERS)
+        self._core = _fastpath.Core(rows, slots, self.row_size, slots * MAX_WORKERS, threads)
+        #: Data threads (1: the switch's serving thread drains the socket itself).
+        self.threads = threads
         self._core.set_drop_rates(self.ingress_drop_rate, self.egress_drop_rate,
                                   self._rng.getrandbits(64))
         self._row_bytes = rows.data
@@ -154,3 +166,31 @@ class FastPipeline(Pipeline):
     @property
     def gso_refused(self) -> bool:
         return bool(self._core.gso_refused)
+
+    def serve(self, sockets: list, notify_fd: int = -1, gso: bool = True) -> None:
+        """Start the data threads, thread i on ``sockets[i]`` (the port's SO_REUSEPORT
+        group, in the order they were bound, steered with ``steer_by_slot``); a
+        byte goes to ``notify_fd`` when a thread recorded a mismatch."""
+        self._core.serve([s.fileno() for s in sockets], notify_fd, gso)
+
+    def stop_serving(self) -> None:
+        """Stop the data threads and join them (none running: nothing)."""
+        self._core.stop()
+
+    def thread_failures(self) -> list[tuple[int, int]]:
+        """(thread, errno) of each data thread that ended without being told."""
+        return self._core.failures()
+
+    def threads_cpu_s(self) -> float:
+        """The data threads' CPU time together, in seconds (0 when none served)."""
+        return self._core.cpu_seconds()
+
+
+def steer_by_slot(sock: socket.socket, threads: int) -> None:
+    """Have the kernel give each datagram of the SO_REUSEPORT group of ``sock`` to
+    its socket ``slot % threads`` (in the order the group's sockets were bound):
+    a classic BPF program (SO_ATTACH_REUSEPORT_CBPF) reading the wire header's
+    slot."""
+    if _fastpath is None:
+        raise RuntimeError("switchml.switch._fastpath is not built")
+    _fastpath.steer_by_slot(sock.fileno(), threads)

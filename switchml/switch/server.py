@@ -2,7 +2,12 @@
 
 One thread runs everything: it drains the UDP socket through the pipeline and
 serves control connections in between, so the sans-IO pipeline and controller
-never see concurrent calls.  The control port and the data port have the same
+never see concurrent calls.  With the C data plane and ``threads`` above 1, the
+datagrams are the C core's own data threads' instead: one socket each, bound to
+the port in one SO_REUSEPORT group whose steering program gives each datagram
+to the thread owning its slot (``fastpipeline.steer_by_slot``); the serving
+thread keeps the control connections, and a data thread's failure stops the
+switch with an error (``failure``).  The control port and the data port have the same
 number (TCP and UDP).  Control replies are queued per connection and sent without
 blocking: a client that does not read them is hung up on, never waited for.  Every
 hang-up is counted by its reason: ``control_bad_message`` (not JSON lines),
@@ -17,6 +22,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import selectors
 import socket
 import sys
@@ -27,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from ..auth import read_token, token_from_env
 from ..config import SwitchConfiguration, parse_address
-from ..errors import DataPlaneUnavailableError
+from ..errors import DataPlaneUnavailableError, SwitchMLError
 from ..netutil import (
     LineReader,
     drain_error_queue,
@@ -118,6 +124,12 @@ class Switch:
             fastpath = fastpipeline.available() and config.upstream is None
         #: True when the data plane runs in C (FastPipeline and its socket loop).
         self.fastpath = bool(fastpath)
+        if config.threads > 1 and not self.fastpath:
+            raise DataPlaneUnavailableError(
+                f"threads={config.threads} needs the C data plane, which is not built here "
+                "(or SWITCHML_PURE_PYTHON=1)")
+        #: Data threads of the C data plane (1: the serving thread drains the socket).
+        self.threads = config.threads
         #: "python", "c" or "xdp": where datagrams are aggregated.
         self.data_plane = config.data_plane or ("c" if self.fastpath else "python")
         #: A rack switch's spine (host, port); None: a switch of one level.
@@ -128,10 +140,11 @@ class Switch:
         else:
             pipeline_class = (RackPipeline if self.upstream else
                               fastpipeline.FastPipeline if self.fastpath else Pipeline)
+            threaded = {"threads": config.threads} if config.threads > 1 else {}
             self.pipeline = pipeline_class(
                 config.slots, config.packet_elements, block_elements=config.block_elements,
                 drop_rate=config.drop_rate, egress_drop_rate=config.egress_drop_rate,
-                seed=config.seed)
+                seed=config.seed, **threaded)
         self._uplinks: Uplinks | None = None
         self._host = config.host
         self._port = config.port
@@ -151,6 +164,10 @@ class Switch:
         self._running = False
         self._tcp: socket.socket | None = None
         self._udp: socket.socket | None = None
+        #: The data threads' sockets (threads > 1), the first being _udp.
+        self._data_sockets: list[socket.socket] = []
+        #: Why the switch stopped serving by itself (a data thread failed); None.
+        self.failure: SwitchMLError | None = None
         self._wake_r: socket.socket | None = None
         self._wake_w: socket.socket | None = None
         self.address: tuple[str, int] | None = None
@@ -165,8 +182,16 @@ class Switch:
     def start(self) -> Switch:
         if self._thread is not None:
             return self
-        tcp, udp = self._tcp, self._udp = _bind_pair(self._host, self._port)
+        tcp, udp = self._tcp, self._udp = _bind_pair(self._host, self._port,
+                                                     reuse_port=self.threads > 1)
         self.address = (self._host, tcp.getsockname()[1])
+        if self.threads > 1:
+            try:
+                self._data_sockets = _bind_group(udp, self.threads)
+            except BaseException:
+                tcp.close()
+                udp.close()
+                raise
         if self.data_plane == "xdp":
             try:  # the program takes the port's datagrams from here on
                 ifindex = self._xdp.serve(self.address)
@@ -203,6 +228,15 @@ class Switch:
             self._metrics = metrics
             self.metrics_address = metrics.address
         self._wake_r, self._wake_w = socket.socketpair()
+        if self.threads > 1:
+            try:  # a mismatch a data thread records wakes the serving thread
+                self._fast.serve(self._data_sockets, self._wake_w.fileno(), self.udp_gso)
+            except BaseException:
+                for s in (tcp, *self._data_sockets, self._wake_r, self._wake_w):
+                    s.close()
+                if self._metrics is not None:
+                    self._metrics.close()
+                raise
         self._running = True
         self._started_at = time.monotonic()
         self._next_drop_log = self._started_at + self.drop_log_interval
@@ -229,7 +263,7 @@ class Switch:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
-        for s in (self._tcp, self._udp, self._wake_r, self._wake_w):
+        for s in (self._tcp, self._udp, *self._data_sockets[1:], self._wake_r, self._wake_w):
             if s is not None:
                 s.close()
         if self.data_plane == "xdp":
@@ -250,7 +284,10 @@ class Switch:
             stats = json.loads(json.dumps(stats))
         stats["data_plane"] = self.data_plane
         stats["uptime_s"] = time.monotonic() - self._started_at if self._thread else 0.0
-        stats["cpu_s"] = self._cpu_seconds
+        # the data threads' time read now: the serving thread, idle while they
+        # work, reads its own only when it wakes
+        stats["cpu_s"] = self._cpu_seconds + (self._fast.threads_cpu_s()
+                                              if self.threads > 1 else 0.0)
         return stats
 
     def serve_forever(self) -> None:
@@ -261,6 +298,8 @@ class Switch:
             self._thread.join()
         finally:
             self.stop()
+        if self.failure is not None:
+            raise self.failure
 
     # -------------------------------------------------------------- the loop
     # What exists from start() on: the loop's methods run only then.
@@ -290,7 +329,8 @@ class Switch:
         assert wake is not None
         sel = self._sel = selectors.DefaultSelector()
         sel.register(tcp, selectors.EVENT_READ, "accept")
-        sel.register(udp, selectors.EVENT_READ, "data")
+        if self.threads == 1:  # else the data threads' own
+            sel.register(udp, selectors.EVENT_READ, "data")
         sel.register(wake, selectors.EVENT_READ, "wake")
         buf = bytearray(65536)
         view = memoryview(buf)
@@ -299,7 +339,11 @@ class Switch:
         try:
             while self._running:
                 with self._lock:
-                    if self.fastpath:
+                    if self.threads > 1:
+                        busy = False
+                        if self._data_threads_failed():
+                            break
+                    elif self.fastpath:
                         busy = self._drain_fast()
                     else:  # Python, or what the XDP program passes up
                         busy = self._drain(buf, view)
@@ -339,6 +383,9 @@ class Switch:
                     elif callable(key.data):  # a rack switch's socket toward its spine
                         key.data(events)
         finally:
+            if self.threads > 1:  # joined before stop() closes their sockets
+                self._fast.stop_serving()
+                self._cpu_seconds = time.thread_time()
             if self._uplinks is not None:
                 self._uplinks.close_all()
             for conn in list(self._conns.values()):
@@ -460,6 +507,24 @@ class Switch:
 
         assert isinstance(self.pipeline, XdpPipeline), "not the XDP data plane"
         return self.pipeline
+
+    @property
+    def _fast(self) -> fastpipeline.FastPipeline:
+        assert isinstance(self.pipeline, fastpipeline.FastPipeline), "not the C data plane"
+        return self.pipeline
+
+    def _data_threads_failed(self) -> bool:
+        """A data thread that ended by itself (its socket failed) stops the switch:
+        its slots would never be aggregated, and its workers would wait for them
+        until their timeout; closing the control connections tells them now."""
+        failures = self._fast.thread_failures()
+        if failures:
+            self.failure = SwitchMLError("the switch's C data plane stopped: " + "; ".join(
+                f"data thread {thread} failed: {os.strerror(error)}"
+                for thread, error in failures))
+            log.error("%s", self.failure)
+            self._running = False
+        return bool(failures)
 
     def _drain_fast(self) -> bool:
         """The C data plane: recvmmsg, the pipeline and sendmmsg of up to
@@ -599,14 +664,48 @@ def _xdp_pipeline(config: SwitchConfiguration) -> XdpPipeline:
                        seed=config.seed)
 
 
-def _bind_pair(host: str, port: int, attempts: int = 50):
-    """A TCP listener and a UDP socket bound to the same port number."""
+def _data_socket(reuse_port: bool) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    if reuse_port:  # before bind: the group is made at bind
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    return sock
+
+
+def _set_up_data_socket(udp: socket.socket) -> None:
+    udp.setblocking(False)
+    enlarge_buffers(udp)
+    forbid_fragmentation(udp)  # every datagram is one frame, or none
+    report_local_drops(udp)  # a server's full link: wait, do not lose results
+
+
+def _bind_group(first: socket.socket, threads: int) -> list[socket.socket]:
+    """``first`` (bound with SO_REUSEPORT) and ``threads - 1`` more sockets bound to
+    its address, in that order: the kernel steers each datagram to the socket of
+    index ``slot % threads`` (the order of binding)."""
+    group = [first]
+    try:
+        for _ in range(threads - 1):
+            sock = _data_socket(reuse_port=True)
+            group.append(sock)
+            sock.bind(first.getsockname())
+            _set_up_data_socket(sock)
+        fastpipeline.steer_by_slot(first, threads)
+    except BaseException:
+        for sock in group[1:]:
+            sock.close()
+        raise
+    return group
+
+
+def _bind_pair(host: str, port: int, attempts: int = 50, reuse_port: bool = False):
+    """A TCP listener and a UDP socket bound to the same port number (the UDP one
+    the first of an SO_REUSEPORT group, with ``reuse_port``)."""
     last = None
     for _ in range(attempts if port == 0 else 1):
         tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         tcp.bind((host, port))
-        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        udp = _data_socket(reuse_port)
         try:
             udp.bind((host, tcp.getsockname()[1]))
         except OSError as exc:
@@ -617,9 +716,6 @@ def _bind_pair(host: str, port: int, attempts: int = 50):
                 raise
             continue
         tcp.listen(128)
-        udp.setblocking(False)
-        enlarge_buffers(udp)
-        forbid_fragmentation(udp)  # every datagram is one frame, or none
-        report_local_drops(udp)  # a server's full link: wait, do not lose results
+        _set_up_data_socket(udp)
         return tcp, udp
     raise OSError(f"could not bind TCP and UDP to one port on {host}: {last}")
