@@ -22,6 +22,7 @@ import pytest
 from conftest import interruptible, needs_root, reference_sum
 
 from switchml import wire
+from switchml.switch import xdp
 from switchml.testbed import (
     NotRootError,
     Testbed,
@@ -37,6 +38,8 @@ CLI = [sys.executable, "-m", "switchml.cli"]
 PACKET = 1024
 #: The switch's limit is PACKET; a job's packets fit one frame of its 1500-byte links.
 JOB_PACKET = wire.frame_geometry(1500, PACKET, 256)[0]
+#: Whether the XDP data plane can run here (root, clang, libbpf)
+XDP = xdp.unavailable() is None
 
 needs_nft = pytest.mark.skipif(shutil.which("nft") is None,
                                reason="needs nft for loss (apt-get install nftables)")
@@ -245,10 +248,15 @@ def test_cli_up_run_status_down():
     p = prefix("e")
     try:
         up = subprocess.run(CLI + ["testbed", "up", "--prefix", p, "--hosts", "2", "--link",
-                                   "100mbit", "--switch", "--ranks-per-host", "2"],
+                                   "100mbit", "--switch", "--ranks-per-host", "2"] +
+                            (["--data-plane", "xdp"] if XDP else []),
                             capture_output=True, text=True, timeout=60)
         assert up.returncode == 0, up.stderr
         assert "switch running on 10.77.0.254:7300" in up.stdout
+        if XDP:  # the switch serves through its XDP program, the runs cut into frames
+            shown = subprocess.run(["ip", "-n", f"{p}-sw", "-d", "link", "show"],
+                                   capture_output=True, text=True).stdout
+            assert "prog/xdp" in shown, shown
         # a worker started with `testbed run` finds the switch through SWITCHML_SWITCH
         code = ("import numpy as np, switchml; "
                 "w = switchml.Worker(None, 0, 1, job='cli'); "
@@ -665,11 +673,8 @@ def test_every_packet_is_one_frame_whatever_the_switchs_packet_limit(tmp_path, p
     """A job's packets fit its 1500-byte links both ways, with the switch's limit above
     a frame (PACKET values) or below it (256, the Tofino program's size): no host and
     no switch makes an IP fragment, and nothing needed the fragmenting fallback."""
-    if plane == "xdp":
-        from switchml.switch import xdp
-
-        if xdp.unavailable():
-            pytest.skip(f"XDP: {xdp.unavailable()}")
+    if plane == "xdp" and not XDP:
+        pytest.skip(f"XDP: {xdp.unavailable()}")
     size = 20_000
     env = {"SWITCHML_PURE_PYTHON": "1" if plane == "python" else "0",
            "SWITCHML_DATA_PLANE": plane}

@@ -22,10 +22,17 @@ def _testbed_up(args) -> int:
     from .core import OFFLOAD, STATE_DIR, SWITCH_PORT, Testbed
     from .errors import TestbedError
 
+    if args.data_plane and not args.switch:
+        print("switchml testbed: --data-plane goes with --switch (the switch it starts)",
+              file=sys.stderr)
+        return 2
+    offload = OFFLOAD[args.udp_offload]
+    if args.data_plane == "xdp" and offload is None:
+        offload = False  # its program would see a GSO run whole, as no NIC sends it
     try:
         tb = Testbed(args.hosts, None if args.link == "none" else args.link, mtu=args.mtu,
                      loss=args.loss, prefix=args.prefix, subnet=args.subnet, burst=args.burst,
-                     queue=args.queue, udp_offload=OFFLOAD[args.udp_offload],
+                     queue=args.queue, udp_offload=offload,
                      switches=args.switches, racks=args.racks,
                      oversubscription=args.oversubscription,
                      ranks_per_host=args.ranks_per_host, host_queue=args.host_queue)
@@ -49,8 +56,10 @@ def _testbed_up(args) -> int:
                     else f"{args.prefix}-{node}-switch.log")
                 command = [sys.executable, "-m", "switchml.cli", "switch", "--host",
                            tb.address(node), "--port", str(SWITCH_PORT)]
-                if node.startswith("r"):
+                if node.startswith("r"):  # a rack switch: the Python data plane
                     command += ["--upstream", tb.switch]
+                elif args.data_plane:
+                    command += ["--data-plane", args.data_plane]
                 if tb.switches:  # a switch server, behind a link like a host's
                     command += ["--shared-link"]
                 if args.slots_per_job is not None:
@@ -288,6 +297,10 @@ def add_parsers(sub) -> None:
     p.add_argument("--ranks-per-host", type=int, default=1,
                    help="ranks a job runs in each host: `testbed run --torchrun` starts "
                         "that many a host (default 1)")
+    p.add_argument("--data-plane", choices=["python", "c", "xdp"], default=None,
+                   help="with --switch: the switch's data plane (default: the switch's; "
+                        "xdp turns the veths' UDP segmentation offload off unless "
+                        "--udp-offload on; the rack switches run Python's)")
     p.add_argument("--switch", action="store_true",
                    help="also start a switchml switch on the bridge, or one on each switch "
                         "server, or the spine and a rack switch in each rack (in the "
