@@ -68,7 +68,7 @@ STRANGERS = [("10.0.0.1", 4999), ("10.0.0.9", 5000), ("10.0.0.2", 5000)]
 XDP_ONLY = {"dropped_bad_ip_udp", "dropped_ip_options", "dropped_ip_fragment",
             "sparse_passed_up", "dropped_internal", "probes_passed_up", "gso_passed_up",
             "results_fanned_out", "results_fanout_failed"}
-DIFF = settings(max_examples=40, derandomize=True, deadline=None,
+DIFF = settings(max_examples=30, derandomize=True, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 

@@ -819,7 +819,7 @@ def test_xdp_switches_of_several_processes_share_an_interface_and_a_killed_one_l
         first.proc.kill()
         first.proc.wait()
         assert hooks(ns, dev) == (["switchml_dispat"], 1)  # its fan-out went with it
-        time.sleep(2.5)  # the second looks for switches gone every second
+        time.sleep(1.5)  # the second looks for switches gone every second
         same_bits(run_job(second.address, inputs[1], "b2"), want[1])
         served_by_the_kernel(second.stats(), "b2", world)
         third = SwitchIn(ns, host, 7320, "--data-plane", "xdp")  # the dead one's port
