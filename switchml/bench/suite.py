@@ -448,9 +448,8 @@ def main(args, argv_text: str = "", prog: str = "switchml bench") -> int:
             try:
                 hosts = -(-max(args.workers) // args.ranks_per_host)
                 with Testbed(hosts, args.link, mtu=args.mtu, loss=args.loss,
-                             udp_offload=False if getattr(args, "data_plane", None) == "xdp" and
-                             args.udp_offload == "auto" else
-                             OFFLOAD[args.udp_offload], switches=args.switches,
+                             udp_offload=OFFLOAD[args.udp_offload],
+                             data_plane=getattr(args, "data_plane", None), switches=args.switches,
                              racks=args.racks, oversubscription=args.oversubscription,
                              prefix=args.prefix, queue=args.queue,
                              host_queue=args.host_queue,

@@ -26,13 +26,11 @@ def _testbed_up(args) -> int:
         print("switchml testbed: --data-plane goes with --switch (the switch it starts)",
               file=sys.stderr)
         return 2
-    offload = OFFLOAD[args.udp_offload]
-    if args.data_plane == "xdp" and offload is None:
-        offload = False  # its program would see a GSO run whole, as no NIC sends it
     try:
         tb = Testbed(args.hosts, None if args.link == "none" else args.link, mtu=args.mtu,
                      loss=args.loss, prefix=args.prefix, subnet=args.subnet, burst=args.burst,
-                     queue=args.queue, udp_offload=offload,
+                     queue=args.queue, udp_offload=OFFLOAD[args.udp_offload],
+                     data_plane=args.data_plane,
                      switches=args.switches, racks=args.racks,
                      oversubscription=args.oversubscription,
                      ranks_per_host=args.ranks_per_host, host_queue=args.host_queue)

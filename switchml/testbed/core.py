@@ -159,9 +159,9 @@ class Testbed:
     switch's fabric does not, so the machine's cores, not the links, can bound
     a run at small MTUs.  None (the default): on
     without loss, off with loss, where per-datagram loss needs it, and off where
-    the environment runs switches on the XDP data plane
-    (``SWITCHML_DATA_PLANE=xdp``), whose program would see a run as one frame
-    (a real switch gets it cut by the sender's NIC).
+    its switches run on the XDP data plane (``data_plane``, the one they will
+    run; None: ``SWITCHML_DATA_PLANE``), whose program would see a run as one
+    frame (a real switch gets it cut by the sender's NIC).
     ``switches``: switch servers (0: none, the switch on the bridge as before);
     each is a namespace ``"s<k>"`` behind a shaped link like a host's.
     ``racks``: R racks under the spine on the bridge, each a namespace ``"r<k>"``
@@ -180,7 +180,7 @@ class Testbed:
                  burst=DEFAULT_BURST, queue=None, install_nft: bool = True,
                  udp_offload: bool | None = None, switches: int = 0, racks: int = 0,
                  oversubscription: float = 1.0, ranks_per_host: int = 1,
-                 host_queue: str = "fifo"):
+                 host_queue: str = "fifo", data_plane: str | None = None):
         self.prefix = _check_prefix(prefix)
         if not 1 <= ranks_per_host <= 256:
             raise ValueError(f"ranks_per_host must be between 1 and 256, got {ranks_per_host}")
@@ -222,7 +222,9 @@ class Testbed:
                              f"got {host_queue!r}")
         self.host_queue = host_queue
         self.install_nft = install_nft
-        self.udp_offload = (self.loss == 0 and env("DATA_PLANE", None) != "xdp"
+        if data_plane is None:
+            data_plane = env("DATA_PLANE", None)
+        self.udp_offload = (self.loss == 0 and data_plane != "xdp"
                             if udp_offload is None else bool(udp_offload))
         self._procs: list = []
         self._up = False
