@@ -146,10 +146,8 @@ def _duration(p, frame: bytes, repeat: int) -> int:
     lib = xdp_loader.libbpf()
     data_in = ctypes.create_string_buffer(frame, len(frame))
     out = ctypes.create_string_buffer(len(frame) + 4096)
-    opts = xdp_loader.TestRunOpts(sz=ctypes.sizeof(xdp_loader.TestRunOpts),
-                            data_in=ctypes.cast(data_in, ctypes.c_void_p),
-                            data_out=ctypes.cast(out, ctypes.c_void_p),
-                            data_size_in=len(frame), data_size_out=len(out), repeat=repeat)
+    opts = xdp_loader.test_run_opts(data_in, out)
+    opts.repeat = repeat
     rc = lib.bpf_prog_test_run_opts(p._prog.prog_fd, ctypes.byref(opts))
     if rc:
         raise OSError(-rc, "BPF_PROG_TEST_RUN")

@@ -889,17 +889,6 @@ def test_sparse_contributions_are_lost_coming_in_once_at_the_rate():
 
 
 # ---------------------------------------------------------------- several CPUs
-def run_opts(data_in, data_out):
-    """BPF_PROG_TEST_RUN's options for one run on the frame in buffer
-    ``data_in``, the frame it leaves into buffer ``data_out``."""
-    import ctypes
-
-    return xdp_loader.TestRunOpts(sz=ctypes.sizeof(xdp_loader.TestRunOpts),
-                                  data_in=ctypes.cast(data_in, ctypes.c_void_p),
-                                  data_out=ctypes.cast(data_out, ctypes.c_void_p),
-                                  data_size_in=len(data_in), repeat=1)
-
-
 def _race_on(prog_fd: int, cpu: int, runs, rounds: int, barrier, conn, result_values: dict,
              values_at: int) -> None:
     """A child process on CPU ``cpu``: round after round, every one of ``runs``
@@ -919,7 +908,7 @@ def _race_on(prog_fd: int, cpu: int, runs, rounds: int, barrier, conn, result_va
         for slot, data, delta in runs:
             data_in = ctypes.create_string_buffer(data, len(data))
             data_out = ctypes.create_string_buffer(8192)
-            opts = run_opts(data_in, data_out)
+            opts = xdp_loader.test_run_opts(data_in, data_out)
             prepared.append((slot, delta, data_in, data_out, opts, ctypes.byref(opts)))
         results, wrong, answered, wrong_answers, other = [], 0, 0, 0, Counter()
         for r in range(rounds):
@@ -1090,7 +1079,7 @@ def _probe_while(prog_fd: int, cpu: int, probe: bytes, progress, done, expected:
         lib = xdp_loader.libbpf()
         data_in = ctypes.create_string_buffer(probe, len(probe))
         data_out = ctypes.create_string_buffer(8192)
-        opts = run_opts(data_in, data_out)
+        opts = xdp_loader.test_run_opts(data_in, data_out)
         ref = ctypes.byref(opts)
         answers, wrong, other = 0, 0, Counter()
         while not done.is_set():

@@ -233,12 +233,16 @@ def run_time_counted_always() -> bool:
 def run_time(prog_fd: int) -> tuple[int, int]:
     """(nanoseconds, runs) the kernel has counted for a program so far: it counts
     while run-time statistics are on (``count_run_time``)."""
-    info = ctypes.create_string_buffer(_INFO_SIZE)
-    size = ctypes.c_uint32(_INFO_SIZE)
-    _check(libbpf().bpf_obj_get_info_by_fd(prog_fd, info, ctypes.byref(size)),
-           "reading a program's info")
+    info = _info(prog_fd, ctypes.create_string_buffer(_INFO_SIZE))
     ns, runs = struct.unpack_from("=QQ", info.raw, _INFO_RUN_TIME_NS)
     return ns, runs
+
+
+def _link_xdp(prog_fd: int, ifindex: int, flags: int) -> int:
+    """A BPF link attaching XDP program ``prog_fd`` to interface ``ifindex`` in the
+    mode of ``flags``: its fd, or minus the error (EBUSY: one is there)."""
+    opts = _LinkCreateOpts(sz=ctypes.sizeof(_LinkCreateOpts), flags=flags)
+    return libbpf().bpf_link_create(prog_fd, ifindex, BPF_XDP, ctypes.byref(opts))
 
 
 def _check(rc: int, what: str) -> None:
@@ -346,9 +350,8 @@ class Program:
         bridge), through a BPF link: the link's fd, whose close detaches it, also
         when the process dies (nothing stays attached behind a crashed switch,
         unlike a netlink attach)."""
-        flags = XDP_FLAGS_DRV_MODE if driver else XDP_FLAGS_SKB_MODE
-        opts = _LinkCreateOpts(sz=ctypes.sizeof(_LinkCreateOpts), flags=flags)
-        fd = self._lib.bpf_link_create(self.prog_fd, ifindex, BPF_XDP, ctypes.byref(opts))
+        fd = _link_xdp(self.prog_fd, ifindex, XDP_FLAGS_DRV_MODE if driver else
+                       XDP_FLAGS_SKB_MODE)
         _check(fd, f"attaching the XDP program to interface {ifindex}")
         return fd
 
@@ -373,12 +376,18 @@ def run_xdp(prog_fd: int, frame: bytes, room: int = 0) -> tuple[int, bytes]:
     length and a page."""
     data_in = ctypes.create_string_buffer(bytes(frame), len(frame))
     data_out = ctypes.create_string_buffer(max(room, len(frame) + 4096))
-    opts = TestRunOpts(sz=ctypes.sizeof(TestRunOpts),
-                       data_in=ctypes.cast(data_in, ctypes.c_void_p),
-                       data_out=ctypes.cast(data_out, ctypes.c_void_p),
-                       data_size_in=len(frame), data_size_out=len(data_out), repeat=1)
+    opts = test_run_opts(data_in, data_out)
     _check(libbpf().bpf_prog_test_run_opts(prog_fd, ctypes.byref(opts)), "BPF_PROG_TEST_RUN")
     return opts.retval, data_out.raw[: opts.data_size_out]
+
+
+def test_run_opts(data_in, data_out) -> TestRunOpts:
+    """BPF_PROG_TEST_RUN's options for one run on the frame in buffer ``data_in``
+    (all of it), the frame it leaves into buffer ``data_out`` (at most all of it)."""
+    return TestRunOpts(sz=ctypes.sizeof(TestRunOpts),
+                       data_in=ctypes.cast(data_in, ctypes.c_void_p),
+                       data_out=ctypes.cast(data_out, ctypes.c_void_p),
+                       data_size_in=len(data_in), data_size_out=len(data_out), repeat=1)
 
 
 # ---------------------------------------------------------------- sharing an interface
@@ -557,8 +566,7 @@ class Dispatcher:
             return False
         lib = self._lib
         obj, prog = load_dispatcher()
-        opts = _LinkCreateOpts(sz=ctypes.sizeof(_LinkCreateOpts), flags=XDP_FLAGS_SKB_MODE)
-        fd = lib.bpf_link_create(prog, self.ifindex, BPF_XDP, ctypes.byref(opts))
+        fd = _link_xdp(prog, self.ifindex, XDP_FLAGS_SKB_MODE)
         if fd < 0:
             lib.bpf_object__close(obj)
             if -fd in (errno.EBUSY, errno.EEXIST):  # another one got there first
