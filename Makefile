@@ -9,8 +9,8 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 .PHONY: demo test install bench clean nft xdp-toolchain conformance docs
 
 # the compiled cores (setup.py) are built by the editable install: a change rebuilds them
-# (not the XDP program, *.bpf.c: switch/xdp.py builds it with clang when it is used)
-$(STAMP): pyproject.toml setup.py $(filter-out %.bpf.c,$(wildcard switchml/*.h switchml/*.c switchml/switch/*.c switchml/switch/*.h switchml/worker/*.c switchml/worker/*.h))
+# (not the XDP program, *.bpf.c: switch/xdp/pipeline.py builds it with clang when it is used)
+$(STAMP): pyproject.toml setup.py $(filter-out %.bpf.c,$(wildcard switchml/*.[ch] switchml/*/*/*.[ch]))
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(FIND_LINKS) -e '.[test,bench,torch,auth,examples,metrics,integrations,docs]'
@@ -73,4 +73,4 @@ bench: $(STAMP)
 	$(PY) bench/allreduce.py --workers 2 4 8 --mib 64 --repeats 5 --gloo
 
 clean:
-	rm -rf $(VENV) build conformance-results *.egg-info .pytest_cache .hypothesis switchml/switch/*.so
+	rm -rf $(VENV) build conformance-results *.egg-info .pytest_cache .hypothesis switchml/*/*/*.so

@@ -36,7 +36,7 @@ def first_send_s(args, values, sparse: bool) -> list:
     """Seconds from a call's start to its first datagrams, ``args.repeats`` times."""
     import numpy as np
 
-    from switchml.sim import Simulation
+    from switchml.sim.network import Simulation
 
     out = np.empty_like(values)
     times = []
@@ -53,7 +53,7 @@ def first_send_s(args, values, sparse: bool) -> list:
 
 def peak_s(values, build: str, repeats: int) -> float | None:
     """Median seconds of one build's max over ``values`` (None: no such build here)."""
-    from switchml.worker.compiled import _fastengine
+    from switchml.worker.engine.compiled import _fastengine
 
     view = memoryview(values).cast("B")
     if _fastengine.magnitude_peak(view[:4], build) is None:
@@ -77,7 +77,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
-    from switchml.worker.compiled import _fastengine
+    from switchml.worker.engine.compiled import _fastengine
     if _fastengine is None:
         raise SystemExit("first_send: the C engine is not built")
     elements = int(args.mib * 2**20) // 4

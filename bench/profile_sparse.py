@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from switchml.sim import Simulation
+from switchml.sim.network import Simulation
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from switchml.sim import Bottleneck, Faults, Simulation  # noqa: E402
+from switchml.sim.network import Bottleneck, Faults, Simulation  # noqa: E402
 
 WORLD, SLOTS, K, BLOCK = 4, 32, 2048, 256
 PACKET = 32 + 12 * (K // BLOCK) + 4 * K  # 8320 bytes

@@ -56,7 +56,7 @@ def _worker_main(engine, address, rank, world, elements, dtype, density, warmup,
                  report_q):
     os.environ["SWITCHML_PURE_PYTHON"] = "1" if engine == "python" else "0"
     import switchml
-    from switchml.worker import compiled
+    from switchml.worker.engine import compiled
     data = make_input(rank, elements, dtype, density)
     out = np.empty_like(data)
     sparse = density is not None
@@ -117,7 +117,7 @@ def engine_only(engine, elements, dtype, packet_elements, slots, repeats, densit
     Sparse too: one worker's least next position is its own.
     """
     from switchml import wire
-    from switchml.worker.engine import Membership
+    from switchml.worker.engine.dense import Membership
     data = make_input(0, elements, dtype, density)
     out = np.empty_like(data)
     membership = Membership(session=1, rank=0, world_size=1, slot_base=0, slot_count=slots,
@@ -161,7 +161,7 @@ def main(argv=None):
     parser.add_argument("--json", default=os.path.join(ROOT, "bench", "results",
                                                        "worker-core.json"))
     args = parser.parse_args(argv)
-    from switchml.worker import compiled
+    from switchml.worker.engine import compiled
     if compiled._fastengine is None:
         parser.error("the C engine is not built: python setup.py build_ext --inplace")
     elements = int(args.mib * 2**20 / 4)

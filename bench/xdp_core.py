@@ -6,7 +6,7 @@ two: the XDP twin of ``bench/switch_core.py``.
     sudo python bench/xdp_core.py --mtu 1500 --cpus 1 --seconds 5 --json out.json
     python bench/xdp_core.py --median run1.json run2.json run3.json   # Markdown, medians
 
-The program (switch/xdp_pipeline.bpf.c, loaded by ``XdpPipeline``) runs through
+The program (switch/xdp/pipeline.bpf.c, loaded by ``XdpPipeline``) runs through
 BPF_PROG_TEST_RUN, one call a frame, on Ethernet/IPv4/UDP contribution frames of
 one job of ``--workers`` ranks: every slot's message from each rank in turn, so
 that each contribution is added (the last one of a slot completes it: its
@@ -61,7 +61,8 @@ if ROOT not in sys.path:
 
 from bench.switch_core import packet_elements_for, write_rows  # noqa: E402
 from switchml import wire  # noqa: E402
-from switchml.switch import xdp, xdp_loader  # noqa: E402
+from switchml.switch.xdp import loader as xdp_loader  # noqa: E402
+from switchml.switch.xdp import pipeline as xdp  # noqa: E402
 
 SESSION = 0x5EED
 #: where a frame's header field ``msg`` starts (Ethernet, IPv4, UDP headers first)

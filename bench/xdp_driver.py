@@ -6,7 +6,7 @@ receive loop, where frames come one after another as from a NIC.
     python bench/xdp_driver.py --median run1.json run2.json run3.json   # Markdown
 
 Two network namespaces joined by a veth pair.  The program
-(switch/xdp_pipeline.bpf.c, loaded by ``XdpPipeline``) is attached to the
+(switch/xdp/pipeline.bpf.c, loaded by ``XdpPipeline``) is attached to the
 switch's end in driver (native) mode, so it runs in veth's NAPI poll over
 batches of up to 64 frames, as a NIC's driver runs it, and not one system call
 a frame as in ``bench/xdp_core.py`` (whose ``BPF_PROG_TEST_RUN`` starts each
@@ -54,7 +54,8 @@ if ROOT not in sys.path:
 from bench.switch_core import packet_elements_for, write_rows  # noqa: E402
 from bench.xdp_core import add_arguments, median_cells, read_runs  # noqa: E402
 from switchml import wire  # noqa: E402
-from switchml.switch import xdp, xdp_loader  # noqa: E402
+from switchml.switch.xdp import loader as xdp_loader  # noqa: E402
+from switchml.switch.xdp import pipeline as xdp  # noqa: E402
 
 SESSION = 0x5EED
 PREFIX = "smlxdpd"

@@ -11,7 +11,7 @@ import sys
 from . import __version__, config, protocol
 from .errors import SwitchMLError
 from .netutil import LineReader
-from .switch.pipeline import MAX_WORKERS
+from .switch.dataplane.pipeline import MAX_WORKERS
 from .wire import max_packet_elements
 
 LIMITS = f"""limits (each refused with an error that names it):

@@ -108,7 +108,7 @@ DEFAULT_PACKET_ELEMENTS = 16128  # 63 blocks of 256: the most one UDP datagram h
 DEFAULT_BLOCK_ELEMENTS = 256
 DEFAULT_SLOTS_PER_JOB = 32
 DEFAULT_MAX_JOBS = 64
-#: A switch's data threads at most (switch/fastpath.h FP_MAX_THREADS)
+#: A switch's data threads at most (switch/dataplane/fastpath.h FP_MAX_THREADS)
 MAX_SWITCH_THREADS = 64
 DEFAULT_TIMEOUT = 30.0
 #: Seconds within which a control connection's peer that vanished without
@@ -116,7 +116,7 @@ DEFAULT_TIMEOUT = 30.0
 DEFAULT_KEEPALIVE = 20.0
 #: Largest keepalive bound: Linux refuses a TCP_KEEPIDLE above 32767 s.
 MAX_KEEPALIVE = 32767
-#: Bytes of a local-stage segment (worker/local.py): a call is combined on a host,
+#: Bytes of a local-stage segment (worker/local/stage.py): a call is combined on a host,
 #: sent and copied back this much at a time, each piece behind the last.
 DEFAULT_LOCAL_SEGMENT = 2 * 2**20
 #: sparse="auto" goes sparse when the union of non-zero blocks (what every worker
@@ -272,7 +272,7 @@ class SwitchConfiguration:
     ``data_plane`` ("python", "c", "xdp", or None: the ``fastpath`` rule; "xdp"
     runs the dense path in an XDP program attached to the interface holding
     ``host``: it needs Linux, clang, libbpf and CAP_BPF with CAP_NET_ADMIN,
-    packets of at most 64 blocks (the default's 63 fit; see switch/xdp.py) and
+    packets of at most 64 blocks (the default's 63 fit; see switch/xdp/pipeline.py) and
     no ``upstream``; the program passes sparse contributions up to the switch,
     which aggregates them in user space),
     ``threads`` (data threads of the C data plane, at most 64: each owns the

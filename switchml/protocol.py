@@ -247,7 +247,7 @@ class StatusQuery(Request):
 class Gather(Request):
     """A rank's ``value`` for an allgather among its job's ranks: the switch answers
     every rank with ``Gathered`` once all ``world_size`` sent theirs (the ranks
-    exchange their host records this way before they join: worker/hosts.py).
+    exchange their host records this way before they join: worker/local/hosts.py).
     Nothing of it stays on the switch once answered."""
 
     name = "gather"

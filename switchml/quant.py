@@ -303,7 +303,7 @@ def error_bound(inputs: list, chunk: int) -> np.ndarray:
 
     ``inputs`` are every rank's flat arrays; ``chunk`` is the packet size in values.
     A chunk's scale comes from its finite values (an inf or NaN is summed apart,
-    worker/nonfinite.py); where the exact sum is itself inf or NaN the result is
+    worker/engine/nonfinite.py); where the exact sum is itself inf or NaN the result is
     exactly it, and the bound is infinite.
     """
     return _bound(inputs, chunk, scale_bits(len(inputs)))

@@ -1,5 +1,5 @@
 /* The batched UDP sender of both C cores: the switch's results (switch/
- * fastpath_io.c) and the worker's contributions (worker/stream_io.c).
+ * fastpath_io.c) and the worker's contributions (worker/engine/stream_io.c).
  *
  * Datagrams are added in the order they must leave; consecutive datagrams to one
  * destination, all of one size but the last, form one message of UDP GSO segments

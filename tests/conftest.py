@@ -104,7 +104,7 @@ def reference_sum(arrays, block):
             np.add(total, a, out=total)  # wraps modulo 2**32
         return total
     B = quant.scale_bits(n)
-    # An inf or NaN is summed apart, element by element (worker/nonfinite.py): the
+    # An inf or NaN is summed apart, element by element (worker/engine/nonfinite.py): the
     # finite values of its chunk are summed as if it were 0, then IEEE decides.
     special = None
     if not all(np.isfinite(a).all() for a in arrays):

@@ -14,7 +14,7 @@ from conftest import run_ranks
 import switchml
 from switchml.switch import control
 from switchml.switch.control import Controller
-from switchml.switch.pipeline import Pipeline
+from switchml.switch.dataplane.pipeline import Pipeline
 
 
 def join(ctl, conn, rank, world, job, wait=False, **extra):

@@ -23,9 +23,9 @@ import switchml
 from switchml import auth, wire
 from switchml.errors import AuthenticationError, SwitchMLTimeoutError
 from switchml.netutil import encode_line
-from switchml.switch import fastpipeline
 from switchml.switch.control import Controller
-from switchml.switch.pipeline import Pipeline
+from switchml.switch.dataplane import fastpipeline
+from switchml.switch.dataplane.pipeline import Pipeline
 from switchml.worker.control import ControlClient
 
 SECRET = "correct horse battery staple"

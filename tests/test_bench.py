@@ -189,8 +189,7 @@ def test_invocations_take_the_median_of_the_runs_and_gloo_from_the_same():
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None,
                     reason="the testbed needs root and tc")
 def test_bench_on_the_testbed_with_the_xdp_data_plane(tmp_path):
-    from switchml.switch import xdp
-
+    from switchml.switch.xdp import pipeline as xdp
     if xdp.unavailable():
         pytest.skip(f"XDP: {xdp.unavailable()}")
     args = ["--testbed", "--link", "200mbit", "--workers", "2", "--sizes", "1",
@@ -220,8 +219,7 @@ def test_xdp_core_bench_runs_with_tiny_settings(tmp_path):
     """bench/xdp_core.py end to end, tiny: every contribution added, each fourth
     completing its slot, on one CPU and two; MTU 9000's packets (multi-buffer
     frames) too; the medians table of its JSON.  No timing is checked."""
-    from switchml.switch import xdp
-
+    from switchml.switch.xdp import pipeline as xdp
     if xdp.unavailable():
         pytest.skip(f"XDP: {xdp.unavailable()}")
     out = tmp_path / "xdp.json"
@@ -251,7 +249,7 @@ def test_xdp_driver_bench_runs_with_tiny_settings(tmp_path):
     every contribution that reaches it (it drops none), the kernel counted its
     runs, and no namespace is left behind; the medians table of its JSON.  No
     timing is checked."""
-    from switchml.switch import xdp
+    from switchml.switch.xdp import pipeline as xdp
     from switchml.testbed import netns
 
     if xdp.unavailable():
@@ -283,7 +281,7 @@ def test_xdp_driver_bench_runs_with_tiny_settings(tmp_path):
 
 def test_switch_core_bench_runs_with_tiny_settings(tmp_path):
     """bench/switch_core.py end to end, both data planes, tiny; no timing is checked."""
-    from switchml.switch import fastpipeline
+    from switchml.switch.dataplane import fastpipeline
     paths = ["python", "c"] if fastpipeline._fastpath is not None else ["python"]
     out = tmp_path / "core.json"
     subprocess.run([sys.executable, os.path.join(ROOT, "bench", "switch_core.py"),

@@ -13,8 +13,8 @@ import shutil
 
 import pytest
 
-from switchml.switch import fastpipeline
-from switchml.worker import compiled
+from switchml.switch.dataplane import fastpipeline
+from switchml.worker.engine import compiled
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the pure Python package is what installs")
@@ -26,7 +26,7 @@ def test_the_compiled_core_is_built_from_its_current_sources(module):
     assert module is not None, "the C core did not build: run python setup.py build_ext " \
                                "--inplace to see the compiler's error"
     built = pathlib.Path(module.__file__)
-    # (*.bpf.c: the XDP program, which switch/xdp.py builds with clang, not setup.py)
+    # (*.bpf.c: the XDP program, which switch/xdp/pipeline.py builds with clang, not setup.py)
     sources = [p for p in built.parent.iterdir()
                if p.suffix in (".c", ".h") and not p.name.endswith(".bpf.c")]
     # (none beside it: installed from a wheel, nothing to compare)

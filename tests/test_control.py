@@ -5,7 +5,7 @@ import pytest
 
 from switchml import wire
 from switchml.switch.control import Controller
-from switchml.switch.pipeline import Pipeline
+from switchml.switch.dataplane.pipeline import Pipeline
 
 
 def join(ctl, conn, rank, world, job="j", **extra):

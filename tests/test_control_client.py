@@ -14,7 +14,7 @@ import switchml
 from switchml.netutil import LineReader, encode_line
 from switchml.protocol import PROTOCOL_VERSION, Joined, Left, Ready, StatusReply, Waiting
 from switchml.switch.control import Controller
-from switchml.switch.pipeline import Pipeline
+from switchml.switch.dataplane.pipeline import Pipeline
 from switchml.worker.control import CLOSED, RUNNING, ControlClient, JobFailed
 
 

@@ -6,9 +6,9 @@ import math
 import numpy as np
 import pytest
 
-from switchml.sim import Simulation
-from switchml.worker import compiled
-from switchml.worker.recovery import CongestionWindow, RttEstimator
+from switchml.sim.network import Simulation
+from switchml.worker.engine import compiled
+from switchml.worker.engine.recovery import CongestionWindow, RttEstimator
 
 pytestmark = pytest.mark.skipif(compiled._fastengine is None, reason="the C engine is not built")
 

@@ -1,4 +1,4 @@
-"""The C engine (switchml.worker._fastengine) against the Python reference.
+"""The C engine (switchml.worker.engine._fastengine) against the Python reference.
 
 Fed the same inputs, both must send the same datagrams (bytes, in order), give
 the same results bit for bit, and leave the same counters, message numbers, RTT
@@ -19,8 +19,8 @@ from hypothesis.extra import numpy as hnp
 
 from switchml import quant, wire
 from switchml.quant import EXP_NONFINITE, EXP_ZERO
-from switchml.sim import SWITCH, Bottleneck, Faults, Simulation
-from switchml.worker import compiled
+from switchml.sim.network import SWITCH, Bottleneck, Faults, Simulation
+from switchml.worker.engine import compiled
 
 pytestmark = pytest.mark.skipif(compiled._fastengine is None,
                                 reason="the C engine is not built "
@@ -362,7 +362,7 @@ def test_run_io_lets_other_threads_run():
 GUARDED_CALL = """
 import ctypes, mmap, sys
 import numpy as np
-from switchml.sim import Simulation
+from switchml.sim.network import Simulation
 size, readable = {size}, {readable}
 memory = mmap.mmap(-1, size)
 array = np.frombuffer(memory, dtype=np.float32)

@@ -20,13 +20,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from switchml import wire
-from switchml.sim import Faults, Simulation, StalledSimulation
-from switchml.switch import fastpipeline
-from switchml.switch.fastpipeline import FastPipeline
-from switchml.switch.pipeline import Pipeline
+from switchml.sim.network import Faults, Simulation, StalledSimulation
+from switchml.switch.dataplane import fastpipeline
+from switchml.switch.dataplane.fastpipeline import FastPipeline
+from switchml.switch.dataplane.pipeline import Pipeline
 
 pytestmark = pytest.mark.skipif(fastpipeline._fastpath is None,
-                                reason="switchml.switch._fastpath is not built")
+                                reason="switchml.switch.dataplane._fastpath is not built")
 
 SLOTS = 8
 PACKET, BLOCK = 16, 4  # the pipeline's rows; job B uses smaller packets

@@ -1,4 +1,4 @@
-"""The C engine's sparse mode (fastsparse.c) against the Python reference (sparse.py).
+"""The C engine's sparse mode (engine/sparse.c) against the Python reference (sparse.py).
 
 Fed the same inputs, both must send the same datagrams (bytes, in order), give
 the same results bit for bit, and leave the same counters, message numbers, RTT
@@ -23,9 +23,9 @@ from test_fastengine import BIG_TIME, any_float32, finite_float32, tap
 
 from switchml import quant, wire
 from switchml.quant import EXP_NONFINITE, EXP_ZERO
-from switchml.sim import Bottleneck, Faults, Simulation, StalledSimulation
-from switchml.worker import compiled
-from switchml.worker.sparse import SparseAllreduce
+from switchml.sim.network import Bottleneck, Faults, Simulation, StalledSimulation
+from switchml.worker.engine import compiled
+from switchml.worker.engine.sparse import SparseAllreduce
 
 pytestmark = pytest.mark.skipif(
     compiled._fastengine is None,

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from switchml import wire
-from switchml.switch import fastpipeline
-from switchml.switch.pipeline import Pipeline
+from switchml.switch.dataplane import fastpipeline
+from switchml.switch.dataplane.pipeline import Pipeline
 
 #: Both data planes: the Python reference and the C core (where it is built).
 PIPELINES = [Pipeline] + ([fastpipeline.FastPipeline] if fastpipeline._fastpath else [])

@@ -20,7 +20,7 @@ import switchml
 from switchml.netutil import unacknowledged
 from switchml.switch import server
 from switchml.switch.control import Controller
-from switchml.switch.pipeline import Pipeline
+from switchml.switch.dataplane.pipeline import Pipeline
 
 CLI = [sys.executable, "-m", "switchml.cli"]
 

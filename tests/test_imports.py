@@ -86,10 +86,10 @@ def test_the_checker_sees_a_circle_and_function_level_imports():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
     graph = import_graph()
-    # engine.Membership starts every kind of call; none of them imports engine back
-    assert {"switchml.worker.sparse", "switchml.worker.compiled",
-            "switchml.worker.stream"} <= graph["switchml.worker.engine"]
-    assert "switchml.worker.engine" not in graph["switchml.worker.sparse"]
+    # dense.Membership starts every kind of call; none of them imports dense back
+    assert {"switchml.worker.engine.sparse", "switchml.worker.engine.compiled",
+            "switchml.worker.engine.stream"} <= graph["switchml.worker.engine.dense"]
+    assert "switchml.worker.engine.dense" not in graph["switchml.worker.engine.sparse"]
     # an import inside a function is an edge (cli imports the switch in _switch)
     assert "switchml.switch.server" in graph["switchml.cli"]
 
@@ -128,3 +128,41 @@ def test_no_module_of_the_package_imports_the_checkouts_folders():
     offenders = {name: found for name, (path, _) in modules().items()
                  if (found := upward_imports(path.read_text()))}
     assert offenders == {}
+
+
+#: The package's layers, lowest first: a module imports only from its own layer or
+#: a lower one.  A part is named by its folder (every module in it) or a module; the
+#: longest name that matches a module decides its layer.
+LAYERS = [
+    ["errors", "config", "auth", "netutil", "wire", "quant", "protocol"],
+    # the host records the rendezvous exchanges are the local stage's lowest part
+    ["switch.dataplane", "worker.engine", "switch.gather", "worker.local.hosts"],
+    ["switch.xdp", "switch.control", "worker.control", "worker.rendezvous", "worker.calls"],
+    ["switch.racks", "worker.multi"],
+    ["switch.server", "switch.process", "switch.metrics", "worker.local"],
+    ["worker.client", "switch", "worker"],
+    ["", "sim", "torch", "testbed", "bench", "demo", "cli"],
+]
+
+
+def layer(module: str, layers=LAYERS) -> int:
+    """The layer of a dotted module name of the package (``switchml.`` dropped)."""
+    name = module.removeprefix("switchml").removeprefix(".")
+    best = max((part for parts in layers for part in parts
+                if part == "" or name == part or name.startswith(part + ".")), key=len)
+    return next(i for i, parts in enumerate(layers) if best in parts)
+
+
+def upward_edges(graph: dict) -> list:
+    return sorted((a, b) for a, edges in graph.items() for b in edges if layer(b) > layer(a))
+
+
+def test_no_import_runs_upward():
+    """Lower layers never import upper ones: the engine and the data planes know
+    nothing of the sockets' owners, the local stage nothing of torch."""
+    assert layer("switchml.worker.engine.dense") == 1
+    assert layer("switchml.switch.server") == 4 and layer("switchml.torch.staging") == 6
+    assert upward_edges({"switchml.wire": {"switchml.worker.client"},
+                         "switchml.worker.client": {"switchml.wire"}}) == [
+        ("switchml.wire", "switchml.worker.client")]
+    assert upward_edges(import_graph()) == []

@@ -8,10 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from switchml.errors import CallMismatchError, JoinRefusedError
-from switchml.worker import localmem
-from switchml.worker.hosts import HostRecord, Placement
-from switchml.worker.local import SHARD_ALIGN, Finished, Launch, LocalStage, Wait, call_kind
-from switchml.worker.localmem import R_STATE, Layout
+from switchml.worker.local import memory
+from switchml.worker.local.hosts import HostRecord, Placement
+from switchml.worker.local.memory import R_STATE, Layout
+from switchml.worker.local.stage import SHARD_ALIGN, Finished, Launch, LocalStage, Wait, call_kind
 
 SEGMENT = 2048  # elements: small, so that calls span several segments and slots
 
@@ -86,7 +86,7 @@ def run_hosts(sizes, calls, seed, switched=None, in_place=False, defer=False):
                 with np.errstate(over="ignore", invalid="ignore"):
                     np.copyto(view, total.astype(view.dtype) if view.dtype == np.int32
                               else total, casting="unsafe")
-                localmem.publish(hosts[h].buf, hosts[h].layout.record(shard, localmem.R_REDUCED),
+                memory.publish(hosts[h].buf, hosts[h].layout.record(shard, memory.R_REDUCED),
                                  segment + 1)
             continue
         try:
@@ -202,8 +202,8 @@ def test_ranks_that_disagree_raise_call_mismatch():
 
 
 # ---------------------------------------------------------------- the operations' C twin
-needs_c = pytest.mark.skipif(localmem.OPS is None, reason="the C twin (_localmem) is not built")
-REF = localmem.REFERENCE
+needs_c = pytest.mark.skipif(memory.OPS is None, reason="the C twin (_memory) is not built")
+REF = memory.REFERENCE
 
 
 @needs_c
@@ -226,7 +226,7 @@ def test_reduce_into_c_equals_reference(count, n, dtype, seed, specials):
     ours, theirs = np.empty(n, dtype_), np.empty(n, dtype_)
     with np.errstate(all="ignore"):
         REF.reduce_into(ours, srcs)
-    localmem.OPS.reduce_into(theirs, srcs)
+    memory.OPS.reduce_into(theirs, srcs)
     # the same bits, but for a NaN's sign and payload, which no rank may rely on
     nan = np.isnan(ours) if dtype == "f" else np.zeros(n, bool)
     np.testing.assert_array_equal(nan, np.isnan(theirs) if dtype == "f" else nan)
@@ -251,42 +251,42 @@ def test_counter_operations_c_equal_reference(ops):
         offset = layout.record(rank, 8 * field)
         if op == "publish":
             REF.publish(ours, offset, value)
-            localmem.OPS.publish(theirs, offset, value)
+            memory.OPS.publish(theirs, offset, value)
         elif op == "attach":
-            assert REF.attach(ours) == localmem.OPS.attach(theirs)
+            assert REF.attach(ours) == memory.OPS.attach(theirs)
         else:
             reason = f"rank {rank} failed {value}".encode()
             assert (REF.fail(ours, field + 1, rank, reason)
-                    == localmem.OPS.fail(theirs, field + 1, rank, reason))
+                    == memory.OPS.fail(theirs, field + 1, rank, reason))
         np.testing.assert_array_equal(ours, theirs)
 
 
 @needs_c
-@pytest.mark.parametrize("ops", [REF, localmem.OPS], ids=["reference", "c"])
+@pytest.mark.parametrize("ops", [REF, memory.OPS], ids=["reference", "c"])
 def test_wait_for_says_why_it_returned(ops):
     import os
     import subprocess
     layout, header = _header()
     records = [layout.record(j, 0) for j in range(3)]
-    field = localmem.R_COPIED_IN
+    field = memory.R_COPIED_IN
     for j in range(3):
         REF.publish(header, records[j] + field, 5)
-    assert ops.wait_for(header, records, field, 5, 1.0, []) == (localmem.REACHED, 0)
-    assert ops.wait_for(header, records, field, 6, 0.01, []) == (localmem.TIMED_OUT, 0)
+    assert ops.wait_for(header, records, field, 5, 1.0, []) == (memory.REACHED, 0)
+    assert ops.wait_for(header, records, field, 6, 0.01, []) == (memory.TIMED_OUT, 0)
     REF.publish(header, records[0] + field, 6)
-    assert ops.wait_for(header, records, field, 6, 0.01, []) == (localmem.TIMED_OUT, 1)
-    REF.publish(header, records[2] + R_STATE, localmem.LEFT)
-    assert ops.wait_for(header, records, field, 6, 1.0, []) == (localmem.CLOSED, 2)
-    header[records[2] + R_STATE] = localmem.ATTACHED
+    assert ops.wait_for(header, records, field, 6, 0.01, []) == (memory.TIMED_OUT, 1)
+    REF.publish(header, records[2] + R_STATE, memory.LEFT)
+    assert ops.wait_for(header, records, field, 6, 1.0, []) == (memory.CLOSED, 2)
+    header[records[2] + R_STATE] = memory.ATTACHED
     child = subprocess.Popen(["true"])
     fd = os.pidfd_open(child.pid)
     child.wait()
     try:
-        assert ops.wait_for(header, records, field, 6, 1.0, [-1, fd]) == (localmem.EXITED, 1)
+        assert ops.wait_for(header, records, field, 6, 1.0, [-1, fd]) == (memory.EXITED, 1)
     finally:
         os.close(fd)
-    REF.fail(header, localmem.FAILED_OTHER, 1, b"x")
-    assert ops.wait_for(header, records, field, 6, 1.0, []) == (localmem.FAILED, 0)
+    REF.fail(header, memory.FAILED_OTHER, 1, b"x")
+    assert ops.wait_for(header, records, field, 6, 1.0, []) == (memory.FAILED, 0)
 
 
 # ---------------------------------------------------------------- who shares a host

@@ -18,8 +18,8 @@ from conftest import run_ranks
 import switchml
 from switchml.protocol import Gather, Gathered, Joined
 from switchml.switch.gather import Gatherings, GatherRefused
-from switchml.worker import hosts as hosts_module
-from switchml.worker.hosts import HostRecord
+from switchml.worker.local import hosts as hosts_module
+from switchml.worker.local.hosts import HostRecord
 from switchml.worker.rendezvous import exchange_through_switch
 
 HERE = os.path.dirname(os.path.abspath(__file__))

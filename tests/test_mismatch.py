@@ -14,8 +14,8 @@ from conftest import run_ranks
 
 import switchml
 from switchml import wire
-from switchml.switch import fastpipeline
-from switchml.switch.pipeline import Mismatch, Pipeline
+from switchml.switch.dataplane import fastpipeline
+from switchml.switch.dataplane.pipeline import Mismatch, Pipeline
 
 TIMEOUT = 20.0  # far longer than the error may take: it must not be the timeout
 SESSION = 0x5E55

@@ -143,7 +143,7 @@ def test_parts_are_whole_chunks_in_order_and_even(size, parts):
 def test_parts_under_seeded_loss_sum_as_one_switch_in_the_simulator(case, parts):
     """Deterministic: each part on a simulated switch of its own, with 5% loss,
     duplicates and reordering, gives the bytes one lossless switch gives."""
-    from switchml.sim import Faults, Simulation
+    from switchml.sim.network import Faults, Simulation
 
     rng = np.random.default_rng([9, parts])
     size = 10 * PACKET * parts + 77

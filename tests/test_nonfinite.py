@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from switchml import quant
-from switchml.sim import Faults, Simulation
+from switchml.sim.network import Faults, Simulation
 
 K = 64
 SETTINGS = settings(max_examples=120, deadline=None,

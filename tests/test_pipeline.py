@@ -10,9 +10,9 @@ from hypothesis.extra import numpy as hnp
 
 from switchml import wire
 from switchml.quant import EXP_NONFINITE, EXP_ZERO
-from switchml.switch import fastpipeline
-from switchml.switch import pipeline as pipeline_module
-from switchml.switch.pipeline import Pipeline, SlotPoolExhausted
+from switchml.switch.dataplane import fastpipeline
+from switchml.switch.dataplane import pipeline as pipeline_module
+from switchml.switch.dataplane.pipeline import Pipeline, SlotPoolExhausted
 
 #: Every test here runs on the Python reference and on the C core (where built).
 DATA_PLANES = [pipeline_module.Pipeline] + (
@@ -674,7 +674,7 @@ def test_install_job_refuses_packet_sizes_that_do_not_fit():
 
 
 def test_simulation_runs_a_job_with_smaller_packets_than_the_pipeline():
-    from switchml.sim import Simulation
+    from switchml.sim.network import Simulation
     p = Pipeline(slots=8, packet_elements=64, block_elements=8)
     sim = Simulation(3, slots=4, pipeline=p, packet_elements=16, block_elements=4)
     assert (sim.job.packet_elements, sim.job.lanes) == (16, 4)

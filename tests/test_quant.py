@@ -460,9 +460,9 @@ def test_worst_case_values_never_overflow(e, n, sign):
 @given(arrays=worker_arrays(), chunk=st.integers(1, 16), cut=st.data())
 def test_two_stage_sum_meets_its_error_bound(arrays, chunk, cut):
     """The local stage's sum: each host's ranks summed as the shared-memory stage
-    does (localmem.reduce_into), the hosts' sums through the quantised switch;
+    does (memory.reduce_into), the hosts' sums through the quantised switch;
     within ``error_bound_two_stage`` of the exact sum of every rank's array."""
-    from switchml.worker import localmem
+    from switchml.worker.local import memory
     sizes = cut.draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
     hosts, taken = [], 0
     for size in sizes:
@@ -473,7 +473,7 @@ def test_two_stage_sum_meets_its_error_bound(arrays, chunk, cut):
     partials = []
     for host in hosts:
         partial = np.empty_like(host[0])
-        localmem.reduce_into(partial, host)
+        memory.reduce_into(partial, host)
         partials.append(partial)
     result, E, B, qs = aggregate(partials, chunk)
     exact = np.array([math.fsum(v) for v in zip(*[a.astype(np.float64) for a in arrays])])

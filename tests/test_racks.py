@@ -1,4 +1,4 @@
-"""Two levels of aggregation: rack switches under a spine (switch/rack.py, sim_racks.py).
+"""Two levels of aggregation: rack switches under a spine (switch/racks/pipeline.py, sim/racks.py).
 
 The rack's pipeline is driven by hand first (what goes up, what comes down, what
 a retransmission makes it do), then whole calls run through R racks and a spine
@@ -15,9 +15,9 @@ import pytest
 from conftest import make_inputs, reference_sum
 
 from switchml import wire
-from switchml.sim import Faults, Simulation
-from switchml.sim_racks import SPINE, Fabric, RackedJob, RackFailure, run_together
-from switchml.switch.rack import RackPipeline, Uplink
+from switchml.sim.network import Faults, Simulation
+from switchml.sim.racks import SPINE, Fabric, RackedJob, RackFailure, run_together
+from switchml.switch.racks.pipeline import RackPipeline, Uplink
 
 K = 16       # packet_elements
 SLOTS = 4    # a job's window

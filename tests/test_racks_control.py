@@ -1,5 +1,5 @@
 """Two levels over the control plane: a rack switch relays its workers' joins to the
-spine (switch/rack_control.py, the spine's control.py), without sockets and then
+spine (switch/racks/control.py, the spine's control.py), without sockets and then
 with them: racks under a spine in this process, real workers, real failures.
 """
 
@@ -19,9 +19,9 @@ import switchml
 from switchml import Switch, protocol, wire
 from switchml.netutil import encode_line
 from switchml.switch.control import Controller
-from switchml.switch.pipeline import Pipeline
-from switchml.switch.rack import RackPipeline, Uplink
-from switchml.switch.rack_control import CloseUplink, RackController, ToSpine
+from switchml.switch.dataplane.pipeline import Pipeline
+from switchml.switch.racks.control import CloseUplink, RackController, ToSpine
+from switchml.switch.racks.pipeline import RackPipeline, Uplink
 from switchml.worker.control import ControlClient
 
 
@@ -399,7 +399,7 @@ def test_a_rack_whose_ranks_are_not_those_the_spine_started_with_fails_the_job()
 def test_the_exchange_of_host_records_spans_the_racks():
     """Ranks join through their rack switches; who shares a host is learnt across
     every rack (the rack relays each rank's gather to the spine)."""
-    from switchml.worker.hosts import HostRecord
+    from switchml.worker.local.hosts import HostRecord
     from switchml.worker.rendezvous import exchange_through_switch
 
     placement = [0, 1, 0, 1]

@@ -9,10 +9,10 @@ from conftest import make_inputs, reference_sum
 
 from switchml import quant, wire
 from switchml.quant import EXP_ZERO
-from switchml.sim import Faults, Simulation, StripedSimulation
-from switchml.switch.pipeline import Pipeline
-from switchml.worker.engine import Membership
-from switchml.worker.recovery import RttEstimator
+from switchml.sim.network import Faults, Simulation, StripedSimulation
+from switchml.switch.dataplane.pipeline import Pipeline
+from switchml.worker.engine.dense import Membership
+from switchml.worker.engine.recovery import RttEstimator
 
 K = 16      # packet_elements
 SLOTS = 4   # window

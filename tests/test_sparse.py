@@ -13,8 +13,8 @@ from conftest import reference_sum
 
 from switchml import wire
 from switchml.quant import EXP_NONFINITE, EXP_ZERO
-from switchml.sim import Faults, Simulation
-from switchml.switch.pipeline import Pipeline
+from switchml.sim.network import Faults, Simulation
+from switchml.switch.dataplane.pipeline import Pipeline
 
 K = 64       # packet_elements
 BLK = 16     # block_elements: 4 lanes per packet

@@ -136,7 +136,7 @@ def test_auto_goes_sparse_on_8_lane_packets_with_the_c_engine_only(switch, monke
     """Frame-sized packets at MTU 9000 hold 8 blocks: with the C sparse engine the
     rounds cost microseconds and sparse pays there (docs/protocol.md); the Python
     engine's rounds need 32 blocks a packet."""
-    from switchml.worker import compiled
+    from switchml.worker.engine import compiled
     monkeypatch.delenv("SWITCHML_SPARSE_AUTO_MIN_LANES", raising=False)
     with switchml.Worker(switch.address, 0, 1) as w:
         assert w._sparse_auto_min_lanes == (8 if compiled.enabled() else 32)

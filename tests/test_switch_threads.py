@@ -24,13 +24,13 @@ from test_fastpath import BLOCK, JOB_A, PACKET, SLOTS, Lockstep, run_jobs
 import switchml
 from switchml import wire
 from switchml.config import SwitchConfiguration
-from switchml.sim import Faults
-from switchml.switch import fastpipeline
-from switchml.switch.fastpipeline import FastPipeline
+from switchml.sim.network import Faults
+from switchml.switch.dataplane import fastpipeline
+from switchml.switch.dataplane.fastpipeline import FastPipeline
 from switchml.switch.server import _bind_group, _bind_pair
 
 pytestmark = pytest.mark.skipif(fastpipeline._fastpath is None,
-                                reason="switchml.switch._fastpath is not built")
+                                reason="switchml.switch.dataplane._fastpath is not built")
 
 K = 64  # packet_elements of the test switches
 SESSION = 0x7EAD

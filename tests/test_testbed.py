@@ -22,7 +22,7 @@ import pytest
 from conftest import interruptible, needs_root, reference_sum
 
 from switchml import wire
-from switchml.switch import xdp
+from switchml.switch.xdp import pipeline as xdp
 from switchml.testbed import (
     NotRootError,
     Testbed,
@@ -447,8 +447,7 @@ def test_a_full_host_queue_is_waited_for_not_lost_and_the_window_hears_of_it(tmp
     few messages are sent twice.  (Silently dropped, as before, each such
     datagram cost a retransmission.)  The C engine's loop; the Python one's
     ``send_waiting`` is tested in test_runtime.py."""
-    from switchml.worker import compiled
-
+    from switchml.worker.engine import compiled
     if compiled._fastengine is None:
         pytest.skip("the C engine is not built")
     size, world = 1_500_000, 2

@@ -14,11 +14,11 @@ import pytest
 from conftest import reference_sum
 
 from switchml import wire
-from switchml.sim import SWITCH, Bottleneck, Faults, Network, Simulation, run_concurrently
-from switchml.sim_tcp import TcpLikeFlow
-from switchml.switch.pipeline import Pipeline
-from switchml.worker.engine import Membership
-from switchml.worker.recovery import (
+from switchml.sim.network import SWITCH, Bottleneck, Faults, Network, Simulation, run_concurrently
+from switchml.sim.tcp import TcpLikeFlow
+from switchml.switch.dataplane.pipeline import Pipeline
+from switchml.worker.engine.dense import Membership
+from switchml.worker.engine.recovery import (
     COPY_PROBE_ROUND_TRIPS,
     FAST_RETRANSMIT_THRESHOLD,
     MAX_REORDERING,
@@ -208,8 +208,7 @@ def test_a_queue_that_refuses_loses_nothing_and_the_window_keeps_it_short(compil
     TCP's does when its own qdisc drops a segment.  Nothing is retransmitted and
     the queue stays short: without the decrease the windows grow to 15, the
     smoothed RTT to 8 ms (4.6 times) and 87 messages a rank time out."""
-    from switchml.worker import compiled as engine
-
+    from switchml.worker.engine import compiled as engine
     if compiled and engine._fastengine is None:
         pytest.skip("the C engine is not built")
     world = 2
@@ -336,7 +335,7 @@ def test_two_jobs_sharing_a_bottleneck_get_fair_shares(seed):
 
 
 def beside_a_tcp_like_flow(seed, refuse, compiled, until=2.0):
-    """A job of one rank beside a bulk TCP-like flow (CUBIC's AIMD, sim_tcp.py) through
+    """A job of one rank beside a bulk TCP-like flow (CUBIC's AIMD, sim/tcp.py) through
     one bottleneck of 32 datagrams: each one's bytes through it over the second
     half, as shares of what the link could carry, and the network."""
     network = Network(Faults(latency=500e-6, jitter=100e-6), seed=seed,
@@ -511,9 +510,9 @@ def test_a_message_supersedes_its_slots_datagram_still_waiting_to_leave(engine):
     """A retransmission queued, then the late original's result in the same batch of
     events: the slot's buffer now holds the next message, which must leave once,
     under its own length (the C loop takes results in batches before it sends)."""
-    from switchml.switch.pipeline import Pipeline
-    from switchml.worker import compiled
-    from switchml.worker.engine import Membership
+    from switchml.switch.dataplane.pipeline import Pipeline
+    from switchml.worker.engine import compiled
+    from switchml.worker.engine.dense import Membership
 
     if engine == "c" and compiled._fastengine is None:
         pytest.skip("the C engine is not built")
@@ -571,8 +570,7 @@ def test_a_message_overtaken_by_three_results_goes_again_at_once(engine):
     before its timeout; a loss for the window.  The copy lost too: no more results
     send it again, only its probe, 8 round trips (+ 4 deviations) after it went
     out."""
-    from switchml.worker import compiled
-
+    from switchml.worker.engine import compiled
     if engine == "c" and compiled._fastengine is None:
         pytest.skip("the C engine is not built")
     assert compiled._fastengine is None or (
@@ -624,8 +622,7 @@ def test_a_resend_or_done_sends_the_message_whole_and_a_stale_one_nothing(engine
     done while its result never came (wire.KIND_DONE: the result was lost): it
     goes again whole, at once; an answer for another message number, or for a
     message whose result came (a done behind its result), is dropped as stale."""
-    from switchml.worker import compiled
-
+    from switchml.worker.engine import compiled
     if engine == "c" and compiled._fastengine is None:
         pytest.skip("the C engine is not built")
     s, op, data, out, sent, answer = one_rank_call(engine)
@@ -647,8 +644,7 @@ def test_a_resend_or_done_sends_the_message_whole_and_a_stale_one_nothing(engine
 def test_the_timer_sends_a_query_and_a_done_for_a_late_result_costs_nothing(engine):
     """A timeout sends the message's query (wire.KIND_QUERY), not a probe: its
     result comes late, then the switch's done, which is dropped."""
-    from switchml.worker import compiled
-
+    from switchml.worker.engine import compiled
     if engine == "c" and compiled._fastengine is None:
         pytest.skip("the C engine is not built")
     s, op, data, out, sent, answer = one_rank_call(engine)
@@ -673,8 +669,7 @@ def test_a_spurious_fast_retransmission_raises_the_reordering_threshold(engine):
     overtook it were reordering, so the membership lets four overtake a message from
     then on (this call and the next): three results after message 4's leave it
     waiting, the fourth sends it again."""
-    from switchml.worker import compiled
-
+    from switchml.worker.engine import compiled
     if engine == "c" and compiled._fastengine is None:
         pytest.skip("the C engine is not built")
     s, op, _, _, sent, answer = one_rank_call(engine)
@@ -693,8 +688,7 @@ def test_a_spurious_fast_retransmission_raises_the_reordering_threshold(engine):
 
 
 def random_loss_calls_without_fast_retransmit(monkeypatch, *args, **kwargs):
-    from switchml.worker import stream
-
+    from switchml.worker.engine import stream
     with monkeypatch.context() as m:
         m.setattr(stream, "FAST_RETRANSMIT_THRESHOLD", 10**9)  # never overtaken enough
         return simulate_random_loss_calls(*args, **kwargs)
@@ -725,8 +719,7 @@ def test_fast_retransmit_recovers_random_loss_in_a_round_trip(monkeypatch):
 
 # ---------------------------------------------------------------- tail loss probe
 def test_the_c_engine_has_the_same_probe_constants():
-    from switchml.worker import compiled
-
+    from switchml.worker.engine import compiled
     if compiled._fastengine is None:
         pytest.skip("the C engine is not built")
     fast = compiled._fastengine
@@ -743,8 +736,7 @@ def call_losing(drops, compiled=False, messages=8):
     counters summed over ranks."""
     world, slots = 4, 8
     if compiled:
-        from switchml.worker import compiled as c
-
+        from switchml.worker.engine import compiled as c
         if c._fastengine is None:
             pytest.skip("the C engine is not built")
     sim = Simulation(world, slots=slots, packet_elements=K, compiled=compiled)
@@ -852,8 +844,7 @@ def fresh_one_rank_call(engine: str, slots: int, messages: int):
     """A one-rank int32 call of ``messages`` chunks over ``slots`` slots, on a new
     membership (no RTT measured yet) and a switch pipeline the test drives:
     (pipeline, membership, input, output, call)."""
-    from switchml.worker import compiled
-
+    from switchml.worker.engine import compiled
     if engine == "c" and compiled._fastengine is None:
         pytest.skip("the C engine is not built")
     pipeline = Pipeline(slots=slots, packet_elements=K)
@@ -949,8 +940,7 @@ def test_many_ranks_into_one_port_keep_most_of_its_rate():
     21% of the port's rate (every loss read as random, windows never down); now
     over 45%, results exact.  (The C engine; the Python one is the same, as the
     differential tests show, at 20 times the wall time.)"""
-    from switchml.worker import compiled
-
+    from switchml.worker.engine import compiled
     if compiled._fastengine is None:
         pytest.skip("the C engine is not built")
     world, k, slots = 16, 2048, 32
@@ -976,8 +966,7 @@ def test_no_probe_without_loss(compiled):
     bottleneck whose queue varies the round trip: a probe would be spurious, and
     none goes out (the fast retransmissions reordering causes are as many as
     before the probes: 2533 over 9 calls, 511 of them spurious)."""
-    from switchml.worker import compiled as c
-
+    from switchml.worker.engine import compiled as c
     if compiled and c._fastengine is None:
         pytest.skip("the C engine is not built")
     world = 4

@@ -16,7 +16,7 @@ from hypothesis.extra import numpy as hnp
 
 import switchml
 from switchml import quant, wire
-from switchml.sim import Faults, Simulation
+from switchml.sim.network import Faults, Simulation
 
 SETTINGS = settings(max_examples=80, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -90,7 +90,7 @@ def test_the_bound_is_half_a_16_bit_step_a_contribution():
 
 @pytest.mark.parametrize("fastpath", [False, True])
 def test_through_a_switch_with_32_and_16_bit_calls(fastpath):
-    from switchml.switch import fastpipeline
+    from switchml.switch.dataplane import fastpipeline
     if fastpath and not fastpipeline.available():
         pytest.skip("the C switch is not built")
     x = [np.linspace(-1, 1, 100_000, dtype=np.float32) * (r + 1) for r in range(3)]
@@ -133,7 +133,7 @@ def test_wire_bits_from_the_environment(switch, monkeypatch):
 
 
 def test_the_c_engine_carries_the_16_bit_wire_as_python_does():
-    from switchml.worker import compiled
+    from switchml.worker.engine import compiled
     if compiled._fastengine is None:
         pytest.skip("the C engine is not built")
     rng = np.random.default_rng(3)

@@ -1,4 +1,4 @@
-"""The XDP program (switch/xdp_pipeline.bpf.c) against the Python pipeline (the
+"""The XDP program (switch/xdp/pipeline.bpf.c) against the Python pipeline (the
 reference model): the same datagrams in must give the same datagrams out (bytes,
 destinations), the same counters and the same slot state (every set's
 registers and the bytes of every row), bit for bit.
@@ -47,9 +47,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from switchml import wire
-from switchml.sim import Faults
-from switchml.switch import xdp, xdp_loader
-from switchml.switch.pipeline import Pipeline
+from switchml.sim.network import Faults
+from switchml.switch.dataplane.pipeline import Pipeline
+from switchml.switch.xdp import loader as xdp_loader
+from switchml.switch.xdp import pipeline as xdp
 
 REASON = xdp.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"XDP: {REASON}")
@@ -379,7 +380,7 @@ def hostile(rng: random.Random, data: bytes, src, sparse: bool = False):
 def test_counter_names_are_the_pipelines():
     """The program's counters are pipeline.py's (as the C core names them), but
     for its own few."""
-    core = (xdp.HERE / "fastpath_core.c").read_text()
+    core = (xdp.HERE.parent / "dataplane" / "fastpath_core.c").read_text()
     names = set(re.findall(r'"([a-z_]+)"',
                            re.search(r"FP_COUNTER_NAMES\[FP_NCOUNTERS\] = \{(.*?)\};", core,
                                      re.S).group(1)))

@@ -1,5 +1,5 @@
 """The dispatcher that XDP switches on one interface share
-(``switch/xdp_dispatch.bpf.c``), run with BPF_PROG_TEST_RUN: each frame reaches
+(``switch/xdp/dispatch.bpf.c``), run with BPF_PROG_TEST_RUN: each frame reaches
 the program of the switch at its UDP port, and that program's action is the
 frame's; a frame for no switch passes untouched.  Serving through it for real
 is tests/test_xdp_serve.py's.
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from switchml import wire
-from switchml.switch import xdp, xdp_loader
+from switchml.switch.xdp import loader as xdp_loader
+from switchml.switch.xdp import pipeline as xdp
 
 REASON = xdp.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"XDP: {REASON}")

@@ -26,8 +26,9 @@ import pytest
 import switchml
 from switchml import config, wire
 from switchml.errors import DataPlaneUnavailableError
-from switchml.switch import xdp, xdp_loader
-from switchml.switch.pipeline import Pipeline
+from switchml.switch.dataplane.pipeline import Pipeline
+from switchml.switch.xdp import loader as xdp_loader
+from switchml.switch.xdp import pipeline as xdp
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 REASON = xdp.unavailable() or (None if shutil.which("ip") else "no ip(8) for the namespaces")
@@ -700,7 +701,7 @@ def hooks(ns: str, dev: str) -> tuple[list, int]:
 
     shown = sh("ip", "-n", ns, "-d", "link", "show", "dev", dev)
     xdp_names = re.findall(r"prog/xdp id \d+ name (\S+)", shown)
-    run = in_ns(ns, "import sys, socket; from switchml.switch import xdp_loader as L; "
+    run = in_ns(ns, "import sys, socket; from switchml.switch.xdp import loader as L; "
                     "print(len(L.tcx_programs(socket.if_nametoindex(sys.argv[1]))))", dev)
     out, err = run.communicate(timeout=30)
     assert run.returncode == 0, err

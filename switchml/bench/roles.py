@@ -95,9 +95,9 @@ def switch_role(spec) -> None:
         # the kernel while the switch serves (its stats' program_time_s)
         counting = None
         if sw.data_plane == "xdp":
-            from ..switch import xdp_loader
+            from ..switch.xdp import loader
 
-            counting = xdp_loader.count_run_time()
+            counting = loader.count_run_time()
         try:
             emit(event="listening", address=list(sw.address))
             for line in sys.stdin:

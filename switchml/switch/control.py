@@ -64,8 +64,8 @@ from ..protocol import (
     StatusReply,
     Waiting,
 )
+from .dataplane.pipeline import MAX_WORKERS, Mismatch, Pipeline, SlotPoolExhausted
 from .gather import Gatherings, GatherRefused
-from .pipeline import MAX_WORKERS, Mismatch, Pipeline, SlotPoolExhausted
 
 log = logging.getLogger("switchml.switch")
 

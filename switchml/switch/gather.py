@@ -1,7 +1,7 @@
 """Allgathers among a job's ranks on the control port, sans-IO (``protocol.Gather``).
 
 Before they join, the ranks of a job exchange their host records this way
-(worker/hosts.py): who shares a host, and so how the job's calls are cut.  A
+(worker/local/hosts.py): who shares a host, and so how the job's calls are cut.  A
 gathering is keyed by the job's name and key (``protocol.Gather.key``: the
 job's identity, as for a join) and lives only until every rank sent its value:
 then each gets ``Gathered`` with all of them, by rank, and a random nonce, and

@@ -47,16 +47,16 @@ from ..netutil import (
     unacknowledged,
 )
 from ..protocol import Error
-from . import fastpipeline
 from .control import Controller
-from .pipeline import Pipeline
-from .rack import RackPipeline, Uplink
-from .rack_control import RackController
-from .uplinks import Uplinks
+from .dataplane import fastpipeline
+from .dataplane.pipeline import Pipeline
+from .racks.control import RackController
+from .racks.pipeline import RackPipeline, Uplink
+from .racks.uplinks import Uplinks
 
 if TYPE_CHECKING:  # imported when metrics are asked for: it needs prometheus-client
     from .metrics import MetricsServer
-    from .xdp import XdpPipeline  # imported when data_plane="xdp"
+    from .xdp.pipeline import XdpPipeline  # imported when data_plane="xdp"
 
 log = logging.getLogger("switchml.switch")
 
@@ -503,7 +503,7 @@ class Switch:
 
     @property
     def _xdp(self) -> XdpPipeline:
-        from .xdp import XdpPipeline
+        from .xdp.pipeline import XdpPipeline
 
         assert isinstance(self.pipeline, XdpPipeline), "not the XDP data plane"
         return self.pipeline
@@ -653,7 +653,7 @@ class Switch:
 
 def _xdp_pipeline(config: SwitchConfiguration) -> XdpPipeline:
     """The XDP data plane's pipeline, or an error saying why it cannot run here."""
-    from .xdp import XdpPipeline, unavailable
+    from .xdp.pipeline import XdpPipeline, unavailable
 
     reason = unavailable()
     if reason:

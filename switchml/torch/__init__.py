@@ -39,7 +39,7 @@ from ..config import SwitchConfiguration, env, local_stage_on
 from ..errors import SwitchMLError
 from ..switch.process import SwitchProcess
 from ..worker.client import Worker
-from ..worker.hosts import HostRecord, Hosts, Placement, host_record
+from ..worker.local.hosts import HostRecord, Hosts, Placement, host_record
 from .staging import stage
 
 log = logging.getLogger("switchml.torch")

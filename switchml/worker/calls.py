@@ -11,7 +11,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from .stream import SUPPORTED_DTYPES
+from .engine.stream import SUPPORTED_DTYPES
 
 
 class AllreduceHandle:

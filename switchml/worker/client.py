@@ -46,15 +46,15 @@ from ..netutil import (
     send_when_room,
 )
 from ..protocol import Left, StatusReply
-from . import compiled, nonfinite
 from .calls import AllreduceHandle, check_call, narrow_result, widen
 from .control import ControlClient, JobFailed
-from .engine import Membership
-from .hosts import Hosts, Placement
-from .localworker import LocalStageWorker
+from .engine import compiled, nonfinite
+from .engine.dense import Membership
+from .engine.sparse import nonzero_blocks
+from .local.hosts import Hosts, Placement
+from .local.worker import LocalStageWorker
 from .multi import MultiSwitchWorker
 from .rendezvous import control_events, exchange_through_switch
-from .sparse import nonzero_blocks
 
 __all__ = ["Worker", "AllreduceHandle"]
 
@@ -117,7 +117,7 @@ class Worker:
 
     Ranks that share a host combine their arrays in shared memory first, and one
     rank per shard sends the host's partial sum through the switch (a job of one
-    member per host): ``Worker(...)`` then returns a ``localworker.LocalStageWorker``
+    member per host): ``Worker(...)`` then returns a ``local.worker.LocalStageWorker``
     with this class's API (docs/protocol.md, "Several ranks on one host").  The
     ranks find out who shares a host at join, through the switch (or ``hosts``,
     the records exchanged already); ``local_stage=False`` (or
@@ -218,7 +218,7 @@ class Worker:
         self._control, self._udp = self._join(slots)
         ready = self._protocol.ready
         assert ready is not None
-        #: This worker's membership of the job (``engine.Membership``): the wire's
+        #: This worker's membership of the job (``dense.Membership``): the wire's
         #: ``session`` id, slots, packet geometry, and what its calls share in call
         #: order (message numbers, window, RTT, ``counters``).
         self.membership = Membership(session=ready.session, token=ready.token, rank=rank,

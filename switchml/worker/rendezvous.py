@@ -18,7 +18,7 @@ from ..config import DEFAULT_KEEPALIVE, env
 from ..errors import SwitchMLError, SwitchUnreachableError
 from ..netutil import enable_keepalive
 from .control import ControlClient, JobFailed
-from .hosts import HostRecord, Hosts, host_record
+from .local.hosts import HostRecord, Hosts, host_record
 
 __all__ = ["exchange_through_switch", "control_events"]
 

@@ -1,0 +1,1 @@
+"""The deterministic simulator: a network, racks, a TCP-like flow."""

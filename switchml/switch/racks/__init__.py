@@ -1,0 +1,1 @@
+"""Two levels of aggregation: rack switches under a spine."""

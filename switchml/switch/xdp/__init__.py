@@ -1,0 +1,1 @@
+"""The switch's data plane as an XDP program, and its loader."""

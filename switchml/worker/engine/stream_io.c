@@ -1,0 +1,169 @@
+/* The call's socket loop: recvmmsg batches into the stream, its outbox out with
+ * sendmmsg as runs of UDP GSO segments, timers in between.  No Python: the
+ * binding calls it with the GIL released. */
+
+/* UDP GSO: a run of equal-sized datagrams to the switch leaves in one send, cut
+ * into those datagrams by the kernel, by the sender the switch uses for its
+ * results (udp_batch.h). */
+#include "../../udp_batch.h"
+
+/* The kernel refused a GSO send once (an old kernel, a device without it): the
+ * worker's process sends one datagram a message from then on. */
+static int gso_refused = 0;
+/* SWITCHML_WORKER_GSO=0 turns it off (bench/ compares); read once at import. */
+static int gso_wanted = 1;
+
+
+/* ------------------------------------------------------------ the socket driver */
+static double monotonic_now(void) { /* time.monotonic()'s clock */
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+enum { IO_DONE = 0, IO_STALLED = 1, IO_CONTROL = 2, IO_SLICE = 3 };
+
+typedef struct {
+    StreamCore *core;
+    int socket_waits; /* full socket buffer waits of this flush */
+} send_wait;
+
+/* This host's queue toward the network refused a datagram (ENOBUFS, which the
+ * socket's IP_RECVERR reports: client.py sets it): the window hears of it once
+ * (send_refused), and the datagram waits for room, UDP_SEND_PAUSE_NS at a time,
+ * for UDP_SEND_PATIENCE_NS at most, as TCP's segments wait in its socket.  A full socket
+ * buffer (EAGAIN) waits a little (1 ms, ten times a flush at most).  Then what is
+ * left counts as lost: the retransmission timer recovers it. */
+static int wait_for_socket(void *ctx, int fd, int error, int tries) {
+    send_wait *w = ctx;
+    if (error == ENOBUFS) {
+        if (tries == 1) /* once a datagram */
+            send_refused(w->core, monotonic_now());
+        if ((long)(tries - 1) * UDP_SEND_PAUSE_NS >= UDP_SEND_PATIENCE_NS)
+            return 0;
+        struct timespec pause = {0, UDP_SEND_PAUSE_NS};
+        nanosleep(&pause, NULL);
+        return 1;
+    }
+    if (w->socket_waits++ >= 10)
+        return 0;
+    struct pollfd p = {fd, POLLOUT, 0};
+    poll(&p, 1, 1);
+    return 1;
+}
+
+static void lost_to_timers(void *ctx, uint32_t datagrams, int error) {
+    (void)ctx, (void)datagrams, (void)error; /* the retransmission timer resends them */
+}
+
+/* Send the outbox in batches of udp_batch.h: runs of one size as UDP GSO
+ * messages, the same datagrams in the same order. */
+static void flush_outbox(StreamCore *c, int fd, struct sockaddr_in *dst) {
+    struct mmsghdr msgs[64];
+    struct sockaddr_in addrs[64];
+    udp_control control[64];
+    uint32_t segments[64];
+    struct iovec iov[1024];
+    send_wait waits = {c, 0};
+    const udp_policy policy = {wait_for_socket, NULL, lost_to_timers, &waits};
+    udp_batch batch = {.msgs = msgs, .addrs = addrs, .control = control,
+                       .segments = segments, .iov = iov, .max_messages = 64,
+                       .max_datagrams = 1024};
+    uint64_t bytes = 0;
+    udp_batch_start(&batch, gso_wanted && !gso_refused);
+    for (ptrdiff_t i = 0; i < c->outbox_len; i++) {
+        if (!udp_batch_add(&batch, dst, outbox_bytes(c, i), c->outbox[i].len)) {
+            udp_batch_send(&batch, fd, 0, &policy, &gso_refused, &bytes);
+            udp_batch_start(&batch, gso_wanted && !gso_refused);
+            udp_batch_add(&batch, dst, outbox_bytes(c, i), c->outbox[i].len);
+        }
+    }
+    udp_batch_send(&batch, fd, 0, &policy, &gso_refused, &bytes);
+    c->counters[COUNTER_BYTES_SENT] += bytes;
+    c->outbox_len = 0;
+}
+
+
+/* Drive the call on the non-blocking UDP socket `fd` towards `dst` for up to
+ * `slice` seconds: IO_DONE, IO_STALLED, IO_CONTROL (control_fd readable) or
+ * IO_SLICE, or -1 out of memory.  Called without the GIL. */
+static int stream_run_io(StreamCore *c, int fd, struct sockaddr_in dst, int control_fd,
+                         double slice) {
+    /* Longer datagrams cannot be results of ours: MSG_TRUNC gives their real
+     * length, and receive() reads no more than their header to drop them. */
+    size_t buffer_size = c->packet_size + 64;
+    if (!c->recv_buffers) {
+        c->recv_buffers = malloc(buffer_size * RECV_BATCH);
+        if (!c->recv_buffers)
+            return -1;
+    }
+    int status = IO_SLICE, oom = 0;
+    double until = monotonic_now() + slice;
+    struct mmsghdr msgs[RECV_BATCH];
+    struct iovec iov[RECV_BATCH];
+    flush_outbox(c, fd, &dst);
+    for (;;) {
+        if (c->remaining == 0) {
+            status = IO_DONE;
+            break;
+        }
+        for (int i = 0; i < RECV_BATCH; i++) {
+            iov[i].iov_base = c->recv_buffers + (size_t)i * buffer_size;
+            iov[i].iov_len = buffer_size;
+            memset(&msgs[i].msg_hdr, 0, sizeof(struct msghdr));
+            msgs[i].msg_hdr.msg_iov = &iov[i];
+            msgs[i].msg_hdr.msg_iovlen = 1;
+        }
+        int received = recvmmsg(fd, msgs, RECV_BATCH, MSG_DONTWAIT | MSG_TRUNC, NULL);
+        if (received < 0) {
+            if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+                udp_drain_error_queue(fd); /* an ICMP error queued: control tells us */
+            received = 0;
+        }
+        for (int i = 0; i < received; i++) { /* after the last result: stale, as in Python */
+            c->counters[COUNTER_BYTES_RECEIVED] += msgs[i].msg_len;
+            if (receive(c, iov[i].iov_base, msgs[i].msg_len, monotonic_now()) < 0)
+                oom = 1;
+        }
+        flush_outbox(c, fd, &dst);
+        if (oom)
+            break;
+        if (c->remaining == 0) {
+            status = IO_DONE;
+            break;
+        }
+        double now = monotonic_now();
+        double timer = get_timer(c);
+        if (!isnan(timer) && now >= timer) {
+            if (handle_timer(c, now) < 0) {
+                oom = 1;
+                break;
+            }
+            if (c->stalled) {
+                status = IO_STALLED;
+                break;
+            }
+            flush_outbox(c, fd, &dst);
+            timer = get_timer(c);
+        }
+        if (now >= until) {
+            status = IO_SLICE;
+            break;
+        }
+        if (received == RECV_BATCH)
+            continue; /* more is waiting: results before anything else */
+        double wait = until - now;
+        if (!isnan(timer) && timer - now < wait)
+            wait = timer - now;
+        struct pollfd fds[2] = {{fd, POLLIN, 0}, {control_fd, POLLIN, 0}};
+        int timeout_ms = wait <= 0 ? 0 : (int)ceil(wait * 1000);
+        int ready = poll(fds, control_fd >= 0 ? 2 : 1, timeout_ms);
+        /* Results first: a result that completes the call may sit behind news
+         * of the switch going away, and the call did complete. */
+        if (ready > 0 && !(fds[0].revents & POLLIN) && control_fd >= 0 && fds[1].revents) {
+            status = IO_CONTROL;
+            break;
+        }
+    }
+    return oom ? -1 : status;
+}

@@ -1,0 +1,401 @@
+/* The local stage's operations on a host's shared memory: memory.py's
+ * reduce_into, publish, attach, fail and wait_for, under the same names, with
+ * the same results (tests/test_local.py compares them).
+ *
+ * Why C: a reduction that reads every rank's input once and writes the sum
+ * once (numpy needs a pass per rank and a float64 temporary), and waits that
+ * sleep in the kernel (a futex on the header's generation word, shared between
+ * processes) and watch the peers' processes (pidfds), all without the GIL, so
+ * that the worker's other threads, and the training loop, run meanwhile.
+ *
+ * Memory order: a rank writes its data, then publishes a counter with a
+ * release store; a waiter reads counters with acquire loads before it touches
+ * the data they announce.  Publishing bumps the generation word and wakes the
+ * waiters only when one is registered, so that an uncontended publish costs
+ * no system call.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <poll.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+/* Header offsets: memory.py's H_* and R_* constants. */
+#define H_GENERATION 32
+#define H_WAITERS 36
+#define H_ATTACHED 40
+#define H_CLAIM 44
+#define H_FAILED 48
+#define H_FAILED_RANK 52
+#define H_REASON 64
+#define REASON_BYTES 256
+#define R_STATE 8
+#define STATE_LEFT 2
+/* wait_for's answers: memory.py's REACHED ... TIMED_OUT. */
+enum { REACHED, FAILED, EXITED, CLOSED, TIMED_OUT };
+/* Most peers a wait watches: memory.MAX_RANKS. */
+#define MAX_RANKS 256
+/* Seconds a futex sleep lasts before the peers' processes are looked at. */
+#define SLICE 0.01
+/* Polls of the counters before sleeping: a peer a few microseconds from
+ * publishing costs no system call. */
+#define SPINS 200
+#define BLOCK 512
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline uint32_t *word32(char *base, Py_ssize_t offset) {
+    return (uint32_t *)(base + offset);
+}
+
+static inline uint64_t *word64(char *base, Py_ssize_t offset) {
+    return (uint64_t *)(base + offset);
+}
+
+static void wake_all(char *base) {
+    __atomic_fetch_add(word32(base, H_GENERATION), 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(word32(base, H_WAITERS), __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, word32(base, H_GENERATION), FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+static int writable_header(PyObject *obj, Py_buffer *view, Py_ssize_t need) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (view->len < need) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "header buffer too short");
+        return -1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ reduce_into */
+static void reduce_float(float *dst, float **srcs, Py_ssize_t count, Py_ssize_t n) {
+    double acc[BLOCK];
+    for (Py_ssize_t start = 0; start < n; start += BLOCK) {
+        Py_ssize_t len = n - start < BLOCK ? n - start : BLOCK;
+        const float *first = srcs[0] + start;
+        for (Py_ssize_t e = 0; e < len; e++)
+            acc[e] = first[e];
+        for (Py_ssize_t j = 1; j < count; j++) {
+            const float *src = srcs[j] + start;
+            for (Py_ssize_t e = 0; e < len; e++)
+                acc[e] += src[e];
+        }
+        float *out = dst + start;
+        for (Py_ssize_t e = 0; e < len; e++)
+            out[e] = (float)acc[e];
+    }
+}
+
+static void reduce_int(uint32_t *dst, uint32_t **srcs, Py_ssize_t count, Py_ssize_t n) {
+    uint32_t acc[BLOCK];
+    for (Py_ssize_t start = 0; start < n; start += BLOCK) {
+        Py_ssize_t len = n - start < BLOCK ? n - start : BLOCK;
+        const uint32_t *first = srcs[0] + start;
+        for (Py_ssize_t e = 0; e < len; e++)
+            acc[e] = first[e];
+        for (Py_ssize_t j = 1; j < count; j++) {
+            const uint32_t *src = srcs[j] + start;
+            for (Py_ssize_t e = 0; e < len; e++)
+                acc[e] += src[e];  /* unsigned: wraps modulo 2**32, as int32 sums do */
+        }
+        memcpy(dst + start, acc, (size_t)len * sizeof(uint32_t));
+    }
+}
+
+static PyObject *reduce_into(PyObject *self, PyObject *args) {
+    PyObject *dst_obj, *srcs_obj;
+    if (!PyArg_ParseTuple(args, "OO:reduce_into", &dst_obj, &srcs_obj))
+        return NULL;
+    PyObject *seq = PySequence_Fast(srcs_obj, "srcs must be a sequence of arrays");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    if (count < 1 || count > MAX_RANKS) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "reduce_into takes 1 to %d sources", MAX_RANKS);
+    }
+    Py_buffer dst, views[MAX_RANKS];
+    void *ptrs[MAX_RANKS];
+    Py_ssize_t held = 0;
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(dst_obj, &dst, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        goto out_seq;
+    int is_float = dst.format && strcmp(dst.format, "f") == 0;
+    int is_int = dst.format && (strcmp(dst.format, "i") == 0 || strcmp(dst.format, "l") == 0)
+                 && dst.itemsize == 4;
+    if (!is_float && !is_int) {
+        PyErr_SetString(PyExc_TypeError, "reduce_into sums float32 or int32 arrays");
+        goto out_dst;
+    }
+    for (; held < count; held++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, held);
+        if (PyObject_GetBuffer(item, &views[held], PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+            goto out_views;
+        if (views[held].len != dst.len || views[held].itemsize != 4
+                || !views[held].format || strcmp(views[held].format, dst.format) != 0) {
+            held++;
+            PyErr_SetString(PyExc_ValueError,
+                            "reduce_into: every source must match the destination's "
+                            "dtype and size");
+            goto out_views;
+        }
+        ptrs[held] = views[held].buf;
+    }
+    Py_ssize_t n = dst.len / 4;
+    Py_BEGIN_ALLOW_THREADS
+    if (is_float)
+        reduce_float((float *)dst.buf, (float **)ptrs, count, n);
+    else
+        reduce_int((uint32_t *)dst.buf, (uint32_t **)ptrs, count, n);
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+out_views:
+    for (Py_ssize_t j = 0; j < held; j++)
+        PyBuffer_Release(&views[j]);
+out_dst:
+    PyBuffer_Release(&dst);
+out_seq:
+    Py_DECREF(seq);
+    return result;
+}
+
+/* ------------------------------------------------------------------ publish, attach, fail */
+static PyObject *publish(PyObject *self, PyObject *args) {
+    PyObject *header_obj;
+    Py_ssize_t offset;
+    unsigned long long value;
+    if (!PyArg_ParseTuple(args, "OnK:publish", &header_obj, &offset, &value))
+        return NULL;
+    Py_buffer header;
+    if (writable_header(header_obj, &header, offset + 8) < 0)
+        return NULL;
+    if (offset < 0 || offset % 8) {
+        PyBuffer_Release(&header);
+        return PyErr_Format(PyExc_ValueError, "publish: offset %zd is not a counter's", offset);
+    }
+    /* a counter only grows: an owner's last, empty shard is published by its serving
+       thread while the switch worker's callbacks may still publish earlier segments */
+    uint64_t *word = word64(header.buf, offset);
+    uint64_t seen = __atomic_load_n(word, __ATOMIC_RELAXED);
+    while (seen < value && !__atomic_compare_exchange_n(word, &seen, (uint64_t)value, 1,
+                                                         __ATOMIC_RELEASE, __ATOMIC_RELAXED))
+        ;
+    wake_all(header.buf);
+    PyBuffer_Release(&header);
+    Py_RETURN_NONE;
+}
+
+static PyObject *attach(PyObject *self, PyObject *args) {
+    PyObject *header_obj;
+    if (!PyArg_ParseTuple(args, "O:attach", &header_obj))
+        return NULL;
+    Py_buffer header;
+    if (writable_header(header_obj, &header, H_ATTACHED + 4) < 0)
+        return NULL;
+    uint32_t now = __atomic_add_fetch(word32(header.buf, H_ATTACHED), 1, __ATOMIC_SEQ_CST);
+    wake_all(header.buf);
+    PyBuffer_Release(&header);
+    return PyLong_FromUnsignedLong(now);
+}
+
+static PyObject *fail(PyObject *self, PyObject *args) {
+    PyObject *header_obj;
+    unsigned int code;
+    int rank;
+    const char *reason;
+    Py_ssize_t reason_len;
+    if (!PyArg_ParseTuple(args, "OIiy#:fail", &header_obj, &code, &rank, &reason, &reason_len))
+        return NULL;
+    Py_buffer header;
+    if (writable_header(header_obj, &header, H_REASON + REASON_BYTES) < 0)
+        return NULL;
+    char *base = header.buf;
+    uint32_t unclaimed = 0;
+    int won = __atomic_compare_exchange_n(word32(base, H_CLAIM), &unclaimed, 1, 0,
+                                          __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    if (won) {
+        size_t len = reason_len < REASON_BYTES ? (size_t)reason_len : REASON_BYTES;
+        memset(base + H_REASON, 0, REASON_BYTES);
+        memcpy(base + H_REASON, reason, len);
+        __atomic_store_n((int32_t *)(base + H_FAILED_RANK), (int32_t)rank, __ATOMIC_RELAXED);
+        __atomic_store_n(word32(base, H_FAILED), (uint32_t)code, __ATOMIC_RELEASE);
+        wake_all(base);
+    }
+    PyBuffer_Release(&header);
+    return PyBool_FromLong(won);
+}
+
+/* ------------------------------------------------------------------ wait_for */
+static double monotonic(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* REACHED, or the first awaited record short of the target in *short_index. */
+static int check(char *base, const Py_ssize_t *records, Py_ssize_t count, Py_ssize_t field,
+                 uint64_t target, Py_ssize_t *short_index, Py_ssize_t *left_index) {
+    if (__atomic_load_n(word32(base, H_FAILED), __ATOMIC_ACQUIRE))
+        return FAILED;
+    *short_index = -1;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (__atomic_load_n(word64(base, records[i] + field), __ATOMIC_ACQUIRE) < target) {
+            if (*short_index < 0)
+                *short_index = i;
+        }
+    }
+    if (*short_index < 0)
+        return REACHED;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (__atomic_load_n(word64(base, records[i] + R_STATE), __ATOMIC_ACQUIRE) == STATE_LEFT) {
+            *left_index = i;
+            return CLOSED;
+        }
+    }
+    return -1;  /* not yet */
+}
+
+static PyObject *wait_for(PyObject *self, PyObject *args) {
+    PyObject *header_obj, *records_obj, *pidfds_obj = NULL;
+    Py_ssize_t field;
+    unsigned long long target;
+    double timeout;
+    if (!PyArg_ParseTuple(args, "OOnKd|O:wait_for", &header_obj, &records_obj, &field, &target,
+                          &timeout, &pidfds_obj))
+        return NULL;
+    Py_ssize_t records[MAX_RANKS];
+    struct pollfd fds[MAX_RANKS];
+    Py_ssize_t fd_index[MAX_RANKS];
+    Py_ssize_t count = 0, nfds = 0;
+    PyObject *seq = PySequence_Fast(records_obj, "records must be a sequence of offsets");
+    if (seq == NULL)
+        return NULL;
+    count = PySequence_Fast_GET_SIZE(seq);
+    if (count > MAX_RANKS) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "wait_for watches at most %d ranks", MAX_RANKS);
+    }
+    Py_ssize_t need = H_REASON;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        records[i] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(seq, i));
+        if (records[i] < 0 && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        if (records[i] < 0 || (records[i] + field) % 8 || field < 0) {
+            Py_DECREF(seq);
+            return PyErr_Format(PyExc_ValueError, "wait_for: bad record offset %zd", records[i]);
+        }
+        if (records[i] + field + 8 > need)
+            need = records[i] + field + 8;
+        if (records[i] + R_STATE + 8 > need)
+            need = records[i] + R_STATE + 8;
+    }
+    Py_DECREF(seq);
+    if (pidfds_obj != NULL) {
+        PyObject *fseq = PySequence_Fast(pidfds_obj, "pidfds must be a sequence of ints");
+        if (fseq == NULL)
+            return NULL;
+        Py_ssize_t total = PySequence_Fast_GET_SIZE(fseq);
+        for (Py_ssize_t i = 0; i < total && nfds < MAX_RANKS; i++) {
+            long fd = PyLong_AsLong(PySequence_Fast_GET_ITEM(fseq, i));
+            if (fd == -1 && PyErr_Occurred()) {
+                Py_DECREF(fseq);
+                return NULL;
+            }
+            if (fd >= 0) {
+                fds[nfds].fd = (int)fd;
+                fds[nfds].events = POLLIN;
+                fds[nfds].revents = 0;
+                fd_index[nfds++] = i;
+            }
+        }
+        Py_DECREF(fseq);
+    }
+    Py_buffer header;
+    if (writable_header(header_obj, &header, need) < 0)
+        return NULL;
+    char *base = header.buf;
+    int status = -1;
+    Py_ssize_t index = 0, short_index = -1, left_index = 0;
+    Py_BEGIN_ALLOW_THREADS
+    double deadline = monotonic() + timeout;
+    for (int spin = 0; spin < SPINS && status < 0; spin++) {
+        status = check(base, records, count, field, target, &short_index, &left_index);
+        if (status < 0)
+            cpu_relax();
+    }
+    while (status < 0) {
+        uint32_t generation = __atomic_load_n(word32(base, H_GENERATION), __ATOMIC_SEQ_CST);
+        status = check(base, records, count, field, target, &short_index, &left_index);
+        if (status >= 0)
+            break;
+        if (nfds && poll(fds, (nfds_t)nfds, 0) > 0) {
+            for (Py_ssize_t i = 0; i < nfds; i++) {
+                if (fds[i].revents) {
+                    index = fd_index[i];
+                    break;
+                }
+            }
+            status = EXITED;
+            break;
+        }
+        double left = deadline - monotonic();
+        if (left <= 0) {
+            status = TIMED_OUT;
+            index = short_index < 0 ? 0 : short_index;
+            break;
+        }
+        double sleep = left < SLICE ? left : SLICE;
+        struct timespec ts = {(time_t)sleep, (long)((sleep - (time_t)sleep) * 1e9)};
+        __atomic_fetch_add(word32(base, H_WAITERS), 1, __ATOMIC_SEQ_CST);
+        syscall(SYS_futex, word32(base, H_GENERATION), FUTEX_WAIT, generation, &ts, NULL, 0);
+        __atomic_fetch_sub(word32(base, H_WAITERS), 1, __ATOMIC_SEQ_CST);
+    }
+    Py_END_ALLOW_THREADS
+    if (status == CLOSED)
+        index = left_index;
+    PyBuffer_Release(&header);
+    return Py_BuildValue("(in)", status, index);
+}
+
+static PyMethodDef methods[] = {
+    {"reduce_into", reduce_into, METH_VARARGS,
+     "reduce_into(dst, srcs): dst = the sum of srcs, in their order (float32 in float64, "
+     "rounded once; int32 modulo 2**32)."},
+    {"publish", publish, METH_VARARGS,
+     "publish(header, offset, value): raise a counter to value (never lower it) and wake "
+     "the waiting ranks."},
+    {"attach", attach, METH_VARARGS,
+     "attach(header) -> the number of ranks attached, this one counted."},
+    {"fail", fail, METH_VARARGS,
+     "fail(header, code, rank, reason) -> whether this is the group's first failure."},
+    {"wait_for", wait_for, METH_VARARGS,
+     "wait_for(header, records, field, target, timeout, pidfds=()) -> (status, index)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_memory",
+    "The local stage's shared-memory operations (memory.py's, compiled).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__memory(void) {
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,476 @@
+"""A rank of a job whose hosts run several ranks: ``Worker(...)`` returns one of
+these when ranks share a host (``local/hosts.py``), with ``Worker``'s API.
+
+At construction the host's ranks map one segment of shared memory
+(``memory.Segment``: its first rank creates it, the last to attach unlinks
+its name), and the rank that owns a shard joins that shard's switch job, one
+member per host (``hosts.shard_job``), asking for its share of the link's
+window.  A thread serves the calls in order: it runs the local stage's steps
+(``stage.LocalStage``), sleeping in ``memory.wait_for`` without the GIL, and
+queues each shard on the switch worker, whose completion publishes it.
+
+Failures are errors, never hangs, and every rank of the job raises one that
+names the rank at fault:
+
+* a peer's process ends (its pidfd, watched in every wait and between calls),
+  a peer closes its worker while the others wait for it, or a wait sees no
+  progress for ``timeout``: the rank that notices records the failure in the
+  segment (the first one recorded wins, so the whole host raises the same
+  error) and its owners abort their switch jobs, which fails those jobs on
+  every other host;
+* a switch job fails (a host gone, a stall, ranks that disagree, the switch
+  gone): its owner records that, named in the job's ranks (rank h of a shard
+  job is host h, whose ranks the message lists), and the host raises it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import select
+import threading
+import time
+from concurrent.futures import Future
+
+import numpy as np
+
+from ...config import env
+from ...errors import (
+    CallMismatchError,
+    SwitchMLError,
+    SwitchMLTimeoutError,
+    SwitchUnreachableError,
+)
+from ..calls import AllreduceHandle, check_call, narrow_result, widen
+from ..multi import renamed
+from . import memory
+from .hosts import Hosts, Placement, shard_job
+from .memory import (
+    ATTACHED,
+    EXITED,
+    FAILED,
+    LEFT,
+    R_COPIED_IN,
+    R_COPIED_OUT,
+    R_PID,
+    R_REDUCED,
+    R_STATE,
+    REACHED,
+    TIMED_OUT,
+    Layout,
+    Segment,
+)
+from .stage import Launch, LocalStage, Wait, call_kind
+
+__all__ = ["LocalStageWorker", "SLOTS"]
+
+log = logging.getLogger("switchml.worker")
+
+#: Segments a host's shared memory holds at once: one being combined while the
+#: one before crosses the switch.
+SLOTS = 2
+#: Seconds between looks at the peers' processes while no call runs.
+IDLE_WATCH = 0.25
+#: Extra seconds a wait for a shard's sum allows beyond ``timeout``: the switch
+#: worker names a stalled switch job within its own timeout, and its error,
+#: which says which host is missing, should come first.
+SWITCH_GRACE = 5.0
+_CODES = ((CallMismatchError, memory.FAILED_MISMATCH),
+          (SwitchUnreachableError, memory.FAILED_UNREACHABLE),
+          (SwitchMLTimeoutError, memory.FAILED_TIMEOUT))
+_STEPS = {R_COPIED_IN: "copy its array in", R_REDUCED: "sum its shard",
+          R_COPIED_OUT: "copy the sum out", R_STATE: "attach to the host's shared memory"}
+
+
+class LocalStageWorker:
+    """One rank of a job whose ranks combine on their hosts first.
+
+    What other code reads, as of ``Worker``: ``rank``, ``world_size``, ``job``,
+    ``timeout``, ``counters`` (the switch worker's, and ``local_calls``), and
+    ``placement`` (who shares which host).  ``switch`` is this rank's switch
+    worker (None when it owns no shard or the job has one host).
+    """
+
+    def __init__(self, placement: Placement, hosts: Hosts, addresses, job: str, timeout: float,
+                 *, slots: int | None = None, wait_for_slots: float | None = None,
+                 channel=None, secret: str | bytes | None = None):
+        self._secret = secret  # the job's: each shard job derives its key from it
+        self.placement = placement
+        self.rank = placement.rank
+        self.world_size = len(placement.records)
+        self.job = job
+        self.timeout = timeout
+        self.switch_addresses = list(addresses or [])
+        self.switch_address = self.switch_addresses[0] if self.switch_addresses else None
+        self._peers = placement.peers
+        self._index = placement.index
+        self._closed = False
+        self._local_calls = 0
+        self._pidfds = self._watch_peers()
+        self._segment: Segment | None = None
+        self.switch = None
+        try:
+            self._segment = self._attach(hosts.nonce)
+            switched = placement.hosts > 1
+            self.stage = LocalStage(self._segment.buf, self._segment.layout, self._index,
+                                    switched=switched, peers=self._peers)
+            if switched and placement.shard is not None:
+                self.switch = self._join_shard(channel, slots, wait_for_slots)
+        except BaseException as exc:
+            if self._segment is not None:
+                self._fail(exc if isinstance(exc, SwitchMLError)
+                           else SwitchMLError(f"rank {self.rank} could not start: {exc}"),
+                           self.rank)
+            self._release()
+            raise
+        self._queue: queue.Queue = queue.Queue()
+        # One call runs at a time, in call order: queued calls on the serving thread,
+        # and a blocking call with nothing queued before it on the caller's own
+        # thread (two thread hand-offs fewer: what a small call's latency is made of).
+        self._order = threading.Lock()  # guards _pending
+        self._pending = 0  # calls queued and not yet done
+        self._running = threading.Lock()  # held by the call that runs
+        #: A queued call whose last copy-out the next call does: (future, narrow, out).
+        self._deferred: tuple | None = None
+        self._thread = threading.Thread(target=self._serve, name=f"switchml-local-{self.rank}",
+                                        daemon=True)
+        self._thread.start()
+        log.info("job %s: rank %d combines with ranks %s on its host (%s)", job, self.rank,
+                 list(self._peers), placement.describe())
+
+    # ------------------------------------------------------------------ joining
+    def _watch_peers(self) -> list[int]:
+        """A pidfd per peer whose process is not this one (-1: nothing to watch)."""
+        fds = []
+        for r in self._peers:
+            pid = self.placement.records[r].pid
+            if pid == os.getpid():
+                fds.append(-1)
+                continue
+            try:
+                fds.append(os.pidfd_open(pid))
+            except ProcessLookupError:
+                for fd in fds:
+                    if fd >= 0:
+                        os.close(fd)
+                raise SwitchMLTimeoutError(
+                    f"job '{self.job}': rank {r} (process {pid}) on this host exited before "
+                    f"its ranks could combine", [r]) from None
+        return fds
+
+    def _attach(self, nonce: str) -> Segment:
+        """Create (the host's first rank) or map the host's segment, count this rank
+        in, unlink the name once every rank is in, and wait for them all."""
+        p = self.placement
+        layout = Layout(len(self._peers), p.shards, SLOTS, p.segment)
+        leader = self._peers[0]
+        name = memory.segment_name(p.records[leader].pid, nonce, p.group)
+        if self._index == 0:
+            segment = Segment.create(name, layout)
+        else:
+            segment = self._open(name, leader)
+        try:
+            mine = layout.record(self._index, 0)
+            segment.view(mine + R_PID, 1, np.uint64)[0] = os.getpid()
+            memory.publish(segment.buf, mine + R_STATE, ATTACHED)
+            if memory.attach(segment.buf) == layout.ranks:
+                segment.unlink()  # every rank mapped it: nothing named outlives the job
+            self._segment = segment
+            self._wait(Wait(R_STATE, tuple(range(layout.ranks)), ATTACHED))
+        except BaseException:
+            segment.unlink()
+            raise
+        return segment
+
+    def _open(self, name: str, leader: int) -> Segment:
+        deadline = time.monotonic() + self.timeout
+        pause = 0.0005
+        poll = select.poll()
+        if self._pidfds[0] >= 0:
+            poll.register(self._pidfds[0], select.POLLIN)
+        while True:
+            segment = Segment.open(name)
+            if segment is not None:
+                break
+            if poll.poll(0):
+                raise SwitchMLTimeoutError(
+                    f"job '{self.job}': rank {leader}, which creates its host's shared memory, "
+                    f"exited before it did", [leader])
+            if time.monotonic() > deadline:
+                raise SwitchMLTimeoutError(
+                    f"job '{self.job}': rank {leader} did not create its host's shared memory "
+                    f"within {self.timeout:g}s", [leader])
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
+        layout, p = segment.layout, self.placement
+        if (layout.ranks, layout.shards, layout.segment) != (len(self._peers), p.shards,
+                                                             p.segment):
+            segment.close()
+            raise SwitchMLError(f"job '{self.job}': the host's shared memory {name} was made "
+                                f"for another job ({layout.ranks} ranks, {layout.shards} "
+                                f"shards, segments of {layout.segment})")
+        return segment
+
+    def _join_shard(self, channel, slots, wait_for_slots):
+        """This rank's switch job: its shard of every host, one member a host."""
+        p = self.placement
+        assert p.shard is not None
+        try:
+            worker = channel(self.switch_addresses, p.group, p.hosts,
+                             job=shard_job(self.job, p.shard), timeout=self.timeout,
+                             slots=slots, wait_for_slots=wait_for_slots, local_stage=False,
+                             link_share=p.shards, secret=self._secret)
+        except SwitchMLError as exc:
+            raise self._in_job_ranks(exc) from exc
+        worker.on_failure = lambda error: self._fail(self._in_job_ranks(error), -1)
+        return worker
+
+    # ------------------------------------------------------------------ public API
+    def allreduce(self, array, out=None, sparse=False, bits=None) -> np.ndarray:
+        """``Worker.allreduce``: the sum over every rank of every host."""
+        with self._order:
+            inline = self._pending == 0 and not self._closed
+            if inline:
+                self._running.acquire()  # before a call queued after this one can start
+        if not inline:
+            return self.allreduce_async(array, out, sparse, bits).wait()
+        try:
+            bits = env("WIRE_BITS", 32, int) if bits is None else bits
+            src, out, sparse = check_call(array, out, sparse, bits, None)
+            src, out, narrow = widen(src, out)
+            self._run(src.reshape(-1), out.reshape(-1), sparse, bits)
+            return narrow_result(narrow, out)
+        finally:
+            self._running.release()
+
+    def allreduce_async(self, array, out=None, sparse=False, bits=None,
+                        ready=None) -> AllreduceHandle:
+        """``Worker.allreduce_async``, served in call order by this rank's thread."""
+        bits = env("WIRE_BITS", 32, int) if bits is None else bits
+        src, out, sparse = check_call(array, out, sparse, bits, ready)
+        src, out, narrow = widen(src, out)
+        if self._closed:
+            raise SwitchMLError("this worker is closed")
+        future: Future = Future()
+        with self._order:
+            self._pending += 1
+            self._queue.put((src, out, sparse, bits, ready, narrow, future))
+        return AllreduceHandle(future)
+
+    def close(self) -> None:
+        """Finish the queued calls, leave the host's shared memory and the switch job."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+        if self._segment is not None:
+            memory.publish(self._segment.buf, self.stage.record(self._index, R_STATE), LEFT)
+        self._release()
+
+    def __enter__(self) -> LocalStageWorker:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def abort(self, error: SwitchMLError) -> None:
+        """Give up on the job from any thread: every rank of it raises ``error``."""
+        self._fail(error, self.rank)
+
+    @property
+    def counters(self) -> dict:
+        counters = dict(self.switch.counters) if self.switch is not None else {}
+        counters["local_calls"] = self._local_calls
+        return counters
+
+    @property
+    def membership(self):
+        return self.switch.membership if self.switch is not None else None
+
+    # ------------------------------------------------------------------ the calls
+    def _serve(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=IDLE_WATCH)
+            except queue.Empty:
+                self._watch()
+                continue
+            if item is None:
+                return
+            src, out, sparse, bits, ready, narrow, future = item
+            try:
+                with self._running:
+                    if ready is not None:
+                        ready()
+                    # another call queued behind this one takes over its last copy-out
+                    self._run(src.reshape(-1), out.reshape(-1), sparse, bits,
+                              more=lambda: self._pending > 1)
+            except BaseException as exc:  # a SwitchMLError, or a bug surfaced to the caller
+                if self._deferred is not None:  # the call before it never finished either
+                    self.stage.forget_deferred()
+                    self._settle(self._deferred[0], error=exc)
+                    self._deferred = None
+                self._settle(future, error=exc)
+                continue
+            if self.stage.deferred:
+                self._deferred = (future, narrow, out)
+            else:
+                self._settle(future, result=narrow_result(narrow, out))
+
+    def _settle(self, future: Future, result=None, error: BaseException | None = None) -> None:
+        """A queued call's end: counted out before its caller hears of it (the
+        caller's next call may then run on its own thread)."""
+        with self._order:
+            self._pending -= 1
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def _run(self, src: np.ndarray, out: np.ndarray, sparse, bits: int, more=None) -> None:
+        """One call's steps, driven to their end (``LocalStage.allreduce``'s ``more``)."""
+        failure = self._failure()
+        if failure is not None:
+            raise failure
+        self._local_calls += 1
+        steps = self.stage.allreduce(src, out, call_kind(src.dtype, sparse, bits), more)
+        try:
+            for step in steps:
+                if isinstance(step, Wait):
+                    self._wait(step)
+                elif isinstance(step, Launch):
+                    self._launch(step, sparse, bits)
+                else:  # Finished: the call before this one is whole
+                    assert self._deferred is not None
+                    future, narrow, previous = self._deferred
+                    self._deferred = None
+                    self._settle(future, result=narrow_result(narrow, previous))
+        except CallMismatchError as exc:
+            raise self._fail(exc, self.rank) from None
+
+    def _launch(self, step: Launch, sparse, bits: int) -> None:
+        assert self.switch is not None
+        buf, record = self.stage.buf, self.stage.record(self._index, R_REDUCED)
+
+        def done(handle):
+            try:
+                handle.wait(0)
+            except SwitchMLError as exc:
+                self._fail(self._in_job_ranks(exc), -1)
+            except BaseException as exc:  # a bug: fail the host rather than hang it
+                self._fail(SwitchMLError(f"rank {self.rank}'s shard failed: {exc!r}"), -1)
+            else:
+                memory.publish(buf, record, step.segment + 1)
+
+        self.switch.allreduce_async(step.shard, out=step.shard, sparse=sparse,
+                                    bits=bits).add_done_callback(done)
+
+    def _wait(self, step: Wait) -> None:
+        """Sleep until ``step`` holds; an error naming the rank at fault otherwise."""
+        buf = self._segment.buf  # type: ignore[union-attr]
+        layout = self._segment.layout  # type: ignore[union-attr]
+        records = [layout.record(j, 0) for j in step.ranks]
+        timeout = self.timeout
+        if step.field == R_REDUCED and self.placement.hosts > 1:
+            timeout += SWITCH_GRACE
+        status, i = memory.wait_for(buf, records, step.field, step.target, timeout,
+                                      self._pidfds)
+        if status == REACHED:
+            return
+        if status == FAILED:
+            raise self._failure()  # type: ignore[misc]
+        call = f"allreduce #{self.stage.calls}" if step.field != R_STATE else "joining"
+        if status == EXITED:
+            culprit = self._peers[i]
+            error = self._died(culprit, f" during {call}")
+        elif status == TIMED_OUT:
+            culprit = self._peers[step.ranks[i]]
+            error = SwitchMLTimeoutError(
+                f"job '{self.job}': no progress for {timeout:g}s in {call}: rank {culprit} "
+                f"did not {_STEPS[step.field]}", [culprit])
+        else:  # CLOSED
+            culprit = self._peers[step.ranks[i]]
+            error = SwitchMLTimeoutError(
+                f"job '{self.job}': rank {culprit} closed its worker while rank {self.rank} "
+                f"waited for it in {call}", [culprit])
+        raise self._fail(error, culprit)
+
+    def _watch(self) -> None:
+        """Between calls: a peer whose process ended fails the job now, not at the
+        next call, so the other hosts learn it too."""
+        if self._segment is None or self._failure() is not None:
+            return
+        poll = select.poll()
+        for fd in self._pidfds:
+            if fd >= 0:
+                poll.register(fd, select.POLLIN)
+        for fd, _ in poll.poll(0):
+            culprit = self._peers[self._pidfds.index(fd)]
+            self._fail(self._died(culprit), culprit)
+
+    def _died(self, culprit: int, when: str = "") -> SwitchMLTimeoutError:
+        """The error of a peer whose process ended (``when``: during what)."""
+        return SwitchMLTimeoutError(
+            f"job '{self.job}': rank {culprit} died (process "
+            f"{self.placement.records[culprit].pid} ended){when}; rank {self.rank} shares "
+            "its host", [culprit])
+
+    # ------------------------------------------------------------------ failures
+    def _fail(self, error: SwitchMLError, culprit: int) -> SwitchMLError:
+        """Record ``error`` as the host's failure unless one is recorded already, abort
+        this rank's switch job, and return the host's failure (the first one)."""
+        if culprit < 0 and getattr(error, "missing_ranks", None):
+            culprit = error.missing_ranks[0]  # type: ignore[attr-defined]
+        if self._segment is not None:
+            code = next((c for t, c in _CODES if isinstance(error, t)), memory.FAILED_OTHER)
+            memory.fail(self._segment.buf, code, culprit, str(error).encode()[:256])
+            error = self._failure() or error
+        if self.switch is not None:
+            self.switch.abort(error)
+        return error
+
+    def _failure(self) -> SwitchMLError | None:
+        """The host's recorded failure, as the error every rank of it raises."""
+        if self._segment is None:
+            return None
+        recorded = memory.read_failure(self._segment.buf)
+        if recorded is None:
+            return None
+        code, culprit, reason = recorded
+        if code == memory.FAILED_MISMATCH:
+            return CallMismatchError(reason)
+        if code == memory.FAILED_UNREACHABLE:
+            return SwitchUnreachableError(reason)
+        if code == memory.FAILED_TIMEOUT:
+            return SwitchMLTimeoutError(reason, [culprit] if culprit >= 0 else [])
+        return SwitchMLError(reason)
+
+    def _in_job_ranks(self, error: SwitchMLError) -> SwitchMLError:
+        """An error of this rank's switch job, whose rank h is the rank that sends
+        this shard from host h, told in the job's ranks."""
+        p = self.placement
+        assert p.shard is not None
+        senders = p.shard_members(p.shard)
+        hosts = getattr(error, "missing_ranks", None) or []
+        missing = [senders[h] for h in hosts if 0 <= h < len(senders)]
+        where = ", ".join(f"{h} is rank {r}" for h, r in enumerate(senders))
+        blame = (f"rank{'s' if len(missing) > 1 else ''} "
+                 f"{', '.join(map(str, missing))} failed: " if missing else "")
+        message = (f"job '{self.job}': {blame}{error} (shard {p.shard} of the job crosses the "
+                   f"switch as job '{shard_job(self.job, p.shard)}', one rank a host: its rank "
+                   f"{where})")
+        if isinstance(error, SwitchMLTimeoutError):
+            return SwitchMLTimeoutError(message, missing)
+        return renamed(error, message)
+
+    def _release(self) -> None:
+        if self.switch is not None:
+            self.switch.close()
+        if self._segment is not None:
+            self._segment.close()
+        for fd in self._pidfds:
+            if fd >= 0:
+                os.close(fd)
+        self._pidfds = []
