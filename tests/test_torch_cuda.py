@@ -39,3 +39,16 @@ def test_the_ddp_hook_on_cuda_buckets_trains_like_gloo(bits):
     for r in ours[1:]:
         assert torch.equal(torch.tensor(r["params"]), a)
     assert torch.allclose(a, torch.tensor(theirs[0]["params"]), atol=1e-4 if bits == 32 else 1e-2)
+
+
+def test_cuda_calls_take_no_fresh_pages():
+    """Pinned staging made once and reused: a steady-state call of a CUDA tensor
+    faults no fresh host page in (tests/test_fresh_memory.py on the CPU)."""
+    from test_fresh_memory import ALLOWED, MIB
+    from test_fresh_memory import JOB as PAGES_JOB
+    for local_stage in ("1", "0"):
+        for found in launch(2, "torch", "cuda", MIB, "float32,float16,bfloat16,strided",
+                            job=PAGES_JOB, timeout=300,
+                            env={"SWITCHML_LOCAL_STAGE": local_stage}):
+            found.pop("worker")
+            assert max(found.values()) <= ALLOWED, (local_stage, found)

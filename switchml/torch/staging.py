@@ -2,6 +2,8 @@
 
 A dense CPU tensor in row-major order is summed in place; any other CPU tensor (a
 strided view, channels_last, a 16-bit one widened to float32) in a contiguous copy.
+Copies live in buffers reused from call to call (``switchml.buffers``): a steady
+state of calls touches no fresh memory.
 
 A CUDA tensor, as NCCL's collectives treat one, never blocks the calling thread on
 the GPU: a side stream waits for the caller's current stream (the kernels that
@@ -20,11 +22,38 @@ import threading
 
 import torch
 
+from ..buffers import BufferPool
+
 #: Summed as float32 (their values are exact in it) and rounded back once.
 WIDENED_DTYPES = (torch.float16, torch.bfloat16)
 
 _side_streams: dict = {}
 _side_streams_lock = threading.Lock()
+
+#: Host copies of CPU tensors that cannot be summed in place.
+_HOST_BUFFERS = BufferPool(lambda nbytes: torch.empty(nbytes, dtype=torch.uint8))
+#: Pinned host copies of CUDA tensors, a pool a device.  A buffer given back may
+#: still be read by its call's copy to the device, already enqueued on the device's
+#: side stream: the next call's copy into it is enqueued on the same stream, after
+#: it, and the worker's thread touches it only once that copy is done.
+_pinned_pools: dict = {}
+
+
+def _pinned_pool(device: torch.device) -> BufferPool:
+    with _side_streams_lock:
+        pool = _pinned_pools.get(device)
+        if pool is None:
+            pool = _pinned_pools[device] = BufferPool(
+                lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+        return pool
+
+
+def _host_copy(pool: BufferPool, tensor: torch.Tensor, dtype: torch.dtype):
+    """(a contiguous tensor of ``tensor``'s shape and ``dtype`` in one of ``pool``'s
+    buffers, the buffer)."""
+    count = tensor.numel()
+    buffer = pool.take(count * dtype.itemsize)
+    return buffer[:count * dtype.itemsize].view(dtype).view(tensor.shape), buffer
 
 
 def _side_stream(device: torch.device):
@@ -44,13 +73,13 @@ class HostStaging:
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
-        if tensor.dtype in WIDENED_DTYPES:
-            self.host = tensor.detach().to(torch.float32,
-                                           memory_format=torch.contiguous_format, copy=True)
-        elif tensor.is_contiguous():
-            self.host = tensor.detach()
+        self._buffer = None
+        if tensor.dtype in WIDENED_DTYPES or not tensor.is_contiguous():
+            dtype = torch.float32 if tensor.dtype in WIDENED_DTYPES else tensor.dtype
+            self.host, self._buffer = _host_copy(_HOST_BUFFERS, tensor, dtype)
+            self.host.copy_(tensor.detach())
         else:
-            self.host = tensor.detach().contiguous()
+            self.host = tensor.detach()
         #: A flat numpy view of the staged values (0-d scalars included).
         self.array = self.host.reshape(-1).numpy()
 
@@ -63,9 +92,11 @@ class HostStaging:
         does) and put it into the caller's tensor if it was staged in a copy (a 16-bit
         tensor takes the float32 result rounded to nearest, once)."""
         _divide(self.host, divisor)
-        if self.host.data_ptr() != self.tensor.data_ptr():
+        if self._buffer is not None:
             with torch.no_grad():  # a requires_grad leaf takes the result as gloo gives it
                 self.tensor.copy_(self.host)
+            _HOST_BUFFERS.give(self._buffer)
+            self._buffer = None
 
 
 class CudaStaging:
@@ -80,10 +111,8 @@ class CudaStaging:
             source = tensor.detach()
             if source.dtype in WIDENED_DTYPES:
                 source = source.float()
-            source = source.contiguous()
-            # torch's caching host allocator: pinned blocks are reused, and not before
-            # the copies recorded on them are done
-            self.host = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+            self._pool = _pinned_pool(tensor.device)
+            self.host, self._buffer = _host_copy(self._pool, source, source.dtype)
             self.host.copy_(source, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record(self.stream)
@@ -105,10 +134,16 @@ class CudaStaging:
         """Enqueue the sum's copy back to the device, divided by ``divisor`` (AVG) and
         rounded to the tensor's dtype there, into the caller's tensor.  Run in
         ``context()``."""
-        result = self.host.to(self.tensor.device, non_blocking=True)
-        _divide(result, divisor)
         with torch.no_grad():
-            self.tensor.copy_(result)
+            if self.tensor.dtype == self.host.dtype and self.tensor.is_contiguous():
+                self.tensor.copy_(self.host, non_blocking=True)
+                _divide(self.tensor, divisor)
+            else:
+                result = self.host.to(self.tensor.device, non_blocking=True)
+                _divide(result, divisor)
+                self.tensor.copy_(result)
+        # its copy to the device is enqueued: the next user's copy into it comes after
+        self._pool.give(self._buffer)
 
 
 @contextlib.contextmanager

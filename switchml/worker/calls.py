@@ -11,7 +11,11 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from ..buffers import BufferPool
 from .engine.stream import SUPPORTED_DTYPES
+
+#: The float32 copies float16 calls are summed in, reused from call to call.
+_WIDE = BufferPool()
 
 
 class AllreduceHandle:
@@ -69,21 +73,33 @@ def check_call(array, out, sparse, bits: int, ready) -> tuple[np.ndarray, np.nda
     return src, out, sparse
 
 
+class Narrowing:
+    """A float16 call's way back: the caller's float16 output, and the pooled
+    buffer its float32 input and sum live in until the result is rounded."""
+
+    def __init__(self, out: np.ndarray, buffer):
+        self.out = out
+        self.buffer = buffer
+
+
 def widen(src: np.ndarray, out: np.ndarray):
     """(input, output, ``narrow``) of a call as the engines run it: a float16 call is
-    summed as float32 (float16 values are exact in it) into a float32 output, and
-    ``narrow`` is the caller's float16 output (None for other calls)."""
+    summed as float32 (float16 values are exact in it) into a float32 output, both
+    in a buffer reused from call to call, and ``narrow`` (a ``Narrowing``) leads to
+    the caller's float16 output (None for other calls)."""
     if src.dtype != np.float16:
         return src, out, None
-    wide = src.astype(np.float32)
-    return wide, np.empty_like(wide), out
+    both, buffer = _WIDE.array((2,) + src.shape, np.float32)
+    np.copyto(both[0], src)
+    return both[0], both[1], Narrowing(out, buffer)
 
 
-def narrow_result(narrow, out: np.ndarray) -> np.ndarray:
+def narrow_result(narrow: Narrowing | None, out: np.ndarray) -> np.ndarray:
     """The result the caller gets: ``out``, or for a float16 call the float32 sum
-    rounded to float16 once into ``narrow`` (past float16's range: inf)."""
+    rounded to float16 once into the caller's output (past float16's range: inf)."""
     if narrow is None:
         return out
     with np.errstate(over="ignore"):
-        np.copyto(narrow, out, casting="same_kind")
-    return narrow
+        np.copyto(narrow.out, out, casting="same_kind")
+    _WIDE.give(narrow.buffer)
+    return narrow.out
