@@ -363,6 +363,10 @@ class Ready(Event):
     #: member, and no spoofed source address, passes as this rank.  Each rank
     #: gets its own over its own connection.  0: ``session`` (an older switch's).
     token: int = field(default=0, kw_only=True)
+    #: Whether the switch takes runs of UDP GSO segments: False where a run could
+    #: reach its data plane whole (the XDP program sees a sender's run before the
+    #: kernel cuts it), so the workers send each datagram apart.
+    gso: bool = field(default=True, kw_only=True)
 
     def fields(self) -> dict:
         out = {"session": self.session, "slot_base": self.slot_base,
@@ -371,6 +375,8 @@ class Ready(Event):
                "token": self.token}
         if self.link_window is not None:
             out["link_window"] = self.link_window
+        if not self.gso:
+            out["gso"] = False
         return out
 
 
@@ -532,7 +538,8 @@ def decode_event(msg) -> Event | None:
             "data_port")), link_window=_field(msg, "link_window",
                                                lambda v: v is None or _is_int(v),
                                                "an integer", None),
-            token=_field(msg, "token", _is_int, "an integer", 0))
+            token=_field(msg, "token", _is_int, "an integer", 0),
+            gso=_field(msg, "gso", lambda v: isinstance(v, bool), "true or false", True))
     if name == "rack_ready":
         session, base, count, packet, block, port, member, members = (
             _field(msg, key, _is_int, "an integer") for key in (

@@ -205,7 +205,8 @@ def test_bench_on_the_testbed_with_the_xdp_data_plane(tmp_path):
     assert dense["bytes_sent_per_worker"] >= dense["size_bytes"]
     counters = data["switch_job_counters"]["2"]
     assert counters["results_completed"] > 0
-    # the veths' segmentation offload off for it: no GSO run reached the program whole
+    # its workers send datagrams apart (the veths' segmentation offload on, the
+    # kernel's default): no GSO run reached the program whole
     assert "gso_passed_up" not in counters, counters
     # the switch's CPU a call: its serving thread's, and the programs' own (counted)
     assert dense["switch_thread_cpu_s_per_call"] > 0 and dense["switch_program_s_per_call"] > 0

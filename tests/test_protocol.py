@@ -33,6 +33,7 @@ EVENTS = [
     Joined("j", (0, 2)),
     Ready(0xDEADBEEF, 32, 16, 16128, 256, 7300),
     Ready(0xDEADBEEF, 32, 2, 16128, 256, 7300, link_window=32),
+    Ready(0xDEADBEEF, 32, 2, 16128, 256, 7300, token=5, gso=False),
     Waiting("j", "slots", "its window does not fit"),
     Error("refused"),
     Error("job 'j' refused: ...", limit="max_jobs"),
@@ -63,6 +64,14 @@ def test_the_json_objects_are_those_of_docs_protocol_md():
     assert Left().to_dict() == {"event": "left"}
     assert Leave().to_dict() == {"op": "leave"}
     assert Join("j", 0, 1, ("h", 1)).to_dict()["version"] == protocol.PROTOCOL_VERSION
+
+
+def test_ready_says_gso_only_when_the_switch_wants_datagrams_apart():
+    assert "gso" not in Ready(1, 0, 4, 16128, 256, 7300).to_dict()
+    assert Ready(1, 0, 4, 16128, 256, 7300, gso=False).to_dict()["gso"] is False
+    line = Ready(1, 0, 4, 16128, 256, 7300).to_dict() | {"gso": "no"}
+    with pytest.raises(protocol.MalformedMessage, match="gso"):
+        protocol.decode_event(line)
 
 
 def test_a_join_without_a_version_is_version_1_and_refused_naming_both():

@@ -97,9 +97,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="switch: where datagrams are aggregated (default: the switch's, C "
                         "where built); xdp (root) attaches the XDP program to the interface "
                         "of the switch's address (sparse calls aggregate in the switch's "
-                        "user space); on the testbed, the veths' UDP segmentation offload "
-                        "off unless --udp-offload on (a GSO run reaches it as one packet, "
-                        "which the kernel cuts for user space to aggregate)")
+                        "user space; its workers send datagrams apart, not in GSO runs)")
     p.add_argument("--slots-per-job", type=int, default=None,
                    help="switch: window of a job (default: the switch's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the inputs")
@@ -448,8 +446,7 @@ def main(args, argv_text: str = "", prog: str = "switchml bench") -> int:
             try:
                 hosts = -(-max(args.workers) // args.ranks_per_host)
                 with Testbed(hosts, args.link, mtu=args.mtu, loss=args.loss,
-                             udp_offload=OFFLOAD[args.udp_offload],
-                             data_plane=getattr(args, "data_plane", None), switches=args.switches,
+                             udp_offload=OFFLOAD[args.udp_offload], switches=args.switches,
                              racks=args.racks, oversubscription=args.oversubscription,
                              prefix=args.prefix, queue=args.queue,
                              host_queue=args.host_queue,

@@ -457,7 +457,8 @@ class Controller:
         return [(c, protocol.RackReady(*geometry, i, len(conns), tuple(_ranks_of(job, c)),
                                        token=tokens[i])
                  if c in self._racks else Ready(*geometry, link_window=job.slot_request,
-                                                token=tokens[i]))
+                                                token=tokens[i],
+                                                gso=self.pipeline.takes_gso_runs))
                 for i, c in enumerate(conns)]
 
     def _admit_waiting(self) -> list:

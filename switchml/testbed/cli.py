@@ -30,7 +30,6 @@ def _testbed_up(args) -> int:
         tb = Testbed(args.hosts, None if args.link == "none" else args.link, mtu=args.mtu,
                      loss=args.loss, prefix=args.prefix, subnet=args.subnet, burst=args.burst,
                      queue=args.queue, udp_offload=OFFLOAD[args.udp_offload],
-                     data_plane=args.data_plane,
                      switches=args.switches, racks=args.racks,
                      oversubscription=args.oversubscription,
                      ranks_per_host=args.ranks_per_host, host_queue=args.host_queue)
@@ -279,8 +278,7 @@ def add_parsers(sub) -> None:
                    help="the veths' UDP segmentation offload: on (a GSO run crosses the "
                         "emulated wire as one packet), off (cut into frames at the first "
                         "link: per-datagram loss, and frame-by-frame work on this machine), "
-                        "or auto: on without loss, off with it or where $SWITCHML_DATA_PLANE "
-                        "is xdp (default)")
+                        "or auto: on without loss, off with it (default)")
     p.add_argument("--switches", type=int, default=0,
                    help="switch servers: namespaces s0..s<K-1> behind shaped links like "
                         "hosts', for one job over K switch processes (default 0: the "
@@ -297,8 +295,7 @@ def add_parsers(sub) -> None:
                         "that many a host (default 1)")
     p.add_argument("--data-plane", choices=["python", "c", "xdp"], default=None,
                    help="with --switch: the switch's data plane (default: the switch's; "
-                        "xdp turns the veths' UDP segmentation offload off unless "
-                        "--udp-offload on; the rack switches run Python's)")
+                        "the rack switches run Python's)")
     p.add_argument("--switch", action="store_true",
                    help="also start a switchml switch on the bridge, or one on each switch "
                         "server, or the spine and a rack switch in each rack (in the "

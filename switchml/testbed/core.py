@@ -42,7 +42,6 @@ import subprocess
 import threading
 import time
 
-from ..config import env
 from . import netns
 from . import racks as rack_layout
 from .errors import TestbedError, TestbedExistsError
@@ -157,11 +156,10 @@ class Testbed:
     for a NIC without that offload, and every hop of the emulated wire (tbf,
     veth, bridge) handles each frame on this machine's cores, which a real
     switch's fabric does not, so the machine's cores, not the links, can bound
-    a run at small MTUs.  None (the default): on
-    without loss, off with loss, where per-datagram loss needs it, and off where
-    its switches run on the XDP data plane (``data_plane``, the one they will
-    run; None: ``SWITCHML_DATA_PLANE``), whose program would see a run as one
-    frame (a real switch gets it cut by the sender's NIC).
+    a run at small MTUs.  None (the default): on, as the kernel leaves a veth,
+    without loss, and off with loss, where per-datagram loss needs it.  (An XDP
+    switch, whose program would see a run as one frame, asks its workers at join
+    to send their datagrams apart, ``protocol.Ready.gso``.)
     ``switches``: switch servers (0: none, the switch on the bridge as before);
     each is a namespace ``"s<k>"`` behind a shaped link like a host's.
     ``racks``: R racks under the spine on the bridge, each a namespace ``"r<k>"``
@@ -180,7 +178,7 @@ class Testbed:
                  burst=DEFAULT_BURST, queue=None, install_nft: bool = True,
                  udp_offload: bool | None = None, switches: int = 0, racks: int = 0,
                  oversubscription: float = 1.0, ranks_per_host: int = 1,
-                 host_queue: str = "fifo", data_plane: str | None = None):
+                 host_queue: str = "fifo"):
         self.prefix = _check_prefix(prefix)
         if not 1 <= ranks_per_host <= 256:
             raise ValueError(f"ranks_per_host must be between 1 and 256, got {ranks_per_host}")
@@ -222,10 +220,7 @@ class Testbed:
                              f"got {host_queue!r}")
         self.host_queue = host_queue
         self.install_nft = install_nft
-        if data_plane is None:
-            data_plane = env("DATA_PLANE", None)
-        self.udp_offload = (self.loss == 0 and data_plane != "xdp"
-                            if udp_offload is None else bool(udp_offload))
+        self.udp_offload = self.loss == 0 if udp_offload is None else bool(udp_offload)
         self._procs: list = []
         self._up = False
         self._saved_handlers: dict = {}

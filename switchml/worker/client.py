@@ -230,6 +230,9 @@ class Worker:
         #: The window one link carries (protocol.Ready.link_window): what a job over
         #: several switches splits over them.
         self.link_window = ready.slot_count if ready.link_window is None else ready.link_window
+        #: Whether the switch takes runs of UDP GSO segments (protocol.Ready.gso): an
+        #: XDP switch asks for each datagram apart.
+        self.gso = ready.gso
         # An IPv4 address, resolved once: the C loop takes one, and no send needs a lookup.
         self._data_address = (socket.gethostbyname(host), ready.data_port)
         self._wake_r, self._wake_w = socket.socketpair()
@@ -612,7 +615,7 @@ class Worker:
         while True:
             self._honour_abort()
             control_fd = self._control.fileno() if self._control_open else -1
-            status = op.run_io(self._udp, address, control_fd, IO_SLICE)
+            status = op.run_io(self._udp, address, control_fd, IO_SLICE, self.gso)
             if status == compiled.IO_DONE:
                 return out
             if status == compiled.IO_STALLED:

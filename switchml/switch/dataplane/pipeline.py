@@ -142,6 +142,10 @@ class Job:
 class Pipeline:
     """Slot pool plus streaming aggregation; see the module docstring for the rules."""
 
+    #: Whether workers may send runs of UDP GSO segments (``protocol.Ready.gso``): a
+    #: socket's receive path cuts a run that reaches it whole into its datagrams.
+    takes_gso_runs = True
+
     def __init__(self, slots: int = DEFAULT_SLOTS, packet_elements: int = DEFAULT_PACKET_ELEMENTS,
                  *, block_elements: int | None = None, drop_rate: float = 0.0,
                  egress_drop_rate: float | None = None, seed: int | None = None):

@@ -405,7 +405,7 @@ class RackController:
                  base + ready.slot_count - 1)
         return [(job.conns[r], Ready(session, base, ready.slot_count, ready.packet_elements,
                                      ready.block_elements, self.data_port,
-                                     token=token).to_dict())
+                                     token=token, gso=self.pipeline.takes_gso_runs).to_dict())
                 for r, token in zip(job.ranks, tokens)]
 
     # ------------------------------------------------------------------ helpers

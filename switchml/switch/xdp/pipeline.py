@@ -366,6 +366,11 @@ class XdpPipeline(Pipeline):
     (see the module doc).  ``port``: the switch's UDP port, which the program
     serves (other traffic passes to the host); ``close()`` unloads it."""
 
+    #: A sender's GSO run can reach the program whole (between namespaces or
+    #: containers on one host, nothing cuts it on the way), where it could only be
+    #: passed up and summed a datagram at a time: the workers send datagrams apart.
+    takes_gso_runs = False
+
     def __init__(self, slots: int = DEFAULT_SLOTS, packet_elements: int = DEFAULT_PACKET_ELEMENTS,
                  *, block_elements: int | None = None, port: int = DEFAULT_PORT,
                  switch_ip: str = SWITCH_IP, drop_rate: float = 0.0,

@@ -366,7 +366,8 @@ static PyObject *core_run_io(DenseCore *self, PyObject *args) {
     const char *host;
     int port;
     double slice;
-    if (!PyArg_ParseTuple(args, "i(si)id", &fd, &host, &port, &control_fd, &slice))
+    int gso = 1;
+    if (!PyArg_ParseTuple(args, "i(si)id|p", &fd, &host, &port, &control_fd, &slice, &gso))
         return NULL;
     struct sockaddr_in dst;
     memset(&dst, 0, sizeof(dst));
@@ -378,7 +379,7 @@ static PyObject *core_run_io(DenseCore *self, PyObject *args) {
     }
     int status;
     Py_BEGIN_ALLOW_THREADS
-    status = stream_run_io(c, fd, dst, control_fd, slice);
+    status = stream_run_io(c, fd, dst, control_fd, slice, gso);
     Py_END_ALLOW_THREADS
     if (status < 0)
         return PyErr_NoMemory();
@@ -454,9 +455,10 @@ static PyMethodDef core_methods[] = {
      "{slot_msgs, rtt, window, counters since the last call, reordering}: rtt and window "
      "by recovery.py's field names."},
     {"run_io", (PyCFunction)core_run_io, METH_VARARGS,
-     "run_io(fd, (host, port), control_fd, slice): drive the call on a non-blocking UDP "
-     "socket without the GIL for up to slice seconds; 0 done, 1 stalled, 2 control "
-     "readable, 3 slice over."},
+     "run_io(fd, (host, port), control_fd, slice, gso=True): drive the call on a "
+     "non-blocking UDP socket without the GIL for up to slice seconds (gso: whether the "
+     "switch takes runs of UDP GSO segments); 0 done, 1 stalled, 2 control readable, "
+     "3 slice over."},
     {NULL, NULL, 0, NULL}};
 
 static PyGetSetDef core_getset[] = {

@@ -143,11 +143,14 @@ class CompiledDenseAllreduce:
             self.sync()
 
     # ------------------------------------------------------------ the socket driver
-    def run_io(self, udp, address: tuple[str, int], control_fd: int, slice_s: float) -> int:
+    def run_io(self, udp, address: tuple[str, int], control_fd: int, slice_s: float,
+               gso: bool = True) -> int:
         """Drive the call on non-blocking ``udp`` without the GIL for up to ``slice_s``
-        seconds; returns IO_DONE, IO_STALLED, IO_CONTROL (readable) or IO_SLICE."""
+        seconds; returns IO_DONE, IO_STALLED, IO_CONTROL (readable) or IO_SLICE.
+        ``gso``: whether the switch takes runs of UDP GSO segments
+        (``protocol.Ready.gso``); else each datagram leaves apart."""
         try:
-            return self._core.run_io(udp.fileno(), address, control_fd, slice_s)
+            return self._core.run_io(udp.fileno(), address, control_fd, slice_s, gso)
         finally:
             self.sync()
 

@@ -57,8 +57,9 @@ static void lost_to_timers(void *ctx, uint32_t datagrams, int error) {
 }
 
 /* Send the outbox in batches of udp_batch.h: runs of one size as UDP GSO
- * messages, the same datagrams in the same order. */
-static void flush_outbox(StreamCore *c, int fd, struct sockaddr_in *dst) {
+ * messages (unless `gso` is 0: the switch asked for datagrams apart), the same
+ * datagrams in the same order. */
+static void flush_outbox(StreamCore *c, int fd, struct sockaddr_in *dst, int gso) {
     struct mmsghdr msgs[64];
     struct sockaddr_in addrs[64];
     udp_control control[64];
@@ -70,11 +71,11 @@ static void flush_outbox(StreamCore *c, int fd, struct sockaddr_in *dst) {
                        .segments = segments, .iov = iov, .max_messages = 64,
                        .max_datagrams = 1024};
     uint64_t bytes = 0;
-    udp_batch_start(&batch, gso_wanted && !gso_refused);
+    udp_batch_start(&batch, gso && gso_wanted && !gso_refused);
     for (ptrdiff_t i = 0; i < c->outbox_len; i++) {
         if (!udp_batch_add(&batch, dst, outbox_bytes(c, i), c->outbox[i].len)) {
             udp_batch_send(&batch, fd, 0, &policy, &gso_refused, &bytes);
-            udp_batch_start(&batch, gso_wanted && !gso_refused);
+            udp_batch_start(&batch, gso && gso_wanted && !gso_refused);
             udp_batch_add(&batch, dst, outbox_bytes(c, i), c->outbox[i].len);
         }
     }
@@ -86,9 +87,10 @@ static void flush_outbox(StreamCore *c, int fd, struct sockaddr_in *dst) {
 
 /* Drive the call on the non-blocking UDP socket `fd` towards `dst` for up to
  * `slice` seconds: IO_DONE, IO_STALLED, IO_CONTROL (control_fd readable) or
- * IO_SLICE, or -1 out of memory.  Called without the GIL. */
+ * IO_SLICE, or -1 out of memory.  `gso`: whether the switch takes GSO runs.
+ * Called without the GIL. */
 static int stream_run_io(StreamCore *c, int fd, struct sockaddr_in dst, int control_fd,
-                         double slice) {
+                         double slice, int gso) {
     /* Longer datagrams cannot be results of ours: MSG_TRUNC gives their real
      * length, and receive() reads no more than their header to drop them. */
     size_t buffer_size = c->packet_size + 64;
@@ -101,7 +103,7 @@ static int stream_run_io(StreamCore *c, int fd, struct sockaddr_in dst, int cont
     double until = monotonic_now() + slice;
     struct mmsghdr msgs[RECV_BATCH];
     struct iovec iov[RECV_BATCH];
-    flush_outbox(c, fd, &dst);
+    flush_outbox(c, fd, &dst, gso);
     for (;;) {
         if (c->remaining == 0) {
             status = IO_DONE;
@@ -125,7 +127,7 @@ static int stream_run_io(StreamCore *c, int fd, struct sockaddr_in dst, int cont
             if (receive(c, iov[i].iov_base, msgs[i].msg_len, monotonic_now()) < 0)
                 oom = 1;
         }
-        flush_outbox(c, fd, &dst);
+        flush_outbox(c, fd, &dst, gso);
         if (oom)
             break;
         if (c->remaining == 0) {
@@ -143,7 +145,7 @@ static int stream_run_io(StreamCore *c, int fd, struct sockaddr_in dst, int cont
                 status = IO_STALLED;
                 break;
             }
-            flush_outbox(c, fd, &dst);
+            flush_outbox(c, fd, &dst, gso);
             timer = get_timer(c);
         }
         if (now >= until) {
