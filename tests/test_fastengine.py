@@ -393,3 +393,49 @@ def test_a_call_starts_sending_without_reading_its_whole_input():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+
+
+def test_results_that_arrive_as_one_gro_run_are_cut_into_their_datagrams():
+    """The switch sends a worker its results as GSO runs; on loopback a run reaches
+    a socket with UDP_GRO on whole, as one receive (checked first: the premise),
+    which the C loop cuts at the segment size: nothing dropped as malformed (a
+    run read as one datagram would be, and only retransmissions would bring its
+    results).  Workers with it on and off get the same sums, bit for bit."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import switchml
+    udp_gro, udp_segment = 104, 103
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as rx, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as tx:
+        rx.bind(("127.0.0.1", 0))
+        rx.setsockopt(socket.SOL_UDP, udp_gro, 1)
+        tx.setsockopt(socket.SOL_UDP, udp_segment, 1000)
+        tx.sendto(bytes(4000), rx.getsockname())
+        data, ancillary, _, _ = rx.recvmsg(65536, 64)
+        assert len(data) == 4000, "loopback delivered the run cut: nothing to test"
+        assert any(level == socket.SOL_UDP and kind == udp_gro
+                   for level, kind, _ in ancillary)
+    script = (
+        "import sys, numpy as np, switchml\n"
+        "rank, port = int(sys.argv[1]), int(sys.argv[2])\n"
+        "x = (np.random.default_rng(rank).standard_normal(300_000) * 1e3).astype(np.float32)\n"
+        "with switchml.Worker(('127.0.0.1', port), rank, 2, job='gro', timeout=30) as w:\n"
+        "    total = w.allreduce(x)\n"
+        "    assert w.counters['dropped_malformed'] == 0, w.counters\n"
+        "    sys.stdout.buffer.write(total.tobytes())\n")
+    sums = {}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with switchml.Switch("127.0.0.1", 0) as switch:
+        port = switch.address[1]
+        for gro in ("1", "0"):
+            env = dict(os.environ, SWITCHML_WORKER_GRO=gro, SWITCHML_LOCAL_STAGE="0",
+                       PYTHONPATH=root)
+            ranks = [subprocess.Popen([sys.executable, "-c", script, str(r), str(port)],
+                                      env=env, stdout=subprocess.PIPE) for r in range(2)]
+            outs = [p.communicate(timeout=60)[0] for p in ranks]
+            assert all(p.returncode == 0 for p in ranks) and outs[0] == outs[1]
+            sums[gro] = outs[0]
+    assert len(sums["1"]) == 4 * 300_000 and sums["1"] == sums["0"]

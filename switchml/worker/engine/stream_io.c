@@ -13,6 +13,20 @@ static int gso_refused = 0;
 /* SWITCHML_WORKER_GSO=0 turns it off (bench/ compares); read once at import. */
 static int gso_wanted = 1;
 
+/* UDP GRO: the switch sends a worker's results as GSO runs, and with UDP_GRO on
+ * the socket a run that arrives whole (loopback, veths, a NIC that aggregates)
+ * is one receive, cut here into its datagrams by the segment size the kernel
+ * reports, instead of one skb and one copy-out a datagram.  On only while run_io
+ * runs: the Python engine reads the same socket a datagram at a time.
+ * SWITCHML_WORKER_GRO=0 turns it off (bench/ compares); read once at import. */
+#ifndef UDP_GRO
+#define UDP_GRO 104
+#endif
+static int gro_wanted = 1;
+/* What one receive holds with GRO on: a whole run (at most 64 KiB of payload). */
+#define GRO_BUFFER 65536
+#define GRO_BATCH 16
+
 
 /* ------------------------------------------------------------ the socket driver */
 static double monotonic_now(void) { /* time.monotonic()'s clock */
@@ -85,6 +99,33 @@ static void flush_outbox(StreamCore *c, int fd, struct sockaddr_in *dst, int gso
 }
 
 
+/* One received message: a datagram, or with UDP GRO a run of them, each
+ * `segment` bytes (the cmsg's) but the last.  A datagram past the buffer (MSG_TRUNC
+ * gave its real length) goes to receive() with that length, which drops it. */
+static int receive_run(StreamCore *c, struct mmsghdr *msg, const uint8_t *data,
+                       size_t capacity) {
+    size_t len = msg->msg_len, segment = len;
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg->msg_hdr); cm;
+         cm = CMSG_NXTHDR(&msg->msg_hdr, cm))
+        if (cm->cmsg_level == SOL_UDP && cm->cmsg_type == UDP_GRO) {
+            int size;
+            memcpy(&size, CMSG_DATA(cm), sizeof(size));
+            if (size > 0)
+                segment = (size_t)size;
+        }
+    size_t held = len < capacity ? len : capacity;
+    for (size_t at = 0; at < len; at += segment) {
+        size_t one = len - at < segment ? len - at : segment;
+        c->counters[COUNTER_BYTES_RECEIVED] += one;
+        if (at >= held) /* cut off: nothing of it to read */
+            c->counters[COUNTER_MALFORMED]++;
+        else if (receive(c, data + at, (ptrdiff_t)one, monotonic_now()) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+
 /* Drive the call on the non-blocking UDP socket `fd` towards `dst` for up to
  * `slice` seconds: IO_DONE, IO_STALLED, IO_CONTROL (control_fd readable) or
  * IO_SLICE, or -1 out of memory.  `gso`: whether the switch takes GSO runs.
@@ -94,8 +135,17 @@ static int stream_run_io(StreamCore *c, int fd, struct sockaddr_in dst, int cont
     /* Longer datagrams cannot be results of ours: MSG_TRUNC gives their real
      * length, and receive() reads no more than their header to drop them. */
     size_t buffer_size = c->packet_size + 64;
+    int on = 1, gro = gro_wanted && setsockopt(fd, SOL_UDP, UDP_GRO, &on, sizeof(on)) == 0;
+    int batch = RECV_BATCH;
+    if (gro) {
+        buffer_size = GRO_BUFFER > buffer_size ? GRO_BUFFER : buffer_size;
+        batch = GRO_BATCH;
+    }
     if (!c->recv_buffers) {
-        c->recv_buffers = malloc(buffer_size * RECV_BATCH);
+        size_t plain = (c->packet_size + 64) * RECV_BATCH;
+        size_t grouped = (GRO_BUFFER > c->packet_size + 64 ? GRO_BUFFER : c->packet_size + 64)
+                         * GRO_BATCH;
+        c->recv_buffers = malloc(plain > grouped ? plain : grouped);
         if (!c->recv_buffers)
             return -1;
     }
@@ -103,28 +153,32 @@ static int stream_run_io(StreamCore *c, int fd, struct sockaddr_in dst, int cont
     double until = monotonic_now() + slice;
     struct mmsghdr msgs[RECV_BATCH];
     struct iovec iov[RECV_BATCH];
+    char control[GRO_BATCH][CMSG_SPACE(sizeof(int))];
     flush_outbox(c, fd, &dst, gso);
     for (;;) {
         if (c->remaining == 0) {
             status = IO_DONE;
             break;
         }
-        for (int i = 0; i < RECV_BATCH; i++) {
+        for (int i = 0; i < batch; i++) {
             iov[i].iov_base = c->recv_buffers + (size_t)i * buffer_size;
             iov[i].iov_len = buffer_size;
             memset(&msgs[i].msg_hdr, 0, sizeof(struct msghdr));
             msgs[i].msg_hdr.msg_iov = &iov[i];
             msgs[i].msg_hdr.msg_iovlen = 1;
+            if (gro) {
+                msgs[i].msg_hdr.msg_control = control[i];
+                msgs[i].msg_hdr.msg_controllen = sizeof(control[i]);
+            }
         }
-        int received = recvmmsg(fd, msgs, RECV_BATCH, MSG_DONTWAIT | MSG_TRUNC, NULL);
+        int received = recvmmsg(fd, msgs, (unsigned)batch, MSG_DONTWAIT | MSG_TRUNC, NULL);
         if (received < 0) {
             if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
                 udp_drain_error_queue(fd); /* an ICMP error queued: control tells us */
             received = 0;
         }
         for (int i = 0; i < received; i++) { /* after the last result: stale, as in Python */
-            c->counters[COUNTER_BYTES_RECEIVED] += msgs[i].msg_len;
-            if (receive(c, iov[i].iov_base, msgs[i].msg_len, monotonic_now()) < 0)
+            if (receive_run(c, &msgs[i], iov[i].iov_base, buffer_size) < 0)
                 oom = 1;
         }
         flush_outbox(c, fd, &dst, gso);
@@ -152,7 +206,7 @@ static int stream_run_io(StreamCore *c, int fd, struct sockaddr_in dst, int cont
             status = IO_SLICE;
             break;
         }
-        if (received == RECV_BATCH)
+        if (received == batch)
             continue; /* more is waiting: results before anything else */
         double wait = until - now;
         if (!isnan(timer) && timer - now < wait)
@@ -166,6 +220,10 @@ static int stream_run_io(StreamCore *c, int fd, struct sockaddr_in dst, int cont
             status = IO_CONTROL;
             break;
         }
+    }
+    if (gro) {
+        on = 0;
+        setsockopt(fd, SOL_UDP, UDP_GRO, &on, sizeof(on));
     }
     return oom ? -1 : status;
 }
