@@ -33,7 +33,11 @@ afresh, and the job re-forms with a new session when the others rejoin too.
 Authentication (docs/protocol.md, "Authenticated jobs"): a job is its name and
 its public key (``Join.key``, derived from the job's secret: ``auth.py``), so a
 process that knows the name but not the secret is another job, which never
-holds a rank of the real one nor sees its sums.  A join or gather that carries
+holds a rank of the real one nor sees its sums.  A job's first rank that joins
+while ranks of another key gather under the same name is told so
+(``OtherSecretWaiting``), where it could be one of theirs, and they are told
+that a join with another secret was seen (``OtherSecretSeen``): a mistyped
+secret fails fast, and neither learns more of the other.  A join or gather that carries
 a key, and every one where the switch has an admission token, is answered with
 a ``Challenge`` and taken only once its ``Prove`` checks out: a signature by the
 job's key and an HMAC by the token over a nonce made for that request, so a
@@ -332,6 +336,7 @@ class Controller:
             return self._refuse(conn, "bad_request", f"rank {rank} is outside 0..{world - 1}")
         ident = (name, join.key)
         job = self.jobs.get(ident)
+        created = job is None
         if job is None:
             job = self.jobs[ident] = JobEntry(name, world, request, join.key)
         elif job.session:
@@ -363,11 +368,34 @@ class Controller:
         log.info("job %s: rank %d/%d joined from %s:%d%s", name, rank, world, *addr,
                  " (a rack switch)" if relayed else "")
         if len(job.conns) < world:
-            return self._announce_present(job)
+            news = self._other_secrets(job, conn, rank) if created and not relayed else []
+            return self._announce_present(job) + news
         job.packet_elements, job.block_elements = self._geometry(job)
         job.slot_count = min(job.slot_request, self.pipeline.slots, self._window_limit(job),
                              self._link_share(job))
         return self._admit_or_refuse(job)
+
+    def _other_secrets(self, job: JobEntry, conn, rank: int) -> list:
+        """The first rank of a job joined under a name that ranks of another key
+        (another secret, or none) gather under: they hear that a join with another
+        secret was seen, and the new rank, where it could be one of theirs (the
+        same world size, a rank they lack), that they wait with another secret
+        (``OtherSecretWaiting``), so that a mistyped secret fails in a second,
+        not at the timeout.  Nothing else about either job goes to the other."""
+        others = [j for j in self.jobs.values()
+                  if j.name == job.name and j.key != job.key and not j.session
+                  and not j.waiting and not any(c in self._racks for c in j.conns.values())]
+        if not others:
+            return []
+        log.warning("job %s: rank %d joined with another secret than ranks of that name "
+                    "waiting here (a mistyped secret, or a process without it)",
+                    job.name, rank)
+        seen = protocol.OtherSecretSeen(job.name)
+        out: list = [(c, seen) for other in others for c in _members(other)]
+        if any(other.world_size == job.world_size and rank not in other.conns
+               for other in others):
+            out.append((conn, protocol.OtherSecretWaiting(job.name)))
+        return out
 
     def _geometry(self, job: JobEntry) -> tuple[int, int]:
         """The job's (packet_elements, block_elements): the largest packet that fits one
