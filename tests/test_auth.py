@@ -239,6 +239,19 @@ def test_ranks_that_cannot_be_one_job_are_not_told_to_give_up(ctl):
         assert r.client.get_timer() == pytest.approx(0.0 + 10)
 
 
+@pytest.mark.parametrize("host, level", [("127.0.0.1", "INFO"), ("0.0.0.0", "WARNING")])
+def test_an_open_job_is_warned_of_only_where_other_hosts_reach_the_switch(caplog, host, level):
+    """A switch on loopback alone (the quick start's) logs an open job at INFO: no
+    other host can join it; one that other hosts reach warns."""
+    caplog.set_level("INFO", logger="switchml.switch")
+    with switchml.Switch(host) as sw:
+        assert sw.controller.loopback_only is (host == "127.0.0.1")
+        with switchml.Worker(("127.0.0.1", sw.address[1]), 0, 1, job="open") as w:
+            w.allreduce(np.ones(10, np.float32))
+    [record] = [r for r in caplog.records if "unauthenticated" in r.getMessage()]
+    assert record.levelname == level
+
+
 # ---------------------------------------------------------------- admission token
 @pytest.fixture
 def guarded():

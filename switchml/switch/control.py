@@ -134,7 +134,7 @@ class Controller:
     def __init__(self, pipeline: Pipeline, *, data_port: int, slots_per_job: int = 32,
                  max_jobs: int = DEFAULT_MAX_JOBS, stats=None, rcvbuf: int | None = None,
                  route_mtu=None, shared_link: bool = False,
-                 admission_token: bytes | None = None):
+                 admission_token: bytes | None = None, loopback_only: bool = False):
         if max_jobs < 1:
             raise ValueError(f"max_jobs must be at least 1, got {max_jobs}")
         self.pipeline = pipeline
@@ -150,6 +150,9 @@ class Controller:
         self.max_jobs = max_jobs
         #: Without it, no job can be created at all (``switchml switch --token-file``).
         self.admission_token = admission_token
+        #: The switch listens on a loopback address: no other host can reach it, so
+        #: an open job is logged at INFO, not warned of.
+        self.loopback_only = loopback_only
         self.jobs: dict[tuple, JobEntry] = {}  # (name, key) -> job
         self._conn_job: dict = {}  # connection id -> ((name, key), its first rank)
         #: Requests waiting for their proof: connection -> rank -> (request, nonce).
@@ -477,9 +480,13 @@ class Controller:
                  job.world_size, base, base + job.slot_count - 1)
         if job.key is None:
             self.pipeline.counters["jobs_open"] += 1
-            log.warning("job %s is unauthenticated: any host that knows its name can join "
-                        "it; give its workers a secret (SWITCHML_JOB_SECRET) to close it",
-                        job.name)
+            if self.loopback_only:  # no other host reaches it: nothing to warn of
+                log.info("job %s is unauthenticated (the switch listens on loopback: only "
+                         "this host's processes can join it)", job.name)
+            else:
+                log.warning("job %s is unauthenticated: any host that knows its name can "
+                            "join it; give its workers a secret (SWITCHML_JOB_SECRET) to "
+                            "close it", job.name)
         geometry = (session, base, job.slot_count, job.packet_elements, job.block_elements,
                     self.data_port)
         return [(c, protocol.RackReady(*geometry, i, len(conns), tuple(_ranks_of(job, c)),
