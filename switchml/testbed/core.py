@@ -26,9 +26,10 @@ prefix, so ``down`` finds leftovers of a crashed run and two testbeds with
 different prefixes coexist.  A worker's traffic leaves through its uplink, is
 switched (or received by the switch process on the bridge address) and reaches
 other hosts through their downlinks: the switch process itself is not behind a
-shaped link, as an aggregating switch is not.  Every veth has its UDP
-segmentation offload off: a sender's UDP GSO run leaves a link as its datagrams,
-one frame each, so the loss rule (``loss``) drops datagrams, not whole runs.
+shaped link, as an aggregating switch is not.  With loss, every veth has its UDP
+segmentation offload off (``udp_offload``): a sender's UDP GSO run leaves a link
+as its datagrams, one frame each, so the loss rule (``loss``) drops datagrams,
+not whole runs.
 """
 
 from __future__ import annotations
@@ -61,10 +62,11 @@ DEFAULT_BURST = 256 * 1024
 #: tbf queue of every link: about what a real switch's port buffers (a shared
 #: buffer of a few MB over dozens of ports), not sized to fit any protocol's window.
 DEFAULT_QUEUE = 256 * 1024
-#: The veth offload that carries a run of UDP GSO datagrams as one packet. Off on
-#: every testbed veth, so the kernel cuts each run into its datagrams when it
-#: leaves through a link (as for a NIC without UDP segmentation offload, most of
-#: them): the wire, the link counters and the loss rule see one frame per datagram.
+#: The veth offload that carries a run of UDP GSO datagrams as one packet. Off
+#: (``Testbed(udp_offload=False)``; by default with loss or an XDP switch), the
+#: kernel cuts each run into its datagrams when it leaves through a link (as for
+#: a NIC without UDP segmentation offload): the wire, the link counters and the
+#: loss rule see one frame per datagram.
 UDP_SEGMENTATION = "tx-udp-segmentation"
 #: Where ``up`` records a testbed's settings for ``status``, ``run`` and ``down``.
 STATE_DIR = "/run/switchml-testbed"
