@@ -7,11 +7,13 @@
 """
 
 from .errors import (
+                     AuthenticationError,
                      CallMismatchError,
                      JoinRefusedError,
                      LimitExceededError,
                      MetricsUnavailableError,
                      ProtocolVersionError,
+                     SecretMismatchError,
                      SwitchMLError,
                      SwitchMLTimeoutError,
                      SwitchUnreachableError,
@@ -21,7 +23,8 @@ from .worker.client import AllreduceHandle, Worker
 
 __all__ = ["Switch", "Worker", "AllreduceHandle", "SwitchMLError", "SwitchMLTimeoutError",
            "JoinRefusedError", "LimitExceededError", "MetricsUnavailableError",
-           "SwitchUnreachableError", "CallMismatchError", "ProtocolVersionError"]
+           "SwitchUnreachableError", "CallMismatchError", "ProtocolVersionError",
+           "AuthenticationError", "SecretMismatchError"]
 
 #: The package's version: the one place it is written (pyproject.toml reads it).
 __version__ = "0.9.0"

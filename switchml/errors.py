@@ -77,6 +77,18 @@ class AuthenticationError(JoinRefusedError):
         self.reason = reason
 
 
+class SecretMismatchError(AuthenticationError):
+    """Ranks of a job of this name wait on the switch with another secret (or
+    none), and no rank with this one's secret joined it within a second or so:
+    the secret given to this rank is, most likely, not the one its job's other
+    ranks have (``reason`` ``"secret_mismatch"``).  A job is its name and its
+    secret, so without this the rank would wait out its whole timeout in a job
+    of its own."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "secret_mismatch")
+
+
 class AuthUnavailableError(SwitchMLError, ImportError):
     """A job secret or an admission token was given, but the ``cryptography``
     package that signs and checks them is not installed (``pip install

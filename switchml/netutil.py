@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import ipaddress
 import json
 import socket
 import struct
@@ -170,6 +171,15 @@ def forbid_fragmentation(sock: socket.socket, forbid: bool = True) -> None:
                         IP_PMTUDISC_DO if forbid else IP_PMTUDISC_DONT)
     except OSError:  # not Linux: the packet sizes alone keep datagrams within a frame
         pass
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a bound socket's address (numeric, as ``getsockname`` gives it) is a
+    loopback one, which no other host reaches; the wildcard ``0.0.0.0`` is not."""
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
 
 
 def datagrams_that_fit(rcvbuf: int, packet_bytes: int) -> int:

@@ -5,8 +5,8 @@ control port (docs/protocol.md, "Joining").  A worker's requests carry ``"op"``
 (``Gather``, ``Join``, ``Prove``, ``Leave``, ``Abort``, ``StatusQuery``,
 ``StatsQuery``; a rack switch's ``RackJoin``); the switch's answers carry
 ``"event"`` (``Challenge``, ``Gathered``, ``Joined``, ``Ready``, ``Waiting``,
-``Error``, ``Failed``, ``Left``, ``StatusReply``, ``StatsReply``; to a rack
-switch, ``RackReady``).  Every field name and
+``OtherSecretWaiting``, ``OtherSecretSeen``, ``Error``, ``Failed``, ``Left``,
+``StatusReply``, ``StatsReply``; to a rack switch, ``RackReady``).  Every field name and
 every check of a field lives here, so that the switch's controller
 (``switch/control.py``), the worker's client (``worker/control.py``) and the CLI
 build and read the same messages.  Data packets are another format
@@ -424,6 +424,33 @@ class Waiting(Event):
 
 
 @dataclass(frozen=True)
+class OtherSecretWaiting(Event):
+    """To the first rank of a job: ranks of a job of the same name and world size,
+    none of them this rank's, gather on the switch under another key (another
+    secret, or none).  The two may be one job whose ranks were given different
+    secrets; the rank gives up (``SecretMismatchError``) unless a rank with its
+    own secret joins it soon.  Nothing about the other job but that."""
+
+    name = "other_secret_waiting"
+    job: str
+
+    def fields(self) -> dict:
+        return {"job": self.job}
+
+
+@dataclass(frozen=True)
+class OtherSecretSeen(Event):
+    """To a gathering job's ranks: a rank joined a job of the same name under
+    another key (another secret, or none); their timeout error says so."""
+
+    name = "other_secret_seen"
+    job: str
+
+    def fields(self) -> dict:
+        return {"job": self.job}
+
+
+@dataclass(frozen=True)
 class Error(Event):
     """A refused or unknown request; ``limit`` names the limit a join hit, ``version``
     the switch's protocol version when the join's was another."""
@@ -566,6 +593,10 @@ def decode_event(msg) -> Event | None:
                       str(msg.get("reason", "")), msg.get("mismatch") is True)
     if name == "left":
         return Left()
+    if name == "other_secret_waiting":
+        return OtherSecretWaiting(str(msg.get("job", "")))
+    if name == "other_secret_seen":
+        return OtherSecretSeen(str(msg.get("job", "")))
     if name == "gathered":
         values = _field(msg, "values", lambda v: isinstance(v, list) and all(map(_text, v)),
                         "texts")

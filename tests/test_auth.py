@@ -20,13 +20,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import switchml
-from switchml import auth, wire
-from switchml.errors import AuthenticationError, SwitchMLTimeoutError
+from switchml import auth, protocol, wire
+from switchml.errors import AuthenticationError, SecretMismatchError, SwitchMLTimeoutError
 from switchml.netutil import encode_line
 from switchml.switch.control import Controller
 from switchml.switch.dataplane import fastpipeline
 from switchml.switch.dataplane.pipeline import Pipeline
-from switchml.worker.control import ControlClient
+from switchml.worker.control import OTHER_SECRET_GRACE, ControlClient
 
 SECRET = "correct horse battery staple"
 TOKEN = b"switch-admission-token-42"
@@ -186,6 +186,72 @@ def test_the_worker_raises_authentication_error_naming_job_and_rank(ctl):
     assert client.error.reason == "authentication" and "rank 0" in str(client.error)
 
 
+def test_a_first_rank_with_another_secret_is_told_and_gives_up_after_the_grace(ctl):
+    """Rank 0 with the secret waits; rank 1 with a mistyped one starts a job of its
+    own: it is told that ranks of the name wait with another secret, and gives up
+    at the grace's end with SecretMismatchError; rank 0's timeout error says a
+    join with another secret was seen.  Neither learns more of the other."""
+    a = rank(ctl, 1, 0, 2, secret=SECRET)
+    a.join()
+    typo = rank(ctl, 2, 1, 2, secret=SECRET + "!")
+    a.events.clear()
+    typo.join()
+    assert [type(e).__name__ for e in typo.events] == ["Joined", "OtherSecretWaiting"]
+    assert a.events == [protocol.OtherSecretSeen("j")]
+    deadline = typo.client.get_timer()
+    assert deadline == pytest.approx(1.0 + OTHER_SECRET_GRACE)
+    assert typo.client.handle_timer(deadline - 0.01) == []
+    typo.client.handle_timer(deadline)
+    error = typo.client.error
+    assert isinstance(error, SecretMismatchError) and isinstance(error, AuthenticationError)
+    assert error.reason == "secret_mismatch"
+    assert "waiting on the switch with a different secret" in str(error)
+    assert SECRET not in str(error)
+    a.client.handle_timer(a.client.get_timer())
+    assert isinstance(a.client.error, SwitchMLTimeoutError)
+    assert "ranks [1] did not join" in str(a.client.error)
+    assert "another secret" in str(a.client.error)
+
+
+def test_a_rank_of_its_own_secret_within_the_grace_keeps_a_first_rank_joined(ctl):
+    """A squatter with a guessed secret holds rank 1 first; the real rank 0 is told
+    that ranks of the name wait with another secret, but the real rank 1 joins
+    within the grace: the real job runs, the squatter waits on alone."""
+    s = rank(ctl, 9, 1, 2, secret="guessed")
+    s.join()
+    a, b = rank(ctl, 1, 0, 2, secret=SECRET), rank(ctl, 2, 1, 2, secret=SECRET)
+    a.join()
+    assert a.client.get_timer() == pytest.approx(1.0 + OTHER_SECRET_GRACE)
+    b.join()
+    assert None not in readies(a, b) and a.client.error is None
+    assert s.client.ready is None and s.client.error is None
+
+
+def test_ranks_that_cannot_be_one_job_are_not_told_to_give_up(ctl):
+    """Another world size, or a rank the waiting job has already: not one job with a
+    mistyped secret, so the new rank is not told to give up."""
+    rank(ctl, 9, 0, 2, secret="guessed").join()
+    same_rank = rank(ctl, 1, 0, 2, secret=SECRET)
+    other_world = rank(ctl, 2, 1, 3, secret="third")
+    for r in (same_rank, other_world):
+        r.join()
+        assert not [e for e in r.events if isinstance(e, protocol.OtherSecretWaiting)]
+        assert r.client.get_timer() == pytest.approx(0.0 + 10)
+
+
+@pytest.mark.parametrize("host, level", [("127.0.0.1", "INFO"), ("0.0.0.0", "WARNING")])
+def test_an_open_job_is_warned_of_only_where_other_hosts_reach_the_switch(caplog, host, level):
+    """A switch on loopback alone (the quick start's) logs an open job at INFO: no
+    other host can join it; one that other hosts reach warns."""
+    caplog.set_level("INFO", logger="switchml.switch")
+    with switchml.Switch(host) as sw:
+        assert sw.controller.loopback_only is (host == "127.0.0.1")
+        with switchml.Worker(("127.0.0.1", sw.address[1]), 0, 1, job="open") as w:
+            w.allreduce(np.ones(10, np.float32))
+    [record] = [r for r in caplog.records if "unauthenticated" in r.getMessage()]
+    assert record.levelname == level
+
+
 # ---------------------------------------------------------------- admission token
 @pytest.fixture
 def guarded():
@@ -295,7 +361,11 @@ def test_a_probe_is_answered_with_the_jobs_session_not_the_rank_token(cls):
 
 
 # ---------------------------------------------------------------- real sockets
-def run_ranks(address, world, job, secret, results, errors, timeout=20):
+def run_ranks(address, count, job, secret, results, errors, timeout=20, *, world=None,
+              ranks=None):
+    """Threads for ``ranks`` (0..count-1) of a job of ``world`` (count) ranks."""
+    world = count if world is None else world
+
     def body(r):
         try:
             with switchml.Worker(address, r, world, job=job, timeout=timeout,
@@ -303,7 +373,8 @@ def run_ranks(address, world, job, secret, results, errors, timeout=20):
                 results[r] = w.allreduce(np.full(1000, r + 1, np.float32))
         except Exception as exc:  # noqa: BLE001 - the test reads it
             errors[r] = exc
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    threads = [threading.Thread(target=body, args=(r,))
+               for r in (range(count) if ranks is None else ranks)]
     for t in threads:
         t.start()
     return threads
@@ -332,9 +403,63 @@ def test_a_squatter_process_with_the_name_gets_no_sum_and_the_job_runs():
         assert isinstance(squatter_errors[0], SwitchMLTimeoutError)
 
 
-def _squat(address, stolen):
+@pytest.mark.parametrize("local_stage", [False, True], ids=["join", "gather"])
+def test_a_rank_with_a_mistyped_secret_gets_secret_mismatch_within_two_seconds(local_stage):
+    """Rank 0 with the secret joins (or, with the local stage, gathers its host
+    records); rank 1 with a mistyped one raises SecretMismatchError within 2 s,
+    not after its 20 s timeout; rank 0 times out saying another secret was seen."""
+    with switchml.Switch() as sw:
+        errors: dict = {}
+
+        def body(r, secret, timeout):
+            try:
+                with switchml.Worker(sw.address, r, 2, job="sec", timeout=timeout,
+                                     secret=secret, local_stage=local_stage):
+                    pass
+            except Exception as exc:  # noqa: BLE001 - the test reads it
+                errors[r] = (exc, time.monotonic())
+        right = threading.Thread(target=body, args=(0, SECRET, 3))
+        right.start()
+        deadline = time.monotonic() + 10
+        while not (sw.controller.jobs or len(sw.controller.gatherings)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        start = time.monotonic()
+        body(1, SECRET + "!", 20)
+        right.join(30)
+    typo, when = errors[1]
+    assert isinstance(typo, SecretMismatchError), typo
+    assert when - start < 2.0
+    assert isinstance(errors[0][0], SwitchMLTimeoutError)
+    assert "another secret" in str(errors[0][0])
+
+
+def test_a_squatter_after_the_first_real_rank_gives_up_and_the_job_runs():
+    """A process with the name and a guessed secret takes rank 1 after the real
+    rank 0 joined: it is told to give up, and the real job runs."""
+    with switchml.Switch() as sw:
+        results: dict = {}
+        errors: dict = {}
+        (first,) = run_ranks(sw.address, 1, "train", SECRET, results, errors, world=2)
+        deadline = time.monotonic() + 10
+        while not sw.controller.jobs:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        stolen: dict = {}
+        squatter = _squat(sw.address, stolen, rank=1, secret="guessed", timeout=20)
+        assert isinstance(squatter, SecretMismatchError) and not stolen
+        (second,) = run_ranks(sw.address, 1, "train", SECRET, results, errors, world=2,
+                              ranks=[1])
+        first.join(30)
+        second.join(30)
+        assert not errors, errors
+        assert all((results[r] == 3.0).all() for r in (0, 1))
+
+
+def _squat(address, stolen, rank=0, secret=None, timeout=3):
     try:
-        with switchml.Worker(address, 0, 2, job="train", timeout=3, local_stage=False) as w:
+        with switchml.Worker(address, rank, 2, job="train", timeout=timeout, secret=secret,
+                             local_stage=False) as w:
             stolen["sum"] = w.allreduce(np.zeros(1000, np.float32))
     except Exception as exc:  # noqa: BLE001 - the test reads it
         return exc

@@ -41,6 +41,8 @@ EVENTS = [
     Failed((1,), "rank 1 of job 'j' disconnected"),
     Failed((), "ranks disagree", mismatch=True),
     Left(),
+    protocol.OtherSecretWaiting("j"),
+    protocol.OtherSecretSeen("j"),
     StatusReply(((3, 4, True, 0b101),)),
     StatsReply({"slots": 256}),
 ]

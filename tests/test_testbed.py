@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from conftest import interruptible, needs_root, reference_sum
 
+import switchml
 from switchml import wire
 from switchml.switch.xdp import pipeline as xdp
 from switchml.testbed import (
@@ -72,6 +73,8 @@ def assert_gone(p):
     assert not [dev for dev in links if dev.startswith(p + "-")]
     assert not os.path.exists(f"/run/switchml-testbed/{p}.json")
     assert not os.path.exists(f"/run/switchml-testbed/{p}-switch.log")
+    etc = os.listdir("/etc/netns") if os.path.isdir("/etc/netns") else []
+    assert not [name for name in etc if name.startswith(p + "-")]  # the namespaces' hosts
 
 
 # ---------------------------------------------------------------- anywhere
@@ -283,6 +286,42 @@ def test_cli_up_run_status_down():
         down = subprocess.run(CLI + ["testbed", "down", "--prefix", p], capture_output=True,
                               text=True, timeout=30)
     assert down.returncode == 0, down.stderr
+    assert_gone(p)
+
+
+#: ``switchml testbed ...`` as an installed script runs it: switchml imported from
+#: ROOT, not from the current directory, and nothing on PYTHONPATH.
+SCRIPT_CLI = [sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); "
+              "from switchml.cli import main; sys.exit(main())"]
+
+
+@needs_root
+def test_testbed_run_uses_switchmls_python_and_scripts_from_any_directory(tmp_path):
+    """`testbed run 0 -- python ...` and `-- switchml ...` from a directory outside the
+    source tree, with the environment's bin directory not on PATH: the command gets
+    the interpreter and scripts switchml runs from, and imports this switchml; the
+    namespaces name every testbed address, for the IPv4-mapped form too."""
+    p = prefix("n")
+    bindir = os.path.dirname(sys.executable)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PATH"] = os.pathsep.join(d for d in os.environ.get("PATH", os.defpath).split(os.pathsep)
+                                  if d and d != bindir)
+    probe = ("import socket, sys, switchml; print(sys.executable); print(switchml.__file__); "
+             "print(socket.getnameinfo((sys.argv[1], 1), 0)[0]); "
+             "print(socket.getnameinfo(('::ffff:' + sys.argv[1], 1, 0, 0), 0)[0])")
+    with Testbed(hosts=2, link=None, prefix=p) as tb:
+        def run(*command):
+            done = subprocess.run(SCRIPT_CLI + ["testbed", "run", "--prefix", p, "0", "--",
+                                                *command], cwd=tmp_path, env=env,
+                                  capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
+            return done.stdout.split("\n")
+        python, package, name, mapped = run("python", "-c", probe, tb.address(1))[:4]
+        assert python == sys.executable
+        assert package == os.path.join(ROOT, "switchml", "__init__.py")
+        assert name == mapped == tb.namespace(1)
+        assert run("switchml", "--version")[0] == f"switchml {switchml.__version__}"
+        assert os.path.exists(f"/etc/netns/{p}-h0/hosts")
     assert_gone(p)
 
 

@@ -33,7 +33,11 @@ afresh, and the job re-forms with a new session when the others rejoin too.
 Authentication (docs/protocol.md, "Authenticated jobs"): a job is its name and
 its public key (``Join.key``, derived from the job's secret: ``auth.py``), so a
 process that knows the name but not the secret is another job, which never
-holds a rank of the real one nor sees its sums.  A join or gather that carries
+holds a rank of the real one nor sees its sums.  A job's first rank that joins
+while ranks of another key gather under the same name is told so
+(``OtherSecretWaiting``), where it could be one of theirs, and they are told
+that a join with another secret was seen (``OtherSecretSeen``): a mistyped
+secret fails fast, and neither learns more of the other.  A join or gather that carries
 a key, and every one where the switch has an admission token, is answered with
 a ``Challenge`` and taken only once its ``Prove`` checks out: a signature by the
 job's key and an HMAC by the token over a nonce made for that request, so a
@@ -130,7 +134,7 @@ class Controller:
     def __init__(self, pipeline: Pipeline, *, data_port: int, slots_per_job: int = 32,
                  max_jobs: int = DEFAULT_MAX_JOBS, stats=None, rcvbuf: int | None = None,
                  route_mtu=None, shared_link: bool = False,
-                 admission_token: bytes | None = None):
+                 admission_token: bytes | None = None, loopback_only: bool = False):
         if max_jobs < 1:
             raise ValueError(f"max_jobs must be at least 1, got {max_jobs}")
         self.pipeline = pipeline
@@ -146,6 +150,9 @@ class Controller:
         self.max_jobs = max_jobs
         #: Without it, no job can be created at all (``switchml switch --token-file``).
         self.admission_token = admission_token
+        #: The switch listens on a loopback address: no other host can reach it, so
+        #: an open job is logged at INFO, not warned of.
+        self.loopback_only = loopback_only
         self.jobs: dict[tuple, JobEntry] = {}  # (name, key) -> job
         self._conn_job: dict = {}  # connection id -> ((name, key), its first rank)
         #: Requests waiting for their proof: connection -> rank -> (request, nonce).
@@ -332,6 +339,7 @@ class Controller:
             return self._refuse(conn, "bad_request", f"rank {rank} is outside 0..{world - 1}")
         ident = (name, join.key)
         job = self.jobs.get(ident)
+        created = job is None
         if job is None:
             job = self.jobs[ident] = JobEntry(name, world, request, join.key)
         elif job.session:
@@ -363,11 +371,34 @@ class Controller:
         log.info("job %s: rank %d/%d joined from %s:%d%s", name, rank, world, *addr,
                  " (a rack switch)" if relayed else "")
         if len(job.conns) < world:
-            return self._announce_present(job)
+            news = self._other_secrets(job, conn, rank) if created and not relayed else []
+            return self._announce_present(job) + news
         job.packet_elements, job.block_elements = self._geometry(job)
         job.slot_count = min(job.slot_request, self.pipeline.slots, self._window_limit(job),
                              self._link_share(job))
         return self._admit_or_refuse(job)
+
+    def _other_secrets(self, job: JobEntry, conn, rank: int) -> list:
+        """The first rank of a job joined under a name that ranks of another key
+        (another secret, or none) gather under: they hear that a join with another
+        secret was seen, and the new rank, where it could be one of theirs (the
+        same world size, a rank they lack), that they wait with another secret
+        (``OtherSecretWaiting``), so that a mistyped secret fails in a second,
+        not at the timeout.  Nothing else about either job goes to the other."""
+        others = [j for j in self.jobs.values()
+                  if j.name == job.name and j.key != job.key and not j.session
+                  and not j.waiting and not any(c in self._racks for c in j.conns.values())]
+        if not others:
+            return []
+        log.warning("job %s: rank %d joined with another secret than ranks of that name "
+                    "waiting here (a mistyped secret, or a process without it)",
+                    job.name, rank)
+        seen = protocol.OtherSecretSeen(job.name)
+        out: list = [(c, seen) for other in others for c in _members(other)]
+        if any(other.world_size == job.world_size and rank not in other.conns
+               for other in others):
+            out.append((conn, protocol.OtherSecretWaiting(job.name)))
+        return out
 
     def _geometry(self, job: JobEntry) -> tuple[int, int]:
         """The job's (packet_elements, block_elements): the largest packet that fits one
@@ -449,9 +480,13 @@ class Controller:
                  job.world_size, base, base + job.slot_count - 1)
         if job.key is None:
             self.pipeline.counters["jobs_open"] += 1
-            log.warning("job %s is unauthenticated: any host that knows its name can join "
-                        "it; give its workers a secret (SWITCHML_JOB_SECRET) to close it",
-                        job.name)
+            if self.loopback_only:  # no other host reaches it: nothing to warn of
+                log.info("job %s is unauthenticated (the switch listens on loopback: only "
+                         "this host's processes can join it)", job.name)
+            else:
+                log.warning("job %s is unauthenticated: any host that knows its name can "
+                            "join it; give its workers a secret (SWITCHML_JOB_SECRET) to "
+                            "close it", job.name)
         geometry = (session, base, job.slot_count, job.packet_elements, job.block_elements,
                     self.data_port)
         return [(c, protocol.RackReady(*geometry, i, len(conns), tuple(_ranks_of(job, c)),

@@ -7,16 +7,21 @@ job's identity, as for a join) and lives only until every rank sent its value:
 then each gets ``Gathered`` with all of them, by rank, and a random nonce, and
 the switch forgets it.  While ranks are missing, the present ones get
 ``Joined`` as a job's ranks do, so that a rank that gives up names the missing
-ones.  A rank that disconnects before the end drops out of its gathering.
+ones; a gathering's first rank under a name that ranks of another key gather
+under is told so, and they are told of it, as for joins (``control.py``).  A
+rank that disconnects before the end drops out of its gathering.
 Nothing here touches the data plane: a gathering holds no slots.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 from dataclasses import dataclass, field
 
-from ..protocol import Gather, Gathered, Joined
+from ..protocol import Gather, Gathered, Joined, OtherSecretSeen, OtherSecretWaiting
+
+log = logging.getLogger("switchml.switch")
 
 __all__ = ["Gatherings", "GatherRefused"]
 
@@ -54,6 +59,7 @@ class Gatherings:
         if conn in self._conn:
             raise GatherRefused("bad_request", "this connection already gathers")
         entry = self._open.get(ident)
+        created = entry is None
         if entry is None:
             if len(self._open) >= self.limit:
                 raise GatherRefused("max_jobs", f"the switch holds at most {self.limit} "
@@ -71,13 +77,31 @@ class Gatherings:
         self._conn[conn] = (ident, request.rank)
         if len(entry.values) < entry.world_size:
             present = Joined(name, tuple(sorted(entry.values)))
-            return [(c, present) for c in entry.conns.values()]
+            news = self._other_secrets(ident, conn, request.rank) if created else []
+            return [(c, present) for c in entry.conns.values()] + news
         del self._open[ident]
         for c in entry.conns.values():
             del self._conn[c]
         done = Gathered(name, tuple(entry.values[r] for r in range(entry.world_size)),
                         secrets.token_hex(8))
         return [(c, done) for c in entry.conns.values()]
+
+    def _other_secrets(self, ident: tuple, conn, rank: int) -> list:
+        """A gathering's first rank, under a name that ranks of another key gather
+        under: as ``Controller._other_secrets`` for joins."""
+        name, key = ident
+        others = [g for (other_name, other_key), g in self._open.items()
+                  if other_name == name and other_key != key]
+        if not others:
+            return []
+        log.warning("job %s: rank %d gathers with another secret than ranks of that name "
+                    "gathering here (a mistyped secret, or a process without it)", name, rank)
+        seen = OtherSecretSeen(name)
+        out: list = [(c, seen) for g in others for c in g.conns.values()]
+        if any(g.world_size == self._open[ident].world_size and rank not in g.values
+               for g in others):
+            out.append((conn, OtherSecretWaiting(name)))
+        return out
 
     def disconnect(self, conn) -> list:
         """A connection closed: its rank leaves its gathering (the others are told)."""

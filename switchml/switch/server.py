@@ -41,6 +41,7 @@ from ..netutil import (
     encode_line,
     enlarge_buffers,
     forbid_fragmentation,
+    is_loopback,
     report_local_drops,
     route_mtu,
     send_when_room,
@@ -214,7 +215,8 @@ class Switch:
                 self.pipeline, data_port=self.address[1], slots_per_job=self._slots_per_job,
                 max_jobs=self._max_jobs, stats=self.stats,
                 rcvbuf=udp.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF), route_mtu=route_mtu,
-                shared_link=self._shared_link, admission_token=self._admission_token)
+                shared_link=self._shared_link, admission_token=self._admission_token,
+                loopback_only=is_loopback(tcp.getsockname()[0]))
         if self._metrics_port is not None:
             from .metrics import serve_metrics
             try:

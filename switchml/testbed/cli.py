@@ -19,7 +19,7 @@ DEFAULT_PREFIX = "smltb"
 
 
 def _testbed_up(args) -> int:
-    from .core import OFFLOAD, STATE_DIR, SWITCH_PORT, Testbed
+    from .core import OFFLOAD, STATE_DIR, SWITCH_PORT, Testbed, interpreter_env
     from .errors import TestbedError
 
     if args.data_plane and not args.switch:
@@ -63,8 +63,9 @@ def _testbed_up(args) -> int:
                     command += ["--slots-per-job", str(args.slots_per_job)]
                 with open(log, "w") as f:
                     subprocess.Popen(tb.command(node, command),
-                                     stdout=f, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+                                     env={**os.environ, **interpreter_env()}, stdout=f,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     start_new_session=True)
             for node, log in logs.items():
                 if not _wait_for(log, "listening on", 15.0):
                     tb.down()
@@ -138,7 +139,7 @@ def _describe(tb, running_switch=False) -> str:
 
 
 def _testbed_run(args) -> int:
-    from .core import Testbed
+    from .core import Testbed, interpreter_env
     from .errors import TestbedError
 
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -157,7 +158,7 @@ def _testbed_run(args) -> int:
     try:
         tb = Testbed.from_state(args.prefix)
         argv = tb.command(args.host, command)
-        env = {**os.environ, **tb.env(args.host)}
+        env = {**os.environ, **interpreter_env(), **tb.env(args.host)}
     except (TestbedError, ValueError) as exc:
         print(f"switchml testbed run: {exc}", file=sys.stderr)
         return 2
@@ -167,13 +168,13 @@ def _testbed_run(args) -> int:
 def _testbed_torchrun(args, command) -> int:
     """A torchrun in every host (``--nnodes H --node-rank i --nproc-per-node k``);
     the first failing host's status, or 0."""
-    from .core import Testbed
+    from .core import Testbed, interpreter_env
     from .errors import TestbedError
 
     try:
         tb = Testbed.from_state(args.prefix)
         procs = [subprocess.Popen(tb.command(h, tb.torchrun_command(h, command)),
-                                  env={**os.environ, **tb.env(h)})
+                                  env={**os.environ, **interpreter_env(), **tb.env(h)})
                  for h in range(tb.hosts)]
     except (TestbedError, ValueError) as exc:
         print(f"switchml testbed run: {exc}", file=sys.stderr)

@@ -26,9 +26,10 @@ prefix, so ``down`` finds leftovers of a crashed run and two testbeds with
 different prefixes coexist.  A worker's traffic leaves through its uplink, is
 switched (or received by the switch process on the bridge address) and reaches
 other hosts through their downlinks: the switch process itself is not behind a
-shaped link, as an aggregating switch is not.  Every veth has its UDP
-segmentation offload off: a sender's UDP GSO run leaves a link as its datagrams,
-one frame each, so the loss rule (``loss``) drops datagrams, not whole runs.
+shaped link, as an aggregating switch is not.  With loss, every veth has its UDP
+segmentation offload off (``udp_offload``): a sender's UDP GSO run leaves a link
+as its datagrams, one frame each, so the loss rule (``loss``) drops datagrams,
+not whole runs.
 """
 
 from __future__ import annotations
@@ -37,8 +38,12 @@ import ipaddress
 import json
 import os
 import re
+import shutil
 import signal
+import site
+import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -56,14 +61,46 @@ DEFAULT_BURST = 256 * 1024
 #: tbf queue of every link: about what a real switch's port buffers (a shared
 #: buffer of a few MB over dozens of ports), not sized to fit any protocol's window.
 DEFAULT_QUEUE = 256 * 1024
-#: The veth offload that carries a run of UDP GSO datagrams as one packet. Off on
-#: every testbed veth, so the kernel cuts each run into its datagrams when it
-#: leaves through a link (as for a NIC without UDP segmentation offload, most of
-#: them): the wire, the link counters and the loss rule see one frame per datagram.
+#: The veth offload that carries a run of UDP GSO datagrams as one packet. Off
+#: (``Testbed(udp_offload=False)``; by default with loss or an XDP switch), the
+#: kernel cuts each run into its datagrams when it leaves through a link (as for
+#: a NIC without UDP segmentation offload): the wire, the link counters and the
+#: loss rule see one frame per datagram.
 UDP_SEGMENTATION = "tx-udp-segmentation"
 #: Where ``up`` records a testbed's settings for ``status``, ``run`` and ``down``.
 STATE_DIR = "/run/switchml-testbed"
+#: ``ip netns exec NS`` mounts each file in NETNS_ETC/NS over /etc's of that name.
+NETNS_ETC = "/etc/netns"
 SWITCH = "switch"
+
+
+#: The directory this switchml is imported from: a source tree (PYTHONPATH, an
+#: editable install) or an environment's site-packages.
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def interpreter_env(environ=None) -> dict:
+    """PATH and PYTHONPATH that make a command in a namespace run with switchml's own
+    environment: ``python``, ``switchml`` and ``torchrun`` are the ones beside the
+    interpreter running switchml (its bin directory first on PATH), and that
+    interpreter imports this switchml whatever the current directory (its parent
+    directory first on PYTHONPATH, unless it is installed in site-packages).
+
+    ``environ``: the environment the command would otherwise get (os.environ).
+    """
+    environ = os.environ if environ is None else environ
+    added: dict = {}
+    if sys.executable:
+        bindir = os.path.dirname(sys.executable)  # a venv's bin: not its symlink's target
+        rest = environ.get("PATH", os.defpath).split(os.pathsep)
+        added["PATH"] = os.pathsep.join([bindir] + [d for d in rest if d and d != bindir])
+    installed = {os.path.realpath(d) for d in
+                 [*site.getsitepackages(), site.getusersitepackages()]}
+    if os.path.realpath(PACKAGE_PARENT) not in installed:
+        rest = [d for d in environ.get("PYTHONPATH", "").split(os.pathsep)
+                if d and os.path.realpath(d) != os.path.realpath(PACKAGE_PARENT)]
+        added["PYTHONPATH"] = os.pathsep.join([PACKAGE_PARENT, *rest])
+    return added
 
 
 def _check_prefix(prefix: str) -> str:
@@ -97,6 +134,10 @@ def teardown(prefix: str = DEFAULT_PREFIX) -> list:
     # Hosts first, then the switch: a host's deletion takes its veth pair with it.
     for name in sorted(names, key=lambda n: n.endswith("-sw")):
         netns.delete_namespace(name)
+    etc = os.listdir(NETNS_ETC) if os.path.isdir(NETNS_ETC) else []
+    for name in etc:  # the namespaces' /etc/hosts, also where the namespace is gone
+        if re.fullmatch(re.escape(prefix) + r"-(sw|h\d+|s\d+|r\d+)", name):
+            shutil.rmtree(os.path.join(NETNS_ETC, name), ignore_errors=True)
     logs = [r for r in (os.listdir(STATE_DIR) if os.path.isdir(STATE_DIR) else [])
             if re.fullmatch(re.escape(prefix) + r"-[sr]\d+-switch\.log", r)]
     for record in [f"{prefix}.json", f"{prefix}-switch.log", *logs]:
@@ -364,8 +405,6 @@ class Testbed:
         """torchrun's command line for ``host``'s ranks of a job over every host:
         ``--nnodes`` hosts, this one's ``--node-rank``, ``ranks_per_host`` processes
         (ranks host·k .. host·k+k-1), the rendezvous on host 0."""
-        import sys
-
         return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.hosts),
                 "--node-rank", str(host), "--nproc-per-node", str(self.ranks_per_host),
                 "--master-addr", self.address(0), "--master-port", str(port), *argv]
@@ -377,7 +416,7 @@ class Testbed:
                 for h in range(self.hosts)]
 
     def _env(self, host, extra) -> dict:
-        return {**os.environ, **self.env(host), **(extra or {})}
+        return {**os.environ, **interpreter_env(), **self.env(host), **(extra or {})}
 
     def link_counters(self, host) -> dict:
         """Bytes and packets host ``i``'s veth sent (uplink) and received (downlink)."""
@@ -468,6 +507,7 @@ class Testbed:
                 "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1"],
                check=False)
             sh(["ip", "-n", ns, "link", "set", "lo", "up"])
+        self._write_hosts_files()
         sh(["ip", "-n", sw, "link", "add", self.bridge, "type", "bridge"])
         rack_layout.create(self)  # racks' bridges and uplinks, before their hosts' links
         for h in self.nodes:  # a switch server is wired as a host is
@@ -510,6 +550,38 @@ class Testbed:
         if self.loss > 0:
             netns.add_udp_loss(sw, self._loss_table, self.loss)
         self._write_state()
+
+    def hosts_entries(self) -> dict:
+        """A name for every address of the testbed: its namespace's (``P-h0``, ``P-sw``)."""
+        nodes = [SWITCH] + [f"r{k}" for k in range(self.racks)] + self.nodes
+        return {self.address(node): self.namespace(node) for node in nodes}
+
+    def _write_hosts_files(self) -> None:
+        """/etc/hosts inside each namespace (NETNS_ETC/NS/hosts, which ``ip netns exec``
+        mounts over it): the machine's entries, a name for every testbed address, and
+        the machine's host name for the namespace's own address where the machine's
+        file has none.  Look-ups then answer from the file: the namespaces reach no
+        DNS server, and torch's store looks up the name of every peer's address."""
+        try:
+            with open("/etc/hosts") as f:
+                machine = f.read()
+        except FileNotFoundError:
+            machine = ""
+        named = {word for line in machine.splitlines()
+                 for word in line.split("#")[0].split()[1:]}
+        hostname = socket.gethostname()
+        entries = self.hosts_entries()
+        for node in [SWITCH] + [f"r{k}" for k in range(self.racks)] + self.nodes:
+            ns = self.namespace(node)
+            # IPv4-mapped too: a dual-stack socket (torch's store) sees its peers so
+            lines = [f"{form}{address}\t{name}" for form in ("", "::ffff:")
+                     for address, name in entries.items()]
+            if hostname and hostname not in named:
+                lines.append(f"{self.address(node)}\t{hostname}")
+            os.makedirs(os.path.join(NETNS_ETC, ns), exist_ok=True)
+            with open(os.path.join(NETNS_ETC, ns, "hosts"), "w") as f:
+                f.write(machine.rstrip("\n") + f"\n# switchml testbed {self.prefix}\n"
+                        + "\n".join(lines) + "\n")
 
     def _write_state(self) -> None:
         os.makedirs(STATE_DIR, exist_ok=True)

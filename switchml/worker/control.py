@@ -15,8 +15,11 @@ the error the worker raises (``error``):
 * joining: refused (``JoinRefusedError``; ``LimitExceededError`` naming the
   limit; ``ProtocolVersionError`` naming both versions; ``AuthenticationError``
   when the switch did not accept the proof of the job's secret or of its
-  admission token, or asked for a token this worker does not have), ranks missing at the
-  join deadline (``SwitchMLTimeoutError`` naming them), room not found within
+  admission token, or asked for a token this worker does not have;
+  ``SecretMismatchError`` when ranks of the job's name wait with another secret
+  and none with this one's came within ``other_secret_grace``), ranks missing at the
+  join deadline (``SwitchMLTimeoutError`` naming them, and whether a rank with
+  another secret was seen), room not found within
   ``wait_for_slots`` (``LimitExceededError``), or the switch gone
   (``SwitchUnreachableError``);
 * running: another rank failed the job (``SwitchMLTimeoutError`` naming the
@@ -39,6 +42,7 @@ from ..errors import (
     JoinRefusedError,
     LimitExceededError,
     ProtocolVersionError,
+    SecretMismatchError,
     SwitchMLError,
     SwitchMLTimeoutError,
     SwitchUnreachableError,
@@ -51,6 +55,8 @@ from ..protocol import (
     Failed,
     Gathered,
     Joined,
+    OtherSecretSeen,
+    OtherSecretWaiting,
     Ready,
     StatusReply,
     Waiting,
@@ -60,6 +66,11 @@ log = logging.getLogger("switchml.worker")
 
 #: States of a ControlClient.
 JOINING, RUNNING, CLOSED = "joining", "running", "closed"
+#: Seconds a job's first rank, told that ranks of its name wait with another
+#: secret, waits for a rank of its own before it takes its secret for a wrong one:
+#: ranks of one job join within moments of one another, and a process that joins
+#: first with the name alone must not make the real job's ranks give up.
+OTHER_SECRET_GRACE = 1.0
 
 
 @dataclass(frozen=True)
@@ -78,14 +89,19 @@ class ControlClient:
     ``version`` is the protocol version the join claims (a test's stand-in for
     another release).  ``secret``: the job's secret (None: an open job);
     ``switch_token``: the switch's admission token, where it has one
-    (``auth.py``).  Neither ever goes on the wire.
+    (``auth.py``).  Neither ever goes on the wire.  ``other_secret_grace``: how
+    long the job's first rank, told that ranks of its name wait with another
+    secret (``OtherSecretWaiting``), waits for a rank with its own before it
+    raises ``SecretMismatchError``.
     """
 
     def __init__(self, job: str, rank: int, world_size: int, *, timeout: float,
                  wait_for_slots: float = 0.0, where: str = "switch",
                  version: int = PROTOCOL_VERSION, secret: str | bytes | None = None,
-                 switch_token: bytes | None = None):
+                 switch_token: bytes | None = None,
+                 other_secret_grace: float = OTHER_SECRET_GRACE):
         self.job = job
+        self.other_secret_grace = other_secret_grace
         self._key = auth.JobKey(secret, job) if secret is not None else None
         self._switch_token = switch_token
         self.rank = rank
@@ -107,6 +123,11 @@ class ControlClient:
         self._waiting: Waiting | None = None  # while the complete job waits for room
         self._join_deadline: float | None = None
         self._deadline: float | None = None
+        #: Until when this rank, its job's only one so far, waits for another rank
+        #: of its own after ``OtherSecretWaiting`` (None: it was not told so).
+        self._other_secret_deadline: float | None = None
+        #: Whether a rank joined under this job's name with another secret.
+        self._other_secret_seen = False
 
     # ------------------------------------------------------------ what to send
     def join(self, data_addr: tuple[str, int], now: float, *, slots: int | None = None,
@@ -205,12 +226,25 @@ class ControlClient:
         return self._fail(SwitchUnreachableError(why))
 
     def get_timer(self) -> float | None:
-        """When ``handle_timer`` must run: the join's deadline, None once running."""
-        return self._deadline if self.state == JOINING else None
+        """When ``handle_timer`` must run: the join's deadline (or sooner, the end of
+        the wait for a rank with this one's secret), None once running."""
+        if self.state != JOINING:
+            return None
+        deadlines = [d for d in (self._deadline, self._other_secret_deadline) if d is not None]
+        return min(deadlines, default=None)
 
     def handle_timer(self, now: float) -> list:
-        """Past the join's deadline: the ranks missing, or the room not found."""
-        if self.state != JOINING or self._deadline is None or now < self._deadline:
+        """Past the join's deadline: the ranks missing, or the room not found; past the
+        wait for a rank with this one's secret: the secret taken for a wrong one."""
+        if self.state != JOINING:
+            return []
+        if self._other_secret_deadline is not None and now >= self._other_secret_deadline:
+            return self._fail(SecretMismatchError(
+                f"job '{self.job}' rank {self.rank}: ranks of a job named '{self.job}' are "
+                f"waiting on the {self.where} with a different secret, and no rank with "
+                f"this one's secret joined: give every rank of the job the same secret "
+                f"(secret=, SWITCHML_JOB_SECRET), or none to all"))
+        if self._deadline is None or now < self._deadline:
             return []
         waiting = self._waiting
         if waiting is not None:
@@ -218,9 +252,12 @@ class ControlClient:
                 f"job '{self.job}' waited {self.wait_for_slots:g}s for room in the "
                 f"{self.where}: {waiting.message} (limit: {waiting.limit})", waiting.limit))
         missing = sorted(set(range(self.world_size)) - set(self._present))
+        other = ("; a rank joined under this job's name with another secret (or none) "
+                 "meanwhile: every rank of a job needs the same secret (secret=, "
+                 "SWITCHML_JOB_SECRET)" if self._other_secret_seen else "")
         return self._fail(SwitchMLTimeoutError(
-            f"job '{self.job}': ranks {missing} did not join within {self.timeout:g}s",
-            missing))
+            f"job '{self.job}': ranks {missing} did not join within {self.timeout:g}s"
+            f"{other}", missing))
 
     def _on_event(self, event, now: float) -> list:
         if isinstance(event, Failed):
@@ -233,11 +270,19 @@ class ControlClient:
                 return self._answer(event)
             if isinstance(event, Gathered):
                 self.gathered = event
+                self._other_secret_deadline = None
             elif isinstance(event, Ready):
                 self.state, self.ready = RUNNING, event
             elif isinstance(event, Joined):  # (again) gathering ranks: the join deadline holds
                 self._present, self._waiting = event.present, None
                 self._deadline = self._join_deadline
+                if len(event.present) > 1:  # a rank with this one's secret: it is right
+                    self._other_secret_deadline = None
+            elif isinstance(event, OtherSecretWaiting):
+                if len(self._present) <= 1:
+                    self._other_secret_deadline = now + self.other_secret_grace
+            elif isinstance(event, OtherSecretSeen):
+                self._other_secret_seen = True
             elif isinstance(event, Waiting):
                 if self._waiting is None:
                     self._deadline = now + self.wait_for_slots
