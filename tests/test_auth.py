@@ -227,6 +227,16 @@ def test_a_rank_of_its_own_secret_within_the_grace_keeps_a_first_rank_joined(ctl
     assert s.client.ready is None and s.client.error is None
 
 
+def test_a_process_holding_some_ranks_of_a_name_does_not_make_a_first_rank_give_up(ctl):
+    """A squatter (or another job of the same name) holding rank 1 of three: the real
+    rank 0 would not complete it, so it is not told, and waits for its own ranks."""
+    rank(ctl, 9, 1, 3, secret="guessed").join()
+    a = rank(ctl, 1, 0, 3, secret=SECRET)
+    a.join()
+    assert not [e for e in a.events if isinstance(e, protocol.OtherSecretWaiting)]
+    assert a.client.get_timer() == pytest.approx(0.0 + 10)  # its timeout, not the grace
+
+
 def test_ranks_that_cannot_be_one_job_are_not_told_to_give_up(ctl):
     """Another world size, or a rank the waiting job has already: not one job with a
     mistyped secret, so the new rank is not told to give up."""

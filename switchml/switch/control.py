@@ -35,7 +35,7 @@ its public key (``Join.key``, derived from the job's secret: ``auth.py``), so a
 process that knows the name but not the secret is another job, which never
 holds a rank of the real one nor sees its sums.  A job's first rank that joins
 while ranks of another key gather under the same name is told so
-(``OtherSecretWaiting``), where it could be one of theirs, and they are told
+(``OtherSecretWaiting``), where it is the one rank theirs lacks, and they are told
 that a join with another secret was seen (``OtherSecretSeen``): a mistyped
 secret fails fast, and neither learns more of the other.  A join or gather that carries
 a key, and every one where the switch has an admission token, is answered with
@@ -381,8 +381,8 @@ class Controller:
     def _other_secrets(self, job: JobEntry, conn, rank: int) -> list:
         """The first rank of a job joined under a name that ranks of another key
         (another secret, or none) gather under: they hear that a join with another
-        secret was seen, and the new rank, where it could be one of theirs (the
-        same world size, a rank they lack), that they wait with another secret
+        secret was seen, and the new rank, where it is the one rank theirs lacks
+        (the same world size, every other rank there), that they wait with another secret
         (``OtherSecretWaiting``), so that a mistyped secret fails in a second,
         not at the timeout.  Nothing else about either job goes to the other."""
         others = [j for j in self.jobs.values()
@@ -395,8 +395,11 @@ class Controller:
                     job.name, rank)
         seen = protocol.OtherSecretSeen(job.name)
         out: list = [(c, seen) for other in others for c in _members(other)]
+        # only where it would complete theirs: a process that holds some ranks of a
+        # name cannot make a real job's first rank give up, and two jobs that share
+        # a name (the default one) do not make each other fail
         if any(other.world_size == job.world_size and rank not in other.conns
-               for other in others):
+               and len(other.conns) == other.world_size - 1 for other in others):
             out.append((conn, protocol.OtherSecretWaiting(job.name)))
         return out
 
