@@ -23,12 +23,13 @@ whose job ended (or was refused) while it stays open enters again, with a fresh
 deadline (``arrive``).
 
 Nothing here reads a clock or touches a socket: the server passes the time in,
-closes what ``arrive`` and ``expire`` return, and wakes up at ``next_deadline``.
+closes what ``arrive`` and ``expire`` return (counting them by their reason), and
+wakes up at ``next_deadline``.
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,8 +67,6 @@ class Lobby:
         # later than those before it (arrival or renewal is the latest).
         self._waiting: OrderedDict[Any, tuple[str, float]] = OrderedDict()
         self._by_source: dict[str, OrderedDict[Any, None]] = {}
-        #: Connections closed, by reason (``REASONS``).
-        self.closed: Counter = Counter()
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -81,7 +80,7 @@ class Lobby:
 
     def arrive(self, conn, source: str, now: float) -> list[Closing]:
         """``conn`` from ``source`` waits to join until ``now + deadline``.  Returns
-        the connections to close to make room for it (each counted): the oldest
+        the connections to close to make room for it: the oldest
         of its own source when that source is at its cap, else the oldest of all
         when the lobby is full."""
         self.leave(conn)
@@ -114,7 +113,7 @@ class Lobby:
             del self._by_source[source]
 
     def expire(self, now: float) -> list[Closing]:
-        """The connections whose deadline is ``now`` or past (each counted)."""
+        """The connections whose deadline is ``now`` or past, to close."""
         out = []
         while self._waiting:
             conn, (_, deadline) = next(iter(self._waiting.items()))
@@ -132,5 +131,4 @@ class Lobby:
     def _evict(self, conn, reason: str) -> Closing:
         source = self._waiting[conn][0]
         self.leave(conn)
-        self.closed[reason] += 1
         return Closing(conn, source, reason)

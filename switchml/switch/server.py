@@ -625,14 +625,23 @@ class Switch:
             self._selector.register(sock, selectors.EVENT_READ, conn)
             with self._lock:
                 self._close_for_lobby(self.lobby.arrive(sock, conn.source, time.monotonic()))
+            # A client sends its join as it connects: often here already, taken now,
+            # it never waits in the lobby among a flood that would push it out.
+            self._on_control(conn)
         return True
 
     # -------------------------------------------------------------- the lobby
     def _close_for_lobby(self, closings: list[Closing]) -> None:
-        """Close what the lobby let go, each counted by its reason (under the lock)."""
+        """Close what the lobby let go, each counted by its reason (under the lock).
+        Each gets a last look first: a complete request it sent that is not read
+        yet is taken, and a connection it made a member stays (part of a line
+        does not save it)."""
         for closing in closings:
             conn = self._conns.get(closing.conn)
             if conn is None:
+                continue
+            self._on_control(conn, settle=False)
+            if conn.sock not in self._conns or self._control.holds(conn.sock):
                 continue
             self.pipeline.counters[LOBBY_COUNTERS[closing.reason]] += 1
             self._lobby_sources[closing.source] += 1
@@ -683,10 +692,14 @@ class Switch:
                         sum(fresh.values()), ", ".join(f"{reason} {n}" for reason, n in
                                                        sorted(fresh.items())), top)
 
-    def _on_control(self, conn: _Connection) -> None:
+    def _on_control(self, conn: _Connection, *, settle: bool = True) -> None:
+        """Read and answer what ``conn`` sent; ``settle``: then its place in the lobby
+        follows (``_settle``), not while the lobby is closing it."""
         try:
             data = conn.sock.recv(65536)
             messages = conn.reader.feed(data) if data else None
+        except BlockingIOError:  # nothing yet (a look when accepted, or a last look)
+            return
         except OSError as exc:
             self._hang_up(conn, "control_lost", logging.INFO, "control connection lost: %s", exc)
             return
@@ -709,7 +722,8 @@ class Switch:
                     log.exception("controller failed on %r", message)
                     replies.append((conn.sock, Error("internal error").to_dict()))
             self._send(replies)
-            self._settle(conn, messages, time.monotonic())
+            if settle:
+                self._settle(conn, messages, time.monotonic())
 
     def _hang_up(self, conn: _Connection, counter: str, level: int, why: str, *args) -> None:
         """Close a control connection for a reason, counted as ``counter`` and logged;
