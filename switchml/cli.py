@@ -94,6 +94,13 @@ def _table(header: list, rows: list) -> list:
                       for i, (c, w) in enumerate(zip(row, widths))).rstrip() for row in cells]
 
 
+#: The reasons a switch closes control connections, in words (``stats()["control"]``).
+CLOSED_WORDS = {"join_deadline": "did not join within the deadline",
+                "source_cap": "over the cap of one address", "unjoined_cap": "over the cap of all",
+                "bad_message": "bad message", "slow_reader": "did not read its replies",
+                "lost": "lost"}
+
+
 def format_stats(stats: dict) -> str:
     """The counters of ``fetch_stats`` as tables: jobs, then drops by reason and job."""
     admission = stats.get("admission", {})
@@ -102,6 +109,18 @@ def format_stats(stats: dict) -> str:
              f"{stats['packet_elements']}, jobs running {running} (max "
              f"{admission.get('max_jobs', '?')}), cpu {stats.get('cpu_s', 0):.2f}s over "
              f"{stats.get('uptime_s', 0):.1f}s"]
+    control = stats.get("control")
+    if control is not None:
+        limit = control.get("descriptor_limit")
+        lines.append(f"control connections {control['connections']} ({control['unjoined']} "
+                     f"not joined; at most {control['max_unjoined']}, "
+                     f"{control['max_unjoined_per_source']} from one address; join deadline "
+                     f"{control['join_deadline_s']:g}s), descriptor limit "
+                     f"{limit if limit is not None else 'none'}")
+        closed = {k: v for k, v in control["closed"].items() if v}
+        if closed:
+            lines.append("control connections closed: " + ", ".join(
+                f"{CLOSED_WORDS.get(k, k)} {v}" for k, v in closed.items()))
     jobs = [(name, "running", job) for name, job in stats["jobs"].items()]
     jobs += [(name, job.get("state", "ended"), job) for name, job in stats["ended_jobs"].items()]
     rows = []
