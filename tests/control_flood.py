@@ -19,8 +19,12 @@ PARTIAL = b'{"partial": '
 
 def flood(host: str, port: int, source: str, count: int, seconds: float) -> dict:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    most_open = min(hard - 64, 8000)
+    target = 65536 if hard == resource.RLIM_INFINITY else hard
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        target = soft
+    most_open = max(64, min(target - 64, 8000))
     sel = selectors.DefaultSelector()
     connecting: set = set()
     opened_at: dict = {}
@@ -38,7 +42,7 @@ def flood(host: str, port: int, source: str, count: int, seconds: float) -> dict
             connecting.add(sock)
             sel.register(sock, selectors.EVENT_WRITE)
             started += 1
-        for key, events in sel.select(0.02):
+        for key, _ in sel.select(0.02):
             sock = key.fileobj
             now = time.monotonic()
             if sock in connecting:

@@ -201,7 +201,7 @@ def test_more_connections_than_file_descriptors_do_not_kill_the_switch():
         assert proc.poll() is None
         stats = json.loads(subprocess.run(CLI + ["stats", "--switch", address, "--json"],
                                           capture_output=True, text=True, check=True).stdout)
-        assert stats["counters"].get("control_accept_errors", 0) > 0, (stats["counters"], stats["control"], stats["admission"]["refused"])  # it ran out
+        assert stats["counters"].get("control_accept_errors", 0) > 0, stats["counters"]
     finally:
         proc.terminate()
         proc.wait(timeout=10)
