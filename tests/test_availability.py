@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import switchml
 from switchml import config
-from switchml.protocol import Join, StatsQuery
+from switchml.protocol import Join, Leave, StatsQuery
 from switchml.switch import descriptors
 from switchml.switch.lobby import JOIN_DEADLINE, SOURCE_CAP, UNJOINED_CAP, Lobby
 from switchml.switch.server import Switch
@@ -364,11 +364,27 @@ def test_a_gathering_rank_outlives_the_deadline_and_a_monitor_renews_it():
         rank1 = _open(sw.address, Join("pair", 1, 2, ("127.0.0.1", 10)).encode())
         rank0.settimeout(2)
         assert b'"ready"' in rank0.recv(65536) or b'"ready"' in rank0.recv(65536)
-        time.sleep(0.7)
+        for rank in (rank0, rank1):
+            rank.sendall(Leave().encode())  # the job ends; the connections stay open
+        time.sleep(0.8)
         assert not _still_open(monitor)  # it stopped asking
+        assert not _still_open(rank0) and not _still_open(rank1)  # in the lobby again
         for conn in (rank0, rank1, monitor, idle):
             conn.close()
-        assert sw.stats()["control"]["closed"]["join_deadline"] == 2
+        assert sw.stats()["control"]["closed"]["join_deadline"] == 4
+
+
+def test_the_lobby_settings_are_checked_and_read_from_the_environment():
+    for bad in ({"join_deadline": 0}, {"join_deadline": float("nan")}, {"max_unjoined": 0},
+                {"max_unjoined_per_source": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            config.SwitchConfiguration(**bad)
+    cfg = config.SwitchConfiguration.from_env(environ={
+        "SWITCHML_JOIN_DEADLINE": "1.5", "SWITCHML_MAX_UNJOINED": "100",
+        "SWITCHML_MAX_UNJOINED_PER_SOURCE": "10"})
+    assert (cfg.join_deadline, cfg.max_unjoined, cfg.max_unjoined_per_source) == (1.5, 100, 10)
+    lobby = Switch(configuration=cfg.replace(max_unjoined_per_source=500)).lobby
+    assert (lobby.deadline, lobby.max_total, lobby.max_per_source) == (1.5, 100, 100)
 
 
 def test_a_rack_switch_and_its_spine_close_what_does_not_join_and_keep_their_jobs():

@@ -100,6 +100,11 @@ LISTEN_BACKLOG = 4096
 #: Seconds between looks for connections that stopped being members (their job ended
 #: or was refused while they stay open): they wait in the lobby again.
 LOBBY_SWEEP_INTERVAL = 1.0
+#: ... and the soonest look after a request or a close that may have ended a job
+#: (at most one look this often, whatever the rate of joins and leaves).
+LOBBY_SWEEP_SOON = 0.05
+#: Requests after which a connection that is no member may have ended others' jobs.
+MEMBERSHIP_REQUESTS = ("join", "rack_join", "prove", "leave", "abort")
 #: Seconds between the WARNING summaries of connections the lobby closed.
 LOBBY_LOG_INTERVAL = 10.0
 #: Requests an operator makes without joining: answered, they renew the join deadline.
@@ -209,6 +214,7 @@ class Switch:
                            config.max_unjoined_per_source)
         #: The soft RLIMIT_NOFILE the switch runs with (raised at start); None: none.
         self.descriptor_limit: int | None = None
+        self._next_lobby_sweep = 0.0
         self._lobby_closed_logged: Counter = Counter()
         self._lobby_sources: Counter = Counter()  # sources of the closes not yet logged
 
@@ -388,7 +394,7 @@ class Switch:
         view = memoryview(buf)
         accept_paused_until = None
         next_cpu_read = next_sweep = 0.0
-        next_lobby_sweep = next_lobby_log = time.monotonic()
+        next_lobby_log = time.monotonic()
         try:
             while self._running:
                 with self._lock:
@@ -402,6 +408,7 @@ class Switch:
                         busy = self._drain(buf, view)
                     if self.pipeline.has_mismatches:  # ranks disagree: fail their job now
                         self._send(self._control.handle_mismatches())
+                        self._sweep_lobby_soon(time.monotonic())
                 now = time.monotonic()
                 if now >= next_cpu_read:  # a syscall: not once per batch of datagrams
                     next_cpu_read = now + CPU_READ_INTERVAL
@@ -415,8 +422,8 @@ class Switch:
                         log.info("the XDP switch of port %d on this interface is gone: its "
                                  "program is out of the dispatcher", port)
                 self._expire_lobby(now)
-                if now >= next_lobby_sweep:
-                    next_lobby_sweep = now + LOBBY_SWEEP_INTERVAL
+                if now >= self._next_lobby_sweep:
+                    self._next_lobby_sweep = now + LOBBY_SWEEP_INTERVAL
                     self._sweep_lobby(now)
                 if now >= next_lobby_log:
                     next_lobby_log = now + LOBBY_LOG_INTERVAL
@@ -425,6 +432,7 @@ class Switch:
                 deadline = self.lobby.next_deadline()
                 if deadline is not None:
                     wait = min(wait, deadline - now)
+                wait = min(wait, self._next_lobby_sweep - now)
                 if accept_paused_until is not None:
                     if now >= accept_paused_until:
                         sel.register(tcp, selectors.EVENT_READ, "accept")
@@ -664,10 +672,17 @@ class Switch:
             return
         if self._control.holds(sock):
             self.lobby.leave(sock)
-        elif sock not in self.lobby:
+            return
+        ops = {m.get("op") for m in messages if isinstance(m, dict)}
+        if not ops.isdisjoint(MEMBERSHIP_REQUESTS):  # others' jobs may have ended with it
+            self._sweep_lobby_soon(now)
+        if sock not in self.lobby:
             self._close_for_lobby(self.lobby.arrive(sock, conn.source, now))
-        elif any(isinstance(m, dict) and m.get("op") in OPERATOR_REQUESTS for m in messages):
+        elif not ops.isdisjoint(OPERATOR_REQUESTS):
             self.lobby.renew(sock, now)
+
+    def _sweep_lobby_soon(self, now: float) -> None:
+        self._next_lobby_sweep = min(self._next_lobby_sweep, now + LOBBY_SWEEP_SOON)
 
     def _sweep_lobby(self, now: float) -> None:
         """Connections neither members nor waiting (another's request ended their job)
@@ -739,6 +754,8 @@ class Switch:
         """Forget a control connection; the controller fails or shrinks its job."""
         if self._conns.pop(conn.sock, None) is None:
             return
+        if conn.sock not in self.lobby:  # a member: its job fails or shrinks
+            self._sweep_lobby_soon(time.monotonic())
         self.lobby.leave(conn.sock)
         self._selector.unregister(conn.sock)
         replies = self._control.handle_disconnect(conn.sock)
