@@ -23,13 +23,19 @@ LIMITS = f"""limits (each refused with an error that names it):
   at most --max-jobs jobs running at once (max_jobs);
   a job's window of slots must fit in the free part of the pool (slots): a job
     that does not fit is refused, or waits if its workers pass wait_for_slots;
-  at most 65535 slots in the pool."""
+  at most 65535 slots in the pool;
+  a control connection must join (or ask for stats) within --join-deadline
+    seconds; at most --max-unjoined connections that have not joined, and
+    --max-unjoined-per-source from one address: one more closes the oldest;
+  the descriptors the jobs may need must fit in the hard RLIMIT_NOFILE (the
+    switch raises its soft limit to it at start)."""
 
 
 #: ``switchml switch``'s flags that are settings of the switch (SwitchConfiguration).
 SWITCH_FLAGS = ("host", "port", "slots", "packet_elements", "block_elements", "slots_per_job",
                 "max_jobs", "metrics_port", "metrics_host", "keepalive", "drop_rate", "seed",
-                "upstream", "shared_link", "token_file", "data_plane", "threads")
+                "upstream", "shared_link", "token_file", "data_plane", "threads",
+                "join_deadline", "max_unjoined", "max_unjoined_per_source")
 
 
 def switch_configuration(args, environ=None) -> config.SwitchConfiguration:
@@ -88,6 +94,13 @@ def _table(header: list, rows: list) -> list:
                       for i, (c, w) in enumerate(zip(row, widths))).rstrip() for row in cells]
 
 
+#: The reasons a switch closes control connections, in words (``stats()["control"]``).
+CLOSED_WORDS = {"join_deadline": "did not join within the deadline",
+                "source_cap": "over the cap of one address", "unjoined_cap": "over the cap of all",
+                "bad_message": "bad message", "slow_reader": "did not read its replies",
+                "lost": "lost"}
+
+
 def format_stats(stats: dict) -> str:
     """The counters of ``fetch_stats`` as tables: jobs, then drops by reason and job."""
     admission = stats.get("admission", {})
@@ -96,6 +109,18 @@ def format_stats(stats: dict) -> str:
              f"{stats['packet_elements']}, jobs running {running} (max "
              f"{admission.get('max_jobs', '?')}), cpu {stats.get('cpu_s', 0):.2f}s over "
              f"{stats.get('uptime_s', 0):.1f}s"]
+    control = stats.get("control")
+    if control is not None:
+        limit = control.get("descriptor_limit")
+        lines.append(f"control connections {control['connections']} ({control['unjoined']} "
+                     f"not joined; at most {control['max_unjoined']}, "
+                     f"{control['max_unjoined_per_source']} from one address; join deadline "
+                     f"{control['join_deadline_s']:g}s), descriptor limit "
+                     f"{limit if limit is not None else 'none'}")
+        closed = {k: v for k, v in control["closed"].items() if v}
+        if closed:
+            lines.append("control connections closed: " + ", ".join(
+                f"{CLOSED_WORDS.get(k, k)} {v}" for k, v in closed.items()))
     jobs = [(name, "running", job) for name, job in stats["jobs"].items()]
     jobs += [(name, job.get("state", "ended"), job) for name, job in stats["ended_jobs"].items()]
     rows = []
@@ -185,6 +210,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds within which a worker whose host vanished without closing "
                         f"its connection is noticed and its job failed ($SWITCHML_KEEPALIVE, "
                         f"default {config.DEFAULT_KEEPALIVE:g})")
+    p.add_argument("--join-deadline", type=float,
+                   help="seconds a control connection has to join a job (or ask for stats) "
+                        f"before the switch closes it ($SWITCHML_JOIN_DEADLINE, default "
+                        f"{config.DEFAULT_JOIN_DEADLINE:g})")
+    p.add_argument("--max-unjoined", type=int,
+                   help="control connections that have not joined, at most; one more closes "
+                        f"the oldest ($SWITCHML_MAX_UNJOINED, default "
+                        f"{config.DEFAULT_MAX_UNJOINED})")
+    p.add_argument("--max-unjoined-per-source", type=int,
+                   help="... from one source address; one more closes that address's oldest "
+                        f"($SWITCHML_MAX_UNJOINED_PER_SOURCE, default "
+                        f"{config.DEFAULT_MAX_UNJOINED_PER_SOURCE})")
     p.add_argument("--drop-rate", type=float,
                    help="simulated drop probability on ingress and on egress "
                         "($SWITCHML_DROP_RATE, default 0)")

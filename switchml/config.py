@@ -44,6 +44,14 @@ SWITCHML_METRICS_PORT       a switch's Prometheus port               (none)
 SWITCHML_KEEPALIVE          seconds within which a vanished peer     20
                             of a control connection is noticed
                             (switch and worker)
+SWITCHML_JOIN_DEADLINE      seconds a switch gives a control         5
+                            connection to join (or ask for stats)
+                            before it closes it
+SWITCHML_MAX_UNJOINED       control connections a switch holds that  256
+                            have not joined; one more closes the
+                            oldest
+SWITCHML_MAX_UNJOINED\_     ... from one source address; one more    64
+  PER_SOURCE                closes that source's oldest
 SWITCHML_WAIT_FOR_SLOTS     seconds a worker waits for room          0
 SWITCHML_DROP_RATE          a switch's simulated drop probability    0
 SWITCHML_SPARSE_AUTO_UNION  ``sparse="auto"`` goes sparse when the   0.5
@@ -117,6 +125,12 @@ DEFAULT_TIMEOUT = 30.0
 #: Seconds within which a control connection's peer that vanished without
 #: closing it (host down, cable cut) is noticed, by TCP keepalive probes.
 DEFAULT_KEEPALIVE = 20.0
+#: Seconds a control connection has to join (or ask for stats) before the
+#: switch closes it (switch/lobby.py).
+DEFAULT_JOIN_DEADLINE = 5.0
+#: Control connections that have not joined, in all and from one source address.
+DEFAULT_MAX_UNJOINED = 256
+DEFAULT_MAX_UNJOINED_PER_SOURCE = 64
 #: Largest keepalive bound: Linux refuses a TCP_KEEPIDLE above 32767 s.
 MAX_KEEPALIVE = 32767
 #: Bytes of a local-stage segment (worker/local/stage.py): a call is combined on a host,
@@ -251,6 +265,9 @@ SWITCH_VARIABLES = {
     "threads": ("SWITCH_THREADS", int),
     "shared_link": ("SHARED_LINK", parse_flag),
     "token_file": ("SWITCH_TOKEN_FILE", str),
+    "join_deadline": ("JOIN_DEADLINE", float),
+    "max_unjoined": ("MAX_UNJOINED", int),
+    "max_unjoined_per_source": ("MAX_UNJOINED_PER_SOURCE", int),
 }
 
 
@@ -294,7 +311,12 @@ class SwitchConfiguration:
     loopback, it is not), ``token_file`` (a file holding the switch's admission
     token: without proof of it no job can be created; ``SWITCHML_SWITCH_TOKEN``
     gives the token itself; a rack switch relays its workers' proofs to its
-    spine, which checks them, so it takes none).
+    spine, which checks them, so it takes none), ``join_deadline`` (seconds a
+    control connection has to join a job or gathering, or to ask for stats,
+    before the switch closes it), ``max_unjoined`` and
+    ``max_unjoined_per_source`` (control connections that have not joined, in
+    all and from one source address: one more closes the oldest, of its source
+    or of all; members of jobs are never closed for them: switch/lobby.py).
     """
 
     host: str = "127.0.0.1"
@@ -316,6 +338,9 @@ class SwitchConfiguration:
     upstream: str | None = None
     shared_link: bool = False
     token_file: str | None = None
+    join_deadline: float = DEFAULT_JOIN_DEADLINE
+    max_unjoined: int = DEFAULT_MAX_UNJOINED
+    max_unjoined_per_source: int = DEFAULT_MAX_UNJOINED_PER_SOURCE
 
     def __post_init__(self):
         # Checked here, so that a switch started in a child process (SwitchProcess)
@@ -327,6 +352,12 @@ class SwitchConfiguration:
         if self.max_jobs < 1:
             raise ValueError(f"max_jobs must be at least 1, got {self.max_jobs}")
         check_keepalive(self.keepalive)
+        if not 0 < self.join_deadline < float("inf"):  # also refuses NaN
+            raise ValueError(f"join_deadline must be a positive number of seconds, got "
+                             f"{self.join_deadline}")
+        if self.max_unjoined < 1 or self.max_unjoined_per_source < 1:
+            raise ValueError(f"max_unjoined and max_unjoined_per_source must be at least 1, "
+                             f"got {self.max_unjoined} and {self.max_unjoined_per_source}")
         if self.data_plane not in DATA_PLANES:
             raise ValueError(f"data_plane must be one of {', '.join(DATA_PLANES[:-1])} or None, "
                              f"got {self.data_plane!r}")

@@ -24,7 +24,7 @@ CLI = [sys.executable, "-m", "switchml.cli"]
 def test_switch_command_serves_and_reports_stats():
     proc = subprocess.Popen(CLI + ["switch", "--port", "0", "--slots", "16",
                                    "--packet-elements", "512", "--log-level", "warning",
-                                   "--metrics-port", "0"],
+                                   "--metrics-port", "0", "--join-deadline", "0.3"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=interruptible)
     try:
@@ -40,7 +40,11 @@ def test_switch_command_serves_and_reports_stats():
         for _ in range(3):
             junk.sendto(b"junk", config.parse_address(address))
         junk.close()
-        time.sleep(0.2)
+        idle = socket.create_connection(config.parse_address(address))
+        idle.sendall(b'{"op": ')
+        time.sleep(0.5)  # past the join deadline
+        assert idle.recv(100) == b""
+        idle.close()
         table = subprocess.run(CLI + ["stats", "--switch", address], capture_output=True,
                                text=True, timeout=30)
         assert table.returncode == 0, table.stderr
@@ -49,6 +53,8 @@ def test_switch_command_serves_and_reports_stats():
         assert rows["cli-test"][:7] == ["cli-test", session, "ended", "1", "0..15", "4", "4"]
         assert rows["unknown_source"] == ["unknown_source", "3", "0"]  # (no job), cli-test
         assert rows["jobs_started"] == ["jobs_started", "1"]
+        assert rows["jobs_unauthenticated"] == ["jobs_unauthenticated", "1"]
+        assert "control connections closed: did not join within the deadline 1" in table.stdout
         raw = subprocess.run(CLI + ["stats", "--switch", address, "--json"],
                              capture_output=True, text=True, timeout=30)
         stats = json.loads(raw.stdout)
@@ -59,6 +65,9 @@ def test_switch_command_serves_and_reports_stats():
         assert f'switchml_job_results_completed_total{{job="cli-test",session="{session}"}} 4.0' \
             in metrics
         assert 'switchml_dropped_packets_total{reason="unknown_source"} 3.0' in metrics
+        assert 'switchml_control_closed_total{reason="join_deadline"} 1.0' in metrics
+        assert 'switchml_control_closed_total{reason="source_cap"} 0.0' in metrics
+        assert 'switchml_control_connections{state="unjoined"}' in metrics
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=10) == 0

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import switchml
 from switchml.netutil import unacknowledged
+from switchml.protocol import Join
 from switchml.switch import server
 from switchml.switch.control import Controller
 from switchml.switch.dataplane.pipeline import Pipeline
@@ -169,12 +170,17 @@ def test_replies_held_by_the_kernel_count_toward_the_backlog_bound(switch, monke
 
 
 def _low_fd_limit():
-    resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (120, 120))
 
 
 def test_more_connections_than_file_descriptors_do_not_kill_the_switch():
-    proc = subprocess.Popen(CLI + ["switch", "--port", "0", "--slots", "8",
-                                   "--packet-elements", "512", "--log-level", "error"],
+    """Members are never closed for room (the lobby's caps bound only connections
+    that have not joined), so enough of them (each a rank of a job of its own
+    that never gathers its second rank) exhaust the descriptors: the switch
+    pauses accepting, and serves again once they go."""
+    proc = subprocess.Popen(CLI + ["switch", "--port", "0", "--slots", "8", "--max-jobs", "1",
+                                   "--max-unjoined", "8", "--packet-elements", "512",
+                                   "--log-level", "error"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=_low_fd_limit)
     try:
@@ -182,13 +188,20 @@ def test_more_connections_than_file_descriptors_do_not_kill_the_switch():
         assert "listening on" in line, line + proc.stderr.read()
         address = line.split("SWITCHML_SWITCH=")[1].strip()
         host, port = address.rsplit(":", 1)
-        flood = [socket.create_connection((host, int(port))) for _ in range(60)]
+        flood = []
+        for i in range(150):
+            conn = socket.create_connection((host, int(port)))
+            conn.sendall(Join(f"squat{i}", 0, 2, ("127.0.0.1", 9)).encode())
+            flood.append(conn)
         time.sleep(0.5)  # the switch runs out of descriptors accepting them
         for conn in flood:
             conn.close()
         time.sleep(0.3)
         job_still_works(address)
         assert proc.poll() is None
+        stats = json.loads(subprocess.run(CLI + ["stats", "--switch", address, "--json"],
+                                          capture_output=True, text=True, check=True).stdout)
+        assert stats["counters"].get("control_accept_errors", 0) > 0, stats["counters"]
     finally:
         proc.terminate()
         proc.wait(timeout=10)

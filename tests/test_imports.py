@@ -136,8 +136,9 @@ def test_no_module_of_the_package_imports_the_checkouts_folders():
 LAYERS = [
     ["errors", "config", "auth", "netutil", "wire", "quant", "protocol", "buffers"],
     # the host records the rendezvous exchanges are the local stage's lowest part
-    ["switch.dataplane", "worker.engine", "switch.gather", "worker.local.hosts"],
-    ["switch.xdp", "switch.control", "worker.control", "worker.rendezvous", "worker.calls"],
+    ["switch.dataplane", "worker.engine", "switch.gather", "switch.lobby", "worker.local.hosts"],
+    ["switch.xdp", "switch.control", "switch.descriptors", "worker.control",
+     "worker.rendezvous", "worker.calls"],
     ["switch.racks", "worker.multi"],
     ["switch.server", "switch.process", "switch.metrics", "worker.local"],
     ["worker.client", "switch", "worker"],

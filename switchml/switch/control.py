@@ -164,6 +164,12 @@ class Controller:
         #: Ranks exchanging their host records before they join (``protocol.Gather``).
         self.gatherings = Gatherings(limit=max_jobs)
 
+    def holds(self, conn) -> bool:
+        """Whether ``conn`` holds a rank of a job (gathering, waiting or running) or of
+        a gathering of host records: a member, which the server never closes for
+        being slow to join (``lobby.py``)."""
+        return conn in self._conn_job or self.gatherings.holds(conn)
+
     def handle_message(self, conn, msg) -> list:
         """Answer one message: a decoded JSON line (a dict, as the server reads it) or a
         ``protocol.Request``.  Returns (connection, event's JSON object) pairs."""
@@ -482,7 +488,8 @@ class Controller:
         log.info("job %s started: session %08x, %d ranks, slots %d..%d", job.name, session,
                  job.world_size, base, base + job.slot_count - 1)
         if job.key is None:
-            self.pipeline.counters["jobs_open"] += 1
+            self.pipeline.counters["jobs_unauthenticated"] += 1
+            self.pipeline.counters["jobs_open"] += 1  # its old name, kept for one version
             if self.loopback_only:  # no other host reaches it: nothing to warn of
                 log.info("job %s is unauthenticated (the switch listens on loopback: only "
                          "this host's processes can join it)", job.name)

@@ -53,6 +53,10 @@ class Gatherings:
     def __len__(self) -> int:
         return len(self._open)
 
+    def holds(self, conn) -> bool:
+        """Whether ``conn`` holds a rank of an open gathering."""
+        return conn in self._conn
+
     def gather(self, conn, request: Gather) -> list:
         """Take one rank's value: (connection, event) pairs to send; GatherRefused."""
         name, ident = request.job, (request.job, request.key)

@@ -27,6 +27,12 @@ control_events_total               event                  jobs started / ended /
                                                           refused, control connections hung up
                                                           (bad message, slow reader, lost), errors
 joins_refused_total                reason                 refused joins by reason or limit
+control_closed_total               reason                 control connections the switch closed:
+                                                          join_deadline, source_cap,
+                                                          unjoined_cap (switch/lobby.py),
+                                                          bad_message, slow_reader, lost
+control_connections                state                  joined (members) and unjoined
+descriptor_limit                                          the switch's RLIMIT_NOFILE
 slots / slots_free                                        the pool and its free part
 jobs                               state                  running, waiting for room, gathering
 max_jobs / max_workers                                    limits
@@ -141,6 +147,24 @@ class SwitchCollector:
         for reason, value in sorted(admission.get("refused", {}).items()):
             refused.add_metric([reason], value)
         yield refused
+        control = stats.get("control")
+        if control is not None:
+            closed = CounterMetricFamily("switchml_control_closed",
+                                         "control connections the switch closed, by reason",
+                                         labels=["reason"])
+            for reason, value in sorted(control["closed"].items()):
+                closed.add_metric([reason], value)
+            yield closed
+            connections = GaugeMetricFamily("switchml_control_connections",
+                                            "control connections: members of jobs (joined) "
+                                            "and waiting to join (unjoined)", labels=["state"])
+            connections.add_metric(["joined"], control["connections"] - control["unjoined"])
+            connections.add_metric(["unjoined"], control["unjoined"])
+            yield connections
+            if control.get("descriptor_limit") is not None:
+                yield GaugeMetricFamily("switchml_descriptor_limit",
+                                        "file descriptors the switch may hold (RLIMIT_NOFILE)",
+                                        value=control["descriptor_limit"])
         yield GaugeMetricFamily("switchml_slots", "slots in the pool", value=stats["slots"])
         yield GaugeMetricFamily("switchml_slots_free", "free slots", value=stats["free_slots"])
         jobs = GaugeMetricFamily("switchml_jobs", "jobs by state", labels=["state"])

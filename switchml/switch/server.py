@@ -13,6 +13,13 @@ blocking: a client that does not read them is hung up on, never waited for.  Eve
 hang-up is counted by its reason: ``control_bad_message`` (not JSON lines),
 ``control_slow_reader`` (replies not read), ``control_lost`` (the connection
 failed: reset, or timed out by TCP keepalive); a client closing is not one.
+Connections that have not joined a job wait in the ``Lobby``: closed when they
+do not join within ``join_deadline`` (``control_join_deadline``), or to make
+room under its caps (``control_source_cap``, ``control_unjoined_cap``), so that
+no flood of them takes the descriptors that members and joins need; members are
+never closed for them.  At start the switch raises its soft descriptor limit to
+the hard one and refuses a configuration that cannot fit in it
+(``descriptors.py``).
 Optionally, Prometheus metrics are served over HTTP on their own thread; they are
 read from the counters at scrape time (see ``metrics.py``).
 """
@@ -47,10 +54,12 @@ from ..netutil import (
     send_when_room,
     unacknowledged,
 )
-from ..protocol import Error
+from ..protocol import Error, StatsQuery, StatusQuery
+from . import descriptors
 from .control import Controller
 from .dataplane import fastpipeline
 from .dataplane.pipeline import Pipeline
+from .lobby import REASONS, Closing, Lobby
 from .racks.control import RackController
 from .racks.pipeline import RackPipeline, Uplink
 from .racks.uplinks import Uplinks
@@ -83,15 +92,38 @@ MAX_CONTROL_BACKLOG = 4 << 20
 ACCEPT_PAUSE = 0.2
 #: Seconds between the DEBUG summaries of dropped packets (never one line per packet).
 DROP_LOG_INTERVAL = 10.0
+#: Connections accepted at most per look at the listener: a flood is taken off the
+#: kernel's accept queue quickly (where a full queue would drop a job's SYN, and its
+#: connect would wait a second for the retry), between looks at the members.
+ACCEPT_BATCH = 64
+#: The listener's accept queue (the kernel caps it at net.core.somaxconn).
+LISTEN_BACKLOG = 4096
+#: Seconds between looks for connections that stopped being members (their job ended
+#: or was refused while they stay open): they wait in the lobby again.
+LOBBY_SWEEP_INTERVAL = 1.0
+#: ... and the soonest look after a request or a close that may have ended a job
+#: (at most one look this often, whatever the rate of joins and leaves).
+LOBBY_SWEEP_SOON = 0.05
+#: Requests after which a connection that is no member may have ended others' jobs.
+MEMBERSHIP_REQUESTS = ("join", "rack_join", "prove", "leave", "abort")
+#: Seconds between the WARNING summaries of connections the lobby closed.
+LOBBY_LOG_INTERVAL = 10.0
+#: Requests an operator makes without joining: answered, they renew the join deadline.
+OPERATOR_REQUESTS = (StatsQuery.name, StatusQuery.name)
+#: The pipeline counter of each of the lobby's reasons to close a connection.
+LOBBY_COUNTERS = {reason: f"control_{reason}" for reason in REASONS}
+#: Every reason a control connection is hung up on, as ``stats()["control"]["closed"]``.
+CLOSE_REASONS = ("bad_message", "slow_reader", "lost", *REASONS)
 
 
 class _Connection:
     """A control connection: its socket, the lines it sent so far, replies not yet sent."""
 
-    __slots__ = ("sock", "reader", "outbox")
+    __slots__ = ("sock", "source", "reader", "outbox")
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, source: str):
         self.sock = sock
+        self.source = source
         self.reader = LineReader()
         self.outbox = bytearray()
 
@@ -178,11 +210,21 @@ class Switch:
         self._sel: selectors.BaseSelector | None = None
         self._drops_logged: Counter = Counter()
         self._next_drop_log = 0.0
+        #: Control connections that have not joined: their deadline and caps.
+        self.lobby = Lobby(config.join_deadline, config.max_unjoined,
+                           config.max_unjoined_per_source)
+        #: The soft RLIMIT_NOFILE the switch runs with (raised at start); None: none.
+        self.descriptor_limit: int | None = None
+        self._next_lobby_sweep = 0.0
+        self._lobby_closed_logged: Counter = Counter()
+        self._lobby_sources: Counter = Counter()  # sources of the closes not yet logged
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> Switch:
         if self._thread is not None:
             return self
+        self.descriptor_limit = descriptors.raise_limit()
+        descriptors.check_fits(self.configuration, self.descriptor_limit)
         tcp, udp = self._tcp, self._udp = _bind_pair(self._host, self._port,
                                                      reuse_port=self.threads > 1)
         self.address = (self._host, tcp.getsockname()[1])
@@ -245,8 +287,9 @@ class Switch:
         self._thread = threading.Thread(target=self._serve, name="switchml-switch", daemon=True)
         self._thread.start()
         log.info("switch listening on %s:%d (slots=%d, packet_elements=%d, max_jobs=%d, "
-                 "data plane in %s)%s", *self.address, self.pipeline.slots,
+                 "descriptors=%s, data plane in %s)%s", *self.address, self.pipeline.slots,
                  self.pipeline.packet_elements, self._max_jobs,
+                 self.descriptor_limit if self.descriptor_limit is not None else "unlimited",
                  {"c": "C", "python": "Python", "xdp": "XDP"}[self.data_plane],
                  " as a rack switch under the spine at %s:%d" % self.upstream
                  if self.upstream else "")
@@ -284,6 +327,7 @@ class Switch:
             if self.controller is not None:
                 stats["admission"] = self.controller.admission()
             stats = json.loads(json.dumps(stats))
+            stats["control"] = self._control_stats()
         stats["data_plane"] = self.data_plane
         stats["uptime_s"] = time.monotonic() - self._started_at if self._thread else 0.0
         # the data threads' time read now: the serving thread, idle while they
@@ -291,6 +335,20 @@ class Switch:
         stats["cpu_s"] = self._cpu_seconds + (self._fast.threads_cpu_s()
                                               if self.threads > 1 else 0.0)
         return stats
+
+    def _control_stats(self) -> dict:
+        """The control connections: held, waiting to join, the lobby's settings, and
+        every hang-up by reason (``CLOSE_REASONS``)."""
+        counters = self.pipeline.counters
+        return {
+            "connections": len(self._conns),
+            "unjoined": len(self.lobby),
+            "join_deadline_s": self.lobby.deadline,
+            "max_unjoined": self.lobby.max_total,
+            "max_unjoined_per_source": self.lobby.max_per_source,
+            "descriptor_limit": self.descriptor_limit,
+            "closed": {reason: counters.get(f"control_{reason}", 0) for reason in CLOSE_REASONS},
+        }
 
     def serve_forever(self) -> None:
         """Run until KeyboardInterrupt (for the CLI)."""
@@ -338,6 +396,7 @@ class Switch:
         view = memoryview(buf)
         accept_paused_until = None
         next_cpu_read = next_sweep = 0.0
+        next_lobby_log = time.monotonic()
         try:
             while self._running:
                 with self._lock:
@@ -351,6 +410,7 @@ class Switch:
                         busy = self._drain(buf, view)
                     if self.pipeline.has_mismatches:  # ranks disagree: fail their job now
                         self._send(self._control.handle_mismatches())
+                        self._sweep_lobby_soon(time.monotonic())
                 now = time.monotonic()
                 if now >= next_cpu_read:  # a syscall: not once per batch of datagrams
                     next_cpu_read = now + CPU_READ_INTERVAL
@@ -363,7 +423,18 @@ class Switch:
                     for port in self._xdp.sweep_gone_switches():
                         log.info("the XDP switch of port %d on this interface is gone: its "
                                  "program is out of the dispatcher", port)
+                self._expire_lobby(now)
+                if now >= self._next_lobby_sweep:
+                    self._next_lobby_sweep = now + LOBBY_SWEEP_INTERVAL
+                    self._sweep_lobby(now)
+                if now >= next_lobby_log:
+                    next_lobby_log = now + LOBBY_LOG_INTERVAL
+                    self._log_lobby()
                 wait = 0 if busy else min(1.0, self._next_drop_log - now)
+                deadline = self.lobby.next_deadline()
+                if deadline is not None:
+                    wait = min(wait, deadline - now)
+                wait = min(wait, self._next_lobby_sweep - now)
                 if accept_paused_until is not None:
                     if now >= accept_paused_until:
                         sel.register(tcp, selectors.EVENT_READ, "accept")
@@ -391,6 +462,7 @@ class Switch:
             if self._uplinks is not None:
                 self._uplinks.close_all()
             for conn in list(self._conns.values()):
+                self.lobby.leave(conn.sock)
                 sel.unregister(conn.sock)
                 conn.sock.close()
             self._conns.clear()
@@ -544,26 +616,107 @@ class Switch:
         return received >= FAST_DRAIN_BATCH
 
     def _accept(self) -> bool:
-        """Accept one control connection; False when accept() failed (no descriptors)."""
-        try:
-            sock, _ = self._sockets[0].accept()
-        except BlockingIOError:
-            return True
-        except OSError as exc:
-            self.pipeline.counters["control_accept_errors"] += 1
-            log.warning("cannot accept control connections for %gs: %s", ACCEPT_PAUSE, exc)
-            return False
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        enable_keepalive(sock, self.keepalive)
-        conn = self._conns[sock] = _Connection(sock)
-        self._selector.register(sock, selectors.EVENT_READ, conn)
+        """Accept up to ACCEPT_BATCH control connections, each into the lobby (which
+        may close older ones that wait); False when accept() failed (no descriptors)."""
+        listener = self._sockets[0]
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, addr = listener.accept()
+            except BlockingIOError:
+                return True
+            except OSError as exc:
+                self.pipeline.counters["control_accept_errors"] += 1
+                log.warning("cannot accept control connections for %gs: %s", ACCEPT_PAUSE, exc)
+                return False
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            enable_keepalive(sock, self.keepalive)
+            conn = self._conns[sock] = _Connection(sock, addr[0])
+            self._selector.register(sock, selectors.EVENT_READ, conn)
+            with self._lock:
+                self._close_for_lobby(self.lobby.arrive(sock, conn.source, time.monotonic()))
+            # A client sends its join as it connects: often here already, taken now,
+            # it never waits in the lobby among a flood that would push it out.
+            self._on_control(conn)
         return True
 
-    def _on_control(self, conn: _Connection) -> None:
+    # -------------------------------------------------------------- the lobby
+    def _close_for_lobby(self, closings: list[Closing]) -> None:
+        """Close what the lobby let go, each counted by its reason (under the lock).
+        Each gets a last look first: a complete request it sent that is not read
+        yet is taken, and a connection it made a member stays (part of a line
+        does not save it)."""
+        for closing in closings:
+            conn = self._conns.get(closing.conn)
+            if conn is None:
+                continue
+            self._on_control(conn, settle=False)
+            if conn.sock not in self._conns or self._control.holds(conn.sock):
+                continue
+            self.pipeline.counters[LOBBY_COUNTERS[closing.reason]] += 1
+            self._lobby_sources[closing.source] += 1
+            log.debug("closing a control connection from %s that did not join: %s",
+                      closing.source, closing.reason)
+            self._close(conn)
+
+    def _expire_lobby(self, now: float) -> None:
+        deadline = self.lobby.next_deadline()
+        if deadline is not None and deadline <= now:
+            with self._lock:
+                self._close_for_lobby(self.lobby.expire(now))
+
+    def _settle(self, conn: _Connection, messages: list, now: float) -> None:
+        """After ``conn``'s requests: a member leaves the lobby; a connection that
+        stopped being one (its job ended or was refused) waits there again; an
+        operator's answered request gives it a fresh deadline (under the lock)."""
+        sock = conn.sock
+        if sock not in self._conns:
+            return
+        if self._control.holds(sock):
+            self.lobby.leave(sock)
+            return
+        ops = {m.get("op") for m in messages if isinstance(m, dict)}
+        if not ops.isdisjoint(MEMBERSHIP_REQUESTS):  # others' jobs may have ended with it
+            self._sweep_lobby_soon(now)
+        if sock not in self.lobby:
+            self._close_for_lobby(self.lobby.arrive(sock, conn.source, now))
+        elif not ops.isdisjoint(OPERATOR_REQUESTS):
+            self.lobby.renew(sock, now)
+
+    def _sweep_lobby_soon(self, now: float) -> None:
+        self._next_lobby_sweep = min(self._next_lobby_sweep, now + LOBBY_SWEEP_SOON)
+
+    def _sweep_lobby(self, now: float) -> None:
+        """Connections neither members nor waiting (another's request ended their job)
+        wait in the lobby again."""
+        with self._lock:
+            control = self._control
+            for sock, conn in list(self._conns.items()):
+                if sock in self._conns and sock not in self.lobby and not control.holds(sock):
+                    self._close_for_lobby(self.lobby.arrive(sock, conn.source, now))
+
+    def _log_lobby(self) -> None:
+        """One WARNING line with what the lobby closed since the last one, if anything."""
+        with self._lock:
+            closed = Counter({reason: self.pipeline.counters.get(counter, 0)
+                              for reason, counter in LOBBY_COUNTERS.items()})
+            fresh = closed - self._lobby_closed_logged
+            self._lobby_closed_logged = closed
+            sources, self._lobby_sources = self._lobby_sources, Counter()
+        if fresh:
+            top = ", ".join(f"{source} {n}" for source, n in sources.most_common(3))
+            log.warning("closed %d control connections that did not join (%s); most from %s",
+                        sum(fresh.values()), ", ".join(f"{reason} {n}" for reason, n in
+                                                       sorted(fresh.items())), top)
+
+    def _on_control(self, conn: _Connection, *, settle: bool = True) -> None:
+        """Read and answer what ``conn`` sent; ``settle``: then its place in the lobby
+        follows (``_settle``), not while the lobby is closing it."""
         try:
             data = conn.sock.recv(65536)
             messages = conn.reader.feed(data) if data else None
+        except BlockingIOError:  # nothing yet (a look when accepted, or a last look)
+            return
         except OSError as exc:
             self._hang_up(conn, "control_lost", logging.INFO, "control connection lost: %s", exc)
             return
@@ -575,6 +728,8 @@ class Switch:
             if messages is None:  # the client closed it
                 self._close(conn)
                 return
+            if not messages:  # part of a line: it buys no time (the lobby's deadline)
+                return
             replies: list = []
             for message in messages:
                 try:
@@ -584,6 +739,8 @@ class Switch:
                     log.exception("controller failed on %r", message)
                     replies.append((conn.sock, Error("internal error").to_dict()))
             self._send(replies)
+            if settle:
+                self._settle(conn, messages, time.monotonic())
 
     def _hang_up(self, conn: _Connection, counter: str, level: int, why: str, *args) -> None:
         """Close a control connection for a reason, counted as ``counter`` and logged;
@@ -599,6 +756,9 @@ class Switch:
         """Forget a control connection; the controller fails or shrinks its job."""
         if self._conns.pop(conn.sock, None) is None:
             return
+        if conn.sock not in self.lobby:  # a member: its job fails or shrinks
+            self._sweep_lobby_soon(time.monotonic())
+        self.lobby.leave(conn.sock)
         self._selector.unregister(conn.sock)
         replies = self._control.handle_disconnect(conn.sock)
         conn.sock.close()
@@ -717,7 +877,8 @@ def _bind_pair(host: str, port: int, attempts: int = 50, reuse_port: bool = Fals
             if exc.errno != errno.EADDRINUSE:
                 raise
             continue
-        tcp.listen(128)
+        tcp.listen(LISTEN_BACKLOG)
+        tcp.setblocking(False)  # accepted in batches, until the queue is empty
         _set_up_data_socket(udp)
         return tcp, udp
     raise OSError(f"could not bind TCP and UDP to one port on {host}: {last}")

@@ -315,17 +315,9 @@ class Worker:
     def _join(self, slots):
         host, port = self.switch_address
         where = f"switch at {host}:{port}"
-        try:
-            control = socket.create_connection((host, port), timeout=min(self.timeout, 10.0))
-        except OSError as exc:
-            raise SwitchUnreachableError(f"cannot reach the {where}: {exc}") from None
-        control.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            enable_keepalive(control, env("KEEPALIVE", DEFAULT_KEEPALIVE, float))
-        except ValueError:
-            control.close()
-            raise
+        keepalive = env("KEEPALIVE", DEFAULT_KEEPALIVE, float)
         udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        control = None
         try:
             # The address the switch sees us from is the one routing picks toward it.
             udp.connect((host, port))
@@ -342,10 +334,21 @@ class Worker:
             udp.setblocking(False)
             self._protocol.join(udp.getsockname(), time.monotonic(), slots=slots,
                                 rcvbuf=rcvbuf, mtu=mtu, link_share=self.link_share)
-            control.sendall(self._protocol.data_to_send())
+            # Everything ready before the connection opens, the join goes with it: a
+            # switch under a flood of connections that never join closes the oldest
+            # that have not joined (its lobby), and one that joins at once is not one.
+            try:
+                control = socket.create_connection((host, port),
+                                                   timeout=min(self.timeout, 10.0))
+                control.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                control.sendall(self._protocol.data_to_send())
+            except OSError as exc:
+                raise SwitchUnreachableError(f"cannot reach the {where}: {exc}") from None
+            enable_keepalive(control, keepalive)
             self._await_ready(control)
         except BaseException:
-            control.close()
+            if control is not None:
+                control.close()
             udp.close()
             raise
         control.setblocking(False)

@@ -70,9 +70,9 @@ def exchange_through_switch(address: tuple[str, int], job: str, rank: int, world
         raise SwitchUnreachableError(f"cannot reach the {where}: {exc}") from None
     with conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        enable_keepalive(conn, env("KEEPALIVE", DEFAULT_KEEPALIVE, float))
         client.gather(record.encode(), time.monotonic())
-        conn.sendall(client.data_to_send())
+        conn.sendall(client.data_to_send())  # at once: the switch's lobby (lobby.py)
+        enable_keepalive(conn, env("KEEPALIVE", DEFAULT_KEEPALIVE, float))
         for events in control_events(conn, client, lambda: client.gathered is not None):
             for event in events:
                 if isinstance(event, JobFailed):

@@ -119,6 +119,11 @@ class RackController:
                           for j in self.jobs.values() if not j.session],
         }
 
+    def holds(self, conn) -> bool:
+        """Whether a worker's ``conn`` holds a rank of a job here, or a gather relayed
+        to the spine (``Controller.holds``)."""
+        return conn in self._conn_job or conn in self._conn_gather
+
     # ------------------------------------------------------------------ from workers
     def handle_message(self, conn, msg) -> list:
         try:
