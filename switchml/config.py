@@ -70,10 +70,10 @@ SWITCHML_PURE_PYTHON        1: the Python data plane and engine      0
 SWITCHML_DATA_PLANE         a switch's data plane: python, c or      (C when
                             xdp (an XDP program on the interface     built)
                             holding its host address; root)
-SWITCHML_SWITCH_THREADS     data threads of a switch's C data        1
-                            plane, each with the slots s where
-                            s % threads is its index and a socket
-                            of its own (a core each)
+SWITCHML_SWITCH_THREADS     data threads of a switch's C data        a quarter
+                            plane, each with the slots s where       of the
+                            s % threads is its index and a socket    cores (1
+                            of its own (a core each)                 to 8)
 SWITCHML_XDP_CACHE          where the XDP program, built by clang    ~/.cache/
                             on first use, is kept (or under          switchml/xdp
                             $XDG_CACHE_HOME)
@@ -119,6 +119,20 @@ DEFAULT_PACKET_ELEMENTS = 16128  # 63 blocks of 256: the most one UDP datagram h
 DEFAULT_BLOCK_ELEMENTS = 256
 DEFAULT_SLOTS_PER_JOB = 32
 DEFAULT_MAX_JOBS = 64
+#: A switch's data threads by default at most: a quarter of the machine's cores.
+MAX_AUTO_SWITCH_THREADS = 8
+
+
+def auto_switch_threads(cores: int | None = None) -> int:
+    """The C data plane's data threads where none are asked for: a quarter of the
+    machine's cores (``os.cpu_count()``), 1 to ``MAX_AUTO_SWITCH_THREADS``.  The
+    rest are the workers' and the kernel's, which on one host do the network
+    stack's work of every datagram; on two cores that leaves one thread, the
+    serving thread draining the socket itself, as on four."""
+    cores = os.cpu_count() if cores is None else cores
+    return max(1, min(MAX_AUTO_SWITCH_THREADS, (cores or 1) // 4))
+
+
 #: A switch's data threads at most (switch/dataplane/fastpath.h FP_MAX_THREADS)
 MAX_SWITCH_THREADS = 64
 DEFAULT_TIMEOUT = 30.0
@@ -299,8 +313,9 @@ class SwitchConfiguration:
     slots ``s`` with ``s % threads`` equal to its index and drains a socket of
     its own, to which the kernel steers those slots' datagrams, so that a
     switch aggregates with that many cores; 1: the serving thread drains the
-    one socket itself, between control messages; the Python and XDP data
-    planes take 1 only),
+    one socket itself, between control messages; None, the default: a quarter
+    of the machine's cores, 1 to 8 (``auto_switch_threads``), on the C data
+    plane, and 1 on the others; the Python and XDP data planes take 1 only),
     ``upstream`` ("host:port" of a spine switch: this switch is then a rack
     switch, whose jobs' partial sums go up to the spine; its data plane runs in
     Python), ``shared_link`` (the switch is a server behind one link that all
@@ -334,7 +349,7 @@ class SwitchConfiguration:
     keepalive: float = DEFAULT_KEEPALIVE
     fastpath: bool | None = None
     data_plane: str | None = None
-    threads: int = 1
+    threads: int | None = None
     upstream: str | None = None
     shared_link: bool = False
     token_file: str | None = None
@@ -365,9 +380,9 @@ class SwitchConfiguration:
                 _disagree(self.fastpath, self.data_plane):
             raise ValueError(f"fastpath={self.fastpath} contradicts "
                              f"data_plane={self.data_plane!r}")
-        if not 1 <= self.threads <= MAX_SWITCH_THREADS:
+        if self.threads is not None and not 1 <= self.threads <= MAX_SWITCH_THREADS:
             raise ValueError(f"threads must be 1 to {MAX_SWITCH_THREADS}, got {self.threads}")
-        if self.threads > 1:
+        if self.threads is not None and self.threads > 1:
             other = ("a rack switch's (upstream)" if self.upstream is not None else
                      "the XDP" if self.data_plane == "xdp" else
                      "the Python" if self.data_plane == "python" or self.fastpath is False

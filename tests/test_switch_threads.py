@@ -305,3 +305,32 @@ def test_threads_are_the_c_data_planes_setting(monkeypatch):
     from switchml import cli
     args = cli.build_parser().parse_args(["switch", "--threads", "2"])
     assert cli.switch_configuration(args, environ={}).threads == 2
+
+
+def test_a_switch_takes_a_quarter_of_the_cores_unless_told(monkeypatch):
+    """Unless told, the C data plane runs a quarter of the machine's cores (1 to 8);
+    other data planes and rack switches one; a number given is kept."""
+    from switchml.config import auto_switch_threads
+    assert [auto_switch_threads(c) for c in (1, 2, 4, 7, 8, 16, 64, 128)] == [
+        1, 1, 1, 1, 2, 4, 8, 8]
+    assert SwitchConfiguration().threads is None
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    switch = switchml.Switch()
+    assert switch.threads == 4 and switch.pipeline.threads == 4
+    assert switchml.Switch(threads=2).threads == 2
+    assert switchml.Switch(data_plane="python").threads == 1
+    with switchml.Switch() as running:  # its four sockets, and a job through them
+        assert len(running._data_sockets) == 4
+        rng = np.random.default_rng(5)
+        arrays = [rng.integers(-1000, 1000, 40_000, dtype=np.int32) for _ in range(2)]
+        outs: list = [None, None]
+
+        def rank(r):
+            with switchml.Worker(running.address, r, 2, job="auto", timeout=20) as w:
+                outs[r] = w.allreduce(arrays[r])
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert outs[0].tobytes() == outs[1].tobytes() == (arrays[0] + arrays[1]).tobytes()

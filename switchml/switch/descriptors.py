@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 
-from ..config import SwitchConfiguration
+from ..config import SwitchConfiguration, auto_switch_threads
 from .dataplane.pipeline import MAX_WORKERS
 
 try:
@@ -38,7 +38,13 @@ def descriptors_needed(config: SwitchConfiguration) -> int:
     A running job needs one slot at least, so the pool bounds the jobs too."""
     jobs = min(config.max_jobs, config.slots)
     per_job = MAX_WORKERS + (2 if config.upstream is not None else 0)
-    return RESERVED_DESCRIPTORS + config.threads + config.max_unjoined + jobs * per_job
+    return RESERVED_DESCRIPTORS + _threads(config) + config.max_unjoined + jobs * per_job
+
+
+def _threads(config: SwitchConfiguration) -> int:
+    """Its data threads' sockets at most (the default's, a quarter of the cores, at most
+    ``MAX_AUTO_SWITCH_THREADS``, where the data plane is not known yet)."""
+    return config.threads if config.threads is not None else auto_switch_threads()
 
 
 def raise_limit() -> int | None:
@@ -71,12 +77,12 @@ def check_fits(config: SwitchConfiguration, limit: int | None) -> None:
     if limit is None or needed <= limit:
         return
     per_job = MAX_WORKERS + (2 if config.upstream is not None else 0)
-    room = (limit - RESERVED_DESCRIPTORS - config.threads - config.max_unjoined) // per_job
+    room = (limit - RESERVED_DESCRIPTORS - _threads(config) - config.max_unjoined) // per_job
     fix = (f"lower --max-jobs to {room}" if room >= 1 else
            "lower --max-unjoined")
     raise ValueError(
         f"the switch may need {needed} file descriptors ({min(config.max_jobs, config.slots)} "
         f"jobs of up to {MAX_WORKERS} workers, {config.max_unjoined} connections waiting to "
-        f"join, {RESERVED_DESCRIPTORS + config.threads} of its own), more than its limit of "
+        f"join, {RESERVED_DESCRIPTORS + _threads(config)} of its own), more than its limit of "
         f"{limit} (RLIMIT_NOFILE, raised to the hard limit): raise the hard limit "
         f"(ulimit -Hn, systemd LimitNOFILE=) or {fix}")

@@ -39,7 +39,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from ..auth import read_token, token_from_env
-from ..config import SwitchConfiguration, parse_address
+from ..config import SwitchConfiguration, auto_switch_threads, parse_address
 from ..errors import DataPlaneUnavailableError, SwitchMLError
 from ..netutil import (
     LineReader,
@@ -157,14 +157,14 @@ class Switch:
             fastpath = fastpipeline.available() and config.upstream is None
         #: True when the data plane runs in C (FastPipeline and its socket loop).
         self.fastpath = bool(fastpath)
-        if config.threads > 1 and not self.fastpath:
+        if config.threads is not None and config.threads > 1 and not self.fastpath:
             raise DataPlaneUnavailableError(
                 f"threads={config.threads} needs the C data plane, which is not built here "
                 "(or SWITCHML_PURE_PYTHON=1)")
-        #: Data threads of the C data plane (1: the serving thread drains the socket).
-        self.threads = config.threads
         #: "python", "c" or "xdp": where datagrams are aggregated.
         self.data_plane = config.data_plane or ("c" if self.fastpath else "python")
+        #: Data threads of the C data plane (1: the serving thread drains the socket).
+        self.threads = data_threads(config, self.data_plane)
         #: A rack switch's spine (host, port); None: a switch of one level.
         self.upstream = parse_address(config.upstream) if config.upstream else None
         self.pipeline: Pipeline
@@ -173,7 +173,7 @@ class Switch:
         else:
             pipeline_class = (RackPipeline if self.upstream else
                               fastpipeline.FastPipeline if self.fastpath else Pipeline)
-            threaded = {"threads": config.threads} if config.threads > 1 else {}
+            threaded = {"threads": self.threads} if self.threads > 1 else {}
             self.pipeline = pipeline_class(
                 config.slots, config.packet_elements, block_elements=config.block_elements,
                 drop_rate=config.drop_rate, egress_drop_rate=config.egress_drop_rate,
@@ -287,10 +287,14 @@ class Switch:
         self._thread = threading.Thread(target=self._serve, name="switchml-switch", daemon=True)
         self._thread.start()
         log.info("switch listening on %s:%d (slots=%d, packet_elements=%d, max_jobs=%d, "
-                 "descriptors=%s, data plane in %s)%s", *self.address, self.pipeline.slots,
+                 "descriptors=%s, data plane in %s%s)%s", *self.address, self.pipeline.slots,
                  self.pipeline.packet_elements, self._max_jobs,
                  self.descriptor_limit if self.descriptor_limit is not None else "unlimited",
                  {"c": "C", "python": "Python", "xdp": "XDP"}[self.data_plane],
+                 "" if self.data_plane != "c" else
+                 f", {self.threads} data thread{'s' if self.threads > 1 else ''}"
+                 + (f" of {os.cpu_count()} cores: --threads sets it"
+                    if self.configuration.threads is None else ""),
                  " as a rack switch under the spine at %s:%d" % self.upstream
                  if self.upstream else "")
         if self.metrics_address:
@@ -838,6 +842,17 @@ def _set_up_data_socket(udp: socket.socket) -> None:
     enlarge_buffers(udp)
     forbid_fragmentation(udp)  # every datagram is one frame, or none
     report_local_drops(udp)  # a server's full link: wait, do not lose results
+
+
+def data_threads(config: SwitchConfiguration, data_plane: str) -> int:
+    """The data threads a switch of ``config`` runs on ``data_plane``: those asked
+    for, or on the C data plane of a one-level switch a quarter of the machine's
+    cores (``config.auto_switch_threads``), else 1."""
+    if config.threads is not None:
+        return config.threads
+    if data_plane == "c" and config.upstream is None:
+        return auto_switch_threads()
+    return 1
 
 
 def _bind_group(first: socket.socket, threads: int) -> list[socket.socket]:
