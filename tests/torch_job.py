@@ -40,6 +40,58 @@ def ddp(backend: str, steps: int, hook: bool, bits=None):
             "datagrams_sent": datagrams, "bytes_received": received}
 
 
+def _await_file(name: str) -> None:
+    """Wait for the test to create CONTROL_DIR/name (it killed or restarted the switch)."""
+    import time
+    path = os.path.join(os.environ["CONTROL_DIR"], name)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"the test never wrote {name}"
+        time.sleep(0.01)
+
+
+def _say(name: str) -> None:
+    """Rank 0 tells the test (CONTROL_DIR/name) the job reached a point."""
+    if dist.get_rank() == 0:
+        open(os.path.join(os.environ["CONTROL_DIR"], name), "w").close()
+
+
+def switch_dies(hook: bool, steps: int, kill_at: int, restart_at: int):
+    """DDP on the backend (or the hook on gloo) whose switch the test SIGKILLs before
+    step ``kill_at`` (and starts again on its port before ``restart_at``, if below
+    ``steps``): the steps' weights, or the error that reached this script."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model)
+    state = None
+    if hook:
+        state = switchml.torch.HookState(sparse="auto")
+        ddp_model.register_comm_hook(state, switchml.torch.allreduce_hook)
+    opt = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    out: dict = {"error": None, "steps": 0}
+    try:
+        for step in range(steps):
+            if step == kill_at:
+                _say("kill")
+                _await_file("killed")
+            if step == restart_at:
+                _say("restart")
+                _await_file("restarted")
+            x = torch.randn(16, 20, generator=gen)
+            y = torch.randint(0, 4, (16,), generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp_model(x), y).backward()
+            opt.step()
+            out["steps"] = step + 1
+    except Exception as exc:  # the named error reaches the script
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+    source = state if state is not None else dist.distributed_c10d._get_default_group()
+    out["counters"] = dict(getattr(source, "counters", {}))
+    return out
+
+
 def collectives():
     rank, size = dist.get_rank(), dist.get_world_size()
     out = {}
@@ -226,6 +278,10 @@ def main():
         early_exit()
     if scenario == "mismatch":
         mismatch()
+    if scenario in ("switch-dies", "switch-dies-hook"):
+        result = switch_dies(scenario.endswith("hook"), *map(int, sys.argv[3:6]))
+        print("RESULT " + json.dumps(result), flush=True)
+        os._exit(0)  # no teardown: a rank whose peers failed may find them gone
     if scenario == "ddp":
         result = ddp(backend, int(sys.argv[3]), hook=False)
     elif scenario == "groups":

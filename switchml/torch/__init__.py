@@ -185,13 +185,21 @@ class _SwitchWork(dist._Work):
 
     (A Work made by ``_create_work_from_future`` returns True from ``wait()`` even
     when its future failed, which would hide a dead rank from the script.)
+    ``settled``: the future ``_future_from`` settles, whose value is the call's
+    ``_Failed`` where it failed: ``wait()`` raises that error itself (its own type,
+    SwitchUnreachableError say), where the public future's C++ error is a RuntimeError.
     """
 
-    def __init__(self, future: torch.futures.Future):
+    def __init__(self, future: torch.futures.Future, settled: torch.futures.Future | None = None):
         super().__init__()
         self._future = future
+        self._settled = settled
 
     def wait(self, timeout=None) -> bool:
+        if self._settled is not None:
+            outcome = self._settled.wait()
+            if isinstance(outcome, _Failed):
+                raise outcome.error
         self._future.wait()  # raises the call's exception
         return True
 
@@ -218,25 +226,47 @@ class _AllWorks(dist._Work):
         return all(work.is_completed() for work in self._works)
 
 
-def _future_from(handle, staging, result) -> torch.futures.Future:
-    """A torch Future set to ``result()`` when the switchml call ends (or to its error).
+class _Failed:
+    """The value a settled future holds for a call that failed: its error."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _raise_failure(settled: torch.futures.Future):
+    """``then`` callback: the call's result, or its error raised, so the future it
+    completes carries a C++ error that the DDP reducer and ``wait()`` raise."""
+    outcome = settled.value()
+    if isinstance(outcome, _Failed):
+        raise outcome.error
+    return outcome
+
+
+def _future_from(handle, staging, result) -> tuple[torch.futures.Future, torch.futures.Future]:
+    """(a torch Future set to ``result()`` when the switchml call ends, or failed with
+    its error; the future it follows, whose value is the result or ``_Failed``).
+
+    Not ``Future.set_exception``: it stores the exception as the future's *value*
+    (Python raises it on ``wait()``, C++ does not know), and DDP's reducer, reading
+    that value as the bucket's tensors, indexes an empty list: SIGSEGV.  An error
+    raised in a ``then`` callback is a real C++ error: DDP's ``backward()`` raises it.
 
     For a CUDA tensor the future is CUDA-aware: ``result()`` enqueues the copy back on
     the staging's side stream, and the future records that stream, so a waiter's
     current stream (not its thread) waits for the copy.
     """
-    fut: torch.futures.Future = torch.futures.Future(devices=staging.devices)
+    settled: torch.futures.Future = torch.futures.Future(devices=staging.devices)
 
     def done(_):
         try:
             handle.wait()
             with staging.context():
-                fut.set_result(result())
+                settled.set_result(result())
         except BaseException as exc:  # surfaces in wait() / the DDP reducer
-            fut.set_exception(exc)
+            settled.set_result(_Failed(exc))
 
     handle.add_done_callback(done)
-    return fut
+    return settled.then(_raise_failure), settled
 
 
 def _to_gloo(name: str, tensor_args: int, options):
@@ -322,7 +352,7 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
             staging.finish(divisor)
             return tensors
 
-        return _SwitchWork(_future_from(handle, staging, result))
+        return _SwitchWork(*_future_from(handle, staging, result))
 
     def _gloo_on_a_copy(self, tensors, opts):
         """gloo's allreduce of a non-contiguous tensor, on a contiguous copy: gloo itself
@@ -469,4 +499,4 @@ def allreduce_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tenso
         staging.finish(world)
         return buffer
 
-    return _future_from(handle, staging, result)
+    return _future_from(handle, staging, result)[0]
