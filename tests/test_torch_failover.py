@@ -1,6 +1,5 @@
 """A torch job whose switch dies: real ranks, a real `switchml switch`, SIGKILL."""
 
-import os
 import subprocess
 import sys
 import time
