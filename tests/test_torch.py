@@ -190,10 +190,12 @@ def test_ranks_that_disagree_on_a_call_fail_at_once_naming_both():
 
 
 def test_an_unreachable_switch_is_an_exception_naming_it():
+    """With fallback off (tests/test_torch_failover.py: with it on, gloo)."""
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     start = time.monotonic()
     results = launch(2, "unreachable", "switchml", timeout=60,
-                     env={"SWITCHML_SWITCH": address, "SWITCHML_TIMEOUT": "3"})
+                     env={"SWITCHML_SWITCH": address, "SWITCHML_TIMEOUT": "3",
+                          "SWITCHML_FALLBACK": "0"})
     for out in results:
         assert "SwitchUnreachableError" in out["error"] and address in out["error"], out
     assert time.monotonic() - start < 45
