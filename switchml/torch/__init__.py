@@ -22,6 +22,10 @@ set, else a random one) and hands it to the other ranks through the store (the
 hook: through its process group), so that no process outside the job can join
 it on the switch (docs/protocol.md, "Authenticated jobs").
 
+A switch that fails (unreachable, killed or restarted mid-call, full) does not
+end the job: the switched calls go on through a gloo group and come back to the
+switch when it returns (failover.py; ``SWITCHML_FALLBACK=0`` raises instead).
+
 ``allreduce_hook`` is a DDP communication hook for users who keep their gloo or
 nccl group for everything else.
 """

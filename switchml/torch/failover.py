@@ -106,8 +106,8 @@ class Call:
         self.bits = bits
         self.value = value
         self.scratch: np.ndarray | None = None  # where the switch writes (fallback on)
-        self.settled: torch.futures.Future = torch.futures.Future(
-            devices=self.staging.devices)
+        devices: Any = self.staging.devices  # CUDA ones: the future records their streams
+        self.settled: torch.futures.Future = torch.futures.Future(devices=devices)
         self.future = self.settled.then(raise_failure)
 
     def finish(self, raw_sum: np.ndarray | None = None) -> None:
