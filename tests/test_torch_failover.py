@@ -91,10 +91,11 @@ def undisturbed():
 def test_training_goes_on_through_gloo_and_returns_to_the_restarted_switch(tmp_path, scenario,
                                                                           undisturbed):
     """The switch SIGKILLed before step 3 and started again on its port before step 6
-    of 12: every rank ends, with the weights of an undisturbed run (gloo's: within
-    the float32 bound, as the switch's own are); calls went through gloo after the
-    kill and back to the switch after the restart (the counters and the switch's
-    results on the job joined again)."""
+    of 12 (where the ranks make backward passes that change no weight until their
+    calls are back on the switch, at most 20 s): every rank ends, with the weights of
+    an undisturbed run (gloo's: within the float32 bound, as the switch's own are);
+    calls went through gloo after the kill and back to the switch after the restart
+    (the counters and the switch's results on the job joined again)."""
     results, _ = run_with_switch_faults(tmp_path, scenario, steps=12, kill_at=3, restart_at=6,
                                         env={"SWITCHML_RETRY_S": "0.2"})
     params = torch.tensor(results[0]["params"])

@@ -83,6 +83,7 @@ def switch_dies(hook: bool, steps: int, kill_at: int, restart_at: int):
             if step == restart_at:
                 _say("restart")
                 _await_file("restarted")
+                _until_back(ddp_model, state)
             x = torch.randn(16, 20, generator=gen)
             y = torch.randint(0, 4, (16,), generator=gen)
             opt.zero_grad()
@@ -99,6 +100,24 @@ def switch_dies(hook: bool, steps: int, kill_at: int, restart_at: int):
         "returns") else 0
     out["results_before_kill"] = results_before_kill
     return out
+
+
+def _until_back(ddp_model, state) -> None:
+    """Backward passes that change no weight (their gradients dropped) until every
+    rank's calls are back on the switch: the probes take their time, a busy
+    machine's steps may not, and the weights must stay the undisturbed run's."""
+    import time
+    group = dist.distributed_c10d._get_default_group()
+    source = state if state is not None else group
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        back = torch.tensor([int(source.counters.get("returns", 0) > 0)], dtype=torch.int64)
+        dist.all_reduce(back)  # int64: gloo's, the same decision on every rank
+        if back.item() == dist.get_world_size():
+            return
+        ddp_model(torch.zeros(1, 20)).sum().backward()
+        ddp_model.zero_grad()
+        time.sleep(0.05)
 
 
 def _switch_results(state) -> int:
