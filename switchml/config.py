@@ -97,6 +97,11 @@ SWITCHML_SWITCH_TOKEN       the switch's admission token: a switch   (none)
                             worker)
 SWITCHML_SWITCH_TOKEN_FILE  a file holding it (``switchml switch     (none)
                             --token-file``)
+SWITCHML_FALLBACK           0: a torch job's calls do not fall back  1
+                            to gloo when the switch fails or is
+                            full (the switch's error is raised)
+SWITCHML_RETRY_S            seconds between a torch job's probes of  5
+                            the switch while on gloo
 ==========================  =======================================  ==========
 
 A switch's settings are one ``SwitchConfiguration``, whichever way it starts

@@ -30,6 +30,11 @@ def free_port():
 def launch(world, *args, timeout=120, env=None, job=JOB, rank_env=None):
     """Run ``job`` (tests/torch_job.py) as ``world`` ranks; return each rank's RESULT
     (if it printed one).  ``rank_env(rank)``: variables of that rank's own."""
+    return collect(start(world, *args, env=env, job=job, rank_env=rank_env), timeout)
+
+
+def start(world, *args, env=None, job=JOB, rank_env=None):
+    """``world`` ranks of ``job`` started: their processes (``collect`` ends them)."""
     port = free_port()
     extra = env or {}
     procs = []
@@ -43,12 +48,24 @@ def launch(world, *args, timeout=120, env=None, job=JOB, rank_env=None):
         env.update(rank_env(rank) if rank_env else {})
         procs.append(subprocess.Popen([sys.executable, job, *map(str, args)], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def collect(procs, timeout=120):
+    """Each rank's RESULT (if it printed one); a rank that failed fails the test."""
     results = []
-    for p in procs:
-        out, err = p.communicate(timeout=timeout)
-        assert p.returncode == 0, err[-3000:]
-        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-        results.append(json.loads(lines[-1][len("RESULT "):]) if lines else None)
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            # (a rank killed by a signal has a negative return code: SIGSEGV is -11)
+            assert p.returncode == 0, f"rank exited with {p.returncode}: {err[-3000:]}"
+            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            results.append(json.loads(lines[-1][len("RESULT "):]) if lines else None)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     return results
 
 
@@ -173,10 +190,12 @@ def test_ranks_that_disagree_on_a_call_fail_at_once_naming_both():
 
 
 def test_an_unreachable_switch_is_an_exception_naming_it():
+    """With fallback off (tests/test_torch_failover.py: with it on, gloo)."""
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     start = time.monotonic()
     results = launch(2, "unreachable", "switchml", timeout=60,
-                     env={"SWITCHML_SWITCH": address, "SWITCHML_TIMEOUT": "3"})
+                     env={"SWITCHML_SWITCH": address, "SWITCHML_TIMEOUT": "3",
+                          "SWITCHML_FALLBACK": "0"})
     for out in results:
         assert "SwitchUnreachableError" in out["error"] and address in out["error"], out
     assert time.monotonic() - start < 45

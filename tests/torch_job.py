@@ -40,6 +40,119 @@ def ddp(backend: str, steps: int, hook: bool, bits=None):
             "datagrams_sent": datagrams, "bytes_received": received}
 
 
+def _await_file(name: str) -> None:
+    """Wait for the test to create CONTROL_DIR/name (it killed or restarted the switch)."""
+    import time
+    path = os.path.join(os.environ["CONTROL_DIR"], name)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"the test never wrote {name}"
+        time.sleep(0.01)
+
+
+def _say(name: str) -> None:
+    """Rank 0 tells the test (CONTROL_DIR/name) the job reached a point."""
+    if dist.get_rank() == 0:
+        open(os.path.join(os.environ["CONTROL_DIR"], name), "w").close()
+
+
+def switch_dies(hook: bool, steps: int, kill_at: int, restart_at: int):
+    """DDP on the backend (or the hook on gloo) whose switch the test SIGKILLs before
+    step ``kill_at`` (and starts again on its port before ``restart_at``, if below
+    ``steps``): the steps' weights, or the error that reached this script."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    ddp_model = torch.nn.parallel.DistributedDataParallel(model)
+    state = None
+    if hook:
+        state = switchml.torch.HookState(sparse="auto")
+        ddp_model.register_comm_hook(state, switchml.torch.allreduce_hook)
+    opt = torch.optim.SGD(ddp_model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(100 + dist.get_rank())
+    out: dict = {"error": None, "steps": 0}
+    results_before_kill = 0
+    try:
+        for step in range(steps):
+            if step == kill_at:
+                results_before_kill = _switch_results(state)
+            if step == kill_at:
+                if os.environ.get("DIE_AT_KILL") == str(dist.get_rank()):
+                    os._exit(3)  # a rank that dies: no fallback covers it
+                _say("kill")
+                _await_file("killed")
+            if step == restart_at:
+                _say("restart")
+                _await_file("restarted")
+                _until_back(ddp_model, state)
+            x = torch.randn(16, 20, generator=gen)
+            y = torch.randint(0, 4, (16,), generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp_model(x), y).backward()
+            opt.step()
+            out["steps"] = step + 1
+    except Exception as exc:  # the named error reaches the script
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["params"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).tolist()
+    source = state if state is not None else dist.distributed_c10d._get_default_group()
+    out["counters"] = dict(getattr(source, "counters", {}))
+    # the switch's results on the worker of the job joined again, if any
+    out["results_after_return"] = _switch_results(state) if out["counters"].get(
+        "returns") else 0
+    out["results_before_kill"] = results_before_kill
+    return out
+
+
+def _until_back(ddp_model, state) -> None:
+    """Backward passes that change no weight (their gradients dropped) until every
+    rank's calls are back on the switch: the probes take their time, a busy
+    machine's steps may not, and the weights must stay the undisturbed run's."""
+    import time
+    group = dist.distributed_c10d._get_default_group()
+    source = state if state is not None else group
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        back = torch.tensor([int(source.counters.get("returns", 0) > 0)], dtype=torch.int64)
+        dist.all_reduce(back)  # int64: gloo's, the same decision on every rank
+        if back.item() == dist.get_world_size():
+            return
+        ddp_model(torch.zeros(1, 20)).sum().backward()
+        ddp_model.zero_grad()
+        time.sleep(0.05)
+
+
+def _switch_results(state) -> int:
+    worker = state.worker if state is not None else \
+        dist.distributed_c10d._get_default_group()._worker
+    return worker.counters["results_in"] if worker is not None else 0
+
+
+def allreduce_loop(seconds: float, until_return: bool):
+    """all_reduce of 1000 values (rank + 1) every 50 ms for ``seconds`` (or until the
+    group came back to the switch, or CONTROL_DIR/stop exists): wrong sums, counters
+    and the backend's log."""
+    import time
+    _say("joined")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    group = dist.distributed_c10d._get_default_group()
+    deadline = time.monotonic() + seconds
+    calls = wrong = 0
+    while time.monotonic() < deadline:
+        t = torch.full((1000,), float(rank + 1))
+        dist.all_reduce(t)
+        wrong += int(not torch.all(t == size * (size + 1) / 2))
+        calls += 1
+        # every rank decides alike: the flag is summed like any call
+        stop = os.path.exists(os.path.join(os.environ["CONTROL_DIR"], "stop"))
+        done = torch.tensor([int(stop or until_return and group.counters["returns"] > 0)],
+                            dtype=torch.int32)
+        dist.all_reduce(done)
+        if done.item() == size:
+            break
+        time.sleep(0.05)
+    return {"calls": calls, "wrong": wrong, "counters": group.counters, "log": LOG,
+            "results_after_return": _switch_results(None)}
+
+
 def collectives():
     rank, size = dist.get_rank(), dist.get_world_size()
     out = {}
@@ -212,7 +325,15 @@ def mismatch():
     os._exit(0)
 
 
+#: What the backend logged (init included).
+LOG: list = []
+
+
 def main():
+    import logging
+    handler = logging.Handler()
+    handler.emit = lambda record: LOG.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("switchml.torch").addHandler(handler)
     scenario = sys.argv[1]
     backend = sys.argv[2] if len(sys.argv) > 2 else "switchml"
     if scenario == "unreachable":
@@ -226,6 +347,16 @@ def main():
         early_exit()
     if scenario == "mismatch":
         mismatch()
+    if scenario == "allreduce-loop":
+        result = allreduce_loop(float(sys.argv[3]), sys.argv[4] == "1")
+        dist.barrier()
+        dist.destroy_process_group()
+        print("RESULT " + json.dumps(result), flush=True)
+        os._exit(0)
+    if scenario in ("switch-dies", "switch-dies-hook"):
+        result = switch_dies(scenario.endswith("hook"), *map(int, sys.argv[3:6]))
+        print("RESULT " + json.dumps(result), flush=True)
+        os._exit(0)  # no teardown: a rank whose peers failed may find them gone
     if scenario == "ddp":
         result = ddp(backend, int(sys.argv[3]), hook=False)
     elif scenario == "groups":

@@ -22,6 +22,10 @@ set, else a random one) and hands it to the other ranks through the store (the
 hook: through its process group), so that no process outside the job can join
 it on the switch (docs/protocol.md, "Authenticated jobs").
 
+A switch that fails (unreachable, killed or restarted mid-call, full) does not
+end the job: the switched calls go on through a gloo group and come back to the
+switch when it returns (failover.py; ``SWITCHML_FALLBACK=0`` raises instead).
+
 ``allreduce_hook`` is a DDP communication hook for users who keep their gloo or
 nccl group for everything else.
 """
@@ -40,7 +44,7 @@ from ..errors import SwitchMLError
 from ..switch.process import SwitchProcess
 from ..worker.client import Worker
 from ..worker.local.hosts import HostRecord, Hosts, Placement, host_record
-from .staging import stage
+from .failover import DEFAULT_RETRY_S, Call, Failed, SwitchPath, fallback_on
 
 log = logging.getLogger("switchml.torch")
 
@@ -151,11 +155,20 @@ def _job_secret() -> str:
     return secret
 
 
-def _connect(store, rank: int, size: int, timeout: float) -> tuple[Worker, bool]:
-    """Join a job named through ``store``: (the worker, whether it is on the job's
-    shared switch).  With ``SWITCHML_SWITCH`` unset, every group of the job shares one
-    switch (``_JobSwitch``), started only when the job spans hosts: on one host the
-    local stage is the whole allreduce."""
+def _fallback_settings(address) -> tuple[bool, float]:
+    """(whether calls fall back to gloo, seconds between probes of a switch that went
+    away): ``SWITCHML_FALLBACK`` (on) and ``SWITCHML_RETRY_S``; never without a switch."""
+    return (address is not None and fallback_on(env("FALLBACK", None)),
+            env("RETRY_S", DEFAULT_RETRY_S, float))
+
+
+def _connect(store, rank: int, size: int, timeout: float):
+    """Join a job named through ``store``: (its address, a function that joins it on
+    the switch, generation 0 first, whether it is on the job's shared switch).
+    With ``SWITCHML_SWITCH`` unset, every group of the job shares one switch
+    (``_JobSwitch``), started only when the job spans hosts: on one host the local
+    stage is the whole allreduce.  A later generation is the same job joined again
+    (its own name on the switch, the same secret)."""
     configured = env("SWITCH", None)
     hosts = _exchange_hosts(store, rank, size)
     alone = configured is None and _one_host(hosts)
@@ -171,13 +184,12 @@ def _connect(store, rank: int, size: int, timeout: float) -> tuple[Worker, bool]
     if shared:
         assert address is not None
         _JOB_SWITCH.joined(address)
-    try:
-        return (Worker(address, rank, size, job=job, timeout=timeout, hosts=hosts,
-                       secret=secret), shared)
-    except BaseException:
-        if shared:
-            _JOB_SWITCH.left()
-        raise
+
+    def join(generation: int) -> Worker:
+        return Worker(address, rank, size, job=job if not generation else f"{job}~{generation}",
+                      timeout=timeout, hosts=hosts, secret=secret)
+
+    return address, job, join, shared
 
 
 class _SwitchWork(dist._Work):
@@ -185,13 +197,21 @@ class _SwitchWork(dist._Work):
 
     (A Work made by ``_create_work_from_future`` returns True from ``wait()`` even
     when its future failed, which would hide a dead rank from the script.)
+    ``settled``: the future the call settles (``failover.Call``), whose value is
+    ``Failed`` where it failed: ``wait()`` raises that error itself (its own type,
+    SwitchUnreachableError say), where the public future's C++ error is a RuntimeError.
     """
 
-    def __init__(self, future: torch.futures.Future):
+    def __init__(self, future: torch.futures.Future, settled: torch.futures.Future | None = None):
         super().__init__()
         self._future = future
+        self._settled = settled
 
     def wait(self, timeout=None) -> bool:
+        if self._settled is not None:
+            outcome = self._settled.wait()
+            if isinstance(outcome, Failed):
+                raise outcome.error
         self._future.wait()  # raises the call's exception
         return True
 
@@ -216,27 +236,6 @@ class _AllWorks(dist._Work):
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self._works)
-
-
-def _future_from(handle, staging, result) -> torch.futures.Future:
-    """A torch Future set to ``result()`` when the switchml call ends (or to its error).
-
-    For a CUDA tensor the future is CUDA-aware: ``result()`` enqueues the copy back on
-    the staging's side stream, and the future records that stream, so a waiter's
-    current stream (not its thread) waits for the copy.
-    """
-    fut: torch.futures.Future = torch.futures.Future(devices=staging.devices)
-
-    def done(_):
-        try:
-            handle.wait()
-            with staging.context():
-                fut.set_result(result())
-        except BaseException as exc:  # surfaces in wait() / the DDP reducer
-            fut.set_exception(exc)
-
-    handle.add_done_callback(done)
-    return fut
 
 
 def _to_gloo(name: str, tensor_args: int, options):
@@ -282,9 +281,33 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
         for device in _DEVICES:
             self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.GLOO,
                                    self._gloo)
-        self._worker, self._on_job_switch = _connect(dist.PrefixStore("switchml", store), rank,
-                                                     size, seconds)
+        address, job, join, self._on_job_switch = _connect(
+            dist.PrefixStore("switchml", store), rank, size, seconds)
+        enabled, retry_s = _fallback_settings(address)
+        try:
+            # calls off the switch: a gloo group of their own, so that its collectives
+            # come in the same order on every rank
+            fallback = dist.ProcessGroupGloo(dist.PrefixStore("switchml-fallback", store), rank,
+                                             size, timeout) if enabled else None
+            self._path = SwitchPath(fallback, rank, size, join, enabled=enabled,
+                                    retry_s=retry_s, address=address, name=f"job {job}")
+        except BaseException:
+            if self._on_job_switch:
+                _JOB_SWITCH.left()
+            raise
         self._sparse = sparse_mode()
+
+    @property
+    def _worker(self):
+        """The worker on the switch (None while the group's calls go through gloo)."""
+        return self._path.worker
+
+    @property
+    def counters(self) -> dict:
+        """Calls served by gloo (``calls_on_gloo``), times the group left the switch
+        (``fallbacks``) and came back (``returns``), and the worker's counters."""
+        worker = self._path.worker
+        return {**(worker.counters if worker is not None else {}), **self._path.counters}
 
     def getBackendName(self) -> str:
         return "switchml"
@@ -313,16 +336,10 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
             # object it is given, which a detached alias would keep to itself.
             return self._gloo.allreduce([t.detach() if t.layout == torch.strided else t
                                          for t in tensors], opts)
-        staging = stage(tensors[0])
-        handle = self._worker.allreduce_async(staging.array, out=staging.array,
-                                              sparse=self._sparse, ready=staging.ready)
         divisor = self.size() if opts.reduceOp == dist.ReduceOp.AVG else None
-
-        def result():
-            staging.finish(divisor)
-            return tensors
-
-        return _SwitchWork(_future_from(handle, staging, result))
+        call = Call(tensors[0], divisor, self._sparse, None, lambda: tensors)
+        self._path.submit(call)
+        return _SwitchWork(call.future, call.settled)
 
     def _gloo_on_a_copy(self, tensors, opts):
         """gloo's allreduce of a non-contiguous tensor, on a contiguous copy: gloo itself
@@ -372,7 +389,7 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
         return self._gloo.recv(tensors, src, tag)
 
     def shutdown(self) -> None:
-        self._worker.close()
+        self._path.close()
         if self._on_job_switch:
             self._on_job_switch = False
             _JOB_SWITCH.left()
@@ -406,17 +423,36 @@ class HookState:
         self.bits = bits
         self.timeout = timeout
         self.switch: SwitchProcess | None = None
-        self.worker: Worker | None = None
         self.world_size: int | None = None
+        self._path: SwitchPath | None = None
         if dist.is_initialized():
             self.joined()
 
-    def joined(self) -> Worker:
-        """The worker, joining the job first if this state has not joined yet."""
-        if self.worker is None:
-            self._join()
-        assert self.worker is not None
+    @property
+    def worker(self) -> Worker | None:
+        """The worker on the switch (None before joining and while calls go via gloo)."""
+        return self._path.worker if self._path is not None else None
+
+    @property
+    def counters(self) -> dict:
+        """Calls served by gloo (``calls_on_gloo``), times the hook left the switch
+        (``fallbacks``) and came back (``returns``), and the worker's counters."""
+        if self._path is None:
+            return {}
+        worker = self._path.worker
+        return {**(worker.counters if worker is not None else {}), **self._path.counters}
+
+    def joined(self) -> Worker | None:
+        """The worker, joining the job first if this state has not joined yet (None
+        while the calls go through gloo)."""
+        self._joined_path()
         return self.worker
+
+    def _joined_path(self) -> SwitchPath:
+        if self._path is None:
+            self._join()
+        assert self._path is not None
+        return self._path
 
     def _join(self) -> None:
         group = self.process_group
@@ -444,13 +480,25 @@ class HookState:
             hosts = Hosts(hosts.records, box[2])
         # Each rank's own secret where one was given: a broadcast one is only rank 0's.
         secret = self._secret if self._secret is not None else box[3] or None
-        self.worker = Worker(box[0], rank, size, job=box[1], timeout=self.timeout,
-                             hosts=hosts, secret=secret)
+
+        def join(generation: int) -> Worker:
+            return Worker(box[0], rank, size, timeout=self.timeout, hosts=hosts, secret=secret,
+                          job=box[1] if not generation else f"{box[1]}~{generation}")
+
+        enabled, retry_s = _fallback_settings(box[0])
+        # calls off the switch: a gloo group of this hook's own (its collectives in the
+        # same order on every rank), met through the job's store under the job's name
+        fallback = dist.ProcessGroupGloo(
+            dist.PrefixStore(f"switchml-fallback/{box[1]}",
+                             dist.distributed_c10d._get_default_store()),
+            rank, size, dist.default_pg_timeout) if enabled else None
+        self._path = SwitchPath(fallback, rank, size, join, enabled=enabled, retry_s=retry_s,
+                                address=box[0], name=f"job {box[1]}")
         self.world_size = size
 
     def close(self) -> None:
-        if self.worker is not None:
-            self.worker.close()
+        if self._path is not None:
+            self._path.close()
         if self.switch is not None:
             self.switch.stop()
 
@@ -458,15 +506,7 @@ class HookState:
 def allreduce_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average the bucket through the switch (dense, sparse or auto)."""
     buffer = bucket.buffer()
-    worker = state.joined()
-    staging = stage(buffer)
-    handle = worker.allreduce_async(staging.array, out=staging.array, sparse=state.sparse,
-                                    bits=state.bits, ready=staging.ready)
-    world = state.world_size
-    assert world is not None  # joined
-
-    def result():
-        staging.finish(world)
-        return buffer
-
-    return _future_from(handle, staging, result)
+    path = state._joined_path()
+    call = Call(buffer, state.world_size, state.sparse, state.bits, lambda: buffer)
+    path.submit(call)
+    return call.future

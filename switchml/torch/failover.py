@@ -1,0 +1,379 @@
+"""A group's switched allreduces: through the switch, and through gloo while it is gone.
+
+``SwitchPath`` runs the calls the switch sums for the torch backend and for
+``HookState``.  On the switch, a call is queued on the worker as before; its
+result lands in a scratch array first and is copied into the caller's staging
+when the call succeeds, so a call the switch path fails half-way leaves the
+input as it was (nothing added twice, nothing lost) and the last result stays
+at hand for a rank that missed it.
+
+When a call fails because of the switch (``switch_failure``: unreachable,
+killed mid-call, restarted without the job, or full), that call and every later
+one go, in call order, to a thread of their own that sums them through a gloo
+group kept for this purpose (no other call uses it, so its collectives match
+on every rank):
+
+* **agreement**: the ranks first exchange the index of the call each saw fail.
+  Every rank fails, since the switch failed them all; a rank may be one call
+  ahead (it received the last results of call m before the switch died, its
+  peers did not): it broadcasts call m's switch sum, kept from that call, to
+  them, so call m has one result on every rank;
+* **gloo**: every later call is summed by gloo on the untouched staging (the
+  float32 copy of a 16-bit tensor, as on the switch), then divided (AVG) and
+  put back exactly as a switch result is;
+* **coming back**: a thread probes the switch's control port every
+  ``SWITCHML_RETRY_S`` seconds; at each call on gloo the ranks exchange what
+  their probes saw (one small gloo allreduce) and, when every rank reached the
+  switch, all join it again as a new job (the same secret) and, when every join
+  succeeded, the calls not yet begun go to the switch, in order.
+
+With ``SWITCHML_FALLBACK=0`` none of this runs: calls are summed in place as
+before and a failure's error reaches the caller.  A failure that is not the
+switch's (a rank gone, ranks that disagree) is an error either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..config import parse_flag, switch_addresses
+from ..errors import LimitExceededError, SwitchMLError, SwitchUnreachableError
+from .staging import stage
+
+log = logging.getLogger("switchml.torch")
+
+#: Seconds between two probes of a switch that went away (SWITCHML_RETRY_S).
+DEFAULT_RETRY_S = 5.0
+#: Scratch arrays kept for reuse, per size and dtype.
+SPARES_KEPT = 4
+#: Seconds a probe waits for the switch's control port to accept.
+PROBE_TIMEOUT = 1.0
+
+
+def switch_failure(error: BaseException) -> bool:
+    """Whether ``error`` is the switch's, not the job's: the switch unreachable, gone
+    mid-call or restarted (its control connection closed), or full."""
+    return isinstance(error, (SwitchUnreachableError, LimitExceededError))
+
+
+def fallback_on(value: str | None) -> bool:
+    """``SWITCHML_FALLBACK``'s value: on unless 0/false/no/off."""
+    return True if value is None else parse_flag(value)
+
+
+class Failed:
+    """The value a settled future holds for a call that failed: its error."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def raise_failure(settled: torch.futures.Future):
+    """``then`` callback: the call's result, or its error raised, so the future it
+    completes carries a C++ error that the DDP reducer and ``wait()`` raise.
+
+    (``Future.set_exception`` stores the exception as the future's *value*: Python
+    raises it on ``wait()``, C++ does not know; DDP's reducer, reading that value as
+    the bucket's tensors, indexed an empty list: SIGSEGV.)
+    """
+    outcome = settled.value()
+    if isinstance(outcome, Failed):
+        raise outcome.error
+    return outcome
+
+
+class Call:
+    """One switched allreduce: the tensor's staging, how to finish it, its futures.
+
+    ``settled`` gets the caller's value (``value()``) or a ``Failed``; ``future``
+    follows it and fails with a real C++ error where it failed.
+    """
+
+    def __init__(self, tensor: torch.Tensor, divisor: int | None, sparse, bits: int | None,
+                 value: Callable[[], Any]):
+        self.staging = stage(tensor)
+        self.divisor = divisor
+        self.sparse = sparse
+        self.bits = bits
+        self.value = value
+        self.scratch: np.ndarray | None = None  # where the switch writes (fallback on)
+        devices: Any = self.staging.devices  # CUDA ones: the future records their streams
+        self.settled: torch.futures.Future = torch.futures.Future(devices=devices)
+        self.future = self.settled.then(raise_failure)
+
+    def finish(self, raw_sum: np.ndarray | None = None) -> None:
+        """Settle the call with its sum: ``raw_sum`` (the switch's, or one received)
+        copied into the staging first, else the staging holds it already."""
+        try:
+            if raw_sum is not None:
+                np.copyto(self.staging.array, raw_sum.reshape(-1))
+            with self.staging.context():
+                self.staging.finish(self.divisor)
+                self.settled.set_result(self.value())
+        except BaseException as exc:
+            self.fail(exc)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.settled.done():
+            self.settled.set_result(Failed(error))
+
+
+class SwitchPath:
+    """The switched calls of one group, on its worker or, while the switch is gone,
+    on ``gloo`` (a gloo group of the same ranks that nothing else uses).
+
+    ``join(generation)`` joins the job on the switch (generation 0 first, then one
+    more a return) and returns its worker; ``probe_addresses`` are the switch
+    addresses to probe (None: no switch to come back to).  ``counters``:
+    ``calls_on_gloo``, ``fallbacks`` (times the group left the switch) and
+    ``returns`` (times it came back).
+    """
+
+    def __init__(self, gloo, rank: int, size: int, join: Callable[[int], Any], *,
+                 enabled: bool, retry_s: float, address, name: str):
+        self._gloo = gloo
+        self.rank, self.size = rank, size
+        self._join = join
+        self.enabled = enabled
+        self.retry_s = retry_s
+        self._probe_addresses = switch_addresses(address) if address else []
+        self.name = name
+        self.counters = {"calls_on_gloo": 0, "fallbacks": 0, "returns": 0}
+        self._lock = threading.Condition()
+        self._issued = 0  # calls numbered in call order, the same on every rank
+        self._direct = True  # calls go straight to the worker
+        self._pending: dict[int, Call] = {}  # call index -> a call for the recovery thread
+        self._next = 0  # the recovery thread's next call
+        self._first_failed: int | None = None  # this rank's first failed call, not agreed yet
+        self._kept: tuple[int, np.ndarray] | None = None  # the last switch sum, by call index
+        #: scratch arrays no call holds, by (size, dtype): fresh ones would cost the
+        #: call a page fault a page (a 32 MiB call took 2.5x as long)
+        self._spares: dict[tuple, list[np.ndarray]] = {}
+        self._broken: BaseException | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._reachable = threading.Event()
+        self._generation = 0
+        self.worker: Any = None
+        error: SwitchMLError | None = None
+        try:
+            self.worker = join(0)
+            joined = 0
+        except SwitchMLError as exc:
+            if not enabled:
+                raise
+            joined, error = (1 if switch_failure(exc) else 2), exc
+        if enabled:
+            # every rank's outcome: any switch failure sends all to gloo (a rank whose
+            # peer could not reach the switch timed out waiting for it)
+            outcomes = self._allgather(joined)
+            if max(outcomes) > 0:
+                if 1 not in outcomes:
+                    raise error if error is not None else SwitchMLError(
+                        f"{name}: ranks {[r for r, o in enumerate(outcomes) if o]} could "
+                        "not join the job on the switch")
+                cause = error if error is not None else "a peer could not join it"
+                if self.worker is not None:
+                    self.worker.close()
+                    self.worker = None
+                self._leave_switch(0, cause, agreed=True)
+
+    # ------------------------------------------------------------ the caller's side
+    def submit(self, call: Call) -> None:
+        """Run ``call`` (the caller's thread, in call order)."""
+        with self._lock:
+            index = self._issued
+            self._issued += 1
+            if self._broken is not None:
+                call.fail(self._broken)
+            elif self._direct:
+                self._on_switch(index, call)
+            else:
+                self._pending[index] = call
+                self._lock.notify_all()
+
+    def _on_switch(self, index: int, call: Call) -> None:
+        """Queue ``call`` on the worker (its I/O thread finishes it)."""
+        staging = call.staging
+        if self.enabled:
+            spares = self._spares.get((staging.array.size, staging.array.dtype.str))
+            call.scratch = spares.pop() if spares else np.empty_like(staging.array)
+        handle = self.worker.allreduce_async(
+            staging.array, out=call.scratch if call.scratch is not None else staging.array,
+            sparse=call.sparse, bits=call.bits, ready=staging.ready)
+        handle.add_done_callback(lambda h: self._switch_done(index, call, h))
+
+    def _switch_done(self, index: int, call: Call, handle) -> None:
+        try:
+            handle.wait()
+        except BaseException as exc:
+            if not (self.enabled and isinstance(exc, SwitchMLError) and switch_failure(exc)):
+                call.fail(exc)
+                return
+            with self._lock:
+                if self._direct:
+                    self._leave_switch(index, exc, agreed=False)
+                self._pending[index] = call
+                self._lock.notify_all()
+            return
+        if call.scratch is not None:
+            # before the call is settled: its caller's next call may take the spare
+            with self._lock:
+                previous, self._kept = self._kept, (index, call.scratch)
+                if previous is not None:
+                    spares = self._spares.setdefault((previous[1].size, previous[1].dtype.str), [])
+                    if len(spares) < SPARES_KEPT:
+                        spares.append(previous[1])
+        call.finish(call.scratch)
+
+    # ------------------------------------------------------------ leaving and coming back
+    def _leave_switch(self, index: int, cause, agreed: bool) -> None:
+        """Calls from ``index`` on go to the recovery thread (the lock held or at init)."""
+        self._direct = False
+        self._next = index
+        self._first_failed = None if agreed else index
+        self.counters["fallbacks"] += 1
+        log.warning("%s: the switch path failed (%s); calls go through gloo until the "
+                    "switch is back (SWITCHML_FALLBACK=0 makes this an error)", self.name, cause)
+        self._reachable.clear()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._recover, daemon=True,
+                                            name=f"switchml-fallback-{self.rank}")
+            self._thread.start()
+            if self._probe_addresses:
+                threading.Thread(target=self._probe, daemon=True,
+                                 name=f"switchml-probe-{self.rank}").start()
+
+    def _probe(self) -> None:
+        """Every ``retry_s``: whether every switch's control port accepts (while on gloo)."""
+        while not self._closed:
+            time.sleep(self.retry_s)
+            if self._direct or self._reachable.is_set():
+                continue
+            try:
+                for host, port in self._probe_addresses:
+                    socket.create_connection((host, port), timeout=PROBE_TIMEOUT).close()
+            except OSError:
+                continue
+            self._reachable.set()
+
+    def _recover(self) -> None:
+        """The recovery thread: the calls off the switch, in call order."""
+        while True:
+            with self._lock:
+                while not self._closed and (self._direct or self._next not in self._pending):
+                    self._lock.wait()
+                if self._closed:
+                    return
+                index = self._next
+                call = self._pending.pop(index)
+                first, self._first_failed = self._first_failed, None
+            try:
+                if first is not None and self._agree(first, call):
+                    self._next += 1
+                    continue
+                if self._come_back(call):
+                    continue
+                self._on_gloo(call)
+            except BaseException as exc:  # a peer gone, gloo failed: every call fails
+                with self._lock:
+                    self._broken = exc
+                    for waiting in [call, *self._pending.values()]:
+                        waiting.fail(exc)
+                    self._pending.clear()
+                return
+            self._next += 1
+
+    def _agree(self, first: int, call: Call) -> bool:
+        """Settle with the other ranks where each left the switch; True when ``call``
+        was settled with a sum another rank kept (this rank was one call behind)."""
+        firsts = self._allgather(first)
+        behind = min(firsts)
+        if max(firsts) - behind > 1:
+            raise SwitchMLError(f"{self.name}: ranks left the switch at calls {firsts}")
+        if max(firsts) == behind:
+            return False
+        source = min(r for r, f in enumerate(firsts) if f > behind)
+        if first > behind:  # this rank has call `behind`'s sum; a peer does not
+            kept = self._kept
+            if kept is None or kept[0] != behind:
+                raise SwitchMLError(f"{self.name}: call {behind}'s sum was not kept here")
+            # (ranks that kept it too take the source's copy into a spare one)
+            sent = kept[1] if self.rank == source else kept[1].copy()
+            self._gloo.broadcast(torch.from_numpy(sent), source).wait()
+            return False
+        received = torch.empty_like(torch.from_numpy(call.staging.array))
+        self._gloo.broadcast(received, source).wait()
+        call.finish(received.numpy())
+        return True
+
+    def _on_gloo(self, call: Call) -> None:
+        staging = call.staging
+        if staging.ready is not None:
+            staging.ready()
+        self._gloo.allreduce([torch.from_numpy(staging.array)]).wait()
+        self.counters["calls_on_gloo"] += 1
+        call.finish()
+
+    def _come_back(self, call: Call) -> bool:
+        """At this call's boundary: back on the switch if every rank reached it and
+        every rank joined it again; True when ``call`` went there."""
+        if not self._probe_addresses or min(self._allgather(
+                int(self._reachable.is_set()), op=dist.ReduceOp.MIN)) == 0:
+            return False
+        self._reachable.clear()
+        self._generation += 1
+        worker = None
+        try:
+            worker = self._join(self._generation)
+        except SwitchMLError as exc:
+            log.info("%s: joining the switch again failed: %s", self.name, exc)
+        if min(self._allgather(int(worker is not None), op=dist.ReduceOp.MIN)) == 0:
+            if worker is not None:
+                worker.close()
+            return False
+        with self._lock:
+            # every call issued so far is this one or waits here (the failed ones
+            # reach the pending set in call order): they start on the switch, in order
+            while any(i not in self._pending for i in range(self._next + 1, self._issued)):
+                self._lock.wait(0.01)
+            old, self.worker = self.worker, worker
+            self.counters["returns"] += 1
+            log.warning("%s: back on the switch after %d calls on gloo", self.name,
+                        self.counters["calls_on_gloo"])
+            self._on_switch(self._next, call)
+            for index in range(self._next + 1, self._issued):
+                self._on_switch(index, self._pending.pop(index))
+            self._next = self._issued
+            self._direct = True
+        if old is not None:
+            old.close()
+        return True
+
+    def _allgather(self, value: int, op=None) -> list[int]:
+        """Every rank's ``value`` through the gloo group (``op``: only its reduction)."""
+        mine = torch.tensor([value], dtype=torch.int64)
+        if op is not None:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = op
+            self._gloo.allreduce([mine], opts).wait()
+            return [int(mine.item())]
+        everyone = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self._gloo.allgather([everyone], [mine]).wait()
+        return [int(t.item()) for t in everyone]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        if self.worker is not None:
+            self.worker.close()

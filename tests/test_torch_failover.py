@@ -1,0 +1,173 @@
+"""A torch job whose switch dies: real ranks, a real `switchml switch`, SIGKILL."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+
+from test_torch import collect, start  # noqa: E402
+
+CLI = [sys.executable, "-m", "switchml.cli"]
+WORLD = 3
+
+
+class SwitchProcess:
+    """`switchml switch` in a child process, SIGKILLed and started again on its port."""
+
+    def __init__(self, *args):
+        self.args = list(args)
+        self.port = 0
+        self.proc = None
+        self.start()
+
+    def start(self):
+        self.proc = subprocess.Popen(CLI + ["switch", "--port", str(self.port),
+                                            "--log-level", "warning", *self.args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        assert "listening on" in line, line + self.proc.stderr.read()
+        self.address = line.split("SWITCHML_SWITCH=")[1].strip()
+        self.port = int(self.address.rsplit(":", 1)[1])
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.kill()
+
+
+def run_with_switch_faults(tmp_path, scenario, steps, kill_at, restart_at=None, env=None):
+    """``scenario`` (switch-dies or switch-dies-hook) as WORLD ranks, each a host of its
+    own, on a switch SIGKILLed before step ``kill_at`` and started again on its port
+    before ``restart_at``; each rank's RESULT and the switch's address."""
+    switch = SwitchProcess()
+    restart_at = steps + 1 if restart_at is None else restart_at
+    try:
+        procs = start(WORLD, scenario, "gloo" if scenario.endswith("hook") else "switchml",
+                      steps, kill_at, restart_at,
+                      env={"SWITCHML_SWITCH": switch.address, "SWITCHML_LOCAL_STAGE": "0",
+                           "SWITCHML_TIMEOUT": "5", "CONTROL_DIR": str(tmp_path), **(env or {})})
+        for point, action, done in (("kill", switch.kill, "killed"),
+                                    ("restart", switch.start, "restarted")):
+            if point == "restart" and restart_at > steps:
+                break
+            deadline = time.monotonic() + 60
+            while not (tmp_path / point).exists():
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                    [p.communicate()[1][-2000:] for p in procs if p.poll() is not None]
+                time.sleep(0.01)
+            action()
+            (tmp_path / done).touch()
+        return collect(procs, timeout=90), switch.address
+    finally:
+        switch.stop()
+
+
+@pytest.mark.parametrize("scenario", ["switch-dies", "switch-dies-hook"])
+def test_a_switch_killed_mid_training_is_an_error_in_the_script_not_a_crash(tmp_path, scenario):
+    """DDP's reducer read a failed call's exception as the bucket's tensors and indexed
+    an empty list: every rank died of SIGSEGV (the hook: a RuntimeError "Unable to cast
+    ... to Tensor").  With fallback off, the named error reaches the script on every
+    rank (``collect`` fails on a rank killed by a signal)."""
+    results, address = run_with_switch_faults(tmp_path, scenario, steps=5, kill_at=2,
+                                              env={"SWITCHML_FALLBACK": "0"})
+    for out in results:
+        assert out["steps"] == 2, out["steps"]
+        assert "SwitchUnreachableError" in out["error"] and address in out["error"], out["error"]
+
+
+@pytest.fixture(scope="module")
+def undisturbed():
+    """The weights of the 12 steps on gloo, undisturbed."""
+    return torch.tensor(collect(start(WORLD, "ddp", "gloo", 12))[0]["params"])
+
+
+@pytest.mark.parametrize("scenario", ["switch-dies", "switch-dies-hook"])
+def test_training_goes_on_through_gloo_and_returns_to_the_restarted_switch(tmp_path, scenario,
+                                                                          undisturbed):
+    """The switch SIGKILLed before step 3 and started again on its port before step 6
+    of 12 (where the ranks make backward passes that change no weight until their
+    calls are back on the switch, at most 20 s): every rank ends, with the weights of
+    an undisturbed run (gloo's: within the float32 bound, as the switch's own are);
+    calls went through gloo after the kill and back to the switch after the restart
+    (the counters and the switch's results on the job joined again)."""
+    results, _ = run_with_switch_faults(tmp_path, scenario, steps=12, kill_at=3, restart_at=6,
+                                        env={"SWITCHML_RETRY_S": "0.2"})
+    params = torch.tensor(results[0]["params"])
+    for out in results:
+        assert out["error"] is None and out["steps"] == 12, out["error"]
+        assert torch.equal(torch.tensor(out["params"]), params)  # replicas stay identical
+        counters = out["counters"]
+        assert counters["fallbacks"] == 1 and counters["returns"] == 1, counters
+        assert counters["calls_on_gloo"] >= 3, counters  # steps 3, 4, 5 at least
+        assert out["results_before_kill"] > 0 and out["results_after_return"] > 0, out
+    assert torch.allclose(params, undisturbed, atol=1e-4), (params - undisturbed).abs().max()
+
+
+def test_a_rank_that_dies_is_still_an_error(tmp_path):
+    """Fallback is for the switch, not for peers: rank 2 exits at step 2, the switch
+    lives on, and the others' backward() raises naming it (no gloo, no hang)."""
+    switch = SwitchProcess()
+    try:
+        procs = start(WORLD, "switch-dies", "switchml", 5, 2, 9,
+                      env={"SWITCHML_SWITCH": switch.address, "SWITCHML_LOCAL_STAGE": "0",
+                           "SWITCHML_TIMEOUT": "3", "CONTROL_DIR": str(tmp_path),
+                           "DIE_AT_KILL": "2"})
+        (tmp_path / "killed").touch()  # nothing is killed: the ranks go on at once
+        for p in procs[2:]:
+            assert p.wait(60) == 3
+        for out in collect(procs[:2], timeout=60):
+            assert out["steps"] == 2 and "rank 2" in out["error"], out["error"]
+            assert out["counters"]["fallbacks"] == 0, out["counters"]
+    finally:
+        switch.stop()
+
+
+def test_a_job_the_full_switch_refuses_runs_on_gloo_and_moves_over_when_room_opens(tmp_path):
+    """A switch with room for one job: the second job's join is refused
+    (LimitExceededError), it runs on gloo, logged, and joins the switch once the
+    first job ends; its sums are right throughout."""
+    switch = SwitchProcess("--max-jobs", "1")
+    try:
+        env = {"SWITCHML_SWITCH": switch.address, "SWITCHML_LOCAL_STAGE": "0",
+               "SWITCHML_TIMEOUT": "5", "SWITCHML_RETRY_S": "0.2"}
+        (tmp_path / "first").mkdir()
+        first = start(2, "allreduce-loop", "switchml", 60, 0,
+                      env={**env, "CONTROL_DIR": str(tmp_path / "first")})
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "first" / "joined").exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in first)
+            time.sleep(0.01)
+        second = start(2, "allreduce-loop", "switchml", 30, 1,
+                       env={**env, "CONTROL_DIR": str(tmp_path)})
+        while not (tmp_path / "joined").exists():  # the second job runs (on gloo)
+            assert time.monotonic() < deadline and all(p.poll() is None for p in second)
+            time.sleep(0.01)
+        (tmp_path / "first" / "stop").touch()
+        for out in collect(first, timeout=60):
+            assert out["wrong"] == 0 and out["counters"]["fallbacks"] == 0, out
+        for out in collect(second, timeout=60):
+            counters = out["counters"]
+            assert out["wrong"] == 0 and out["calls"] > 1, out
+            assert counters["fallbacks"] == 1 and counters["returns"] == 1, counters
+            assert counters["calls_on_gloo"] > 0 and out["results_after_return"] > 0, out
+            assert any("LimitExceededError" in line or "max_jobs" in line
+                       for line in out["log"]), out["log"]
+    finally:
+        switch.stop()
+
+
+def test_an_unreachable_switch_at_the_start_means_gloo(tmp_path):
+    """Nothing listens at SWITCHML_SWITCH: the group starts on gloo, sums right."""
+    from test_torch import free_port
+    results = collect(start(2, "allreduce-loop", "switchml", 0.3, 0,
+                            env={"SWITCHML_SWITCH": f"127.0.0.1:{free_port()}",
+                                 "SWITCHML_TIMEOUT": "3", "CONTROL_DIR": str(tmp_path)}))
+    for out in results:
+        assert out["wrong"] == 0 and out["counters"]["fallbacks"] == 1, out
+        assert out["counters"]["calls_on_gloo"] == out["calls"] * 2, out  # and the flags
