@@ -736,8 +736,10 @@ class Worker:
         log.info("job %s rank %d: resumed on the new session: %d slot(s) where ranks were "
                  "a message apart, %d chunk(s) of the call to sum again", self.job, self.rank,
                  len(behind), len(left))
-        if ledger is None:
+        if call is None:
             return None
+        assert ledger is not None  # a sparse call in flight raised above
+        self.membership.counters["calls_resumed"] += 1
         if len(left) == ledger.chunks and left:
             return self._run_once(src, out, False, bits)  # none of it was summed
         if left:
