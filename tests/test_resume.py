@@ -48,7 +48,8 @@ def cut_call(arrays, wire_bits, steps, seed, in_place):
                for m, s, o in zip(sim.memberships, srcs, outs)]
     for addr, op in zip(sim.addresses, sim.ops):
         sim._send_all(op, addr)
-    for _ in (range(steps) if steps is not None else iter(int, 1)):  # None: until the first rank returns
+    # steps None: until the first rank returns
+    for _ in (range(steps) if steps is not None else iter(int, 1)):
         if sim.finished or steps is None and any(op.done for op in sim.ops):
             break
         _step([sim], float("inf"), float("inf"))

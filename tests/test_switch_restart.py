@@ -83,7 +83,7 @@ def test_a_call_cut_by_a_switch_restart_ends_bit_identical(in_place, drop_rate):
         for p in ranks:
             p.join(10)
             assert p.exitcode == 0
-        for rank, cut, undisturbed, rejoins, resumed in got:
+        for rank, cut, undisturbed, rejoins, _ in got:
             assert cut == undisturbed, rank
             assert rejoins == 1
         assert len({cut for _, cut, *_ in got}) == 1

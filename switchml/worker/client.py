@@ -716,7 +716,10 @@ class Worker:
                 f"{lost.error}; the switch there now gives packets of {m.packet_elements} "
                 f"values (blocks of {m.block_elements}), the job ran with "
                 f"{old.packet_elements} ({old.block_elements}): its calls cannot go on")
-        op = ledger = src = out = None
+        op: Any = None
+        ledger: CallLedger | None = None
+        src: Any = None
+        out: Any = None
         bits = 32
         if call is not None:
             op, ledger, src, out, bits = call

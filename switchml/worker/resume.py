@@ -94,7 +94,7 @@ class CallLedger:
     def remaining(self, slot_msgs) -> list[int]:
         """Chunks whose results no rank has, given every rank's message numbers
         ``slot_msgs`` (the same on every rank by now), in order."""
-        left = []
+        left: list[int] = []
         for j in range(self.width):
             rounds = (slot_msgs[j] - self.start[j]) % WRAP
             if rounds > self.messages(j):
