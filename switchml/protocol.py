@@ -137,6 +137,9 @@ class Join(Request):
     #: The job's public key (``auth.JobKey.public``): its identity on the switch.
     #: None: an open job, joined by name alone.
     key: str | None = None
+    #: The rank's job ran on a switch at this address that went away (a restarted
+    #: switch counts the job as rejoined; it is otherwise a join like any other).
+    rejoin: bool = False
 
     def fields(self) -> dict:
         out = {"version": self.version, "job": self.job, "rank": self.rank,
@@ -146,6 +149,8 @@ class Join(Request):
             out["link_share"] = self.link_share
         if self.key is not None:
             out["key"] = self.key
+        if self.rejoin:
+            out["rejoin"] = True
         return out
 
     @classmethod
@@ -168,7 +173,8 @@ class Join(Request):
         mtu = _integer(msg, "mtu", MIN_MTU, 1 << 20) if msg.get("mtu") is not None else None
         share = _integer(msg, "link_share", 1, MAX_GATHER_RANKS, 1)
         return cls(job, rank, world, address, slots, rcvbuf, mtu, msg.get("wait") is True,
-                   link_share=share, key=_hex(msg, "key", KEY_HEX))
+                   link_share=share, key=_hex(msg, "key", KEY_HEX),
+                   rejoin=msg.get("rejoin") is True)
 
 
 @dataclass(frozen=True)

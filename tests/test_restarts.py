@@ -127,7 +127,8 @@ def test_switch_killed_mid_job_then_a_new_job_on_a_restarted_switch_works():
         for error, when, calls in results:
             assert isinstance(error, switchml.SwitchUnreachableError), error
             assert f"switch at 127.0.0.1:{port}" in str(error)
-            assert when - killed_at < TIMEOUT
+            # it tried to rejoin for the timeout, then gave up with the error it had
+            assert when - killed_at < TIMEOUT + 1.5
             assert calls >= 2
         # a new switch on the same port serves a new job
         proc, address = _start_switch(port)

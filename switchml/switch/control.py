@@ -121,6 +121,7 @@ class JobEntry:
     block_elements: int = 0
     slot_count: int = 0                           # the window, fixed once every rank joined
     waiting: bool = False                         # complete, queued for room
+    rejoined: bool = False                        # a rank said it ran on a switch here before
 
     @property
     def ident(self) -> tuple:
@@ -365,6 +366,7 @@ class Controller:
                                 f"data address {addr} is already used by another rank")
         job.conns[rank] = conn
         job.addrs[rank] = addr
+        job.rejoined = job.rejoined or join.rejoin
         if rcvbuf > 0:
             job.rcvbufs[rank] = rcvbuf
         if mtu is not None:
@@ -485,7 +487,10 @@ class Controller:
                                   block_elements=job.block_elements, tokens=tokens)
         job.session = session
         self.pipeline.counters["jobs_started"] += 1
-        log.info("job %s started: session %08x, %d ranks, slots %d..%d", job.name, session,
+        if job.rejoined:  # its ranks ran it on a switch here that went away
+            self.pipeline.counters["jobs_rejoined"] += 1
+        log.info("job %s %s: session %08x, %d ranks, slots %d..%d", job.name,
+                 "rejoined" if job.rejoined else "started", session,
                  job.world_size, base, base + job.slot_count - 1)
         if job.key is None:
             self.pipeline.counters["jobs_unauthenticated"] += 1

@@ -55,6 +55,15 @@ from .local.hosts import Hosts, Placement
 from .local.worker import LocalStageWorker
 from .multi import MultiSwitchWorker
 from .rendezvous import control_events, exchange_through_switch
+from .resume import (
+    CallLedger,
+    Kept,
+    ResumeError,
+    ahead_slots,
+    positions,
+    take_transfer,
+    transfer,
+)
 
 __all__ = ["Worker", "AllreduceHandle"]
 
@@ -66,6 +75,30 @@ DRAIN_BATCH = 64
 IO_SLICE = 0.02
 #: Seconds to wait for the switch's answer to a status query while diagnosing.
 STATUS_TIMEOUT = 2.0
+#: Seconds between tries to reach a switch that went away, at first and at most
+#: (doubling): a restart is back within a second or so, and a switch that is not
+#: is tried about once a second until the worker's timeout.
+REJOIN_FIRST_DELAY, REJOIN_MAX_DELAY = 0.05, 1.0
+
+
+class _SwitchLost(Exception):
+    """The switch closed the control connection of a running job (``at``: when this
+    rank saw it): the I/O thread tries to rejoin a restarted switch at its address
+    within the timeout (``Worker._resume``), and raises ``error`` if none comes."""
+
+    def __init__(self, error: SwitchMLError, at: float):
+        super().__init__(str(error))
+        self.error = error
+        self.at = at
+
+
+class _Resumed:
+    """A call finished after a rejoin (``Worker._resume``): what ``_run`` reads of
+    a call's state machine."""
+
+    def __init__(self, nonfinite_chunks: list[int], chunk_values: int):
+        self.nonfinite_chunks = nonfinite_chunks
+        self.chunk_values = chunk_values
 
 
 def send_waiting(udp, datagram, address, op) -> int:
@@ -113,7 +146,11 @@ class Worker:
     ``timeout`` bounds, in seconds, the wait for the other ranks to join and any
     stretch of an allreduce without progress; past it the call raises
     ``SwitchMLTimeoutError`` naming the ranks that did not contribute, and the
-    job fails for every rank (the switch frees its slots).
+    job fails for every rank (the switch frees its slots).  A switch that goes
+    away (its control connection closes) and is back at its address within
+    ``timeout`` is rejoined, and the call in flight completes with the result it
+    would have had (docs/protocol.md, "A switch that restarts"; ``counters``
+    count ``rejoins``); one that is not raises ``SwitchUnreachableError``.
 
     Ranks that share a host combine their arrays in shared memory first, and one
     rank per shard sends the host's partial sum through the switch (a job of one
@@ -206,35 +243,17 @@ class Worker:
         #: goes away, between calls too (a job over several switches then lets go
         #: of the others at once).
         self.on_failure: Callable[[SwitchMLError], None] | None = None
-        host, port = self.switch_address
-        secret = secret if secret is not None else env("JOB_SECRET", None)
-        self._protocol = ControlClient(self.job, rank, world_size, timeout=self.timeout,
-                                       wait_for_slots=self.wait_for_slots,
-                                       where=f"switch at {host}:{port}", secret=secret,
-                                       switch_token=token_from_env())
+        self._slots = slots
+        self._secret = secret if secret is not None else env("JOB_SECRET", None)
+        self._protocol = self._new_protocol()
         # News that follows "ready" in the same read (a rank that left at once) must
         # reach the I/O thread, not be dropped.
         self._early_events: list = []
         self._control, self._udp = self._join(slots)
-        ready = self._protocol.ready
-        assert ready is not None
-        #: This worker's membership of the job (``dense.Membership``): the wire's
-        #: ``session`` id, slots, packet geometry, and what its calls share in call
-        #: order (message numbers, window, RTT, ``counters``).
-        self.membership = Membership(session=ready.session, token=ready.token, rank=rank,
-                                     world_size=world_size, slot_base=ready.slot_base,
-                                     slot_count=ready.slot_count,
-                                     packet_elements=ready.packet_elements,
-                                     block_elements=ready.block_elements,
-                                     progress_timeout=self.timeout)
-        #: The window one link carries (protocol.Ready.link_window): what a job over
-        #: several switches splits over them.
-        self.link_window = ready.slot_count if ready.link_window is None else ready.link_window
-        #: Whether the switch takes runs of UDP GSO segments (protocol.Ready.gso): an
-        #: XDP switch asks for each datagram apart.
-        self.gso = ready.gso
-        # An IPv4 address, resolved once: the C loop takes one, and no send needs a lookup.
-        self._data_address = (socket.gethostbyname(host), ready.data_port)
+        self._take_ready()
+        #: The last call's last message a slot (their chunks' values), for the ranks
+        #: that lack them if the switch restarts before they have them (resume.py).
+        self._kept: Kept | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._thread = threading.Thread(target=self._serve, name=f"switchml-worker-{rank}",
                                         daemon=True)
@@ -312,7 +331,40 @@ class Worker:
         return dict(self.membership.counters)
 
     # -------------------------------------------------------------- joining
-    def _join(self, slots):
+    def _new_protocol(self) -> ControlClient:
+        host, port = self.switch_address
+        return ControlClient(self.job, self.rank, self.world_size, timeout=self.timeout,
+                             wait_for_slots=self.wait_for_slots,
+                             where=f"switch at {host}:{port}", secret=self._secret,
+                             switch_token=token_from_env())
+
+    def _take_ready(self, previous: Membership | None = None) -> None:
+        """Start the membership the switch's ``Ready`` describes (``previous``: the
+        one of the session a restarted switch lost, whose RTT and counters go on)."""
+        ready = self._protocol.ready
+        assert ready is not None
+        #: This worker's membership of the job (``dense.Membership``): the wire's
+        #: ``session`` id, slots, packet geometry, and what its calls share in call
+        #: order (message numbers, window, RTT, ``counters``).
+        self.membership = Membership(session=ready.session, token=ready.token, rank=self.rank,
+                                     world_size=self.world_size, slot_base=ready.slot_base,
+                                     slot_count=ready.slot_count,
+                                     packet_elements=ready.packet_elements,
+                                     block_elements=ready.block_elements,
+                                     progress_timeout=self.timeout,
+                                     rtt=previous.rtt if previous is not None else None)
+        if previous is not None:
+            self.membership.counters = previous.counters
+        #: The window one link carries (protocol.Ready.link_window): what a job over
+        #: several switches splits over them.
+        self.link_window = ready.slot_count if ready.link_window is None else ready.link_window
+        #: Whether the switch takes runs of UDP GSO segments (protocol.Ready.gso): an
+        #: XDP switch asks for each datagram apart.
+        self.gso = ready.gso
+        # An IPv4 address, resolved once: the C loop takes one, and no send needs a lookup.
+        self._data_address = (socket.gethostbyname(self.switch_address[0]), ready.data_port)
+
+    def _join(self, slots, rejoin: bool = False):
         host, port = self.switch_address
         where = f"switch at {host}:{port}"
         keepalive = env("KEEPALIVE", DEFAULT_KEEPALIVE, float)
@@ -333,7 +385,8 @@ class Worker:
             report_local_drops(udp)  # a full queue of this host's: the window hears of it
             udp.setblocking(False)
             self._protocol.join(udp.getsockname(), time.monotonic(), slots=slots,
-                                rcvbuf=rcvbuf, mtu=mtu, link_share=self.link_share)
+                                rcvbuf=rcvbuf, mtu=mtu, link_share=self.link_share,
+                                rejoin=rejoin)
             # Everything ready before the connection opens, the join goes with it: a
             # switch under a flood of connections that never join closes the oldest
             # that have not joined (its lobby), and one that joins at once is not one.
@@ -391,6 +444,8 @@ class Worker:
                     try:
                         self._wait(1.0)
                         self._honour_abort()
+                    except _SwitchLost as lost:
+                        self._resume_idle(lost)
                     except SwitchMLError:
                         pass  # recorded in self._failure; the next call raises it
                     continue
@@ -444,7 +499,7 @@ class Worker:
             while time.monotonic() < deadline:
                 if any(isinstance(e, Left) for e in self._wait(deadline - time.monotonic())):
                     return
-        except (OSError, SwitchMLError) as exc:
+        except (OSError, SwitchMLError, _SwitchLost) as exc:
             log.debug("leaving the job: %s", exc)
 
     def _wait(self, timeout: float, drain_udp: bool = True) -> list:
@@ -499,6 +554,8 @@ class Worker:
             if isinstance(event, JobFailed):
                 self._sel.unregister(self._control)
                 self._control_open = False
+                if event.switch_lost:
+                    raise _SwitchLost(event.error, time.monotonic())
                 self._failure = event.error
                 if self.on_failure is not None:
                     self.on_failure(self._failure)
@@ -560,15 +617,33 @@ class Worker:
             nonfinite.apply(out.reshape(-1), index, value_sums, code_sums)
         return out
 
-    def _run_once(self, src: np.ndarray, out: np.ndarray, sparse: bool, bits: int):
-        """Drive one call to its end; returns its state machine."""
+    def _run_once(self, src: np.ndarray, out: np.ndarray, sparse: bool, bits: int,
+                  resumable: bool = True):
+        """Drive one call to its end; returns its state machine (or, after a rejoin,
+        what ``_run`` needs of it).  ``resumable``: False for the exchanges of a
+        resumption itself, which a second loss of the switch ends."""
+        start = list(self.membership.slot_msgs)
         # The C loop drives a real socket by its descriptor (not a wrapper of one).
         use_c = compiled.enabled() and isinstance(self._udp, socket.socket)
         op = self.membership.allreduce(src, out, time.monotonic(), sparse, compiled=use_c,
                                        wire_bits=bits)
+        ledger = None if sparse else CallLedger.of(op, src.reshape(-1), start)
+        try:
+            self._drive(op, out)
+        except _SwitchLost as lost:
+            if not resumable:
+                raise lost.error from None
+            return self._resume(lost, (op, ledger, src, out, bits))
+        if resumable:
+            self._kept = (Kept.of(ledger, out, op.nonfinite_chunks)
+                          if ledger is not None else None)
+        return op
+
+    def _drive(self, op, out: np.ndarray) -> None:
+        """Run the call ``op`` to its end on the sockets."""
         if isinstance(op, compiled.CompiledDenseAllreduce):
             self._run_compiled(op, out)
-            return op
+            return
         udp = self._udp
         dst = self._data_address
         counters = self.membership.counters
@@ -596,7 +671,7 @@ class Worker:
                 op.receive_datagram(view[:n], time.monotonic())
                 flush()
                 if op.done:
-                    return op
+                    return
             now = time.monotonic()
             timer = op.get_timer()
             if timer is not None and now >= timer:
@@ -608,7 +683,129 @@ class Worker:
             if received < DRAIN_BATCH:
                 wait = timer - time.monotonic() if timer is not None else 1.0
                 self._wait(wait, drain_udp=False)
-        return op
+
+    # -------------------------------------------------------------- a switch restart
+    def _resume_idle(self, lost: _SwitchLost) -> None:
+        """The switch went away between calls: rejoin and settle what the ranks
+        still in the last call lack (an error is the next call's)."""
+        try:
+            self._resume(lost, None)
+        except SwitchMLError as exc:
+            self._failure = self._failure or exc
+
+    def _resume(self, lost: _SwitchLost, call):
+        """Rejoin a restarted switch and finish ``call`` (op, ledger, src, out, bits;
+        None between calls) as it would have ended: resume.py's two exchanges make
+        every rank hold what any held, then what none held is summed again."""
+        try:
+            return self._resume_call(lost, call)
+        except SwitchMLError as exc:
+            self._failure = self._failure or exc
+            if self.on_failure is not None:
+                self.on_failure(exc)
+            raise
+
+    def _resume_call(self, lost: _SwitchLost, call):
+        old = self.membership
+        numbers = list(old.slot_msgs)
+        kept, self._kept = self._kept, None
+        self._rejoin(lost)
+        m = self.membership
+        if (m.packet_elements, m.block_elements) != (old.packet_elements, old.block_elements):
+            raise SwitchUnreachableError(
+                f"{lost.error}; the switch there now gives packets of {m.packet_elements} "
+                f"values (blocks of {m.block_elements}), the job ran with "
+                f"{old.packet_elements} ({old.block_elements}): its calls cannot go on")
+        op: Any = None
+        ledger: CallLedger | None = None
+        src: Any = None
+        out: Any = None
+        bits = 32
+        if call is not None:
+            op, ledger, src, out, bits = call
+        nonfinite = set(op.nonfinite_chunks) if ledger is not None else set()
+        try:
+            sums = self._exchange(positions(numbers, call is not None and ledger is None))
+            behind = ahead_slots(sums, self.world_size)
+            if behind:
+                mine = transfer(numbers, behind, ledger, out, nonfinite, kept)
+                sums = self._exchange(mine) if mine.size else mine
+                take_transfer(sums, numbers, behind, ledger, out, nonfinite, kept)
+            left = ledger.remaining(numbers) if ledger is not None else []
+        except ResumeError as exc:
+            raise SwitchUnreachableError(
+                f"{lost.error}; rejoined the switch there, but the call in flight cannot "
+                f"go on: {exc}") from None
+        log.info("job %s rank %d: resumed on the new session: %d slot(s) where ranks were "
+                 "a message apart, %d chunk(s) of the call to sum again", self.job, self.rank,
+                 len(behind), len(left))
+        if call is None:
+            return None
+        assert ledger is not None  # a sparse call in flight raised above
+        self.membership.counters["calls_resumed"] += 1
+        if len(left) == ledger.chunks and left:
+            return self._run_once(src, out, False, bits)  # none of it was summed
+        if left:
+            flat_src, flat_out = src.reshape(-1), out.reshape(-1)
+            spans = [ledger.span(c) for c in left]
+            part = np.concatenate([flat_src[s] for s in spans])
+            part_out = np.empty_like(part)
+            sub = self._run_once(part, part_out, False, bits)
+            at = 0
+            for span in spans:
+                n = span.stop - span.start
+                flat_out[span] = part_out[at:at + n]
+                at += n
+            nonfinite |= {left[i] for i in sub.nonfinite_chunks}
+        return _Resumed(sorted(nonfinite), ledger.chunk_values)
+
+    def _exchange(self, values: np.ndarray) -> np.ndarray:
+        """One int32 sum over the ranks on the new session, for a resumption."""
+        out = np.empty_like(values)
+        self._run_once(values, out, False, 32, resumable=False)
+        return out
+
+    def _rejoin(self, lost: _SwitchLost) -> None:
+        """Join the job again at the switch's address, trying until ``timeout`` after
+        the switch went away; past it, the loss's error (what it was without
+        rejoining).  A rank missing from the new job is named as at any join."""
+        deadline = lost.at + self.timeout
+        try:
+            self._sel.unregister(self._udp)
+        except (KeyError, ValueError):
+            pass
+        self._control.close()
+        self._udp.close()
+        delay = REJOIN_FIRST_DELAY
+        host, port = self.switch_address
+        log.warning("job %s rank %d: %s; rejoining within %gs", self.job, self.rank,
+                    lost.error, self.timeout)
+        while True:
+            if self._abort_request is not None:
+                raise self._abort_request
+            self._protocol = self._new_protocol()
+            try:
+                self._control, self._udp = self._join(self._slots, rejoin=True)
+                break
+            except SwitchUnreachableError:
+                now = time.monotonic()
+                if now >= deadline:
+                    raise SwitchUnreachableError(
+                        f"{lost.error}; no switch took the job again at {host}:{port} "
+                        f"within {self.timeout:g}s") from None
+                time.sleep(min(delay, deadline - now))
+                delay = min(2 * delay, REJOIN_MAX_DELAY)
+        self._take_ready(self.membership)
+        self.membership.counters["rejoins"] += 1
+        self._sel.register(self._udp, selectors.EVENT_READ)
+        self._sel.register(self._control, selectors.EVENT_READ)
+        self._control_open = True
+        log.warning("job %s rank %d: rejoined the switch at %s:%d", self.job, self.rank,
+                    host, port)
+        try:
+            self._control_events(self._early_events)
+        except _SwitchLost as again:  # gone again at once: not tried twice
+            raise again.error from None
 
     def _run_compiled(self, op, out: np.ndarray) -> np.ndarray:
         """The call (dense or sparse) on the C engine: it receives, absorbs and sends

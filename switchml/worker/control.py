@@ -78,6 +78,9 @@ class JobFailed:
     """The job is over for this rank; ``error`` says why (the worker raises it)."""
 
     error: SwitchMLError
+    #: The switch went away under a running job (its connection closed or failed):
+    #: the worker may rejoin a restarted switch (``client.Worker``) rather than fail.
+    switch_lost: bool = False
 
 
 class ControlClient:
@@ -131,13 +134,15 @@ class ControlClient:
 
     # ------------------------------------------------------------ what to send
     def join(self, data_addr: tuple[str, int], now: float, *, slots: int | None = None,
-             rcvbuf: int = 0, mtu: int | None = None, link_share: int = 1) -> None:
+             rcvbuf: int = 0, mtu: int | None = None, link_share: int = 1,
+             rejoin: bool = False) -> None:
         """Ask to join; the other ranks must join within ``timeout`` of ``now``.
-        ``link_share``: jobs this rank's link carries at once (``protocol.Join``)."""
+        ``link_share``: jobs this rank's link carries at once (``protocol.Join``);
+        ``rejoin``: the job ran on a switch at this address that went away."""
         host, port = data_addr
         self._send(protocol.Join(self.job, self.rank, self.world_size, (str(host), int(port)),
                                  slots, rcvbuf, mtu, self.wait_for_slots > 0, self.version,
-                                 link_share=link_share, key=self.key))
+                                 link_share=link_share, key=self.key, rejoin=rejoin))
         self._join_deadline = self._deadline = now + self.timeout
 
     def gather(self, value: str, now: float) -> None:
@@ -223,7 +228,9 @@ class ControlClient:
         else:
             why = (f"the {self.where} closed the control connection "
                    f"(switch stopped or crashed?)")
-        return self._fail(SwitchUnreachableError(why))
+        running = self.state == RUNNING
+        self.state, self.error = CLOSED, SwitchUnreachableError(why)
+        return [JobFailed(self.error, switch_lost=running)]
 
     def get_timer(self) -> float | None:
         """When ``handle_timer`` must run: the join's deadline (or sooner, the end of

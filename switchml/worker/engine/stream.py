@@ -149,7 +149,8 @@ class MembershipState:
                          "window_decreases": 0, "random_losses": 0, "dropped_stale": 0,
                          "dropped_malformed": 0, "dropped_foreign": 0,
                          "sparse_blocks_sent": 0, "sparse_blocks_received": 0,
-                         "bytes_sent": 0, "bytes_received": 0, "local_refusals": 0}
+                         "bytes_sent": 0, "bytes_received": 0, "local_refusals": 0,
+                         "rejoins": 0, "calls_resumed": 0}
 
 
 class Stream:
