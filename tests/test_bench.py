@@ -347,3 +347,67 @@ def test_first_send_bench_times_both_calls_and_each_build(tmp_path):
     assert all(s > 0 for s in data["first_send_s"].values())
     assert data["magnitude_peak_s"]["baseline"] > 0  # every x86-64 or other machine has it
     assert "sparse call: first datagrams after" in done.stdout
+
+
+def test_bench_on_torch_tensors_sums_through_the_backend_and_counts_faults(tmp_path):
+    """--device cpu: switchml's ranks call dist.all_reduce on the "switchml" backend
+    (3 ranks, 2 hosts of the loopback: the local stage and the bench's switch),
+    gloo on the same torch tensors; every row checked, its device and faults given."""
+    pytest.importorskip("torch", reason="the torch extra is not installed")
+    args = ["--device", "cpu", "--workers", "3", "--ranks-per-host", "2", "--sizes", "0.25",
+            "--repeats", "2", "--no-plots", "--out", str(tmp_path)]
+    # the local stage on, as a user has it (conftest.py turns it off for the suite)
+    done = subprocess.run(CLI + args, capture_output=True, text=True, timeout=180, cwd=ROOT,
+                          env=dict(os.environ, SWITCHML_LOCAL_STAGE="1"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.load(open(os.path.join(tmp_path, "results.json")))
+    rows = {r["system"]: r for r in data["rows"]}
+    assert set(rows) == {"switchml-dense", "gloo"}
+    for r in rows.values():
+        assert r["checked"] is True and r["ranks_bit_identical"], r
+        assert r["device"] == "cpu" and r["api"] == "torch.distributed", r
+        assert r["faults_per_call"] is not None and r["faults_per_call"] >= 0, r
+    dense = rows["switchml-dense"]
+    # the ranks combined on their hosts, and host 0's leader sent through the switch
+    assert dense["local_stage"] and dense["hosts"] == 2
+    assert dense["switch_data_plane"] and dense["bytes_sent_per_worker"] > 0
+    assert data["machine"]["torch"] and "device" in done.stdout
+
+
+def test_bench_on_cuda_tensors_refuses_at_once_without_a_gpu(tmp_path):
+    torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    out = tmp_path / "out"
+    done = subprocess.run(CLI + ["--device", "cuda", "--workers", "2", "--sizes", "1",
+                                 "--out", str(out)],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode != 0
+    assert "--device cuda" in done.stderr and "no CUDA device" in done.stderr, done.stderr
+    assert not out.exists()  # refused before anything ran or was written
+
+
+def test_bench_on_torch_tensors_refuses_what_runs_on_numpy_arrays_only(tmp_path):
+    for extra in (["--systems", "dense16"], ["--densities", "0.1"]):
+        done = subprocess.run(CLI + ["--device", "cpu", *extra, "--out", str(tmp_path)],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert done.returncode != 0 and "--device runs --systems" in done.stderr, extra
+
+
+def test_a_call_that_touches_fresh_memory_counts_a_fault_a_page():
+    """The rows' faults_per_call: a call that fills a new array faults once per
+    4 KiB page of it (numpy's huge pages off), one that reuses an array none."""
+    import numpy as np
+
+    from switchml.bench import roles
+
+    roles.no_numpy_huge_pages()
+    # 40 MiB: past glibc's largest mmap threshold (32 MiB), so each array is fresh
+    pages = 40 * 256
+    reused = np.empty(pages * 1024, np.float32)
+    fresh: list = []
+    roles._time(lambda: np.ones(pages * 1024, np.float32), 1, 3, faults=fresh)
+    kept: list = []
+    roles._time(lambda: reused.fill(1.0), 1, 3, faults=kept)
+    assert min(fresh) >= pages * 0.9, fresh
+    assert max(kept) < pages / 20, kept
