@@ -434,3 +434,54 @@ def test_ddp_resnet_bench_trains_on_both_backends_with_identical_replicas(tmp_pa
     assert ours["switchml_counters_rank0"]["local_calls"] >= 3  # one a step at least
     assert ours["max_weight_diff_vs_gloo"] <= 1e-4 * ours["max_abs_weight"], ours
     assert ours["speedup_over_gloo"] > 0 and "| switchml | cpu |" in done.stdout
+
+
+def test_gpu_check_script_parses():
+    done = subprocess.run(["bash", "-n", os.path.join(ROOT, "bench", "gpu_check.sh")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_gpu_summary_sets_each_figure_against_its_aim(tmp_path, capsys):
+    """bench/gpu_summary.py: ratios from the invocations' medians, a cut-short stage
+    counted from its finished runs, CUDA against CPU, faults, DDP."""
+    from bench.gpu_summary import main
+
+    mib45 = 45 * 2**20
+
+    def row(system, workers, median, device, faults=0.0):
+        return {"system": system, "workers": workers, "size_bytes": mib45, "density": None,
+                "device": device, "median_s": median, "bound_s": None, "faults_per_call": faults,
+                "retransmissions_per_worker": 0.0, "checked": True, "ranks_bit_identical": True}
+
+    for device, times in (("cpu", {2: (0.010, 0.012), 4: (0.010, 0.016)}),
+                          ("cuda", {2: (0.013, 0.020), 4: (0.011, 0.020)})):
+        for i in range(2 if device == "cpu" else 3):  # the CPU stage cut short: 2 runs
+            folder = tmp_path / f"bench-{device}" / f"run{i + 1}"
+            folder.mkdir(parents=True)
+            rows = [row("switchml-dense", k, s, device, 16385.0 if device == "cuda" else 2.0)
+                    for k, (s, _) in times.items()]
+            rows += [row("gloo", k, g, device) for k, (_, g) in times.items()]
+            (folder / "results.json").write_text(json.dumps({"rows": rows, "machine": {
+                "cpus": 16, "gpus": ["NVIDIA H100 80GB HBM3"]}}))
+    ddp = [{"backend": b, "workers": 2, "device": "cuda", "model": "m", "samples_per_s": s,
+            "step_ms": 1.0, "compute_ms_per_step": 0.5, "replicas_identical": True,
+            "speedup_over_gloo": s / 100.0, "max_weight_diff_vs_gloo": 3e-5}
+           for b, s in (("gloo", 100.0), ("switchml", 130.0))]
+    (tmp_path / "ddp.json").write_text(json.dumps({"runs": ddp}))
+    (tmp_path / "stages.tsv").write_text("build\t0\t20\t\nbench-cpu\t124\t110\ttimed out\n")
+    assert main([str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "bench-cpu | 124 | 110 | timed out" in printed and "H100" in printed
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["invocations"] == {"cuda": 3, "cpu": 2}
+    got = {(r["device"], r["workers"]): r for r in summary["allreduce"]}
+    assert got[("cpu", 2)]["speedup_over_gloo"] == pytest.approx(1.2)
+    assert got[("cpu", 2)]["speedup_met"] is False  # 1.3x at K=2
+    assert got[("cpu", 4)]["speedup_met"] is True   # 1.6x against 1.5x at K=4
+    assert got[("cuda", 2)]["cuda_over_cpu"] == pytest.approx(1.3)
+    assert got[("cuda", 2)]["cuda_over_cpu_met"] is False
+    assert got[("cuda", 4)]["cuda_over_cpu_met"] is True
+    assert got[("cpu", 2)]["fresh_pages_met"] and not got[("cuda", 2)]["fresh_pages_met"]
+    [trained] = summary["ddp"]
+    assert trained["speedup_over_gloo"] == pytest.approx(1.3) and trained["speedup_met"]
