@@ -161,7 +161,6 @@ fi
 # invocations, each its median of 5 calls after 3 (the steady state's buffers made);
 # the first invocation checks the sums (rebuilding 8 ranks' 45 MiB inputs and the
 # bound takes seconds), every one that the ranks' results are bit-identical.
-# Expected on 16 cores: build ~30 s, tests ~120 s, each bench ~110 s, DDP ~50 s.
 BENCH=(--workers $WORKERS --ranks-per-host $PER_HOST --sizes $SIZES --warmup 3 --repeats 5
        --systems dense gloo --timeout 60)
 

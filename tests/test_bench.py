@@ -434,6 +434,9 @@ def test_ddp_resnet_bench_trains_on_both_backends_with_identical_replicas(tmp_pa
     assert ours["switchml_counters_rank0"]["local_calls"] >= 3  # one a step at least
     assert ours["max_weight_diff_vs_gloo"] <= 1e-4 * ours["max_abs_weight"], ours
     assert ours["speedup_over_gloo"] > 0 and "| switchml | cpu |" in done.stdout
+    shown = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "report.py"), str(out)],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "| 2 | switchml | cpu |" in shown and "bench/ddp_resnet.py" in shown
 
 
 def test_gpu_check_script_parses():
