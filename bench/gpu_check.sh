@@ -90,7 +90,10 @@ fi
 # ------------------------------------------------------------------ the machine
 {
     say "gpu_check in $ROOT, results in $OUT, budget ${BUDGET}s$([ "$CPU_ONLY" = 1 ] && echo ', --cpu-only')"
-    echo "commit: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')$(git -C "$ROOT" diff --quiet HEAD 2>/dev/null || echo ' (with changes)')"
+    if commit=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null); then
+        git -C "$ROOT" diff --quiet HEAD 2>/dev/null || commit="$commit (with changes)"
+        echo "commit: $commit"
+    fi
     echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(nproc) cores; $(free -g | awk '/^Mem:/ {print $2 " GiB"}')"
     echo "/dev/shm: $(df -h /dev/shm | awk 'NR == 2 {print $2 " (" $4 " free)"}')"
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version \
@@ -138,7 +141,7 @@ stage() {
     rc=$?
     local took=$(( $(date +%s) - begun ))
     # (tqdm's progress lines left out: the log keeps them)
-    tr '\r' '\n' < "$OUT/$name.log" | grep -v 'case/s' | tail -n 25 | sed "s/^/  $name| /"
+    tr '\r' '\n' < "$OUT/$name.log" | grep -v 'case/s' | tail -n 15 | sed "s/^/  $name| /"
     local note=""
     [ "$rc" = 124 ] || [ "$rc" = 137 ] && note="timed out after ${limit}s"
     local leftover

@@ -488,3 +488,19 @@ def test_gpu_summary_sets_each_figure_against_its_aim(tmp_path, capsys):
     assert got[("cpu", 2)]["fresh_pages_met"] and not got[("cuda", 2)]["fresh_pages_met"]
     [trained] = summary["ddp"]
     assert trained["speedup_over_gloo"] == pytest.approx(1.3) and trained["speedup_met"]
+
+
+def test_a_rank_takes_the_gpu_of_its_place_on_its_host(monkeypatch):
+    """--device cuda: rank r uses GPU (r mod ranks-per-host) mod the GPUs: every
+    rank of a one-GPU host on cuda:0, the ranks of a 2-GPU host of 4 spread."""
+    torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+    from switchml.bench.roles import torch_device
+
+    chosen: list = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    for gpus, per_host, expected in ((1, 8, [0] * 8), (2, 4, [0, 1, 0, 1, 0, 1, 0, 1])):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
+        got = [torch_device({"device": "cuda", "rank": r, "ranks_per_host": per_host})
+               for r in range(8)]
+        assert [d.index for d in got] == expected and chosen[-8:] == got
+    assert torch_device({"device": "cpu", "rank": 3}) == torch.device("cpu")
