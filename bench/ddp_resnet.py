@@ -212,17 +212,33 @@ def launch(backend: str, workers: int, args, prefix: str) -> dict:
            "--backend", backend, "--device", args.device, "--batch", str(args.batch),
            "--image", str(args.image), "--warmup", str(args.warmup), "--steps", str(args.steps),
            "--lr", str(args.lr), "--summary", summary, "--params", params]
+    proc = subprocess.Popen(cmd, env=_environment(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
-        proc = subprocess.run(cmd, env=_environment(), capture_output=True, text=True,
-                              timeout=args.timeout)
-    except subprocess.TimeoutExpired as exc:
-        raise SystemExit(f"ddp_resnet: {backend} at K={workers} took over {args.timeout:g} s:\n"
-                         f"{(exc.stderr or b'')[-3000:]!r}") from None
+        _, err = proc.communicate(timeout=args.timeout)
+    except BaseException as exc:  # too long, or interrupted: no rank left behind
+        _, err = _stop(proc)
+        if isinstance(exc, subprocess.TimeoutExpired):
+            raise SystemExit(f"ddp_resnet: {backend} at K={workers} took over "
+                             f"{args.timeout:g} s:\n{err[-3000:]}") from None
+        raise
     if proc.returncode != 0 or not os.path.exists(summary):
         raise SystemExit(f"ddp_resnet: {shlex.join(cmd)} failed (exit {proc.returncode}):\n"
-                         f"{proc.stderr[-3000:]}")
+                         f"{err[-3000:]}")
     with open(summary) as f:
         return dict(json.load(f), params=params)
+
+
+def _stop(proc: subprocess.Popen) -> tuple:
+    """End a launch: SIGTERM first, which torchrun passes on to its ranks (they run
+    in sessions of their own, which a SIGKILL of torchrun alone would leave
+    behind), then SIGKILL."""
+    proc.terminate()
+    try:
+        return proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()
 
 
 def compare(ours: dict, gloo: dict) -> dict:

@@ -51,7 +51,7 @@ mkdir -p "$OUT" || exit 2
 OUT=$(cd "$OUT" && pwd)
 STAGES_FILE=$OUT/stages.tsv
 : > "$STAGES_FILE"
-MARK=$(mktemp)  # /dev/shm entries newer than this are the run's
+MARK=$(mktemp)  # /dev/shm entries newer than this are the stage's
 SHIM=""
 cleanup() {
     rm -f "$MARK"
@@ -137,6 +137,7 @@ stage() {
     say "$name: start (at most ${limit}s): $*"
     local begun rc
     begun=$(date +%s)
+    touch "$MARK"
     timeout -s INT -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
     rc=$?
     local took=$(( $(date +%s) - begun ))
