@@ -26,7 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def key(row) -> tuple:
-    return row["system"], row["workers"], row["size_bytes"], row["density"]
+    return (row["system"], row["workers"], row["size_bytes"], row["density"],
+            row.get("device", "cpu"))
 
 
 def summarize_runs(runs: list) -> list:
@@ -36,44 +37,53 @@ def summarize_runs(runs: list) -> list:
         for row in rows:
             grouped.setdefault(key(row), []).append(row)
     out = []
-    for (system, workers, size, density), rows in grouped.items():
+    for (system, workers, size, density, device), rows in grouped.items():
         times = [r["median_s"] for r in rows]
         median = statistics.median(times)
         bound = rows[0].get("bound_s")
+        faults = [r["faults_per_call"] for r in rows if r.get("faults_per_call") is not None]
         out.append({"system": system, "workers": workers, "size_mib": size / 2**20,
-                    "density": density, "runs": len(rows), "median_s": median,
+                    "density": density, "device": device, "api": rows[0].get("api"),
+                    "runs": len(rows), "median_s": median,
+                    # minor page faults a timed call took (busiest rank), each run's
+                    "faults_per_call": statistics.median(faults) if faults else None,
+                    "run_faults_per_call": faults,
                     "run_medians_s": times, "of_bound": bound / median if bound else None,
                     "retransmissions_per_worker": statistics.median(
                         [r["retransmissions_per_worker"] or 0 for r in rows]),
                     "checked": all(r["checked"] is not False for r in rows),
                     "ranks_bit_identical": all(r["ranks_bit_identical"] for r in rows)})
     def medians(system):
-        return {(r["workers"], r["size_mib"]): r["median_s"] for r in out if r["system"] == system}
+        return {(r["workers"], r["size_mib"], r["device"]): r["median_s"] for r in out
+                if r["system"] == system}
     gloo, fp16 = medians("gloo"), medians("gloo-fp16")
     for r in out:
-        g = gloo.get((r["workers"], r["size_mib"]))
+        g = gloo.get((r["workers"], r["size_mib"], r["device"]))
         r["speedup_over_gloo"] = g / r["median_s"] if g and r["system"] != "gloo" else None
-        h = fp16.get((r["workers"], r["size_mib"]))
+        h = fp16.get((r["workers"], r["size_mib"], r["device"]))
         if h and r["system"] == "switchml-dense16":  # the same bytes as gloo-fp16
             r["speedup_over_gloo_fp16"] = h / r["median_s"]
-    return sorted(out, key=lambda r: (r["workers"], r["size_mib"], r["system"],
+    return sorted(out, key=lambda r: (r["device"], r["workers"], r["size_mib"], r["system"],
                                       r["density"] or 0))
 
 
 def format_summary(rows: list) -> str:
-    lines = [f"{'n':>3} {'MiB':>6} {'system':>16} {'density':>7} {'median s':>9} "
-             f"{'runs (s)':>26} {'of bound':>8} {'vs gloo':>8} {'retx':>6} check"]
+    lines = [f"{'n':>3} {'MiB':>6} {'device':>6} {'system':>16} {'density':>7} {'median s':>9} "
+             f"{'runs (s)':>26} {'of bound':>8} {'vs gloo':>8} {'retx':>6} {'faults':>6} check"]
     for r in rows:
         runs = " ".join(f"{t:.3f}" for t in r["run_medians_s"])
         g = r["speedup_over_gloo"]
         speedup = "-" if g is None else f"{g:.2f}x"
+        faults = "-" if r.get("faults_per_call") is None else f"{r['faults_per_call']:.0f}"
         lines.append(
-            f"{r['workers']:>3} {r['size_mib']:>6g} {r['system']:>16} "
+            f"{r['workers']:>3} {r['size_mib']:>6g} {r.get('device', 'cpu'):>6} "
+            f"{r['system']:>16} "
             f"{'-' if r['density'] is None else format(r['density'], 'g'):>7} "
             f"{r['median_s']:>9.4f} {runs:>26} "
             f"{'-' if r['of_bound'] is None else format(r['of_bound'], '.0%'):>8} "
             f"{speedup:>8} "
             f"{r['retransmissions_per_worker']:>6.1f} "
+            f"{faults:>6} "
             f"{'ok' if r['checked'] and r['ranks_bit_identical'] else 'FAIL'}"
             + (f"  {r['speedup_over_gloo_fp16']:.2f}x gloo-fp16"
                if r.get("speedup_over_gloo_fp16") else ""))
@@ -84,6 +94,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="invocations (default 3)")
     parser.add_argument("--out", required=True, help="folder for the runs and summary.json")
+    parser.add_argument("--check-first-only", action="store_true",
+                        help="check the sums against the exact sum in the first invocation "
+                             "only (--no-check in the others: at tens of MiB and 8 ranks the "
+                             "check takes longer than the calls); every invocation still "
+                             "checks that the ranks' results are bit-identical")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER,
                         help="-- then the arguments of `python -m bench`")
     args = parser.parse_args(argv)
@@ -92,7 +107,8 @@ def main(argv=None) -> int:
     runs = []
     for i in range(args.runs):
         folder = os.path.join(args.out, f"run{i + 1}")
-        command = [sys.executable, "-m", "bench", *bench_args,
+        unchecked = ["--no-check"] if args.check_first_only and i > 0 else []
+        command = [sys.executable, "-m", "bench", *bench_args, *unchecked,
                    "--out", folder, "--no-plots"]
         print(f"run {i + 1}/{args.runs}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
         started = time.monotonic()

@@ -1,6 +1,6 @@
-"""Print a benchmark JSON as tables: Markdown for bench/allreduce.py's and
-bench/train.py's, the ``python -m bench`` table for results.json files of
-switchml/bench/suite.py.
+"""Print a benchmark JSON as tables: Markdown for bench/allreduce.py's,
+bench/train.py's and bench/ddp_resnet.py's, the ``python -m bench`` table for
+results.json files of switchml/bench/suite.py.
 
     python bench/report.py allreduce-20260101-120000.json
     python bench/report.py switchml-bench-20260101-120000/results.json
@@ -65,6 +65,13 @@ def main(path: str) -> None:
 
         print(f"`{data['command']}` on {data['cluster']}\n")
         print(format_table(data["rows"], data["cluster"].get("link_bps")))
+        return
+    if data.get("runs") and "backend" in data["runs"][0]:  # from bench/ddp_resnet.py
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from ddp_resnet import table as ddp_table
+
+        print(f"`{data['command']}`\n")
+        print(ddp_table(data["runs"]))
         return
     if "network" in data:  # from bench/train.py
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -347,3 +347,160 @@ def test_first_send_bench_times_both_calls_and_each_build(tmp_path):
     assert all(s > 0 for s in data["first_send_s"].values())
     assert data["magnitude_peak_s"]["baseline"] > 0  # every x86-64 or other machine has it
     assert "sparse call: first datagrams after" in done.stdout
+
+
+def test_bench_on_torch_tensors_sums_through_the_backend_and_counts_faults(tmp_path):
+    """--device cpu: switchml's ranks call dist.all_reduce on the "switchml" backend
+    (3 ranks, 2 hosts of the loopback: the local stage and the bench's switch),
+    gloo on the same torch tensors; every row checked, its device and faults given."""
+    pytest.importorskip("torch", reason="the torch extra is not installed")
+    args = ["--device", "cpu", "--workers", "3", "--ranks-per-host", "2", "--sizes", "0.25",
+            "--repeats", "2", "--no-plots", "--out", str(tmp_path)]
+    # the local stage on, as a user has it (conftest.py turns it off for the suite)
+    done = subprocess.run(CLI + args, capture_output=True, text=True, timeout=180, cwd=ROOT,
+                          env=dict(os.environ, SWITCHML_LOCAL_STAGE="1"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.load(open(os.path.join(tmp_path, "results.json")))
+    rows = {r["system"]: r for r in data["rows"]}
+    assert set(rows) == {"switchml-dense", "gloo"}
+    for r in rows.values():
+        assert r["checked"] is True and r["ranks_bit_identical"], r
+        assert r["device"] == "cpu" and r["api"] == "torch.distributed", r
+        assert r["faults_per_call"] is not None and r["faults_per_call"] >= 0, r
+    dense = rows["switchml-dense"]
+    # the ranks combined on their hosts, and host 0's leader sent through the switch
+    assert dense["local_stage"] and dense["hosts"] == 2
+    assert dense["switch_data_plane"] and dense["bytes_sent_per_worker"] > 0
+    assert data["machine"]["torch"] and "device" in done.stdout
+
+
+def test_bench_on_cuda_tensors_refuses_at_once_without_a_gpu(tmp_path):
+    torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    out = tmp_path / "out"
+    done = subprocess.run(CLI + ["--device", "cuda", "--workers", "2", "--sizes", "1",
+                                 "--out", str(out)],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode != 0
+    assert "--device cuda" in done.stderr and "no CUDA device" in done.stderr, done.stderr
+    assert not out.exists()  # refused before anything ran or was written
+
+
+def test_bench_on_torch_tensors_refuses_what_runs_on_numpy_arrays_only(tmp_path):
+    for extra in (["--systems", "dense16"], ["--densities", "0.1"]):
+        done = subprocess.run(CLI + ["--device", "cpu", *extra, "--out", str(tmp_path)],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert done.returncode != 0 and "--device runs --systems" in done.stderr, extra
+
+
+def test_a_call_that_touches_fresh_memory_counts_a_fault_a_page():
+    """The rows' faults_per_call: a call that fills a new array faults once per
+    4 KiB page of it (numpy's huge pages off), one that reuses an array none."""
+    import numpy as np
+
+    from switchml.bench import roles
+
+    roles.no_numpy_huge_pages()
+    # 40 MiB: past glibc's largest mmap threshold (32 MiB), so each array is fresh
+    pages = 40 * 256
+    reused = np.empty(pages * 1024, np.float32)
+    fresh: list = []
+    roles._time(lambda: np.ones(pages * 1024, np.float32), 1, 3, faults=fresh)
+    kept: list = []
+    roles._time(lambda: reused.fill(1.0), 1, 3, faults=kept)
+    assert min(fresh) >= pages * 0.9, fresh
+    assert max(kept) < pages / 20, kept
+
+
+def test_ddp_resnet_bench_trains_on_both_backends_with_identical_replicas(tmp_path):
+    """bench/ddp_resnet.py on the CPU with tiny images: ResNet-18 under DDP, two ranks
+    of torchrun, gloo then switchml; the gradients went through switchml's local
+    stage, every replica is identical and the weights match gloo's."""
+    pytest.importorskip("torch", reason="the torch extra is not installed")
+    out = tmp_path / "ddp.json"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "ddp_resnet.py"),
+                           "--device", "cpu", "--workers", "2", "--batch", "2", "--image", "32",
+                           "--warmup", "1", "--steps", "2", "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = {r["backend"]: r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"gloo", "switchml"}
+    for r in runs.values():
+        assert r["replicas_identical"] and r["samples_per_s"] > 0 and r["workers"] == 2, r
+        assert r["parameters"] == 11_689_512, r  # ResNet-18 at 1000 classes
+        assert len(r["step_s_all"]) == 2 and r["compute_ms_per_step"] > 0
+    ours = runs["switchml"]
+    assert ours["switchml_counters_rank0"]["local_calls"] >= 3  # one a step at least
+    assert ours["max_weight_diff_vs_gloo"] <= 1e-4 * ours["max_abs_weight"], ours
+    assert ours["speedup_over_gloo"] > 0 and "| switchml | cpu |" in done.stdout
+    shown = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "report.py"), str(out)],
+                           capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "| 2 | switchml | cpu |" in shown and "bench/ddp_resnet.py" in shown
+
+
+def test_gpu_check_script_parses():
+    done = subprocess.run(["bash", "-n", os.path.join(ROOT, "bench", "gpu_check.sh")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_gpu_summary_sets_each_figure_against_its_aim(tmp_path, capsys):
+    """bench/gpu_summary.py: ratios from the invocations' medians, a cut-short stage
+    counted from its finished runs, CUDA against CPU, faults, DDP."""
+    from bench.gpu_summary import main
+
+    mib45 = 45 * 2**20
+
+    def row(system, workers, median, device, faults=0.0):
+        return {"system": system, "workers": workers, "size_bytes": mib45, "density": None,
+                "device": device, "median_s": median, "bound_s": None, "faults_per_call": faults,
+                "retransmissions_per_worker": 0.0, "checked": True, "ranks_bit_identical": True}
+
+    for device, times in (("cpu", {2: (0.010, 0.012), 4: (0.010, 0.016)}),
+                          ("cuda", {2: (0.013, 0.020), 4: (0.011, 0.020)})):
+        for i in range(2 if device == "cpu" else 3):  # the CPU stage cut short: 2 runs
+            folder = tmp_path / f"bench-{device}" / f"run{i + 1}"
+            folder.mkdir(parents=True)
+            rows = [row("switchml-dense", k, s, device, 16385.0 if device == "cuda" else 2.0)
+                    for k, (s, _) in times.items()]
+            rows += [row("gloo", k, g, device) for k, (_, g) in times.items()]
+            (folder / "results.json").write_text(json.dumps({"rows": rows, "machine": {
+                "cpus": 16, "gpus": ["NVIDIA H100 80GB HBM3"]}}))
+    ddp = [{"backend": b, "workers": 2, "device": "cuda", "model": "m", "samples_per_s": s,
+            "step_ms": 1.0, "compute_ms_per_step": 0.5, "replicas_identical": True,
+            "speedup_over_gloo": s / 100.0, "max_weight_diff_vs_gloo": 3e-5}
+           for b, s in (("gloo", 100.0), ("switchml", 130.0))]
+    (tmp_path / "ddp.json").write_text(json.dumps({"runs": ddp}))
+    (tmp_path / "stages.tsv").write_text("build\t0\t20\t\nbench-cpu\t124\t110\ttimed out\n")
+    assert main([str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "bench-cpu | 124 | 110 | timed out" in printed and "H100" in printed
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["invocations"] == {"cuda": 3, "cpu": 2}
+    got = {(r["device"], r["workers"]): r for r in summary["allreduce"]}
+    assert got[("cpu", 2)]["speedup_over_gloo"] == pytest.approx(1.2)
+    assert got[("cpu", 2)]["speedup_met"] is False  # 1.3x at K=2
+    assert got[("cpu", 4)]["speedup_met"] is True   # 1.6x against 1.5x at K=4
+    assert got[("cuda", 2)]["cuda_over_cpu"] == pytest.approx(1.3)
+    assert got[("cuda", 2)]["cuda_over_cpu_met"] is False
+    assert got[("cuda", 4)]["cuda_over_cpu_met"] is True
+    assert got[("cpu", 2)]["fresh_pages_met"] and not got[("cuda", 2)]["fresh_pages_met"]
+    [trained] = summary["ddp"]
+    assert trained["speedup_over_gloo"] == pytest.approx(1.3) and trained["speedup_met"]
+
+
+def test_a_rank_takes_the_gpu_of_its_place_on_its_host(monkeypatch):
+    """--device cuda: rank r uses GPU (r mod ranks-per-host) mod the GPUs: every
+    rank of a one-GPU host on cuda:0, the ranks of a 2-GPU host of 4 spread."""
+    torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+    from switchml.bench.roles import torch_device
+
+    chosen: list = []
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    for gpus, per_host, expected in ((1, 8, [0] * 8), (2, 4, [0, 1, 0, 1, 0, 1, 0, 1])):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda gpus=gpus: gpus)
+        got = [torch_device({"device": "cuda", "rank": r, "ranks_per_host": per_host})
+               for r in range(8)]
+        assert [d.index for d in got] == expected and chosen[-8:] == got
+    assert torch_device({"device": "cpu", "rank": 3}) == torch.device("cpu")

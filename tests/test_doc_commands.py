@@ -17,8 +17,8 @@ goes unchecked by accident:
   leaves the lines holding one of those words (long-running ones) to ``parse``.
 - ``<!-- doc-check: parse -->``: long-running, or for several machines: Python
   is compiled; sh is checked by ``bash -n`` and each command by what it names:
-  switchml's arguments by its own parsers, scripts and modules exist in the
-  tree, make targets in the Makefile, pip extras in pyproject.toml.
+  switchml's arguments by its own parsers, scripts (Python and shell) and modules
+  exist in the tree, make targets in the Makefile, pip extras in pyproject.toml.
 """
 
 from __future__ import annotations
@@ -142,6 +142,9 @@ def check_command(argv: list[str]) -> None:
                     or importlib.util.find_spec(argv[2]) is not None), argv
         elif argv[1].endswith(".py"):
             assert (ROOT / argv[1]).exists(), argv
+    elif program in ("bash", "sh"):  # a script of the tree's
+        scripts = [a for a in argv[1:] if a.endswith(".sh")]
+        assert scripts and all((ROOT / s).exists() for s in scripts), argv
     elif program == "torchrun":
         scripts = [a for a in argv if a.endswith(".py")]
         assert scripts and all((ROOT / s).exists() for s in scripts), argv

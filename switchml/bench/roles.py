@@ -10,7 +10,13 @@ on stdout, one JSON object per line:
 - ``switchml``: one ``Worker`` rank; runs every case (warm-up, then timed repeats)
   and prints one ``case`` line per case: times, worker counters, link bytes, and
   the CPU and run-queue seconds of its threads a call (``scheduling``).
-- ``gloo``: one torch.distributed gloo rank; same cases, same tensors.
+- ``switchml_torch``: one rank of torch.distributed on the "switchml" backend
+  (``switchml.torch``), its tensors on the spec's ``device`` (cpu, or cuda: the
+  GPU ``LOCAL_RANK`` mod the GPUs, every rank of a one-GPU host on cuda:0), each
+  call ``dist.all_reduce`` and, on CUDA, the wait for the tensor's stream; cases
+  and report as ``switchml``'s.
+- ``gloo``: one torch.distributed gloo rank; same cases, same tensors (on the
+  spec's ``device``: gloo sums CUDA tensors too).
 - ``tcp_sink`` and ``tcp_send``: a bulk TCP flow with plain sockets (the
   namespace's default congestion control, CUBIC on Linux), the competing traffic
   of bench/beside_tcp.py.  The sink prints ``listening``, counts what it reads and
@@ -19,13 +25,18 @@ on stdout, one JSON object per line:
   lets root pick any the kernel has) prints ``connected`` with its congestion
   control and sends until a ``stop`` line (or end of input).
 
-Both job roles report the ``span`` of their timed calls in ``time.monotonic()``
+Every job role reports the ``span`` of their timed calls in ``time.monotonic()``
 seconds (one clock for every namespace of the machine), so that a launcher can
 say what another flow carried meanwhile.
 
 Rank 0 checks every result against the exact sum of all ranks' inputs, which it
 rebuilds from their seeds; every rank prints a digest so that the launcher can
 check they agree bit for bit.
+
+The job roles also count the minor page faults (``getrusage``) of their timed
+calls: a steady-state call that allocates its staging anew faults once per page
+of fresh memory.  numpy's huge pages are off in them, so that a fresh page
+counts as one fault, not one in 512 (as tests/fresh_pages_job.py does).
 """
 
 from __future__ import annotations
@@ -33,12 +44,31 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import resource
 import sys
 import time
 
 import numpy as np
 
 from .common import make_tensor
+
+
+def no_numpy_huge_pages() -> None:
+    """numpy's large arrays without huge pages (it asks for them by default): a
+    fresh array then faults once for each of its 4 KiB pages, not once in 2 MiB,
+    and the faults a call counts say how much fresh memory it touched."""
+    try:
+        from numpy._core.multiarray import (  # type: ignore[attr-defined]
+            _set_madvise_hugepage,
+        )
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _set_madvise_hugepage  # type: ignore[no-redef]
+    _set_madvise_hugepage(False)
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far (first touches of fresh pages)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def emit(**message) -> None:
@@ -109,17 +139,26 @@ def switch_role(spec) -> None:
                 os.close(counting)
 
 
-def _time(fn, warmup, repeats, before=None):
+def _time(fn, warmup, repeats, before=None, faults=None):
+    """Each timed call's seconds (``before`` runs ahead of each, untimed); each
+    call's minor page faults appended to ``faults`` when given."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
         if before is not None:
             before()
+        faulted = minor_faults()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
+        if faults is not None:
+            faults.append(minor_faults() - faulted)
     return times
+
+
+def faults_per_call(faults: list) -> float | None:
+    return sum(faults) / len(faults) if faults else None
 
 
 #: The counters that say how a call met losses and queues (per call, per rank).
@@ -135,11 +174,55 @@ def window_state(membership) -> dict:
             "srtt": rtt.srtt}
 
 
-def switchml_role(spec) -> None:
-    import switchml
+def within_bound(spec, case, out, worker, bits) -> bool | None:
+    """Rank 0's check of a switchml sum ``out`` against the exact sum of every
+    rank's input, within the bound of the path that summed it (None: no stated
+    bound, as for the 16-bit wire's two stages)."""
     from switchml.config import DEFAULT_BLOCK_ELEMENTS, DEFAULT_PACKET_ELEMENTS
     from switchml.quant import error_bound, error_bound16, error_bound_two_stage
 
+    membership = worker.membership  # None where this rank sends nothing through a switch
+    block = membership.block_elements if membership is not None else DEFAULT_BLOCK_ELEMENTS
+    local = getattr(worker, "placement", None)  # the local stage's, where ranks combine
+    inputs = inputs_of_all(spec, case, block)
+    exact = np.sum(np.array(inputs, np.float64), axis=0)
+    err = np.abs(out.astype(np.float64) - exact)
+    k = membership.packet_elements if membership is not None else DEFAULT_PACKET_ELEMENTS
+    if local is None:
+        bound = error_bound16(inputs, 2 * k) if bits == 16 else error_bound(inputs, k)
+    elif bits == 32:
+        bound = error_bound_two_stage([[inputs[r] for r in g] for g in local.groups], k)
+    else:  # no stated bound for the 16-bit wire's two stages: unchecked
+        return None
+    return bool(np.all(err <= bound))
+
+
+def _switchml_report(spec, case, rank, out, times, faults, worker, counters, links, sched,
+                     span, windows=(), bits=32) -> None:
+    """A switchml rank's ``case`` line: times, faults, counters and the check."""
+    (c0, c1), (l0, l1), (s0, s1) = counters, links, sched
+    ok = None
+    if spec.get("check") and rank == 0 and out.size:
+        ok = within_bound(spec, case, out, worker, bits)
+    n = spec["repeats"]
+    emit(event="case", id=case["id"], rank=rank, times=times, ok=ok,
+         local_calls=c1.get("local_calls", 0) - c0.get("local_calls", 0),
+         digest=hashlib.sha256(out.tobytes()).hexdigest(),
+         bytes_sent=(c1.get("bytes_sent", 0) - c0.get("bytes_sent", 0)) / n,
+         bytes_received=(c1.get("bytes_received", 0) - c0.get("bytes_received", 0)) / n,
+         retransmissions=(c1.get("retransmissions", 0) - c0.get("retransmissions", 0)) / n,
+         recovery={k: (c1.get(k, 0) - c0.get(k, 0)) / n for k in RECOVERY},
+         windows=list(windows), faults_per_call=faults_per_call(faults),
+         link_tx=(l1[0] - l0[0]) / n if l0 else None,
+         link_rx=(l1[1] - l0[1]) / n if l0 else None, span=span,
+         **per_call(s0, s1, n))
+
+
+def switchml_role(spec) -> None:
+    import switchml
+    from switchml.config import DEFAULT_BLOCK_ELEMENTS
+
+    no_numpy_huge_pages()
     rank, world = spec["rank"], spec["world"]
     per_host = spec.get("ranks_per_host", 1)
     # ranks of one host: one namespace on the testbed, one group on loopback
@@ -149,7 +232,6 @@ def switchml_role(spec) -> None:
         membership = w.membership  # None where this rank sends nothing through a switch
         block = (membership.block_elements if membership is not None
                  else DEFAULT_BLOCK_ELEMENTS)
-        local = getattr(w, "placement", None)  # the local stage's, where ranks combine
         for case in spec["cases"]:
             data = make_tensor(rank, case["elements"], case.get("density"), block, spec["seed"])
             out = np.empty_like(data)
@@ -159,6 +241,7 @@ def switchml_role(spec) -> None:
             c0, l0, s0 = w.counters, link_bytes(spec.get("ifname")), scheduling()
             t0 = time.monotonic()
             windows: list = []  # each call's window at its end: how it met the network
+            faults: list = []
 
             def call(data=data, out=out, sparse=sparse, bits=bits, windows=windows):
                 before = w.counters
@@ -168,36 +251,92 @@ def switchml_role(spec) -> None:
                     windows.append(dict(window_state(membership), **{
                         k: after.get(k, 0) - before.get(k, 0) for k in RECOVERY}))
 
-            times = _time(call, 0, spec["repeats"])
+            times = _time(call, 0, spec["repeats"], faults=faults)
             t1 = time.monotonic()
             c1, l1, s1 = w.counters, link_bytes(spec.get("ifname")), scheduling()
-            ok = None
-            if spec.get("check") and rank == 0 and data.size:
-                inputs = inputs_of_all(spec, case, block)
-                exact = np.sum(np.array(inputs, np.float64), axis=0)
-                err = np.abs(out.astype(np.float64) - exact)
-                k = (membership.packet_elements if membership is not None
-                     else DEFAULT_PACKET_ELEMENTS)
-                if local is None:
-                    bound = error_bound16(inputs, 2 * k) if bits == 16 else error_bound(inputs, k)
-                elif bits == 32:
-                    bound = error_bound_two_stage([[inputs[r] for r in g] for g in local.groups],
-                                                  k)
-                else:  # no stated bound for the 16-bit wire's two stages: unchecked
-                    bound = None
-                ok = bool(np.all(err <= bound)) if bound is not None else None
-            n = spec["repeats"]
-            emit(event="case", id=case["id"], rank=rank, times=times, ok=ok,
-                 local_calls=c1.get("local_calls", 0) - c0.get("local_calls", 0),
-                 digest=hashlib.sha256(out.tobytes()).hexdigest(),
-                 bytes_sent=(c1.get("bytes_sent", 0) - c0.get("bytes_sent", 0)) / n,
-                 bytes_received=(c1.get("bytes_received", 0) - c0.get("bytes_received", 0)) / n,
-                 retransmissions=(c1.get("retransmissions", 0) - c0.get("retransmissions", 0)) / n,
-                 recovery={k: (c1.get(k, 0) - c0.get(k, 0)) / n for k in RECOVERY},
-                 windows=windows,
-                 link_tx=(l1[0] - l0[0]) / n if l0 else None,
-                 link_rx=(l1[1] - l0[1]) / n if l0 else None, span=[t0, t1],
-                 **per_call(s0, s1, n))
+            _switchml_report(spec, case, rank, out, times, faults, w, (c0, c1), (l0, l1),
+                             (s0, s1), [t0, t1], windows, bits)
+    emit(event="done", rank=rank)
+
+
+def torch_device(spec):
+    """The rank's torch device: the CPU, or the GPU its local rank (its place among
+    its host's ranks) mod the GPUs names (cuda:0 for every rank of a one-GPU host)."""
+    import torch
+
+    if spec.get("device", "cpu") == "cpu":
+        return torch.device("cpu")
+    local_rank = spec["rank"] % spec.get("ranks_per_host", 1)
+    device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return device
+
+
+def _settled(device) -> None:
+    """Wait for the device's queued work (a CUDA call's copy back): a call's time
+    is until its result is in the tensor."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def switchml_torch_role(spec) -> None:
+    """A switchml rank as a torch user has one: ``dist.all_reduce`` on the
+    "switchml" process group.  The job's switch is ``spec["switch"]`` (the
+    launcher's) where its ranks span hosts; on one host the backend starts none,
+    as it does for ``torchrun --standalone``."""
+    import torch
+    import torch.distributed as dist
+
+    no_numpy_huge_pages()
+    rank, world = spec["rank"], spec["world"]
+    per_host = spec.get("ranks_per_host", 1)
+    os.environ.update(MASTER_ADDR=spec["master_addr"], MASTER_PORT=str(spec["master_port"]),
+                      SWITCHML_TIMEOUT=str(spec.get("timeout", 60)))
+    os.environ.setdefault("SWITCHML_LOCAL_GROUP", str(rank // per_host))
+    if spec.get("switch"):
+        os.environ["SWITCHML_SWITCH"] = spec["switch"]
+    else:
+        os.environ.pop("SWITCHML_SWITCH", None)
+    if spec.get("ifname"):
+        os.environ["GLOO_SOCKET_IFNAME"] = spec["ifname"]
+    torch.set_num_threads(1)  # as gloo's ranks: the ranks share the host's cores
+    device = torch_device(spec)
+    import switchml.torch  # noqa: F401  registers the "switchml" backend
+
+    dist.init_process_group("switchml", rank=rank, world_size=world)
+    # the group's switchml worker: its counters, its placement for the check
+    w = dist.distributed_c10d._get_default_group()._worker  # type: ignore[attr-defined]
+    for case in spec["cases"]:
+        host = torch.from_numpy(make_tensor(rank, case["elements"], case.get("density"),
+                                            spec["block"], spec["seed"]))
+        data = host.to(device)
+        x = data.clone()  # summed in place; its input put back before every call
+
+        def refill(x=x, data=data):
+            x.copy_(data)
+            _settled(device)
+            dist.barrier()
+
+        def once(x=x):
+            dist.all_reduce(x)
+            _settled(device)
+
+        for _ in range(spec["warmup"]):
+            refill()
+            once()
+        c0, l0, s0 = w.counters, link_bytes(spec.get("ifname")), scheduling()
+        t0 = time.monotonic()
+        faults: list = []
+        times = _time(once, 0, spec["repeats"], before=refill, faults=faults)
+        t1 = time.monotonic()
+        c1, l1, s1 = w.counters, link_bytes(spec.get("ifname")), scheduling()
+        out = (x if spec["repeats"] else data).cpu().numpy()
+        _switchml_report(spec, case, rank, out, times, faults, w, (c0, c1), (l0, l1),
+                         (s0, s1), [t0, t1])
+    dist.barrier()
+    dist.destroy_process_group()
     emit(event="done", rank=rank)
 
 
@@ -205,6 +344,7 @@ def gloo_role(spec) -> None:
     import torch
     import torch.distributed as dist
 
+    no_numpy_huge_pages()
     rank, world = spec["rank"], spec["world"]
     os.environ.update(MASTER_ADDR=spec["master_addr"], MASTER_PORT=str(spec["master_port"]))
     if spec.get("ifname"):
@@ -212,14 +352,16 @@ def gloo_role(spec) -> None:
     # gloo at its best: one intra-op thread (its reduction loop competes with the
     # other ranks for the cores otherwise), and only the all_reduce timed.
     torch.set_num_threads(1)
+    device = torch_device(spec)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     for case in spec["cases"]:
         data = torch.from_numpy(make_tensor(rank, case["elements"], case.get("density"),
-                                            spec["block"], spec["seed"]))
+                                            spec["block"], spec["seed"])).to(device)
         holder: dict = {}
 
         def fresh_copy(holder=holder, data=data):  # the input, outside the timed call
             holder["x"] = data.clone()
+            _settled(device)
             dist.barrier()
 
         fp16 = case.get("fp16")
@@ -231,6 +373,7 @@ def gloo_role(spec) -> None:
                 holder["x"].copy_(half)
             else:
                 dist.all_reduce(holder["x"])
+            _settled(device)
 
         for _ in range(spec["warmup"]):
             fresh_copy()
@@ -239,10 +382,11 @@ def gloo_role(spec) -> None:
         # (the fresh copies and barriers between calls count too: a few per cent)
         s0 = scheduling()
         t0 = time.monotonic()
-        times = _time(once, 0, spec["repeats"], before=fresh_copy)
+        faults: list = []
+        times = _time(once, 0, spec["repeats"], before=fresh_copy, faults=faults)
         t1 = time.monotonic()
         l1, s1 = link_bytes(spec.get("ifname")), scheduling()
-        out = holder["x"].numpy() if spec["repeats"] else data.numpy()
+        out = (holder["x"] if spec["repeats"] else data).cpu().numpy()
         ok = None
         if spec.get("check") and rank == 0 and out.size:
             inputs = inputs_of_all(spec, case, spec["block"])
@@ -254,6 +398,7 @@ def gloo_role(spec) -> None:
         n = spec["repeats"]
         emit(event="case", id=case["id"], rank=rank, times=times, ok=ok,
              digest=hashlib.sha256(out.tobytes()).hexdigest(),
+             faults_per_call=faults_per_call(faults),
              link_tx=(l1[0] - l0[0]) / n if l0 else None,
              link_rx=(l1[1] - l0[1]) / n if l0 else None, span=[t0, t1],
              **per_call(s0, s1, n))
@@ -370,7 +515,8 @@ def tcp_counters() -> dict:
     return found
 
 
-ROLES = {"switch": switch_role, "switchml": switchml_role, "gloo": gloo_role,
+ROLES = {"switch": switch_role, "switchml": switchml_role,
+         "switchml_torch": switchml_torch_role, "gloo": gloo_role,
          "tcp_sink": tcp_sink_role, "tcp_send": tcp_send_role}
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     switchml bench --workers 2 4 --sizes 1 4 --densities 0.1 --repeats 3
     switchml bench --testbed --link 1gbit --mtu 9000 --workers 4 --sizes 64 --densities 0.1
+    switchml bench --device cuda --workers 2 4 --ranks-per-host 4 --sizes 45
 
 Installed with the ``bench`` extra (``pip install 'switchml[bench,torch]'``; gloo
 needs torch); the testbed needs root, ``ip`` and ``tc``.
@@ -18,6 +19,15 @@ given too: S/B for switchml dense, 2(n-1)/n*S/B for the ring.
 
 The dense systems stream every byte whatever the values are, so they run on the
 dense tensor of each size; the sparse path runs on the block-sparse tensors.
+
+By default switchml's ranks call ``switchml.Worker.allreduce`` on numpy arrays.
+With ``--device cpu`` or ``--device cuda`` they call ``dist.all_reduce`` on the
+"switchml" backend (``switchml.torch``) with torch tensors on that device, as a
+torch job does, and gloo sums the same tensors on the same device; a CUDA call is
+timed until its sum is back in the tensor (the device synchronized).  Rank r uses
+the GPU (r mod --ranks-per-host) mod the GPUs: on a one-GPU host every rank
+shares cuda:0.  Every row also gives the minor page faults a timed call took
+(``faults_per_call``, the busiest rank's): fresh memory touched on the call's path.
 Results: a table on stdout, results.json and PNG plots in --out.
 """
 
@@ -52,6 +62,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS),
                    help="what to run (default: dense sparse gloo; sparse needs --densities; "
                         "dense16 is the 16-bit wire, gloo-fp16 gloo as fp16_compress_hook)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="torch tensors on this device through torch.distributed: "
+                        "switchml's \"switchml\" backend and gloo on the same tensors "
+                        "(default: none, switchml.Worker on numpy arrays); "
+                        "--systems dense gloo gloo-fp16 only")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--testbed", action="store_true",
@@ -131,6 +146,8 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
                                  ("data_plane", getattr(args, "data_plane", None)))
                if v is not None}
     job = f"bench-{world}"
+    per_host = args.ranks_per_host
+    on_torch = args.device is not None
     with Roles(cluster, args.timeout) as roles:
         switches: list = []
         addresses: list = []
@@ -138,6 +155,9 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
         if args.striped > 1:  # K processes in the one switch's place, ports of their own
             binds = [(where, host, 0) for where, host, _ in binds[:1]] * args.striped
         racks = cluster.rack_binds if getattr(args, "racks", 0) and not args.flat else []
+        if on_torch and world <= per_host:
+            # one host: the backend's local stage is the whole job, it starts no switch
+            binds, racks = [], []
         for k, (where, host, port) in enumerate(binds + racks):
             name = "switch" if k == 0 else f"switch{k}"
             # a rack switch, under the spine (the first): its partial sums go up
@@ -156,16 +176,20 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
                     break
         address = ",".join(addresses[:len(binds)])
         uplinks = cluster.uplink_bytes()
-        per_host = args.ranks_per_host
+        torch_spec: dict = {}
+        if on_torch:
+            addr, port = cluster.master()
+            torch_spec = {"master_addr": addr, "master_port": port, "device": args.device,
+                          "block": DEFAULT_BLOCK_ELEMENTS}
         for rank in range(world):
             host = rank // per_host
             rack = cluster.rack_of(host) if racks else None
-            roles.start(rank, host, "switchml", {
+            roles.start(rank, host, "switchml_torch" if on_torch else "switchml", {
                 "switch": address if rack is None else addresses[len(binds) + rack],
                 "rank": rank, "world": world, "job": job, "ranks_per_host": per_host,
                 "ifname": cluster.ifname(host), "warmup": args.warmup, "repeats": args.repeats,
                 "check": args.check, "seed": args.seed, "timeout": min(args.timeout, 120),
-                "cases": [dict(c, id=i) for i, c in enumerate(cases)]})
+                "cases": [dict(c, id=i) for i, c in enumerate(cases)], **torch_spec})
         reports = _gather_reports(roles, world, progress)
         for switch in switches:
             switch.stdin.write("stop\n")
@@ -194,7 +218,7 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
         rows.append(_row(system, world, case, items, cluster, args,
                          sent=_mean(items, "bytes_sent"), received=_mean(items, "bytes_received"),
                          retransmissions=_mean(items, "retransmissions")))
-        rows[-1]["switch_data_plane"] = ",".join(sorted(str(p) for p in planes))
+        rows[-1]["switch_data_plane"] = ",".join(sorted(str(p) for p in planes)) or None
     calls = len(cases) * (args.warmup + args.repeats)
     _note_uplinks(rows, uplinks, calls)
     _note_switch_cpu(rows, switch_cpu, calls)
@@ -251,6 +275,7 @@ def run_gloo(cluster, world, sizes, args, progress) -> list:
                 "master_addr": addr, "master_port": port, "rank": rank, "world": world,
                 "ifname": cluster.ifname(host), "warmup": args.warmup, "repeats": args.repeats,
                 "check": args.check, "seed": args.seed, "block": DEFAULT_BLOCK_ELEMENTS,
+                "ranks_per_host": args.ranks_per_host, "device": args.device or "cpu",
                 "cases": cases})
         reports = _gather_reports(roles, world, progress)
     rows = []
@@ -277,7 +302,12 @@ def _row(system, world, case, items, cluster, args, *, sent, received, retransmi
     row = {"system": system, "workers": world, "size_bytes": nbytes,
            "size_mib": nbytes / 2**20, "density": case.get("density"),
            "hosts": -(-world // per_host), "ranks_per_host": per_host,
-           "local_stage": combined if system.startswith("switchml") else None}
+           "local_stage": combined if system.startswith("switchml") else None,
+           # where the tensors were, and what summed them: switchml.Worker on numpy
+           # arrays, or torch.distributed (gloo always) on torch tensors
+           "device": args.device or "cpu",
+           "api": ("torch.distributed" if args.device or not system.startswith("switchml")
+                   else "switchml.Worker")}
     row.update(summarize([m["times"] for m in items], nbytes))
     row["goodput_Gbps_per_worker"] = nbytes * 8 / row["median_s"] / 1e9
     # a host's link: switchml's hosts send S each (the local stage), or k·S (without)
@@ -300,6 +330,9 @@ def _row(system, world, case, items, cluster, args, *, sent, received, retransmi
     # waited for a core (mean over ranks; None off Linux)
     row["cpu_s_per_worker"] = _mean(items, "cpu_s")
     row["runqueue_wait_s_per_worker"] = _mean(items, "runqueue_wait_s")
+    # minor page faults of a timed call, the busiest rank's: fresh memory on its path
+    faults = [m["faults_per_call"] for m in items if m.get("faults_per_call") is not None]
+    row["faults_per_call"] = max(faults) if faults else None
     recovery = [m["recovery"] for m in items if m.get("recovery")]
     row["recovery_per_worker"] = ({k: sum(r[k] for r in recovery) / len(recovery)
                                    for k in recovery[0]} if recovery else None)
@@ -327,9 +360,9 @@ def _speedups(rows) -> None:
 
 
 def format_table(rows, link_bps) -> str:
-    head = ["n", "MiB", "system", "density", "median s", "min s", "max s", "Gbit/s",
-            "of link", "sent MB", "recv MB", "wire tx MB", "wire rx MB", "retx", "bound s",
-            "vs gloo", "check"]
+    head = ["n", "MiB", "device", "system", "density", "median s", "min s", "max s", "Gbit/s",
+            "of link", "sent MB", "recv MB", "wire tx MB", "wire rx MB", "retx", "faults",
+            "bound s", "vs gloo", "check"]
     lines = []
     for r in rows:
         def mb(v):
@@ -339,7 +372,7 @@ def format_table(rows, link_bps) -> str:
             check += "/ranks differ"
         per_host = r.get("ranks_per_host", 1)
         n = str(r["workers"]) if per_host == 1 else f"{r['workers']}={r['hosts']}x{per_host}"
-        lines.append([n, f"{r['size_mib']:g}", r["system"],
+        lines.append([n, f"{r['size_mib']:g}", r.get("device", "cpu"), r["system"],
                       "-" if r["density"] is None else f"{r['density']:g}",
                       f"{r['median_s']:.4f}", f"{r['min_s']:.4f}", f"{r['max_s']:.4f}",
                       f"{r['goodput_Gbps_per_worker']:.3f}",
@@ -348,6 +381,8 @@ def format_table(rows, link_bps) -> str:
                       mb(r["wire_tx_bytes_per_worker"]), mb(r["wire_rx_bytes_per_worker"]),
                       "-" if r["retransmissions_per_worker"] is None
                       else f"{r['retransmissions_per_worker']:.1f}",
+                      "-" if r.get("faults_per_call") is None
+                      else f"{r['faults_per_call']:.0f}",
                       f"{r['bound_s']:.4f}" if r["bound_s"] else "-",
                       f"{r['speedup_over_gloo']:.2f}x" if r.get("speedup_over_gloo") else "-",
                       check])
@@ -361,6 +396,8 @@ def _preflight(args) -> None:
     if {"gloo", "gloo-fp16"} & set(args.systems) and importlib.util.find_spec("torch") is None:
         raise SystemExit("bench: gloo needs torch (pip install 'switchml[torch]'), "
                          "or leave it out with --systems dense sparse")
+    if args.device is not None:
+        _preflight_device(args)
     if "sparse" in args.systems and not args.densities and args.systems == ["sparse"]:
         raise SystemExit("bench: --systems sparse needs --densities")
     if args.striped < 1 or (args.striped > 1 and args.switches):
@@ -378,6 +415,77 @@ def _preflight(args) -> None:
                          "switch runs the Python data plane)")
     if args.testbed and not 0.0 <= args.loss < 1.0:
         raise SystemExit("bench: --loss must be in [0, 1)")
+
+
+#: What runs on torch tensors (--device): the dense path and gloo.
+DEVICE_SYSTEMS = ("dense", "gloo", "gloo-fp16")
+
+
+def _preflight_device(args) -> None:
+    """--device: torch is there, the device too, and only what runs on its tensors."""
+    if importlib.util.find_spec("torch") is None:
+        raise SystemExit(f"switchml bench: --device {args.device} needs torch "
+                         "(pip install 'switchml[torch]')")
+    # sparse (a default) runs only at --densities
+    others = sorted(set(args.systems) - set(DEVICE_SYSTEMS) - ({"sparse"} - {
+        "sparse" if args.densities else ""}))
+    if others:
+        raise SystemExit(f"switchml bench: --device runs --systems {' '.join(DEVICE_SYSTEMS)} "
+                         f"(not {' '.join(others)}{' at --densities' if args.densities else ''})"
+                         ": the sparse path and the 16-bit wire run on numpy arrays, without "
+                         "--device")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit(
+                f"switchml bench: --device cuda: torch {torch.__version__} sees no CUDA "
+                "device here (" + ("built without CUDA" if torch.version.cuda is None
+                                   else f"CUDA {torch.version.cuda}, no device or driver")
+                + "); run on a GPU machine, or --device cpu")
+
+
+def _device_description(device: str | None) -> dict:
+    """The torch and GPU a --device run used (nothing without --device)."""
+    if device is None:
+        return {}
+    import torch
+
+    found: dict = {"torch": torch.__version__, "torch_cuda": torch.version.cuda}
+    if device == "cuda":
+        found["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return found
+
+
+def _cpu_model() -> str | None:
+    """The CPU's name as /proc/cpuinfo gives it (None elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+class _Lines:
+    """tqdm's place where it is not installed: a line on stderr per stage."""
+
+    def __init__(self, total, **_):
+        self.total, self.done = total, 0
+
+    def update(self, n=1) -> None:
+        self.done += n
+
+    def set_postfix_str(self, text: str) -> None:
+        print(f"bench: {self.done}/{self.total} cases done; {text}", file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
 
 
 def _drops(cluster):
@@ -401,7 +509,10 @@ def _note_drops(rows, before, cluster) -> None:
 
 
 def run(args, cluster) -> dict:
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bench extra's progress bar; the run needs none
+        tqdm = _Lines
 
     per_world = sum(len(_cases(args, mib)) for mib in args.sizes)
     glooish = [k for k in ("gloo", "gloo-fp16") if k in args.systems]
@@ -437,7 +548,8 @@ def main(args, argv_text: str = "", prog: str = "switchml bench") -> int:
     os.makedirs(out, exist_ok=True)
     results: dict = {"command": f"{prog} {argv_text}".strip(),
                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                           "python": platform.python_version()},
+                           "cpu": _cpu_model(), "python": platform.python_version(),
+                           **_device_description(args.device)},
                "settings": {k: v for k, v in vars(args).items() if k != "func"}}
     try:
         if args.testbed:

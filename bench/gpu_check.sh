@@ -1,0 +1,205 @@
+#!/usr/bin/env bash
+# One run on a GPU machine: build the C cores, run the CUDA tests, and measure
+# switchml against gloo on CUDA and CPU tensors and under DDP (docs/benchmarks.md,
+# "A GPU host in one run").
+#
+#   bash bench/gpu_check.sh              # on the GPU machine, from a checkout
+#   bash bench/gpu_check.sh --cpu-only   # the same stages end to end, tiny, no GPU needed
+#
+# Stages, each under `timeout` (SIGINT, then SIGKILL 15 s later) and within one
+# budget for the whole run, each line stamped with the time:
+#   build       python setup.py build_ext --inplace; the three C cores must import
+#   tests       pytest tests/test_torch_cuda.py tests/test_fresh_memory.py
+#   bench-cuda  switchml bench --device cuda, 45 MiB, K = 2 4 8 ranks of this host,
+#               switchml and gloo in each invocation, median of 3 invocations
+#   bench-cpu   the same with --device cpu
+#   ddp         bench/ddp_resnet.py --device cuda, K = 2 4: ResNet-18, batch 32 of 224x224
+# then bench/gpu_summary.py prints the table of every figure against its aim.
+#
+# Environment:
+#   OUT                  results folder (default: ./gpu-check-<time> in the checkout)
+#   PYTHON               the interpreter (default: the first of python3, python that
+#                        imports torch)
+#   GPU_CHECK_BUDGET_S   seconds for the whole run (default 480)
+#   GPU_CHECK_STAGES     the stages to run (default: all five, in the order above)
+#   GPU_CHECK_DEPS       a folder put first on PYTHONPATH: pure-Python packages the
+#                        machine lacks (pytest and its dependencies, tqdm) or
+#                        cryptography unpacked from its wheel
+#
+# Without the `cryptography` package torch jobs run open: switchml.torch makes no
+# job secret then (a warning says so) and needs none; only a SWITCHML_JOB_SECRET
+# set in the environment would ask for signatures, so the run unsets it there.
+# --cpu-only hides cryptography (as on a machine without it), skips bench-cuda,
+# and runs tiny sizes: 1 MiB, K = 2, DDP on the CPU with 32x32 images.
+
+set -u -o pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT" || exit 2
+
+CPU_ONLY=0
+case "${1:-}" in
+    --cpu-only) CPU_ONLY=1 ;;
+    "") ;;
+    *) echo "usage: bash bench/gpu_check.sh [--cpu-only]" >&2; exit 2 ;;
+esac
+
+STARTED=$(date +%s)
+BUDGET=${GPU_CHECK_BUDGET_S:-480}
+OUT=${OUT:-$ROOT/gpu-check-$(date +%Y%m%d-%H%M%S)}
+mkdir -p "$OUT" || exit 2
+OUT=$(cd "$OUT" && pwd)
+STAGES_FILE=$OUT/stages.tsv
+: > "$STAGES_FILE"
+MARK=$(mktemp)  # /dev/shm entries newer than this are the stage's
+SHIM=""
+cleanup() {
+    rm -f "$MARK"
+    [ -n "$SHIM" ] && rm -rf "$SHIM"
+}
+trap cleanup EXIT
+
+say() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - STARTED ))s] $*"; }
+
+# ------------------------------------------------------------------ the interpreter
+if [ -z "${PYTHON:-}" ]; then
+    for candidate in python3 python; do
+        if command -v "$candidate" >/dev/null && "$candidate" -c "import torch" 2>/dev/null; then
+            PYTHON=$(command -v "$candidate")
+            break
+        fi
+    done
+fi
+if [ -z "${PYTHON:-}" ]; then
+    echo "gpu_check: no python here imports torch; set PYTHON" >&2
+    exit 2
+fi
+export PYTHONPATH="$ROOT${GPU_CHECK_DEPS:+:$GPU_CHECK_DEPS}${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+has() { "$PYTHON" -c "import $1" 2>/dev/null; }
+
+if [ "$CPU_ONLY" = 1 ]; then
+    # as on the GPU machine: no cryptography (an import of it fails)
+    SHIM=$(mktemp -d)
+    mkdir "$SHIM/cryptography"
+    echo 'raise ImportError("hidden by bench/gpu_check.sh --cpu-only")' \
+        > "$SHIM/cryptography/__init__.py"
+    export PYTHONPATH="$SHIM:$PYTHONPATH"
+fi
+
+# ------------------------------------------------------------------ the machine
+{
+    say "gpu_check in $ROOT, results in $OUT, budget ${BUDGET}s$([ "$CPU_ONLY" = 1 ] && echo ', --cpu-only')"
+    if commit=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null); then
+        git -C "$ROOT" diff --quiet HEAD 2>/dev/null || commit="$commit (with changes)"
+        echo "commit: $commit"
+    fi
+    echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(nproc) cores; $(free -g | awk '/^Mem:/ {print $2 " GiB"}')"
+    echo "/dev/shm: $(df -h /dev/shm | awk 'NR == 2 {print $2 " (" $4 " free)"}')"
+    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version \
+        --format=csv,noheader | sed 's/^/gpu: /'
+    echo "python: $PYTHON ($("$PYTHON" -c 'import platform; print(platform.python_version())'))"
+    "$PYTHON" - <<'EOF'
+import importlib
+import torch
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
+      f"devices: {[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}")
+for name in ("numpy", "pytest", "torchvision", "cryptography", "tqdm", "setuptools"):
+    try:
+        module = importlib.import_module(name)
+        print(f"{name}: {getattr(module, '__version__', 'yes')}")
+    except ImportError as exc:
+        print(f"{name}: missing ({exc})")
+EOF
+} 2>&1 | tee "$OUT/environment.txt"
+
+if ! has cryptography; then
+    say "cryptography missing: torch jobs run open (no job secret); SWITCHML_JOB_SECRET unset"
+    unset SWITCHML_JOB_SECRET
+fi
+if [ "$CPU_ONLY" = 0 ] && ! "$PYTHON" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+    say "torch sees no CUDA device: the CUDA stages will fail (or run with --cpu-only)"
+fi
+
+# ------------------------------------------------------------------ stages
+# stage NAME CAP_S COMMAND...: run it with at most CAP_S seconds, and never past the
+# budget (15 s kept for the summary); its output in OUT/NAME.log; a line in stages.tsv
+stage() {
+    local name=$1 cap=$2
+    shift 2
+    local left=$(( BUDGET - ($(date +%s) - STARTED) - 15 ))
+    local limit=$(( cap < left ? cap : left ))
+    if [ "$limit" -lt 10 ]; then
+        say "$name: skipped, the budget is spent"
+        printf '%s\t%s\t%s\t%s\n' "$name" skipped 0 "budget spent" >> "$STAGES_FILE"
+        return
+    fi
+    say "$name: start (at most ${limit}s): $*"
+    local begun rc
+    begun=$(date +%s)
+    touch "$MARK"
+    timeout -s INT -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    rc=$?
+    local took=$(( $(date +%s) - begun ))
+    # (tqdm's progress lines left out: the log keeps them)
+    tr '\r' '\n' < "$OUT/$name.log" | grep -v 'case/s' | tail -n 15 | sed "s/^/  $name| /"
+    local note=""
+    [ "$rc" = 124 ] || [ "$rc" = 137 ] && note="timed out after ${limit}s"
+    local leftover
+    leftover=$(find /dev/shm -maxdepth 1 -name 'switchml-*' -newer "$MARK" 2>/dev/null | wc -l)
+    [ "$leftover" != 0 ] && note="${note:+$note; }$leftover switchml segment(s) left in /dev/shm"
+    printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$took" "$note" >> "$STAGES_FILE"
+    say "$name: exit $rc after ${took}s${note:+ ($note)}"
+}
+
+want() { [[ " ${GPU_CHECK_STAGES:-build tests bench-cuda bench-cpu ddp} " == *" $1 "* ]]; }
+
+if [ "$CPU_ONLY" = 1 ]; then
+    SIZES=1; WORKERS="2"; PER_HOST=2; TESTS_K=(-k "cuda or pool")
+    DDP=(--device cpu --workers 2 --batch 2 --image 32 --warmup 1 --steps 2)
+else
+    SIZES=45; WORKERS="2 4 8"; PER_HOST=8; TESTS_K=()
+    DDP=(--device cuda --workers 2 4 --batch 32 --image 224 --warmup 5 --steps 20)
+fi
+# K ranks of one host: --ranks-per-host at least the largest K; the median of 3
+# invocations, each its median of 5 calls after 3 (the steady state's buffers made);
+# the first invocation checks the sums (rebuilding 8 ranks' 45 MiB inputs and the
+# bound takes seconds), every one that the ranks' results are bit-identical.
+BENCH=(--workers $WORKERS --ranks-per-host $PER_HOST --sizes $SIZES --warmup 3 --repeats 5
+       --systems dense gloo --timeout 60)
+
+check_build() {
+    "$PYTHON" setup.py build_ext --inplace -q || return
+    "$PYTHON" - <<'EOF'
+import importlib
+for name in ("switchml.switch.dataplane._fastpath", "switchml.worker.engine._fastengine",
+             "switchml.worker.local._memory"):
+    importlib.import_module(name)  # fails here, not as a silent Python fallback later
+    print(f"built: {name}")
+EOF
+}
+
+export -f check_build
+export PYTHON
+want build && stage build 90 bash -c check_build
+if want tests; then
+    if has pytest; then
+        stage tests 160 "$PYTHON" -m pytest -q -p no:cacheprovider --junitxml="$OUT/tests.xml" \
+            tests/test_torch_cuda.py tests/test_fresh_memory.py ${TESTS_K[@]+"${TESTS_K[@]}"}
+    else
+        say "tests: skipped, pytest is not importable (put it in GPU_CHECK_DEPS)"
+        printf '%s\t%s\t%s\t%s\n' tests skipped 0 "no pytest" >> "$STAGES_FILE"
+    fi
+fi
+if want bench-cuda && [ "$CPU_ONLY" = 0 ]; then
+    stage bench-cuda 150 "$PYTHON" bench/invocations.py --runs 3 --check-first-only \
+        --out "$OUT/bench-cuda" -- --device cuda "${BENCH[@]}"
+fi
+want bench-cpu && stage bench-cpu 130 "$PYTHON" bench/invocations.py --runs 3 \
+    --check-first-only --out "$OUT/bench-cpu" -- --device cpu "${BENCH[@]}"
+want ddp && stage ddp 90 "$PYTHON" bench/ddp_resnet.py "${DDP[@]}" --timeout 60 \
+    --out "$OUT/ddp.json"
+
+say "summary"
+"$PYTHON" bench/gpu_summary.py "$OUT" | tee "$OUT/summary.txt"
+say "done: $OUT"

@@ -1,0 +1,189 @@
+"""The table of a bench/gpu_check.sh run: every figure beside its aim.
+
+    python bench/gpu_summary.py OUT
+
+Reads what the run wrote in OUT (stages.tsv, bench-cuda/ and bench-cpu/ from
+bench/invocations.py, ddp.json from bench/ddp_resnet.py), prints the stages, the
+machine, and one table per measurement, and writes OUT/summary.json.  A bench
+stage cut short still counts the invocations that finished (their results.json).
+
+The aims (one host, K ranks, switchml against gloo in the same invocations):
+- allreduce of a float32 tensor, CPU and CUDA tensors: at least 1.3x gloo at K=2,
+  1.5x at K=4 and 8; a CUDA call at most 1.25x the CPU call of the same size;
+- no fresh memory on a steady-state call: the minor page faults a call takes (the
+  busiest rank's), "met" under 1% of the tensor's pages (what Python's own objects
+  of a call may fault in);
+- DDP ResNet-18: at least 1.2x gloo's samples/s, replicas identical.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.invocations import summarize_runs  # noqa: E402
+
+PAGE = 4096
+#: Least switchml/gloo speed ratio at K ranks.
+SPEEDUP_AIMS = {2: 1.3}
+SPEEDUP_AIM_MORE = 1.5
+CUDA_OVER_CPU_AIM = 1.25
+DDP_AIM = 1.2
+FRESH_PAGE_SHARE = 0.01
+
+
+def speedup_aim(workers: int) -> float:
+    return SPEEDUP_AIMS.get(workers, SPEEDUP_AIM_MORE)
+
+
+def bench_rows(folder: str) -> tuple[list, int, dict | None]:
+    """(invocations.py's summary rows, invocations counted, the first run's
+    machine) of one bench stage; from the runs that finished where summary.json
+    is missing (the stage cut short)."""
+    runs, machine = [], None
+    for path in sorted(glob.glob(os.path.join(folder, "run*", "results.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        runs.append(data["rows"])
+        machine = machine or data.get("machine")
+    summary = os.path.join(folder, "summary.json")
+    if os.path.exists(summary):
+        with open(summary) as f:
+            return json.load(f)["rows"], len(runs), machine
+    return (summarize_runs(runs) if runs else []), len(runs), machine
+
+
+def _verdict(met: bool | None) -> str:
+    return {True: "met", False: "NOT met", None: "-"}[met]
+
+
+def allreduce_table(rows_by_device: dict) -> tuple[list, list]:
+    """Lines of the allreduce table, and its records (for summary.json)."""
+    records = []
+    lines = ["| device | K | MiB | switchml ms (runs) | gloo ms (runs) | vs gloo | aim | "
+             "faults a call: switchml / gloo | fresh-page aim | CUDA / CPU | check |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    cpu = {(r["workers"], r["size_mib"]): r for r in rows_by_device.get("cpu", [])
+           if r["system"] == "switchml-dense"}
+    for device in ("cpu", "cuda"):
+        rows = rows_by_device.get(device, [])
+        gloo = {(r["workers"], r["size_mib"]): r for r in rows if r["system"] == "gloo"}
+        for r in (r for r in rows if r["system"] == "switchml-dense"):
+            k = (r["workers"], r["size_mib"])
+            g = gloo.get(k)
+            ratio = g["median_s"] / r["median_s"] if g else None
+            aim = speedup_aim(r["workers"])
+            pages = r["size_mib"] * 2**20 / PAGE
+            faults = r.get("faults_per_call")
+            fresh_met = None if faults is None else faults < FRESH_PAGE_SHARE * pages
+            over_cpu = (r["median_s"] / cpu[k]["median_s"]
+                        if device == "cuda" and k in cpu else None)
+            checked = r["checked"] and r["ranks_bit_identical"] and (
+                g is None or (g["checked"] and g["ranks_bit_identical"]))
+            records.append({"device": device, "workers": r["workers"], "size_mib": r["size_mib"],
+                            "switchml_s": r["median_s"], "switchml_runs_s": r["run_medians_s"],
+                            "gloo_s": g["median_s"] if g else None,
+                            "gloo_runs_s": g["run_medians_s"] if g else None,
+                            "speedup_over_gloo": ratio, "speedup_aim": aim,
+                            "speedup_met": None if ratio is None else ratio >= aim,
+                            "faults_per_call": faults,
+                            "gloo_faults_per_call": g.get("faults_per_call") if g else None,
+                            "fresh_pages_met": fresh_met, "cuda_over_cpu": over_cpu,
+                            "cuda_over_cpu_met": (None if over_cpu is None
+                                                  else over_cpu <= CUDA_OVER_CPU_AIM),
+                            "checked": checked})
+
+            def ms(row):
+                return (f"{1e3 * row['median_s']:.1f} ("
+                        + ", ".join(f"{1e3 * t:.1f}" for t in row["run_medians_s"]) + ")")
+
+            def count(v):
+                return "-" if v is None else f"{v:.0f}"
+
+            lines.append(
+                f"| {device} | {r['workers']} | {r['size_mib']:g} | {ms(r)} | "
+                f"{ms(g) if g else '-'} | "
+                f"{'-' if ratio is None else format(ratio, '.2f') + 'x'} | "
+                f">= {aim}x {_verdict(records[-1]['speedup_met'])} | "
+                f"{count(faults)} / {count(records[-1]['gloo_faults_per_call'])} | "
+                f"{_verdict(fresh_met)} | "
+                + ("-" if over_cpu is None else
+                   f"{over_cpu:.2f}x (<= {CUDA_OVER_CPU_AIM}x "
+                   f"{_verdict(records[-1]['cuda_over_cpu_met'])})")
+                + f" | {'ok' if checked else 'FAIL'} |")
+    return lines, records
+
+
+def ddp_table(path: str) -> tuple[list, list]:
+    if not os.path.exists(path):
+        return [], []
+    with open(path) as f:
+        runs = json.load(f)["runs"]
+    lines = ["| K | device | model | switchml samples/s | gloo samples/s | vs gloo | aim | "
+             "step ms: switchml / gloo (compute) | replicas identical | max weight diff |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    records = []
+    gloo = {r["workers"]: r for r in runs if r["backend"] == "gloo"}
+    for r in (r for r in runs if r["backend"] == "switchml"):
+        g = gloo[r["workers"]]
+        ratio = r["speedup_over_gloo"]
+        identical = r["replicas_identical"] and g["replicas_identical"]
+        records.append({"workers": r["workers"], "device": r["device"], "model": r["model"],
+                        "switchml_samples_per_s": r["samples_per_s"],
+                        "gloo_samples_per_s": g["samples_per_s"], "speedup_over_gloo": ratio,
+                        "speedup_met": ratio >= DDP_AIM, "replicas_identical": identical,
+                        "max_weight_diff_vs_gloo": r["max_weight_diff_vs_gloo"]})
+        lines.append(f"| {r['workers']} | {r['device']} | {r['model']} | "
+                     f"{r['samples_per_s']:.1f} | {g['samples_per_s']:.1f} | {ratio:.2f}x | "
+                     f">= {DDP_AIM}x {_verdict(ratio >= DDP_AIM)} | "
+                     f"{r['step_ms']:.1f} / {g['step_ms']:.1f} ({g['compute_ms_per_step']:.1f}) | "
+                     f"{'yes' if identical else 'NO'} | {r['max_weight_diff_vs_gloo']:.1e} |")
+    return lines, records
+
+
+def stages(path: str) -> list:
+    if not os.path.exists(path):
+        return []
+    lines = ["| stage | exit | seconds | note |", "|---|---|---|---|"]
+    with open(path) as f:
+        for line in f:
+            name, rc, took, note = (line.rstrip("\n").split("\t") + [""] * 4)[:4]
+            lines.append(f"| {name} | {rc} | {took} | {note} |")
+    return lines
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python bench/gpu_summary.py OUT", file=sys.stderr)
+        return 2
+    out = argv[0]
+    rows_by_device, counted, machine = {}, {}, None
+    for device in ("cuda", "cpu"):
+        rows, counted[device], found = bench_rows(os.path.join(out, f"bench-{device}"))
+        rows_by_device[device] = rows
+        machine = machine or found
+    printed = stages(os.path.join(out, "stages.tsv"))
+    if machine:
+        printed += ["", "machine: " + ", ".join(
+            f"{k} {v}" for k, v in machine.items() if k in ("cpu", "cpus", "gpus", "torch",
+                                                              "torch_cuda", "python"))]
+    printed += ["", "allreduce, one host (invocations: "
+                + ", ".join(f"{d} {n}" for d, n in counted.items()) + ")"]
+    lines, allreduce = allreduce_table(rows_by_device)
+    printed += lines if allreduce else ["(no bench results)"]
+    lines, ddp = ddp_table(os.path.join(out, "ddp.json"))
+    printed += ["", "DDP ResNet-18, one host"] + (lines or ["(no DDP results)"])
+    print("\n".join(printed))
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump({"machine": machine, "invocations": counted, "allreduce": allreduce,
+                   "ddp": ddp}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
