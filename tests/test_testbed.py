@@ -165,9 +165,14 @@ def test_up_builds_the_layout_and_down_leaves_nothing_behind():
                                  capture_output=True, text=True).stdout)[0]
         assert addr["mtu"] == 9000
         assert addr["addr_info"][0]["local"] == tb.address(1)
+        # a host's uplink queues each flow apart by default (an HTB class at the
+        # link's rate over a bfifo a flow); a switch port is one tbf FIFO
+        host_qdiscs = netns.qdisc(tb.namespace(1), tb.ifname(1))
+        assert [q["kind"] for q in host_qdiscs].count("bfifo") == netns.FLOW_QUEUES + 1
+        assert host_qdiscs[0]["kind"] == "htb"
+        (port,) = netns.qdisc(tb.switch_namespace, tb.port(1))
+        assert port["kind"] == "tbf" and port["options"]["rate"] == 100_000_000 // 8
         for ns, dev in ((tb.namespace(1), tb.ifname(1)), (tb.switch_namespace, tb.port(1))):
-            (qd,) = netns.qdisc(ns, dev)
-            assert qd["kind"] == "tbf" and qd["options"]["rate"] == 100_000_000 // 8
             # UDP GSO runs are cut into frames at every link (as with loss, by
             # default); TCP keeps its offload
             features = netns.offloads(ns, dev)
@@ -473,8 +478,8 @@ def test_a_host_that_vanishes_without_closing_tcp_fails_its_job_within_the_keepa
 
 @needs_root
 def test_a_full_host_queue_is_waited_for_not_lost_and_the_window_hears_of_it(tmp_path):
-    """Each host's uplink queue (its own tbf, 72 KiB: more than a UDP GSO run, which
-    enters it whole) is smaller than a window of datagrams (32 of 4 KiB): the
+    """Each host's uplink queue (one FIFO, its own tbf, 72 KiB: more than a UDP GSO
+    run, which enters it whole) is smaller than a window of datagrams (32 of 4 KiB): the
     kernel refuses what does not fit (ENOBUFS, IP_RECVERR on the worker's socket).
     Counted as ``local_refusals``, each datagram waits for room instead of
     vanishing, and the window comes down: the sums are exact and no more than a
@@ -485,7 +490,8 @@ def test_a_full_host_queue_is_waited_for_not_lost_and_the_window_hears_of_it(tmp
     if compiled._fastengine is None:
         pytest.skip("the C engine is not built")
     size, world = 1_500_000, 2
-    with Testbed(hosts=world, link="100mbit", mtu=9000, queue="72kb", prefix=prefix("q")) as tb:
+    with Testbed(hosts=world, link="100mbit", mtu=9000, queue="72kb", prefix=prefix("q"),
+                 host_queue="fifo") as tb:
         start_switch(tb)
         procs = [tb.popen(h, [sys.executable, HELPERS, "worker", tb.switch, str(h), str(world),
                               str(size), "float32", str(tmp_path / f"q-{h}")],

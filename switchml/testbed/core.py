@@ -167,10 +167,10 @@ HOST_QUEUES = ("fifo", "flows")
 def add_host_queue_argument(parser, what: str = "") -> None:
     """``--host-queue``, as every command that builds a testbed takes it;
     ``what``: a word before the help (\"testbed: \")."""
-    parser.add_argument("--host-queue", choices=HOST_QUEUES, default="fifo",
-                        help=f"{what}how each host's uplink queues: one FIFO of --queue "
-                             f"bytes (fifo, the default) or a FIFO of --queue bytes per flow "
-                             f"served in turn, as fq_codel keeps a host's NIC queue (flows)")
+    parser.add_argument("--host-queue", choices=HOST_QUEUES, default="flows",
+                        help=f"{what}how each host's uplink queues: a FIFO of --queue bytes "
+                             f"per flow served in turn, as fq_codel keeps a host's NIC queue "
+                             f"(flows, the default), or one FIFO of --queue bytes (fifo)")
 
 
 class Testbed:
@@ -185,10 +185,10 @@ class Testbed:
     bucket; ``queue``: bytes a link holds waiting for the wire (tbf ``limit``;
     256 KiB by default, a switch port's buffer), beyond which it drops.
     ``host_queue``: how a host's own uplink queues, where its senders meet
-    before the wire: "fifo" (the default), one tbf FIFO of ``queue`` bytes as a
-    switch port's; "flows", a FIFO of ``queue`` bytes per flow served in turn,
-    as fq_codel (most distributions' default qdisc) keeps a host's NIC queue
-    (``netns.shape_per_flow``).  Switch ports stay FIFOs either way.
+    before the wire: "flows" (the default), a FIFO of ``queue`` bytes per flow
+    served in turn, as fq_codel (most distributions' default qdisc) keeps a
+    host's NIC queue (``netns.shape_per_flow``); "fifo", one tbf FIFO of
+    ``queue`` bytes as a switch port's.  Switch ports stay FIFOs either way.
     ``udp_offload``: the veths' UDP segmentation offload.  On, a sender's UDP GSO
     run (up to 64 datagrams in one ``sendmsg``) crosses the links as one packet,
     as it leaves a NIC that segments it (rate and queue still count every byte:
@@ -219,7 +219,7 @@ class Testbed:
                  burst=DEFAULT_BURST, queue=None, install_nft: bool = True,
                  udp_offload: bool | None = None, switches: int = 0, racks: int = 0,
                  oversubscription: float = 1.0, ranks_per_host: int = 1,
-                 host_queue: str = "fifo"):
+                 host_queue: str = "flows"):
         self.prefix = _check_prefix(prefix)
         if not 1 <= ranks_per_host <= 256:
             raise ValueError(f"ranks_per_host must be between 1 and 256, got {ranks_per_host}")
