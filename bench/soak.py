@@ -1,6 +1,6 @@
 """A long run on the testbed: exact results, flat memory and descriptors (root).
 
-    python bench/soak.py --minutes 30 --out bench/results/soak.json
+    python bench/soak.py --minutes 30 --out soak.json
     python bench/soak.py --minutes 1 --sample 5        # a short look
 
 A switch (``switchml switch``) in the testbed's switch namespace, every link
