@@ -96,6 +96,23 @@ def test_a_call_cut_by_a_switch_restart_ends_bit_identical(in_place, drop_rate):
             p.kill()
 
 
+def calls_until_an_error(address, rank: int, world: int, job: str, timeout: float,
+                         progress: threading.Barrier, report):
+    """A rank calling until an error: after its second call it meets ``progress``;
+    returns (the error, ``report(worker)``)."""
+    with switchml.Worker(address, rank, world, job=job, timeout=timeout,
+                         local_stage=False) as w:
+        calls = 0
+        try:
+            while True:
+                w.allreduce(np.ones(100_000, np.float32))
+                calls += 1
+                if calls == 2:
+                    progress.wait(30)
+        except switchml.SwitchMLError as exc:
+            return exc, report(w)
+
+
 def test_a_switch_back_later_than_the_timeout_is_the_error_it_was():
     proc, address = start_switch()
     port = int(address.rsplit(":", 1)[1])
@@ -103,17 +120,8 @@ def test_a_switch_back_later_than_the_timeout_is_the_error_it_was():
     progress = threading.Barrier(3)
 
     def body(rank):
-        with switchml.Worker(address, rank, 2, job="late", timeout=timeout,
-                             local_stage=False) as w:
-            calls = 0
-            try:
-                while True:
-                    w.allreduce(np.ones(100_000, np.float32))
-                    calls += 1
-                    if calls == 2:
-                        progress.wait(10)
-            except switchml.SwitchMLError as exc:
-                return exc, time.monotonic()
+        return calls_until_an_error(address, rank, 2, "late", timeout, progress,
+                                    lambda w: time.monotonic())
 
     results: list = []
     runner = threading.Thread(target=lambda: results.extend(run_ranks(2, body)))
@@ -150,17 +158,8 @@ def test_a_rank_killed_while_the_others_rejoin_is_named():
     progress = threading.Barrier(3)
 
     def body(rank):
-        with switchml.Worker(address, rank, 3, job="doomed", timeout=3.0,
-                             local_stage=False) as w:
-            calls = 0
-            try:
-                while True:
-                    w.allreduce(np.ones(100_000, np.float32))
-                    calls += 1
-                    if calls == 2:
-                        progress.wait(30)
-            except switchml.SwitchMLError as exc:
-                return exc, w.counters["rejoins"]
+        return calls_until_an_error(address, rank, 3, "doomed", 3.0, progress,
+                                    lambda w: w.counters["rejoins"])
 
     results: list = []
     runner = threading.Thread(target=lambda: results.extend(run_ranks(2, body)))
