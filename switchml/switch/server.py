@@ -594,7 +594,8 @@ class Switch:
     def _data_threads_failed(self) -> bool:
         """A data thread that ended by itself (its socket failed) stops the switch:
         its slots would never be aggregated, and its workers would wait for them
-        until their timeout; closing the control connections tells them now."""
+        until their timeout; closing the control connections tells them now (they
+        try to rejoin for their timeout, as after a restart, then raise)."""
         failures = self._fast.thread_failures()
         if failures:
             self.failure = SwitchMLError("the switch's C data plane stopped: " + "; ".join(

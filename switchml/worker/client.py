@@ -709,7 +709,7 @@ class Worker:
         old = self.membership
         numbers = list(old.slot_msgs)
         kept, self._kept = self._kept, None
-        self._rejoin(lost)
+        self._rejoin(lost, idle=call is None)
         m = self.membership
         if (m.packet_elements, m.block_elements) != (old.packet_elements, old.block_elements):
             raise SwitchUnreachableError(
@@ -765,10 +765,12 @@ class Worker:
         self._run_once(values, out, False, 32, resumable=False)
         return out
 
-    def _rejoin(self, lost: _SwitchLost) -> None:
+    def _rejoin(self, lost: _SwitchLost, idle: bool = False) -> None:
         """Join the job again at the switch's address, trying until ``timeout`` after
         the switch went away; past it, the loss's error (what it was without
-        rejoining).  A rank missing from the new job is named as at any join."""
+        rejoining).  A rank missing from the new job is named as at any join.
+        ``idle``: between calls, where a worker being closed stops trying at once
+        (its job's switch stopping as the job ends is no restart to wait for)."""
         deadline = lost.at + self.timeout
         try:
             self._sel.unregister(self._udp)
@@ -793,7 +795,12 @@ class Worker:
                     raise SwitchUnreachableError(
                         f"{lost.error}; no switch took the job again at {host}:{port} "
                         f"within {self.timeout:g}s") from None
-                time.sleep(min(delay, deadline - now))
+                until = now + min(delay, deadline - now)
+                while time.monotonic() < until:
+                    if idle and self._closed:
+                        raise SwitchUnreachableError(
+                            f"{lost.error}; the worker was closed while rejoining") from None
+                    time.sleep(min(0.02, max(0.0, until - time.monotonic())))
                 delay = min(2 * delay, REJOIN_MAX_DELAY)
         self._take_ready(self.membership)
         self.membership.counters["rejoins"] += 1
