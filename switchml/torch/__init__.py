@@ -287,9 +287,10 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
         try:
             # calls off the switch: a gloo group of their own, so that its collectives
             # come in the same order on every rank
-            fallback = dist.ProcessGroupGloo(dist.PrefixStore("switchml-fallback", store), rank,
-                                             size, timeout) if enabled else None
-            self._path = SwitchPath(fallback, rank, size, join, enabled=enabled,
+            self._fallback = dist.ProcessGroupGloo(
+                dist.PrefixStore("switchml-fallback", store), rank, size,
+                timeout) if enabled else None
+            self._path = SwitchPath(self._fallback, rank, size, join, enabled=enabled,
                                     retry_s=retry_s, address=address, name=f"job {job}")
         except BaseException:
             if self._on_job_switch:
@@ -390,6 +391,11 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         self._path.close()
+        # torch's own ProcessGroup.shutdown would end the registered gloo backend;
+        # this override replaces it, so it ends both of its gloo groups itself
+        self._gloo.shutdown()
+        if self._fallback is not None:
+            self._fallback.shutdown()
         if self._on_job_switch:
             self._on_job_switch = False
             _JOB_SWITCH.left()
