@@ -264,6 +264,53 @@ def test_in_place_shapes_scalars_and_async_calls(switches):
     assert many[0][1].shape == () and many[0][1] == np.float32(2.0)
 
 
+def test_calls_end_in_the_order_queued_though_a_later_one_needs_fewer_switches():
+    """Call A has a part on each of two switches, call B (one chunk) on the first
+    only.  With the second switch stopped (SIGSTOP), B's part comes back first, yet
+    B ends after A, as on one switch: the local stage counts a shard's segments
+    done by the last call that ended, and read a segment before its sum was back."""
+    first = make_switch()
+    second = SwitchProcess(packet_elements=PACKET, block_elements=BLOCK, slots=SLOTS,
+                           slots_per_job=SLOTS_PER_JOB).start()
+    try:
+        addresses = [address(first), "%s:%d" % second.address]
+        joined = threading.Barrier(2)
+
+        def body(rank):
+            with switchml.Worker(addresses, rank, 2, job="order", timeout=10.0) as w:
+                w.allreduce(np.ones(2 * PACKET, np.float32))  # both switches work
+                joined.wait(10)
+                if rank == 0:
+                    os.kill(second._proc.pid, signal.SIGSTOP)
+                joined.wait(10)
+                ended = []
+                before = w.channels[0].counters["results_in"]
+                a = w.allreduce_async(np.full(2 * PACKET, rank + 1.0, np.float32))
+                b = w.allreduce_async(np.full(PACKET // 2, rank + 3.0, np.float32))
+                for name, handle in (("A", a), ("B", b)):
+                    handle.add_done_callback(lambda _, name=name: ended.append(name))
+                # B's part and A's first are back from the first switch
+                assert wait_for(lambda: w.channels[0].counters["results_in"] >= before + 2)
+                time.sleep(0.2)  # time for B to end, were it not held back
+                b_ended_early = b.done()
+                joined.wait(10)
+                if rank == 0:
+                    os.kill(second._proc.pid, signal.SIGCONT)
+                return b_ended_early, a.wait(), b.wait(), ended
+
+        for b_ended_early, a, b, ended in run_ranks(2, body):
+            assert not b_ended_early
+            assert ended == ["A", "B"]
+            assert (a == 3.0).all() and (b == 7.0).all()
+    finally:
+        try:
+            os.kill(second._proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        second.stop()
+        first.stop()
+
+
 def test_a_small_call_uses_the_first_switches_only(switches):
     """One chunk, three switches: switch 0 carries it, the others see nothing."""
     inputs = [np.full(100, rank, np.float32) for rank in range(2)]

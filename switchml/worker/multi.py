@@ -128,6 +128,7 @@ class MultiSwitchWorker:
         self._lock = threading.Lock()
         self._failure: SwitchMLError | None = None
         self._closed = False
+        self._last_call: _Gather | None = None  # the call queued last (calls end in order)
         for k, joined in enumerate(self.channels):
             joined.on_failure = lambda error, k=k: self._switch_failed(error, k)
         self._share_the_window()
@@ -173,7 +174,10 @@ class MultiSwitchWorker:
                         ready=None) -> AllreduceHandle:
         """``client.Worker.allreduce_async``: part k of the call queued on switch k.
 
-        ``ready`` is called by each channel before it reads its part."""
+        ``ready`` is called by each channel before it reads its part.  Calls end in
+        the order they were queued, as on one switch, though a short call that
+        needs fewer switches may have its parts back before an earlier call's: the
+        local stage counts a shard's segments done by the last one ended."""
         bits = self._wire_bits if bits is None else bits
         src, out, sparse = check_call(array, out, sparse, bits, ready)
         if self._closed:
@@ -187,10 +191,11 @@ class MultiSwitchWorker:
         parts = [(k, start, stop) for k, (start, stop)
                  in enumerate(part_bounds(src.size, unit, len(self.channels)))
                  if stop > start]
+        with self._lock:
+            gather = _Gather(self, future, out, src.size, len(parts), self._last_call)
+            self._last_call = gather
         if not parts:  # an empty array: nothing to sum, as on one switch
-            future.set_result(out)
-            return AllreduceHandle(future)
-        gather = _Gather(self, future, out, src.size, len(parts))
+            gather.parts_done()
         for k, start, stop in parts:
             handle = self.channels[k].allreduce_async(flat_src[start:stop], flat_out[start:stop],
                                                       sparse, bits, ready)
@@ -308,11 +313,11 @@ def most_telling(errors: list[BaseException]) -> BaseException:
 
 
 class _Gather:
-    """One call's parts: the call completes when every part has; its error is the
-    ``most_telling`` of its parts' errors."""
+    """One call's parts: the call completes when every part has and the call queued
+    before it has completed; its error is the ``most_telling`` of its parts'."""
 
     def __init__(self, worker: MultiSwitchWorker, future: Future, out: np.ndarray, size: int,
-                 parts: int):
+                 parts: int, previous: _Gather | None):
         self._worker = worker
         self._future = future
         self._out = out
@@ -320,6 +325,9 @@ class _Gather:
         self._pending = parts
         self._errors: list[BaseException] = []  # in the order the parts failed
         self._lock = threading.Lock()
+        self._previous = previous  # None once it completed
+        self._completed = False
+        self._follower: _Gather | None = None  # the next call, its parts all back
 
     def part_done(self, handle: AllreduceHandle, k: int, start: int, stop: int) -> None:
         """On part k's channel thread, once its part finished."""
@@ -336,7 +344,26 @@ class _Gather:
         if isinstance(failure, SwitchMLError):
             self._worker._fail(failure, k)
         if last:
-            if self._errors:
-                self._future.set_exception(most_telling(self._errors))
-            else:
-                self._future.set_result(self._out)
+            self.parts_done()
+
+    def parts_done(self) -> None:
+        """Every part is back: complete now, or once the call before has."""
+        with self._worker._lock:
+            previous = self._previous
+            if previous is not None and not previous._completed:
+                previous._follower = self  # it completes this call when it does
+                return
+        gather: _Gather | None = self
+        while gather is not None:
+            gather._complete()
+            with self._worker._lock:
+                gather._completed = True
+                gather._previous = None
+                follower, gather._follower = gather._follower, None
+            gather = follower
+
+    def _complete(self) -> None:
+        if self._errors:
+            self._future.set_exception(most_telling(self._errors))
+        else:
+            self._future.set_result(self._out)
