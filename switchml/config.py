@@ -37,9 +37,9 @@ SWITCHML_SPARSE             the torch backend's path: true           auto
 SWITCHML_WORKER_GSO         0: the worker's C engine sends one       1
                             datagram a call instead of runs of
                             UDP GSO segments
-SWITCHML_WORKER_GRO         1: the worker's C engine receives        0
-                            whole runs of results in one call
-                            (UDP_GRO; experimental)
+SWITCHML_WORKER_GRO         0: the worker's C engine receives one    1
+                            datagram a call instead of whole runs
+                            (UDP_GRO)
 SWITCHML_METRICS_PORT       a switch's Prometheus port               (none)
 SWITCHML_KEEPALIVE          seconds within which a vanished peer     20
                             of a control connection is noticed

