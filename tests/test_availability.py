@@ -29,7 +29,8 @@ from switchml.switch.lobby import JOIN_DEADLINE, SOURCE_CAP, UNJOINED_CAP, Lobby
 from switchml.switch.server import Switch
 
 CLI = [sys.executable, "-m", "switchml.cli"]
-FLOOD = [sys.executable, os.path.join(os.path.dirname(__file__), "control_flood.py")]
+FLOOD = [sys.executable, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                      "bench", "control_flood.py")]
 #: The switch process's join deadline (short: the tests wait for it).
 DEADLINE = 2.0
 #: Connections of the flood from one host.

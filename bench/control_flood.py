@@ -1,5 +1,5 @@
 """A flood of control connections, each holding part of a line: ``python
-tests/control_flood.py HOST PORT SOURCE COUNT SECONDS`` opens COUNT connections
+bench/control_flood.py HOST PORT SOURCE COUNT SECONDS`` opens COUNT connections
 from address SOURCE (at most SECONDS), never completes a line on any, and
 watches each until the switch closes it.  It prints one JSON object: how many
 it opened, how many the switch closed, how long the longest lived (from its
