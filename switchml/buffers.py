@@ -62,10 +62,12 @@ class BufferPool:
             if len(self._free) > self.keep:
                 self._free.pop(min(range(len(self._free)), key=lambda i: len(self._free[i])))
 
-    def array(self, shape, dtype) -> tuple[np.ndarray, Any]:
+    def array(self, shape, dtype) -> tuple[Any, Any]:
         """(an uninitialised C-contiguous array of ``shape`` and ``dtype`` in a pooled
-        buffer, the buffer to give back when done with it)."""
-        dtype = np.dtype(dtype)
-        count = int(np.prod(shape, dtype=np.int64))
-        buffer = self.take(count * dtype.itemsize)
-        return buffer[:count * dtype.itemsize].view(dtype).reshape(shape), buffer
+        buffer, the buffer to give back when done with it).  A pool of torch buffers
+        takes a torch dtype and gives a tensor."""
+        if not isinstance(getattr(dtype, "itemsize", None), int):  # (a torch dtype's is)
+            dtype = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        buffer = self.take(nbytes)
+        return buffer[:nbytes].view(dtype).reshape(shape), buffer

@@ -100,8 +100,10 @@ SWITCHML_SWITCH_TOKEN_FILE  a file holding it (``switchml switch     (none)
 SWITCHML_FALLBACK           0: a torch job's calls do not fall back  1
                             to gloo when the switch fails or is
                             full (the switch's error is raised)
-SWITCHML_RETRY_S            seconds between a torch job's probes of  5
-                            the switch while on gloo
+SWITCHML_RETRY_S            seconds a torch job's workers wait for   5
+                            a switch that went away before its
+                            calls go to gloo, and between its
+                            probes of the switch while on gloo
 ==========================  =======================================  ==========
 
 A switch's settings are one ``SwitchConfiguration``, whichever way it starts

@@ -109,6 +109,20 @@ def test_training_goes_on_through_gloo_and_returns_to_the_restarted_switch(tmp_p
     assert torch.allclose(params, undisturbed, atol=1e-4), (params - undisturbed).abs().max()
 
 
+def test_a_switch_gone_for_good_sends_the_calls_to_gloo_within_the_retry_interval(tmp_path):
+    """The group's timeout is long (60 s), the switch SIGKILLed before step 2 of 6 and
+    never back: the calls go to gloo once SWITCHML_RETRY_S (1 s) passed without it,
+    not after the timeout, which the worker waits for a switch that may restart."""
+    began = time.monotonic()
+    results, _ = run_with_switch_faults(tmp_path, "switch-dies", steps=6, kill_at=2,
+                                        env={"SWITCHML_TIMEOUT": "60", "SWITCHML_RETRY_S": "1"})
+    elapsed = time.monotonic() - began
+    for out in results:
+        assert out["error"] is None and out["steps"] == 6, out["error"]
+        assert out["counters"]["fallbacks"] == 1 and out["counters"]["calls_on_gloo"] >= 4
+    assert elapsed < 30, elapsed
+
+
 def test_a_rank_that_dies_is_still_an_error(tmp_path):
     """Fallback is for the switch, not for peers: rank 2 exits at step 2, the switch
     lives on, and the others' backward() raises naming it (no gloo, no hang)."""

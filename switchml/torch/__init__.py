@@ -162,6 +162,14 @@ def _fallback_settings(address) -> tuple[bool, float]:
             env("RETRY_S", DEFAULT_RETRY_S, float))
 
 
+def _rejoin_within(fallback: bool, retry_s: float) -> float | None:
+    """How long a worker waits for its switch to come back before its call fails:
+    with fallback, ``retry_s`` (a restart that quick is rejoined where the call
+    stood; a longer one costs gloo's calls, not the group's whole timeout); without,
+    the worker's timeout (None)."""
+    return retry_s if fallback else None
+
+
 def _connect(store, rank: int, size: int, timeout: float):
     """Join a job named through ``store``: (its address, a function that joins it on
     the switch, generation 0 first, whether it is on the job's shared switch).
@@ -185,9 +193,9 @@ def _connect(store, rank: int, size: int, timeout: float):
         assert address is not None
         _JOB_SWITCH.joined(address)
 
-    def join(generation: int) -> Worker:
+    def join(generation: int, rejoin_within: float | None = None) -> Worker:
         return Worker(address, rank, size, job=job if not generation else f"{job}~{generation}",
-                      timeout=timeout, hosts=hosts, secret=secret)
+                      timeout=timeout, hosts=hosts, secret=secret, rejoin_within=rejoin_within)
 
     return address, job, join, shared
 
@@ -290,7 +298,9 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
             self._fallback = dist.ProcessGroupGloo(
                 dist.PrefixStore("switchml-fallback", store), rank, size,
                 timeout) if enabled else None
-            self._path = SwitchPath(self._fallback, rank, size, join, enabled=enabled,
+            self._path = SwitchPath(self._fallback, rank, size,
+                                    lambda generation: join(generation, _rejoin_within(
+                                        enabled, retry_s)), enabled=enabled,
                                     retry_s=retry_s, address=address, name=f"job {job}")
         except BaseException:
             if self._on_job_switch:
@@ -487,11 +497,13 @@ class HookState:
         # Each rank's own secret where one was given: a broadcast one is only rank 0's.
         secret = self._secret if self._secret is not None else box[3] or None
 
+        enabled, retry_s = _fallback_settings(box[0])
+
         def join(generation: int) -> Worker:
             return Worker(box[0], rank, size, timeout=self.timeout, hosts=hosts, secret=secret,
-                          job=box[1] if not generation else f"{box[1]}~{generation}")
+                          job=box[1] if not generation else f"{box[1]}~{generation}",
+                          rejoin_within=_rejoin_within(enabled, retry_s))
 
-        enabled, retry_s = _fallback_settings(box[0])
         # calls off the switch: a gloo group of this hook's own (its collectives in the
         # same order on every rank), met through the job's store under the job's name
         fallback = dist.ProcessGroupGloo(

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..buffers import BufferPool
 from ..config import parse_flag, switch_addresses
 from ..errors import LimitExceededError, SwitchMLError, SwitchUnreachableError
 from .staging import stage
@@ -53,7 +54,7 @@ log = logging.getLogger("switchml.torch")
 
 #: Seconds between two probes of a switch that went away (SWITCHML_RETRY_S).
 DEFAULT_RETRY_S = 5.0
-#: Scratch arrays kept for reuse, per size and dtype.
+#: Scratch buffers kept for reuse between calls.
 SPARES_KEPT = 4
 #: Seconds a probe waits for the switch's control port to accept.
 PROBE_TIMEOUT = 1.0
@@ -106,6 +107,7 @@ class Call:
         self.bits = bits
         self.value = value
         self.scratch: np.ndarray | None = None  # where the switch writes (fallback on)
+        self.scratch_buffer: Any = None  # the pooled buffer it lies in
         devices: Any = self.staging.devices  # CUDA ones: the future records their streams
         self.settled: torch.futures.Future = torch.futures.Future(devices=devices)
         self.future = self.settled.then(raise_failure)
@@ -154,10 +156,11 @@ class SwitchPath:
         self._pending: dict[int, Call] = {}  # call index -> a call for the recovery thread
         self._next = 0  # the recovery thread's next call
         self._first_failed: int | None = None  # this rank's first failed call, not agreed yet
-        self._kept: tuple[int, np.ndarray] | None = None  # the last switch sum, by call index
-        #: scratch arrays no call holds, by (size, dtype): fresh ones would cost the
+        #: the last switch sum: (call index, the sum, its pooled buffer)
+        self._kept: tuple[int, np.ndarray, Any] | None = None
+        #: scratch buffers no call holds: fresh ones would cost the
         #: call a page fault a page (a 32 MiB call took 2.5x as long)
-        self._spares: dict[tuple, list[np.ndarray]] = {}
+        self._scratch = BufferPool(keep=SPARES_KEPT)
         self._broken: BaseException | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -205,8 +208,8 @@ class SwitchPath:
         """Queue ``call`` on the worker (its I/O thread finishes it)."""
         staging = call.staging
         if self.enabled:
-            spares = self._spares.get((staging.array.size, staging.array.dtype.str))
-            call.scratch = spares.pop() if spares else np.empty_like(staging.array)
+            call.scratch, call.scratch_buffer = self._scratch.array(staging.array.shape,
+                                                                    staging.array.dtype)
         handle = self.worker.allreduce_async(
             staging.array, out=call.scratch if call.scratch is not None else staging.array,
             sparse=call.sparse, bits=call.bits, ready=staging.ready)
@@ -228,11 +231,9 @@ class SwitchPath:
         if call.scratch is not None:
             # before the call is settled: its caller's next call may take the spare
             with self._lock:
-                previous, self._kept = self._kept, (index, call.scratch)
-                if previous is not None:
-                    spares = self._spares.setdefault((previous[1].size, previous[1].dtype.str), [])
-                    if len(spares) < SPARES_KEPT:
-                        spares.append(previous[1])
+                previous, self._kept = self._kept, (index, call.scratch, call.scratch_buffer)
+            if previous is not None:
+                self._scratch.give(previous[2])
         call.finish(call.scratch)
 
     # ------------------------------------------------------------ leaving and coming back

@@ -48,14 +48,6 @@ def _pinned_pool(device: torch.device) -> BufferPool:
         return pool
 
 
-def _host_copy(pool: BufferPool, tensor: torch.Tensor, dtype: torch.dtype):
-    """(a contiguous tensor of ``tensor``'s shape and ``dtype`` in one of ``pool``'s
-    buffers, the buffer)."""
-    count = tensor.numel()
-    buffer = pool.take(count * dtype.itemsize)
-    return buffer[:count * dtype.itemsize].view(dtype).view(tensor.shape), buffer
-
-
 def _side_stream(device: torch.device):
     """This process's copy stream for ``device`` (one a device, made on first use)."""
     with _side_streams_lock:
@@ -76,7 +68,7 @@ class HostStaging:
         self._buffer = None
         if tensor.dtype in WIDENED_DTYPES or not tensor.is_contiguous():
             dtype = torch.float32 if tensor.dtype in WIDENED_DTYPES else tensor.dtype
-            self.host, self._buffer = _host_copy(_HOST_BUFFERS, tensor, dtype)
+            self.host, self._buffer = _HOST_BUFFERS.array(tensor.shape, dtype)
             self.host.copy_(tensor.detach())
         else:
             self.host = tensor.detach()
@@ -112,7 +104,7 @@ class CudaStaging:
             if source.dtype in WIDENED_DTYPES:
                 source = source.float()
             self._pool = _pinned_pool(tensor.device)
-            self.host, self._buffer = _host_copy(self._pool, source, source.dtype)
+            self.host, self._buffer = self._pool.array(source.shape, source.dtype)
             self.host.copy_(source, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record(self.stream)

@@ -148,9 +148,10 @@ class Worker:
     ``SwitchMLTimeoutError`` naming the ranks that did not contribute, and the
     job fails for every rank (the switch frees its slots).  A switch that goes
     away (its control connection closes) and is back at its address within
-    ``timeout`` is rejoined, and the call in flight completes with the result it
-    would have had (docs/protocol.md, "A switch that restarts"; ``counters``
-    count ``rejoins``); one that is not raises ``SwitchUnreachableError``.
+    ``timeout`` (or ``rejoin_within`` seconds, if given) is rejoined, and the call
+    in flight completes with the result it would have had (docs/protocol.md, "A
+    switch that restarts"; ``counters`` count ``rejoins``); one that is not raises
+    ``SwitchUnreachableError``.
 
     Ranks that share a host combine their arrays in shared memory first, and one
     rank per shard sends the host's partial sum through the switch (a job of one
@@ -175,7 +176,7 @@ class Worker:
                 timeout: float | None = None, *, slots: int | None = None,
                 wait_for_slots: float | None = None, local_stage: bool | None = None,
                 hosts: Hosts | None = None, link_share: int = 1,
-                secret: str | bytes | None = None) -> Any:
+                secret: str | bytes | None = None, rejoin_within: float | None = None) -> Any:
         # Not an instance of cls, Python runs no __init__ on what this returns: one
         # switch keeps exactly this class; ranks that share hosts, or K switches, get
         # the class that runs them, whose parts are instances of this one.
@@ -199,19 +200,20 @@ class Worker:
                              or switch is not None or env("SWITCH", None) else [])
                 return LocalStageWorker(placement, hosts, addresses, job, timeout, slots=slots,
                                         wait_for_slots=wait_for_slots, channel=cls,
-                                        secret=secret)
+                                        secret=secret, rejoin_within=rejoin_within)
         addresses = switch_addresses(switch)
         if len(addresses) > 1:
             return MultiSwitchWorker(addresses, rank, world_size, job, timeout, slots=slots,
                                      wait_for_slots=wait_for_slots, channel=cls,
-                                     link_share=link_share, secret=secret)
+                                     link_share=link_share, secret=secret,
+                                     rejoin_within=rejoin_within)
         return super().__new__(cls)
 
     def __init__(self, switch=None, rank: int = 0, world_size: int = 1, job: str | None = None,
                  timeout: float | None = None, *, slots: int | None = None,
                  wait_for_slots: float | None = None, local_stage: bool | None = None,
                  hosts: Hosts | None = None, link_share: int = 1,
-                 secret: str | bytes | None = None):
+                 secret: str | bytes | None = None, rejoin_within: float | None = None):
         (self.switch_address,) = switch_addresses(switch)  # several: __new__ took them
         self.rank = rank
         self.world_size = world_size
@@ -219,6 +221,9 @@ class Worker:
         self.timeout = float(timeout if timeout is not None
                              else env("TIMEOUT", DEFAULT_TIMEOUT, float))
         self.link_share = link_share
+        #: Seconds a switch that went away has to take the job again (``timeout``
+        #: unless given: the torch backend, which has gloo to go to, waits less).
+        self.rejoin_within = self.timeout if rejoin_within is None else float(rejoin_within)
         self._sparse_auto_union = env("SPARSE_AUTO_UNION", DEFAULT_SPARSE_AUTO_UNION, float)
         # The C sparse engine makes a round cost microseconds: 8-lane packets pay
         # there (MTU 9000); the Python engine's rounds need 32 (docs/protocol.md,
@@ -771,7 +776,7 @@ class Worker:
         rejoining).  A rank missing from the new job is named as at any join.
         ``idle``: between calls, where a worker being closed stops trying at once
         (its job's switch stopping as the job ends is no restart to wait for)."""
-        deadline = lost.at + self.timeout
+        deadline = lost.at + self.rejoin_within
         try:
             self._sel.unregister(self._udp)
         except (KeyError, ValueError):
@@ -781,7 +786,7 @@ class Worker:
         delay = REJOIN_FIRST_DELAY
         host, port = self.switch_address
         log.warning("job %s rank %d: %s; rejoining within %gs", self.job, self.rank,
-                    lost.error, self.timeout)
+                    lost.error, self.rejoin_within)
         while True:
             if self._abort_request is not None:
                 raise self._abort_request
@@ -794,7 +799,7 @@ class Worker:
                 if now >= deadline:
                     raise SwitchUnreachableError(
                         f"{lost.error}; no switch took the job again at {host}:{port} "
-                        f"within {self.timeout:g}s") from None
+                        f"within {self.rejoin_within:g}s") from None
                 until = now + min(delay, deadline - now)
                 while time.monotonic() < until:
                     if idle and self._closed:

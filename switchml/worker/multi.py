@@ -95,7 +95,7 @@ class MultiSwitchWorker:
     def __init__(self, addresses, rank: int, world_size: int, job: str | None = None,
                  timeout: float | None = None, *, slots: int | None = None,
                  wait_for_slots: float | None = None, channel, link_share: int = 1,
-                 secret: str | bytes | None = None):
+                 secret: str | bytes | None = None, rejoin_within: float | None = None):
         self.switch_addresses: list[tuple[str, int]] = list(addresses)
         self.switch_address = self.switch_addresses[0]
         self.rank = rank
@@ -110,7 +110,7 @@ class MultiSwitchWorker:
                     self.channels.append(channel(address, rank, world_size, job, timeout,
                                                  slots=slots, wait_for_slots=wait_for_slots,
                                                  local_stage=False, link_share=link_share,
-                                                 secret=secret))
+                                                 secret=secret, rejoin_within=rejoin_within))
                 except SwitchMLTimeoutError as exc:
                     raise renamed(exc, f"{exc} (joining {self._name(k)}, switch {k + 1} of "
                                        f"{len(self.switch_addresses)}: every rank must list "
