@@ -233,8 +233,9 @@ def test_a_rack_switch_stopped_fails_the_job_on_the_other_rack_naming_it():
         killed = threading.Event()
 
         def body(rank):
+            # (ranks 2 and 3 try to rejoin their rack switch for a second, not 10)
             with switchml.Worker(racks[rank // 2].address, rank, 4, job="dies",
-                                 timeout=10) as w:
+                                 timeout=10, rejoin_within=1) as w:
                 w.allreduce(np.ones(2000, np.float32))
                 first_done.wait(20)
                 killed.wait(20)
