@@ -247,7 +247,8 @@ def test_xdp_core_bench_runs_with_tiny_settings(tmp_path):
 @needs_root
 def test_xdp_driver_bench_runs_with_tiny_settings(tmp_path):
     """bench/xdp_driver.py end to end, tiny: the program in veth's driver mode adds
-    every contribution that reaches it (it drops none), the kernel counted its
+    every contribution that reaches it (it drops none, but the stale messages of a
+    round the veth cut short: a busy machine's ring overflows), the kernel counted its
     runs, and no namespace is left behind; the medians table of its JSON.  No
     timing is checked."""
     from switchml.switch.xdp import pipeline as xdp
@@ -264,7 +265,11 @@ def test_xdp_driver_bench_runs_with_tiny_settings(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["mtu"], r["cpus"]) for r in rows] == [(m, c) for m in (1500, 9000) for c in cpus]
     for r in rows:
-        assert r["dropped"] == {} and r["contributions_added"] > 0, r
+        assert r["contributions_added"] > 0, r
+        # A frame the veth's ring dropped leaves its slot's round open: the sender,
+        # which never retransmits, goes on to the next round, stale to the program.
+        assert set(r["dropped"]) <= {"dropped_stale"}, r
+        assert r["dropped"] == {} or r["dropped_at_the_veth"] > 0, r
         assert r["runs"] >= r["contributions_added"] and r["program_ns_per_frame"] > 0, r
         # a completion takes four adds; a set short of one was left waiting at the
         # end, or lost a contribution the veth dropped before the program (its ring full)
