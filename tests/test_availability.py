@@ -165,6 +165,29 @@ def test_the_switch_raises_its_soft_limit_to_the_hard_one_and_logs_it():
     assert f"descriptors={hard}" in err
 
 
+def test_a_join_the_switch_closed_unheard_is_sent_again(monkeypatch):
+    """The lobby can let a connection go before its join arrives (a flood from the
+    worker's own address, on a busy host): that join was never read, so the worker
+    sends it again on a new connection instead of failing.  Here the switch closes
+    the first connection it accepts without reading it."""
+    closed_unheard = []
+    accept = Switch._accept
+
+    def close_the_first(self):
+        if closed_unheard:
+            return accept(self)
+        sock, _ = self._sockets[0].accept()
+        sock.close()
+        closed_unheard.append(True)
+        return True
+
+    monkeypatch.setattr(Switch, "_accept", close_the_first)
+    with Switch() as sw:
+        with switchml.Worker("%s:%d" % sw.address, 0, 1, job="again", timeout=5) as w:
+            assert np.array_equal(w.allreduce(np.arange(100, dtype=np.int32)), np.arange(100))
+    assert closed_unheard == [True]
+
+
 # ---------------------------------------------------------------- a switch process, flooded
 @pytest.fixture(scope="module")
 def switch_process():

@@ -539,9 +539,10 @@ def test_a_switch_gone_between_calls_frees_the_others_and_fails_the_next_call(sw
             both_done.wait(10)
             if rank == 0:
                 switches[2].stop()
-            # no call running: the worker lets go of the other two all the same
-            freed = all(wait_for(lambda sw=sw: sw.stats()["free_slots"] == SLOTS, 2.0)
-                        for sw in switches[:2])
+            # no call running: the worker lets go of the other two all the same, once
+            # its channel to the gone one gave up rejoining it (``timeout``)
+            freed = all(wait_for(lambda sw=sw: sw.stats()["free_slots"] == SLOTS,
+                                 TIMEOUT + 2.0) for sw in switches[:2])
             start = time.monotonic()
             with pytest.raises(switchml.SwitchMLError) as info:
                 w.allreduce(np.ones(10 * PACKET, np.int32))

@@ -79,6 +79,8 @@ STATUS_TIMEOUT = 2.0
 #: (doubling): a restart is back within a second or so, and a switch that is not
 #: is tried about once a second until the worker's timeout.
 REJOIN_FIRST_DELAY, REJOIN_MAX_DELAY = 0.05, 1.0
+#: Connections a join tries where the switch closes one without a word.
+JOIN_ATTEMPTS = 2
 
 
 class _SwitchLost(Exception):
@@ -374,7 +376,7 @@ class Worker:
         where = f"switch at {host}:{port}"
         keepalive = env("KEEPALIVE", DEFAULT_KEEPALIVE, float)
         udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        control = None
+        control: socket.socket | None = None
         try:
             # The address the switch sees us from is the one routing picks toward it.
             udp.connect((host, port))
@@ -389,26 +391,42 @@ class Worker:
             forbid_fragmentation(udp)
             report_local_drops(udp)  # a full queue of this host's: the window hears of it
             udp.setblocking(False)
-            self._protocol.join(udp.getsockname(), time.monotonic(), slots=slots,
-                                rcvbuf=rcvbuf, mtu=mtu, link_share=self.link_share,
-                                rejoin=rejoin)
-            # Everything ready before the connection opens, the join goes with it: a
-            # switch under a flood of connections that never join closes the oldest
-            # that have not joined (its lobby), and one that joins at once is not one.
-            try:
-                control = socket.create_connection((host, port),
-                                                   timeout=min(self.timeout, 10.0))
-                control.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                control.sendall(self._protocol.data_to_send())
-            except OSError as exc:
-                raise SwitchUnreachableError(f"cannot reach the {where}: {exc}") from None
-            enable_keepalive(control, keepalive)
-            self._await_ready(control)
+            for attempt in range(JOIN_ATTEMPTS):
+                if control is not None:  # the attempt before, closed unheard
+                    control.close()
+                    control = None
+                    self._protocol = self._new_protocol()
+                self._protocol.join(udp.getsockname(), time.monotonic(), slots=slots,
+                                    rcvbuf=rcvbuf, mtu=mtu, link_share=self.link_share,
+                                    rejoin=rejoin)
+                # Everything ready before the connection opens, the join goes with it:
+                # a switch under a flood of connections that never join closes the
+                # oldest that have not joined (its lobby), and one that joins at once
+                # is not one.
+                try:
+                    control = socket.create_connection((host, port),
+                                                       timeout=min(self.timeout, 10.0))
+                    control.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    control.sendall(self._protocol.data_to_send())
+                except OSError as exc:
+                    raise SwitchUnreachableError(f"cannot reach the {where}: {exc}") from None
+                enable_keepalive(control, keepalive)
+                try:
+                    self._await_ready(control)
+                    break
+                except SwitchUnreachableError as exc:
+                    # Closed before a word: the lobby let the connection go before its
+                    # join arrived (a flood from this address, on a busy host).  The
+                    # join was never read, so it may go again on a new connection.
+                    if self._protocol.heard or attempt + 1 == JOIN_ATTEMPTS:
+                        raise
+                    log.info("job %s rank %d: %s; joining again", self.job, self.rank, exc)
         except BaseException:
             if control is not None:
                 control.close()
             udp.close()
             raise
+        assert control is not None
         control.setblocking(False)
         return control, udp
 

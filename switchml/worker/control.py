@@ -121,6 +121,9 @@ class ControlClient:
         #: Why the job is over for this rank, once it is.
         self.error: SwitchMLError | None = None
         self._reader = LineReader()
+        #: Whether the switch sent anything on this connection (a join the switch
+        #: closed unheard was never read: it may be sent again).
+        self.heard = False
         self._outbox = bytearray()
         self._present: tuple[int, ...] = (rank,)
         self._waiting: Waiting | None = None  # while the complete job waits for room
@@ -201,6 +204,7 @@ class ControlClient:
         across reads, or several in one)."""
         if self.state == CLOSED:
             return []
+        self.heard = self.heard or bool(data)
         try:
             lines = self._reader.feed(data)
             events = [protocol.decode_event(line) for line in lines]
