@@ -359,6 +359,8 @@ class _Gather:
             with self._worker._lock:
                 gather._completed = True
                 gather._previous = None
+                if self._worker._last_call is gather:  # (it holds the caller's output)
+                    self._worker._last_call = None
                 follower, gather._follower = gather._follower, None
             gather = follower
 
