@@ -532,6 +532,7 @@ def test_a_switch_killed_mid_call_fails_every_rank_naming_it_and_frees_the_other
 def test_a_switch_gone_between_calls_frees_the_others_and_fails_the_next_call(switches):
     addresses = [address(sw) for sw in switches]
     both_done = threading.Barrier(2)
+    stopped: list = []
 
     def body(rank):
         with switchml.Worker(addresses, rank, 2, job="gone", timeout=TIMEOUT) as w:
@@ -539,10 +540,15 @@ def test_a_switch_gone_between_calls_frees_the_others_and_fails_the_next_call(sw
             both_done.wait(10)
             if rank == 0:
                 switches[2].stop()
+                stopped.append(time.monotonic())
             # no call running: the worker lets go of the other two all the same, once
             # its channel to the gone one gave up rejoining it (``timeout``)
             freed = all(wait_for(lambda sw=sw: sw.stats()["free_slots"] == SLOTS,
                                  TIMEOUT + 2.0) for sw in switches[:2])
+            # Each rank's own channel gives up too: its error, not the other rank's
+            # relayed through the switches left (which may come first), is the call's.
+            assert wait_for(lambda: bool(stopped))
+            time.sleep(max(0.0, stopped[0] + TIMEOUT + 0.5 - time.monotonic()))
             start = time.monotonic()
             with pytest.raises(switchml.SwitchMLError) as info:
                 w.allreduce(np.ones(10 * PACKET, np.int32))
