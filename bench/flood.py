@@ -31,22 +31,13 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from bench.soak import call_values, exact_sum, open_descriptors, rss_kib  # noqa: E402
 from switchml.testbed.core import add_host_queue_argument  # noqa: E402
 
 #: Elements of a probe's call and of the member's.
 PROBE_ELEMENTS = 1000
 MEMBER_ELEMENTS = 5000
 MEMBER_EVERY_S = 0.05
-
-
-def _values(rank: int, call: int, elements: int):
-    import numpy as np
-
-    return (np.arange(elements, dtype=np.int64) * (rank + 1) + call).astype(np.int32)
-
-
-def _exact(call: int, elements: int):
-    return sum(_values(r, call, elements).astype("int64") for r in range(2)).astype("int32")
 
 
 def probe(args) -> None:
@@ -62,14 +53,14 @@ def probe(args) -> None:
     finished = False
     while not finished:
         start = time.monotonic()
-        values = _values(args.rank, cycle, PROBE_ELEMENTS)
+        values = call_values(args.rank, cycle, PROBE_ELEMENTS)
         values[0] = start >= end  # the ranks stop after the same cycle: when either asks
         try:
             with switchml.Worker(None, args.rank, 2, job=f"probe-{cycle}", timeout=10) as w:
                 out = w.allreduce(values)
                 took = time.monotonic() - start
             finished = out[0] > 0
-            ok = np.array_equal(out[1:], _exact(cycle, PROBE_ELEMENTS)[1:])
+            ok = np.array_equal(out[1:], exact_sum(2, cycle, PROBE_ELEMENTS)[1:])
             probes.append({"cycle": cycle, "t": start, "s": took, "exact": bool(ok)})
         except switchml.SwitchMLError as exc:
             failures.append({"cycle": cycle, "t": start, "error": f"{type(exc).__name__}: {exc}"})
@@ -93,24 +84,15 @@ def member(args) -> None:
         try:
             while time.monotonic() < end:
                 start = time.monotonic()
-                out = w.allreduce(_values(args.rank, calls, MEMBER_ELEMENTS))
+                out = w.allreduce(call_values(args.rank, calls, MEMBER_ELEMENTS))
                 slowest = max(slowest, time.monotonic() - start)
-                wrong += not np.array_equal(out, _exact(calls, MEMBER_ELEMENTS))
+                wrong += not np.array_equal(out, exact_sum(2, calls, MEMBER_ELEMENTS))
                 calls += 1
                 time.sleep(MEMBER_EVERY_S)
         except switchml.SwitchMLError as exc:
             errors.append(f"{type(exc).__name__}: {exc}")
     print(json.dumps({"event": "done", "calls": calls, "wrong": wrong, "errors": errors,
                       "slowest_call_s": slowest}), flush=True)
-
-
-def _rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return int(next(line for line in f if line.startswith("VmRSS")).split()[1])
-
-
-def _descriptors(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def _limit_descriptors():
@@ -141,7 +123,7 @@ def run(args) -> dict:
                  for role in ("member", "probe") for rank in (0, 1)}
         for proc in roles.values():
             json.loads(proc.stdout.readline())  # started
-        rss_before, fds_before = _rss_kib(switch.pid), _descriptors(switch.pid)
+        rss_before, fds_before = rss_kib(switch.pid), open_descriptors(switch.pid)
         time.sleep(args.quiet)
         flood_report = None
         rss_most = rss_before
@@ -153,12 +135,12 @@ def run(args) -> dict:
                                  str(max(1.0, args.seconds - args.quiet))],
                              stdout=subprocess.PIPE, text=True)
             while flood.poll() is None:
-                rss_most = max(rss_most, _rss_kib(switch.pid))
+                rss_most = max(rss_most, rss_kib(switch.pid))
                 time.sleep(0.2)
             flood_report = json.loads(flood.stdout.read())
         flood_end = time.monotonic()
         done = {name: json.loads(proc.stdout.readlines()[-1]) for name, proc in roles.items()}
-        rss_after, fds_after = _rss_kib(switch.pid), _descriptors(switch.pid)
+        rss_after, fds_after = rss_kib(switch.pid), open_descriptors(switch.pid)
         stats = json.loads(tb.run(0, [sys.executable, "-m", "switchml.cli", "stats", "--json"],
                                   capture_output=True, text=True).stdout)
         switch.terminate()

@@ -33,16 +33,16 @@ WARMUP_S = 20.0
 WINDDOWN_S = 5.0
 
 
-def _values(rank: int, call: int, elements: int):
+def call_values(rank: int, call: int, elements: int):
     import numpy as np
 
     return (np.arange(elements, dtype=np.int64) * (rank + 1) + call).astype(np.int32)
 
 
-def _exact(world: int, call: int, elements: int):
+def exact_sum(world: int, call: int, elements: int):
     import numpy as np
 
-    total = sum(_values(r, call, elements).astype(np.int64) for r in range(world))
+    total = sum(call_values(r, call, elements).astype(np.int64) for r in range(world))
     return total.astype(np.int32)  # int32 sums wrap as the switch's do
 
 
@@ -60,9 +60,9 @@ def steady(args) -> None:
         next_call = time.monotonic()
         while time.monotonic() < end:
             start = time.monotonic()
-            out = w.allreduce(_values(args.rank, calls, args.elements))
+            out = w.allreduce(call_values(args.rank, calls, args.elements))
             slowest = max(slowest, time.monotonic() - start)
-            wrong += not np.array_equal(out, _exact(args.hosts, calls, args.elements))
+            wrong += not np.array_equal(out, exact_sum(args.hosts, calls, args.elements))
             calls += 1
             next_call += args.every
             time.sleep(max(0.0, next_call - time.monotonic()))
@@ -84,8 +84,8 @@ def churn(args) -> None:
         start = time.monotonic()
         try:
             with switchml.Worker(None, args.rank, args.hosts, job="churn", timeout=30) as w:
-                out = w.allreduce(_values(args.rank, cycles, 1000))
-                wrong += not np.array_equal(out, _exact(args.hosts, cycles, 1000))
+                out = w.allreduce(call_values(args.rank, cycles, 1000))
+                wrong += not np.array_equal(out, exact_sum(args.hosts, cycles, 1000))
         except switchml.SwitchMLError as exc:
             failures.append(f"{type(exc).__name__}: {exc}")
         cycles += 1
@@ -94,12 +94,12 @@ def churn(args) -> None:
                       "failures": failures[:5], "failed": len(failures)}), flush=True)
 
 
-def _rss_kib(pid: int) -> int:
+def rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return int(next(line for line in f if line.startswith("VmRSS")).split()[1])
 
 
-def _descriptors(pid: int) -> int:
+def open_descriptors(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
@@ -140,8 +140,8 @@ def run(args) -> dict:
             sample = {"t": round(time.monotonic() - start, 1)}
             for name, pid in pids.items():
                 try:
-                    sample[f"{name}_rss_kib"] = _rss_kib(pid)
-                    sample[f"{name}_fds"] = _descriptors(pid)
+                    sample[f"{name}_rss_kib"] = rss_kib(pid)
+                    sample[f"{name}_fds"] = open_descriptors(pid)
                 except (OSError, StopIteration):
                     pass  # ended
             samples.append(sample)

@@ -28,6 +28,9 @@ from switchml.switch import descriptors
 from switchml.switch.lobby import JOIN_DEADLINE, SOURCE_CAP, UNJOINED_CAP, Lobby
 from switchml.switch.server import Switch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.soak import open_descriptors, rss_kib  # noqa: E402  (the soak's readings)
+
 CLI = [sys.executable, "-m", "switchml.cli"]
 FLOOD = [sys.executable, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                       "bench", "control_flood.py")]
@@ -204,15 +207,6 @@ def switch_process():
     proc.wait(timeout=10)
 
 
-def _rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return int(next(line for line in f if line.startswith("VmRSS")).split()[1])
-
-
-def _descriptors(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
 def _stats(address) -> dict:
     return json.loads(subprocess.run(CLI + ["stats", "--switch", "%s:%d" % address, "--json"],
                                      capture_output=True, text=True, check=True).stdout)
@@ -262,7 +256,7 @@ def flood_from_one_host(switch_process):
     member = _Member(address)
     member.start()
     time.sleep(0.2)
-    rss, fds = _rss_kib(proc.pid), _descriptors(proc.pid)
+    rss, fds = rss_kib(proc.pid), open_descriptors(proc.pid)
     flood = _start_flood(address, "127.0.0.1", FLOOD_CONNECTIONS)
     joins, errors = [], []
     while flood.poll() is None:
@@ -275,8 +269,8 @@ def flood_from_one_host(switch_process):
     member.stop.set()
     member.join(10)
     yield {"flood": report, "joins": joins, "join_errors": errors, "member": member,
-           "rss_growth_kib": _rss_kib(proc.pid) - rss, "fds_before": fds,
-           "fds_after": _descriptors(proc.pid), "stats": _stats(address)}
+           "rss_growth_kib": rss_kib(proc.pid) - rss, "fds_before": fds,
+           "fds_after": open_descriptors(proc.pid), "stats": _stats(address)}
 
 
 def test_under_a_flood_from_one_host_jobs_join_and_call_fast(flood_from_one_host):
