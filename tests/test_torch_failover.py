@@ -109,6 +109,35 @@ def test_training_goes_on_through_gloo_and_returns_to_the_restarted_switch(tmp_p
     assert torch.allclose(params, undisturbed, atol=1e-4), (params - undisturbed).abs().max()
 
 
+def test_calls_the_switch_left_half_summed_end_exact_from_what_the_ranks_held(tmp_path):
+    """The switch SIGKILLed in the middle of back-to-back 32 MiB in-place calls (two
+    in flight at a time) and never back: each call it left half-summed ends with the
+    switch's chunks where some rank held them and gloo's sums of the inputs for the
+    rest, added once: every result is the exact sum (a rank that summed the whole
+    array again, or lost a chunk, gets another), and the calls after it run on gloo."""
+    switch = SwitchProcess()
+    try:
+        procs = start(WORLD, "big-calls", "switchml", 6, 8 * 1024 * 1024,
+                      env={"SWITCHML_SWITCH": switch.address, "SWITCHML_LOCAL_STAGE": "0",
+                           "SWITCHML_TIMEOUT": "10", "SWITCHML_RETRY_S": "0.5",
+                           "CONTROL_DIR": str(tmp_path)})
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "kill").exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.005)
+        switch.kill()
+        results = collect(procs, timeout=120)
+    finally:
+        switch.stop()
+    for out in results:
+        assert out["calls"] == 12 and out["wrong"] == 0, out
+        assert out["counters"]["fallbacks"] == 1, out["counters"]
+    # the kill fell inside a call: its rest went through gloo, not the whole of it
+    assert any(out["counters"]["calls_settled"] for out in results), [
+        {k: v for k, v in out["counters"].items() if "calls" in k or k in ("fallbacks",)}
+        for out in results]
+
+
 def test_a_switch_gone_for_good_sends_the_calls_to_gloo_within_the_retry_interval(tmp_path):
     """The group's timeout is long (60 s), the switch SIGKILLed before step 2 of 6 and
     never back: the calls go to gloo once SWITCHML_RETRY_S (1 s) passed without it,

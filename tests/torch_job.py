@@ -102,6 +102,37 @@ def switch_dies(hook: bool, steps: int, kill_at: int, restart_at: int):
     return out
 
 
+def big_calls(iterations: int, elements: int):
+    """Pairs of async in-place all_reduces of ``elements`` small whole numbers (their
+    float32 sums exact on the switch and on gloo alike), back to back; rank 0 tells
+    the test when the second pair is partly summed (it kills the switch then): how many
+    results were not the exact sum, and the group's counters."""
+    import time
+    rank, size = dist.get_rank(), dist.get_world_size()
+    group = dist.distributed_c10d._get_default_group()
+    index = torch.arange(elements, dtype=torch.int64)
+
+    def values(r, salt):
+        return ((index * 13 + 7 * r + salt) % 2001 - 1000).to(torch.float32)
+
+    wrong = calls = 0
+    for i in range(iterations):
+        pair = [values(rank, 2 * i), values(rank, 2 * i + 1)]
+        before = group.counters["results_in"]
+        works = [dist.all_reduce(t, async_op=True) for t in pair]
+        if i == 1:  # the second pair partly summed: the switch dies inside it
+            while rank == 0 and group.counters["results_in"] < before + 100 and \
+                    not works[1].is_completed():
+                time.sleep(0.001)
+            _say("kill")
+        for j, (t, work) in enumerate(zip(pair, works)):
+            work.wait()
+            want = sum(values(r, 2 * i + j) for r in range(size))
+            wrong += int(not torch.equal(t, want))
+            calls += 1
+    return {"calls": calls, "wrong": wrong, "counters": dict(group.counters)}
+
+
 def _until_back(ddp_model, state) -> None:
     """Backward passes that change no weight (their gradients dropped) until every
     rank's calls are back on the switch: the probes take their time, a busy
@@ -351,6 +382,10 @@ def main():
         result = allreduce_loop(float(sys.argv[3]), sys.argv[4] == "1")
         dist.barrier()
         dist.destroy_process_group()
+        print("RESULT " + json.dumps(result), flush=True)
+        os._exit(0)
+    if scenario == "big-calls":
+        result = big_calls(int(sys.argv[3]), int(sys.argv[4]))
         print("RESULT " + json.dumps(result), flush=True)
         os._exit(0)
     if scenario in ("switch-dies", "switch-dies-hook"):

@@ -1,11 +1,14 @@
 """A group's switched allreduces: through the switch, and through gloo while it is gone.
 
 ``SwitchPath`` runs the calls the switch sums for the torch backend and for
-``HookState``.  On the switch, a call is queued on the worker as before; its
-result lands in a scratch array first and is copied into the caller's staging
-when the call succeeds, so a call the switch path fails half-way leaves the
-input as it was (nothing added twice, nothing lost) and the last result stays
-at hand for a rank that missed it.
+``HookState``.  On the switch, a call is queued on the worker as before, in
+place: a call the switch fails half-way holds, chunk by chunk, either its sum
+or the rank's input, and the worker says which (``Worker.lost``, the state a
+switch restart resumes from, worker/resume.py).  Workers that keep no such
+account (ranks combined on their hosts, several switches) sum into a scratch
+array instead, copied into the staging when the call succeeds, so that a
+failed call leaves the input as it was and the last result stays at hand for
+a rank that missed it.  Either way nothing is added twice and nothing lost.
 
 When a call fails because of the switch (``switch_failure``: unreachable,
 killed mid-call, restarted without the job, or full), that call and every later
@@ -16,8 +19,13 @@ on every rank):
 * **agreement**: the ranks first exchange the index of the call each saw fail.
   Every rank fails, since the switch failed them all; a rank may be one call
   ahead (it received the last results of call m before the switch died, its
-  peers did not): it broadcasts call m's switch sum, kept from that call, to
-  them, so call m has one result on every rank;
+  peers did not).  In place, resume.py's two exchanges run through gloo: every
+  rank then holds the chunks any rank held (a rank ahead gives its peers the
+  chunks of call m's last messages, which it kept), and the chunks no rank
+  holds are summed by gloo from the inputs, intact there.  With a scratch
+  array, or where call m was sparse, the rank ahead broadcasts call m's whole
+  switch sum, kept from that call; either way call m has one result on every
+  rank;
 * **gloo**: every later call is summed by gloo on the untouched staging (the
   float32 copy of a 16-bit tensor, as on the switch), then divided (AVG) and
   put back exactly as a switch result is;
@@ -48,6 +56,7 @@ import torch.distributed as dist
 from ..buffers import BufferPool
 from ..config import parse_flag, switch_addresses
 from ..errors import LimitExceededError, SwitchMLError, SwitchUnreachableError
+from ..worker.resume import ResumeError, settle
 from .staging import stage
 
 log = logging.getLogger("switchml.torch")
@@ -136,8 +145,9 @@ class SwitchPath:
     ``join(generation)`` joins the job on the switch (generation 0 first, then one
     more a return) and returns its worker; ``probe_addresses`` are the switch
     addresses to probe (None: no switch to come back to).  ``counters``:
-    ``calls_on_gloo``, ``fallbacks`` (times the group left the switch) and
-    ``returns`` (times it came back).
+    ``calls_on_gloo``, ``fallbacks`` (times the group left the switch),
+    ``returns`` (times it came back) and ``calls_settled`` (calls the switch left
+    half-summed, ended from what the ranks held, their rest through gloo).
     """
 
     def __init__(self, gloo, rank: int, size: int, join: Callable[[int], Any], *,
@@ -149,7 +159,7 @@ class SwitchPath:
         self.retry_s = retry_s
         self._probe_addresses = switch_addresses(address) if address else []
         self.name = name
-        self.counters = {"calls_on_gloo": 0, "fallbacks": 0, "returns": 0}
+        self.counters = {"calls_on_gloo": 0, "fallbacks": 0, "returns": 0, "calls_settled": 0}
         self._lock = threading.Condition()
         self._issued = 0  # calls numbered in call order, the same on every rank
         self._direct = True  # calls go straight to the worker
@@ -169,7 +179,7 @@ class SwitchPath:
         self.worker: Any = None
         error: SwitchMLError | None = None
         try:
-            self.worker = join(0)
+            self.worker = self._adopt(join(0))
             joined = 0
         except SwitchMLError as exc:
             if not enabled:
@@ -190,6 +200,12 @@ class SwitchPath:
                     self.worker = None
                 self._leave_switch(0, cause, agreed=True)
 
+    def _adopt(self, worker):
+        """``worker``, told to keep its calls recoverable in place where it can."""
+        if self.enabled and hasattr(worker, "recoverable_in_place"):
+            worker.recoverable_in_place = True
+        return worker
+
     # ------------------------------------------------------------ the caller's side
     def submit(self, call: Call) -> None:
         """Run ``call`` (the caller's thread, in call order)."""
@@ -207,7 +223,7 @@ class SwitchPath:
     def _on_switch(self, index: int, call: Call) -> None:
         """Queue ``call`` on the worker (its I/O thread finishes it)."""
         staging = call.staging
-        if self.enabled:
+        if self.enabled and not getattr(self.worker, "recoverable_in_place", False):
             call.scratch, call.scratch_buffer = self._scratch.array(staging.array.shape,
                                                                     staging.array.dtype)
         handle = self.worker.allreduce_async(
@@ -296,25 +312,100 @@ class SwitchPath:
 
     def _agree(self, first: int, call: Call) -> bool:
         """Settle with the other ranks where each left the switch; True when ``call``
-        was settled with a sum another rank kept (this rank was one call behind)."""
-        firsts = self._allgather(first)
+        was settled here (its sum complete), False when gloo is to sum it whole."""
+        lost = getattr(self.worker, "lost", None) if call.scratch is None else None
+        if call.scratch is None and lost is None:
+            lost_twice = 1  # in place, and the worker kept no account of the call
+        else:
+            lost_twice = 0
+        mine = [first, lost_twice, int(lost is not None and lost.sparse and lost.in_call),
+                int(lost is not None and lost.whole is not None)]
+        rows = self._allgather_rows(mine)
+        firsts = [row[0] for row in rows]
         behind = min(firsts)
         if max(firsts) - behind > 1:
             raise SwitchMLError(f"{self.name}: ranks left the switch at calls {firsts}")
-        if max(firsts) == behind:
+        if any(row[1] for row in rows):
+            raise SwitchMLError(
+                f"{self.name}: ranks {[r for r, row in enumerate(rows) if row[1]]} lost the "
+                f"switch in the middle of call {behind} in a way its in-place result cannot "
+                "be recovered from (lost again while resuming, or in a follow-up exchange)")
+        ahead = [r for r, f in enumerate(firsts) if f > behind]
+        # call `behind` summed apart from its array: sparse, or any call with a scratch
+        if lost is None or (any(rows[r][3] for r in ahead) if ahead
+                            else any(row[2] for row in rows)):
+            return self._agree_whole(first, behind, ahead, call)
+        return self._settle_in_place(first, behind, ahead, call, lost)
+
+    def _agree_whole(self, first: int, behind: int, ahead: list[int], call: Call) -> bool:
+        """Every call's array intact but call ``behind``'s on the ranks ahead, who
+        kept its whole sum: the first of them broadcasts it to the others."""
+        if not ahead:
             return False
-        source = min(r for r, f in enumerate(firsts) if f > behind)
+        source = ahead[0]
         if first > behind:  # this rank has call `behind`'s sum; a peer does not
-            kept = self._kept
-            if kept is None or kept[0] != behind:
-                raise SwitchMLError(f"{self.name}: call {behind}'s sum was not kept here")
+            whole = self._whole_sum(behind)
             # (ranks that kept it too take the source's copy into a spare one)
-            sent = kept[1] if self.rank == source else kept[1].copy()
+            sent = whole if self.rank == source else whole.copy()
             self._gloo.broadcast(torch.from_numpy(sent), source).wait()
             return False
-        received = torch.empty_like(torch.from_numpy(call.staging.array))
-        self._gloo.broadcast(received, source).wait()
-        call.finish(received.numpy())
+        self._gloo.broadcast(torch.from_numpy(call.staging.array), source).wait()
+        call.finish()
+        return True
+
+    def _whole_sum(self, index: int) -> np.ndarray:
+        """The whole sum of call ``index``, the last this rank finished."""
+        kept = self._kept
+        if kept is not None and kept[0] == index:
+            return kept[1]
+        lost = getattr(self.worker, "lost", None)
+        if kept is None and lost is not None and lost.whole is not None:
+            return lost.whole
+        raise SwitchMLError(f"{self.name}: call {index}'s sum was not kept here")
+
+    def _settle_in_place(self, first: int, behind: int, ahead: list[int], call: Call,
+                         lost) -> bool:
+        """resume.py's two exchanges through gloo, then gloo sums what no rank holds."""
+        def exchange(values: np.ndarray) -> np.ndarray:
+            summed = torch.from_numpy(values.copy())
+            self._gloo.allreduce([summed]).wait()
+            return summed.numpy()
+
+        try:
+            _, left = settle(lost, exchange, self.size, unable=False)
+        except ResumeError as exc:
+            raise SwitchMLError(f"{self.name}: the calls the switch left cannot be "
+                                f"settled: {exc}") from None
+        ledger = lost.ledger if lost.in_call else None
+        if ledger is None:
+            spans = None  # the call's array untouched: gloo sums it whole
+        else:
+            chunks = sorted(set(left) | lost.nonfinite)
+            spans = None if len(chunks) == ledger.chunks else [ledger.span(c) for c in chunks]
+        # what each rank does next, the same wherever ranks stand at the same call
+        todo = [first, -1 if spans is None else sum(s.stop - s.start for s in spans)]
+        rows = self._allgather_rows(todo)
+        if ahead and (any(row[1] != 0 for row in rows if row[0] == behind)
+                      or any(row[1] != -1 for row in rows if row[0] > behind)):
+            # the ranks behind end call `behind` here, those ahead sum their call whole
+            raise SwitchMLError(f"{self.name}: call {behind}'s sum is on no rank whole "
+                                f"after the switch went away ({rows})")
+        if len({tuple(row) for row in rows if row[0] == first}) > 1:
+            raise SwitchMLError(f"{self.name}: ranks at call {first} disagree on what "
+                                f"is left of it: {rows}")
+        if spans is None:
+            return False
+        if spans:
+            flat = call.staging.array.reshape(-1)
+            part = np.concatenate([flat[s] for s in spans])
+            self._gloo.allreduce([torch.from_numpy(part)]).wait()
+            at = 0
+            for span in spans:
+                flat[span] = part[at:at + span.stop - span.start]
+                at += span.stop - span.start
+            self.counters["calls_on_gloo"] += 1
+        self.counters["calls_settled"] += 1
+        call.finish()
         return True
 
     def _on_gloo(self, call: Call) -> None:
@@ -335,7 +426,7 @@ class SwitchPath:
         self._generation += 1
         worker = None
         try:
-            worker = self._join(self._generation)
+            worker = self._adopt(self._join(self._generation))
         except SwitchMLError as exc:
             log.info("%s: joining the switch again failed: %s", self.name, exc)
         if min(self._allgather(int(worker is not None), op=dist.ReduceOp.MIN)) == 0:
@@ -359,6 +450,13 @@ class SwitchPath:
         if old is not None:
             old.close()
         return True
+
+    def _allgather_rows(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (the same length on each) through the gloo group."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        everyone = [torch.zeros(len(values), dtype=torch.int64) for _ in range(self.size)]
+        self._gloo.allgather([everyone], [mine]).wait()
+        return [t.tolist() for t in everyone]
 
     def _allgather(self, value: int, op=None) -> list[int]:
         """Every rank's ``value`` through the gloo group (``op``: only its reduction)."""

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from ..auth import token_from_env
+from ..buffers import BufferPool
 from ..config import (
     DEFAULT_KEEPALIVE,
     DEFAULT_SPARSE_AUTO_EVERY,
@@ -55,15 +56,7 @@ from .local.hosts import Hosts, Placement
 from .local.worker import LocalStageWorker
 from .multi import MultiSwitchWorker
 from .rendezvous import control_events, exchange_through_switch
-from .resume import (
-    CallLedger,
-    Kept,
-    ResumeError,
-    ahead_slots,
-    positions,
-    take_transfer,
-    transfer,
-)
+from .resume import CallLedger, Kept, Lost, ResumeError, settle
 
 __all__ = ["Worker", "AllreduceHandle"]
 
@@ -261,6 +254,18 @@ class Worker:
         #: The last call's last message a slot (their chunks' values), for the ranks
         #: that lack them if the switch restarts before they have them (resume.py).
         self._kept: Kept | None = None
+        #: Set (torch/failover.py) where a caller recovers calls in place itself once
+        #: the switch is gone for good: a sparse call, which writes its result as it
+        #: comes, then sums into a spare array first (kept whole until the next
+        #: call ends, for ranks that lack it), so ``lost`` describes every array.
+        self.recoverable_in_place = False
+        #: What this rank held when its switch went away for good (``resume.Lost``),
+        #: for a caller that settles the calls through another path; None where the
+        #: loss struck a call of the worker's own (a measurement, a resumption).
+        self.lost: Lost | None = None
+        self._role: str | None = None  # what the call running is to ``lost``
+        self._wholes = BufferPool(keep=2)
+        self._kept_whole: tuple[np.ndarray, Any] | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._thread = threading.Thread(target=self._serve, name=f"switchml-worker-{rank}",
                                         daemon=True)
@@ -485,9 +490,11 @@ class Worker:
                 try:
                     if ready is not None:
                         ready()
+                    self._role = "before"  # the caller's arrays untouched
                     if sparse == "auto":
                         sparse = self._auto_choice(src)
-                    self._run(src, out, sparse, bits)
+                    self._role = "call"
+                    self._call(src, out, sparse, bits)
                 except SwitchMLError as exc:
                     self._failure = self._failure or exc
                     future.set_exception(exc)
@@ -495,6 +502,8 @@ class Worker:
                     future.set_exception(exc)
                 else:
                     future.set_result(narrow_result(narrow, out))
+                finally:
+                    self._role = None
             if self._control_open:
                 # Also after a timeout: this rank is alive, and leaving rather than
                 # vanishing keeps the switch from blaming it for the others' stall.
@@ -625,11 +634,27 @@ class Worker:
         union = 1.0 - (1.0 - density) ** n
         return union <= self._sparse_auto_union
 
+    def _call(self, src: np.ndarray, out: np.ndarray, sparse: bool, bits: int) -> None:
+        """A caller's call.  Sparse and in place where calls must stay recoverable:
+        summed into a spare array, then copied, and that sum kept until the next
+        call ends (a rank behind may need it)."""
+        whole = None
+        if sparse and self.recoverable_in_place and np.may_share_memory(src, out):
+            whole = self._wholes.array(out.shape, out.dtype)
+            self._run(src, whole[0], sparse, bits)
+            np.copyto(out, whole[0])
+        else:
+            self._run(src, out, sparse, bits)
+        previous, self._kept_whole = self._kept_whole, whole
+        if previous is not None:
+            self._wholes.give(previous[1])
+
     def _run(self, src: np.ndarray, out: np.ndarray, sparse: bool = False,
              bits: int = 32) -> np.ndarray:
         """One allreduce, then, only where some rank had an inf or a NaN, the
         follow-up exchange that gives those chunks IEEE sums element by element."""
         op = self._run_once(src, out, sparse, bits)
+        self._role = None  # a loss in the follow-up leaves no state to settle elsewhere
         chunks = getattr(op, "nonfinite_chunks", None)
         if chunks:
             flat = src.reshape(-1)
@@ -711,6 +736,7 @@ class Worker:
     def _resume_idle(self, lost: _SwitchLost) -> None:
         """The switch went away between calls: rejoin and settle what the ranks
         still in the last call lack (an error is the next call's)."""
+        self._role = "before"
         try:
             self._resume(lost, None)
         except SwitchMLError as exc:
@@ -730,38 +756,42 @@ class Worker:
 
     def _resume_call(self, lost: _SwitchLost, call):
         old = self.membership
-        numbers = list(old.slot_msgs)
         kept, self._kept = self._kept, None
-        self._rejoin(lost, idle=call is None)
-        m = self.membership
-        if (m.packet_elements, m.block_elements) != (old.packet_elements, old.block_elements):
-            raise SwitchUnreachableError(
-                f"{lost.error}; the switch there now gives packets of {m.packet_elements} "
-                f"values (blocks of {m.block_elements}), the job ran with "
-                f"{old.packet_elements} ({old.block_elements}): its calls cannot go on")
+        state = Lost(list(old.slot_msgs), kept,
+                     whole=self._kept_whole[0] if self._kept_whole is not None else None)
         op: Any = None
-        ledger: CallLedger | None = None
         src: Any = None
-        out: Any = None
         bits = 32
         if call is not None:
-            op, ledger, src, out, bits = call
-        nonfinite = set(op.nonfinite_chunks) if ledger is not None else set()
+            op, state.ledger, src, state.out, bits = call
+            state.sparse = state.ledger is None
+            if state.ledger is not None:
+                state.nonfinite = set(op.nonfinite_chunks)
+        role, self._role = self._role, None
         try:
-            sums = self._exchange(positions(numbers, call is not None and ledger is None))
-            behind = ahead_slots(sums, self.world_size)
-            if behind:
-                mine = transfer(numbers, behind, ledger, out, nonfinite, kept)
-                sums = self._exchange(mine) if mine.size else mine
-                take_transfer(sums, numbers, behind, ledger, out, nonfinite, kept)
-            left = ledger.remaining(numbers) if ledger is not None else []
+            self._rejoin(lost, idle=call is None)
+            m = self.membership
+            if (m.packet_elements, m.block_elements) != (old.packet_elements,
+                                                         old.block_elements):
+                raise SwitchUnreachableError(
+                    f"{lost.error}; the switch there now gives packets of "
+                    f"{m.packet_elements} values (blocks of {m.block_elements}), the job ran "
+                    f"with {old.packet_elements} ({old.block_elements}): its calls cannot go on")
+        except SwitchMLError:
+            if role is not None:
+                state.in_call = role == "call"
+                self.lost = state
+            raise
+        ledger, out, nonfinite = state.ledger, state.out, state.nonfinite
+        try:
+            settled, left = settle(state, self._exchange, self.world_size, state.sparse)
         except ResumeError as exc:
             raise SwitchUnreachableError(
                 f"{lost.error}; rejoined the switch there, but the call in flight cannot "
                 f"go on: {exc}") from None
         log.info("job %s rank %d: resumed on the new session: %d slot(s) where ranks were "
                  "a message apart, %d chunk(s) of the call to sum again", self.job, self.rank,
-                 len(behind), len(left))
+                 settled, len(left))
         if call is None:
             return None
         assert ledger is not None  # a sparse call in flight raised above

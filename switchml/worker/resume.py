@@ -25,18 +25,23 @@ inputs, chunk boundaries kept: the same exponents, quantisation and integer
 sums, so the same bits.  A rank ahead may have returned from the call (its
 last messages' results); it keeps a copy of the chunks of those last messages,
 one a slot (``Kept``), until the next call.
+
+``settle`` runs both exchanges through any int32 sum over the ranks: the new
+session's, or, when no switch comes back, the torch backend's gloo group
+(torch/failover.py), which then sums the rest from the inputs itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import SwitchMLError
 
-__all__ = ["CallLedger", "Kept", "positions", "ahead_slots", "transfer", "take_transfer",
-           "ResumeError"]
+__all__ = ["CallLedger", "Kept", "Lost", "positions", "ahead_slots", "transfer",
+           "take_transfer", "settle", "ResumeError"]
 
 WRAP = 1 << 32
 #: Residue classes of message numbers that ``positions`` counts.
@@ -232,3 +237,41 @@ def take_transfer(sums: np.ndarray, slot_msgs: list, behind: dict,
         out.reshape(-1)[span] = ((high << 16) | low).view(out.dtype)
     if at != len(sums):
         raise ResumeError(f"the second exchange has {len(sums)} words, not {at}")
+
+
+@dataclass
+class Lost:
+    """What a rank holds of its job when the switch went away: its message numbers
+    on the old session's slots, the last call's ``Kept``, and the call in flight
+    (``ledger``, ``out`` and its held-back ``nonfinite`` chunks; no ledger: none in
+    flight, or a sparse one, ``sparse``), and ``in_call``.  ``whole``: the last call's whole sum,
+    where that call was sparse and summed apart from its caller's array."""
+
+    numbers: list[int]
+    kept: Kept | None
+    ledger: CallLedger | None = None
+    out: np.ndarray | None = None
+    nonfinite: set[int] = field(default_factory=set)
+    sparse: bool = False
+    whole: np.ndarray | None = None
+    #: whether the call in flight is the caller's own (not a measurement before it,
+    #: whose arrays are the worker's: the caller's are then untouched)
+    in_call: bool = False
+
+
+def settle(lost: Lost, exchange: Callable[[np.ndarray], np.ndarray], world_size: int,
+           unable: bool) -> tuple[int, list[int]]:
+    """Both exchanges, through ``exchange`` (an int32 sum over every rank): every
+    rank then holds the chunks any rank held.  Returns the number of slots where
+    ranks were a message apart and the chunks of the call in flight that no rank
+    has (their inputs intact, in order).  ``unable``: this rank cannot take part
+    (every rank then raises ``ResumeError``)."""
+    sums = exchange(positions(lost.numbers, unable))
+    behind = ahead_slots(sums, world_size)
+    if behind:
+        mine = transfer(lost.numbers, behind, lost.ledger, lost.out, lost.nonfinite, lost.kept)
+        sums = exchange(mine) if mine.size else mine
+        take_transfer(sums, lost.numbers, behind, lost.ledger, lost.out, lost.nonfinite,
+                      lost.kept)
+    left = lost.ledger.remaining(lost.numbers) if lost.ledger is not None else []
+    return len(behind), left
