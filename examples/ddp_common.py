@@ -164,6 +164,7 @@ def train(model, ddp, state, opt, data: DataLoader, test: tuple, args, durations
             json.dump({"rank": rank, "backend": args.backend, "events": [
                 [event, bucket, elements, t - origin] for event, bucket, elements, t in TIMELINE]},
                 f)
+    identical = replicas_identical(model)
     compute_s = compute_time(ddp, data, loss_fn, where)
     counters = switchml_counters(state)
     summary = {
@@ -183,7 +184,8 @@ def train(model, ddp, state, opt, data: DataLoader, test: tuple, args, durations
         "compute_ms_per_step": 1e3 * compute_s,
         "train_s": train_time, "loss": history[-1]["loss"] if history else None,
         "test_accuracy": history[-1]["test_accuracy"] if history else None,
-        "history": history,
+        "history": history, "replicas_identical": identical,
+        "switchml_failover": failover_counters(state),
     }
     if rank == 0:
         print(f"backend {summary['backend']}  workers {world}  epochs {args.epochs}  "
@@ -231,6 +233,26 @@ def switchml_counters(state) -> dict:
     worker = state.worker if state is not None else getattr(
         dist.distributed_c10d._get_default_group(), "_worker", None)
     return dict(worker.counters) if worker is not None else {}
+
+
+def failover_counters(state) -> dict:
+    """This rank's group's (or hook's) calls on gloo, times it left the switch and
+    came back (empty on plain gloo)."""
+    counters = state.counters if state is not None else getattr(
+        dist.distributed_c10d._get_default_group(), "counters", {})
+    return {k: v for k, v in counters.items()
+            if k in ("fallbacks", "returns", "calls_on_gloo", "calls_settled")}
+
+
+@torch.no_grad()
+def replicas_identical(model) -> bool:
+    """Whether every rank's weights are bit for bit rank 0's."""
+    mine = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+    theirs = mine.clone()
+    dist.broadcast(theirs, 0)
+    same = torch.tensor([int(torch.equal(mine.view(torch.int32), theirs.view(torch.int32)))])
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())
 
 
 @torch.no_grad()

@@ -109,18 +109,23 @@ def test_training_goes_on_through_gloo_and_returns_to_the_restarted_switch(tmp_p
     assert torch.allclose(params, undisturbed, atol=1e-4), (params - undisturbed).abs().max()
 
 
-def test_calls_the_switch_left_half_summed_end_exact_from_what_the_ranks_held(tmp_path):
-    """The switch SIGKILLed in the middle of back-to-back 32 MiB in-place calls (two
+@pytest.mark.parametrize("hosts", ["flat", "2x2"])
+def test_calls_the_switch_left_half_summed_end_exact_from_what_the_ranks_held(tmp_path, hosts):
+    """The switch SIGKILLed in the middle of back-to-back 16 MiB in-place calls (two
     in flight at a time) and never back: each call it left half-summed ends with the
-    switch's chunks where some rank held them and gloo's sums of the inputs for the
+    switch's sums where some rank held them (whole chunks; with ranks combined on
+    their hosts, whole local-stage segments) and gloo's sums of the inputs for the
     rest, added once: every result is the exact sum (a rank that summed the whole
-    array again, or lost a chunk, gets another), and the calls after it run on gloo."""
+    array again, or lost a part, gets another), and the calls after it run on gloo.
+    "flat": 3 ranks, each a host of its own; "2x2": 2 hosts of 2 ranks."""
     switch = SwitchProcess()
+    world, local = ((3, {"SWITCHML_LOCAL_STAGE": "0"}) if hosts == "flat"
+                    else (4, {"SWITCHML_LOCAL_STAGE": "1"}))
     try:
-        procs = start(WORLD, "big-calls", "switchml", 6, 8 * 1024 * 1024,
-                      env={"SWITCHML_SWITCH": switch.address, "SWITCHML_LOCAL_STAGE": "0",
-                           "SWITCHML_TIMEOUT": "10", "SWITCHML_RETRY_S": "0.5",
-                           "CONTROL_DIR": str(tmp_path)})
+        procs = start(world, "big-calls", "switchml", 6, 4 * 1024 * 1024,
+                      env={"SWITCHML_SWITCH": switch.address, "SWITCHML_TIMEOUT": "10",
+                           "SWITCHML_RETRY_S": "0.5", "CONTROL_DIR": str(tmp_path), **local},
+                      rank_env=lambda r: {"SWITCHML_LOCAL_GROUP": str(r // 2)})
         deadline = time.monotonic() + 60
         while not (tmp_path / "kill").exists():
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs)

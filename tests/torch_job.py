@@ -105,8 +105,9 @@ def switch_dies(hook: bool, steps: int, kill_at: int, restart_at: int):
 def big_calls(iterations: int, elements: int):
     """Pairs of async in-place all_reduces of ``elements`` small whole numbers (their
     float32 sums exact on the switch and on gloo alike), back to back; rank 0 tells
-    the test when the second pair is partly summed (it kills the switch then): how many
-    results were not the exact sum, and the group's counters."""
+    the test when the first call of the third pair is partly summed (it kills the
+    switch then): how many results were not the exact sum, and the group's
+    counters."""
     import time
     rank, size = dist.get_rank(), dist.get_world_size()
     group = dist.distributed_c10d._get_default_group()
@@ -116,17 +117,26 @@ def big_calls(iterations: int, elements: int):
         return ((index * 13 + 7 * r + salt) % 2001 - 1000).to(torch.float32)
 
     wrong = calls = 0
+    per_call = 0.0
     for i in range(iterations):
         pair = [values(rank, 2 * i), values(rank, 2 * i + 1)]
-        before = group.counters["results_in"]
+        dist.barrier()  # the ranks start each pair together
+        began = time.monotonic()
         works = [dist.all_reduce(t, async_op=True) for t in pair]
-        if i == 1:  # the second pair partly summed: the switch dies inside it
-            while rank == 0 and group.counters["results_in"] < before + 100 and \
-                    not works[1].is_completed():
-                time.sleep(0.001)
+        if i == 2:  # the switch dies in the middle of the first call of the third pair
+            worker = group._worker
+            if hasattr(worker, "copied_segments"):  # ranks combined on their hosts
+                while rank == 0 and worker.copied_segments(pair[0].numpy()) < 3 and \
+                        not works[0].is_completed():
+                    time.sleep(0.0005)
+            else:  # (a third of the second pair's calls: well inside, said late or not)
+                time.sleep(per_call / 3)
             _say("kill")
-        for j, (t, work) in enumerate(zip(pair, works)):
+        for work in works:
             work.wait()
+        if i == 1:  # the first pair warms up
+            per_call = (time.monotonic() - began) / 2
+        for j, t in enumerate(pair):
             want = sum(values(r, 2 * i + j) for r in range(size))
             wrong += int(not torch.equal(t, want))
             calls += 1

@@ -67,6 +67,14 @@ DEFAULT_RETRY_S = 5.0
 SPARES_KEPT = 4
 #: Seconds a probe waits for the switch's control port to accept.
 PROBE_TIMEOUT = 1.0
+#: Local-stage segments whose sums a rank keeps after a call ends: a host behind
+#: can lack at most the last two (a host's ranks copy out segment s - 2 before
+#: they combine segment s, and no call ends anywhere before every host combined
+#: its last segment).
+KEPT_SEGMENTS = 2
+#: A unit of a call, to the settlement after a local-stage failure: its input
+#: intact here, its sum held here, or neither (a call this rank had ended).
+INPUT, SUM, NEITHER = 0, 1, 2
 
 
 def switch_failure(error: BaseException) -> bool:
@@ -168,6 +176,16 @@ class SwitchPath:
         self._first_failed: int | None = None  # this rank's first failed call, not agreed yet
         #: the last switch sum: (call index, the sum, its pooled buffer)
         self._kept: tuple[int, np.ndarray, Any] | None = None
+        #: how this group's worker's calls fail safely: "resume" (in place, the
+        #: worker's ``lost``), "segments" (in place, a local stage's segments),
+        #: "scratch" (a scratch array), "none" (nothing to fall back from)
+        self._mode = "scratch"
+        self._segment = 0  # a local stage's segment, in elements ("segments")
+        #: the last segments' sums of ended calls: (call index, segment, sum,
+        #: its pooled buffer, the call's elements)
+        self._kept_segments: list[tuple[int, int, np.ndarray, Any, int]] = []
+        #: calls up to this index are settled segment by segment (after a failure)
+        self._settle_through: int | None = None
         #: scratch buffers no call holds: fresh ones would cost the
         #: call a page fault a page (a 32 MiB call took 2.5x as long)
         self._scratch = BufferPool(keep=SPARES_KEPT)
@@ -201,9 +219,18 @@ class SwitchPath:
                 self._leave_switch(0, cause, agreed=True)
 
     def _adopt(self, worker):
-        """``worker``, told to keep its calls recoverable in place where it can."""
-        if self.enabled and hasattr(worker, "recoverable_in_place"):
+        """``worker``, told to keep its calls recoverable in place where it can;
+        how its calls fail safely (``_mode``)."""
+        if not self.enabled:
+            self._mode = "none"
+        elif hasattr(worker, "recoverable_in_place"):
             worker.recoverable_in_place = True
+            self._mode = "resume"
+        elif hasattr(worker, "copied_segments"):
+            self._segment = worker.segment_elements or 0
+            self._mode = "segments" if self._segment else "none"  # one host: no switch
+        else:
+            self._mode = "scratch"
         return worker
 
     # ------------------------------------------------------------ the caller's side
@@ -223,7 +250,7 @@ class SwitchPath:
     def _on_switch(self, index: int, call: Call) -> None:
         """Queue ``call`` on the worker (its I/O thread finishes it)."""
         staging = call.staging
-        if self.enabled and not getattr(self.worker, "recoverable_in_place", False):
+        if self._mode == "scratch":
             call.scratch, call.scratch_buffer = self._scratch.array(staging.array.shape,
                                                                     staging.array.dtype)
         handle = self.worker.allreduce_async(
@@ -244,6 +271,8 @@ class SwitchPath:
                 self._pending[index] = call
                 self._lock.notify_all()
             return
+        if self._mode == "segments":
+            self._keep_segments(index, call)
         if call.scratch is not None:
             # before the call is settled: its caller's next call may take the spare
             with self._lock:
@@ -295,7 +324,13 @@ class SwitchPath:
                 call = self._pending.pop(index)
                 first, self._first_failed = self._first_failed, None
             try:
-                if first is not None and self._agree(first, call):
+                if first is not None:
+                    settled = self._agree(first, call)
+                elif self._settle_through is not None and index <= self._settle_through:
+                    settled = self._settle_segments(index, call, copied=0)
+                else:
+                    settled = False
+                if settled:
                     self._next += 1
                     continue
                 if self._come_back(call):
@@ -313,6 +348,8 @@ class SwitchPath:
     def _agree(self, first: int, call: Call) -> bool:
         """Settle with the other ranks where each left the switch; True when ``call``
         was settled here (its sum complete), False when gloo is to sum it whole."""
+        if self._mode == "segments":
+            return self._agree_segments(first, call)
         lost = getattr(self.worker, "lost", None) if call.scratch is None else None
         if call.scratch is None and lost is None:
             lost_twice = 1  # in place, and the worker kept no account of the call
@@ -405,6 +442,98 @@ class SwitchPath:
                 at += span.stop - span.start
             self.counters["calls_on_gloo"] += 1
         self.counters["calls_settled"] += 1
+        call.finish()
+        return True
+
+    # ------------------------------------------------------------ a local stage's calls
+    def _keep_segments(self, index: int, call: Call) -> None:
+        """Copies of the last segments' sums of call ``index``, which just ended on
+        the switch, for ranks of other hosts that may lack them if it dies now."""
+        g = self._segment
+        flat = call.staging.array.reshape(-1)
+        count = -(-flat.size // g)
+        for t in range(max(0, count - KEPT_SEGMENTS), count):
+            part = flat[t * g:(t + 1) * g]
+            buffer = self._scratch.take(g * flat.itemsize)  # one size: reused every call
+            values = buffer[:part.nbytes].view(part.dtype)
+            np.copyto(values, part)
+            with self._lock:
+                self._kept_segments.append((index, t, values, buffer, flat.size))
+                while len(self._kept_segments) > KEPT_SEGMENTS:
+                    self._scratch.give(self._kept_segments.pop(0)[3])
+
+    def _agree_segments(self, first: int, call: Call) -> bool:
+        """The ranks' first failed calls; every call from the earliest to the latest
+        is settled segment by segment on every rank, in order (a rank that ended
+        some of them gives what it kept of them)."""
+        firsts = self._allgather(first)
+        self._settle_through = max(firsts)
+        for index in range(min(firsts), first):
+            self._settle_segments(index, None, copied=None)
+        return self._settle_segments(first, call,
+                                     copied=self.worker.copied_segments(call.staging.array))
+
+    def _settle_segments(self, index: int, call: Call | None, copied: int | None) -> bool:
+        """Call ``index`` after a local stage's failure, on every rank alike: each
+        segment's sum goes from a rank that holds it to those that do not, and gloo
+        sums the segments no rank holds from the inputs.  ``call``: this rank's (None:
+        it ended here, and only its kept segments are left); ``copied``: its
+        segments holding the sum (the rest hold the input)."""
+        g = self._segment
+        kept = {t: values for i, t, values, _, _ in self._kept_segments if i == index}
+        if call is not None:
+            n, dtype = call.staging.array.size, call.staging.array.dtype
+        else:
+            n, dtype = next(((size, values.dtype) for i, _, values, _, size
+                             in self._kept_segments if i == index), (-1, np.dtype(np.float32)))
+        known = self._allgather_rows([n, int(dtype == np.int32)])
+        n = max(row[0] for row in known)
+        if n < 0 or len({tuple(row) for row in known if row[0] != -1}) > 1:
+            raise SwitchMLError(f"{self.name}: after the switch went away the ranks hold "
+                                f"call {index} as (elements, int32) {known}")
+        dtype = np.dtype(np.int32 if max(row[1] for row in known) else np.float32)
+        units = -(-n // g)
+        if call is None:
+            mine = [SUM if t in kept else NEITHER for t in range(units)]
+        else:
+            mine = [SUM if t < (copied or 0) else INPUT for t in range(units)]
+        states = self._allgather_rows(mine) if units else [[] for _ in range(self.size)]
+        flat = call.staging.array.reshape(-1) if call is not None else None
+        summed: list[int] = []
+        for t in range(units):
+            span = slice(t * g, min(n, (t + 1) * g))
+            holders = [r for r in range(self.size) if states[r][t] == SUM]
+            if not holders:
+                if any(states[r][t] == NEITHER for r in range(self.size)):
+                    raise SwitchMLError(f"{self.name}: segment {t} of call {index} is "
+                                        "summed nowhere and its inputs are gone")
+                summed.append(t)
+                continue
+            if all(states[r][t] == SUM for r in range(self.size)):
+                continue
+            if flat is not None:
+                place = flat[span]
+            elif self.rank == holders[0]:
+                place = kept[t]
+            else:
+                place = np.empty(span.stop - span.start, dtype)
+            self._gloo.broadcast(torch.from_numpy(place), holders[0]).wait()
+        if summed and flat is not None:
+            if len(summed) == units:
+                self._gloo.allreduce([torch.from_numpy(flat)]).wait()
+            else:
+                spans = [slice(t * g, min(n, (t + 1) * g)) for t in summed]
+                part = np.concatenate([flat[s] for s in spans])
+                self._gloo.allreduce([torch.from_numpy(part)]).wait()
+                at = 0
+                for s in spans:
+                    flat[s] = part[at:at + s.stop - s.start]
+                    at += s.stop - s.start
+            self.counters["calls_on_gloo"] += 1
+        if call is None:
+            return False
+        if copied:
+            self.counters["calls_settled"] += 1
         call.finish()
         return True
 

@@ -122,6 +122,10 @@ class LocalStage:
         #: The previous call's last copy-out, when it was left to this call:
         #: (its output, its index of the segment, segment, length, call number).
         self._tail: tuple | None = None
+        #: Segments copied out so far, by the address of the output of each call
+        #: begun and not yet forgotten (``forget_output``): the first that many
+        #: segments of that output hold the sum, the rest still the input (in place).
+        self.copied_out: dict[int, int] = {}
 
     # ------------------------------------------------------------------ helpers
     def record(self, index: int, field: int) -> int:
@@ -163,6 +167,7 @@ class LocalStage:
         call = self.calls
         if self._tail is not None and np.may_share_memory(self._tail[0], src):
             yield from self.finish()  # this call reads what the last one writes
+        self.copied_out[out.ctypes.data] = 0
         # What this rank asks for, read by its peers once it copied in the first segment.
         for field, value in ((R_ELEMENTS, n), (R_KIND, kind), (R_CALL, call)):
             self.buf[self.record(self.index, field):][:8].view(np.uint64)[0] = value
@@ -185,6 +190,10 @@ class LocalStage:
     def deferred(self) -> bool:
         """Whether the last call left its last copy-out to the next one."""
         return self._tail is not None
+
+    def forget_output(self, out: np.ndarray) -> None:
+        """The call that wrote ``out`` ended: its count of segments copied out goes."""
+        self.copied_out.pop(out.ctypes.data, None)
 
     def forget_deferred(self) -> None:
         """The job failed: the last call's copy-out will not happen."""
@@ -241,6 +250,7 @@ class LocalStage:
         yield Wait(R_REDUCED, self.owners, segment + 1)
         result = self._result(segment % self.layout.slots, stop - start, out.dtype)
         np.copyto(out[start:stop], result)
+        self.copied_out[out.ctypes.data] = t + 1
         self._publish(R_COPIED_OUT, segment + 1)
 
     def _check_calls(self, call: int, n: int, kind: int) -> None:

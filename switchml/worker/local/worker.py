@@ -243,6 +243,7 @@ class LocalStageWorker:
             src, out, sparse = check_call(array, out, sparse, bits, None)
             src, out, narrow = widen(src, out)
             self._run(src.reshape(-1), out.reshape(-1), sparse, bits)
+            self.stage.forget_output(out.reshape(-1))
             return narrow_result(narrow, out)
         finally:
             self._running.release()
@@ -289,6 +290,18 @@ class LocalStageWorker:
         return counters
 
     @property
+    def segment_elements(self) -> int | None:
+        """Elements of the local stage's segments where its calls cross a switch (a
+        call that fails there holds the sum in its first ``copied_segments``
+        segments, its input in the rest); None on a job of one host."""
+        return self.placement.segment if self.placement.hosts > 1 else None
+
+    def copied_segments(self, array: np.ndarray) -> int:
+        """Segments of ``array`` (the output of a call begun and not ended) that
+        hold the sum; 0 for a call that never began."""
+        return self.stage.copied_out.get(array.reshape(-1).ctypes.data, 0)
+
+    @property
     def membership(self):
         return self.switch.membership if self.switch is not None else None
 
@@ -320,6 +333,7 @@ class LocalStageWorker:
             if self.stage.deferred:
                 self._deferred = (future, narrow, out)
             else:
+                self.stage.forget_output(out.reshape(-1))
                 self._settle(future, result=narrow_result(narrow, out))
 
     def _settle(self, future: Future, result=None, error: BaseException | None = None) -> None:
@@ -349,6 +363,7 @@ class LocalStageWorker:
                     assert self._deferred is not None
                     future, narrow, previous = self._deferred
                     self._deferred = None
+                    self.stage.forget_output(previous.reshape(-1))
                     self._settle(future, result=narrow_result(narrow, previous))
         except CallMismatchError as exc:
             raise self._fail(exc, self.rank) from None
