@@ -51,12 +51,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from ..buffers import BufferPool
 from ..config import parse_flag, switch_addresses
 from ..errors import LimitExceededError, SwitchMLError, SwitchUnreachableError
-from ..worker.resume import ResumeError, settle
+from .settle import KEPT_SEGMENTS, Ranks, settle_resumed, settle_segments
 from .staging import stage
 
 log = logging.getLogger("switchml.torch")
@@ -67,14 +66,6 @@ DEFAULT_RETRY_S = 5.0
 SPARES_KEPT = 4
 #: Seconds a probe waits for the switch's control port to accept.
 PROBE_TIMEOUT = 1.0
-#: Local-stage segments whose sums a rank keeps after a call ends: a host behind
-#: can lack at most the last two (a host's ranks copy out segment s - 2 before
-#: they combine segment s, and no call ends anywhere before every host combined
-#: its last segment).
-KEPT_SEGMENTS = 2
-#: A unit of a call, to the settlement after a local-stage failure: its input
-#: intact here, its sum held here, or neither (a call this rank had ended).
-INPUT, SUM, NEITHER = 0, 1, 2
 
 
 def switch_failure(error: BaseException) -> bool:
@@ -161,6 +152,7 @@ class SwitchPath:
     def __init__(self, gloo, rank: int, size: int, join: Callable[[int], Any], *,
                  enabled: bool, retry_s: float, address, name: str):
         self._gloo = gloo
+        self._ranks = Ranks(gloo, rank, size)
         self.rank, self.size = rank, size
         self._join = join
         self.enabled = enabled
@@ -357,7 +349,7 @@ class SwitchPath:
             lost_twice = 0
         mine = [first, lost_twice, int(lost is not None and lost.sparse and lost.in_call),
                 int(lost is not None and lost.whole is not None)]
-        rows = self._allgather_rows(mine)
+        rows = self._ranks.rows(mine)
         firsts = [row[0] for row in rows]
         behind = min(firsts)
         if max(firsts) - behind > 1:
@@ -372,7 +364,12 @@ class SwitchPath:
         if lost is None or (any(rows[r][3] for r in ahead) if ahead
                             else any(row[2] for row in rows)):
             return self._agree_whole(first, behind, ahead, call)
-        return self._settle_in_place(first, behind, ahead, call, lost)
+        summed = settle_resumed(self._ranks, self.name, first, behind, bool(ahead), lost,
+                                call.staging.array.reshape(-1))
+        if summed is None:
+            return False
+        self._settled(call, summed)
+        return True
 
     def _agree_whole(self, first: int, behind: int, ahead: list[int], call: Call) -> bool:
         """Every call's array intact but call ``behind``'s on the ranks ahead, who
@@ -384,9 +381,9 @@ class SwitchPath:
             whole = self._whole_sum(behind)
             # (ranks that kept it too take the source's copy into a spare one)
             sent = whole if self.rank == source else whole.copy()
-            self._gloo.broadcast(torch.from_numpy(sent), source).wait()
+            self._ranks.broadcast(sent, source)
             return False
-        self._gloo.broadcast(torch.from_numpy(call.staging.array), source).wait()
+        self._ranks.broadcast(call.staging.array, source)
         call.finish()
         return True
 
@@ -399,51 +396,6 @@ class SwitchPath:
         if kept is None and lost is not None and lost.whole is not None:
             return lost.whole
         raise SwitchMLError(f"{self.name}: call {index}'s sum was not kept here")
-
-    def _settle_in_place(self, first: int, behind: int, ahead: list[int], call: Call,
-                         lost) -> bool:
-        """resume.py's two exchanges through gloo, then gloo sums what no rank holds."""
-        def exchange(values: np.ndarray) -> np.ndarray:
-            summed = torch.from_numpy(values.copy())
-            self._gloo.allreduce([summed]).wait()
-            return summed.numpy()
-
-        try:
-            _, left = settle(lost, exchange, self.size, unable=False)
-        except ResumeError as exc:
-            raise SwitchMLError(f"{self.name}: the calls the switch left cannot be "
-                                f"settled: {exc}") from None
-        ledger = lost.ledger if lost.in_call else None
-        if ledger is None:
-            spans = None  # the call's array untouched: gloo sums it whole
-        else:
-            chunks = sorted(set(left) | lost.nonfinite)
-            spans = None if len(chunks) == ledger.chunks else [ledger.span(c) for c in chunks]
-        # what each rank does next, the same wherever ranks stand at the same call
-        todo = [first, -1 if spans is None else sum(s.stop - s.start for s in spans)]
-        rows = self._allgather_rows(todo)
-        if ahead and (any(row[1] != 0 for row in rows if row[0] == behind)
-                      or any(row[1] != -1 for row in rows if row[0] > behind)):
-            # the ranks behind end call `behind` here, those ahead sum their call whole
-            raise SwitchMLError(f"{self.name}: call {behind}'s sum is on no rank whole "
-                                f"after the switch went away ({rows})")
-        if len({tuple(row) for row in rows if row[0] == first}) > 1:
-            raise SwitchMLError(f"{self.name}: ranks at call {first} disagree on what "
-                                f"is left of it: {rows}")
-        if spans is None:
-            return False
-        if spans:
-            flat = call.staging.array.reshape(-1)
-            part = np.concatenate([flat[s] for s in spans])
-            self._gloo.allreduce([torch.from_numpy(part)]).wait()
-            at = 0
-            for span in spans:
-                flat[span] = part[at:at + span.stop - span.start]
-                at += span.stop - span.start
-            self.counters["calls_on_gloo"] += 1
-        self.counters["calls_settled"] += 1
-        call.finish()
-        return True
 
     # ------------------------------------------------------------ a local stage's calls
     def _keep_segments(self, index: int, call: Call) -> None:
@@ -474,82 +426,43 @@ class SwitchPath:
                                      copied=self.worker.copied_segments(call.staging.array))
 
     def _settle_segments(self, index: int, call: Call | None, copied: int | None) -> bool:
-        """Call ``index`` after a local stage's failure, on every rank alike: each
-        segment's sum goes from a rank that holds it to those that do not, and gloo
-        sums the segments no rank holds from the inputs.  ``call``: this rank's (None:
-        it ended here, and only its kept segments are left); ``copied``: its
-        segments holding the sum (the rest hold the input)."""
-        g = self._segment
-        kept = {t: values for i, t, values, _, _ in self._kept_segments if i == index}
-        if call is not None:
-            n, dtype = call.staging.array.size, call.staging.array.dtype
-        else:
-            n, dtype = next(((size, values.dtype) for i, _, values, _, size
-                             in self._kept_segments if i == index), (-1, np.dtype(np.float32)))
-        known = self._allgather_rows([n, int(dtype == np.int32)])
-        n = max(row[0] for row in known)
-        if n < 0 or len({tuple(row) for row in known if row[0] != -1}) > 1:
-            raise SwitchMLError(f"{self.name}: after the switch went away the ranks hold "
-                                f"call {index} as (elements, int32) {known}")
-        dtype = np.dtype(np.int32 if max(row[1] for row in known) else np.float32)
-        units = -(-n // g)
-        if call is None:
-            mine = [SUM if t in kept else NEITHER for t in range(units)]
-        else:
-            mine = [SUM if t < (copied or 0) else INPUT for t in range(units)]
-        states = self._allgather_rows(mine) if units else [[] for _ in range(self.size)]
-        flat = call.staging.array.reshape(-1) if call is not None else None
-        summed: list[int] = []
-        for t in range(units):
-            span = slice(t * g, min(n, (t + 1) * g))
-            holders = [r for r in range(self.size) if states[r][t] == SUM]
-            if not holders:
-                if any(states[r][t] == NEITHER for r in range(self.size)):
-                    raise SwitchMLError(f"{self.name}: segment {t} of call {index} is "
-                                        "summed nowhere and its inputs are gone")
-                summed.append(t)
-                continue
-            if all(states[r][t] == SUM for r in range(self.size)):
-                continue
-            if flat is not None:
-                place = flat[span]
-            elif self.rank == holders[0]:
-                place = kept[t]
-            else:
-                place = np.empty(span.stop - span.start, dtype)
-            self._gloo.broadcast(torch.from_numpy(place), holders[0]).wait()
-        if summed and flat is not None:
-            if len(summed) == units:
-                self._gloo.allreduce([torch.from_numpy(flat)]).wait()
-            else:
-                spans = [slice(t * g, min(n, (t + 1) * g)) for t in summed]
-                part = np.concatenate([flat[s] for s in spans])
-                self._gloo.allreduce([torch.from_numpy(part)]).wait()
-                at = 0
-                for s in spans:
-                    flat[s] = part[at:at + s.stop - s.start]
-                    at += s.stop - s.start
-            self.counters["calls_on_gloo"] += 1
+        """Call ``index`` settled segment by segment (settle.py): True when ``call``,
+        this rank's (None: it ended here), holds its sum now."""
+        kept = [(t, values, size) for i, t, values, _, size in self._kept_segments
+                if i == index]
+        summed = settle_segments(
+            self._ranks, self.name, index, self._segment,
+            call.staging.array.reshape(-1) if call is not None else None, copied or 0,
+            {t: values for t, values, _ in kept}, kept[0][2] if kept else -1)
         if call is None:
             return False
-        if copied:
+        if copied or summed:
+            self._settled(call, summed, part=bool(copied))
+        else:
+            call.finish()
+        return True
+
+    def _settled(self, call: Call, summed: bool, part: bool = True) -> None:
+        """``call`` holds its sum after a settlement: counted, and finished."""
+        if summed:
+            self.counters["calls_on_gloo"] += 1
+        if part:
             self.counters["calls_settled"] += 1
         call.finish()
-        return True
 
     def _on_gloo(self, call: Call) -> None:
         staging = call.staging
         if staging.ready is not None:
             staging.ready()
-        self._gloo.allreduce([torch.from_numpy(staging.array)]).wait()
+        self._ranks.sum(staging.array)
         self.counters["calls_on_gloo"] += 1
         call.finish()
 
     def _come_back(self, call: Call) -> bool:
         """At this call's boundary: back on the switch if every rank reached it and
         every rank joined it again; True when ``call`` went there."""
-        if not self._probe_addresses or min(self._allgather(
-                int(self._reachable.is_set()), op=dist.ReduceOp.MIN)) == 0:
+        if not self._probe_addresses or self._ranks.minimum(
+                int(self._reachable.is_set())) == 0:
             return False
         self._reachable.clear()
         self._generation += 1
@@ -558,7 +471,7 @@ class SwitchPath:
             worker = self._adopt(self._join(self._generation))
         except SwitchMLError as exc:
             log.info("%s: joining the switch again failed: %s", self.name, exc)
-        if min(self._allgather(int(worker is not None), op=dist.ReduceOp.MIN)) == 0:
+        if self._ranks.minimum(int(worker is not None)) == 0:
             if worker is not None:
                 worker.close()
             return False
@@ -580,24 +493,9 @@ class SwitchPath:
             old.close()
         return True
 
-    def _allgather_rows(self, values: list[int]) -> list[list[int]]:
-        """Every rank's ``values`` (the same length on each) through the gloo group."""
-        mine = torch.tensor(values, dtype=torch.int64)
-        everyone = [torch.zeros(len(values), dtype=torch.int64) for _ in range(self.size)]
-        self._gloo.allgather([everyone], [mine]).wait()
-        return [t.tolist() for t in everyone]
-
-    def _allgather(self, value: int, op=None) -> list[int]:
-        """Every rank's ``value`` through the gloo group (``op``: only its reduction)."""
-        mine = torch.tensor([value], dtype=torch.int64)
-        if op is not None:
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = op
-            self._gloo.allreduce([mine], opts).wait()
-            return [int(mine.item())]
-        everyone = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        self._gloo.allgather([everyone], [mine]).wait()
-        return [int(t.item()) for t in everyone]
+    def _allgather(self, value: int) -> list[int]:
+        """Every rank's ``value``, through the gloo group."""
+        return [row[0] for row in self._ranks.rows([value])]
 
     def close(self) -> None:
         with self._lock:
