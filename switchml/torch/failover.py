@@ -2,13 +2,16 @@
 
 ``SwitchPath`` runs the calls the switch sums for the torch backend and for
 ``HookState``.  On the switch, a call is queued on the worker as before, in
-place: a call the switch fails half-way holds, chunk by chunk, either its sum
-or the rank's input, and the worker says which (``Worker.lost``, the state a
-switch restart resumes from, worker/resume.py).  Workers that keep no such
-account (ranks combined on their hosts, several switches) sum into a scratch
-array instead, copied into the staging when the call succeeds, so that a
-failed call leaves the input as it was and the last result stays at hand for
-a rank that missed it.  Either way nothing is added twice and nothing lost.
+place: a call the switch fails half-way holds, part by part, either its sum or
+the rank's input, and the worker says which: a worker of one rank a host by
+chunks (``Worker.lost``, the state a switch restart resumes from,
+worker/resume.py), ranks combined on their hosts by local-stage segments
+(``LocalStageWorker.copied_segments``).  A job over several switches keeps no
+such account: its calls sum into a scratch array, copied into the staging when
+the call succeeds, so that a failed call leaves the input as it was.  Either
+way nothing is added twice and nothing is lost, and the success path costs no
+pass over the tensor but, where ranks combine on several hosts, a copy of each
+call's last two segments (below).
 
 When a call fails because of the switch (``switch_failure``: unreachable,
 killed mid-call, restarted without the job, or full), that call and every later
@@ -17,15 +20,18 @@ group kept for this purpose (no other call uses it, so its collectives match
 on every rank):
 
 * **agreement**: the ranks first exchange the index of the call each saw fail.
-  Every rank fails, since the switch failed them all; a rank may be one call
-  ahead (it received the last results of call m before the switch died, its
-  peers did not).  In place, resume.py's two exchanges run through gloo: every
-  rank then holds the chunks any rank held (a rank ahead gives its peers the
-  chunks of call m's last messages, which it kept), and the chunks no rank
-  holds are summed by gloo from the inputs, intact there.  With a scratch
-  array, or where call m was sparse, the rank ahead broadcasts call m's whole
-  switch sum, kept from that call; either way call m has one result on every
-  rank;
+  Every rank fails, since the switch failed them all, but not at the same call:
+  a rank may be ahead (it received the last results of call m before the switch
+  died, its peers did not).  Then settle.py: each part's sum goes from a rank
+  that holds it to those that lack it, and gloo sums from the inputs the parts
+  that no rank holds.  A rank ahead gives what it kept of the calls it ended:
+  one rank a host, the chunks of call m's last messages (one call ahead at
+  most); ranks combined on hosts, their last two segments (a host's ranks copy
+  out segment s - 2 before they combine segment s, so no host lacks more), and
+  every call from the earliest first failure to the latest is settled so on
+  every rank.  With a scratch array, or where call m was sparse, the rank ahead
+  broadcasts call m's whole switch sum, kept from that call.  Either way every
+  call has one result on every rank;
 * **gloo**: every later call is summed by gloo on the untouched staging (the
   float32 copy of a 16-bit tensor, as on the switch), then divided (AVG) and
   put back exactly as a switch result is;
