@@ -41,16 +41,20 @@ class SwitchProcess:
             self.kill()
 
 
-def run_with_switch_faults(tmp_path, scenario, steps, kill_at, restart_at=None, env=None):
+def run_with_switch_faults(tmp_path, scenario, steps, kill_at, restart_at=None, env=None,
+                           switches=1):
     """``scenario`` (switch-dies or switch-dies-hook) as WORLD ranks, each a host of its
-    own, on a switch SIGKILLed before step ``kill_at`` and started again on its port
-    before ``restart_at``; each rank's RESULT and the switch's address."""
+    own, on ``switches`` switches, the last SIGKILLed before step ``kill_at`` and
+    started again on its port before ``restart_at``; each rank's RESULT and the
+    killed switch's address."""
+    others = [SwitchProcess() for _ in range(switches - 1)]
     switch = SwitchProcess()
     restart_at = steps + 1 if restart_at is None else restart_at
+    addresses = ",".join(s.address for s in [*others, switch])
     try:
         procs = start(WORLD, scenario, "gloo" if scenario.endswith("hook") else "switchml",
                       steps, kill_at, restart_at,
-                      env={"SWITCHML_SWITCH": switch.address, "SWITCHML_LOCAL_STAGE": "0",
+                      env={"SWITCHML_SWITCH": addresses, "SWITCHML_LOCAL_STAGE": "0",
                            "SWITCHML_TIMEOUT": "5", "CONTROL_DIR": str(tmp_path), **(env or {})})
         for point, action, done in (("kill", switch.kill, "killed"),
                                     ("restart", switch.start, "restarted")):
@@ -65,7 +69,8 @@ def run_with_switch_faults(tmp_path, scenario, steps, kill_at, restart_at=None, 
             (tmp_path / done).touch()
         return collect(procs, timeout=90), switch.address
     finally:
-        switch.stop()
+        for s in [*others, switch]:
+            s.stop()
 
 
 @pytest.mark.parametrize("scenario", ["switch-dies", "switch-dies-hook"])
@@ -87,17 +92,19 @@ def undisturbed():
     return torch.tensor(collect(start(WORLD, "ddp", "gloo", 12))[0]["params"])
 
 
-@pytest.mark.parametrize("scenario", ["switch-dies", "switch-dies-hook"])
+@pytest.mark.parametrize("scenario,switches", [("switch-dies", 1), ("switch-dies-hook", 1),
+                                               ("switch-dies", 2)])
 def test_training_goes_on_through_gloo_and_returns_to_the_restarted_switch(tmp_path, scenario,
-                                                                          undisturbed):
+                                                                          switches, undisturbed):
     """The switch SIGKILLed before step 3 and started again on its port before step 6
     of 12 (where the ranks make backward passes that change no weight until their
     calls are back on the switch, at most 20 s): every rank ends, with the weights of
     an undisturbed run (gloo's: within the float32 bound, as the switch's own are);
     calls went through gloo after the kill and back to the switch after the restart
-    (the counters and the switch's results on the job joined again)."""
+    (the counters and the switch's results on the job joined again).  A job over two
+    switches, one of them killed, falls back and comes back as a whole."""
     results, _ = run_with_switch_faults(tmp_path, scenario, steps=12, kill_at=3, restart_at=6,
-                                        env={"SWITCHML_RETRY_S": "0.2"})
+                                        env={"SWITCHML_RETRY_S": "0.2"}, switches=switches)
     params = torch.tensor(results[0]["params"])
     for out in results:
         assert out["error"] is None and out["steps"] == 12, out["error"]

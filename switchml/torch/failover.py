@@ -363,8 +363,9 @@ class SwitchPath:
         if any(row[1] for row in rows):
             raise SwitchMLError(
                 f"{self.name}: ranks {[r for r, row in enumerate(rows) if row[1]]} lost the "
-                f"switch in the middle of call {behind} in a way its in-place result cannot "
-                "be recovered from (lost again while resuming, or in a follow-up exchange)")
+                f"switch in the middle of call {behind} where their worker kept no account "
+                "of what the call held (lost again while resuming it, or in the follow-up "
+                "exchange for infinities and NaNs): the call cannot be settled")
         ahead = [r for r, f in enumerate(firsts) if f > behind]
         # call `behind` summed apart from its array: sparse, or any call with a scratch
         if lost is None or (any(rows[r][3] for r in ahead) if ahead

@@ -36,7 +36,12 @@ from ..config import (
     local_stage_on,
     switch_addresses,
 )
-from ..errors import SwitchMLError, SwitchMLTimeoutError, SwitchUnreachableError
+from ..errors import (
+    LimitExceededError,
+    SwitchMLError,
+    SwitchMLTimeoutError,
+    SwitchUnreachableError,
+)
 from ..netutil import (
     drain_error_queue,
     enable_keepalive,
@@ -682,6 +687,13 @@ class Worker:
             if not resumable:
                 raise lost.error from None
             return self._resume(lost, (op, ledger, src, out, bits))
+        except (SwitchUnreachableError, LimitExceededError):
+            # the switch failed the call otherwise (it stopped answering): the
+            # same account, for a caller that settles calls elsewhere
+            if resumable and self._role is not None and self.lost is None:
+                self.lost = self._lost_state(self._kept, (op, ledger, src, out, bits),
+                                             self._role)
+            raise
         if resumable:
             self._kept = (Kept.of(ledger, out, op.nonfinite_chunks)
                           if ledger is not None else None)
@@ -757,17 +769,13 @@ class Worker:
     def _resume_call(self, lost: _SwitchLost, call):
         old = self.membership
         kept, self._kept = self._kept, None
-        state = Lost(list(old.slot_msgs), kept,
-                     whole=self._kept_whole[0] if self._kept_whole is not None else None)
+        role, self._role = self._role, None
+        state = self._lost_state(kept, call, role)
         op: Any = None
         src: Any = None
         bits = 32
         if call is not None:
-            op, state.ledger, src, state.out, bits = call
-            state.sparse = state.ledger is None
-            if state.ledger is not None:
-                state.nonfinite = set(op.nonfinite_chunks)
-        role, self._role = self._role, None
+            op, _, src, _, bits = call
         try:
             self._rejoin(lost, idle=call is None)
             m = self.membership
@@ -779,7 +787,6 @@ class Worker:
                     f"with {old.packet_elements} ({old.block_elements}): its calls cannot go on")
         except SwitchMLError:
             if role is not None:
-                state.in_call = role == "call"
                 self.lost = state
             raise
         ledger, out, nonfinite = state.ledger, state.out, state.nonfinite
@@ -811,6 +818,19 @@ class Worker:
                 at += n
             nonfinite |= {left[i] for i in sub.nonfinite_chunks}
         return _Resumed(sorted(nonfinite), ledger.chunk_values)
+
+    def _lost_state(self, kept: Kept | None, call, role: str | None) -> Lost:
+        """What this rank holds as the switch goes: its message numbers, ``kept``, the
+        call in flight (op, ledger, src, out, bits; None: none) and ``role``'s."""
+        state = Lost(list(self.membership.slot_msgs), kept,
+                     whole=self._kept_whole[0] if self._kept_whole is not None else None,
+                     in_call=role == "call")
+        if call is not None:
+            op, state.ledger, _, state.out, _ = call
+            state.sparse = state.ledger is None
+            if state.ledger is not None:
+                state.nonfinite = set(op.nonfinite_chunks)
+        return state
 
     def _exchange(self, values: np.ndarray) -> np.ndarray:
         """One int32 sum over the ranks on the new session, for a resumption."""
