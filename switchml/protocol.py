@@ -213,9 +213,15 @@ class Abort(Request):
     name = "abort"
     reason: str = "no progress"
     missing: tuple[int, ...] = ()  # the ranks it saw missing
+    #: it gave up because a switch went away (one of a job over several): the
+    #: others learn a switch failure, not a stall
+    switch_lost: bool = False
 
     def fields(self) -> dict:
-        return {"reason": self.reason, "missing": list(self.missing)}
+        out: dict = {"reason": self.reason, "missing": list(self.missing)}
+        if self.switch_lost:
+            out["switch_lost"] = True
+        return out
 
     @classmethod
     def from_dict(cls, msg: dict) -> Abort:
@@ -223,7 +229,8 @@ class Abort(Request):
         left out (the controller also drops ranks outside the job)."""
         said = msg.get("missing")
         missing = tuple(r for r in (said if isinstance(said, list) else []) if _is_int(r))
-        return cls(str(msg.get("reason", "no progress"))[:MAX_NAME], missing)
+        return cls(str(msg.get("reason", "no progress"))[:MAX_NAME], missing,
+                   msg.get("switch_lost") is True)
 
 
 @dataclass(frozen=True)
@@ -482,17 +489,21 @@ class Error(Event):
 @dataclass(frozen=True)
 class Failed(Event):
     """The running job failed: ``missing`` ranks, why, and whether ranks disagreed on a
-    call (``mismatch``) rather than went away."""
+    call (``mismatch``) rather than went away, or a rank gave up because a switch
+    went away (``switch_lost``)."""
 
     name = "failed"
     missing: tuple[int, ...]
     reason: str
     mismatch: bool = False
+    switch_lost: bool = False
 
     def fields(self) -> dict:
         out: dict = {"missing": list(self.missing), "reason": self.reason}
         if self.mismatch:
             out["mismatch"] = True
+        if self.switch_lost:
+            out["switch_lost"] = True
         return out
 
 
@@ -596,7 +607,8 @@ def decode_event(msg) -> Event | None:
                          msg.get("admission") is True)
     if name == "failed":
         return Failed(tuple(_field(msg, "missing", _ints, "ranks", [])),
-                      str(msg.get("reason", "")), msg.get("mismatch") is True)
+                      str(msg.get("reason", "")), msg.get("mismatch") is True,
+                      msg.get("switch_lost") is True)
     if name == "left":
         return Left()
     if name == "other_secret_waiting":

@@ -509,8 +509,8 @@ def test_a_switch_killed_mid_call_fails_every_rank_naming_it_and_frees_the_other
 
         for error, elapsed, freed in run_ranks(2, body):
             assert dead in str(error), error
-            assert isinstance(error, (switchml.SwitchUnreachableError,
-                                      switchml.SwitchMLTimeoutError)), error
+            # its own part's loss, or another rank's relayed: a switch failure either way
+            assert isinstance(error, switchml.SwitchUnreachableError), error
             assert elapsed < TIMEOUT + 1.0
             assert freed
         for sw in survivors:
@@ -604,7 +604,9 @@ def test_abort_from_another_thread_fails_the_call_and_frees_the_slots(switches, 
 
     (mine, elapsed), (theirs, their_elapsed) = run_ranks(2, body)
     assert mine is given_up and elapsed < 3.0  # not after the 30 s timeout
-    assert isinstance(theirs, switchml.SwitchMLTimeoutError) and "rank 0" in str(theirs)
+    # a switch lost, relayed: a switch failure on rank 1 too (the torch backend's
+    # fallback takes those), not a stall
+    assert isinstance(theirs, switchml.SwitchUnreachableError) and "rank 0" in str(theirs)
     assert "elsewhere:1" in str(theirs) and their_elapsed < 5.0
     assert wait_for(lambda: sw.stats()["free_slots"] == SLOTS)
     assert sw.stats()["counters"]["jobs_failed"] == 1

@@ -26,6 +26,7 @@ REQUESTS = [
     Join("j", 0, 1, ("h", 1)),
     Leave(),
     Abort("no progress for 30s", (2, 3)),
+    Abort("the switch at h:7300 closed the control connection", (), switch_lost=True),
     StatusQuery(((0, 1), (5, 7))),
     StatsQuery(),
 ]
@@ -40,6 +41,7 @@ EVENTS = [
     Error("protocol version 2 unsupported", version=1),
     Failed((1,), "rank 1 of job 'j' disconnected"),
     Failed((), "ranks disagree", mismatch=True),
+    Failed((), "rank 2 of job 'j' gave up: the switch at h:7300 went away", switch_lost=True),
     Left(),
     protocol.OtherSecretWaiting("j"),
     protocol.OtherSecretSeen("j"),

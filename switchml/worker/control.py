@@ -184,7 +184,8 @@ class ControlClient:
 
     def abort(self, error: SwitchMLError) -> None:
         """This rank gives up on the job: the switch fails it for every rank."""
-        self._send(protocol.Abort(str(error), tuple(getattr(error, "missing_ranks", ()))))
+        self._send(protocol.Abort(str(error), tuple(getattr(error, "missing_ranks", ())),
+                                  isinstance(error, SwitchUnreachableError)))
 
     def query_status(self, pending) -> None:
         """Ask which ranks contributed to ``pending`` (slot, message number) pairs."""
@@ -274,6 +275,9 @@ class ControlClient:
         if isinstance(event, Failed):
             if event.mismatch:
                 return self._fail(CallMismatchError(f"job '{self.job}' failed: {event.reason}"))
+            if event.switch_lost:  # a rank gave up on a switch of the job that went away
+                return self._fail(SwitchUnreachableError(
+                    f"job '{self.job}' failed: {event.reason}"))
             return self._fail(SwitchMLTimeoutError(f"job '{self.job}' failed: {event.reason}",
                                                    event.missing))
         if self.state == JOINING:
