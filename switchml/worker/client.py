@@ -266,7 +266,7 @@ class Worker:
         self.recoverable_in_place = False
         #: What this rank held when its switch went away for good (``resume.Lost``),
         #: for a caller that settles the calls through another path; None where the
-        #: loss struck a call of the worker's own (a measurement, a resumption).
+        #: loss struck a resumption or the follow-up exchange for infs and NaNs.
         self.lost: Lost | None = None
         self._role: str | None = None  # what the call running is to ``lost``
         self._wholes = BufferPool(keep=2)
