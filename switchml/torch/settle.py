@@ -15,6 +15,8 @@ not, and gloo sums from the inputs the parts that no rank holds.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -48,7 +50,8 @@ class Ranks:
     def minimum(self, value: int) -> int:
         mine = torch.tensor([value], dtype=torch.int64)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
+        minimum: Any = dist.ReduceOp.MIN  # (torch's stubs type the member apart)
+        opts.reduceOp = minimum
         self.gloo.allreduce([mine], opts).wait()
         return int(mine.item())
 

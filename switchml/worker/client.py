@@ -801,7 +801,7 @@ class Worker:
                  settled, len(left))
         if call is None:
             return None
-        assert ledger is not None  # a sparse call in flight raised above
+        assert ledger is not None and out is not None  # a sparse call in flight raised above
         self.membership.counters["calls_resumed"] += 1
         if len(left) == ledger.chunks and left:
             return self._run_once(src, out, False, bits)  # none of it was summed
