@@ -259,14 +259,14 @@ class Worker:
         #: The last call's last message a slot (their chunks' values), for the ranks
         #: that lack them if the switch restarts before they have them (resume.py).
         self._kept: Kept | None = None
-        #: Set (torch/failover.py) where a caller recovers calls in place itself once
-        #: the switch is gone for good: a sparse call, which writes its result as it
-        #: comes, then sums into a spare array first (kept whole until the next
-        #: call ends, for ranks that lack it), so ``lost`` describes every array.
+        # Set (torch/failover.py) where a caller recovers calls in place itself once
+        # the switch is gone for good: a sparse call, which writes its result as it
+        # comes, then sums into a spare array first (kept whole until the next
+        # call ends, for ranks that lack it), so ``lost`` describes every array.
         self.recoverable_in_place = False
-        #: What this rank held when its switch went away for good (``resume.Lost``),
-        #: for a caller that settles the calls through another path; None where the
-        #: loss struck a resumption or the follow-up exchange for infs and NaNs.
+        # What this rank held when its switch went away for good (``resume.Lost``),
+        # for a caller that settles the calls through another path; None where the
+        # loss struck a resumption or the follow-up exchange for infs and NaNs.
         self.lost: Lost | None = None
         self._role: str | None = None  # what the call running is to ``lost``
         self._wholes = BufferPool(keep=2)
