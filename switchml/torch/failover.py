@@ -443,10 +443,7 @@ class SwitchPath:
             {t: values for t, values, _ in kept}, kept[0][2] if kept else -1)
         if call is None:
             return False
-        if copied or summed:
-            self._settled(call, summed, part=bool(copied))
-        else:
-            call.finish()
+        self._settled(call, summed, part=bool(copied))
         return True
 
     def _settled(self, call: Call, summed: bool, part: bool = True) -> None:
