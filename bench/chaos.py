@@ -31,7 +31,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _start_switch(tb):
+def start_switch(tb):
+    """``switchml switch`` in the testbed's switch namespace, on its port."""
     from switchml.testbed import SWITCH_PORT
 
     return tb.popen("switch", [sys.executable, "-m", "switchml.cli", "switch", "--host",
@@ -74,7 +75,7 @@ def one_run(args, tmp: str) -> dict:
     env = {"SWITCHML_RETRY_S": str(args.retry)}
     with Testbed(hosts=args.hosts, link=args.link, mtu=args.mtu,
                  ranks_per_host=args.ranks_per_host) as tb:
-        switch = _start_switch(tb)
+        switch = start_switch(tb)
         time.sleep(1.0)
         calm = os.path.join(tmp, "calm.json")
         errors = _wait(_train(tb, args, calm, env), args.timeout)
@@ -91,7 +92,7 @@ def one_run(args, tmp: str) -> dict:
             switch.wait(10)
             kills.append((round(time.monotonic() - began, 2), running))
             time.sleep(args.down)
-            switch = _start_switch(tb)
+            switch = start_switch(tb)
             time.sleep(args.up)
         errors = _wait(procs, args.timeout)
         switch.kill()
@@ -173,9 +174,15 @@ def main() -> None:
               flush=True)
         for line in run["wrong"]:
             print("   ", line, flush=True)
+    report_runs("chaos.py", args, runs)
+
+
+def report_runs(script: str, args, runs: list) -> None:
+    """Write ``runs`` (each with its ``wrong``) as JSON to ``--out``, print how many
+    passed and exit 1 unless all did."""
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"command": "python bench/chaos.py " + " ".join(sys.argv[1:]),
+            json.dump({"command": f"python bench/{script} " + " ".join(sys.argv[1:]),
                        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
                        "date": time.strftime("%Y-%m-%d %H:%M"), "settings": vars(args),
                        "runs": runs}, f, indent=1)

@@ -20,7 +20,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,9 @@ import time
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+
+from bench.chaos import report_runs, start_switch  # noqa: E402
 
 
 def values(rank: int, elements: int):
@@ -63,19 +65,11 @@ def rank_main(args) -> None:
                           "calls_resumed": counters["calls_resumed"]}), flush=True)
 
 
-def _start_switch(tb):
-    from switchml.testbed import SWITCH_PORT
-
-    return tb.popen("switch", [sys.executable, "-m", "switchml.cli", "switch", "--host",
-                               tb.switch_address, "--port", str(SWITCH_PORT),
-                               "--log-level", "error"], stdout=subprocess.DEVNULL)
-
-
 def one_run(args, control: str) -> dict:
     from switchml.testbed import Testbed
 
     with Testbed(hosts=args.hosts, link=args.link, mtu=args.mtu, loss=args.loss) as tb:
-        switch = _start_switch(tb)
+        switch = start_switch(tb)
         time.sleep(1.0)
         ranks = [tb.popen(h, [sys.executable, HERE, "--role", "rank", "--rank", str(h),
                               "--control", control, *_passed(args)],
@@ -92,7 +86,7 @@ def one_run(args, control: str) -> dict:
         switch.kill()
         switch.wait(10)
         time.sleep(args.down)
-        switch = _start_switch(tb)
+        switch = start_switch(tb)
         reports, errors = [], []
         for h, proc in enumerate(ranks):
             out, err = proc.communicate(timeout=300)
@@ -146,15 +140,7 @@ def main() -> None:
         resumed = [r["calls_resumed"] for r in run["reports"]]
         print(f"run {i + 1}: {'ok' if not run['wrong'] else 'FAILED'}  calls resumed by rank "
               f"{resumed}  {'; '.join(run['wrong'])}", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"command": "python bench/restart.py " + " ".join(sys.argv[1:]),
-                       "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-                       "date": time.strftime("%Y-%m-%d %H:%M"), "settings": vars(args),
-                       "runs": runs}, f, indent=1)
-    passed = sum(not r["wrong"] for r in runs)
-    print(f"{passed} of {len(runs)} runs passed")
-    sys.exit(0 if passed == len(runs) else 1)
+    report_runs("restart.py", args, runs)
 
 
 if __name__ == "__main__":

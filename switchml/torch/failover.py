@@ -349,10 +349,8 @@ class SwitchPath:
         if self._mode == "segments":
             return self._agree_segments(first, call)
         lost = getattr(self.worker, "lost", None) if call.scratch is None else None
-        if call.scratch is None and lost is None:
-            lost_twice = 1  # in place, and the worker kept no account of the call
-        else:
-            lost_twice = 0
+        # in place, and the worker kept no account of the call
+        lost_twice = int(call.scratch is None and lost is None)
         mine = [first, lost_twice, int(lost is not None and lost.sparse and lost.in_call),
                 int(lost is not None and lost.whole is not None)]
         rows = self._ranks.rows(mine)
