@@ -44,13 +44,15 @@ class SwitchProcess:
 def run_with_switch_faults(tmp_path, scenario, steps, kill_at, restart_at=None, env=None,
                            switches=1):
     """``scenario`` (switch-dies or switch-dies-hook) as WORLD ranks, each a host of its
-    own, on ``switches`` switches, the last SIGKILLed before step ``kill_at`` and
+    own, on ``switches`` switches, the first SIGKILLed before step ``kill_at`` and
     started again on its port before ``restart_at``; each rank's RESULT and the
-    killed switch's address."""
+    killed switch's address.  (The first: the model's calls are one chunk each, and a
+    call of fewer chunks than switches goes to the first ones only.  A switch that
+    carries none of them is only seen to go between calls, a race with the steps.)"""
     others = [SwitchProcess() for _ in range(switches - 1)]
     switch = SwitchProcess()
     restart_at = steps + 1 if restart_at is None else restart_at
-    addresses = ",".join(s.address for s in [*others, switch])
+    addresses = ",".join(s.address for s in [switch, *others])
     try:
         procs = start(WORLD, scenario, "gloo" if scenario.endswith("hook") else "switchml",
                       steps, kill_at, restart_at,
