@@ -482,10 +482,10 @@ def test_a_full_host_queue_is_waited_for_not_lost_and_the_window_hears_of_it(tmp
     run, which enters it whole) is smaller than a window of datagrams (32 of 4 KiB): the
     kernel refuses what does not fit (ENOBUFS, IP_RECVERR on the worker's socket).
     Counted as ``local_refusals``, each datagram waits for room instead of
-    vanishing, and the window comes down: the sums are exact and no more than a
-    few messages are sent twice.  (Silently dropped, as before, each such
-    datagram cost a retransmission.)  The C engine's loop; the Python one's
-    ``send_waiting`` is tested in test_runtime.py."""
+    vanishing, and the window comes down: the sums are exact and almost no
+    message is sent twice for a gap in the results.  (Silently dropped, each such
+    datagram costs a retransmission, most of them fast.)  The C engine's loop; the
+    Python one's ``send_waiting`` is tested in test_runtime.py."""
     from switchml.worker.engine import compiled
     if compiled._fastengine is None:
         pytest.skip("the C engine is not built")
@@ -507,7 +507,10 @@ def test_a_full_host_queue_is_waited_for_not_lost_and_the_window_hears_of_it(tmp
         counters = json.load(open(tmp_path / f"q-{h}.json"))
         assert counters["local_refusals"] > 0, counters
         assert counters["window_decreases"] > 0, counters
-        assert counters["retransmissions"] < 0.01 * messages, counters
+        # Silently dropped: 65-72 fast retransmissions, 81-96 in all.  Waited for: 0-2
+        # fast ones; a busy machine's late timers may add a dozen timed out.
+        assert counters["fast_retransmissions"] < 0.01 * messages, counters
+        assert counters["retransmissions"] < 0.03 * messages, counters
 
 
 @needs_root
