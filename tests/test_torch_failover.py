@@ -118,7 +118,7 @@ def test_training_goes_on_through_gloo_and_returns_to_the_restarted_switch(tmp_p
     assert torch.allclose(params, undisturbed, atol=1e-4), (params - undisturbed).abs().max()
 
 
-@pytest.mark.parametrize("hosts", ["flat", "2x2"])
+@pytest.mark.parametrize("hosts", ["flat", "2x2", "two-switches"])
 def test_calls_the_switch_left_half_summed_end_exact_from_what_the_ranks_held(tmp_path, hosts):
     """The switch SIGKILLed in the middle of back-to-back 16 MiB in-place calls (two
     in flight at a time) and never back: each call it left half-summed ends with the
@@ -126,13 +126,19 @@ def test_calls_the_switch_left_half_summed_end_exact_from_what_the_ranks_held(tm
     their hosts, whole local-stage segments) and gloo's sums of the inputs for the
     rest, added once: every result is the exact sum (a rank that summed the whole
     array again, or lost a part, gets another), and the calls after it run on gloo.
-    "flat": 3 ranks, each a host of its own; "2x2": 2 hosts of 2 ranks."""
-    switch = SwitchProcess()
-    world, local = ((3, {"SWITCHML_LOCAL_STAGE": "0"}) if hosts == "flat"
-                    else (4, {"SWITCHML_LOCAL_STAGE": "1"}))
+    "flat": 3 ranks, each a host of its own; "2x2": 2 hosts of 2 ranks;
+    "two-switches": "flat" over two switches, the second killed (the first, alive,
+    ends or aborts its parts: each switch's are settled on their own)."""
+    other = SwitchProcess() if hosts == "two-switches" else None
+    # (over two switches, the one killed drops a datagram in 20: its parts take
+    # long enough for the kill to fall inside one, its counters to see it)
+    switch = SwitchProcess(*(["--drop-rate", "0.05"] if other is not None else []))
+    world, local = ((4, {"SWITCHML_LOCAL_STAGE": "1"}) if hosts == "2x2"
+                    else (3, {"SWITCHML_LOCAL_STAGE": "0"}))
+    address = switch.address if other is None else f"{other.address},{switch.address}"
     try:
         procs = start(world, "big-calls", "switchml", 4, 4 * 1024 * 1024,
-                      env={"SWITCHML_SWITCH": switch.address, "SWITCHML_TIMEOUT": "10",
+                      env={"SWITCHML_SWITCH": address, "SWITCHML_TIMEOUT": "10",
                            "SWITCHML_RETRY_S": "0.5", "CONTROL_DIR": str(tmp_path), **local},
                       rank_env=lambda r: {"SWITCHML_LOCAL_GROUP": str(r // 2)})
         deadline = time.monotonic() + 60
@@ -142,7 +148,9 @@ def test_calls_the_switch_left_half_summed_end_exact_from_what_the_ranks_held(tm
         switch.kill()
         results = collect(procs, timeout=120)
     finally:
-        switch.stop()
+        for s in (switch, other):
+            if s is not None:
+                s.stop()
     for out in results:
         assert out["calls"] == 8 and out["wrong"] == 0, out
         assert out["counters"]["fallbacks"] == 1, out["counters"]

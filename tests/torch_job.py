@@ -129,6 +129,12 @@ def big_calls(iterations: int, elements: int):
                 while rank == 0 and worker.copied_segments(pair[0].numpy()) < 3 and \
                         not works[0].is_completed():
                     time.sleep(0.0005)
+            elif hasattr(worker, "channels"):  # two switches: a third of the second's part
+                channel = worker.channels[1]
+                start = channel.counters["results_in"]
+                while rank == 0 and channel.counters["results_in"] - start < 40 and \
+                        not works[0].is_completed():
+                    time.sleep(0.0005)
             else:  # (a third of the second pair's calls: well inside, said late or not)
                 time.sleep(per_call / 3)
             _say("kill")

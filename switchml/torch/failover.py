@@ -5,13 +5,12 @@
 place: a call the switch fails half-way holds, part by part, either its sum or
 the rank's input, and the worker says which: a worker of one rank a host by
 chunks (``Worker.lost``, the state a switch restart resumes from,
-worker/resume.py), ranks combined on their hosts by local-stage segments
-(``LocalStageWorker.copied_segments``).  A job over several switches keeps no
-such account: its calls sum into a scratch array, copied into the staging when
-the call succeeds, so that a failed call leaves the input as it was.  Either
-way nothing is added twice and nothing is lost, and the success path costs no
-pass over the tensor but, where ranks combine on several hosts, a copy of each
-call's last two segments (below).
+worker/resume.py), a job over several switches by chunks of each switch's part
+(``MultiSwitchWorker.part_states``), ranks combined on their hosts by
+local-stage segments (``LocalStageWorker.copied_segments``).  So nothing is
+added twice and nothing is lost, and the success path costs no pass over the
+tensor but, where ranks combine on several hosts, a copy of each call's last
+two segments (below).
 
 When a call fails because of the switch (``switch_failure``: unreachable,
 killed mid-call, restarted without the job, or full), that call and every later
@@ -26,10 +25,11 @@ on every rank):
   that holds it to those that lack it, and gloo sums from the inputs the parts
   that no rank holds.  A rank ahead gives what it kept of the calls it ended:
   one rank a host, the chunks of call m's last messages (one call ahead at
-  most); ranks combined on hosts, their last two segments (a host's ranks copy
-  out segment s - 2 before they combine segment s, so no host lacks more), and
-  every call from the earliest first failure to the latest is settled so on
-  every rank.  With a scratch array, or where call m was sparse, the rank ahead
+  most; several switches: on each, one part ahead at most); ranks combined on
+  hosts, their last two segments (a host's ranks copy out segment s - 2 before
+  they combine segment s, so no host lacks more).  With several switches or
+  hosts, every call from the earliest first failure to the last any rank
+  queued is settled so on every rank.  Where call m was sparse, the rank ahead
   broadcasts call m's whole switch sum, kept from that call.  Either way every
   call has one result on every rank;
 * **gloo**: every later call is summed by gloo on the untouched staging (the
@@ -53,6 +53,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -61,15 +62,23 @@ import torch
 from ..buffers import BufferPool
 from ..config import parse_flag, switch_addresses
 from ..errors import LimitExceededError, SwitchMLError, SwitchUnreachableError
-from .settle import KEPT_SEGMENTS, Ranks, settle_resumed, settle_segments
+from .settle import (
+    KEPT_SEGMENTS,
+    PartsPlan,
+    Ranks,
+    settle_parts,
+    settle_resumed,
+    settle_segments,
+)
 from .staging import stage
 
 log = logging.getLogger("switchml.torch")
 
+#: Seconds a job over several switches waits, past its timeout, for its parts
+#: still running to end once it failed (they end within their abort).
+PARTS_GRACE_S = 10.0
 #: Seconds between two probes of a switch that went away (SWITCHML_RETRY_S).
 DEFAULT_RETRY_S = 5.0
-#: Scratch buffers kept for reuse between calls.
-SPARES_KEPT = 4
 #: Seconds a probe waits for the switch's control port to accept.
 PROBE_TIMEOUT = 1.0
 
@@ -120,18 +129,13 @@ class Call:
         self.sparse = sparse
         self.bits = bits
         self.value = value
-        self.scratch: np.ndarray | None = None  # where the switch writes (fallback on)
-        self.scratch_buffer: Any = None  # the pooled buffer it lies in
         devices: Any = self.staging.devices  # CUDA ones: the future records their streams
         self.settled: torch.futures.Future = torch.futures.Future(devices=devices)
         self.future = self.settled.then(raise_failure)
 
-    def finish(self, raw_sum: np.ndarray | None = None) -> None:
-        """Settle the call with its sum: ``raw_sum`` (the switch's, or one received)
-        copied into the staging first, else the staging holds it already."""
+    def finish(self) -> None:
+        """Settle the call with its sum, which the staging holds."""
         try:
-            if raw_sum is not None:
-                np.copyto(self.staging.array, raw_sum.reshape(-1))
             with self.staging.context():
                 self.staging.finish(self.divisor)
                 self.settled.set_result(self.value())
@@ -172,21 +176,20 @@ class SwitchPath:
         self._pending: dict[int, Call] = {}  # call index -> a call for the recovery thread
         self._next = 0  # the recovery thread's next call
         self._first_failed: int | None = None  # this rank's first failed call, not agreed yet
-        #: the last switch sum: (call index, the sum, its pooled buffer)
-        self._kept: tuple[int, np.ndarray, Any] | None = None
-        #: how this group's worker's calls fail safely: "resume" (in place, the
-        #: worker's ``lost``), "segments" (in place, a local stage's segments),
-        #: "scratch" (a scratch array), "none" (nothing to fall back from)
-        self._mode = "scratch"
+        # how this group's worker's calls fail safely, all in place: "resume" (the
+        # worker's ``lost``), "parts" (several switches: each one's ``lost``),
+        # "segments" (a local stage's segments), "none" (nothing to fall back from)
+        self._mode = "none"
+        self._worker_base = 0  # the index of the worker's first call
+        self._plan: PartsPlan | None = None  # what is left of the calls ("parts")
         self._segment = 0  # a local stage's segment, in elements ("segments")
         #: the last segments' sums of ended calls: (call index, segment, sum,
         #: its pooled buffer, the call's elements)
         self._kept_segments: list[tuple[int, int, np.ndarray, Any, int]] = []
-        #: calls up to this index are settled segment by segment (after a failure)
+        # calls up to this index are settled part by part (after a failure)
         self._settle_through: int | None = None
-        #: scratch buffers no call holds: fresh ones would cost the
-        #: call a page fault a page (a 32 MiB call took 2.5x as long)
-        self._scratch = BufferPool(keep=SPARES_KEPT)
+        # the buffers of kept segments, one size: reused every call
+        self._spares = BufferPool(keep=KEPT_SEGMENTS + 1)
         self._broken: BaseException | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -221,14 +224,15 @@ class SwitchPath:
         how its calls fail safely (``_mode``)."""
         if not self.enabled:
             self._mode = "none"
+        elif hasattr(worker, "part_states"):
+            worker.recoverable_in_place = True
+            self._mode = "parts"
         elif hasattr(worker, "recoverable_in_place"):
             worker.recoverable_in_place = True
             self._mode = "resume"
         elif hasattr(worker, "copied_segments"):
             self._segment = worker.segment_elements or 0
             self._mode = "segments" if self._segment else "none"  # one host: no switch
-        else:
-            self._mode = "scratch"
         return worker
 
     # ------------------------------------------------------------ the caller's side
@@ -248,12 +252,8 @@ class SwitchPath:
     def _on_switch(self, index: int, call: Call) -> None:
         """Queue ``call`` on the worker (its I/O thread finishes it)."""
         staging = call.staging
-        if self._mode == "scratch":
-            call.scratch, call.scratch_buffer = self._scratch.array(staging.array.shape,
-                                                                    staging.array.dtype)
-        handle = self.worker.allreduce_async(
-            staging.array, out=call.scratch if call.scratch is not None else staging.array,
-            sparse=call.sparse, bits=call.bits, ready=staging.ready)
+        handle = self.worker.allreduce_async(staging.array, out=staging.array, sparse=call.sparse,
+                                             bits=call.bits, ready=staging.ready)
         handle.add_done_callback(lambda h: self._switch_done(index, call, h))
 
     def _switch_done(self, index: int, call: Call, handle) -> None:
@@ -271,13 +271,7 @@ class SwitchPath:
             return
         if self._mode == "segments":
             self._keep_segments(index, call)
-        if call.scratch is not None:
-            # before the call is settled: its caller's next call may take the spare
-            with self._lock:
-                previous, self._kept = self._kept, (index, call.scratch, call.scratch_buffer)
-            if previous is not None:
-                self._scratch.give(previous[2])
-        call.finish(call.scratch)
+        call.finish()
 
     # ------------------------------------------------------------ leaving and coming back
     def _leave_switch(self, index: int, cause, agreed: bool) -> None:
@@ -325,7 +319,8 @@ class SwitchPath:
                 if first is not None:
                     settled = self._agree(first, call)
                 elif self._settle_through is not None and index <= self._settle_through:
-                    settled = self._settle_segments(index, call, copied=0)
+                    settled = (self._settle_parts(index, call) if self._mode == "parts"
+                               else self._settle_segments(index, call, copied=0))
                 else:
                     settled = False
                 if settled:
@@ -348,9 +343,10 @@ class SwitchPath:
         was settled here (its sum complete), False when gloo is to sum it whole."""
         if self._mode == "segments":
             return self._agree_segments(first, call)
-        lost = getattr(self.worker, "lost", None) if call.scratch is None else None
-        # in place, and the worker kept no account of the call
-        lost_twice = int(call.scratch is None and lost is None)
+        if self._mode == "parts":
+            return self._agree_parts(first, call)
+        lost = getattr(self.worker, "lost", None)
+        lost_twice = int(lost is None)  # the worker kept no account of the call
         mine = [first, lost_twice, int(lost is not None and lost.sparse and lost.in_call),
                 int(lost is not None and lost.whole is not None)]
         rows = self._ranks.rows(mine)
@@ -365,7 +361,7 @@ class SwitchPath:
                 "of what the call held (lost again while resuming it, or in the follow-up "
                 "exchange for infinities and NaNs): the call cannot be settled")
         ahead = [r for r, f in enumerate(firsts) if f > behind]
-        # call `behind` summed apart from its array: sparse, or any call with a scratch
+        # call `behind` summed apart from its array: sparse
         if lost is None or (any(rows[r][3] for r in ahead) if ahead
                             else any(row[2] for row in rows)):
             return self._agree_whole(first, behind, ahead, call)
@@ -394,13 +390,48 @@ class SwitchPath:
 
     def _whole_sum(self, index: int) -> np.ndarray:
         """The whole sum of call ``index``, the last this rank finished."""
-        kept = self._kept
-        if kept is not None and kept[0] == index:
-            return kept[1]
         lost = getattr(self.worker, "lost", None)
-        if kept is None and lost is not None and lost.whole is not None:
+        if lost is not None and lost.whole is not None:
             return lost.whole
         raise SwitchMLError(f"{self.name}: call {index}'s sum was not kept here")
+
+    # ------------------------------------------------------------ several switches' calls
+    def _agree_parts(self, first: int, call: Call) -> bool:
+        """Each switch's parts settled as one switch's calls are (settle.settle_parts);
+        every call from the earliest first failure to the last any rank queued is
+        then summed part by part on every rank, in order."""
+        base = self._worker_base
+        states = [replace(st, call=base + st.call) for st in
+                  self.worker.part_states((self.worker.timeout or 0) + PARTS_GRACE_S)]
+
+        def array_of(index: int) -> np.ndarray:
+            if index == first:
+                return call.staging.array.reshape(-1)
+            with self._lock:
+                pending = self._pending.get(index)
+            if pending is None:
+                raise SwitchMLError(f"{self.name}: call {index} is not here to settle")
+            return pending.staging.array.reshape(-1)
+
+        self._plan = settle_parts(self._ranks, self.name, first,
+                                  base + self.worker.calls_queued - 1, states, array_of)
+        self._settle_through = self._plan.through
+        return self._settle_parts(first, call)
+
+    def _settle_parts(self, index: int, call: Call) -> bool:
+        """Call ``index`` after the plan: gloo sums what no rank holds of it."""
+        plan = self._plan
+        assert plan is not None
+        flat = call.staging.array.reshape(-1)
+        spans = plan.spans(index, self.worker.parts(flat.size, call.bits))
+        if spans and index < max(plan.firsts):
+            raise SwitchMLError(f"{self.name}: call {index}, which some rank ended, has "
+                                "parts that no rank holds")
+        if spans:
+            self._ranks.sum_parts(flat, spans)
+        whole = sum(s.stop - s.start for s in spans) == flat.size
+        self._settled(call, bool(spans), part=not whole)
+        return True
 
     # ------------------------------------------------------------ a local stage's calls
     def _keep_segments(self, index: int, call: Call) -> None:
@@ -411,13 +442,13 @@ class SwitchPath:
         count = -(-flat.size // g)
         for t in range(max(0, count - KEPT_SEGMENTS), count):
             part = flat[t * g:(t + 1) * g]
-            buffer = self._scratch.take(g * flat.itemsize)  # one size: reused every call
+            buffer = self._spares.take(g * flat.itemsize)
             values = buffer[:part.nbytes].view(part.dtype)
             np.copyto(values, part)
             with self._lock:
                 self._kept_segments.append((index, t, values, buffer, flat.size))
                 while len(self._kept_segments) > KEPT_SEGMENTS:
-                    self._scratch.give(self._kept_segments.pop(0)[3])
+                    self._spares.give(self._kept_segments.pop(0)[3])
 
     def _agree_segments(self, first: int, call: Call) -> bool:
         """The ranks' first failed calls; every call from the earliest to the latest
@@ -483,6 +514,7 @@ class SwitchPath:
             while any(i not in self._pending for i in range(self._next + 1, self._issued)):
                 self._lock.wait(0.01)
             old, self.worker = self.worker, worker
+            self._worker_base = self._next
             self.counters["returns"] += 1
             log.warning("%s: back on the switch after %d calls on gloo", self.name,
                         self.counters["calls_on_gloo"])

@@ -10,11 +10,15 @@ not, and gloo sums from the inputs the parts that no rank holds.
   (``Worker.lost``; resume.py's two exchanges, through gloo instead of a new
   session of the switch);
 * ``settle_segments``: ranks combined on their hosts, whose parts are the local
-  stage's segments (``LocalStageWorker.copied_segments``).
+  stage's segments (``LocalStageWorker.copied_segments``);
+* ``settle_parts``: a job over several switches, whose parts are a call's parts
+  on each switch, each switch's settled as ``settle_resumed`` settles one's
+  (``MultiSwitchWorker.part_states``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import SwitchMLError
+from ..worker.multi import PartState
 from ..worker.resume import Lost, ResumeError, settle
 
 #: Local-stage segments whose sums a rank keeps after a call ends: a host behind
@@ -75,13 +80,11 @@ class Ranks:
             at += s.stop - s.start
 
 
-def settle_resumed(ranks: Ranks, name: str, first: int, behind: int, ahead: bool,
-                   lost: Lost, flat: np.ndarray) -> bool | None:
-    """Call ``first`` of this rank (``flat``, in place) after its worker lost the
-    switch (``lost``), the earliest first failed call of any rank being ``behind``
-    (``ahead``: some rank's is ``behind + 1``).  None: nothing of it was summed
-    anywhere, gloo is to sum it whole; else it holds its sum, and True says gloo
-    summed some of it."""
+def _held_from_peers(ranks: Ranks, lost: Lost, what: str) -> list[slice] | None:
+    """resume.py's two exchanges, through gloo: the chunks any rank holds of the
+    call in flight then held by every rank; the spans of it that gloo is to sum
+    (no rank held them, or an inf or NaN held them back), None: all of it (its
+    array untouched, or none in flight)."""
     def exchange(values: np.ndarray) -> np.ndarray:
         summed = values.copy()
         ranks.sum(summed)
@@ -90,14 +93,22 @@ def settle_resumed(ranks: Ranks, name: str, first: int, behind: int, ahead: bool
     try:
         _, left = settle(lost, exchange, ranks.size, unable=False)
     except ResumeError as exc:
-        raise SwitchMLError(f"{name}: the calls the switch left cannot be settled: "
-                            f"{exc}") from None
+        raise SwitchMLError(f"{what} cannot be settled: {exc}") from None
     ledger = lost.ledger if lost.in_call else None
-    spans: list[slice] | None = None  # None: the array untouched, gloo sums it whole
-    if ledger is not None:
-        chunks = sorted(set(left) | lost.nonfinite)
-        if len(chunks) < ledger.chunks:
-            spans = [ledger.span(c) for c in chunks]
+    if ledger is None:
+        return None
+    chunks = sorted(set(left) | lost.nonfinite)
+    return [ledger.span(c) for c in chunks] if len(chunks) < ledger.chunks else None
+
+
+def settle_resumed(ranks: Ranks, name: str, first: int, behind: int, ahead: bool,
+                   lost: Lost, flat: np.ndarray) -> bool | None:
+    """Call ``first`` of this rank (``flat``, in place) after its worker lost the
+    switch (``lost``), the earliest first failed call of any rank being ``behind``
+    (``ahead``: some rank's is ``behind + 1``).  None: nothing of it was summed
+    anywhere, gloo is to sum it whole; else it holds its sum, and True says gloo
+    summed some of it."""
+    spans = _held_from_peers(ranks, lost, f"{name}: the calls the switch left")
     # what each rank does next, the same wherever ranks stand at the same call
     rows = ranks.rows([first, -1 if spans is None else sum(s.stop - s.start for s in spans)])
     if ahead and (any(row[1] != 0 for row in rows if row[0] == behind)
@@ -162,3 +173,115 @@ def settle_segments(ranks: Ranks, name: str, index: int, segment: int,
     if summed and flat is not None:  # (no rank ended the call: all have their inputs)
         ranks.sum_parts(flat, summed)
     return bool(summed)
+
+
+@dataclass
+class PartsPlan:
+    """What is left to sum of the calls a job over several switches failed, after
+    ``settle_parts``: on switch k, the parts of calls before ``behind[k]`` hold
+    their sums on every rank; that call's part does too where ``filled[k]``, else
+    gloo sums its spans ``left[k]`` (from the part's start; None: all of it); the
+    parts of later calls hold their inputs on every rank.  ``firsts``: each rank's
+    first failed call; ``through``: the last call any rank queued on the switches."""
+
+    behind: list[int]
+    filled: list[bool]
+    left: list[list[slice] | None]
+    firsts: list[int]
+    through: int
+
+    def spans(self, index: int, parts: list[tuple[int, int, int]]) -> list[slice]:
+        """What gloo sums of call ``index``, whose parts are ``parts`` (k, start, stop)."""
+        spans: list[slice] = []
+        for k, start, stop in parts:
+            if index < self.behind[k] or (index == self.behind[k] and self.filled[k]):
+                continue
+            left = self.left[k] if index == self.behind[k] else None
+            if left is None:
+                spans.append(slice(start, stop))
+            else:
+                spans += [slice(start + s.start, start + s.stop) for s in left]
+        return spans
+
+
+#: ``settle_parts``' flags of a switch's state on a rank
+_LOST, _SPARSE, _WHOLE, _INT32 = 1, 2, 4, 8
+
+
+def settle_parts(ranks: Ranks, name: str, first: int, through: int,
+                 states: list[PartState], array_of) -> PartsPlan:
+    """A job over several switches, after it failed (every rank alike, at its first
+    failed call ``first``; ``through``: the last call it queued there): on each
+    switch, the ranks a part ahead give the part's last messages (a sparse part:
+    its whole sum) to those that lack them, as on one switch; ``states``: this
+    rank's ``PartState``s, their calls numbered as ``first``; ``array_of(i)``: call
+    i's array (flat), for the calls this rank has not ended.  Returns the plan of
+    what gloo sums of each call."""
+    mine = [first, through]
+    for st in states:
+        lost = st.lost
+        state = 0
+        if lost is not None:
+            int32 = any(a is not None and a.dtype == np.int32 for a in (lost.whole, lost.out))
+            state = (_LOST | (_SPARSE if lost.in_call and lost.sparse else 0)
+                     | (_WHOLE if lost.whole is not None else 0) | (_INT32 if int32 else 0))
+        size = st.stop - st.start if st.start is not None and st.stop is not None else -1
+        mine += [st.call, state, size]
+    rows = ranks.rows(mine)
+    firsts = [row[0] for row in rows]
+    plan = PartsPlan([], [], [], firsts, max(row[1] for row in rows))
+    for k, st in enumerate(states):
+        calls = [row[2 + 3 * k] for row in rows]
+        flags = [row[3 + 3 * k] for row in rows]
+        sizes = [row[4 + 3 * k] for row in rows]
+        behind = min(calls)
+        ahead = [r for r, c in enumerate(calls) if c > behind]
+        if not all(f & _LOST for f in flags):
+            raise SwitchMLError(
+                f"{name}: ranks {[r for r, f in enumerate(flags) if not f & _LOST]} kept no "
+                f"account of what their part on switch {k + 1} held (lost again while "
+                "resuming it, or in the follow-up exchange for infinities and NaNs): the "
+                "calls cannot be settled")
+        plan.behind.append(behind)
+        plan.filled.append(bool(ahead))
+        wholes = [r for r in ahead if flags[r] & _WHOLE]
+        if ahead and wholes:  # the part summed apart from its array: its whole sum
+            dtype = np.dtype(np.int32 if any(f & _INT32 for f in flags) else np.float32)
+            _broadcast_whole(ranks, st, behind, wholes[0], max(sizes), dtype, array_of)
+            plan.left.append(None)
+        elif not ahead and any(f & _SPARSE for f in flags):
+            plan.left.append(None)  # summed apart: every rank's array holds its input
+        else:
+            plan.left.append(_settle_part(ranks, name, k, st, behind, bool(ahead)))
+    return plan
+
+
+def _broadcast_whole(ranks: Ranks, st: PartState, behind: int, source: int, size: int,
+                     dtype: np.dtype, array_of) -> None:
+    """Part ``behind``'s whole sum (``size`` values of ``dtype``), from ``source`` (a
+    rank ahead that kept it) to every rank: into the part's array where it holds
+    the input."""
+    if st.call == behind:
+        assert st.start is not None and st.stop is not None
+        place = array_of(behind)[st.start:st.stop]
+    elif ranks.rank == source:
+        place = st.lost.whole
+    else:
+        place = np.empty(size, dtype)
+    ranks.broadcast(place, source)
+
+
+def _settle_part(ranks: Ranks, name: str, k: int, st: PartState, behind: int,
+                 ahead: bool) -> list[slice] | None:
+    """Switch k's part ``behind`` settled as ``settle_resumed`` settles a call; the
+    spans of it that gloo sums (None: all)."""
+    spans = _held_from_peers(ranks, st.lost, f"{name}: the parts switch {k + 1} left")
+    rows = ranks.rows([st.call, -1 if spans is None else sum(s.stop - s.start for s in spans)])
+    if ahead and (any(row[1] != 0 for row in rows if row[0] == behind)
+                  or any(row[1] != -1 for row in rows if row[0] > behind)):
+        raise SwitchMLError(f"{name}: the part on switch {k + 1} of call {behind} is on no "
+                            f"rank whole after the switches went away ({rows})")
+    if not ahead and len({tuple(row) for row in rows}) > 1:
+        raise SwitchMLError(f"{name}: ranks disagree on what is left of the part on switch "
+                            f"{k + 1} of call {behind}: {rows}")
+    return spans

@@ -37,7 +37,6 @@ from ..config import (
     switch_addresses,
 )
 from ..errors import (
-    LimitExceededError,
     SwitchMLError,
     SwitchMLTimeoutError,
     SwitchUnreachableError,
@@ -268,6 +267,9 @@ class Worker:
         # for a caller that settles the calls through another path; None where the
         # loss struck a resumption or the follow-up exchange for infs and NaNs.
         self.lost: Lost | None = None
+        # Set once the I/O thread has seen the job fail and written ``lost`` (a
+        # failure from another thread, ``abort``, reaches it a moment later).
+        self.failure_noted = threading.Event()
         self._role: str | None = None  # what the call running is to ``lost``
         self._wholes = BufferPool(keep=2)
         self._kept_whole: tuple[np.ndarray, Any] | None = None
@@ -468,7 +470,7 @@ class Worker:
         try:
             self._control_events(self._early_events)
         except SwitchMLError:
-            pass  # recorded in self._failure: the first call raises it
+            self._lost_between_calls()  # the first call raises the failure
         try:
             while True:
                 try:
@@ -480,7 +482,7 @@ class Worker:
                     except _SwitchLost as lost:
                         self._resume_idle(lost)
                     except SwitchMLError:
-                        pass  # recorded in self._failure; the next call raises it
+                        self._lost_between_calls()  # the next call raises the failure
                     continue
                 if item is None:
                     break
@@ -488,7 +490,7 @@ class Worker:
                 try:
                     self._honour_abort()
                 except SwitchMLError:
-                    pass  # recorded in self._failure
+                    self._lost_between_calls()
                 if self._failure is not None:
                     future.set_exception(self._failure)
                     continue
@@ -502,6 +504,7 @@ class Worker:
                     self._call(src, out, sparse, bits)
                 except SwitchMLError as exc:
                     self._failure = self._failure or exc
+                    self.failure_noted.set()
                     future.set_exception(exc)
                 except BaseException as exc:  # a bug: surface it to the caller
                     future.set_exception(exc)
@@ -515,6 +518,13 @@ class Worker:
                 self._leave()
         finally:
             sel.close()
+
+    def _lost_between_calls(self) -> None:
+        """The job failed between calls (``_failure``): where calls are recovered
+        in place, ``lost`` says so (the last call's ``Kept``, none in flight)."""
+        if self.recoverable_in_place and self.lost is None:
+            self.lost = self._lost_state(self._kept, None, "before")
+        self.failure_noted.set()
 
     def _honour_abort(self) -> None:
         """Act on ``abort``: fail the job on the switch (once) and raise its error."""
@@ -687,9 +697,9 @@ class Worker:
             if not resumable:
                 raise lost.error from None
             return self._resume(lost, (op, ledger, src, out, bits))
-        except (SwitchUnreachableError, LimitExceededError):
-            # the switch failed the call otherwise (it stopped answering): the
-            # same account, for a caller that settles calls elsewhere
+        except SwitchMLError:
+            # the switch failed the call otherwise (it stopped answering, or the job
+            # failed there): the same account, for a caller that settles calls elsewhere
             if resumable and self._role is not None and self.lost is None:
                 self.lost = self._lost_state(self._kept, (op, ledger, src, out, bits),
                                              self._role)
@@ -753,6 +763,7 @@ class Worker:
             self._resume(lost, None)
         except SwitchMLError as exc:
             self._failure = self._failure or exc
+            self.failure_noted.set()  # (``lost`` written where it could be)
 
     def _resume(self, lost: _SwitchLost, call):
         """Rejoin a restarted switch and finish ``call`` (op, ledger, src, out, bits;

@@ -43,8 +43,11 @@ too.  A job formed again (new workers) on the switches left works.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -58,7 +61,7 @@ from ..errors import (
 )
 from .calls import AllreduceHandle, check_call
 
-__all__ = ["MultiSwitchWorker", "part_bounds"]
+__all__ = ["MultiSwitchWorker", "PartState", "part_bounds"]
 
 
 def part_bounds(size: int, unit: int, parts: int) -> list[tuple[int, int]]:
@@ -73,6 +76,21 @@ def part_bounds(size: int, unit: int, parts: int) -> list[tuple[int, int]]:
         bounds.append((min(first * unit, size), min(last * unit, size)))
         first = last
     return bounds
+
+
+@dataclass
+class PartState:
+    """Where one channel stopped, once the job failed (``MultiSwitchWorker.part_states``):
+    ``call``, the number of this worker's first call whose part on the channel did not
+    end (every part of an earlier call did; a call from it on holds its input
+    there, but where ``lost`` says otherwise); ``start``, ``stop``: that part's
+    elements, if it was queued on the channel (None: the channel was idle); ``lost``:
+    the channel's ``Worker.lost``."""
+
+    call: int
+    start: int | None
+    stop: int | None
+    lost: Any
 
 
 class MultiSwitchWorker:
@@ -129,6 +147,12 @@ class MultiSwitchWorker:
         self._failure: SwitchMLError | None = None
         self._closed = False
         self._last_call: _Gather | None = None  # the call queued last (calls end in order)
+        self._calls = 0  # calls made, numbered from 0
+        self._queued_through = -1  # the last call whose parts went to the channels
+        # each channel's parts not ended well: (call number, start, stop), in call order
+        self._unfinished: list[list[tuple[int, int, int]]] = [[] for _ in self.channels]
+        self._parts_running = 0
+        self._parts_idle = threading.Condition(self._lock)
         for k, joined in enumerate(self.channels):
             joined.on_failure = lambda error, k=k: self._switch_failed(error, k)
         self._share_the_window()
@@ -183,17 +207,22 @@ class MultiSwitchWorker:
         if self._closed:
             raise SwitchMLError("this worker is closed")
         future: Future = Future()
-        if self._failure is not None:
-            future.set_exception(self._failure)
-            return AllreduceHandle(future)
-        unit = self.membership.packet_elements * (2 if bits == 16 else 1)
-        flat_src, flat_out = src.reshape(-1), out.reshape(-1)
-        parts = [(k, start, stop) for k, (start, stop)
-                 in enumerate(part_bounds(src.size, unit, len(self.channels)))
-                 if stop > start]
         with self._lock:
-            gather = _Gather(self, future, out, src.size, len(parts), self._last_call)
-            self._last_call = gather
+            number, self._calls = self._calls, self._calls + 1
+            failure = self._failure
+            if failure is None:
+                parts = self.parts(src.size, bits)
+                gather = _Gather(self, future, out, src.size, len(parts), self._last_call,
+                                 number)
+                self._last_call = gather
+                self._queued_through = number
+                for k, start, stop in parts:
+                    self._unfinished[k].append((number, start, stop))
+                self._parts_running += len(parts)
+        if failure is not None:
+            future.set_exception(failure)
+            return AllreduceHandle(future)
+        flat_src, flat_out = src.reshape(-1), out.reshape(-1)
         if not parts:  # an empty array: nothing to sum, as on one switch
             gather.parts_done()
         for k, start, stop in parts:
@@ -202,6 +231,53 @@ class MultiSwitchWorker:
             handle.add_done_callback(
                 lambda h, k=k, start=start, stop=stop: gather.part_done(h, k, start, stop))
         return AllreduceHandle(future)
+
+    def parts(self, size: int, bits: int | None = None) -> list[tuple[int, int, int]]:
+        """The parts (switch k, start, stop) of a call of ``size`` values on ``bits``'
+        wire (None: the job's)."""
+        bits = self._wire_bits if bits is None else bits
+        unit = self.membership.packet_elements * (2 if bits == 16 else 1)
+        return [(k, start, stop) for k, (start, stop)
+                in enumerate(part_bounds(size, unit, len(self.channels))) if stop > start]
+
+    @property
+    def recoverable_in_place(self) -> bool:
+        """``Worker.recoverable_in_place``, on every channel."""
+        return all(channel.recoverable_in_place for channel in self.channels)
+
+    @recoverable_in_place.setter
+    def recoverable_in_place(self, value: bool) -> None:
+        for channel in self.channels:
+            channel.recoverable_in_place = value
+
+    @property
+    def calls_queued(self) -> int:
+        """The calls whose parts went to the switches (the later ones failed at once)."""
+        return self._queued_through + 1
+
+    def part_states(self, timeout: float) -> list[PartState]:
+        """After the job failed: where each channel stopped (``PartState``), once no
+        part runs any more (each ends within its channel's abort; None past
+        ``timeout`` seconds)."""
+        deadline = time.monotonic() + timeout
+        with self._parts_idle:
+            if not self._parts_idle.wait_for(lambda: self._parts_running == 0, timeout):
+                raise SwitchMLError(f"job '{self.job}': parts still running {timeout:g}s "
+                                    "after the job failed")
+        for k, channel in enumerate(self.channels):
+            if not channel.failure_noted.wait(max(0.0, deadline - time.monotonic())):
+                raise SwitchMLError(f"job '{self.job}': {self._name(k)}'s worker did not "
+                                    f"see the job fail within {timeout:g}s")
+        with self._parts_idle:
+            states = []
+            for k, channel in enumerate(self.channels):
+                if self._unfinished[k]:
+                    number, start, stop = self._unfinished[k][0]
+                    states.append(PartState(number, start, stop, channel.lost))
+                else:
+                    states.append(PartState(self._queued_through + 1, None, None,
+                                            channel.lost))
+            return states
 
     def close(self) -> None:
         """Leave the job on every switch (after queued allreduces finish)."""
@@ -317,8 +393,9 @@ class _Gather:
     before it has completed; its error is the ``most_telling`` of its parts'."""
 
     def __init__(self, worker: MultiSwitchWorker, future: Future, out: np.ndarray, size: int,
-                 parts: int, previous: _Gather | None):
+                 parts: int, previous: _Gather | None, number: int):
         self._worker = worker
+        self._number = number
         self._future = future
         self._out = out
         self._size = size
@@ -345,6 +422,12 @@ class _Gather:
             self._worker._fail(failure, k)
         if last:
             self.parts_done()
+        worker = self._worker
+        with worker._parts_idle:
+            if failure is None:
+                worker._unfinished[k].remove((self._number, start, stop))
+            worker._parts_running -= 1
+            worker._parts_idle.notify_all()
 
     def parts_done(self) -> None:
         """Every part is back: complete now, or once the call before has."""
