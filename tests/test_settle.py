@@ -1,7 +1,8 @@
 """Settling a local stage's half-summed calls through gloo (switchml/torch/settle.py),
 rank by rank in threads over an exchange that stands in for the gloo group: every
 rank still in the call ends with the exact sum, whatever each held, and a part
-nobody can give is an error on every rank, never a wrong sum."""
+nobody can give is an error on every rank, never a wrong sum.  And what gloo sums
+of each call of a job over several switches, once their parts are settled."""
 
 import threading
 
@@ -11,7 +12,12 @@ import pytest
 pytest.importorskip("torch", reason="the torch extra is not installed")
 
 from switchml.errors import SwitchMLError  # noqa: E402
-from switchml.torch.settle import KEPT_SEGMENTS, Ranks, settle_segments  # noqa: E402
+from switchml.torch.settle import (  # noqa: E402
+    KEPT_SEGMENTS,
+    PartsPlan,
+    Ranks,
+    settle_segments,
+)
 
 SEGMENT, SIZE, WORLD = 8, 37, 4  # 5 segments, the last of 5 elements
 
@@ -110,3 +116,22 @@ def test_a_segment_no_rank_holds_whose_inputs_are_gone_is_an_error_everywhere():
     results, _ = run([("ended", [4]), ("in", 3), ("in", 3), ("in", 3)])
     for result in results:
         assert isinstance(result, SwitchMLError) and "segment 3" in str(result), result
+
+
+def test_over_several_switches_gloo_sums_what_no_rank_holds_of_each_call_once():
+    """Switch 0 stopped at call 5, which a rank had ended (its part filled on every
+    rank from what that rank kept); switch 1 at call 4, of which chunks 10-19 and
+    30-39 of the part were held nowhere; switch 2 at call 6, untouched.  Earlier
+    parts are sums on every rank; later ones are inputs: summed whole."""
+    plan = PartsPlan(behind=[5, 4, 6], filled=[True, False, False],
+                     left=[None, [slice(10, 20), slice(30, 40)], None],
+                     firsts=[4, 4, 5], through=7)
+
+    def parts(n):  # three switches, 100 values each, the last part shorter
+        return [(k, 100 * k, min(n, 100 * (k + 1))) for k in range(3) if 100 * k < n]
+
+    assert plan.spans(3, parts(300)) == []
+    assert plan.spans(4, parts(300)) == [slice(110, 120), slice(130, 140)]
+    assert plan.spans(5, parts(300)) == [slice(100, 200)]  # switch 0's part: filled
+    assert plan.spans(6, parts(250)) == [slice(0, 100), slice(100, 200), slice(200, 250)]
+    assert plan.spans(7, parts(150)) == [slice(0, 100), slice(100, 150)]  # two switches'

@@ -1,5 +1,6 @@
 """torch.distributed backend and DDP hook: real processes, a real switch."""
 
+import functools
 import json
 import os
 import socket
@@ -31,6 +32,13 @@ def launch(world, *args, timeout=120, env=None, job=JOB, rank_env=None):
     """Run ``job`` (tests/torch_job.py) as ``world`` ranks; return each rank's RESULT
     (if it printed one).  ``rank_env(rank)``: variables of that rank's own."""
     return collect(start(world, *args, env=env, job=job, rank_env=rank_env), timeout)
+
+
+@functools.cache
+def gloo_ddp(world, steps):
+    """DDP on gloo, ``steps`` steps of ``world`` ranks: each rank's RESULT (the same
+    every time: the reference of several tests, run once)."""
+    return launch(world, "ddp", "gloo", steps)
 
 
 def start(world, *args, env=None, job=JOB, rank_env=None):
@@ -71,8 +79,8 @@ def collect(procs, timeout=120):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ddp_on_switchml_matches_gloo(world):
-    ours = launch(world, "ddp", "switchml", 20)
-    theirs = launch(world, "ddp", "gloo", 20)
+    ours = launch(world, "ddp", "switchml", 10)
+    theirs = gloo_ddp(world, 10)
     a = torch.tensor(ours[0]["params"])
     for r in ours[1:]:
         assert torch.equal(torch.tensor(r["params"]), a)  # replicas stay identical
@@ -88,7 +96,7 @@ def test_ranks_that_share_hosts_combine_through_the_store():
     1 and 2 ranks) sums right."""
     ours = launch(4, "local", "switchml", env={"SWITCHML_LOCAL_STAGE": "1"},
                   rank_env=lambda r: {"SWITCHML_LOCAL_GROUP": str(r // 2)})
-    theirs = launch(4, "ddp", "gloo", 10)
+    theirs = gloo_ddp(4, 10)
     b = torch.tensor(theirs[0]["params"])
     for r in ours:
         assert r["worker"] == "LocalStageWorker" and r["groups"] == [[0, 1], [2, 3]]
@@ -146,7 +154,7 @@ def test_every_collective_works_through_the_backend():
 
 def test_ddp_comm_hook_on_a_gloo_group_matches_gloo():
     hooked = launch(2, "hook", "gloo", 10)
-    plain = launch(2, "ddp", "gloo", 10)
+    plain = gloo_ddp(2, 10)
     a, b = torch.tensor(hooked[0]["params"]), torch.tensor(plain[0]["params"])
     assert torch.equal(torch.tensor(hooked[1]["params"]), a)
     assert torch.allclose(a, b, atol=1e-4)
@@ -156,7 +164,7 @@ def test_ddp_comm_hook_on_a_gloo_group_matches_gloo():
 def test_ddp_comm_hook_on_the_16_bit_wire_trains_like_gloo_with_half_the_bytes():
     narrow = launch(2, "hook16", "gloo", 10)
     wide = launch(2, "hook", "gloo", 10)
-    plain = launch(2, "ddp", "gloo", 10)
+    plain = gloo_ddp(2, 10)
     a, b = torch.tensor(narrow[0]["params"]), torch.tensor(plain[0]["params"])
     assert torch.equal(torch.tensor(narrow[1]["params"]), a)  # the same on every rank
     assert torch.allclose(a, b, atol=1e-2) and not torch.equal(a, b)

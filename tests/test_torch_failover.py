@@ -82,7 +82,8 @@ def test_a_switch_killed_mid_training_is_an_error_in_the_script_not_a_crash(tmp_
     ... to Tensor").  With fallback off, the named error reaches the script on every
     rank (``collect`` fails on a rank killed by a signal)."""
     results, address = run_with_switch_faults(tmp_path, scenario, steps=5, kill_at=2,
-                                              env={"SWITCHML_FALLBACK": "0"})
+                                              env={"SWITCHML_FALLBACK": "0",
+                                                   "SWITCHML_TIMEOUT": "2"})
     for out in results:
         assert out["steps"] == 2, out["steps"]
         assert "SwitchUnreachableError" in out["error"] and address in out["error"], out["error"]

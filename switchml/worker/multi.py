@@ -37,7 +37,11 @@ naming the switch and the part: a mismatch, else an unreachable switch, else the
 first in time (a timeout on one switch may only relay another rank's giving up
 over a dead switch); every later call raises it again.  A switch that fails the
 job or goes away between calls makes the worker let go of the others at once
-too.  A job formed again (new workers) on the switches left works.
+too.  A job formed again (new workers) on the switches left works.  Where the
+caller recovers calls in place (``recoverable_in_place``, the torch backend's
+fallback), ``part_states`` says where each switch's parts stopped once the job
+failed, each with its channel's ``lost``: a call's part on one switch holds its
+sum, its input, or chunks of each, as a call on one switch does.
 """
 
 from __future__ import annotations
