@@ -261,8 +261,8 @@ class MultiSwitchWorker:
 
     def part_states(self, timeout: float) -> list[PartState]:
         """After the job failed: where each channel stopped (``PartState``), once no
-        part runs any more (each ends within its channel's abort; None past
-        ``timeout`` seconds)."""
+        part runs any more and every channel's thread has seen the failure (each
+        within its channel's abort); a ``SwitchMLError`` past ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         with self._parts_idle:
             if not self._parts_idle.wait_for(lambda: self._parts_running == 0, timeout):
