@@ -80,11 +80,15 @@ class Ranks:
             at += s.stop - s.start
 
 
-def _held_from_peers(ranks: Ranks, lost: Lost, what: str) -> list[slice] | None:
+def _held_from_peers(ranks: Ranks, lost: Lost, at: int, behind: int, ahead: bool,
+                     what: str) -> list[slice] | None:
     """resume.py's two exchanges, through gloo: the chunks any rank holds of the
-    call in flight then held by every rank; the spans of it that gloo is to sum
-    (no rank held them, or an inf or NaN held them back), None: all of it (its
-    array untouched, or none in flight)."""
+    call in flight (this rank's call ``at``; ``what``: call ``behind``, the
+    earliest, in words) then held by every rank; the spans of it that gloo is to
+    sum (no rank held them, or an inf or NaN held them back), None: all of it (its
+    array untouched, or none in flight).  The same on every rank at the same call,
+    and where some are ``ahead`` (at ``behind + 1``), nothing left behind and
+    nothing summed ahead, or every rank raises."""
     def exchange(values: np.ndarray) -> np.ndarray:
         summed = values.copy()
         ranks.sum(summed)
@@ -95,10 +99,22 @@ def _held_from_peers(ranks: Ranks, lost: Lost, what: str) -> list[slice] | None:
     except ResumeError as exc:
         raise SwitchMLError(f"{what} cannot be settled: {exc}") from None
     ledger = lost.ledger if lost.in_call else None
-    if ledger is None:
-        return None
-    chunks = sorted(set(left) | lost.nonfinite)
-    return [ledger.span(c) for c in chunks] if len(chunks) < ledger.chunks else None
+    spans: list[slice] | None = None
+    if ledger is not None:
+        chunks = sorted(set(left) | lost.nonfinite)
+        if len(chunks) < ledger.chunks:
+            spans = [ledger.span(c) for c in chunks]
+    # what each rank does next, the same wherever ranks stand at the same call
+    rows = ranks.rows([at, -1 if spans is None else sum(s.stop - s.start for s in spans)])
+    if ahead and (any(row[1] != 0 for row in rows if row[0] == behind)
+                  or any(row[1] != -1 for row in rows if row[0] > behind)):
+        # the ranks behind end call `behind` here, those ahead sum their call whole
+        raise SwitchMLError(f"{what} is on no rank whole after the switch went away "
+                            f"({rows})")
+    if len({tuple(row) for row in rows if row[0] == at}) > 1:
+        raise SwitchMLError(f"ranks at call {at} disagree on what is left of {what}: "
+                            f"{rows}")
+    return spans
 
 
 def settle_resumed(ranks: Ranks, name: str, first: int, behind: int, ahead: bool,
@@ -108,17 +124,7 @@ def settle_resumed(ranks: Ranks, name: str, first: int, behind: int, ahead: bool
     (``ahead``: some rank's is ``behind + 1``).  None: nothing of it was summed
     anywhere, gloo is to sum it whole; else it holds its sum, and True says gloo
     summed some of it."""
-    spans = _held_from_peers(ranks, lost, f"{name}: the calls the switch left")
-    # what each rank does next, the same wherever ranks stand at the same call
-    rows = ranks.rows([first, -1 if spans is None else sum(s.stop - s.start for s in spans)])
-    if ahead and (any(row[1] != 0 for row in rows if row[0] == behind)
-                  or any(row[1] != -1 for row in rows if row[0] > behind)):
-        # the ranks behind end call `behind` here, those ahead sum their call whole
-        raise SwitchMLError(f"{name}: call {behind}'s sum is on no rank whole after the "
-                            f"switch went away ({rows})")
-    if len({tuple(row) for row in rows if row[0] == first}) > 1:
-        raise SwitchMLError(f"{name}: ranks at call {first} disagree on what is left of "
-                            f"it: {rows}")
+    spans = _held_from_peers(ranks, lost, first, behind, ahead, f"{name}: call {behind}")
     if spans is None:
         return None
     if spans:
@@ -252,7 +258,9 @@ def settle_parts(ranks: Ranks, name: str, first: int, through: int,
         elif not ahead and any(f & _SPARSE for f in flags):
             plan.left.append(None)  # summed apart: every rank's array holds its input
         else:
-            plan.left.append(_settle_part(ranks, name, k, st, behind, bool(ahead)))
+            plan.left.append(_held_from_peers(  # as settle_resumed settles a call
+                ranks, st.lost, st.call, behind, bool(ahead),
+                f"{name}: the part on switch {k + 1} of call {behind}"))
     return plan
 
 
@@ -269,19 +277,3 @@ def _broadcast_whole(ranks: Ranks, st: PartState, behind: int, source: int, size
     else:
         place = np.empty(size, dtype)
     ranks.broadcast(place, source)
-
-
-def _settle_part(ranks: Ranks, name: str, k: int, st: PartState, behind: int,
-                 ahead: bool) -> list[slice] | None:
-    """Switch k's part ``behind`` settled as ``settle_resumed`` settles a call; the
-    spans of it that gloo sums (None: all)."""
-    spans = _held_from_peers(ranks, st.lost, f"{name}: the parts switch {k + 1} left")
-    rows = ranks.rows([st.call, -1 if spans is None else sum(s.stop - s.start for s in spans)])
-    if ahead and (any(row[1] != 0 for row in rows if row[0] == behind)
-                  or any(row[1] != -1 for row in rows if row[0] > behind)):
-        raise SwitchMLError(f"{name}: the part on switch {k + 1} of call {behind} is on no "
-                            f"rank whole after the switches went away ({rows})")
-    if not ahead and len({tuple(row) for row in rows}) > 1:
-        raise SwitchMLError(f"{name}: ranks disagree on what is left of the part on switch "
-                            f"{k + 1} of call {behind}: {rows}")
-    return spans

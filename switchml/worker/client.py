@@ -36,11 +36,7 @@ from ..config import (
     local_stage_on,
     switch_addresses,
 )
-from ..errors import (
-    SwitchMLError,
-    SwitchMLTimeoutError,
-    SwitchUnreachableError,
-)
+from ..errors import SwitchMLError, SwitchMLTimeoutError, SwitchUnreachableError
 from ..netutil import (
     drain_error_queue,
     enable_keepalive,

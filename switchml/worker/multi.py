@@ -279,8 +279,7 @@ class MultiSwitchWorker:
                     number, start, stop = self._unfinished[k][0]
                     states.append(PartState(number, start, stop, channel.lost))
                 else:
-                    states.append(PartState(self._queued_through + 1, None, None,
-                                            channel.lost))
+                    states.append(PartState(self.calls_queued, None, None, channel.lost))
             return states
 
     def close(self) -> None:
