@@ -6,10 +6,14 @@ int32), once with ``SWITCHML_PURE_PYTHON=1`` and once on the C engine.  Per
 engine it reports the slowest rank's median time per call and the workers' CPU
 (user + sys, of the whole worker process: the I/O thread is where the work is)
 per MiB summed, and writes everything as JSON.  With ``--density`` the calls are
-sparse (OmniReduce) on block-sparse tensors of that block density.
+sparse (OmniReduce) on block-sparse tensors of that block density.  With
+``--threads N`` each rank sends with N I/O threads (``Worker(threads=N)``; the
+switch's data threads: ``--switch-threads``); goodput is each rank's, in MiB/s
+and Gbit/s of allreduced data.
 
     python bench/worker_core.py --mib 64 --workers 2 --packet-elements 2048
     python bench/worker_core.py --mib 64 --workers 4 --density 0.1
+    python bench/worker_core.py --engines c --workers 2 --threads 4 --switch-threads 8
 
 Loopback on a shared host: the switch and the workers compete for the same
 cores, so times say more about CPU than about a network.
@@ -53,7 +57,7 @@ def _switch_main(options, address_q, stop_ev):
 
 
 def _worker_main(engine, address, rank, world, elements, dtype, density, warmup, repeats, job,
-                 report_q):
+                 threads, report_q):
     os.environ["SWITCHML_PURE_PYTHON"] = "1" if engine == "python" else "0"
     import switchml
     from switchml.worker.engine import compiled
@@ -61,7 +65,8 @@ def _worker_main(engine, address, rank, world, elements, dtype, density, warmup,
     out = np.empty_like(data)
     sparse = density is not None
     # each process a host of its own: the engine and the switch path are measured
-    with switchml.Worker(address, rank, world, job=job, timeout=60, local_stage=False) as w:
+    with switchml.Worker(address, rank, world, job=job, timeout=60, local_stage=False,
+                         threads=threads) as w:
         for _ in range(warmup):
             w.allreduce(data, out, sparse=sparse)
         times, cpu, system = [], [], []
@@ -82,7 +87,7 @@ def run_engine(ctx, engine, address, args, elements):
     procs = [ctx.Process(target=_worker_main,
                          args=(engine, address, r, args.workers, elements, args.dtype,
                                args.density, args.warmup, args.repeats, f"bench-{engine}",
-                               report_q))
+                               args.threads, report_q))
              for r in range(args.workers)]
     for p in procs:
         p.start()
@@ -99,6 +104,7 @@ def run_engine(ctx, engine, address, args, elements):
         "median_s": float(statistics.median(per_call)),
         "min_s": float(per_call.min()),
         "goodput_MiBps_per_worker": mib / float(statistics.median(per_call)),
+        "goodput_Gbps_per_worker": mib * 2**20 * 8 / 1e9 / float(statistics.median(per_call)),
         "cpu_s_per_call_per_worker": cpu,
         "cpu_ms_per_MiB_per_worker": float(statistics.mean(cpu)) / mib * 1e3,
         "sys_ms_per_MiB_per_worker": float(statistics.mean(system)) / mib * 1e3,
@@ -156,6 +162,11 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--threads", type=int, default=1,
+                        help="I/O threads a rank sends with (default 1)")
+    parser.add_argument("--switch-threads", type=int, default=None,
+                        help="the switch's data threads (default: its own, a quarter of "
+                             "the cores)")
     parser.add_argument("--density", type=float, default=None,
                         help="sparse calls on block-sparse tensors of this block density")
     parser.add_argument("--json", default=os.path.join(ROOT, "bench", "results",
@@ -168,7 +179,8 @@ def main(argv=None):
     ctx = mp.get_context("spawn")
     address_q, stop_ev = ctx.Queue(), ctx.Event()
     options = {"packet_elements": args.packet_elements,
-               "block_elements": block_of(args.packet_elements), "slots_per_job": args.slots}
+               "block_elements": block_of(args.packet_elements), "slots_per_job": args.slots,
+               "threads": args.switch_threads}
     switch = ctx.Process(target=_switch_main, args=(options, address_q, stop_ev), daemon=True)
     switch.start()
     address = address_q.get(timeout=60)
@@ -180,16 +192,19 @@ def main(argv=None):
         stop_ev.set()
         switch.join(10)
     kind = "dense" if args.density is None else f"sparse (density {args.density:g})"
-    print(f"{kind} allreduce of {args.mib:g} MiB {args.dtype}, {args.workers} workers, "
-          f"{args.packet_elements} values a packet, loopback ({os.cpu_count()} cores)")
-    print(f"{'engine':8} {'median s':>9} {'MiB/s':>8} {'CPU ms/MiB':>11} {'of it sys':>10} "
-          f"{'retrans':>8}")
+    print(f"{kind} allreduce of {args.mib:g} MiB {args.dtype}, {args.workers} workers of "
+          f"{args.threads} thread(s), {args.packet_elements} values a packet, loopback "
+          f"({os.cpu_count()} cores)")
+    print(f"{'engine':8} {'median s':>9} {'MiB/s':>8} {'Gbit/s':>7} {'CPU ms/MiB':>11} "
+          f"{'of it sys':>10} {'retrans':>8}")
     for r in results:
         print(f"{r['engine']:8} {r['median_s']:9.3f} {r['goodput_MiBps_per_worker']:8.1f} "
+              f"{r['goodput_Gbps_per_worker']:7.2f} "
               f"{r['cpu_ms_per_MiB_per_worker']:11.2f} {r['sys_ms_per_MiB_per_worker']:10.2f} "
               f"{sum(r['retransmissions']):8d}")
     record = {"argv": sys.argv[1:], "mib": args.mib, "workers": args.workers,
               "packet_elements": args.packet_elements, "slots": args.slots,
+              "threads": args.threads, "switch_threads": args.switch_threads,
               "dtype": args.dtype, "density": args.density, "host": platform.node(),
               "cpus": os.cpu_count(),
               "results": results}

@@ -40,6 +40,11 @@ SWITCHML_WORKER_GSO         0: the worker's C engine sends one       1
 SWITCHML_WORKER_GRO         0: the worker's C engine receives one    1
                             datagram a call instead of whole runs
                             (UDP_GRO)
+SWITCHML_WORKER_THREADS     I/O threads a rank sends its calls       one per
+                            with, each with a socket and a share     10 Gbit/s
+                            of the job's slots of its own (the job   of link
+                            takes the least any rank asks for;       (1 to 8)
+                            ``auto_worker_threads``)
 SWITCHML_METRICS_PORT       a switch's Prometheus port               (none)
 SWITCHML_KEEPALIVE          seconds within which a vanished peer     20
                             of a control connection is noticed
@@ -138,6 +143,30 @@ def auto_switch_threads(cores: int | None = None) -> int:
     serving thread draining the socket itself, as on four."""
     cores = os.cpu_count() if cores is None else cores
     return max(1, min(MAX_AUTO_SWITCH_THREADS, (cores or 1) // 4))
+
+
+#: A worker's I/O threads by default at most.
+MAX_AUTO_WORKER_THREADS = 8
+#: Link speed one worker I/O thread keeps up with, in Mbit/s: its C engine sums
+#: about 0.5 ms of one core a MiB of allreduce (``bench/worker_core.py``), some
+#: 16 Gbit/s, less on slower cores; 10 leaves room for them.
+WORKER_THREAD_MBIT = 10_000
+
+
+def auto_worker_threads(link_mbit: int | None, senders: int = 1,
+                        cores: int | None = None) -> int:
+    """A rank's I/O threads where none are asked for: one per
+    ``WORKER_THREAD_MBIT`` of its link (``link_mbit``, the speed its interface
+    reports), at most half the cores (``os.cpu_count()``) shared by the
+    ``senders`` that send through that link at once (the host's ranks, or its
+    shards), and 1 to ``MAX_AUTO_WORKER_THREADS``.  A link that reports no speed
+    (loopback, a veth's nominal one aside) gets one thread: on one host the
+    switch and the kernel need the other cores."""
+    if not link_mbit:
+        return 1
+    cores = os.cpu_count() if cores is None else cores
+    by_cores = (cores or 1) // (2 * max(1, senders))
+    return max(1, min(MAX_AUTO_WORKER_THREADS, by_cores, -(-link_mbit // WORKER_THREAD_MBIT)))
 
 
 #: A switch's data threads at most (switch/dataplane/fastpath.h FP_MAX_THREADS)

@@ -162,6 +162,42 @@ def route_mtu(address: tuple) -> int:
             return FALLBACK_MTU
 
 
+#: ioctl that reads an interface's IPv4 address (linux/sockios.h)
+_SIOCGIFADDR = 0x8915
+
+
+def interface_of(local_ip: str) -> str | None:
+    """The name of the interface holding the IPv4 address ``local_ip`` (None: none
+    found, or not Linux)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                answer = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR,
+                                     struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(answer[20:24]) == local_ip:
+                return name
+    return None
+
+
+def route_link_mbit(address: tuple) -> int | None:
+    """The speed, in Mbit/s, of the interface the route to ``address`` (host, port)
+    leaves by, as its driver reports it (``/sys/class/net/*/speed``); None where
+    none is reported (loopback, most virtual interfaces, a link down)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)  # picks the route; sends nothing
+            name = interface_of(probe.getsockname()[0])
+        if name is None:
+            return None
+        with open(f"/sys/class/net/{name}/speed") as speed:
+            mbit = int(speed.read())
+    except (OSError, ValueError):
+        return None
+    return mbit if mbit > 0 else None
+
+
 def forbid_fragmentation(sock: socket.socket, forbid: bool = True) -> None:
     """Set DF on a UDP socket's datagrams: one too large for the path fails to send
     (EMSGSIZE) instead of leaving as IP fragments, which no switch can parse and

@@ -42,6 +42,8 @@ MAX_NAME = 200
 MIN_MTU = 68
 #: Most rows a status query asks for; the rest are ignored.
 MAX_STATUS_ROWS = 4096
+#: Most I/O threads a rank sends one job's calls with (``Join.threads``).
+MAX_WORKER_THREADS = 64
 #: Most ranks a gather takes (ranks, not hosts: the switch's 32 members of a job
 #: are hosts once the ranks of a host combine).
 MAX_GATHER_RANKS = 4096
@@ -140,6 +142,9 @@ class Join(Request):
     #: The rank's job ran on a switch at this address that went away (a restarted
     #: switch counts the job as rejoined; it is otherwise a join like any other).
     rejoin: bool = False
+    #: I/O threads the rank would send with, each a job of its own on the switch
+    #: (``multi.py``): the job takes the least any rank asks for (``Ready.threads``).
+    threads: int = 1
 
     def fields(self) -> dict:
         out = {"version": self.version, "job": self.job, "rank": self.rank,
@@ -151,6 +156,8 @@ class Join(Request):
             out["key"] = self.key
         if self.rejoin:
             out["rejoin"] = True
+        if self.threads != 1:
+            out["threads"] = self.threads
         return out
 
     @classmethod
@@ -174,7 +181,8 @@ class Join(Request):
         share = _integer(msg, "link_share", 1, MAX_GATHER_RANKS, 1)
         return cls(job, rank, world, address, slots, rcvbuf, mtu, msg.get("wait") is True,
                    link_share=share, key=_hex(msg, "key", KEY_HEX),
-                   rejoin=msg.get("rejoin") is True)
+                   rejoin=msg.get("rejoin") is True,
+                   threads=_integer(msg, "threads", 1, MAX_WORKER_THREADS, 1))
 
 
 @dataclass(frozen=True)
@@ -380,6 +388,10 @@ class Ready(Event):
     #: reach its data plane whole (the XDP program sees a sender's run before the
     #: kernel cuts it), so the workers send each datagram apart.
     gso: bool = field(default=True, kw_only=True)
+    #: I/O threads every rank of the job sends with: the least its ranks asked for
+    #: (``Join.threads``); ``slot_count`` and ``link_window`` are one thread's
+    #: share.  1: one (a rack switch's, an older switch's).
+    threads: int = field(default=1, kw_only=True)
 
     def fields(self) -> dict:
         out = {"session": self.session, "slot_base": self.slot_base,
@@ -390,6 +402,8 @@ class Ready(Event):
             out["link_window"] = self.link_window
         if not self.gso:
             out["gso"] = False
+        if self.threads != 1:
+            out["threads"] = self.threads
         return out
 
 
@@ -583,7 +597,9 @@ def decode_event(msg) -> Event | None:
                                                lambda v: v is None or _is_int(v),
                                                "an integer", None),
             token=_field(msg, "token", _is_int, "an integer", 0),
-            gso=_field(msg, "gso", lambda v: isinstance(v, bool), "true or false", True))
+            gso=_field(msg, "gso", lambda v: isinstance(v, bool), "true or false", True),
+            threads=_field(msg, "threads", lambda v: _is_int(v) and v >= 1,
+                           "a positive integer", 1))
     if name == "rack_ready":
         session, base, count, packet, block, port, member, members = (
             _field(msg, key, _is_int, "an integer") for key in (

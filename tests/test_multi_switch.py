@@ -445,6 +445,7 @@ def test_a_mismatch_relayed_to_the_other_parts_first_still_names_its_own_part():
             aborted.append(error)
 
     worker.switch_addresses = [("10.0.0.1", 7300), ("10.0.0.2", 7300), ("10.0.0.3", 7300)]
+    worker._channel_at = [(address, 0) for address in worker.switch_addresses]
     worker.channels = [Channel(), Channel(), Channel()]
     worker._lock = threading.Lock()
     worker._failure = None
@@ -610,3 +611,132 @@ def test_abort_from_another_thread_fails_the_call_and_frees_the_slots(switches, 
     assert "elsewhere:1" in str(theirs) and their_elapsed < 5.0
     assert wait_for(lambda: sw.stats()["free_slots"] == SLOTS)
     assert sw.stats()["counters"]["jobs_failed"] == 1
+
+
+# ------------------------------------------------------------------ threads of one rank
+def run_threaded(where, inputs, threads, job, calls):
+    """Each rank's results of ``calls`` (keyword sets for ``allreduce``), sent with
+    ``threads[rank]`` I/O threads, and rank 0's channels' (job name, slot count)."""
+    def body(rank):
+        with switchml.Worker(where, rank, len(inputs), job=job, timeout=10,
+                             threads=threads[rank]) as w:
+            results = [w.allreduce(inputs[rank], **call) for call in calls]
+            channels = w.channels if isinstance(w, MultiSwitchWorker) else [w]
+            return results, [(c.job, c.membership.slot_count) for c in channels]
+
+    return run_ranks(len(inputs), body)
+
+
+THREAD_CALLS = [{}, {"bits": 16}, {"sparse": True}]
+
+
+def test_threads_of_a_rank_are_bit_identical_to_one_thread_each_a_job_with_its_share(
+        switches):
+    """Three threads a rank: three jobs on the switch (the job's name, then #1, #2),
+    each with a third of the job's slots, and every call's bytes those of one
+    thread's, dense, 16-bit and sparse, infs and NaNs included (a cut inside a
+    chunk, or a part summed twice or not at all, would change them)."""
+    rng = np.random.default_rng(11)
+    inputs = [spiky(rng, 30_000 + 11) for _ in range(2)]
+    for x in inputs:
+        x[rng.random(x.size) < 0.5] = 0  # blocks of zeros and live ones: sparse runs
+    inputs[0][[7, 29_000]] = np.inf
+    inputs[1][[15_000]] = np.nan
+    one = run_threaded(address(switches[0]), inputs, [1, 1], "one-thread", THREAD_CALLS)
+    three = run_threaded(address(switches[0]), inputs, [3, 3], "three", THREAD_CALLS)
+    for (results, _), (expected, _) in zip(three, one):
+        for got, want in zip(results, expected):
+            assert_same_bytes([got], want)
+    share = -(-SLOTS_PER_JOB // 3)
+    assert three[0][1] == [("three", share), ("three#1", share), ("three#2", share)]
+    assert one[0][1] == [("one-thread", SLOTS_PER_JOB)]
+
+
+def test_ranks_asking_for_different_threads_all_send_with_the_least(switches):
+    """Rank 0 asks for 3 threads, rank 1 for 2: the switch tells both 2 (a rank on
+    more threads than another would cut its calls elsewhere: wrong sums)."""
+    rng = np.random.default_rng(12)
+    inputs = [spiky(rng, 20_000) for _ in range(2)]
+    one = run_threaded(address(switches[0]), inputs, [1, 1], "least-1", [{}])
+    mixed = run_threaded(address(switches[0]), inputs, [3, 2], "least", [{}])
+    for (results, channels), (expected, _) in zip(mixed, one):
+        assert_same_bytes(results, expected[0])
+        assert [name for name, _ in channels] == ["least", "least#1"]
+
+
+def test_threads_over_two_switches(switches):
+    """Two switches, two threads each: four parts, the bytes of one switch's."""
+    rng = np.random.default_rng(13)
+    inputs = [spiky(rng, 25_000) for _ in range(2)]
+    one = run_threaded(address(switches[0]), inputs, [1, 1], "two-by-two-1", [{}])
+    many = run_threaded([address(sw) for sw in switches[:2]], inputs, [2, 2], "two-by-two",
+                        [{}])
+    for (results, _), (expected, _) in zip(many, one):
+        assert_same_bytes(results, expected[0])
+    assert [name for name, _ in many[0][1]] == ["two-by-two", "two-by-two#1"] * 2
+
+
+def test_a_switch_killed_under_a_threaded_call_fails_every_rank_naming_it():
+    """SIGKILL while two ranks' calls are in flight on two threads each: both raise
+    ``SwitchUnreachableError`` naming the switch within the timeout."""
+    victim = SwitchProcess(packet_elements=PACKET, block_elements=BLOCK, slots=SLOTS,
+                           slots_per_job=SLOTS_PER_JOB).start()
+    try:
+        dead = "%s:%d" % victim.address
+        started = threading.Barrier(2)
+
+        def body(rank):
+            with switchml.Worker(dead, rank, 2, job="threads-killed", timeout=TIMEOUT,
+                                 threads=2) as w:
+                assert len(w.channels) == 2
+                w.allreduce(np.ones(8 * PACKET, np.float32))
+                started.wait(10)
+                start = time.monotonic()
+                if rank == 0:
+                    handle = w.allreduce_async(np.ones(8 * PACKET, np.float32))
+                    time.sleep(0.2)  # in flight: rank 1 holds back its contribution
+                    os.kill(victim._proc.pid, signal.SIGKILL)
+                else:
+                    time.sleep(0.3)
+                    handle = w.allreduce_async(np.ones(8 * PACKET, np.float32))
+                with pytest.raises(switchml.SwitchMLError) as info:
+                    handle.wait()
+                return info.value, time.monotonic() - start
+
+        for error, elapsed in run_ranks(2, body):
+            assert isinstance(error, switchml.SwitchUnreachableError), error
+            assert dead in str(error), error
+            assert elapsed < TIMEOUT + 1.0
+    finally:
+        victim.stop()
+
+
+def test_a_rank_takes_a_thread_per_10_gbits_of_its_link_unless_told(monkeypatch):
+    """One thread per 10 Gbit/s its interface reports, at most half the cores its
+    host's senders share, 1 to 8; a link of no reported speed (loopback) one;
+    SWITCHML_WORKER_THREADS wins; the join says it and an older switch's ready
+    (no field) means one."""
+    from switchml import protocol
+    from switchml.config import auto_worker_threads
+    from switchml.worker.client import worker_threads
+    assert [auto_worker_threads(mbit, cores=16) for mbit in
+            (None, 1000, 10_000, 25_000, 100_000, 400_000)] == [1, 1, 1, 3, 8, 8]
+    assert auto_worker_threads(100_000, senders=4, cores=16) == 2
+    assert auto_worker_threads(100_000, senders=8, cores=16) == 1
+    assert auto_worker_threads(25_000, cores=2) == 1
+    monkeypatch.delenv("SWITCHML_WORKER_THREADS", raising=False)
+    assert worker_threads([("127.0.0.1", 7300)]) == 1  # loopback reports no speed
+    monkeypatch.setenv("SWITCHML_WORKER_THREADS", "4")
+    assert worker_threads([("127.0.0.1", 7300)]) == 4
+    monkeypatch.setenv("SWITCHML_WORKER_THREADS", "0")
+    with pytest.raises(ValueError, match="SWITCHML_WORKER_THREADS"):
+        worker_threads([("127.0.0.1", 7300)])
+    join = protocol.Join("j", 0, 2, ("127.0.0.1", 9), threads=3)
+    assert protocol.Join.from_dict(join.fields()).threads == 3
+    assert "threads" not in protocol.Join("j", 0, 2, ("127.0.0.1", 9)).fields()
+    ready = protocol.Ready(1, 0, 8, 256, 64, 7300, threads=3)
+    assert protocol.decode_event({**ready.fields(), "event": "ready"}).threads == 3
+    older = {**protocol.Ready(1, 0, 8, 256, 64, 7300).fields(), "event": "ready"}
+    assert "threads" not in older and protocol.decode_event(older).threads == 1
+    with pytest.raises(protocol.BadRequest, match="threads"):
+        protocol.Join.from_dict({**join.fields(), "threads": 0})

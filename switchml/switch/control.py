@@ -122,6 +122,7 @@ class JobEntry:
     slot_count: int = 0                           # the window, fixed once every rank joined
     waiting: bool = False                         # complete, queued for room
     rejoined: bool = False                        # a rank said it ran on a switch here before
+    threads: int = 1                              # I/O threads a rank: the least asked for
 
     @property
     def ident(self) -> tuple:
@@ -348,7 +349,8 @@ class Controller:
         job = self.jobs.get(ident)
         created = job is None
         if job is None:
-            job = self.jobs[ident] = JobEntry(name, world, request, join.key)
+            job = self.jobs[ident] = JobEntry(name, world, request, join.key,
+                                              threads=join.threads)
         elif job.session:
             return self._refuse(
                 conn, "job_running", f"job '{name}' is already running and rank {rank} "
@@ -367,6 +369,7 @@ class Controller:
         job.conns[rank] = conn
         job.addrs[rank] = addr
         job.rejoined = job.rejoined or join.rejoin
+        job.threads = min(job.threads, join.threads)
         if rcvbuf > 0:
             job.rcvbufs[rank] = rcvbuf
         if mtu is not None:
@@ -382,6 +385,9 @@ class Controller:
             news = self._other_secrets(job, conn, rank) if created and not relayed else []
             return self._announce_present(job) + news
         job.packet_elements, job.block_elements = self._geometry(job)
+        # Each rank sends through ``threads`` jobs, one a thread, all through its one
+        # link: each gets that share of the window the link carries.
+        job.slot_request = -(-job.slot_request // job.threads)
         job.slot_count = min(job.slot_request, self.pipeline.slots, self._window_limit(job),
                              self._link_share(job))
         return self._admit_or_refuse(job)
@@ -508,7 +514,8 @@ class Controller:
                                        token=tokens[i])
                  if c in self._racks else Ready(*geometry, link_window=job.slot_request,
                                                 token=tokens[i],
-                                                gso=self.pipeline.takes_gso_runs))
+                                                gso=self.pipeline.takes_gso_runs,
+                                                threads=job.threads))
                 for i, c in enumerate(conns)]
 
     def _admit_waiting(self) -> list:

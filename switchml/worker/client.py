@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import errno
 import logging
+import os
 import queue
 import selectors
 import socket
@@ -32,6 +33,7 @@ from ..config import (
     DEFAULT_SPARSE_AUTO_MIN_LANES_COMPILED,
     DEFAULT_SPARSE_AUTO_UNION,
     DEFAULT_TIMEOUT,
+    auto_worker_threads,
     env,
     local_stage_on,
     switch_addresses,
@@ -43,10 +45,11 @@ from ..netutil import (
     enlarge_buffers,
     forbid_fragmentation,
     report_local_drops,
+    route_link_mbit,
     route_mtu,
     send_when_room,
 )
-from ..protocol import Left, StatusReply
+from ..protocol import MAX_WORKER_THREADS, Left, StatusReply
 from .calls import AllreduceHandle, check_call, narrow_result, widen
 from .control import ControlClient, JobFailed
 from .engine import compiled, nonfinite
@@ -129,6 +132,23 @@ def send_waiting(udp, datagram, address, op) -> int:
     return 0
 
 
+def worker_threads(addresses: list, senders: int = 1) -> int:
+    """The I/O threads a rank asks for where its caller names none:
+    ``SWITCHML_WORKER_THREADS``, else ``config.auto_worker_threads`` of the link its
+    route to the first switch leaves by, shared by ``senders`` (its host's ranks
+    under torchrun's ``LOCAL_WORLD_SIZE`` where that says more)."""
+    asked = env("WORKER_THREADS", None, int)
+    if asked is not None:
+        if not 1 <= asked <= MAX_WORKER_THREADS:
+            raise ValueError(f"SWITCHML_WORKER_THREADS={asked}: use 1 to {MAX_WORKER_THREADS}")
+        return asked
+    if not addresses:
+        return 1
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    senders = max(senders, int(local) if local.isdigit() else 1)
+    return auto_worker_threads(route_link_mbit(addresses[0]), senders)
+
+
 class Worker:
     """One rank of a job aggregating through a switch, or through several.
 
@@ -160,6 +180,15 @@ class Worker:
     once (the local stage passes its shard count): the job asks the switch for
     that share of a window.
 
+    ``threads``: the I/O threads this rank sends with (None: ``worker_threads``,
+    ``SWITCHML_WORKER_THREADS`` or one per 10 Gbit/s of the link).  More than one
+    returns a ``multi.MultiSwitchWorker`` whose channels share the switch: each
+    thread's part of a call goes through a job of its own there, with its own
+    socket and its share of the window.  Every rank of a job sends with the
+    least number any rank asks for (the switch tells them at join), and the
+    results are bit-identical to one thread's.  ``ask_threads`` is what a
+    channel asks for at join (``MultiSwitchWorker`` sets it).
+
     A job that does not fit in the switch (``max_jobs`` jobs run, or its window of
     ``slots`` does not fit in the free slots) is refused with
     ``LimitExceededError`` naming the limit, unless every rank passes
@@ -171,7 +200,8 @@ class Worker:
                 timeout: float | None = None, *, slots: int | None = None,
                 wait_for_slots: float | None = None, local_stage: bool | None = None,
                 hosts: Hosts | None = None, link_share: int = 1,
-                secret: str | bytes | None = None, rejoin_within: float | None = None) -> Any:
+                secret: str | bytes | None = None, rejoin_within: float | None = None,
+                threads: int | None = None, ask_threads: int = 1) -> Any:
         # Not an instance of cls, Python runs no __init__ on what this returns: one
         # switch keeps exactly this class; ranks that share hosts, or K switches, get
         # the class that runs them, whose parts are instances of this one.
@@ -195,20 +225,24 @@ class Worker:
                              or switch is not None or env("SWITCH", None) else [])
                 return LocalStageWorker(placement, hosts, addresses, job, timeout, slots=slots,
                                         wait_for_slots=wait_for_slots, channel=cls,
-                                        secret=secret, rejoin_within=rejoin_within)
+                                        secret=secret, rejoin_within=rejoin_within,
+                                        threads=threads)
         addresses = switch_addresses(switch)
-        if len(addresses) > 1:
+        if threads is None:
+            threads = worker_threads(addresses, senders=link_share)
+        if len(addresses) > 1 or threads > 1:
             return MultiSwitchWorker(addresses, rank, world_size, job, timeout, slots=slots,
                                      wait_for_slots=wait_for_slots, channel=cls,
                                      link_share=link_share, secret=secret,
-                                     rejoin_within=rejoin_within)
+                                     rejoin_within=rejoin_within, threads=threads)
         return super().__new__(cls)
 
     def __init__(self, switch=None, rank: int = 0, world_size: int = 1, job: str | None = None,
                  timeout: float | None = None, *, slots: int | None = None,
                  wait_for_slots: float | None = None, local_stage: bool | None = None,
                  hosts: Hosts | None = None, link_share: int = 1,
-                 secret: str | bytes | None = None, rejoin_within: float | None = None):
+                 secret: str | bytes | None = None, rejoin_within: float | None = None,
+                 threads: int | None = None, ask_threads: int = 1):
         (self.switch_address,) = switch_addresses(switch)  # several: __new__ took them
         self.rank = rank
         self.world_size = world_size
@@ -244,6 +278,7 @@ class Worker:
         #: of the others at once).
         self.on_failure: Callable[[SwitchMLError], None] | None = None
         self._slots = slots
+        self._ask_threads = ask_threads
         self._secret = secret if secret is not None else env("JOB_SECRET", None)
         self._protocol = self._new_protocol()
         # News that follows "ready" in the same read (a rank that left at once) must
@@ -376,6 +411,9 @@ class Worker:
         #: Whether the switch takes runs of UDP GSO segments (protocol.Ready.gso): an
         #: XDP switch asks for each datagram apart.
         self.gso = ready.gso
+        #: I/O threads every rank of the job sends with (protocol.Ready.threads): a
+        #: job over several threads joins its other threads' jobs after this one.
+        self.threads = ready.threads
         # An IPv4 address, resolved once: the C loop takes one, and no send needs a lookup.
         self._data_address = (socket.gethostbyname(self.switch_address[0]), ready.data_port)
 
@@ -406,7 +444,7 @@ class Worker:
                     self._protocol = self._new_protocol()
                 self._protocol.join(udp.getsockname(), time.monotonic(), slots=slots,
                                     rcvbuf=rcvbuf, mtu=mtu, link_share=self.link_share,
-                                    rejoin=rejoin)
+                                    rejoin=rejoin, threads=self._ask_threads)
                 # Everything ready before the connection opens, the join goes with it:
                 # a switch under a flood of connections that never join closes the
                 # oldest that have not joined (its lobby), and one that joins at once

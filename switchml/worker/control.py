@@ -138,14 +138,16 @@ class ControlClient:
     # ------------------------------------------------------------ what to send
     def join(self, data_addr: tuple[str, int], now: float, *, slots: int | None = None,
              rcvbuf: int = 0, mtu: int | None = None, link_share: int = 1,
-             rejoin: bool = False) -> None:
+             rejoin: bool = False, threads: int = 1) -> None:
         """Ask to join; the other ranks must join within ``timeout`` of ``now``.
         ``link_share``: jobs this rank's link carries at once (``protocol.Join``);
-        ``rejoin``: the job ran on a switch at this address that went away."""
+        ``rejoin``: the job ran on a switch at this address that went away;
+        ``threads``: the I/O threads this rank would send with."""
         host, port = data_addr
         self._send(protocol.Join(self.job, self.rank, self.world_size, (str(host), int(port)),
                                  slots, rcvbuf, mtu, self.wait_for_slots > 0, self.version,
-                                 link_share=link_share, key=self.key, rejoin=rejoin))
+                                 link_share=link_share, key=self.key, rejoin=rejoin,
+                                 threads=threads))
         self._join_deadline = self._deadline = now + self.timeout
 
     def gather(self, value: str, now: float) -> None:

@@ -65,7 +65,7 @@ from ..errors import (
 )
 from .calls import AllreduceHandle, check_call
 
-__all__ = ["MultiSwitchWorker", "PartState", "part_bounds"]
+__all__ = ["MultiSwitchWorker", "PartState", "part_bounds", "thread_job"]
 
 
 def part_bounds(size: int, unit: int, parts: int) -> list[tuple[int, int]]:
@@ -117,26 +117,41 @@ class MultiSwitchWorker:
     def __init__(self, addresses, rank: int, world_size: int, job: str | None = None,
                  timeout: float | None = None, *, slots: int | None = None,
                  wait_for_slots: float | None = None, channel, link_share: int = 1,
-                 secret: str | bytes | None = None, rejoin_within: float | None = None):
+                 secret: str | bytes | None = None, rejoin_within: float | None = None,
+                 threads: int = 1):
         self.switch_addresses: list[tuple[str, int]] = list(addresses)
         self.switch_address = self.switch_addresses[0]
         self.rank = rank
         self.world_size = world_size
         self.channels: list = []
+        # each channel's switch and its thread there (0: the job's own name)
+        self._channel_at: list[tuple[tuple[str, int], int]] = []
+
+        def join(address, thread, name, ask):
+            self._channel_at.append((address, thread))  # (named in its errors)
+            joined = channel(address, rank, world_size, name, timeout, slots=slots,
+                             wait_for_slots=wait_for_slots, local_stage=False,
+                             link_share=link_share, secret=secret,
+                             rejoin_within=rejoin_within, threads=1, ask_threads=ask)
+            self.channels.append(joined)
+            return joined
+
         try:
             # One after the other, in the order given: each join waits for every rank,
             # so ranks that list the switches in different orders time out at the
             # first difference instead of summing one part with another unseen.
             for k, address in enumerate(self.switch_addresses):
                 try:
-                    self.channels.append(channel(address, rank, world_size, job, timeout,
-                                                 slots=slots, wait_for_slots=wait_for_slots,
-                                                 local_stage=False, link_share=link_share,
-                                                 secret=secret, rejoin_within=rejoin_within))
+                    first = join(address, 0, job, threads)
+                    # the job's other threads: each a job of its own on the switch, as
+                    # many as the switch says every rank runs
+                    for thread in range(1, first.threads):
+                        join(address, thread, thread_job(first.job, thread), first.threads)
                 except SwitchMLTimeoutError as exc:
-                    raise renamed(exc, f"{exc} (joining {self._name(k)}, switch {k + 1} of "
-                                       f"{len(self.switch_addresses)}: every rank must list "
-                                       "the same switches in the same order)") from exc
+                    raise renamed(exc, f"{exc} (joining {self._name(len(self.channels))}, "
+                                       f"switch {k + 1} of {len(self.switch_addresses)}: "
+                                       "every rank must list the same switches in the "
+                                       "same order)") from exc
             self._check_geometry()
         except BaseException:
             for joined in self.channels:
@@ -167,7 +182,7 @@ class MultiSwitchWorker:
         switch's job would (``slots_per_job``), not K times that.  Uncapped, four
         parts on four switch servers overflow a worker's 256 KiB uplink queue:
         drops and window halvings every call, and a slower call than capped."""
-        share = len(self.channels)
+        share = len(self.switch_addresses)  # a switch's threads have their share already
         for joined in self.channels:
             window = joined.membership.window
             window.limit = max(1, min(window.limit, -(-joined.link_window // share)))
@@ -190,8 +205,9 @@ class MultiSwitchWorker:
                     "--packet-elements and --block-elements, on paths of the same MTU)")
 
     def _name(self, k: int) -> str:
-        host, port = self.switch_addresses[k]
-        return f"the switch at {host}:{port}"
+        """Channel k as errors name it."""
+        (host, port), thread = self._channel_at[k]
+        return f"the switch at {host}:{port}" + (f" (thread {thread})" if thread else "")
 
     # -------------------------------------------------------------- public API
     def allreduce(self, array, out=None, sparse=False, bits=None) -> np.ndarray:
@@ -324,7 +340,7 @@ class MultiSwitchWorker:
         if named is not None:  # the same error raised again by a later call
             return named
         where = self._name(k)
-        host, port = self.switch_addresses[k]
+        host, port = self._channel_at[k][0]
         part = (f"part {k + 1} of {len(self.channels)}: elements {start} to {stop - 1} of "
                 f"{size}")
         suffix = f" ({part})" if f"{host}:{port}" in str(error) else f" (on {where}, {part})"
@@ -356,7 +372,7 @@ class MultiSwitchWorker:
     def _switch_failed(self, error: SwitchMLError, k: int) -> None:
         """Switch k failed the job or went away, maybe between calls: let go of the
         others now, not at the next call."""
-        host, port = self.switch_addresses[k]
+        host, port = self._channel_at[k][0]
         named = renamed(error, str(error) if f"{host}:{port}" in str(error)
                         else f"{error} (on {self._name(k)})")
         named.__cause__ = error
@@ -364,6 +380,12 @@ class MultiSwitchWorker:
         named._switchml_part = True  # type: ignore[attr-defined]
         self._fail(named, k)
 
+
+
+def thread_job(job: str, thread: int) -> str:
+    """The name on the switch of a job's I/O thread ``thread`` (1 on; thread 0 runs
+    under the job's own name)."""
+    return f"{job}#{thread}"
 
 
 def renamed(error: SwitchMLError, message: str) -> SwitchMLError:

@@ -95,9 +95,11 @@ class LocalStageWorker:
     def __init__(self, placement: Placement, hosts: Hosts, addresses, job: str, timeout: float,
                  *, slots: int | None = None, wait_for_slots: float | None = None,
                  channel=None, secret: str | bytes | None = None,
-                 rejoin_within: float | None = None):
+                 rejoin_within: float | None = None, threads: int | None = None):
         self._secret = secret  # the job's: each shard job derives its key from it
-        self._rejoin_within = rejoin_within  # the shard job's worker's (client.Worker)
+        # the shard job's worker's (client.Worker)
+        self._rejoin_within = rejoin_within
+        self._threads = threads
         self.placement = placement
         self.rank = placement.rank
         self.world_size = len(placement.records)
@@ -223,7 +225,7 @@ class LocalStageWorker:
                              job=shard_job(self.job, p.shard), timeout=self.timeout,
                              slots=slots, wait_for_slots=wait_for_slots, local_stage=False,
                              link_share=p.shards, secret=self._secret,
-                             rejoin_within=self._rejoin_within)
+                             rejoin_within=self._rejoin_within, threads=self._threads)
         except SwitchMLError as exc:
             raise self._in_job_ranks(exc) from exc
         worker.on_failure = lambda error: self._fail(self._in_job_ranks(error), -1)
