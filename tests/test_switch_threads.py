@@ -7,6 +7,7 @@ steered by a classic BPF program to ``slot % N``; each thread owns those slots.
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import socket
@@ -339,3 +340,27 @@ def test_a_switch_takes_a_quarter_of_the_cores_unless_told(monkeypatch):
         for t in threads:
             t.join(30)
         assert outs[0].tobytes() == outs[1].tobytes() == (arrays[0] + arrays[1]).tobytes()
+
+
+def test_a_switch_left_to_its_default_says_why_it_is_not_on_xdp(monkeypatch, caplog):
+    """A default switch runs C and its log says why not XDP: the reason XDP cannot
+    run here, or that it runs but is not the faster one; a switch given its data
+    plane says nothing of it."""
+    from switchml.switch.xdp import loader
+    caplog.set_level(logging.INFO, logger="switchml")
+    monkeypatch.setattr(loader, "unavailable", lambda: "no clang to build the XDP program")
+    with switchml.Switch():
+        pass
+    lines = [r.getMessage() for r in caplog.records if "XDP data plane not used" in r.message]
+    assert lines == ["XDP data plane not used: it cannot run here (no clang to build the XDP "
+                     "program); C is the default"]
+    caplog.clear()
+    monkeypatch.setattr(loader, "unavailable", lambda: None)
+    with switchml.Switch():
+        pass
+    assert any("XDP data plane not used: it runs here (--data-plane xdp)" in r.message
+               for r in caplog.records)
+    caplog.clear()
+    with switchml.Switch(data_plane="c"):
+        pass
+    assert not any("XDP" in r.message for r in caplog.records)

@@ -297,6 +297,8 @@ class Switch:
                     if self.configuration.threads is None else ""),
                  " as a rack switch under the spine at %s:%d" % self.upstream
                  if self.upstream else "")
+        if config_chose_no_data_plane(self.configuration) and self.data_plane == "c":
+            log.info("XDP data plane not used: %s", why_not_xdp())
         if self.metrics_address:
             log.info("Prometheus metrics on http://%s:%d/metrics", *self.metrics_address)
         return self
@@ -843,6 +845,25 @@ def _set_up_data_socket(udp: socket.socket) -> None:
     enlarge_buffers(udp)
     forbid_fragmentation(udp)  # every datagram is one frame, or none
     report_local_drops(udp)  # a server's full link: wait, do not lose results
+
+
+def config_chose_no_data_plane(config: SwitchConfiguration) -> bool:
+    """Whether the data plane is the switch's default (none named, no ``fastpath``)."""
+    return config.data_plane is None and config.fastpath is None
+
+
+def why_not_xdp() -> str:
+    """Why a switch left to its default runs the C data plane, not XDP: XDP cannot
+    run here (the reason), or it can but is not the faster one (the figures)."""
+    from .xdp.loader import unavailable
+
+    reason = unavailable()
+    if reason:
+        return f"it cannot run here ({reason}); C is the default"
+    return ("it runs here (--data-plane xdp) and sums in the kernel with a fraction of "
+            "the C switch's CPU, but it is no faster on the links measured, and slower "
+            "where the host's cores carry every frame (docs/benchmarks.md); C is the "
+            "default")
 
 
 def data_threads(config: SwitchConfiguration, data_plane: str) -> int:
