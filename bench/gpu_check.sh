@@ -51,7 +51,8 @@ mkdir -p "$OUT" || exit 2
 OUT=$(cd "$OUT" && pwd)
 STAGES_FILE=$OUT/stages.tsv
 : > "$STAGES_FILE"
-MARK=$(mktemp)  # /dev/shm entries newer than this are the stage's
+# shellcheck source=bench/check_stages.sh
+. "$ROOT/bench/check_stages.sh"
 SHIM=""
 cleanup() {
     rm -f "$MARK"
@@ -59,24 +60,13 @@ cleanup() {
 }
 trap cleanup EXIT
 
-say() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - STARTED ))s] $*"; }
-
 # ------------------------------------------------------------------ the interpreter
-if [ -z "${PYTHON:-}" ]; then
-    for candidate in python3 python; do
-        if command -v "$candidate" >/dev/null && "$candidate" -c "import torch" 2>/dev/null; then
-            PYTHON=$(command -v "$candidate")
-            break
-        fi
-    done
-fi
-if [ -z "${PYTHON:-}" ]; then
+if ! find_python; then
     echo "gpu_check: no python here imports torch; set PYTHON" >&2
     exit 2
 fi
 export PYTHONPATH="$ROOT${GPU_CHECK_DEPS:+:$GPU_CHECK_DEPS}${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-has() { "$PYTHON" -c "import $1" 2>/dev/null; }
 
 if [ "$CPU_ONLY" = 1 ]; then
     # as on the GPU machine: no cryptography (an import of it fails)
@@ -90,27 +80,7 @@ fi
 # ------------------------------------------------------------------ the machine
 {
     say "gpu_check in $ROOT, results in $OUT, budget ${BUDGET}s$([ "$CPU_ONLY" = 1 ] && echo ', --cpu-only')"
-    if commit=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null); then
-        git -C "$ROOT" diff --quiet HEAD 2>/dev/null || commit="$commit (with changes)"
-        echo "commit: $commit"
-    fi
-    echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(nproc) cores; $(free -g | awk '/^Mem:/ {print $2 " GiB"}')"
-    echo "/dev/shm: $(df -h /dev/shm | awk 'NR == 2 {print $2 " (" $4 " free)"}')"
-    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version \
-        --format=csv,noheader | sed 's/^/gpu: /'
-    echo "python: $PYTHON ($("$PYTHON" -c 'import platform; print(platform.python_version())'))"
-    "$PYTHON" - <<'EOF'
-import importlib
-import torch
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
-      f"devices: {[torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}")
-for name in ("numpy", "pytest", "torchvision", "cryptography", "tqdm", "setuptools"):
-    try:
-        module = importlib.import_module(name)
-        print(f"{name}: {getattr(module, '__version__', 'yes')}")
-    except ImportError as exc:
-        print(f"{name}: missing ({exc})")
-EOF
+    describe_machine
 } 2>&1 | tee "$OUT/environment.txt"
 
 if ! has cryptography; then
@@ -122,36 +92,6 @@ if [ "$CPU_ONLY" = 0 ] && ! "$PYTHON" -c "import torch, sys; sys.exit(not torch.
 fi
 
 # ------------------------------------------------------------------ stages
-# stage NAME CAP_S COMMAND...: run it with at most CAP_S seconds, and never past the
-# budget (15 s kept for the summary); its output in OUT/NAME.log; a line in stages.tsv
-stage() {
-    local name=$1 cap=$2
-    shift 2
-    local left=$(( BUDGET - ($(date +%s) - STARTED) - 15 ))
-    local limit=$(( cap < left ? cap : left ))
-    if [ "$limit" -lt 10 ]; then
-        say "$name: skipped, the budget is spent"
-        printf '%s\t%s\t%s\t%s\n' "$name" skipped 0 "budget spent" >> "$STAGES_FILE"
-        return
-    fi
-    say "$name: start (at most ${limit}s): $*"
-    local begun rc
-    begun=$(date +%s)
-    touch "$MARK"
-    timeout -s INT -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
-    rc=$?
-    local took=$(( $(date +%s) - begun ))
-    # (tqdm's progress lines left out: the log keeps them)
-    tr '\r' '\n' < "$OUT/$name.log" | grep -v 'case/s' | tail -n 15 | sed "s/^/  $name| /"
-    local note=""
-    [ "$rc" = 124 ] || [ "$rc" = 137 ] && note="timed out after ${limit}s"
-    local leftover
-    leftover=$(find /dev/shm -maxdepth 1 -name 'switchml-*' -newer "$MARK" 2>/dev/null | wc -l)
-    [ "$leftover" != 0 ] && note="${note:+$note; }$leftover switchml segment(s) left in /dev/shm"
-    printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$took" "$note" >> "$STAGES_FILE"
-    say "$name: exit $rc after ${took}s${note:+ ($note)}"
-}
-
 want() { [[ " ${GPU_CHECK_STAGES:-build tests bench-cuda bench-cpu ddp} " == *" $1 "* ]]; }
 
 if [ "$CPU_ONLY" = 1 ]; then
@@ -168,18 +108,6 @@ fi
 BENCH=(--workers $WORKERS --ranks-per-host $PER_HOST --sizes $SIZES --warmup 3 --repeats 5
        --systems dense gloo --timeout 60)
 
-check_build() {
-    "$PYTHON" setup.py build_ext --inplace -q || return
-    "$PYTHON" - <<'EOF'
-import importlib
-for name in ("switchml.switch.dataplane._fastpath", "switchml.worker.engine._fastengine",
-             "switchml.worker.local._memory"):
-    importlib.import_module(name)  # fails here, not as a silent Python fallback later
-    print(f"built: {name}")
-EOF
-}
-
-export -f check_build
 export PYTHON
 want build && stage build 90 bash -c check_build
 if want tests; then
@@ -187,8 +115,7 @@ if want tests; then
         stage tests 160 "$PYTHON" -m pytest -q -p no:cacheprovider --junitxml="$OUT/tests.xml" \
             tests/test_torch_cuda.py tests/test_fresh_memory.py ${TESTS_K[@]+"${TESTS_K[@]}"}
     else
-        say "tests: skipped, pytest is not importable (put it in GPU_CHECK_DEPS)"
-        printf '%s\t%s\t%s\t%s\n' tests skipped 0 "no pytest" >> "$STAGES_FILE"
+        skipped tests "pytest is not importable (put it in GPU_CHECK_DEPS)"
     fi
 fi
 if want bench-cuda && [ "$CPU_ONLY" = 0 ]; then

@@ -452,10 +452,60 @@ def test_ddp_resnet_bench_trains_on_both_backends_with_identical_replicas(tmp_pa
     assert "| 2 | switchml | cpu |" in shown and "bench/ddp_resnet.py" in shown
 
 
-def test_gpu_check_script_parses():
-    done = subprocess.run(["bash", "-n", os.path.join(ROOT, "bench", "gpu_check.sh")],
+@pytest.mark.parametrize("script", ["gpu_check.sh", "fast_check.sh", "check_stages.sh"])
+def test_check_scripts_parse(script):
+    done = subprocess.run(["bash", "-n", os.path.join(ROOT, "bench", script)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_fast_summary_sets_each_figure_against_its_aim(tmp_path, capsys):
+    """bench/fast_summary.py: the testbed's ratio and gloo's share of its bound, the
+    best thread count's median goodput, loopback at 8 workers."""
+    from bench.fast_summary import main
+
+    def row(system, workers, median, of_bound):
+        return {"system": system, "workers": workers, "size_bytes": 256 * 2**20,
+                "density": None, "device": "cpu", "median_s": median,
+                "bound_s": median * of_bound, "faults_per_call": 0.0,
+                "retransmissions_per_worker": 0.0, "checked": True,
+                "ranks_bit_identical": True}
+
+    stages = {"testbed-10g": [row("switchml-dense", 4, 0.23, 0.95),
+                              row("gloo", 4, 0.33, 0.97)],        # 1.43x: met
+              "testbed-25g": [row("switchml-dense", 4, 0.10, 0.90),
+                              row("gloo", 4, 0.15, 0.85)],
+              "loopback": [row("switchml-dense", 8, 0.30, 1.0), row("gloo", 8, 0.27, 1.0)]}
+    for name, rows in stages.items():
+        for i in range(3):
+            folder = tmp_path / name / f"run{i + 1}"
+            folder.mkdir(parents=True)
+            (folder / "results.json").write_text(json.dumps({
+                "rows": rows, "machine": {"cpus": 16}, "settings": {"link": "10gbit"}}))
+    (tmp_path / "engine").mkdir()
+    for threads, runs in ((1, (14.0, 15.0, 13.0)), (4, (26.0, 24.0, 27.0))):
+        for i, gbps in enumerate(runs):
+            (tmp_path / "engine" / f"threads{threads}-run{i + 1}.json").write_text(json.dumps(
+                {"results": [{"goodput_Gbps_per_worker": gbps, "cpu_ms_per_MiB_per_worker": 0.5,
+                              "retransmissions": [0, 1]}]}))
+    (tmp_path / "stages.tsv").write_text("build\t0\t20\t\n")
+    assert main([str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "4 hosts, 10gbit links" in printed and "machine: cpus 16" in printed
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    [fast] = summary["testbed-10g"]
+    assert fast["speedup_over_gloo"] == pytest.approx(0.33 / 0.23) and fast["met"] is True
+    assert summary["testbed-25g"][0]["met"] is None  # reported, no aim
+    assert summary["loopback"][0]["met"] is False    # 0.9x gloo at 8 workers
+    assert [(r["threads"], r["goodput_Gbps"], r["met"]) for r in summary["engine"]] == [
+        (1, 14.0, None), (4, 26.0, True)]
+    stages["testbed-10g"][1] = row("gloo", 4, 0.33, 0.85)  # gloo short of 90%: not a fair one
+    (tmp_path / "testbed-10g" / "run1" / "results.json").write_text(json.dumps(
+        {"rows": stages["testbed-10g"], "settings": {"link": "10gbit"}}))
+    for i in (2, 3):
+        (tmp_path / "testbed-10g" / f"run{i}" / "results.json").unlink()
+    main([str(tmp_path)])
+    assert json.loads((tmp_path / "summary.json").read_text())["testbed-10g"][0]["met"] is False
 
 
 def test_gpu_summary_sets_each_figure_against_its_aim(tmp_path, capsys):
