@@ -237,3 +237,26 @@ def test_an_unreachable_switch_at_the_start_means_gloo(tmp_path):
     for out in results:
         assert out["wrong"] == 0 and out["counters"]["fallbacks"] == 1, out
         assert out["counters"]["calls_on_gloo"] == out["calls"] * 2, out  # and the flags
+
+
+def test_a_hook_state_closed_ends_its_fallback_group():
+    """HookState.close leaves the switch and ends the gloo group its calls fall back
+    to (a group left open keeps its connections to the other ranks until exit)."""
+    import switchml.torch
+
+    ended: list = []
+
+    class Group:
+        def shutdown(self):
+            ended.append("fallback")
+
+    class Path:
+        def close(self):
+            ended.append("path")
+
+    state = switchml.torch.HookState()  # not joined: torch.distributed not initialized
+    state._path, state._fallback = Path(), Group()
+    state.close()
+    assert ended == ["path", "fallback"]
+    state.close()  # twice: the group is ended once
+    assert ended == ["path", "fallback", "path"]

@@ -403,15 +403,21 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
         self._path.close()
         # torch's own ProcessGroup.shutdown would end the registered gloo backend;
         # this override replaces it, so it ends both of its gloo groups itself
-        for group in (self._gloo, self._fallback):
-            try:
-                if group is not None:
-                    group.shutdown()
-            except (AttributeError, RuntimeError) as exc:  # a torch without it
-                log.debug("shutting down an inner gloo group: %s", exc)
+        _shut_down(self._gloo, self._fallback)
         if self._on_job_switch:
             self._on_job_switch = False
             _JOB_SWITCH.left()
+
+
+def _shut_down(*groups) -> None:
+    """End inner gloo groups (None: none made), never failing the caller's own end
+    (a torch without ``shutdown``)."""
+    for group in groups:
+        try:
+            if group is not None:
+                group.shutdown()
+        except (AttributeError, RuntimeError) as exc:
+            log.debug("shutting down an inner gloo group: %s", exc)
 
 
 def _create(store, rank, size, timeout):
@@ -444,6 +450,7 @@ class HookState:
         self.switch: SwitchProcess | None = None
         self.world_size: int | None = None
         self._path: SwitchPath | None = None
+        self._fallback: Any = None  # the gloo group of the calls off the switch
         if dist.is_initialized():
             self.joined()
 
@@ -509,17 +516,20 @@ class HookState:
 
         # calls off the switch: a gloo group of this hook's own (its collectives in the
         # same order on every rank), met through the job's store under the job's name
-        fallback = dist.ProcessGroupGloo(
+        self._fallback = dist.ProcessGroupGloo(
             dist.PrefixStore(f"switchml-fallback/{box[1]}",
                              dist.distributed_c10d._get_default_store()),
             rank, size, dist.default_pg_timeout) if enabled else None
-        self._path = SwitchPath(fallback, rank, size, join, enabled=enabled, retry_s=retry_s,
-                                address=box[0], name=f"job {box[1]}")
+        self._path = SwitchPath(self._fallback, rank, size, join, enabled=enabled,
+                                retry_s=retry_s, address=box[0], name=f"job {box[1]}")
         self.world_size = size
 
     def close(self) -> None:
+        """Leave the switch, end the fallback's gloo group, stop an embedded switch."""
         if self._path is not None:
             self._path.close()
+        _shut_down(self._fallback)
+        self._fallback = None
         if self.switch is not None:
             self.switch.stop()
 
