@@ -29,6 +29,13 @@ channel keeps at most ``ceil(slots_per_job / K)`` messages in flight (and no
 more than its switch's slots: a switch server behind a link all ranks share
 gives a job their share of that link's window, ``SwitchConfiguration.shared_link``).
 
+Threads of one rank are channels too (``Worker(threads=N)``, docs/protocol.md,
+"Threads of one rank"): on each switch, the job's own name is thread 0's job,
+whose ``Ready`` says how many threads every rank runs (the least any asked
+for), and threads 1 on join jobs of their own (``thread_job``), each with its
+share of the window from the switch.  A call is then cut over every channel,
+K switches times N threads, in that order.
+
 Failures: a part that fails (its switch gone, a stalled or mismatched call)
 fails the call, and the worker aborts the job on every other switch at once, so
 each frees the job's slots (and the other ranks' parts there fail too, relaying
@@ -107,7 +114,8 @@ class MultiSwitchWorker:
       over all switches); ``channels[k].counters`` per switch;
     * ``membership``: the first switch's (``packet_elements``, ``block_elements`` and
       ``lanes`` are every switch's, checked at join); ``memberships``: all of them;
-    * ``switch_address``: the first switch's; ``switch_addresses``: all, in part order;
+    * ``switch_address``: the first switch's; ``switch_addresses``: all, in order
+      (each with its threads' channels, in ``channels``, in part order);
     * ``rank``, ``world_size``, ``job``, ``timeout``: as given, the same on every switch.
     """
 
