@@ -110,6 +110,23 @@ def test_hosts_of_ranks_over_two_switches(big_switch, tmp_path):
     assert {"local.shard0", "local.shard1"} <= set(parts)  # both shards used switch b
 
 
+def test_hosts_of_ranks_whose_shards_go_on_two_threads_sum_as_on_one(big_switch, tmp_path):
+    """SWITCHML_WORKER_THREADS=2: each shard's job goes through two jobs on the switch
+    (its name, then #1), and every result is the one thread's, bit for bit."""
+    digests = []
+    for threads in ("1", "2"):
+        (tmp_path / threads).mkdir()
+        results = reports(start_ranks(big_switch, [0, 0, 1, 1],
+                                      env={"SWITCHML_WORKER_THREADS": threads,
+                                           "OUT": str(tmp_path / threads)}))
+        for code, report, stderr in results:
+            assert code == 0 and report is not None and "error" not in report, (report, stderr)
+        keys = ("float32", "int32", "sparse", "auto", "float16", "wire16")
+        digests.append([{report[key] for _, report, _ in results} for key in keys])
+    assert digests[0] == digests[1] and all(len(d) == 1 for d in digests[1])
+    assert {"local.shard0#1", "local.shard1#1"} <= set(big_switch.stats()["ended_jobs"])
+
+
 def test_sigkill_of_a_rank_names_it_on_every_host(big_switch):
     before = shm_files()
     groups = [0, 0, 1, 1]
