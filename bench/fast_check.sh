@@ -25,7 +25,7 @@
 #                        imports torch)
 #   FAST_CHECK_BUDGET_S  seconds for the whole run (default 500)
 #   FAST_CHECK_STAGES    the stages to run (default: all five, in the order above)
-#   FAST_CHECK_TOOLS     a folder of bin/ and lib/ (--pack-tools makes it): ip and tc
+#   FAST_CHECK_TOOLS     a folder whose bin/ holds ip and tc (--pack-tools makes it),
 #                        for a machine without iproute2
 
 set -u -o pipefail
@@ -34,14 +34,20 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT" || exit 2
 
 if [ "${1:-}" = --pack-tools ]; then
-    # ip and tc with the libraries they load, but the C library (the target's own)
+    # ip and tc with the libraries they load, but the C library (the target's own);
+    # bin/ holds wrappers that give the binaries their libraries, and no one else
     dest=${2:?usage: bash bench/fast_check.sh --pack-tools DIR}
-    mkdir -p "$dest/bin" "$dest/lib" || exit 2
+    mkdir -p "$dest/bin" "$dest/libexec" "$dest/lib" || exit 2
     for tool in ip tc; do
         path=$(command -v "$tool") || { echo "no $tool here" >&2; exit 2; }
-        cp "$path" "$dest/bin/"
+        cp "$path" "$dest/libexec/"
         ldd "$path" | awk '$3 ~ /^\// {print $3}' | grep -v -E '/(libc|libm|ld-linux[^/]*)\.so' \
             | xargs -r cp -L -t "$dest/lib/"
+        # the loader's --library-path, not LD_LIBRARY_PATH: what `ip netns exec` runs
+        # must not inherit these libraries
+        printf '#!/bin/sh\nhere=$(dirname "$0")/..\nexec /lib64/ld-linux-x86-64.so.2 --library-path "$here/lib" "$here/libexec/%s" "$@"\n' \
+            "$tool" > "$dest/bin/$tool"
+        chmod +x "$dest/bin/$tool"
     done
     ls "$dest/bin" "$dest/lib"
     exit 0
@@ -72,10 +78,7 @@ fi
 export PYTHON
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-if [ -n "${FAST_CHECK_TOOLS:-}" ]; then
-    export PATH="$FAST_CHECK_TOOLS/bin:$PATH"
-    export LD_LIBRARY_PATH="$FAST_CHECK_TOOLS/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-fi
+[ -n "${FAST_CHECK_TOOLS:-}" ] && export PATH="$FAST_CHECK_TOOLS/bin:$PATH"
 
 {
     say "fast_check in $ROOT, results in $OUT, budget ${BUDGET}s$([ "$SMALL" = 1 ] && echo ', --small')"
