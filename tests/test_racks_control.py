@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import threading
 import time
 
@@ -223,6 +224,42 @@ def test_two_levels_over_sockets_give_the_flat_sums(guarded, monkeypatch):
         for rack in racks:
             job = rack.stats()["ended_jobs"]["two-level"]
             assert job["counters"]["partials_up"] == job["counters"]["results_from_spine"] > 0
+
+
+def test_a_spine_that_does_not_answer_stalls_nothing_else_on_the_rack(monkeypatch):
+    """A rack switch opens a job's connection to its spine without blocking its
+    thread: while the connect hangs (a spine whose accept queue is full drops the
+    SYNs), the rack switch answers at once, and the job's ranks hear within the
+    connect deadline that the spine could not be reached."""
+    from switchml.switch.racks import uplinks
+    monkeypatch.setattr(uplinks, "CONNECT_TIMEOUT", 2.0)
+    with socket.socket() as silent, socket.socket() as filler:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(0)
+        filler.connect(silent.getsockname())  # the one place in its accept queue
+        with Switch(upstream="%s:%d" % silent.getsockname(), packet_elements=512,
+                    slots=64) as rack:
+            errors: list = []
+
+            def body(rank):
+                try:
+                    switchml.Worker(rack.address, rank, 2, job="silent", timeout=20)
+                except switchml.SwitchMLError as exc:
+                    return exc, time.monotonic()
+                return None, time.monotonic()
+
+            start = time.monotonic()
+            ranks = threading.Thread(target=lambda: errors.extend(run_ranks(2, body)))
+            ranks.start()
+            time.sleep(0.5)  # the ranks joined; the connect to the spine hangs
+            asked = time.monotonic()
+            rack.stats()
+            answered = time.monotonic() - asked
+            ranks.join(30)
+        for error, at in errors:
+            assert error is not None and "could not be reached" in str(error), error
+            assert at - start < 2.0 + 1.5
+        assert answered < 0.3, answered
 
 
 def test_a_rack_switch_stopped_fails_the_job_on_the_other_rack_naming_it():

@@ -430,6 +430,8 @@ class Switch:
                         log.info("the XDP switch of port %d on this interface is gone: its "
                                  "program is out of the dispatcher", port)
                 self._expire_lobby(now)
+                if self._uplinks is not None:  # a rack switch's connects to its spine
+                    self._uplinks.expire(now)
                 if now >= self._next_lobby_sweep:
                     self._next_lobby_sweep = now + LOBBY_SWEEP_INTERVAL
                     self._sweep_lobby(now)
@@ -441,6 +443,9 @@ class Switch:
                 if deadline is not None:
                     wait = min(wait, deadline - now)
                 wait = min(wait, self._next_lobby_sweep - now)
+                connect = self._uplinks.next_deadline() if self._uplinks is not None else None
+                if connect is not None:
+                    wait = min(wait, connect - now)
                 if accept_paused_until is not None:
                     if now >= accept_paused_until:
                         sel.register(tcp, selectors.EVENT_READ, "accept")

@@ -13,9 +13,12 @@ sockets are in the switch's selector, with a callable as their key's data.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import selectors
 import socket
+import time
 from typing import Any
 
 from ...netutil import LineReader, enable_keepalive, enlarge_buffers, forbid_fragmentation
@@ -26,6 +29,8 @@ log = logging.getLogger("switchml.switch")
 
 #: Seconds a rack switch waits for its spine to accept a job's control connection.
 CONNECT_TIMEOUT = 5.0
+#: Seconds a control message to the spine may take to leave (a few hundred bytes).
+SEND_TIMEOUT = 5.0
 
 
 class Uplinks:
@@ -44,6 +49,9 @@ class Uplinks:
         self._udp: dict[str, socket.socket] = {}
         self._tcp: dict[str, socket.socket] = {}
         self._by_source: dict[tuple, socket.socket] = {}
+        # connections still being opened, without blocking the switch's thread: the
+        # deadline of each and the requests that wait for it
+        self._connecting: dict[str, tuple[float, bytearray]] = {}
         self._buf = bytearray(65536)
 
     def address_for(self, job: str) -> tuple:
@@ -90,17 +98,34 @@ class Uplinks:
             self.switch.pipeline.counters["send_errors"] += 1
 
     def close(self, job: str) -> None:
-        tcp = self._tcp.pop(job, None)
-        if tcp is not None:
-            self.switch._selector.unregister(tcp)
-            tcp.close()
+        self._close_tcp(job)
         self._close_udp(job)
 
     def close_all(self) -> None:
         for job in list(self._tcp.keys() | self._udp.keys()):
             self.close(job)
 
+    def expire(self, now: float) -> None:
+        """Fail the jobs whose connection to the spine is not open by its deadline
+        (the switch's thread)."""
+        with self.switch._lock:
+            for job in [job for job, (deadline, _) in self._connecting.items()
+                        if now >= deadline]:
+                self.switch._send(self._unreachable(job, OSError(
+                    errno.ETIMEDOUT, f"no answer within {CONNECT_TIMEOUT:g}s")))
+
+    def next_deadline(self) -> float | None:
+        """The earliest connect deadline (None: no connect under way)."""
+        return min((deadline for deadline, _ in self._connecting.values()), default=None)
+
     # ------------------------------------------------------------------ inside
+    def _close_tcp(self, job: str) -> None:
+        self._connecting.pop(job, None)
+        tcp = self._tcp.pop(job, None)
+        if tcp is not None:
+            self.switch._selector.unregister(tcp)
+            tcp.close()
+
     def _close_udp(self, job: str) -> None:
         udp = self._udp.pop(job, None)
         if udp is not None:
@@ -109,27 +134,73 @@ class Uplinks:
             udp.close()
 
     def _request(self, item: ToSpine) -> list:
+        """Send ``item`` to the spine on its job's connection, opened first where the
+        job has none: the connect runs on in the switch's selector (a spine that
+        does not answer stalls no other job), and the requests wait for it."""
         tcp = self._tcp.get(item.job)
         try:
             if tcp is None:
-                tcp = socket.create_connection(self.spine, timeout=CONNECT_TIMEOUT)
+                tcp = self._connect(item.job)
+            waiting = self._connecting.get(item.job)
+            if waiting is not None:
+                waiting[1].extend(item.request.encode())
+                return []
+            self._send_now(tcp, item.request.encode())
+        except OSError as exc:
+            return self._unreachable(item.job, exc)
+        return []
+
+    def _connect(self, job: str) -> socket.socket:
+        tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        tcp.setblocking(False)
+        code = tcp.connect_ex(self.spine)
+        if code not in (0, errno.EINPROGRESS):
+            tcp.close()
+            raise OSError(code, os.strerror(code))
+        self._tcp[job] = tcp
+        self._connecting[job] = (time.monotonic() + CONNECT_TIMEOUT, bytearray())
+        reader = LineReader()
+        self.switch._selector.register(
+            tcp, selectors.EVENT_READ | selectors.EVENT_WRITE,
+            lambda events, job=job, reader=reader: self._on_tcp(job, reader, events))
+        return tcp
+
+    def _on_tcp(self, job: str, reader: LineReader, events: int) -> None:
+        if job not in self._connecting:
+            self._on_events(job, reader)
+            return
+        if not events & selectors.EVENT_WRITE:
+            return
+        tcp = self._tcp[job]
+        with self.switch._lock:
+            _, waiting = self._connecting.pop(job)
+            code = tcp.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+            try:
+                if code:
+                    raise OSError(code, os.strerror(code))
                 tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 enable_keepalive(tcp, self.keepalive)
-                self._tcp[item.job] = tcp
-                reader = LineReader()
-                self.switch._selector.register(
+                self.switch._selector.modify(
                     tcp, selectors.EVENT_READ,
-                    lambda events, job=item.job, reader=reader: self._on_events(job, reader))
-            # Control messages are a few hundred bytes: sent whole, the spine reads them.
-            tcp.settimeout(CONNECT_TIMEOUT)
-            tcp.sendall(item.request.encode())
+                    lambda events, job=job, reader=reader: self._on_tcp(job, reader, events))
+                self._send_now(tcp, bytes(waiting))
+            except OSError as exc:
+                self.switch._send(self._unreachable(job, exc))
+
+    @staticmethod
+    def _send_now(tcp: socket.socket, data: bytes) -> None:
+        # Control messages are a few hundred bytes: sent whole, the spine reads them.
+        tcp.settimeout(SEND_TIMEOUT)
+        try:
+            tcp.sendall(data)
+        finally:
             tcp.setblocking(False)
-        except OSError as exc:
-            log.warning("job %s: the spine at %s:%d: %s", item.job, *self.spine, exc)
-            control = self.switch._rack_control
-            return self.carry_out(control.handle_uplink_closed(
-                item.job, f"could not be reached ({exc})"))
-        return []
+
+    def _unreachable(self, job: str, exc: OSError) -> list:
+        log.warning("job %s: the spine at %s:%d: %s", job, *self.spine, exc)
+        self._close_tcp(job)
+        return self.carry_out(self.switch._rack_control.handle_uplink_closed(
+            job, f"could not be reached ({exc})"))
 
     def _on_events(self, job: str, reader: LineReader) -> None:
         tcp = self._tcp.get(job)
