@@ -259,7 +259,7 @@ def test_a_spine_that_does_not_answer_stalls_nothing_else_on_the_rack(monkeypatc
         for error, at in errors:
             assert error is not None and "could not be reached" in str(error), error
             assert at - start < 2.0 + 1.5
-        assert answered < 0.3, answered
+        assert answered < 1.0, answered  # blocked, it waited for the connect (2 s)
 
 
 def test_a_rack_switch_stopped_fails_the_job_on_the_other_rack_naming_it():
