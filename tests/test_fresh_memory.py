@@ -41,13 +41,16 @@ def test_backend_calls_of_every_cpu_tensor_kind_take_no_fresh_pages(local_stage)
     assert_no_fresh_pages(results, "LocalStageWorker" if local_stage == "1" else "Worker")
 
 
-@pytest.mark.parametrize("local_stage", ["1", "0"], ids=["local-stage", "switch"])
-def test_worker_calls_with_an_output_take_no_fresh_pages(local_stage):
+@pytest.mark.parametrize("local_stage, threads", [("1", "1"), ("0", "1"), ("0", "2")],
+                         ids=["local-stage", "switch", "switch-two-threads"])
+def test_worker_calls_with_an_output_take_no_fresh_pages(local_stage, threads):
     with switchml.Switch("127.0.0.1", 0) as switch:
         host, port = switch.address
         results = launch(2, "worker", f"{host}:{port}", MIB, "float32,float16,int32,sparse",
-                         job=JOB, timeout=180, env={"SWITCHML_LOCAL_STAGE": local_stage})
-    assert_no_fresh_pages(results, "LocalStageWorker" if local_stage == "1" else "Worker")
+                         job=JOB, timeout=180, env={"SWITCHML_LOCAL_STAGE": local_stage,
+                                                    "SWITCHML_WORKER_THREADS": threads})
+    assert_no_fresh_pages(results, "LocalStageWorker" if local_stage == "1" else
+                          "Worker" if threads == "1" else "MultiSwitchWorker")
 
 
 def test_the_pool_hands_back_what_fits_and_keeps_the_largest():
