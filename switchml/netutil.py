@@ -6,6 +6,7 @@ import errno
 import fcntl
 import ipaddress
 import json
+import os
 import socket
 import struct
 import sys
@@ -196,6 +197,28 @@ def route_link_mbit(address: tuple) -> int | None:
     except (OSError, ValueError):
         return None
     return mbit if mbit > 0 else None
+
+
+def runs_leave_cut(local_ip: str, remote_ip: str) -> bool:
+    """Whether a UDP GSO run sent from ``local_ip`` to ``remote_ip`` leaves this host
+    as separate frames: the remote address is another host's, and the interface
+    holding ``local_ip`` is a NIC (it cuts runs on the wire, or the kernel cuts
+    them for it) or cuts runs in software as they leave (``tx-udp-segmentation``
+    off).  A virtual interface that carries runs whole (a veth, loopback) does
+    not: an XDP program beyond it would see a run as one frame."""
+    if interface_of(remote_ip) is not None:  # this host: through loopback
+        return False
+    name = interface_of(local_ip)
+    if name is None:
+        return False
+    if os.path.exists(f"/sys/class/net/{name}/device"):  # a NIC: frames on the wire
+        return True
+    from .ethtool import features  # stdlib only: also run as a script (the testbed)
+
+    try:
+        return features(name).get("tx-udp-segmentation") is False
+    except OSError:
+        return False
 
 
 def forbid_fragmentation(sock: socket.socket, forbid: bool = True) -> None:

@@ -55,7 +55,7 @@ def veth():
         sh("ip", "link", "set", here, "up")
         # UDP GSO segmented before the veth, as a NIC does on the wire: a veth
         # passes a GSO super-packet whole, and the program sees one datagram a frame
-        sh(sys.executable, str(REPO / "switchml" / "testbed" / "offload.py"), here,
+        sh(sys.executable, str(REPO / "switchml" / "ethtool.py"), here,
            "tx-udp-segmentation", "off")  # the ethtool ioctl: no ethtool needed
         sh("ip", "-n", ns, "addr", "add", f"{net}.1/24", "dev", there)
         sh("ip", "-n", ns, "link", "set", there, "up")
@@ -295,12 +295,43 @@ def test_workers_send_datagrams_apart_where_gso_runs_would_reach_the_program_who
     the exact sums.  (A run that comes anyway, from another sender, is passed up
     and cut by the kernel: tests/test_xdp.py.)"""
     ns, _, host, here, _ = veth
-    sh(sys.executable, str(REPO / "switchml" / "testbed" / "offload.py"), here,
+    sh(sys.executable, str(REPO / "switchml" / "ethtool.py"), here,
        "tx-udp-segmentation", "on")
     stats, _ = exact_sums_through_an_xdp_switch(ns, host, 3)
     job = stats["ended_jobs"]["xdp"]["counters"]
     assert job["results_completed"] > 0
     assert "gso_passed_up" not in job and "dropped_bad_length" not in job, job
+
+
+@needs_xdp
+def test_workers_send_runs_where_their_interface_cuts_them_before_they_leave(veth):
+    """With the workers' veth cutting UDP GSO runs as they leave (its segmentation
+    offload off, as a NIC without it), the runs reach the XDP switch as frames:
+    its workers send runs though its ``ready`` says ``"gso": false`` (one send a
+    run, not one a datagram), and no run reaches the program whole.  With the
+    offload on they send apart; to this host's own address, never runs."""
+    from switchml.netutil import runs_leave_cut
+    ns, _, host, here, local = veth
+    assert runs_leave_cut(local, host)
+    assert not runs_leave_cut(local, local)  # this host: through loopback
+    switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp")
+    try:
+        def rank(r):
+            with switchml.Worker(switch.address, r, world_size=2, job="runs",
+                                 timeout=30) as w:
+                return w.gso, w.allreduce(np.arange(200_000, dtype=np.int32))
+
+        got = in_threads(rank, 2, 60)
+        stats = switch.stats()
+    finally:
+        switch.close()
+    assert [gso for gso, _ in got] == [True, True]
+    assert all(out.tolist() == (2 * np.arange(200_000)).tolist() for _, out in got)
+    job = stats["ended_jobs"]["runs"]["counters"]
+    assert "gso_passed_up" not in job and "dropped_bad_length" not in job, job
+    sh(sys.executable, str(REPO / "switchml" / "ethtool.py"), here,
+       "tx-udp-segmentation", "on")
+    assert not runs_leave_cut(local, host)
 
 
 @needs_xdp

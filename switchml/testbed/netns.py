@@ -220,13 +220,14 @@ def shape_per_flow(ns: str, dev: str, rate_bps: float, burst: int, limit: int) -
 
 
 #: Run as a script inside a namespace: the ethtool ioctl acts on the caller's namespace.
-OFFLOAD_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "offload.py")
+OFFLOAD_SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "ethtool.py")
 
 
 def set_offloads(ns: str, devs, wanted: dict) -> None:
     """Turn offload features (ethtool names: on) of devices in ``ns`` on or off.
 
-    Through the ethtool ioctl (``offload.py``), since the machine may have no
+    Through the ethtool ioctl (``switchml/ethtool.py``), since the machine may have no
     ``ethtool``; a device that keeps a feature as it was raises CommandError.
     """
     pairs = [word for name, on in wanted.items() for word in (name, "on" if on else "off")]

@@ -47,6 +47,7 @@ from ..netutil import (
     report_local_drops,
     route_link_mbit,
     route_mtu,
+    runs_leave_cut,
     send_when_room,
 )
 from ..protocol import MAX_WORKER_THREADS, Left, StatusReply
@@ -408,14 +409,17 @@ class Worker:
         #: The window one link carries (protocol.Ready.link_window): what a job over
         #: several switches splits over them.
         self.link_window = ready.slot_count if ready.link_window is None else ready.link_window
-        #: Whether the switch takes runs of UDP GSO segments (protocol.Ready.gso): an
-        #: XDP switch asks for each datagram apart.
-        self.gso = ready.gso
         #: I/O threads every rank of the job sends with (protocol.Ready.threads): a
         #: job over several threads joins its other threads' jobs after this one.
         self.threads = ready.threads
         # An IPv4 address, resolved once: the C loop takes one, and no send needs a lookup.
         self._data_address = (socket.gethostbyname(self.switch_address[0]), ready.data_port)
+        #: Whether this worker sends runs of UDP GSO segments: where the switch takes
+        #: them (protocol.Ready.gso), or, for an XDP switch, which asks for each
+        #: datagram apart, where the runs leave this host cut into frames anyway
+        #: (``netutil.runs_leave_cut``: one send a run costs less than one a datagram).
+        self.gso = ready.gso or runs_leave_cut(self._udp.getsockname()[0],
+                                               self._data_address[0])
 
     def _join(self, slots, rejoin: bool = False):
         host, port = self.switch_address

@@ -1,15 +1,16 @@
 """Read and switch a network device's offload features, as ``ethtool -k/-K`` does.
 
-The testbed needs one feature off and the machine has no ``ethtool``, so this
-speaks the ethtool ioctl (SIOCETHTOOL) itself: the feature names
-(ETHTOOL_GSTRINGS of the string set ETH_SS_FEATURES), their state
-(ETHTOOL_GFEATURES) and a change (ETHTOOL_SFEATURES). The ioctl acts on the
-caller's network namespace, so the testbed runs this file as a script inside
-one (``ip netns exec NS python offload.py DEV FEATURE off``): it imports nothing
+A worker reads whether its device cuts UDP GSO runs in software before they leave
+(``tx-udp-segmentation`` off), and the testbed turns that feature off; machines
+may have no ``ethtool``, so this speaks the ethtool ioctl (SIOCETHTOOL) itself:
+the feature names (ETHTOOL_GSTRINGS of the string set ETH_SS_FEATURES), their
+state (ETHTOOL_GFEATURES) and a change (ETHTOOL_SFEATURES).  The ioctl acts on
+the caller's network namespace, so the testbed runs this file as a script inside
+one (``ip netns exec NS python ethtool.py DEV FEATURE off``): it imports nothing
 of switchml.
 
-    python offload.py DEV[,DEV...]                        # every feature: on/off
-    python offload.py DEV[,DEV...] FEATURE on|off [...]   # change some, print them
+    python ethtool.py DEV[,DEV...]                        # every feature: on/off
+    python ethtool.py DEV[,DEV...] FEATURE on|off [...]   # change some, print them
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def set_features(dev: str, wanted: dict) -> dict:
 
 def main(argv: list) -> int:
     if not argv or len(argv) % 2 == 0 or any(v not in ("on", "off") for v in argv[2::2]):
-        print("usage: offload.py DEV[,DEV...] [FEATURE on|off ...]", file=sys.stderr)
+        print("usage: ethtool.py DEV[,DEV...] [FEATURE on|off ...]", file=sys.stderr)
         return 2
     pairs = argv[1:]
     wanted = {pairs[i]: pairs[i + 1] == "on" for i in range(0, len(pairs), 2)}
