@@ -1,8 +1,20 @@
 # Shared by bench/gpu_check.sh and bench/fast_check.sh (sourced, not run): the
 # interpreter, the machine's description, the build, and stages run under one
-# budget.  The sourcing script sets ROOT, STARTED, BUDGET, OUT and STAGES_FILE.
+# budget.  The sourcing script sets ROOT, then calls start_run.
 
 MARK=$(mktemp)  # /dev/shm entries newer than this are the stage's
+
+# start_run NAME BUDGET_S: the clock, the budget, and OUT (default:
+# ROOT/NAME-<time>) with an empty stages.tsv
+start_run() {
+    STARTED=$(date +%s)
+    BUDGET=$2
+    OUT=${OUT:-$ROOT/$1-$(date +%Y%m%d-%H%M%S)}
+    mkdir -p "$OUT" || return
+    OUT=$(cd "$OUT" && pwd)
+    STAGES_FILE=$OUT/stages.tsv
+    : > "$STAGES_FILE"
+}
 
 say() { echo "[$(date +%H:%M:%S) +$(( $(date +%s) - STARTED ))s] $*"; }
 

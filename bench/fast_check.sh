@@ -60,15 +60,9 @@ case "${1:-}" in
     *) echo "usage: bash bench/fast_check.sh [--small | --pack-tools DIR]" >&2; exit 2 ;;
 esac
 
-STARTED=$(date +%s)
-BUDGET=${FAST_CHECK_BUDGET_S:-500}
-OUT=${OUT:-$ROOT/fast-check-$(date +%Y%m%d-%H%M%S)}
-mkdir -p "$OUT" || exit 2
-OUT=$(cd "$OUT" && pwd)
-STAGES_FILE=$OUT/stages.tsv
-: > "$STAGES_FILE"
 # shellcheck source=bench/check_stages.sh
 . "$ROOT/bench/check_stages.sh"
+start_run fast-check "${FAST_CHECK_BUDGET_S:-500}" || exit 2
 trap 'rm -f "$MARK"' EXIT
 
 if ! find_python; then

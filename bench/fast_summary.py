@@ -29,7 +29,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.gpu_summary import _verdict, bench_rows, stages  # noqa: E402
+from bench.gpu_summary import _verdict, bench_rows, runs_text, stages  # noqa: E402
 
 TESTBED_AIM = 1.40
 GLOO_OF_BOUND = 0.90
@@ -66,15 +66,12 @@ def suite_table(rows: list, aims: dict, gloo_bound: bool) -> tuple[list, list]:
                         "speedup_over_gloo": ratio, "aim": aim, "met": met,
                         "checked": checked})
 
-        def runs(row):
-            return (f"{row['median_s']:.3f} ("
-                    + ", ".join(f"{t:.3f}" for t in row["run_medians_s"]) + ")")
-
         def share(v):
             return "-" if v is None else f"{100 * v:.0f}%"
 
-        lines.append(f"| {r['workers']} | {r['size_mib']:g} | {runs(r)} | {share(r['of_bound'])} "
-                     f"| {runs(g) if g else '-'} | {share(g['of_bound'] if g else None)} | "
+        lines.append(f"| {r['workers']} | {r['size_mib']:g} | {runs_text(r)} | "
+                     f"{share(r['of_bound'])} | {runs_text(g) if g else '-'} | "
+                     f"{share(g['of_bound'] if g else None)} | "
                      f"{'-' if ratio is None else format(ratio, '.2f') + 'x'} | "
                      f"{'-' if aim is None else f'>= {aim}x {_verdict(met)}'} | "
                      f"{'ok' if checked else 'FAIL'} |")

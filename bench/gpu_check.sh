@@ -44,15 +44,9 @@ case "${1:-}" in
     *) echo "usage: bash bench/gpu_check.sh [--cpu-only]" >&2; exit 2 ;;
 esac
 
-STARTED=$(date +%s)
-BUDGET=${GPU_CHECK_BUDGET_S:-480}
-OUT=${OUT:-$ROOT/gpu-check-$(date +%Y%m%d-%H%M%S)}
-mkdir -p "$OUT" || exit 2
-OUT=$(cd "$OUT" && pwd)
-STAGES_FILE=$OUT/stages.tsv
-: > "$STAGES_FILE"
 # shellcheck source=bench/check_stages.sh
 . "$ROOT/bench/check_stages.sh"
+start_run gpu-check "${GPU_CHECK_BUDGET_S:-480}" || exit 2
 SHIM=""
 cleanup() {
     rm -f "$MARK"

@@ -57,6 +57,12 @@ def bench_rows(folder: str) -> tuple[list, int, dict | None]:
     return (summarize_runs(runs) if runs else []), len(runs), machine
 
 
+def runs_text(row: dict, scale: float = 1.0, digits: int = 3) -> str:
+    """A row's median and each invocation's, times ``scale``: "m (r1, r2, r3)"."""
+    return (f"{scale * row['median_s']:.{digits}f} ("
+            + ", ".join(f"{scale * t:.{digits}f}" for t in row["run_medians_s"]) + ")")
+
+
 def _verdict(met: bool | None) -> str:
     return {True: "met", False: "NOT met", None: "-"}[met]
 
@@ -98,8 +104,7 @@ def allreduce_table(rows_by_device: dict) -> tuple[list, list]:
                             "checked": checked})
 
             def ms(row):
-                return (f"{1e3 * row['median_s']:.1f} ("
-                        + ", ".join(f"{1e3 * t:.1f}" for t in row["run_medians_s"]) + ")")
+                return runs_text(row, 1e3, 1)
 
             def count(v):
                 return "-" if v is None else f"{v:.0f}"

@@ -134,7 +134,7 @@ def test_no_module_of_the_package_imports_the_checkouts_folders():
 #: a lower one.  A part is named by its folder (every module in it) or a module; the
 #: longest name that matches a module decides its layer.
 LAYERS = [
-    ["errors", "config", "auth", "netutil", "wire", "quant", "protocol", "buffers"],
+    ["errors", "config", "auth", "netutil", "ethtool", "wire", "quant", "protocol", "buffers"],
     # the host records the rendezvous exchanges are the local stage's lowest part
     ["switch.dataplane", "worker.engine", "switch.gather", "switch.lobby", "worker.local.hosts"],
     ["switch.xdp", "switch.control", "switch.descriptors", "worker.control",

@@ -136,7 +136,7 @@ from collections import Counter
 
 import numpy as np
 
-from ... import wire
+from ... import netutil, wire
 from ...config import DEFAULT_PACKET_ELEMENTS, DEFAULT_PORT, DEFAULT_SLOTS
 from ...errors import DataPlaneUnavailableError
 from ..dataplane.pipeline import MAX_WORKERS, Job, Mismatch, Pipeline
@@ -339,23 +339,14 @@ def _is_loopback(ifindex: int) -> bool:
 def interface_of(host: str) -> int:
     """The index of the interface that holds IPv4 address ``host``; ValueError
     when none does (0.0.0.0 among them: the program serves one interface)."""
-    import fcntl
-
     try:
-        packed = socket.inet_aton(socket.gethostbyname(host))
+        address = socket.gethostbyname(host)
     except OSError as exc:
         raise ValueError(f"the XDP data plane needs an IPv4 address of this host: "
                          f"{host!r}: {exc}") from None
-    SIOCGIFADDR = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for index, name in socket.if_nameindex():
-            try:
-                got = fcntl.ioctl(s.fileno(), SIOCGIFADDR,
-                                  struct.pack("256s", name.encode()[:15]))
-            except OSError:  # no IPv4 address
-                continue
-            if got[20:24] == packed:
-                return index
+    name = netutil.interface_of(address)
+    if name is not None:
+        return socket.if_nametoindex(name)
     raise ValueError(f"the XDP data plane attaches to the interface that holds the "
                      f"switch's address; no interface holds {host}")
 
