@@ -160,8 +160,8 @@ def auto_worker_threads(link_mbit: int | None, senders: int = 1,
     reports), at most half the cores (``os.cpu_count()``) shared by the
     ``senders`` that send through that link at once (the host's ranks, or its
     shards), and 1 to ``MAX_AUTO_WORKER_THREADS``.  A link that reports no speed
-    (loopback, a veth's nominal one aside) gets one thread: on one host the
-    switch and the kernel need the other cores."""
+    (loopback) gets one thread: on one host the switch and the kernel need the
+    other cores; a veth reports 10 Gbit/s, one thread's worth."""
     if not link_mbit:
         return 1
     cores = os.cpu_count() if cores is None else cores

@@ -598,8 +598,9 @@ def decode_event(msg) -> Event | None:
                                                "an integer", None),
             token=_field(msg, "token", _is_int, "an integer", 0),
             gso=_field(msg, "gso", lambda v: isinstance(v, bool), "true or false", True),
-            threads=_field(msg, "threads", lambda v: _is_int(v) and v >= 1,
-                           "a positive integer", 1))
+            threads=_field(msg, "threads",
+                           lambda v: _is_int(v) and 1 <= v <= MAX_WORKER_THREADS,
+                           f"an integer 1 to {MAX_WORKER_THREADS}", 1))
     if name == "rack_ready":
         session, base, count, packet, block, port, member, members = (
             _field(msg, key, _is_int, "an integer") for key in (

@@ -740,3 +740,5 @@ def test_a_rank_takes_a_thread_per_10_gbits_of_its_link_unless_told(monkeypatch)
     assert "threads" not in older and protocol.decode_event(older).threads == 1
     with pytest.raises(protocol.BadRequest, match="threads"):
         protocol.Join.from_dict({**join.fields(), "threads": 0})
+    with pytest.raises(protocol.MalformedMessage, match="threads"):  # a switch's bad answer
+        protocol.decode_event({**ready.fields(), "event": "ready", "threads": 10**9})

@@ -108,6 +108,8 @@ class Uplinks:
     def expire(self, now: float) -> None:
         """Fail the jobs whose connection to the spine is not open by its deadline
         (the switch's thread)."""
+        if not self._connecting:  # (every turn of the loop: no lock taken for nothing)
+            return
         with self.switch._lock:
             for job in [job for job, (deadline, _) in self._connecting.items()
                         if now >= deadline]:
