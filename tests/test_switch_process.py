@@ -24,6 +24,50 @@ def test_a_switch_process_serves_a_job_and_stops():
     assert child.wait(5) == 0
 
 
+def test_a_draining_stop_waits_for_the_jobs_other_ranks_to_leave(caplog):
+    """stop(drain=S), as the job's own switch stops at its rank's shutdown: the
+    other rank, leaving a moment later, leaves a switch that is still there (it
+    never hears the switch go, and does not try to rejoin it); a job whose ranks
+    never leave holds the stop S seconds at most."""
+    import logging
+    import threading
+    caplog.set_level(logging.WARNING, logger="switchml")
+    sp = SwitchProcess(slots=16, slots_per_job=4, packet_elements=1024).start()
+    workers = [None, None]
+
+    def join(rank):
+        workers[rank] = switchml.Worker(sp.address, rank, 2, job="drain", timeout=5)
+    joins = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for t in joins:
+        t.start()
+    for t in joins:
+        t.join(10)
+    workers[0].close()
+    late = threading.Timer(0.5, workers[1].close)
+    late.start()
+    start = time.monotonic()
+    sp.stop(drain=3.0)
+    took = time.monotonic() - start
+    late.join()
+    assert 0.4 < took < 2.0, took
+    assert not [r for r in caplog.records if "closed the control connection" in r.message]
+    with SwitchProcess(slots=16, slots_per_job=4, packet_elements=1024) as held:
+        stay = [None, None]
+
+        def join_held(rank):
+            stay[rank] = switchml.Worker(held.address, rank, 2, job="held", timeout=5)
+        joins = [threading.Thread(target=join_held, args=(r,)) for r in range(2)]
+        for t in joins:
+            t.start()
+        for t in joins:
+            t.join(10)
+        start = time.monotonic()
+        held.stop(drain=1.0)
+        assert 0.9 < time.monotonic() - start < 2.5
+        for w in stay:
+            w.close()
+
+
 def test_a_switch_that_cannot_listen_is_a_clear_error():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -4,7 +4,8 @@ A switch thread inside a training process competes with training and with the
 rank's own worker thread for that process's GIL; in a child process it gets a
 core of its own.  The child stops when its stdin reaches end of file, which
 happens when the parent closes it or dies in any way (even SIGKILL), so an
-embedded switch never outlives its job.
+embedded switch never outlives its job.  A parent that stops it with ``drain``
+writes how long it may wait for its running jobs to end first.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import signal
 import subprocess
 import sys
+import time
 
 from ..config import SwitchConfiguration
 from ..errors import SwitchMLError
@@ -49,14 +51,23 @@ class SwitchProcess:
         self.address = (host, int(port))
         return self
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 5.0, drain: float = 0.0) -> None:
+        """Stop the switch; with ``drain``, once its running jobs have ended (every
+        member left, or the job failed) or ``drain`` seconds have passed, so that
+        the job's other ranks, finishing a moment later, leave a switch that is
+        still there instead of losing it."""
         if self._proc is None:
             return
         proc, self._proc = self._proc, None
         assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.close()
         try:
-            proc.wait(timeout)
+            if drain > 0:
+                proc.stdin.write(f"drain {drain}\n".encode())
+            proc.stdin.close()
+        except BrokenPipeError:  # it is gone already
+            pass
+        try:
+            proc.wait(timeout + drain)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -80,7 +91,13 @@ def main() -> None:
     switch = Switch(configuration=SwitchConfiguration(**json.loads(sys.argv[1]))).start()
     assert switch.address is not None
     print(json.dumps({"address": list(switch.address)}), flush=True)
-    sys.stdin.buffer.read()  # until the parent closes the pipe or dies
+    # until the parent closes the pipe or dies; "drain S" first: wait up to S
+    # seconds for the running jobs to end
+    asked = sys.stdin.buffer.read().split()
+    if len(asked) == 2 and asked[0] == b"drain":
+        deadline = time.monotonic() + float(asked[1])
+        while time.monotonic() < deadline and switch.stats()["admission"]["running"]:
+            time.sleep(0.02)
     switch.stop()
 
 

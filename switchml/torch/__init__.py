@@ -74,6 +74,11 @@ def _embedded_switch() -> SwitchProcess:
     return SwitchProcess().start()
 
 
+#: Seconds the job's own switch waits, as its rank shuts down, for the job's other
+#: ranks to leave it.
+JOB_SWITCH_DRAIN_S = 3.0
+
+
 class _JobSwitch:
     """The one switch of a job without ``SWITCHML_SWITCH``, shared by all its groups.
 
@@ -117,7 +122,8 @@ class _JobSwitch:
         if self.groups <= 0:
             process, self.process, self.address, self.groups = self.process, None, None, 0
             if process is not None:
-                process.stop()
+                # the other ranks shut down a moment later: they leave, not lose it
+                process.stop(drain=JOB_SWITCH_DRAIN_S)
 
 
 _JOB_SWITCH = _JobSwitch()
