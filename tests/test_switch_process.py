@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import run_ranks
 
 import switchml
 from switchml.switch.process import SwitchProcess
@@ -24,6 +25,13 @@ def test_a_switch_process_serves_a_job_and_stops():
     assert child.wait(5) == 0
 
 
+def joined_pair(switch: SwitchProcess, job: str) -> list:
+    """The two workers of a job on ``switch``, joined at once (each join waits for
+    the other rank)."""
+    return run_ranks(2, lambda rank: switchml.Worker(switch.address, rank, 2, job=job,
+                                                     timeout=5), timeout=10)
+
+
 def test_a_draining_stop_waits_for_the_jobs_other_ranks_to_leave(caplog):
     """stop(drain=S), as the job's own switch stops at its rank's shutdown: the
     other rank, leaving a moment later, leaves a switch that is still there (it
@@ -33,15 +41,7 @@ def test_a_draining_stop_waits_for_the_jobs_other_ranks_to_leave(caplog):
     import threading
     caplog.set_level(logging.WARNING, logger="switchml")
     sp = SwitchProcess(slots=16, slots_per_job=4, packet_elements=1024).start()
-    workers = [None, None]
-
-    def join(rank):
-        workers[rank] = switchml.Worker(sp.address, rank, 2, job="drain", timeout=5)
-    joins = [threading.Thread(target=join, args=(r,)) for r in range(2)]
-    for t in joins:
-        t.start()
-    for t in joins:
-        t.join(10)
+    workers = joined_pair(sp, "drain")
     workers[0].close()
     late = threading.Timer(0.5, workers[1].close)
     late.start()
@@ -52,15 +52,7 @@ def test_a_draining_stop_waits_for_the_jobs_other_ranks_to_leave(caplog):
     assert 0.4 < took < 2.0, took
     assert not [r for r in caplog.records if "closed the control connection" in r.message]
     with SwitchProcess(slots=16, slots_per_job=4, packet_elements=1024) as held:
-        stay = [None, None]
-
-        def join_held(rank):
-            stay[rank] = switchml.Worker(held.address, rank, 2, job="held", timeout=5)
-        joins = [threading.Thread(target=join_held, args=(r,)) for r in range(2)]
-        for t in joins:
-            t.start()
-        for t in joins:
-            t.join(10)
+        stay = joined_pair(held, "held")
         start = time.monotonic()
         held.stop(drain=1.0)
         assert 0.9 < time.monotonic() - start < 2.5
