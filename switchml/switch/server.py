@@ -297,7 +297,8 @@ class Switch:
                     if self.configuration.threads is None else ""),
                  " as a rack switch under the spine at %s:%d" % self.upstream
                  if self.upstream else "")
-        if config_chose_no_data_plane(self.configuration) and self.data_plane == "c":
+        if config_chose_no_data_plane(self.configuration) and self.data_plane == "c" and \
+                log.isEnabledFor(logging.INFO):  # (the reason loads libbpf: only if shown)
             log.info("XDP data plane not used: %s", why_not_xdp())
         if self.metrics_address:
             log.info("Prometheus metrics on http://%s:%d/metrics", *self.metrics_address)
