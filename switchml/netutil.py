@@ -213,7 +213,7 @@ def runs_leave_cut(local_ip: str, remote_ip: str) -> bool:
         return False
     if os.path.exists(f"/sys/class/net/{name}/device"):  # a NIC: frames on the wire
         return True
-    from .ethtool import features  # stdlib only: also run as a script (the testbed)
+    from .ethtool import features  # (ctypes, loaded only where an XDP switch asks)
 
     try:
         return features(name).get("tx-udp-segmentation") is False
