@@ -92,6 +92,11 @@ SWITCHML_LOCAL_GROUP        ranks of one host that name different    (none)
 SWITCHML_LOCAL_SEGMENT      bytes the local stage combines, sends    2097152
                             and copies back at a time (alike on
                             every rank of a job)
+SWITCHML_LOCAL_THREADS      threads a rank of the local stage        the cores
+                            copies and sums with (its own and        over the
+                            helpers of the C twin)                   host's
+                                                                     ranks (1
+                                                                     to 4)
 SWITCHML_JOB_SECRET         the job's secret: only ranks that know   (none: an
                             it join the job (every rank the same;    open job;
                             never sent)                              torch: a
@@ -183,6 +188,23 @@ DEFAULT_MAX_UNJOINED = 256
 DEFAULT_MAX_UNJOINED_PER_SOURCE = 64
 #: Largest keepalive bound: Linux refuses a TCP_KEEPIDLE above 32767 s.
 MAX_KEEPALIVE = 32767
+#: Most threads a rank of the local stage copies and sums with by default: one
+#: core streams a few GB/s, and four saturate what a host's memory gives one rank.
+MAX_AUTO_LOCAL_THREADS = 4
+
+
+def auto_local_threads(ranks: int, cores: int | None = None) -> int:
+    """Threads a rank of the local stage copies and sums with where none are asked
+    for: the cores this process may run on shared by the host's ``ranks``, 1 to
+    ``MAX_AUTO_LOCAL_THREADS``."""
+    if cores is None:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            cores = os.cpu_count() or 1
+    return max(1, min(MAX_AUTO_LOCAL_THREADS, cores // max(1, ranks)))
+
+
 #: Bytes of a local-stage segment (worker/local/stage.py): a call is combined on a host,
 #: sent and copied back this much at a time, each piece behind the last.
 DEFAULT_LOCAL_SEGMENT = 2 * 2**20

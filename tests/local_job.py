@@ -34,6 +34,8 @@ def main():
     try:
         with switchml.Worker(address, rank, world, job="local", timeout=3.0) as w:
             report["kind"] = type(w).__name__
+            stage = getattr(w, "stage", None)
+            report["local_threads"] = stage.threads if stage is not None else None
             if mode == "calls":
                 report["float32"] = digest(w.allreduce(floats))
                 report["int32"] = digest(w.allreduce(ints))

@@ -233,6 +233,43 @@ def test_reduce_into_c_equals_reference(count, n, dtype, seed, specials):
     np.testing.assert_array_equal(ours.view(np.uint32)[~nan], theirs.view(np.uint32)[~nan])
 
 
+@needs_c
+@settings(max_examples=60, deadline=None)
+@given(count=st.integers(1, 5), n=st.integers(0, 400_000), threads=st.integers(1, 6),
+       dtype=st.sampled_from(["f", "i"]), seed=st.integers(0, 2**32 - 1))
+def test_copies_and_sums_cut_over_threads_equal_reference(count, n, threads, dtype, seed):
+    """reduce_into and copy_into over several threads (parts of at least 64 KiB,
+    on cache lines): the reference's result, whatever the cut."""
+    rng = np.random.default_rng(seed)
+    srcs = [rng.integers(-2**31, 2**31, n, dtype=np.int64).astype(np.int32)
+            for _ in range(count)]
+    if dtype == "f":
+        srcs = [(s.astype(np.float64) * 1e-3).astype(np.float32) for s in srcs]
+    ours, theirs = np.empty(n, srcs[0].dtype), np.full(n, 7, srcs[0].dtype)
+    REF.reduce_into(ours, srcs)
+    memory.OPS.reduce_into(theirs, srcs, threads)
+    np.testing.assert_array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+    raw = srcs[0].view(np.uint8)[:max(0, srcs[0].nbytes - seed % 4)]  # odd byte counts
+    copied = np.zeros_like(raw)
+    memory.OPS.copy_into(copied, raw, threads)
+    np.testing.assert_array_equal(copied, raw)
+    with pytest.raises(ValueError, match="differ in size"):
+        memory.OPS.copy_into(copied[:-1] if raw.size else np.empty(1, np.uint8), raw, threads)
+
+
+def test_local_threads_follow_the_cores_over_the_ranks(monkeypatch):
+    from switchml.config import auto_local_threads
+    from switchml.worker.local.worker import local_threads
+
+    assert [auto_local_threads(k, cores=16) for k in (1, 2, 4, 8, 16, 32)] == [4, 4, 4, 2, 1, 1]
+    assert auto_local_threads(2, cores=2) == 1
+    monkeypatch.setenv("SWITCHML_LOCAL_THREADS", "3")
+    assert local_threads(8) == 3
+    monkeypatch.setenv("SWITCHML_LOCAL_THREADS", "0")
+    with pytest.raises(ValueError, match="SWITCHML_LOCAL_THREADS=0"):
+        local_threads(2)
+
+
 def _header(ranks=3):
     layout = Layout(ranks, 1, 1, 1024)
     return layout, np.zeros(layout.header_bytes, np.uint8)

@@ -110,20 +110,24 @@ def test_hosts_of_ranks_over_two_switches(big_switch, tmp_path):
     assert {"local.shard0", "local.shard1"} <= set(parts)  # both shards used switch b
 
 
-def test_hosts_of_ranks_whose_shards_go_on_two_threads_sum_as_on_one(big_switch, tmp_path):
+def test_hosts_of_ranks_on_more_threads_sum_as_on_one(big_switch, tmp_path):
     """SWITCHML_WORKER_THREADS=2: each shard's job goes through two jobs on the switch
-    (its name, then #1), and every result is the one thread's, bit for bit."""
+    (its name, then #1); SWITCHML_LOCAL_THREADS=3: each rank's copies and sums are
+    cut over three threads.  Every result is the one thread's, bit for bit."""
     digests = []
-    for threads in ("1", "2"):
-        (tmp_path / threads).mkdir()
+    for name, env in (("one", {}), ("io", {"SWITCHML_WORKER_THREADS": "2"}),
+                      ("local", {"SWITCHML_LOCAL_THREADS": "3"})):
+        (tmp_path / name).mkdir()
         results = reports(start_ranks(big_switch, [0, 0, 1, 1],
-                                      env={"SWITCHML_WORKER_THREADS": threads,
-                                           "OUT": str(tmp_path / threads)}))
+                                      env={"SWITCHML_WORKER_THREADS": "1",
+                                           "SWITCHML_LOCAL_THREADS": "1",
+                                           "OUT": str(tmp_path / name), **env}))
         for code, report, stderr in results:
             assert code == 0 and report is not None and "error" not in report, (report, stderr)
+            assert report["local_threads"] == int(env.get("SWITCHML_LOCAL_THREADS", 1))
         keys = ("float32", "int32", "sparse", "auto", "float16", "wire16")
         digests.append([{report[key] for _, report, _ in results} for key in keys])
-    assert digests[0] == digests[1] and all(len(d) == 1 for d in digests[1])
+    assert digests[0] == digests[1] == digests[2] and all(len(d) == 1 for d in digests[0])
     assert {"local.shard0#1", "local.shard1#1"} <= set(big_switch.stats()["ended_jobs"])
 
 

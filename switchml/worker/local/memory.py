@@ -15,10 +15,10 @@ area of ``segment`` elements (4 bytes each).  Counters count segments over the
 life of the group, so they only grow; a rank publishes one with a release store
 and wakes the ranks waiting (a futex on ``generation``).
 
-The operations ``reduce_into``, ``publish``, ``wait_for``, ``fail`` and
-``attach`` exist twice, here in numpy (the reference, and what runs without a
-C compiler) and in ``_memory.c`` under the same names; the differential tests
-(tests/test_local.py) hold them equal.
+The operations ``reduce_into``, ``copy_into``, ``publish``, ``wait_for``,
+``fail`` and ``attach`` exist twice, here in numpy (the reference, and what
+runs without a C compiler) and in ``_memory.c`` under the same names; the
+differential tests (tests/test_local.py) hold them equal.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import numpy as np
 from ...config import pure_python
 from ...errors import SwitchMLError
 
-__all__ = ["Layout", "Segment", "reduce_into", "publish", "wait_for", "fail", "attach",
+__all__ = ["Layout", "Segment", "reduce_into", "copy_into", "publish", "wait_for", "fail", "attach",
            "read_failure",
            "REACHED", "FAILED", "EXITED", "CLOSED", "TIMED_OUT", "sweep"]
 
@@ -107,9 +107,10 @@ class Layout:
 
 
 # ---------------------------------------------------------------- the operations (reference)
-def reduce_into(dst: np.ndarray, srcs) -> None:
+def reduce_into(dst: np.ndarray, srcs, threads: int = 1) -> None:
     """``dst`` = the sum of ``srcs`` element by element, in their order: float32
-    arrays summed in float64 and rounded once, int32 ones modulo 2**32."""
+    arrays summed in float64 and rounded once, int32 ones modulo 2**32.  The C
+    twin cuts the work over up to ``threads`` threads (the same result)."""
     if dst.dtype == np.float32:
         acc = srcs[0].astype(np.float64)
         for src in srcs[1:]:
@@ -120,6 +121,14 @@ def reduce_into(dst: np.ndarray, srcs) -> None:
         np.copyto(dst, srcs[0])
         for src in srcs[1:]:
             np.add(dst, src, out=dst)  # wraps modulo 2**32
+
+
+def copy_into(dst: np.ndarray, src: np.ndarray, threads: int = 1) -> None:
+    """``dst`` = ``src`` (contiguous, the same size in bytes); the C twin cuts the
+    copy over up to ``threads`` threads."""
+    if dst.nbytes != src.nbytes:
+        raise ValueError("copy_into: the source and destination differ in size")
+    np.copyto(dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8))
 
 
 def _words(header, offset: int, dtype, count: int = 1) -> np.ndarray:
@@ -213,12 +222,14 @@ def _compiled():
 
 
 #: The reference operations, whatever this process runs (the differential tests).
-REFERENCE = types.SimpleNamespace(reduce_into=reduce_into, publish=publish, attach=attach,
-                                  fail=fail, wait_for=wait_for)
+REFERENCE = types.SimpleNamespace(reduce_into=reduce_into, copy_into=copy_into,
+                                  publish=publish, attach=attach, fail=fail,
+                                  wait_for=wait_for)
 #: The operations this process runs: the C twin where it is built.
 OPS = _compiled()
 if OPS is not None:
     reduce_into = OPS.reduce_into  # noqa: F811  (the same operation, compiled)
+    copy_into = OPS.copy_into  # noqa: F811
     publish = OPS.publish  # noqa: F811
     attach = OPS.attach  # noqa: F811
     fail = OPS.fail  # noqa: F811

@@ -101,13 +101,16 @@ class LocalStage:
 
     ``index``: the rank's place among the host's ranks; ``switched``: whether the
     shards go through the switch (other hosts) or the host is the whole job;
-    ``peers``: the job's ranks of the host, by index (for messages).  The rank
-    owns shard ``index`` when ``index < layout.shards``.
+    ``peers``: the job's ranks of the host, by index (for messages);
+    ``threads``: how many threads each copy and sum is cut over.  The rank owns
+    shard ``index`` when ``index < layout.shards``.
     """
 
     def __init__(self, buf: np.ndarray, layout: Layout, index: int, *, switched: bool,
-                 peers: tuple[int, ...] | None = None):
+                 peers: tuple[int, ...] | None = None, threads: int = 1):
         self.buf = buf
+        #: Threads each copy and sum is cut over (``memory``'s C twin).
+        self.threads = threads
         self.layout = layout
         self.index = index
         self.switched = switched
@@ -218,8 +221,8 @@ class LocalStage:
         mine = bounds[self.shard] if self.shard is not None else (0, 0)
         area = self._area(slot, self.index, length, src.dtype)
         # (an owner reads its own shard from its input: no need to copy it in)
-        np.copyto(area[:mine[0]], src[start:start + mine[0]])
-        np.copyto(area[mine[1]:], src[start + mine[1]:stop])
+        memory.copy_into(area[:mine[0]], src[start:start + mine[0]], self.threads)
+        memory.copy_into(area[mine[1]:], src[start + mine[1]:stop], self.threads)
         self._publish(R_COPIED_IN, segment + 1)
         if t == 0 or self.shard is not None:
             yield Wait(R_COPIED_IN, self.everyone, segment + 1)
@@ -233,7 +236,7 @@ class LocalStage:
             memory.reduce_into(result, [
                 src[start + lo:start + hi] if j == self.index
                 else self._area(slot, j, length, src.dtype)[lo:hi]
-                for j in self.everyone])
+                for j in self.everyone], self.threads)
         if self.switched and hi > lo:
             yield Launch(segment, result)
             return
@@ -249,7 +252,7 @@ class LocalStage:
         start, stop = t * g, min(n, (t + 1) * g)
         yield Wait(R_REDUCED, self.owners, segment + 1)
         result = self._result(segment % self.layout.slots, stop - start, out.dtype)
-        np.copyto(out[start:stop], result)
+        memory.copy_into(out[start:stop], result, self.threads)
         self.copied_out[out.ctypes.data] = t + 1
         self._publish(R_COPIED_OUT, segment + 1)
 

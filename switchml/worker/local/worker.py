@@ -7,7 +7,9 @@ its name), and the rank that owns a shard joins that shard's switch job, one
 member per host (``hosts.shard_job``), asking for its share of the link's
 window.  A thread serves the calls in order: it runs the local stage's steps
 (``stage.LocalStage``), sleeping in ``memory.wait_for`` without the GIL, and
-queues each shard on the switch worker, whose completion publishes it.
+queues each shard on the switch worker, whose completion publishes it.  Where
+the host has cores to spare, each copy and sum is cut over several threads
+(``local_threads``).
 
 Failures are errors, never hangs, and every rank of the job raises one that
 names the rank at fault:
@@ -35,7 +37,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from ...config import env
+from ...config import MAX_AUTO_LOCAL_THREADS, auto_local_threads, env
 from ...errors import (
     CallMismatchError,
     SwitchMLError,
@@ -63,7 +65,7 @@ from .memory import (
 )
 from .stage import Launch, LocalStage, Wait, call_kind
 
-__all__ = ["LocalStageWorker", "SLOTS"]
+__all__ = ["LocalStageWorker", "SLOTS", "local_threads"]
 
 log = logging.getLogger("switchml.worker")
 
@@ -81,6 +83,19 @@ _CODES = ((CallMismatchError, memory.FAILED_MISMATCH),
           (SwitchMLTimeoutError, memory.FAILED_TIMEOUT))
 _STEPS = {R_COPIED_IN: "copy its array in", R_REDUCED: "sum its shard",
           R_COPIED_OUT: "copy the sum out", R_STATE: "attach to the host's shared memory"}
+
+
+def local_threads(ranks: int) -> int:
+    """Threads a rank's copies and sums are cut over: ``SWITCHML_LOCAL_THREADS``,
+    else ``config.auto_local_threads`` of the host's ``ranks``."""
+    asked = env("LOCAL_THREADS", None, int)
+    if asked is None:
+        return auto_local_threads(ranks)
+    if not 1 <= asked <= 32:
+        raise ValueError(f"SWITCHML_LOCAL_THREADS={asked}: use 1 to 32 "
+                         f"(default: the cores over the host's ranks, at most "
+                         f"{MAX_AUTO_LOCAL_THREADS})")
+    return asked
 
 
 class LocalStageWorker:
@@ -118,7 +133,8 @@ class LocalStageWorker:
             self._segment = self._attach(hosts.nonce)
             switched = placement.hosts > 1
             self.stage = LocalStage(self._segment.buf, self._segment.layout, self._index,
-                                    switched=switched, peers=self._peers)
+                                    switched=switched, peers=self._peers,
+                                    threads=local_threads(len(self._peers)))
             if switched and placement.shard is not None:
                 self.switch = self._join_shard(channel, slots, wait_for_slots)
         except BaseException as exc:
