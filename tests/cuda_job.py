@@ -8,13 +8,29 @@ tests compare with gloo.
 
 import json
 import os
+import signal
 import sys
+import threading
+import time
 
 import torch
 import torch.distributed as dist
 
 import switchml.torch  # noqa: F401  registers the "switchml" backend
+from switchml.torch import staging as staging_module
 from switchml.torch.staging import CudaStaging
+
+#: Segments that went straight between the GPU and the host's shared memory.
+DIRECT = {"segments": 0}
+_into_host = staging_module.SegmentCopies.into_host
+
+
+def _counted_into_host(self, area, start, stop):
+    DIRECT["segments"] += 1
+    return _into_host(self, area, start, stop)
+
+
+staging_module.SegmentCopies.into_host = _counted_into_host  # type: ignore[method-assign]
 
 #: GPU cycles a busy kernel spins (torch.cuda._sleep): about half a second or more.
 BUSY_CYCLES = 1_000_000_000
@@ -101,6 +117,25 @@ def staging_facts(device) -> dict:
             "copied": bool((staging.host == 1).all().item())}
 
 
+def killed_mid_call(device) -> dict:
+    """Rank 1 is SIGKILLed while big calls run (in the middle of one, with many
+    segments each): the others' call fails, naming it, within seconds."""
+    t = torch.ones(16_000_000, device=device)  # 64 MiB
+    for _ in range(2):
+        dist.all_reduce(t)
+    if dist.get_rank() == 1:
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    began = time.monotonic()
+    try:
+        for _ in range(500):
+            dist.all_reduce(t)
+            torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - what the test reads
+        return {"error": str(exc), "seconds": time.monotonic() - began,
+                "direct_segments": DIRECT["segments"]}
+    return {"error": None, "seconds": time.monotonic() - began}
+
+
 def ddp(device, backend: str, hook_bits=None) -> dict:
     """A few DDP steps of a CUDA model: its parameters after them."""
     torch.manual_seed(0)
@@ -131,9 +166,13 @@ def main():
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
     torch.cuda.set_device(device)
     dist.init_process_group(backend)
+    if scenario == "kill":
+        print("RESULT " + json.dumps(killed_mid_call(device)), flush=True)
+        os._exit(0)  # no barrier: a rank is gone
     if scenario == "calls":
         result = {**same_on_cpu_and_cuda(device), **stream_order(device),
                   **staging_facts(device)}
+        result["direct_segments"] = DIRECT["segments"]
     elif scenario == "ddp":
         result = ddp(device, backend)
     elif scenario == "hook":

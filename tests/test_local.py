@@ -31,12 +31,31 @@ class Host:
         return int(self.buf[offset:offset + 8].view(np.uint64)[0])
 
 
-def run_hosts(sizes, calls, seed, switched=None, in_place=False, defer=False):
+class DeviceArrays:
+    """``stage.DeviceCopies`` over two arrays standing for a GPU's input and output;
+    counts the segments that came in and went back."""
+
+    def __init__(self, src, out):
+        self.src, self.out = src, out
+        self.segments_in = self.segments_out = 0
+
+    def into_host(self, area, start, stop):
+        np.copyto(area, self.src[start:stop])
+        self.segments_in += 1
+
+    def from_host(self, result, start, stop):
+        np.copyto(self.out[start:stop], result)
+        self.segments_out += 1
+
+
+def run_hosts(sizes, calls, seed, switched=None, in_place=False, defer=False, device=False):
     """Drive hosts of ``sizes`` ranks through ``calls`` (per call, each rank's input
     arrays: calls[c][host][index]) in an order a seeded generator picks, with a
     model switch that sums each shard over the hosts, in float64 rounded once,
     whenever the scheduler lets it.  ``defer``: each call but the last leaves its
-    last copy-out to the next (as a rank does when calls are queued).  Returns
+    last copy-out to the next (as a rank does when calls are queued).  ``device``:
+    every call's input and output live "on a device" (``DeviceArrays``), and the
+    host arrays the stage is given hold NaN and must stay so.  Returns
     outputs[c][host][index]."""
     rng = np.random.default_rng(seed)
     shards = min(sizes)
@@ -51,7 +70,17 @@ def run_hosts(sizes, calls, seed, switched=None, in_place=False, defer=False):
             src = call[h][i]
             kind = call_kind(src.dtype, False, 32)
             more = (lambda c=c: c < len(calls) - 1) if defer else None
-            yield from stage.allreduce(src, outputs[c][h][i], kind, more)
+            if device:
+                host = np.full(src.size, np.nan, np.float32).view(src.dtype)
+                copies = DeviceArrays(src, outputs[c][h][i])
+                yield from stage.allreduce(host, host, kind, more, copies)
+                untouched = np.full(src.size, np.nan, np.float32).view(src.dtype)
+                assert host.tobytes() == untouched.tobytes()
+                segments = max(1, -(-src.size // SEGMENT))
+                assert copies.segments_in == copies.segments_out == segments or (
+                    defer and c < len(calls) - 1)
+            else:
+                yield from stage.allreduce(src, outputs[c][h][i], kind, more)
 
     runners = {(h, i): rank_steps(h, i) for h, k in enumerate(sizes) for i in range(k)}
     waiting: dict = {key: None for key in runners}  # the step each rank waits on
@@ -140,6 +169,25 @@ def test_every_interleaving_gives_every_rank_the_two_stage_sum(sizes, lengths, d
     rng = np.random.default_rng(seed)
     calls = [inputs(rng, sizes, n, dtype) for n in lengths]
     outputs = run_hosts(sizes, calls, seed, defer=defer)
+    for call, out in zip(calls, outputs):
+        expected = two_stage_sum(call)
+        for host in out:
+            for array in host:
+                np.testing.assert_array_equal(array, expected)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(sizes=st.lists(st.integers(1, 4), min_size=1, max_size=2),
+       lengths=st.lists(st.integers(1, 3 * SEGMENT + 77), min_size=1, max_size=3),
+       dtype=st.sampled_from([np.float32, np.int32]), seed=st.integers(0, 2**32 - 1),
+       defer=st.booleans())
+def test_calls_whose_arrays_are_on_a_device_sum_alike(sizes, lengths, dtype, seed, defer):
+    """Input and output on a device (``copies``): each segment comes into the rank's
+    area and its sum goes back, once; the host arrays are never touched; every rank
+    gets the two-stage sum, as from host arrays."""
+    rng = np.random.default_rng(seed)
+    calls = [inputs(rng, sizes, n, dtype) for n in lengths]
+    outputs = run_hosts(sizes, calls, seed, defer=defer, device=True)
     for call, out in zip(calls, outputs):
         expected = two_stage_sum(call)
         for host in out:

@@ -2,7 +2,9 @@
 a real switch.  Skipped where torch sees no CUDA device (CI); run on a GPU machine
 with ``pytest tests/test_torch_cuda.py``."""
 
+import json
 import os
+import signal
 
 import pytest
 
@@ -11,15 +13,51 @@ torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device on this machine")
 
-from test_torch import launch  # noqa: E402  (after the skip: it imports torch's extras)
+from test_torch import launch, start  # noqa: E402  (after the skip: it imports torch's extras)
 
 JOB = os.path.join(os.path.dirname(__file__), "cuda_job.py")
 
 
 def test_cuda_calls_equal_the_cpu_path_wait_for_their_stream_and_complete_on_it():
     for out in launch(3, "calls", "switchml", job=JOB, timeout=300):
+        assert out.pop("direct_segments") == 0  # each rank sends its own: a host copy
         failed = sorted(name for name, ok in out.items() if ok is not True)
         assert not failed, out
+
+
+def test_cuda_calls_through_the_local_stage_go_straight_to_shared_memory():
+    """Ranks of one host combining in shared memory: contiguous CUDA tensors move
+    by DMA between the GPU and the shared memory segment by segment (small
+    segments: many a call), 16-bit ones widened and rounded back on the GPU, AVG
+    divided there; every result is the CPU path's, bit for bit, and the stream
+    semantics are the same."""
+    for out in launch(3, "calls", "switchml", job=JOB, timeout=300,
+                      env={"SWITCHML_LOCAL_STAGE": "1",
+                           "SWITCHML_LOCAL_SEGMENT": str(256 * 1024)}):
+        assert out.pop("direct_segments") > 100
+        failed = sorted(name for name, ok in out.items() if ok is not True)
+        assert not failed, out
+
+
+def test_a_rank_killed_mid_copy_is_named_on_the_others_and_leaves_nothing():
+    shm = {n for n in os.listdir("/dev/shm") if n.startswith("switchml-")}
+    procs = start(3, "kill", "switchml", job=JOB, env={"SWITCHML_LOCAL_STAGE": "1"})
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[1].returncode == -signal.SIGKILL, outs[1][1][-2000:]
+    for rank in (0, 2):
+        assert procs[rank].returncode == 0, outs[rank][1][-3000:]
+        lines = [line for line in outs[rank][0].splitlines() if line.startswith("RESULT ")]
+        result = json.loads(lines[-1][len("RESULT "):])
+        assert result["direct_segments"] > 0
+        assert result["error"] and "rank 1" in result["error"], result
+        assert result["seconds"] < 10, result
+    assert {n for n in os.listdir("/dev/shm") if n.startswith("switchml-")} <= shm
 
 
 def test_ddp_on_cuda_matches_gloo_on_cuda():

@@ -354,7 +354,8 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
             return self._gloo.allreduce([t.detach() if t.layout == torch.strided else t
                                          for t in tensors], opts)
         divisor = self.size() if opts.reduceOp == dist.ReduceOp.AVG else None
-        call = Call(tensors[0], divisor, self._sparse, None, lambda: tensors)
+        call = Call(tensors[0], divisor, self._sparse, None, lambda: tensors,
+                    direct=self._path.takes_segments(tensors[0]))
         self._path.submit(call)
         return _SwitchWork(call.future, call.settled)
 
@@ -544,6 +545,7 @@ def allreduce_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tenso
     """DDP comm hook: average the bucket through the switch (dense, sparse or auto)."""
     buffer = bucket.buffer()
     path = state._joined_path()
-    call = Call(buffer, state.world_size, state.sparse, state.bits, lambda: buffer)
+    call = Call(buffer, state.world_size, state.sparse, state.bits, lambda: buffer,
+                direct=path.takes_segments(buffer))
     path.submit(call)
     return call.future

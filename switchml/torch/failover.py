@@ -70,7 +70,7 @@ from .settle import (
     settle_resumed,
     settle_segments,
 )
-from .staging import stage
+from .staging import CudaStaging, stage, takes_segments
 
 log = logging.getLogger("switchml.torch")
 
@@ -123,8 +123,8 @@ class Call:
     """
 
     def __init__(self, tensor: torch.Tensor, divisor: int | None, sparse, bits: int | None,
-                 value: Callable[[], Any]):
-        self.staging = stage(tensor)
+                 value: Callable[[], Any], direct: bool = False):
+        self.staging = stage(tensor, direct)
         self.divisor = divisor
         self.sparse = sparse
         self.bits = bits
@@ -249,11 +249,22 @@ class SwitchPath:
                 self._pending[index] = call
                 self._lock.notify_all()
 
+    def takes_segments(self, tensor: torch.Tensor) -> bool:
+        """Whether a call of ``tensor`` made now goes straight between its GPU and
+        the worker's shared memory (``staging.takes_segments``)."""
+        return self._direct and takes_segments(self.worker, tensor)
+
     def _on_switch(self, index: int, call: Call) -> None:
         """Queue ``call`` on the worker (its I/O thread finishes it)."""
         staging = call.staging
-        handle = self.worker.allreduce_async(staging.array, out=staging.array, sparse=call.sparse,
-                                             bits=call.bits, ready=staging.ready)
+        if isinstance(staging, CudaStaging) and staging.direct:
+            handle = self.worker.allreduce_async(
+                staging.array, out=staging.array, sparse=call.sparse, bits=call.bits,
+                copies=staging.segment_copies(call.divisor))
+        else:
+            handle = self.worker.allreduce_async(staging.array, out=staging.array,
+                                                 sparse=call.sparse, bits=call.bits,
+                                                 ready=staging.ready)
         handle.add_done_callback(lambda h: self._switch_done(index, call, h))
 
     def _switch_done(self, index: int, call: Call, handle) -> None:

@@ -13,16 +13,29 @@ it reads the copy.  The sum goes back on the same side stream, and the call's
 future records that stream's work, so whoever waits on it (``Work.wait()``, DDP's
 reducer, ``Future.wait()``) has its current stream wait for the result instead of
 its thread: the allreduce completes on the tensor's stream.
+
+Where a job's ranks all share one host (the local stage, no switch), a
+contiguous CUDA tensor skips the host copy altogether: the host's shared memory
+is registered with CUDA once (``cudaHostRegister``), and each segment of the call
+goes by DMA from the tensor into the rank's area of the shared memory, and its
+sum from the result area straight back into the tensor (``SegmentCopies``, on
+the side stream; 16-bit tensors widened and rounded back on the GPU, AVG
+divided there).  The host's cores then only sum.  ``SWITCHML_CUDA_DIRECT=0``
+keeps the host copy.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 
 import torch
 
 from ..buffers import BufferPool
+from ..config import env, parse_flag
+
+log = logging.getLogger("switchml.torch")
 
 #: Summed as float32 (their values are exact in it) and rounded back once.
 WIDENED_DTYPES = (torch.float16, torch.bfloat16)
@@ -92,30 +105,49 @@ class HostStaging:
 
 
 class CudaStaging:
-    """A CUDA tensor's staging: a pinned host copy made on a side stream."""
+    """A CUDA tensor's staging: a pinned host copy made on a side stream, or with
+    ``direct``, none until one is asked for (``ready``): the call's segments move
+    through ``segment_copies`` instead."""
 
-    def __init__(self, tensor: torch.Tensor):
+    def __init__(self, tensor: torch.Tensor, direct: bool = False):
         self.tensor = tensor
         self.devices = [tensor.device]
+        self.direct = direct
         self.stream = _side_stream(tensor.device)
         self.stream.wait_stream(torch.cuda.current_stream(tensor.device))
-        with torch.cuda.stream(self.stream):
-            source = tensor.detach()
-            if source.dtype in WIDENED_DTYPES:
-                source = source.float()
-            self._pool = _pinned_pool(tensor.device)
-            self.host, self._buffer = self._pool.array(source.shape, source.dtype)
-            self.host.copy_(source, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record(self.stream)
+        dtype = torch.float32 if tensor.dtype in WIDENED_DTYPES else tensor.dtype
+        self._pool = _pinned_pool(tensor.device)
+        self.host, self._buffer = self._pool.array(tensor.shape, dtype)
+        self._copied: torch.cuda.Event | None = None
+        #: Whether the sum went back to the tensor segment by segment, divided.
+        self.sent_back = False
+        if not direct:
+            self._copy_to_host()
         # the side stream reads it now and writes it when the sum is back: the caching
         # allocator must not hand its memory out before then, freed or not
         tensor.record_stream(self.stream)
         self.array = self.host.reshape(-1).numpy()
 
+    def _copy_to_host(self) -> None:
+        with _on_stream(self.stream):
+            source = self.tensor.detach()
+            if source.dtype in WIDENED_DTYPES:
+                source = source.float()
+            self.host.copy_(source, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record(self.stream)
+
     def ready(self) -> None:
-        """Block until the host copy holds the tensor's values (the worker's thread)."""
+        """Block until the host copy holds the tensor's values (the worker's thread;
+        a direct staging makes the copy now, for a call that went elsewhere)."""
+        if self._copied is None:
+            self._copy_to_host()
+        assert self._copied is not None
         self._copied.synchronize()
+
+    def segment_copies(self, divisor: int | None) -> SegmentCopies:
+        """The call's ``stage.DeviceCopies`` (a direct staging's)."""
+        return SegmentCopies(self, divisor)
 
     def context(self):
         """The side stream, current on the calling thread: ``finish`` enqueues on it
@@ -124,8 +156,11 @@ class CudaStaging:
 
     def finish(self, divisor: int | None) -> None:
         """Enqueue the sum's copy back to the device, divided by ``divisor`` (AVG) and
-        rounded to the tensor's dtype there, into the caller's tensor.  Run in
-        ``context()``."""
+        rounded to the tensor's dtype there, into the caller's tensor (nothing to do
+        where the segments went back already).  Run in ``context()``."""
+        if self.sent_back:
+            self._pool.give(self._buffer)
+            return
         with torch.no_grad():
             if self.tensor.dtype == self.host.dtype and self.tensor.is_contiguous():
                 self.tensor.copy_(self.host, non_blocking=True)
@@ -136,6 +171,80 @@ class CudaStaging:
                 self.tensor.copy_(result)
         # its copy to the device is enqueued: the next user's copy into it comes after
         self._pool.give(self._buffer)
+
+
+class SegmentCopies:
+    """``stage.DeviceCopies`` of a CUDA tensor: each segment by DMA between the
+    tensor and the host's shared memory (registered with CUDA), on the side stream,
+    the calling thread (the worker's) waiting for each."""
+
+    def __init__(self, staging: CudaStaging, divisor: int | None):
+        self.staging = staging
+        self.divisor = divisor
+        self.flat = staging.tensor.detach().view(-1)
+        self.widened = self.flat.dtype in WIDENED_DTYPES
+        self.done = torch.cuda.Event()
+
+    def into_host(self, area, start: int, stop: int) -> None:
+        with _on_stream(self.staging.stream):
+            source = self.flat[start:stop]
+            if self.widened:
+                source = source.float()
+            torch.from_numpy(area).copy_(source, non_blocking=True)
+            self.done.record(self.staging.stream)
+        self.done.synchronize()
+
+    def from_host(self, result, start: int, stop: int) -> None:
+        with _on_stream(self.staging.stream), torch.no_grad():
+            target = self.flat[start:stop]
+            host = torch.from_numpy(result)
+            if self.widened or self.divisor is not None:
+                summed = host.to(target.device, non_blocking=True)
+                _divide(summed, self.divisor)
+                target.copy_(summed)
+            else:
+                target.copy_(host, non_blocking=True)
+            self.done.record(self.staging.stream)
+        self.done.synchronize()
+        self.staging.sent_back = True
+
+
+#: Workers whose shared memory is registered with CUDA (by id): True, or False
+#: where registering failed (their calls keep the host copy).
+_registered: dict[int, bool] = {}
+
+
+def takes_segments(worker, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s call on ``worker`` can go straight between the GPU and
+    the host's shared memory (``CudaStaging(direct=True)``): a contiguous CUDA
+    tensor, a worker of a one-host local stage, its memory registered with CUDA
+    (done here, once a worker, undone when it closes)."""
+    if (worker is None or not tensor.is_cuda or not tensor.is_contiguous()
+            or not getattr(worker, "direct_copies", False)
+            or not parse_flag(env("CUDA_DIRECT", "1"))):
+        return False
+    key = id(worker)
+    with _side_streams_lock:
+        known = _registered.get(key)
+        if known is not None:
+            return known
+        address, size = worker.shared_memory()
+        cudart = torch.cuda.cudart()
+        code = cudart.cudaHostRegister(address, size, 1)  # cudaHostRegisterPortable
+        _registered[key] = ok = int(code) == 0
+    if not ok:
+        log.warning("CUDA would not register the local stage's shared memory (%s): CUDA "
+                    "tensors go through a host copy", code)
+        return False
+
+    def unregister():
+        with _side_streams_lock:
+            if _registered.pop(key, False):
+                torch.cuda.synchronize()  # no copy of ours may still use it
+                cudart.cudaHostUnregister(address)
+
+    worker.on_close(unregister)
+    return True
 
 
 @contextlib.contextmanager
@@ -154,8 +263,9 @@ def _divide(values: torch.Tensor, divisor: int | None) -> None:
         values.div_(by, rounding_mode=None if values.is_floating_point() else "trunc")
 
 
-def stage(tensor: torch.Tensor) -> HostStaging | CudaStaging:
-    """The staging of an allreduce's input, by the tensor's device."""
+def stage(tensor: torch.Tensor, direct: bool = False) -> HostStaging | CudaStaging:
+    """The staging of an allreduce's input, by the tensor's device (``direct``: a
+    CUDA tensor's segments go straight to the host's shared memory)."""
     if tensor.device.type == "cuda":
-        return CudaStaging(tensor)
+        return CudaStaging(tensor, direct)
     return HostStaging(tensor)

@@ -36,6 +36,7 @@ scheduler that interleaves them every way.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -44,8 +45,8 @@ from ..multi import part_bounds
 from . import memory
 from .memory import R_CALL, R_COPIED_IN, R_COPIED_OUT, R_ELEMENTS, R_KIND, R_REDUCED, Layout
 
-__all__ = ["LocalStage", "Wait", "Launch", "Finished", "SHARD_ALIGN", "call_kind",
-           "describe_kind"]
+__all__ = ["LocalStage", "Wait", "Launch", "Finished", "DeviceCopies", "SHARD_ALIGN",
+           "call_kind", "describe_kind"]
 
 #: Shards start at multiples of this many elements (4 KiB: whole pages, whole
 #: sparse blocks), so every host cuts a segment the same way.
@@ -64,6 +65,18 @@ def describe_kind(elements: int, kind: int) -> str:
     sparse = {v: k for k, v in _SPARSE.items()}.get(kind >> 8 & 0xFF, "?")
     mode = {False: "dense", True: "sparse", "auto": "sparse='auto'"}.get(sparse, "?")
     return f"{elements} {dtype} elements, {mode}, {kind >> 16}-bit wire"
+
+
+class DeviceCopies(Protocol):
+    """A call whose input and output live on a device (a GPU): how each segment
+    comes into host memory and its sum goes back, both done when the method
+    returns (the slot is then free to change)."""
+
+    def into_host(self, area: np.ndarray, start: int, stop: int) -> None:
+        """``area`` = elements [start, stop) of the input."""
+
+    def from_host(self, result: np.ndarray, start: int, stop: int) -> None:
+        """Elements [start, stop) of the output = ``result``."""
 
 
 @dataclass(frozen=True)
@@ -153,10 +166,15 @@ class LocalStage:
         return part_bounds(length, SHARD_ALIGN, self.layout.shards)
 
     # ------------------------------------------------------------------ a call
-    def allreduce(self, src: np.ndarray, out: np.ndarray, kind: int, more=None):
+    def allreduce(self, src: np.ndarray, out: np.ndarray, kind: int, more=None,
+                  copies: DeviceCopies | None = None):
         """The call's steps (a generator of ``Wait``, ``Launch`` and ``Finished``):
         ``out`` = the sum over every host's ranks of ``src`` (flat float32 or int32
         arrays; ``out`` may be ``src``).  ``kind`` is ``call_kind`` of the call.
+        With ``copies``, the input is on a device and so is the output: each
+        segment comes into this rank's area and its sum goes back through
+        ``copies``, and ``src`` and ``out`` (host arrays of the call's size) are
+        not touched.
 
         ``more()``, asked at the call's last segment: whether another call waits
         behind this one; if so this call ends before its last copy-out, which the
@@ -178,16 +196,16 @@ class LocalStage:
             segment = base + t
             if segment >= layout.slots:  # the slot's last segment copied out by all
                 yield Wait(R_COPIED_OUT, self.everyone, segment - layout.slots + 1)
-            yield from self._combine(src, t, segment, n, call, kind)
+            yield from self._combine(src, t, segment, n, call, kind, copies)
             if t:
-                yield from self._copy_out(out, t - 1, segment - 1, n)
+                yield from self._copy_out(out, t - 1, segment - 1, n, copies)
             else:
                 yield from self.finish()  # the last call's tail, behind this first segment
         self.segments = base + count
         if more is not None and more():
-            self._tail = (out, count - 1, base + count - 1, n, call)
+            self._tail = (out, count - 1, base + count - 1, n, call, copies)
             return
-        yield from self._copy_out(out, count - 1, base + count - 1, n)
+        yield from self._copy_out(out, count - 1, base + count - 1, n, copies)
 
     @property
     def deferred(self) -> bool:
@@ -206,12 +224,13 @@ class LocalStage:
         """The steps of the last call's deferred copy-out (none if there is none)."""
         if self._tail is None:
             return
-        out, t, segment, n, call = self._tail
+        out, t, segment, n, call, copies = self._tail
         self._tail = None
-        yield from self._copy_out(out, t, segment, n)
+        yield from self._copy_out(out, t, segment, n, copies)
         yield Finished(call)
 
-    def _combine(self, src, t: int, segment: int, n: int, call: int, kind: int):
+    def _combine(self, src, t: int, segment: int, n: int, call: int, kind: int,
+                 copies: DeviceCopies | None):
         """Steps 1 and 2 for segment ``segment`` (the call's ``t``-th)."""
         g = self.layout.segment
         slot = segment % self.layout.slots
@@ -220,9 +239,11 @@ class LocalStage:
         bounds = self.shard_bounds(length)
         mine = bounds[self.shard] if self.shard is not None else (0, 0)
         area = self._area(slot, self.index, length, src.dtype)
-        # (an owner reads its own shard from its input: no need to copy it in)
-        memory.copy_into(area[:mine[0]], src[start:start + mine[0]], self.threads)
-        memory.copy_into(area[mine[1]:], src[start + mine[1]:stop], self.threads)
+        if copies is not None:  # the whole segment: its owner sums it from here too
+            copies.into_host(area, start, stop)
+        else:  # (an owner reads its own shard from its input: no need to copy it in)
+            memory.copy_into(area[:mine[0]], src[start:start + mine[0]], self.threads)
+            memory.copy_into(area[mine[1]:], src[start + mine[1]:stop], self.threads)
         self._publish(R_COPIED_IN, segment + 1)
         if t == 0 or self.shard is not None:
             yield Wait(R_COPIED_IN, self.everyone, segment + 1)
@@ -234,7 +255,7 @@ class LocalStage:
         result = self._result(slot, length, src.dtype)[lo:hi]
         if hi > lo:
             memory.reduce_into(result, [
-                src[start + lo:start + hi] if j == self.index
+                src[start + lo:start + hi] if j == self.index and copies is None
                 else self._area(slot, j, length, src.dtype)[lo:hi]
                 for j in self.everyone], self.threads)
         if self.switched and hi > lo:
@@ -246,13 +267,16 @@ class LocalStage:
             yield Wait(R_REDUCED, (self.index,), segment)
         self._publish(R_REDUCED, segment + 1)
 
-    def _copy_out(self, out, t: int, segment: int, n: int):
+    def _copy_out(self, out, t: int, segment: int, n: int, copies: DeviceCopies | None):
         """Step 3 for segment ``segment`` (the call's ``t``-th)."""
         g = self.layout.segment
         start, stop = t * g, min(n, (t + 1) * g)
         yield Wait(R_REDUCED, self.owners, segment + 1)
         result = self._result(segment % self.layout.slots, stop - start, out.dtype)
-        memory.copy_into(out[start:stop], result, self.threads)
+        if copies is not None:
+            copies.from_host(result, start, stop)
+        else:
+            memory.copy_into(out[start:stop], result, self.threads)
         self.copied_out[out.ctypes.data] = t + 1
         self._publish(R_COPIED_OUT, segment + 1)
 

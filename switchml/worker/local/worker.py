@@ -63,7 +63,7 @@ from .memory import (
     Layout,
     Segment,
 )
-from .stage import Launch, LocalStage, Wait, call_kind
+from .stage import DeviceCopies, Launch, LocalStage, Wait, call_kind
 
 __all__ = ["LocalStageWorker", "SLOTS", "local_threads"]
 
@@ -125,6 +125,7 @@ class LocalStageWorker:
         self._peers = placement.peers
         self._index = placement.index
         self._closed = False
+        self._close_callbacks: list = []
         self._local_calls = 0
         self._pidfds = self._watch_peers()
         self._segment: Segment | None = None
@@ -267,18 +268,45 @@ class LocalStageWorker:
             self._running.release()
 
     def allreduce_async(self, array, out=None, sparse=False, bits=None,
-                        ready=None) -> AllreduceHandle:
-        """``Worker.allreduce_async``, served in call order by this rank's thread."""
+                        ready=None, copies: DeviceCopies | None = None) -> AllreduceHandle:
+        """``Worker.allreduce_async``, served in call order by this rank's thread.
+
+        ``copies`` (where ``direct_copies`` says so): the call's input and output
+        live on a device, and each segment moves between it and the host's shared
+        memory through ``copies`` (``stage.DeviceCopies``); ``array`` then only
+        gives the call's size and dtype, and is neither read nor written."""
         bits = env("WIRE_BITS", 32, int) if bits is None else bits
         src, out, sparse = check_call(array, out, sparse, bits, ready)
         src, out, narrow = widen(src, out)
         if self._closed:
             raise SwitchMLError("this worker is closed")
+        if copies is not None and (not self.direct_copies or narrow is not None):
+            raise ValueError("device copies go straight to shared memory only on a job of "
+                             "one host, for float32 and int32 calls")
         future: Future = Future()
         with self._order:
             self._pending += 1
-            self._queue.put((src, out, sparse, bits, ready, narrow, future))
+            self._queue.put((src, out, sparse, bits, ready, narrow, future, copies))
         return AllreduceHandle(future)
+
+    @property
+    def direct_copies(self) -> bool:
+        """Whether a device's data may go straight to the host's shared memory
+        (``allreduce_async(copies=...)``): on a job of one host, whose calls never
+        need a host copy of their input to fall back on."""
+        return self.placement.hosts == 1 and self._segment is not None
+
+    def shared_memory(self) -> tuple[int, int]:
+        """(address, bytes) of this rank's mapping of the host's shared memory: for a
+        device to register (``on_close`` undoes it before the mapping goes)."""
+        assert self._segment is not None
+        buf = self._segment.buf
+        return buf.ctypes.data, buf.nbytes
+
+    def on_close(self, callback) -> None:
+        """Call ``callback()`` when this worker closes, before the shared memory is
+        unmapped."""
+        self._close_callbacks.append(callback)
 
     def close(self) -> None:
         """Finish the queued calls, leave the host's shared memory and the switch job."""
@@ -333,14 +361,14 @@ class LocalStageWorker:
                 continue
             if item is None:
                 return
-            src, out, sparse, bits, ready, narrow, future = item
+            src, out, sparse, bits, ready, narrow, future, copies = item
             try:
                 with self._running:
                     if ready is not None:
                         ready()
                     # another call queued behind this one takes over its last copy-out
                     self._run(src.reshape(-1), out.reshape(-1), sparse, bits,
-                              more=lambda: self._pending > 1)
+                              more=lambda: self._pending > 1, copies=copies)
             except BaseException as exc:  # a SwitchMLError, or a bug surfaced to the caller
                 if self._deferred is not None:  # the call before it never finished either
                     self.stage.forget_deferred()
@@ -364,13 +392,16 @@ class LocalStageWorker:
         else:
             future.set_result(result)
 
-    def _run(self, src: np.ndarray, out: np.ndarray, sparse, bits: int, more=None) -> None:
-        """One call's steps, driven to their end (``LocalStage.allreduce``'s ``more``)."""
+    def _run(self, src: np.ndarray, out: np.ndarray, sparse, bits: int, more=None,
+             copies: DeviceCopies | None = None) -> None:
+        """One call's steps, driven to their end (``LocalStage.allreduce``'s ``more``
+        and ``copies``)."""
         failure = self._failure()
         if failure is not None:
             raise failure
         self._local_calls += 1
-        steps = self.stage.allreduce(src, out, call_kind(src.dtype, sparse, bits), more)
+        steps = self.stage.allreduce(src, out, call_kind(src.dtype, sparse, bits), more,
+                                     copies)
         try:
             for step in steps:
                 if isinstance(step, Wait):
@@ -502,6 +533,12 @@ class LocalStageWorker:
         return renamed(error, message)
 
     def _release(self) -> None:
+        for callback in self._close_callbacks:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - the mapping goes anyway
+                log.exception("rank %d: a callback at close failed", self.rank)
+        self._close_callbacks = []
         if self.switch is not None:
             self.switch.close()
         if self._segment is not None:
