@@ -20,7 +20,10 @@
 #   OUT                  results folder (default: ./gpu-check-<time> in the checkout)
 #   PYTHON               the interpreter (default: the first of python3, python that
 #                        imports torch)
-#   GPU_CHECK_BUDGET_S   seconds for the whole run (default 480)
+#   GPU_CHECK_BUDGET_S   seconds for the whole run (default 560: one call of a lent
+#                        machine; every stage takes about 750 s, so split them over
+#                        two calls with GPU_CHECK_STAGES and summarise both folders:
+#                        "build tests bench-cuda", then "build bench-cpu ddp")
 #   GPU_CHECK_STAGES     the stages to run (default: all five, in the order above)
 #   GPU_CHECK_DEPS       a folder put first on PYTHONPATH: pure-Python packages the
 #                        machine lacks (pytest and its dependencies, tqdm) or
@@ -46,7 +49,7 @@ esac
 
 # shellcheck source=bench/check_stages.sh
 . "$ROOT/bench/check_stages.sh"
-start_run gpu-check "${GPU_CHECK_BUDGET_S:-480}" || exit 2
+start_run gpu-check "${GPU_CHECK_BUDGET_S:-560}" || exit 2
 SHIM=""
 cleanup() {
     rm -f "$MARK"
@@ -103,22 +106,24 @@ BENCH=(--workers $WORKERS --ranks-per-host $PER_HOST --sizes $SIZES --warmup 3 -
        --systems dense gloo --timeout 60)
 
 export PYTHON
+# caps: what each stage took on an H100 VM of 16 cores (an invocation of a bench
+# about 65 s, the tests 130 s, DDP 80 s), with room
 want build && stage build 90 bash -c check_build
 if want tests; then
     if has pytest; then
-        stage tests 160 "$PYTHON" -m pytest -q -p no:cacheprovider --junitxml="$OUT/tests.xml" \
+        stage tests 180 "$PYTHON" -m pytest -q -p no:cacheprovider --junitxml="$OUT/tests.xml" \
             tests/test_torch_cuda.py tests/test_fresh_memory.py ${TESTS_K[@]+"${TESTS_K[@]}"}
     else
         skipped tests "pytest is not importable (put it in GPU_CHECK_DEPS)"
     fi
 fi
 if want bench-cuda && [ "$CPU_ONLY" = 0 ]; then
-    stage bench-cuda 150 "$PYTHON" bench/invocations.py --runs 3 --check-first-only \
+    stage bench-cuda 230 "$PYTHON" bench/invocations.py --runs 3 --check-first-only \
         --out "$OUT/bench-cuda" -- --device cuda "${BENCH[@]}"
 fi
-want bench-cpu && stage bench-cpu 130 "$PYTHON" bench/invocations.py --runs 3 \
+want bench-cpu && stage bench-cpu 220 "$PYTHON" bench/invocations.py --runs 3 \
     --check-first-only --out "$OUT/bench-cpu" -- --device cpu "${BENCH[@]}"
-want ddp && stage ddp 90 "$PYTHON" bench/ddp_resnet.py "${DDP[@]}" --timeout 60 \
+want ddp && stage ddp 120 "$PYTHON" bench/ddp_resnet.py "${DDP[@]}" --timeout 60 \
     --out "$OUT/ddp.json"
 
 say "summary"

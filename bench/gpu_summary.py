@@ -1,11 +1,14 @@
 """The table of a bench/gpu_check.sh run: every figure beside its aim.
 
-    python bench/gpu_summary.py OUT
+    python bench/gpu_summary.py OUT [OUT ...]
 
 Reads what the run wrote in OUT (stages.tsv, bench-cuda/ and bench-cpu/ from
 bench/invocations.py, ddp.json from bench/ddp_resnet.py), prints the stages, the
 machine, and one table per measurement, and writes OUT/summary.json.  A bench
 stage cut short still counts the invocations that finished (their results.json).
+Several OUT folders (the stages of one check split over calls of the machine)
+make one table: each measurement from the first folder that holds it, the
+summary written in the first.
 
 The aims (one host, K ranks, switchml against gloo in the same invocations):
 - allreduce of a float32 tensor, CPU and CUDA tensors: at least 1.3x gloo at K=2,
@@ -163,16 +166,23 @@ def stages(path: str) -> list:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python bench/gpu_summary.py OUT", file=sys.stderr)
+    if not argv:
+        print("usage: python bench/gpu_summary.py OUT [OUT ...]", file=sys.stderr)
         return 2
     out = argv[0]
     rows_by_device, counted, machine = {}, {}, None
     for device in ("cuda", "cpu"):
-        rows, counted[device], found = bench_rows(os.path.join(out, f"bench-{device}"))
-        rows_by_device[device] = rows
-        machine = machine or found
-    printed = stages(os.path.join(out, "stages.tsv"))
+        rows_by_device[device], counted[device] = [], 0
+        for folder in argv:
+            rows, runs, found = bench_rows(os.path.join(folder, f"bench-{device}"))
+            machine = machine or found
+            if rows:
+                rows_by_device[device], counted[device] = rows, runs
+                break
+    printed = []
+    for folder in argv:
+        printed += ([f"{folder}:"] if len(argv) > 1 else []) + stages(
+            os.path.join(folder, "stages.tsv"))
     if machine:
         printed += ["", "machine: " + ", ".join(
             f"{k} {v}" for k, v in machine.items() if k in ("cpu", "cpus", "gpus", "torch",
@@ -181,7 +191,9 @@ def main(argv=None) -> int:
                 + ", ".join(f"{d} {n}" for d, n in counted.items()) + ")"]
     lines, allreduce = allreduce_table(rows_by_device)
     printed += lines if allreduce else ["(no bench results)"]
-    lines, ddp = ddp_table(os.path.join(out, "ddp.json"))
+    ddp_json = next((os.path.join(f, "ddp.json") for f in argv
+                     if os.path.exists(os.path.join(f, "ddp.json"))), os.path.join(out, "ddp.json"))
+    lines, ddp = ddp_table(ddp_json)
     printed += ["", "DDP ResNet-18, one host"] + (lines or ["(no DDP results)"])
     print("\n".join(printed))
     with open(os.path.join(out, "summary.json"), "w") as f:
