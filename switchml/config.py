@@ -92,10 +92,12 @@ SWITCHML_LOCAL_GROUP        ranks of one host that name different    (none)
 SWITCHML_LOCAL_SEGMENT      bytes the local stage combines, sends    2097152
                             and copies back at a time (alike on
                             every rank of a job)
-SWITCHML_CUDA_DIRECT        0: a one-host job's CUDA tensors go      1
-                            through pinned host copies instead of
-                            straight to the local stage's shared
-                            memory
+SWITCHML_CUDA_COPIES        how a one-host job's CUDA tensors move:  direct
+                            direct (each segment by DMA straight
+                            to and from the local stage's shared
+                            memory), pipelined (each through a
+                            pinned host copy, overlapped) or whole
+                            (one pinned copy each way)
 SWITCHML_LOCAL_THREADS      threads a rank of the local stage        the cores
                             copies and sums with (its own and        over the
                             helpers of the C twin)                   host's

@@ -20,17 +20,22 @@ import switchml.torch  # noqa: F401  registers the "switchml" backend
 from switchml.torch import staging as staging_module
 from switchml.torch.staging import CudaStaging
 
-#: Segments that went straight between the GPU and the host's shared memory.
+#: Segments that moved to the host one at a time (straight to the shared memory
+#: or through the pipelined host copy).
 DIRECT = {"segments": 0}
-_into_host = staging_module.SegmentCopies.into_host
 
 
-def _counted_into_host(self, area, start, stop):
-    DIRECT["segments"] += 1
-    return _into_host(self, area, start, stop)
+def _counted(method):
+    def counted(self, *args):
+        DIRECT["segments"] += 1
+        return method(self, *args)
+    return counted
 
 
-staging_module.SegmentCopies.into_host = _counted_into_host  # type: ignore[method-assign]
+staging_module.SegmentCopies.into_host = _counted(  # type: ignore[method-assign]
+    staging_module.SegmentCopies.into_host)
+staging_module.PipelinedCopies.arrive = _counted(  # type: ignore[method-assign]
+    staging_module.PipelinedCopies.arrive)
 
 #: GPU cycles a busy kernel spins (torch.cuda._sleep): about half a second or more.
 BUSY_CYCLES = 1_000_000_000

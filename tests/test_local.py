@@ -48,14 +48,37 @@ class DeviceArrays:
         self.segments_out += 1
 
 
-def run_hosts(sizes, calls, seed, switched=None, in_place=False, defer=False, device=False):
+class DevicePipelineArrays:
+    """``stage.DevicePipeline`` over two arrays standing for a GPU's input and
+    output: a segment of the host copy ``src`` is filled only when the stage says
+    it is about to read it (before that it holds NaN), and the host copy ``out``
+    is read into the device's output when the stage says a segment left."""
+
+    def __init__(self, device_src, host_src, host_out, device_out):
+        self.device_src, self.host_src = device_src, host_src
+        self.host_out, self.device_out = host_out, device_out
+        self.arrived: list = []
+        self.departed: list = []
+
+    def arrive(self, start, stop):
+        np.copyto(self.host_src[start:stop], self.device_src[start:stop])
+        self.arrived.append((start, stop))
+
+    def depart(self, start, stop):
+        np.copyto(self.device_out[start:stop], self.host_out[start:stop])
+        self.departed.append((start, stop))
+
+
+def run_hosts(sizes, calls, seed, switched=None, in_place=False, defer=False, device=None):
     """Drive hosts of ``sizes`` ranks through ``calls`` (per call, each rank's input
     arrays: calls[c][host][index]) in an order a seeded generator picks, with a
     model switch that sums each shard over the hosts, in float64 rounded once,
     whenever the scheduler lets it.  ``defer``: each call but the last leaves its
     last copy-out to the next (as a rank does when calls are queued).  ``device``:
-    every call's input and output live "on a device" (``DeviceArrays``), and the
-    host arrays the stage is given hold NaN and must stay so.  Returns
+    every call's input and output live "on a device": ``"direct"``
+    (``DeviceArrays``: the host arrays the stage is given hold NaN and must stay
+    so) or ``"pipelined"`` (``DevicePipelineArrays``: each segment of the host
+    copy filled as the stage asks for it, and sent back as it says).  Returns
     outputs[c][host][index]."""
     rng = np.random.default_rng(seed)
     shards = min(sizes)
@@ -70,13 +93,23 @@ def run_hosts(sizes, calls, seed, switched=None, in_place=False, defer=False, de
             src = call[h][i]
             kind = call_kind(src.dtype, False, 32)
             more = (lambda c=c: c < len(calls) - 1) if defer else None
-            if device:
+            segments = max(1, -(-src.size // SEGMENT))
+            if device == "pipelined":
+                host_src = np.full(src.size, np.nan, np.float32).view(src.dtype)
+                host_out = np.empty_like(src)
+                pipe = DevicePipelineArrays(src, host_src, host_out, outputs[c][h][i])
+                yield from stage.allreduce(host_src, host_out, kind, more, pipe)
+                bounds = [(t * SEGMENT, min(src.size, (t + 1) * SEGMENT))
+                          for t in range(segments)]
+                assert pipe.arrived == bounds  # each segment asked for once, in order
+                if not (defer and c < len(calls) - 1):
+                    assert pipe.departed == bounds
+            elif device == "direct":
                 host = np.full(src.size, np.nan, np.float32).view(src.dtype)
                 copies = DeviceArrays(src, outputs[c][h][i])
                 yield from stage.allreduce(host, host, kind, more, copies)
                 untouched = np.full(src.size, np.nan, np.float32).view(src.dtype)
                 assert host.tobytes() == untouched.tobytes()
-                segments = max(1, -(-src.size // SEGMENT))
                 assert copies.segments_in == copies.segments_out == segments or (
                     defer and c < len(calls) - 1)
             else:
@@ -180,14 +213,17 @@ def test_every_interleaving_gives_every_rank_the_two_stage_sum(sizes, lengths, d
 @given(sizes=st.lists(st.integers(1, 4), min_size=1, max_size=2),
        lengths=st.lists(st.integers(1, 3 * SEGMENT + 77), min_size=1, max_size=3),
        dtype=st.sampled_from([np.float32, np.int32]), seed=st.integers(0, 2**32 - 1),
-       defer=st.booleans())
-def test_calls_whose_arrays_are_on_a_device_sum_alike(sizes, lengths, dtype, seed, defer):
-    """Input and output on a device (``copies``): each segment comes into the rank's
-    area and its sum goes back, once; the host arrays are never touched; every rank
-    gets the two-stage sum, as from host arrays."""
+       defer=st.booleans(), device=st.sampled_from(["direct", "pipelined"]))
+def test_calls_whose_arrays_are_on_a_device_sum_alike(sizes, lengths, dtype, seed, defer,
+                                                      device):
+    """Input and output on a device (``copies``): straight, each segment comes
+    into the rank's area and its sum goes back, once, the host arrays never
+    touched; pipelined, each segment of the host copy is read only once it
+    arrived and sent back once summed, in order.  Every rank gets the two-stage
+    sum, as from host arrays."""
     rng = np.random.default_rng(seed)
     calls = [inputs(rng, sizes, n, dtype) for n in lengths]
-    outputs = run_hosts(sizes, calls, seed, defer=defer, device=True)
+    outputs = run_hosts(sizes, calls, seed, defer=defer, device=device)
     for call, out in zip(calls, outputs):
         expected = two_stage_sum(call)
         for host in out:

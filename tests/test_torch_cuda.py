@@ -25,23 +25,26 @@ def test_cuda_calls_equal_the_cpu_path_wait_for_their_stream_and_complete_on_it(
         assert not failed, out
 
 
-def test_cuda_calls_through_the_local_stage_go_straight_to_shared_memory():
+@pytest.mark.parametrize("copies", ["direct", "pipelined"])
+def test_cuda_calls_through_the_local_stage_move_a_segment_at_a_time(copies):
     """Ranks of one host combining in shared memory: contiguous CUDA tensors move
-    by DMA between the GPU and the shared memory segment by segment (small
-    segments: many a call), 16-bit ones widened and rounded back on the GPU, AVG
-    divided there; every result is the CPU path's, bit for bit, and the stream
-    semantics are the same."""
+    segment by segment (small segments: many a call), by DMA straight between the
+    GPU and the shared memory or through the pipelined host copy, 16-bit ones
+    widened and rounded back on the GPU, AVG divided there; every result is the
+    CPU path's, bit for bit, and the stream semantics are the same."""
     for out in launch(3, "calls", "switchml", job=JOB, timeout=300,
-                      env={"SWITCHML_LOCAL_STAGE": "1",
+                      env={"SWITCHML_LOCAL_STAGE": "1", "SWITCHML_CUDA_COPIES": copies,
                            "SWITCHML_LOCAL_SEGMENT": str(256 * 1024)}):
         assert out.pop("direct_segments") > 100
         failed = sorted(name for name, ok in out.items() if ok is not True)
         assert not failed, out
 
 
-def test_a_rank_killed_mid_copy_is_named_on_the_others_and_leaves_nothing():
+@pytest.mark.parametrize("copies", ["direct", "pipelined"])
+def test_a_rank_killed_mid_copy_is_named_on_the_others_and_leaves_nothing(copies):
     shm = {n for n in os.listdir("/dev/shm") if n.startswith("switchml-")}
-    procs = start(3, "kill", "switchml", job=JOB, env={"SWITCHML_LOCAL_STAGE": "1"})
+    procs = start(3, "kill", "switchml", job=JOB,
+                  env={"SWITCHML_LOCAL_STAGE": "1", "SWITCHML_CUDA_COPIES": copies})
     try:
         outs = [p.communicate(timeout=120) for p in procs]
     finally:
@@ -84,9 +87,10 @@ def test_cuda_calls_take_no_fresh_pages():
     faults no fresh host page in (tests/test_fresh_memory.py on the CPU)."""
     from test_fresh_memory import ALLOWED, MIB
     from test_fresh_memory import JOB as PAGES_JOB
-    for local_stage in ("1", "0"):
+    for local_stage, copies in (("1", "direct"), ("1", "pipelined"), ("0", "whole")):
         for found in launch(2, "torch", "cuda", MIB, "float32,float16,bfloat16,strided",
                             job=PAGES_JOB, timeout=300,
-                            env={"SWITCHML_LOCAL_STAGE": local_stage}):
+                            env={"SWITCHML_LOCAL_STAGE": local_stage,
+                                 "SWITCHML_CUDA_COPIES": copies}):
             found.pop("worker")
-            assert max(found.values()) <= ALLOWED, (local_stage, found)
+            assert max(found.values()) <= ALLOWED, (local_stage, copies, found)

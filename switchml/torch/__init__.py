@@ -355,7 +355,7 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
                                          for t in tensors], opts)
         divisor = self.size() if opts.reduceOp == dist.ReduceOp.AVG else None
         call = Call(tensors[0], divisor, self._sparse, None, lambda: tensors,
-                    direct=self._path.takes_segments(tensors[0]))
+                    copies=self._path.copy_mode(tensors[0]))
         self._path.submit(call)
         return _SwitchWork(call.future, call.settled)
 
@@ -546,6 +546,6 @@ def allreduce_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tenso
     buffer = bucket.buffer()
     path = state._joined_path()
     call = Call(buffer, state.world_size, state.sparse, state.bits, lambda: buffer,
-                direct=path.takes_segments(buffer))
+                copies=path.copy_mode(buffer))
     path.submit(call)
     return call.future

@@ -70,7 +70,7 @@ from .settle import (
     settle_resumed,
     settle_segments,
 )
-from .staging import CudaStaging, stage, takes_segments
+from .staging import WHOLE, CudaStaging, copy_mode, stage
 
 log = logging.getLogger("switchml.torch")
 
@@ -123,8 +123,8 @@ class Call:
     """
 
     def __init__(self, tensor: torch.Tensor, divisor: int | None, sparse, bits: int | None,
-                 value: Callable[[], Any], direct: bool = False):
-        self.staging = stage(tensor, direct)
+                 value: Callable[[], Any], copies: tuple[str, int] = (WHOLE, 0)):
+        self.staging = stage(tensor, *copies)
         self.divisor = divisor
         self.sparse = sparse
         self.bits = bits
@@ -249,15 +249,15 @@ class SwitchPath:
                 self._pending[index] = call
                 self._lock.notify_all()
 
-    def takes_segments(self, tensor: torch.Tensor) -> bool:
-        """Whether a call of ``tensor`` made now goes straight between its GPU and
-        the worker's shared memory (``staging.takes_segments``)."""
-        return self._direct and takes_segments(self.worker, tensor)
+    def copy_mode(self, tensor: torch.Tensor) -> tuple[str, int]:
+        """How a call of ``tensor`` made now moves between its GPU and the worker
+        (``staging.copy_mode``)."""
+        return copy_mode(self.worker, tensor) if self._direct else (WHOLE, 0)
 
     def _on_switch(self, index: int, call: Call) -> None:
         """Queue ``call`` on the worker (its I/O thread finishes it)."""
         staging = call.staging
-        if isinstance(staging, CudaStaging) and staging.direct:
+        if isinstance(staging, CudaStaging) and staging.mode != WHOLE:
             handle = self.worker.allreduce_async(
                 staging.array, out=staging.array, sparse=call.sparse, bits=call.bits,
                 copies=staging.segment_copies(call.divisor))

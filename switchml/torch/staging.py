@@ -15,13 +15,17 @@ reducer, ``Future.wait()``) has its current stream wait for the result instead o
 its thread: the allreduce completes on the tensor's stream.
 
 Where a job's ranks all share one host (the local stage, no switch), a
-contiguous CUDA tensor skips the host copy altogether: the host's shared memory
-is registered with CUDA once (``cudaHostRegister``), and each segment of the call
+contiguous CUDA tensor moves a segment at a time (``SWITCHML_CUDA_COPIES``).
+By default (``direct``) it skips the host copy altogether: the host's shared
+memory is registered with CUDA once (``cudaHostRegister``), and each segment
 goes by DMA from the tensor into the rank's area of the shared memory, and its
 sum from the result area straight back into the tensor (``SegmentCopies``, on
 the side stream; 16-bit tensors widened and rounded back on the GPU, AVG
-divided there).  The host's cores then only sum.  ``SWITCHML_CUDA_DIRECT=0``
-keeps the host copy.
+divided there), so the host's cores only sum.  With ``pipelined`` every
+segment's copy into the pinned host copy is enqueued at once, each with an
+event, the stage starts on a segment once its event is done, and each
+segment's sum goes back as soon as it is copied out (``PipelinedCopies``):
+nobody waits for a copy to the device.  ``whole`` keeps one copy each way.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import threading
 import torch
 
 from ..buffers import BufferPool
-from ..config import env, parse_flag
+from ..config import env
 
 log = logging.getLogger("switchml.torch")
 
@@ -104,38 +108,64 @@ class HostStaging:
             self._buffer = None
 
 
-class CudaStaging:
-    """A CUDA tensor's staging: a pinned host copy made on a side stream, or with
-    ``direct``, none until one is asked for (``ready``): the call's segments move
-    through ``segment_copies`` instead."""
+#: How a CUDA tensor's call moves between the GPU and the host
+#: (``SWITCHML_CUDA_COPIES``): the whole tensor each way through a pinned host
+#: copy; each segment straight to and from the local stage's shared memory; each
+#: segment through the pinned host copy, the next one's copy under way while the
+#: stage works on this one.
+WHOLE, DIRECT, PIPELINED = "whole", "direct", "pipelined"
+COPY_MODES = (WHOLE, DIRECT, PIPELINED)
 
-    def __init__(self, tensor: torch.Tensor, direct: bool = False):
+
+class CudaStaging:
+    """A CUDA tensor's staging, by ``mode``: a pinned host copy made on a side
+    stream (``WHOLE``), the same made a segment of ``segment`` elements at a time
+    (``PIPELINED``), or none until one is asked for (``DIRECT``, ``ready``).  The
+    last two move the call's segments through ``segment_copies``."""
+
+    def __init__(self, tensor: torch.Tensor, mode: str = WHOLE, segment: int = 0):
         self.tensor = tensor
         self.devices = [tensor.device]
-        self.direct = direct
+        self.mode = mode
+        self.segment = segment
         self.stream = _side_stream(tensor.device)
         self.stream.wait_stream(torch.cuda.current_stream(tensor.device))
         dtype = torch.float32 if tensor.dtype in WIDENED_DTYPES else tensor.dtype
         self._pool = _pinned_pool(tensor.device)
         self.host, self._buffer = self._pool.array(tensor.shape, dtype)
         self._copied: torch.cuda.Event | None = None
-        #: Whether the sum went back to the tensor segment by segment, divided.
-        self.sent_back = False
-        if not direct:
+        #: One event a segment's copy to the host (``PIPELINED``).
+        self._events: list = []
+        #: Elements of the tensor whose sum went back already, divided.
+        self.sent_upto = 0
+        if mode == WHOLE:
             self._copy_to_host()
+        elif mode == PIPELINED:
+            self._copy_to_host_by_segment()
         # the side stream reads it now and writes it when the sum is back: the caching
         # allocator must not hand its memory out before then, freed or not
         tensor.record_stream(self.stream)
         self.array = self.host.reshape(-1).numpy()
 
+    def _source(self) -> torch.Tensor:
+        source = self.tensor.detach()
+        return source.float() if source.dtype in WIDENED_DTYPES else source
+
     def _copy_to_host(self) -> None:
         with _on_stream(self.stream):
-            source = self.tensor.detach()
-            if source.dtype in WIDENED_DTYPES:
-                source = source.float()
-            self.host.copy_(source, non_blocking=True)
+            self.host.copy_(self._source(), non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record(self.stream)
+
+    def _copy_to_host_by_segment(self) -> None:
+        with _on_stream(self.stream):
+            source, flat = self._source().view(-1), self.host.view(-1)
+            self._events = _take_events(self.tensor.device, -(-flat.numel() // self.segment))
+            for i, event in enumerate(self._events):
+                piece = slice(i * self.segment, (i + 1) * self.segment)
+                flat[piece].copy_(source[piece], non_blocking=True)
+                event.record(self.stream)
+            self._copied = self._events[-1] if self._events else None
 
     def ready(self) -> None:
         """Block until the host copy holds the tensor's values (the worker's thread;
@@ -145,9 +175,13 @@ class CudaStaging:
         assert self._copied is not None
         self._copied.synchronize()
 
-    def segment_copies(self, divisor: int | None) -> SegmentCopies:
-        """The call's ``stage.DeviceCopies`` (a direct staging's)."""
-        return SegmentCopies(self, divisor)
+    def segment_copies(self, divisor: int | None) -> SegmentCopies | PipelinedCopies:
+        """The call's ``stage.DeviceCopies`` (``DIRECT``) or ``stage.DevicePipeline``
+        (``PIPELINED``)."""
+        if self.mode == DIRECT:
+            return SegmentCopies(self, divisor)
+        assert self.mode == PIPELINED
+        return PipelinedCopies(self, divisor)
 
     def context(self):
         """The side stream, current on the calling thread: ``finish`` enqueues on it
@@ -158,19 +192,34 @@ class CudaStaging:
         """Enqueue the sum's copy back to the device, divided by ``divisor`` (AVG) and
         rounded to the tensor's dtype there, into the caller's tensor (nothing to do
         where the segments went back already).  Run in ``context()``."""
-        if self.sent_back:
-            self._pool.give(self._buffer)
-            return
-        with torch.no_grad():
-            if self.tensor.dtype == self.host.dtype and self.tensor.is_contiguous():
-                self.tensor.copy_(self.host, non_blocking=True)
-                _divide(self.tensor, divisor)
-            else:
-                result = self.host.to(self.tensor.device, non_blocking=True)
-                _divide(result, divisor)
-                self.tensor.copy_(result)
+        if self.sent_upto < self.tensor.numel():
+            with torch.no_grad():
+                if self.tensor.dtype == self.host.dtype and self.tensor.is_contiguous():
+                    self.tensor.copy_(self.host, non_blocking=True)
+                    _divide(self.tensor, divisor)
+                else:
+                    result = self.host.to(self.tensor.device, non_blocking=True)
+                    _divide(result, divisor)
+                    self.tensor.copy_(result)
         # its copy to the device is enqueued: the next user's copy into it comes after
         self._pool.give(self._buffer)
+        if self._events:  # each waited for (the segments, or ready()): done
+            _give_events(self.tensor.device, self._events)
+            self._events = []
+
+
+def _send_back(staging: CudaStaging, host: torch.Tensor, start: int, stop: int,
+               divisor: int | None) -> None:
+    """Enqueue the sum of elements [start, stop), in ``host``, into the tensor on
+    the side stream: divided and rounded to the tensor's dtype on the device."""
+    with torch.no_grad():
+        target = staging.tensor.detach().view(-1)[start:stop]
+        if target.dtype != host.dtype or divisor is not None:
+            summed = host.to(target.device, non_blocking=True)
+            _divide(summed, divisor)
+            target.copy_(summed)
+        else:
+            target.copy_(host, non_blocking=True)
 
 
 class SegmentCopies:
@@ -181,32 +230,60 @@ class SegmentCopies:
     def __init__(self, staging: CudaStaging, divisor: int | None):
         self.staging = staging
         self.divisor = divisor
-        self.flat = staging.tensor.detach().view(-1)
-        self.widened = self.flat.dtype in WIDENED_DTYPES
         self.done = torch.cuda.Event()
 
     def into_host(self, area, start: int, stop: int) -> None:
         with _on_stream(self.staging.stream):
-            source = self.flat[start:stop]
-            if self.widened:
+            source = self.staging.tensor.detach().view(-1)[start:stop]
+            if source.dtype in WIDENED_DTYPES:
                 source = source.float()
             torch.from_numpy(area).copy_(source, non_blocking=True)
             self.done.record(self.staging.stream)
         self.done.synchronize()
 
     def from_host(self, result, start: int, stop: int) -> None:
-        with _on_stream(self.staging.stream), torch.no_grad():
-            target = self.flat[start:stop]
-            host = torch.from_numpy(result)
-            if self.widened or self.divisor is not None:
-                summed = host.to(target.device, non_blocking=True)
-                _divide(summed, self.divisor)
-                target.copy_(summed)
-            else:
-                target.copy_(host, non_blocking=True)
+        with _on_stream(self.staging.stream):
+            _send_back(self.staging, torch.from_numpy(result), start, stop, self.divisor)
             self.done.record(self.staging.stream)
         self.done.synchronize()
-        self.staging.sent_back = True
+        self.staging.sent_upto = stop
+
+
+class PipelinedCopies:
+    """``stage.DevicePipeline`` of a CUDA tensor: the staging's copies to the host,
+    one a segment, were all enqueued when the call was made; a segment's sum goes
+    back as soon as it is in the host copy, on the side stream, nobody waiting."""
+
+    def __init__(self, staging: CudaStaging, divisor: int | None):
+        self.staging = staging
+        self.divisor = divisor
+
+    def arrive(self, start: int, stop: int) -> None:
+        events = self.staging._events
+        if events:  # (the copies end in order: the last one that holds stop - 1)
+            events[min(len(events) - 1, max(0, stop - 1) // self.staging.segment)].synchronize()
+
+    def depart(self, start: int, stop: int) -> None:
+        staging = self.staging
+        with _on_stream(staging.stream):
+            _send_back(staging, staging.host.view(-1)[start:stop], start, stop, self.divisor)
+        staging.sent_upto = stop
+
+
+#: CUDA events for the segments' copies, a list a device, reused call after call.
+_event_pools: dict = {}
+
+
+def _take_events(device: torch.device, count: int) -> list:
+    with _side_streams_lock:
+        pool = _event_pools.setdefault(device, [])
+        taken = [pool.pop() for _ in range(min(count, len(pool)))]
+    return taken + [torch.cuda.Event() for _ in range(count - len(taken))]
+
+
+def _give_events(device: torch.device, events: list) -> None:
+    with _side_streams_lock:
+        _event_pools.setdefault(device, []).extend(events)
 
 
 #: Workers whose shared memory is registered with CUDA (by id): True, or False
@@ -214,15 +291,25 @@ class SegmentCopies:
 _registered: dict[int, bool] = {}
 
 
-def takes_segments(worker, tensor: torch.Tensor) -> bool:
-    """Whether ``tensor``'s call on ``worker`` can go straight between the GPU and
-    the host's shared memory (``CudaStaging(direct=True)``): a contiguous CUDA
-    tensor, a worker of a one-host local stage, its memory registered with CUDA
-    (done here, once a worker, undone when it closes)."""
-    if (worker is None or not tensor.is_cuda or not tensor.is_contiguous()
-            or not getattr(worker, "direct_copies", False)
-            or not parse_flag(env("CUDA_DIRECT", "1"))):
-        return False
+def copy_mode(worker, tensor: torch.Tensor) -> tuple[str, int]:
+    """How a call of ``tensor`` on ``worker`` moves to and from the GPU, and in
+    segments of how many elements: ``SWITCHML_CUDA_COPIES`` (``direct`` by
+    default) where the worker takes device copies (a one-host local stage) and
+    the tensor is contiguous; ``WHOLE`` otherwise, or where CUDA would not
+    register the shared memory (``direct``: done here, once a worker, undone
+    when it closes)."""
+    mode = env("CUDA_COPIES", DIRECT)
+    if mode not in COPY_MODES:
+        raise ValueError(f"SWITCHML_CUDA_COPIES={mode}: use one of {', '.join(COPY_MODES)}")
+    if (mode == WHOLE or worker is None or not tensor.is_cuda or not tensor.is_contiguous()
+            or not getattr(worker, "takes_device_copies", False)):
+        return WHOLE, 0
+    if mode == DIRECT and not _register(worker):
+        return WHOLE, 0
+    return mode, worker.local_segment
+
+
+def _register(worker) -> bool:
     key = id(worker)
     with _side_streams_lock:
         known = _registered.get(key)
@@ -263,9 +350,10 @@ def _divide(values: torch.Tensor, divisor: int | None) -> None:
         values.div_(by, rounding_mode=None if values.is_floating_point() else "trunc")
 
 
-def stage(tensor: torch.Tensor, direct: bool = False) -> HostStaging | CudaStaging:
-    """The staging of an allreduce's input, by the tensor's device (``direct``: a
-    CUDA tensor's segments go straight to the host's shared memory)."""
+def stage(tensor: torch.Tensor, mode: str = WHOLE, segment: int = 0
+          ) -> HostStaging | CudaStaging:
+    """The staging of an allreduce's input, by the tensor's device (a CUDA one's
+    ``mode`` and ``segment``: ``copy_mode``)."""
     if tensor.device.type == "cuda":
-        return CudaStaging(tensor, direct)
+        return CudaStaging(tensor, mode, segment)
     return HostStaging(tensor)

@@ -36,7 +36,7 @@ scheduler that interleaves them every way.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -45,7 +45,8 @@ from ..multi import part_bounds
 from . import memory
 from .memory import R_CALL, R_COPIED_IN, R_COPIED_OUT, R_ELEMENTS, R_KIND, R_REDUCED, Layout
 
-__all__ = ["LocalStage", "Wait", "Launch", "Finished", "DeviceCopies", "SHARD_ALIGN",
+__all__ = ["LocalStage", "Wait", "Launch", "Finished", "DeviceCopies", "DevicePipeline",
+           "SHARD_ALIGN",
            "call_kind", "describe_kind"]
 
 #: Shards start at multiples of this many elements (4 KiB: whole pages, whole
@@ -67,16 +68,32 @@ def describe_kind(elements: int, kind: int) -> str:
     return f"{elements} {dtype} elements, {mode}, {kind >> 16}-bit wire"
 
 
+@runtime_checkable
 class DeviceCopies(Protocol):
-    """A call whose input and output live on a device (a GPU): how each segment
-    comes into host memory and its sum goes back, both done when the method
-    returns (the slot is then free to change)."""
+    """A call whose input and output live on a device (a GPU), straight to and
+    from the shared memory: how each segment comes into the rank's area and its
+    sum goes back, both done when the method returns (the slot is then free to
+    change).  The call's host arrays are not touched."""
 
     def into_host(self, area: np.ndarray, start: int, stop: int) -> None:
         """``area`` = elements [start, stop) of the input."""
 
     def from_host(self, result: np.ndarray, start: int, stop: int) -> None:
         """Elements [start, stop) of the output = ``result``."""
+
+
+@runtime_checkable
+class DevicePipeline(Protocol):
+    """A call whose input and output live on a device, through host copies
+    (``src`` and ``out``) that the device fills and empties a segment at a time,
+    while the stage works on the segments before and after."""
+
+    def arrive(self, start: int, stop: int) -> None:
+        """Return once elements [start, stop) of ``src`` hold the input."""
+
+    def depart(self, start: int, stop: int) -> None:
+        """Elements [start, stop) of ``out`` hold the sum: send them on (the host
+        copy stays as it is until the call has ended)."""
 
 
 @dataclass(frozen=True)
@@ -167,14 +184,15 @@ class LocalStage:
 
     # ------------------------------------------------------------------ a call
     def allreduce(self, src: np.ndarray, out: np.ndarray, kind: int, more=None,
-                  copies: DeviceCopies | None = None):
+                  copies: DeviceCopies | DevicePipeline | None = None):
         """The call's steps (a generator of ``Wait``, ``Launch`` and ``Finished``):
         ``out`` = the sum over every host's ranks of ``src`` (flat float32 or int32
         arrays; ``out`` may be ``src``).  ``kind`` is ``call_kind`` of the call.
-        With ``copies``, the input is on a device and so is the output: each
-        segment comes into this rank's area and its sum goes back through
-        ``copies``, and ``src`` and ``out`` (host arrays of the call's size) are
-        not touched.
+        With ``copies``, the input is on a device and so is the output: a
+        ``DeviceCopies`` brings each segment into this rank's area and takes
+        its sum back, and ``src`` and ``out`` (host arrays of the call's size)
+        are not touched; a ``DevicePipeline`` fills ``src`` and empties ``out``
+        segment by segment.
 
         ``more()``, asked at the call's last segment: whether another call waits
         behind this one; if so this call ends before its last copy-out, which the
@@ -230,7 +248,7 @@ class LocalStage:
         yield Finished(call)
 
     def _combine(self, src, t: int, segment: int, n: int, call: int, kind: int,
-                 copies: DeviceCopies | None):
+                 copies: DeviceCopies | DevicePipeline | None):
         """Steps 1 and 2 for segment ``segment`` (the call's ``t``-th)."""
         g = self.layout.segment
         slot = segment % self.layout.slots
@@ -239,9 +257,12 @@ class LocalStage:
         bounds = self.shard_bounds(length)
         mine = bounds[self.shard] if self.shard is not None else (0, 0)
         area = self._area(slot, self.index, length, src.dtype)
-        if copies is not None:  # the whole segment: its owner sums it from here too
+        direct = isinstance(copies, DeviceCopies)
+        if isinstance(copies, DeviceCopies):  # the whole segment: its owner sums it here too
             copies.into_host(area, start, stop)
         else:  # (an owner reads its own shard from its input: no need to copy it in)
+            if copies is not None:
+                copies.arrive(start, stop)
             memory.copy_into(area[:mine[0]], src[start:start + mine[0]], self.threads)
             memory.copy_into(area[mine[1]:], src[start + mine[1]:stop], self.threads)
         self._publish(R_COPIED_IN, segment + 1)
@@ -255,7 +276,7 @@ class LocalStage:
         result = self._result(slot, length, src.dtype)[lo:hi]
         if hi > lo:
             memory.reduce_into(result, [
-                src[start + lo:start + hi] if j == self.index and copies is None
+                src[start + lo:start + hi] if j == self.index and not direct
                 else self._area(slot, j, length, src.dtype)[lo:hi]
                 for j in self.everyone], self.threads)
         if self.switched and hi > lo:
@@ -267,16 +288,19 @@ class LocalStage:
             yield Wait(R_REDUCED, (self.index,), segment)
         self._publish(R_REDUCED, segment + 1)
 
-    def _copy_out(self, out, t: int, segment: int, n: int, copies: DeviceCopies | None):
+    def _copy_out(self, out, t: int, segment: int, n: int,
+                  copies: DeviceCopies | DevicePipeline | None):
         """Step 3 for segment ``segment`` (the call's ``t``-th)."""
         g = self.layout.segment
         start, stop = t * g, min(n, (t + 1) * g)
         yield Wait(R_REDUCED, self.owners, segment + 1)
         result = self._result(segment % self.layout.slots, stop - start, out.dtype)
-        if copies is not None:
+        if isinstance(copies, DeviceCopies):
             copies.from_host(result, start, stop)
         else:
             memory.copy_into(out[start:stop], result, self.threads)
+            if copies is not None:
+                copies.depart(start, stop)
         self.copied_out[out.ctypes.data] = t + 1
         self._publish(R_COPIED_OUT, segment + 1)
 

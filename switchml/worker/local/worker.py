@@ -63,7 +63,7 @@ from .memory import (
     Layout,
     Segment,
 )
-from .stage import DeviceCopies, Launch, LocalStage, Wait, call_kind
+from .stage import DeviceCopies, DevicePipeline, Launch, LocalStage, Wait, call_kind
 
 __all__ = ["LocalStageWorker", "SLOTS", "local_threads"]
 
@@ -268,19 +268,22 @@ class LocalStageWorker:
             self._running.release()
 
     def allreduce_async(self, array, out=None, sparse=False, bits=None,
-                        ready=None, copies: DeviceCopies | None = None) -> AllreduceHandle:
+                        ready=None, copies: DeviceCopies | DevicePipeline | None = None,
+                        ) -> AllreduceHandle:
         """``Worker.allreduce_async``, served in call order by this rank's thread.
 
-        ``copies`` (where ``direct_copies`` says so): the call's input and output
-        live on a device, and each segment moves between it and the host's shared
-        memory through ``copies`` (``stage.DeviceCopies``); ``array`` then only
-        gives the call's size and dtype, and is neither read nor written."""
+        ``copies`` (where ``takes_device_copies`` says so): the call's input and
+        output live on a device, and each segment moves between it and the
+        host's shared memory through ``copies``: a ``stage.DeviceCopies``
+        straight (``array`` then only gives the call's size and dtype, and is
+        neither read nor written), a ``stage.DevicePipeline`` through ``array``
+        and ``out``, segment by segment (``local_segment`` elements)."""
         bits = env("WIRE_BITS", 32, int) if bits is None else bits
         src, out, sparse = check_call(array, out, sparse, bits, ready)
         src, out, narrow = widen(src, out)
         if self._closed:
             raise SwitchMLError("this worker is closed")
-        if copies is not None and (not self.direct_copies or narrow is not None):
+        if copies is not None and (not self.takes_device_copies or narrow is not None):
             raise ValueError("device copies go straight to shared memory only on a job of "
                              "one host, for float32 and int32 calls")
         future: Future = Future()
@@ -290,11 +293,16 @@ class LocalStageWorker:
         return AllreduceHandle(future)
 
     @property
-    def direct_copies(self) -> bool:
-        """Whether a device's data may go straight to the host's shared memory
+    def takes_device_copies(self) -> bool:
+        """Whether a device's data may move segment by segment
         (``allreduce_async(copies=...)``): on a job of one host, whose calls never
-        need a host copy of their input to fall back on."""
+        fall back on a host copy of their input."""
         return self.placement.hosts == 1 and self._segment is not None
+
+    @property
+    def local_segment(self) -> int:
+        """Elements of the local stage's segments (every rank of the job alike)."""
+        return self.placement.segment
 
     def shared_memory(self) -> tuple[int, int]:
         """(address, bytes) of this rank's mapping of the host's shared memory: for a
@@ -393,7 +401,7 @@ class LocalStageWorker:
             future.set_result(result)
 
     def _run(self, src: np.ndarray, out: np.ndarray, sparse, bits: int, more=None,
-             copies: DeviceCopies | None = None) -> None:
+             copies: DeviceCopies | DevicePipeline | None = None) -> None:
         """One call's steps, driven to their end (``LocalStage.allreduce``'s ``more``
         and ``copies``)."""
         failure = self._failure()
