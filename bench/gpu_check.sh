@@ -14,6 +14,8 @@
 #               switchml and gloo in each invocation, median of 3 invocations
 #   bench-cpu   the same with --device cpu
 #   ddp         bench/ddp_resnet.py --device cuda, K = 2 4: ResNet-18, batch 32 of 224x224
+#   cuda-modes  the CUDA bench's switchml alone with SWITCHML_CUDA_COPIES=pipelined and
+#               =whole, one invocation each (bench-cuda holds the default's)
 # then bench/gpu_summary.py prints the table of every figure against its aim.
 #
 # Environment:
@@ -23,7 +25,8 @@
 #   GPU_CHECK_BUDGET_S   seconds for the whole run (default 560: one call of a lent
 #                        machine; every stage takes about 750 s, so split them over
 #                        two calls with GPU_CHECK_STAGES and summarise both folders:
-#                        "build tests bench-cuda", then "build bench-cpu ddp")
+#                        "build tests bench-cuda", then "build bench-cpu ddp
+#                        cuda-modes")
 #   GPU_CHECK_STAGES     the stages to run (default: all five, in the order above)
 #   GPU_CHECK_DEPS       a folder put first on PYTHONPATH: pure-Python packages the
 #                        machine lacks (pytest and its dependencies, tqdm) or
@@ -89,7 +92,7 @@ if [ "$CPU_ONLY" = 0 ] && ! "$PYTHON" -c "import torch, sys; sys.exit(not torch.
 fi
 
 # ------------------------------------------------------------------ stages
-want() { [[ " ${GPU_CHECK_STAGES:-build tests bench-cuda bench-cpu ddp} " == *" $1 "* ]]; }
+want() { [[ " ${GPU_CHECK_STAGES:-build tests bench-cuda bench-cpu ddp cuda-modes} " == *" $1 "* ]]; }
 
 if [ "$CPU_ONLY" = 1 ]; then
     SIZES=1; WORKERS="2"; PER_HOST=2; TESTS_K=(-k "cuda or pool")
@@ -125,6 +128,21 @@ want bench-cpu && stage bench-cpu 220 "$PYTHON" bench/invocations.py --runs 3 \
     --check-first-only --out "$OUT/bench-cpu" -- --device cpu "${BENCH[@]}"
 want ddp && stage ddp 120 "$PYTHON" bench/ddp_resnet.py "${DDP[@]}" --timeout 60 \
     --out "$OUT/ddp.json"
+
+# SWITCHML_CUDA_COPIES's other ways, switchml alone, one invocation each
+cuda_modes() {
+    for mode in pipelined whole; do
+        SWITCHML_CUDA_COPIES=$mode "$PYTHON" bench/invocations.py --runs 1 --check-first-only \
+            --out "$OUT/bench-cuda-$mode" -- --device cuda --workers $WORKERS \
+            --ranks-per-host "$PER_HOST" --sizes "$SIZES" --warmup 3 --repeats 5 \
+            --systems dense --timeout 60 || return
+    done
+}
+export -f cuda_modes
+export OUT WORKERS PER_HOST SIZES
+if want cuda-modes && [ "$CPU_ONLY" = 0 ]; then
+    stage cuda-modes 100 bash -c cuda_modes
+fi
 
 say "summary"
 "$PYTHON" bench/gpu_summary.py "$OUT" | tee "$OUT/summary.txt"

@@ -17,6 +17,9 @@ The aims (one host, K ranks, switchml against gloo in the same invocations):
   busiest rank's), "met" under 1% of the tensor's pages (what Python's own objects
   of a call may fault in);
 - DDP ResNet-18: at least 1.2x gloo's samples/s, replicas identical.
+
+With the ``cuda-modes`` stage's results it also sets the CUDA calls of each
+``SWITCHML_CUDA_COPIES`` side by side.
 """
 
 from __future__ import annotations
@@ -126,6 +129,32 @@ def allreduce_table(rows_by_device: dict) -> tuple[list, list]:
     return lines, records
 
 
+def modes_table(folders: list) -> tuple[list, list]:
+    """CUDA calls by how they move (``SWITCHML_CUDA_COPIES``): the default's from
+    bench-cuda/, the others' from bench-cuda-<mode>/ (the ``cuda-modes`` stage)."""
+    found: dict = {}
+    for mode, name in (("default", "bench-cuda"), ("pipelined", "bench-cuda-pipelined"),
+                       ("whole", "bench-cuda-whole")):
+        for folder in folders:
+            rows, _, _ = bench_rows(os.path.join(folder, name))
+            rows = [r for r in rows if r["system"] == "switchml-dense"]
+            if rows:
+                found[mode] = {r["workers"]: r for r in rows}
+                break
+    if len(found) < 2:
+        return [], []
+    modes = list(found)
+    lines = ["| K | " + " | ".join(f"{m} ms (runs)" for m in modes) + " |",
+             "|---|" + "---|" * len(modes)]
+    records = []
+    for k in sorted({k for rows in found.values() for k in rows}):
+        cells = [runs_text(found[m][k], 1e3, 1) if k in found[m] else "-" for m in modes]
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+        records.append({"workers": k, **{m: found[m][k]["median_s"] for m in modes
+                                         if k in found[m]}})
+    return lines, records
+
+
 def ddp_table(path: str) -> tuple[list, list]:
     if not os.path.exists(path):
         return [], []
@@ -195,10 +224,13 @@ def main(argv=None) -> int:
                      if os.path.exists(os.path.join(f, "ddp.json"))), os.path.join(out, "ddp.json"))
     lines, ddp = ddp_table(ddp_json)
     printed += ["", "DDP ResNet-18, one host"] + (lines or ["(no DDP results)"])
+    lines, modes = modes_table(argv)
+    if lines:
+        printed += ["", "CUDA calls by SWITCHML_CUDA_COPIES (switchml alone)"] + lines
     print("\n".join(printed))
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump({"machine": machine, "invocations": counted, "allreduce": allreduce,
-                   "ddp": ddp}, f, indent=2)
+                   "ddp": ddp, "cuda_modes": modes}, f, indent=2)
     return 0
 
 
