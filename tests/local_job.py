@@ -26,6 +26,52 @@ def digest(array) -> str:
     return hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest()[:16]
 
 
+class Straight:
+    """stage.DeviceCopies over numpy arrays that stand for a GPU's."""
+
+    def __init__(self, src):
+        self.src, self.out = src, np.empty_like(src)
+
+    def into_host(self, area, start, stop):
+        np.copyto(area, self.src[start:stop])
+
+    def from_host(self, result, start, stop):
+        np.copyto(self.out[start:stop], result)
+
+
+class Pipelined:
+    """stage.DevicePipeline over numpy arrays that stand for a GPU's: the host
+    copy's segments filled only as the stage asks for them."""
+
+    def __init__(self, src):
+        self.src, self.host = src, np.full_like(src, np.nan)
+        self.out = np.empty_like(src)
+
+    def arrive(self, start, stop):
+        np.copyto(self.host[start:stop], self.src[start:stop])
+
+    def depart(self, start, stop):
+        np.copyto(self.out[start:stop], self.host[start:stop])
+
+
+def device_calls(w, floats):
+    """Calls whose arrays stand on a device, queued back to back: their results'
+    digests (a one-host job), or the error a worker that refuses them raises."""
+    if not getattr(w, "takes_device_copies", False):
+        try:
+            w.allreduce_async(floats, copies=Straight(floats))
+        except ValueError as exc:
+            return str(exc)
+        return "taken"
+    calls = [Straight(floats), Pipelined(floats), Straight(floats)]
+    handles = [w.allreduce_async(c.host if isinstance(c, Pipelined) else np.empty_like(floats),
+                                 out=c.host if isinstance(c, Pipelined) else None, copies=c)
+               for c in calls]
+    for h in handles:
+        h.wait()
+    return [digest(c.out) for c in calls]
+
+
 def main():
     address, rank, world, n, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
         int(sys.argv[4]), sys.argv[5]
@@ -47,6 +93,7 @@ def main():
                 # queued back to back: each call's last copy-out left to the next
                 handles = [w.allreduce_async(ints + np.int32(i)) for i in range(4)]
                 report["queued"] = [digest(h.wait()) for h in handles]
+                report["device"] = device_calls(w, floats)
             else:
                 w.allreduce(floats)
                 if mode == "kill" and rank == int(os.environ["VICTIM"]):

@@ -90,11 +90,24 @@ def test_hosts_of_ranks_agree_bit_for_bit_and_leave_nothing(big_switch, groups, 
     got = np.load(tmp_path / "0.npy")
     assert np.all(np.abs(got - exact) <= bound)
     assert results[0][1]["float32"] == digest(got)
+    # arrays on a device move segment by segment on a job of one host only
+    assert all("only on a job of one host" in r["device"] for _, r, _ in results)
     # only the owners of shards sent through the switch, each its shard
     owners = [r["rank"] for _, r, _ in results if r["counters"].get("bytes_sent", 0) > 0]
     shards = min(groups.count(0), groups.count(1))
     assert len(owners) == 2 * shards
     assert shm_files() <= before
+
+
+def test_one_host_takes_arrays_on_a_device_segment_by_segment(big_switch, tmp_path):
+    """A job of one host: calls whose arrays stand on a device, straight or
+    pipelined, queued back to back (each call's last copy-out left to the next),
+    give every rank the host arrays' sum, bit for bit."""
+    results = reports(start_ranks(big_switch, [0, 0, 0], env={"OUT": str(tmp_path)}))
+    for code, report, stderr in results:
+        assert code == 0 and report is not None and "error" not in report, (report, stderr)
+        assert report["device"] == [report["float32"]] * 3, report
+    assert len({report["float32"] for _, report, _ in results}) == 1
 
 
 def test_hosts_of_ranks_over_two_switches(big_switch, tmp_path):

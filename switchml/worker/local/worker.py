@@ -284,8 +284,8 @@ class LocalStageWorker:
         if self._closed:
             raise SwitchMLError("this worker is closed")
         if copies is not None and (not self.takes_device_copies or narrow is not None):
-            raise ValueError("device copies go straight to shared memory only on a job of "
-                             "one host, for float32 and int32 calls")
+            raise ValueError("arrays on a device move segment by segment only on a job of "
+                             "one host, in float32 and int32 calls")
         future: Future = Future()
         with self._order:
             self._pending += 1
