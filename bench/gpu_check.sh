@@ -15,7 +15,8 @@
 #   bench-cpu   the same with --device cpu
 #   ddp         bench/ddp_resnet.py --device cuda, K = 2 4: ResNet-18, batch 32 of 224x224
 #   cuda-modes  the CUDA bench's switchml alone with SWITCHML_CUDA_COPIES=pipelined and
-#               =whole, one invocation each (bench-cuda holds the default's)
+#               =whole, one invocation each (bench-cuda holds the default's), and the
+#               DDP bench with =pipelined
 # then bench/gpu_summary.py prints the table of every figure against its aim.
 #
 # Environment:
@@ -137,11 +138,13 @@ cuda_modes() {
             --ranks-per-host "$PER_HOST" --sizes "$SIZES" --warmup 3 --repeats 5 \
             --systems dense --timeout 60 || return
     done
+    SWITCHML_CUDA_COPIES=pipelined "$PYTHON" bench/ddp_resnet.py "${DDP[@]}" --timeout 60 \
+        --out "$OUT/ddp-pipelined.json"
 }
 export -f cuda_modes
-export OUT WORKERS PER_HOST SIZES
+export OUT WORKERS PER_HOST SIZES DDP_TEXT="${DDP[*]}"
 if want cuda-modes && [ "$CPU_ONLY" = 0 ]; then
-    stage cuda-modes 100 bash -c cuda_modes
+    stage cuda-modes 190 bash -c 'DDP=($DDP_TEXT); cuda_modes'
 fi
 
 say "summary"

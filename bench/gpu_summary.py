@@ -227,6 +227,11 @@ def main(argv=None) -> int:
     lines, modes = modes_table(argv)
     if lines:
         printed += ["", "CUDA calls by SWITCHML_CUDA_COPIES (switchml alone)"] + lines
+    pipelined = next((os.path.join(f, "ddp-pipelined.json") for f in argv
+                      if os.path.exists(os.path.join(f, "ddp-pipelined.json"))), None)
+    if pipelined:
+        lines, _ = ddp_table(pipelined)
+        printed += ["", "DDP ResNet-18, SWITCHML_CUDA_COPIES=pipelined"] + lines
     print("\n".join(printed))
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump({"machine": machine, "invocations": counted, "allreduce": allreduce,
