@@ -134,7 +134,8 @@ class CudaStaging:
         self._pool = _pinned_pool(tensor.device)
         self.host, self._buffer = self._pool.array(tensor.shape, dtype)
         self._copied: torch.cuda.Event | None = None
-        #: One event a segment's copy to the host (``PIPELINED``).
+        #: The events this call took from the pool (one a segment's copy to the
+        #: host where ``PIPELINED``), given back when it finishes.
         self._events: list = []
         #: Elements of the tensor whose sum went back already, divided.
         self.sent_upto = 0
@@ -154,8 +155,14 @@ class CudaStaging:
     def _copy_to_host(self) -> None:
         with _on_stream(self.stream):
             self.host.copy_(self._source(), non_blocking=True)
-            self._copied = torch.cuda.Event()
+            self._copied = self.event()
             self._copied.record(self.stream)
+
+    def event(self) -> torch.cuda.Event:
+        """An event from the device's pool, back in it when the call finishes."""
+        event = _take_events(self.tensor.device, 1)[0]
+        self._events.append(event)
+        return event
 
     def _copy_to_host_by_segment(self) -> None:
         with _on_stream(self.stream):
@@ -203,7 +210,7 @@ class CudaStaging:
                     self.tensor.copy_(result)
         # its copy to the device is enqueued: the next user's copy into it comes after
         self._pool.give(self._buffer)
-        if self._events:  # each waited for (the segments, or ready()): done
+        if self._events:  # each waited for (the segments, ready(), the copies): done
             _give_events(self.tensor.device, self._events)
             self._events = []
 
@@ -230,7 +237,7 @@ class SegmentCopies:
     def __init__(self, staging: CudaStaging, divisor: int | None):
         self.staging = staging
         self.divisor = divisor
-        self.done = torch.cuda.Event()
+        self.done = staging.event()
 
     def into_host(self, area, start: int, stop: int) -> None:
         with _on_stream(self.staging.stream):
@@ -270,7 +277,8 @@ class PipelinedCopies:
         staging.sent_upto = stop
 
 
-#: CUDA events for the segments' copies, a list a device, reused call after call.
+#: CUDA events for the calls' copies, a list a device, reused call after call (a
+#: new one a call would create and destroy a CUDA event every time).
 _event_pools: dict = {}
 
 
