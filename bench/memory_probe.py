@@ -147,6 +147,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     n = int(args.mib * 2**20) // 4
     print(f"{os.cpu_count()} cores; {args.mib:g} MiB float32")
+    from switchml.worker.local import memory
+    if memory.OPS is not None:
+        print(f"float32 sums (reduce_into's kernels, timed at import): {memory.OPS.kernels()}")
     rows = host_rows(n, args.threads, args.repeats)
     if not args.no_cuda:
         rows += cuda_rows(n, args.repeats, int(args.piece_mib * 2**20) // 4)

@@ -57,7 +57,9 @@ class Pipelined:
 def device_calls(w, floats):
     """Calls whose arrays stand on a device, queued back to back: their results'
     digests (a one-host job), or the error a worker that refuses them raises."""
-    if not getattr(w, "takes_device_copies", False):
+    if not hasattr(w, "takes_device_copies"):
+        return None  # a worker of its own host: no local stage
+    if not w.takes_device_copies:
         try:
             w.allreduce_async(floats, copies=Straight(floats))
         except ValueError as exc:

@@ -293,8 +293,11 @@ REF = memory.REFERENCE
 @needs_c
 @settings(max_examples=200, deadline=None)
 @given(count=st.integers(1, 9), n=st.integers(0, 3000), dtype=st.sampled_from(["f", "i"]),
-       seed=st.integers(0, 2**32 - 1), specials=st.booleans())
-def test_reduce_into_c_equals_reference(count, n, dtype, seed, specials):
+       seed=st.integers(0, 2**32 - 1), specials=st.booleans(),
+       kernel=st.sampled_from([None, "lanes", "blocks", "pair"]), in_place=st.booleans())
+def test_reduce_into_c_equals_reference(count, n, dtype, seed, specials, kernel, in_place):
+    """Every float32 kernel (the calibrated choice, or each by name: pair only
+    takes two sources), in place or not: the reference's bits."""
     rng = np.random.default_rng(seed)
     if dtype == "i":
         srcs = [rng.integers(-2**31, 2**31, n, dtype=np.int64).astype(np.int32)
@@ -310,7 +313,9 @@ def test_reduce_into_c_equals_reference(count, n, dtype, seed, specials):
     ours, theirs = np.empty(n, dtype_), np.empty(n, dtype_)
     with np.errstate(all="ignore"):
         REF.reduce_into(ours, srcs)
-    memory.OPS.reduce_into(theirs, srcs)
+    if in_place:  # the sum into its first source
+        theirs = srcs[0] = srcs[0].copy()
+    memory.OPS.reduce_into(theirs, srcs, 1, kernel)
     # the same bits, but for a NaN's sign and payload, which no rank may rely on
     nan = np.isnan(ours) if dtype == "f" else np.zeros(n, bool)
     np.testing.assert_array_equal(nan, np.isnan(theirs) if dtype == "f" else nan)
@@ -339,6 +344,36 @@ def test_copies_and_sums_cut_over_threads_equal_reference(count, n, threads, dty
     np.testing.assert_array_equal(copied, raw)
     with pytest.raises(ValueError, match="differ in size"):
         memory.OPS.copy_into(copied[:-1] if raw.size else np.empty(1, np.uint8), raw, threads)
+
+
+@needs_c
+@pytest.mark.parametrize("seed", range(3))
+def test_a_float32_addition_rounds_as_the_float64_sum_does(seed):
+    """The pair kernel adds two float32 arrays in float32: the float64 sum rounded
+    once gives the same bits (double rounding is innocuous at more than twice the
+    precision), for operands of every exponent apart, subnormals, overflow, inf."""
+    rng = np.random.default_rng(seed)
+    n = 300_000
+    a, b = (rng.standard_normal(n) * 10.0 ** rng.integers(-45, 39, n) for _ in range(2))
+    a, b = a.astype(np.float32), b.astype(np.float32)
+    b[::7] = -a[::7] * np.float32(1 + 2**-20)  # near cancellation
+    a[::11] = rng.choice(np.array([np.inf, -np.inf, 3.4e38, -3.4e38, 1e-45], np.float32),
+                         a[::11].size)
+    ours, theirs = np.empty(n, np.float32), np.empty(n, np.float32)
+    with np.errstate(all="ignore"):
+        REF.reduce_into(ours, [a, b])
+    memory.OPS.reduce_into(theirs, [a, b], 1, "pair")
+    nan = np.isnan(ours)
+    np.testing.assert_array_equal(nan, np.isnan(theirs))
+    np.testing.assert_array_equal(ours.view(np.uint32)[~nan], theirs.view(np.uint32)[~nan])
+
+
+@needs_c
+def test_the_kernels_in_use_are_named():
+    chosen = memory.OPS.kernels()
+    assert chosen["pair"] in ("lanes", "blocks", "pair") and chosen["more"] in ("lanes", "blocks")
+    with pytest.raises(ValueError, match="no kernel named"):
+        memory.OPS.reduce_into(np.empty(4, np.float32), [np.ones(4, np.float32)], 1, "fast")
 
 
 def test_local_threads_follow_the_cores_over_the_ranks(monkeypatch):

@@ -83,12 +83,23 @@ static int writable_header(PyObject *obj, Py_buffer *view, Py_ssize_t need) {
 }
 
 /* ------------------------------------------------------------------ reduce_into */
-/* A few elements at a time, summed across every source in registers: each input
- * is read once and the sum written once, with no array in between (a block of
- * partial sums in memory made the reduction compute-bound, 6x slower than a copy
- * on a Xeon).  Vector types are GCC's (clang's too); each build gets an AVX2 clone
- * the loader picks where the processor has it.  The float64 additions are the
- * same IEEE operations in every lane width, so every clone gives the same bits. */
+/* Three ways to sum float32 arrays in float64, rounded once, each reading every
+ * input once and writing the sum once, and giving the same bits:
+ *
+ * - reduce_pair (two sources): a float32 addition, which rounds a + b exactly as
+ *   rounding the float64 sum does (float64 has more than twice float32's
+ *   precision, plus two bits: double rounding is innocuous);
+ * - reduce_lanes: four elements at a time, summed across every source in
+ *   registers;
+ * - reduce_blocks: a block of float64 partial sums, a source at a time.
+ *
+ * Which is fastest depends on the processor and the compiler more than one
+ * would hope (on a 16-core Xeon VM a block of partial sums without `restrict`
+ * was 6x slower than a copy; on an AMD EPYC the lanes were 2x slower than the
+ * blocks at 8 sources), so the module times them once, on data in cache, and
+ * takes the fastest for two sources and for more (`calibrate`).  Vector types
+ * are GCC's (clang's too); each kernel gets an AVX2 clone the loader picks where
+ * the processor has it. */
 /* 4 floats widen to 32 bytes of doubles, one AVX2 register: 8 made GCC spill
  * them to the stack, 4x slower. */
 #define LANES 4
@@ -96,6 +107,9 @@ typedef float v4f __attribute__((vector_size(LANES * sizeof(float))));
 typedef double v4d __attribute__((vector_size(LANES * sizeof(double))));
 #define INT_LANES 8
 typedef uint32_t v8u __attribute__((vector_size(INT_LANES * sizeof(uint32_t))));
+/* Partial sums a block: 8 KiB, not a multiple of 4 KiB ahead of the inputs' loads
+ * at every offset. */
+#define BLOCK 1000
 
 #if defined(__x86_64__) && defined(__has_attribute)
 #if __has_attribute(target_clones)
@@ -106,7 +120,9 @@ typedef uint32_t v8u __attribute__((vector_size(INT_LANES * sizeof(uint32_t))));
 #define CLONED
 #endif
 
-CLONED static void reduce_float(float *dst, float **srcs, Py_ssize_t count, Py_ssize_t n) {
+typedef void (*float_kernel)(float *, float **, Py_ssize_t, Py_ssize_t);
+
+CLONED static void reduce_lanes(float *dst, float **srcs, Py_ssize_t count, Py_ssize_t n) {
     Py_ssize_t e = 0;
     for (; e + LANES <= n; e += LANES) {
         v4f x;
@@ -125,6 +141,103 @@ CLONED static void reduce_float(float *dst, float **srcs, Py_ssize_t count, Py_s
             acc += srcs[j][e];
         dst[e] = (float)acc;
     }
+}
+
+/* (restrict: the caller never hands these a destination that overlaps a source) */
+CLONED static void reduce_blocks(float *dst, float **srcs, Py_ssize_t count, Py_ssize_t n) {
+    double acc[BLOCK];
+    for (Py_ssize_t start = 0; start < n; start += BLOCK) {
+        Py_ssize_t len = n - start < BLOCK ? n - start : BLOCK;
+        const float *restrict first = srcs[0] + start;
+        if (count == 1) {
+            for (Py_ssize_t e = 0; e < len; e++)
+                acc[e] = first[e];
+        } else {
+            const float *restrict second = srcs[1] + start;
+            for (Py_ssize_t e = 0; e < len; e++)
+                acc[e] = (double)first[e] + (double)second[e];
+        }
+        for (Py_ssize_t j = 2; j < count; j++) {
+            const float *restrict src = srcs[j] + start;
+            for (Py_ssize_t e = 0; e < len; e++)
+                acc[e] += src[e];
+        }
+        float *restrict out = dst + start;
+        for (Py_ssize_t e = 0; e < len; e++)
+            out[e] = (float)acc[e];
+    }
+}
+
+CLONED static void reduce_pair(float *dst, float **srcs, Py_ssize_t count, Py_ssize_t n) {
+    float *restrict out = dst;
+    const float *restrict a = srcs[0], *restrict b = srcs[1];
+    (void)count;  /* two */
+    for (Py_ssize_t e = 0; e < n; e++)
+        out[e] = a[e] + b[e];
+}
+
+static const struct {
+    const char *name;
+    float_kernel kernel;
+    int pair_only;
+} float_kernels[] = {
+    {"lanes", reduce_lanes, 0}, {"blocks", reduce_blocks, 0}, {"pair", reduce_pair, 1},
+};
+#define N_FLOAT_KERNELS ((int)(sizeof float_kernels / sizeof float_kernels[0]))
+/* The fastest kernel (an index of float_kernels) for two sources, and for more. */
+static int pair_choice, many_choice;
+
+static double seconds_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* Time each kernel on 2 and on 4 sources of 64K elements (in cache: what differs
+ * between them is the processor's work, not the memory's), the least of 5 runs. */
+static void calibrate(void) {
+    enum { N = 64 * 1024, SOURCES = 4, RUNS = 5 };
+    float *buf = malloc(sizeof(float) * N * (SOURCES + 1));
+    if (buf == NULL)
+        return;  /* (the lanes, for both) */
+    float *srcs[SOURCES];
+    for (int j = 0; j < SOURCES; j++) {
+        srcs[j] = buf + (Py_ssize_t)(j + 1) * N;
+        for (int e = 0; e < N; e++)
+            srcs[j][e] = (float)((e * 7 + j) % 1000) * 1e-3f;
+    }
+    for (int many = 0; many < 2; many++) {
+        double best = 0;
+        for (int k = 0; k < N_FLOAT_KERNELS; k++) {
+            if (many && float_kernels[k].pair_only)
+                continue;
+            double least = 0;
+            for (int run = 0; run <= RUNS; run++) {  /* (run 0 warms up) */
+                double begun = seconds_now();
+                float_kernels[k].kernel(buf, srcs, many ? SOURCES : 2, N);
+                double took = seconds_now() - begun;
+                if (run == 1 || (run > 1 && took < least))
+                    least = took;
+            }
+            if (best == 0 || least < best) {
+                best = least;
+                *(many ? &many_choice : &pair_choice) = k;
+            }
+        }
+    }
+    free(buf);
+}
+
+/* The kernel for `count` sources into `dst`: the calibrated one, or the lanes
+ * where dst overlaps a source (they read every source before writing). */
+static float_kernel float_kernel_for(float *dst, float **srcs, Py_ssize_t count, Py_ssize_t n,
+                                     int forced) {
+    for (Py_ssize_t j = 0; j < count; j++)
+        if (srcs[j] < dst + n && dst < srcs[j] + n)
+            return reduce_lanes;
+    if (forced >= 0 && !(float_kernels[forced].pair_only && count != 2))
+        return float_kernels[forced].kernel;
+    return float_kernels[count == 2 ? pair_choice : many_choice].kernel;
 }
 
 CLONED static void reduce_int(uint32_t *dst, uint32_t **srcs, Py_ssize_t count, Py_ssize_t n) {
@@ -169,6 +282,7 @@ typedef struct {
     void **srcs;
     Py_ssize_t count, n;  /* sources; elements (bytes for a copy) */
     int parts;
+    float_kernel kernel;  /* JOB_FLOAT's */
 } Job;
 
 static struct {
@@ -200,7 +314,7 @@ static void run_part(const Job *job, int part) {
     for (Py_ssize_t j = 0; j < job->count; j++)
         srcs[j] = (char *)job->srcs[j] + lo * 4;
     if (job->kind == JOB_FLOAT)
-        reduce_float((float *)job->dst + lo, (float **)srcs, job->count, hi - lo);
+        job->kernel((float *)job->dst + lo, (float **)srcs, job->count, hi - lo);
     else
         reduce_int((uint32_t *)job->dst + lo, (uint32_t **)srcs, job->count, hi - lo);
 }
@@ -292,7 +406,7 @@ static PyObject *copy_into(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "copy_into: the source and destination differ in size");
     } else {
         void *ptrs[1] = {src.buf};
-        Job job = {JOB_COPY, dst.buf, ptrs, 1, dst.len, 1};
+        Job job = {JOB_COPY, dst.buf, ptrs, 1, dst.len, 1, NULL};
         Py_BEGIN_ALLOW_THREADS
         run_job(&job, threads);
         Py_END_ALLOW_THREADS
@@ -307,8 +421,18 @@ static PyObject *copy_into(PyObject *self, PyObject *args) {
 static PyObject *reduce_into(PyObject *self, PyObject *args) {
     PyObject *dst_obj, *srcs_obj;
     int threads = 1;
-    if (!PyArg_ParseTuple(args, "OO|i:reduce_into", &dst_obj, &srcs_obj, &threads))
+    const char *kernel_name = NULL;
+    if (!PyArg_ParseTuple(args, "OO|iz:reduce_into", &dst_obj, &srcs_obj, &threads,
+                          &kernel_name))
         return NULL;
+    int forced = -1;
+    if (kernel_name != NULL) {
+        for (int k = 0; k < N_FLOAT_KERNELS; k++)
+            if (strcmp(kernel_name, float_kernels[k].name) == 0)
+                forced = k;
+        if (forced < 0)
+            return PyErr_Format(PyExc_ValueError, "reduce_into: no kernel named %s", kernel_name);
+    }
     PyObject *seq = PySequence_Fast(srcs_obj, "srcs must be a sequence of arrays");
     if (seq == NULL)
         return NULL;
@@ -345,7 +469,9 @@ static PyObject *reduce_into(PyObject *self, PyObject *args) {
         ptrs[held] = views[held].buf;
     }
     Py_ssize_t n = dst.len / 4;
-    Job job = {is_float ? JOB_FLOAT : JOB_INT, dst.buf, ptrs, count, n, 1};
+    Job job = {is_float ? JOB_FLOAT : JOB_INT, dst.buf, ptrs, count, n, 1,
+               is_float ? float_kernel_for((float *)dst.buf, (float **)ptrs, count, n, forced)
+                        : NULL};
     Py_BEGIN_ALLOW_THREADS
     run_job(&job, threads);
     Py_END_ALLOW_THREADS
@@ -561,10 +687,20 @@ static PyObject *wait_for(PyObject *self, PyObject *args) {
     return Py_BuildValue("(in)", status, index);
 }
 
+static PyObject *kernels(PyObject *self, PyObject *unused) {
+    return Py_BuildValue("{ssss}", "pair", float_kernels[pair_choice].name,
+                         "more", float_kernels[many_choice].name);
+}
+
 static PyMethodDef methods[] = {
     {"reduce_into", reduce_into, METH_VARARGS,
-     "reduce_into(dst, srcs, threads=1): dst = the sum of srcs, in their order (float32 in "
-     "float64, rounded once; int32 modulo 2**32), cut over up to `threads` threads."},
+     "reduce_into(dst, srcs, threads=1, kernel=None): dst = the sum of srcs, in their order "
+     "(float32 in float64, rounded once; int32 modulo 2**32), cut over up to `threads` "
+     "threads; float32 with the kernel the module found fastest, or the one named "
+     "(lanes, blocks, pair)."},
+    {"kernels", kernels, METH_NOARGS,
+     "kernels() -> the float32 kernels reduce_into uses: {'pair': two sources, 'more': "
+     "more}."},
     {"copy_into", copy_into, METH_VARARGS,
      "copy_into(dst, src, threads=1): dst = src (the same size in bytes), cut over up to "
      "`threads` threads."},
@@ -589,5 +725,6 @@ PyMODINIT_FUNC PyInit__memory(void) {
     static int registered;
     if (!registered && pthread_atfork(NULL, NULL, forget_helpers) == 0)
         registered = 1;
+    calibrate();
     return PyModule_Create(&module);
 }
