@@ -374,6 +374,7 @@ def test_a_hung_rack_switch_is_named_by_the_other_racks_ranks_within_the_timeout
     with stack:
         first_done = threading.Barrier(7)
         hung = threading.Event()
+        others_ended = threading.Barrier(5)  # ranks 0, 1, 4, 5 and the hang
 
         def body(rank):
             with switchml.Worker(racks[rank // 2].address, rank, 6, job="hangs",
@@ -386,13 +387,17 @@ def test_a_hung_rack_switch_is_named_by_the_other_racks_ranks_within_the_timeout
                     w.allreduce(np.ones(3000, np.float32))
                 except switchml.SwitchMLError as exc:
                     return exc, time.monotonic() - started
+                finally:
+                    if rank // 2 != 1:
+                        others_ended.wait(20)
                 return None, 0.0
 
         def hang():
             first_done.wait(20)
             with racks[1]._lock:  # its serving thread waits here: it hangs
                 hung.set()
-                time.sleep(6)
+                # until the other racks' ranks have their outcome (not a fixed 6 s)
+                others_ended.wait(20)
 
         hanger = threading.Thread(target=hang)
         hanger.start()

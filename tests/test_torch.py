@@ -41,6 +41,13 @@ def gloo_ddp(world, steps):
     return launch(world, "ddp", "gloo", steps)
 
 
+@functools.cache
+def gloo_ddp_with_the_hook(world, steps):
+    """DDP on gloo with switchml's comm hook (32-bit wire), ``steps`` steps of ``world``
+    ranks: each rank's RESULT (run once: two tests read it)."""
+    return launch(world, "hook", "gloo", steps)
+
+
 def start(world, *args, env=None, job=JOB, rank_env=None):
     """``world`` ranks of ``job`` started: their processes (``collect`` ends them)."""
     port = free_port()
@@ -153,7 +160,7 @@ def test_every_collective_works_through_the_backend():
 
 
 def test_ddp_comm_hook_on_a_gloo_group_matches_gloo():
-    hooked = launch(2, "hook", "gloo", 10)
+    hooked = gloo_ddp_with_the_hook(2, 10)
     plain = gloo_ddp(2, 10)
     a, b = torch.tensor(hooked[0]["params"]), torch.tensor(plain[0]["params"])
     assert torch.equal(torch.tensor(hooked[1]["params"]), a)
@@ -163,7 +170,7 @@ def test_ddp_comm_hook_on_a_gloo_group_matches_gloo():
 
 def test_ddp_comm_hook_on_the_16_bit_wire_trains_like_gloo_with_half_the_bytes():
     narrow = launch(2, "hook16", "gloo", 10)
-    wide = launch(2, "hook", "gloo", 10)
+    wide = gloo_ddp_with_the_hook(2, 10)
     plain = gloo_ddp(2, 10)
     a, b = torch.tensor(narrow[0]["params"]), torch.tensor(plain[0]["params"])
     assert torch.equal(torch.tensor(narrow[1]["params"]), a)  # the same on every rank

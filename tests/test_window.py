@@ -324,7 +324,7 @@ def test_two_jobs_sharing_a_bottleneck_get_fair_shares(seed):
     jobs = [Simulation(2, slots=SLOTS, packet_elements=K, network=network, pipeline=pipeline,
                        session=session) for session in (11, 22)]
     arrays = [ints(2, K * 64, seed=i) for i in range(2)]
-    until = 4.0
+    until = 2.0  # about 37 calls each over the second half (75 over 4 s: as fair)
     finished = run_concurrently(jobs, arrays, until=until, start_at=[0.0, 0.3])
     calls = [sum(t >= until / 2 for t in times) for times in finished]
     assert min(calls) >= 20
@@ -434,10 +434,12 @@ class NeverHalve(CongestionWindow):
         return RANDOM_LOSS
 
 
-def random_loss_calls(loss, window=None, compiled=False, latency=50e-6, seeds=range(4), calls=3):
+def random_loss_calls(loss, window=None, compiled=False, latency=50e-6, seeds=range(3), calls=2):
     """4 workers, 32 slots, no bottleneck: total virtual time of ``calls`` calls per seed,
     the outputs, the counters of rank 0.  Remembered: the simulation is deterministic,
-    and several tests compare against the same runs (each of which takes seconds)."""
+    and several tests compare against the same runs (each of which takes seconds).
+    3 seeds of 2 calls give the ratios the docstrings quote (measured on 4 of 3) within
+    a few percent, in half the wall time."""
     return _remembered_random_loss_calls(loss, window, compiled, latency, tuple(seeds), calls)
 
 
@@ -447,7 +449,7 @@ def _remembered_random_loss_calls(loss, window, compiled, latency, seeds, calls)
 
 
 def simulate_random_loss_calls(loss, window=None, compiled=False, latency=50e-6,
-                               seeds=range(4), calls=3):
+                               seeds=range(3), calls=2):
     """``random_loss_calls`` run afresh, under the module's settings of the moment."""
     world, total, outputs, counters = 4, 0.0, [], {}
     for seed in seeds:
