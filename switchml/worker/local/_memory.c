@@ -1,12 +1,13 @@
 /* The local stage's operations on a host's shared memory: memory.py's
- * reduce_into, publish, attach, fail and wait_for, under the same names, with
- * the same results (tests/test_local.py compares them).
+ * reduce_into, copy_into, publish, attach, fail and wait_for, under the same
+ * names, with the same results (tests/test_local.py compares them).
  *
  * Why C: a reduction that reads every rank's input once and writes the sum
- * once (numpy needs a pass per rank and a float64 temporary), and waits that
- * sleep in the kernel (a futex on the header's generation word, shared between
- * processes) and watch the peers' processes (pidfds), all without the GIL, so
- * that the worker's other threads, and the training loop, run meanwhile.
+ * once (numpy needs a pass per rank and a float64 temporary), copies and sums
+ * cut over threads, and waits that sleep in the kernel (a futex on the
+ * header's generation word, shared between processes) and watch the peers'
+ * processes (pidfds), all without the GIL, so that the worker's other threads,
+ * and the training loop, run meanwhile.
  *
  * Memory order: a rank writes its data, then publishes a counter with a
  * release store; a waiter reads counters with acquire loads before it touches
