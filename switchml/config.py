@@ -195,7 +195,8 @@ DEFAULT_MAX_UNJOINED_PER_SOURCE = 64
 #: Largest keepalive bound: Linux refuses a TCP_KEEPIDLE above 32767 s.
 MAX_KEEPALIVE = 32767
 #: Most threads a rank of the local stage copies and sums with by default: one
-#: core streams a few GB/s, and four saturate what a host's memory gives one rank.
+#: core streams a few GB/s, and four took most of what more would (a 45 MiB copy
+#: on a 16-core Xeon VM: 7.5 ms on one, 1.7 on four, 1.1 on eight).
 MAX_AUTO_LOCAL_THREADS = 4
 
 

@@ -107,10 +107,11 @@ class Layout:
 
 
 # ---------------------------------------------------------------- the operations (reference)
-def reduce_into(dst: np.ndarray, srcs, threads: int = 1) -> None:
+def reduce_into(dst: np.ndarray, srcs, threads: int = 1, kernel: str | None = None) -> None:
     """``dst`` = the sum of ``srcs`` element by element, in their order: float32
     arrays summed in float64 and rounded once, int32 ones modulo 2**32.  The C
-    twin cuts the work over up to ``threads`` threads (the same result)."""
+    twin cuts the work over up to ``threads`` threads and sums float32 with the
+    fastest of its kernels, or ``kernel`` (the same result every way)."""
     if dst.dtype == np.float32:
         acc = srcs[0].astype(np.float64)
         for src in srcs[1:]:
