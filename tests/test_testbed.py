@@ -663,7 +663,7 @@ def test_with_the_veths_udp_offload_on_the_rule_drops_whole_runs_and_the_checks_
 # 400 calls at 5%: 2600 datagrams dropped, twice the 1000 calls at 1% (1100), and
 # every recovery path taken (fast, probe, resend, stale, spurious) in a third of the time
 @pytest.mark.parametrize("loss,count", [(0.01, 1000), (0.05, 400)])
-def test_a_thousand_allreduces_under_loss_are_bit_identical_to_the_loss_free_sums(
+def test_hundreds_of_allreduces_under_loss_are_bit_identical_to_the_loss_free_sums(
         tmp_path, loss, count):
     world, size = 3, 3000
     with Testbed(hosts=world, link="none", loss=loss, prefix=prefix(f"l{int(loss * 100)}")) as tb:
