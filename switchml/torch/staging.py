@@ -84,7 +84,7 @@ class HostStaging:
         self.tensor = tensor
         self._buffer = None
         if tensor.dtype in WIDENED_DTYPES or not tensor.is_contiguous():
-            dtype = torch.float32 if tensor.dtype in WIDENED_DTYPES else tensor.dtype
+            dtype = _staged_dtype(tensor.dtype)
             self.host, self._buffer = _HOST_BUFFERS.array(tensor.shape, dtype)
             self.host.copy_(tensor.detach())
         else:
@@ -130,7 +130,7 @@ class CudaStaging:
         self.segment = segment
         self.stream = _side_stream(tensor.device)
         self.stream.wait_stream(torch.cuda.current_stream(tensor.device))
-        dtype = torch.float32 if tensor.dtype in WIDENED_DTYPES else tensor.dtype
+        dtype = _staged_dtype(tensor.dtype)
         self._pool = _pinned_pool(tensor.device)
         self.host, self._buffer = self._pool.array(tensor.shape, dtype)
         self._copied: torch.cuda.Event | None = None
@@ -149,8 +149,7 @@ class CudaStaging:
         self.array = self.host.reshape(-1).numpy()
 
     def _source(self) -> torch.Tensor:
-        source = self.tensor.detach()
-        return source.float() if source.dtype in WIDENED_DTYPES else source
+        return _widened(self.tensor.detach())
 
     def _copy_to_host(self) -> None:
         with _on_stream(self.stream):
@@ -215,6 +214,16 @@ class CudaStaging:
             self._events = []
 
 
+def _staged_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` is summed in."""
+    return torch.float32 if dtype in WIDENED_DTYPES else dtype
+
+
+def _widened(values: torch.Tensor) -> torch.Tensor:
+    """``values`` as float32 where they are 16-bit (a copy on their device)."""
+    return values.float() if values.dtype in WIDENED_DTYPES else values
+
+
 def _send_back(staging: CudaStaging, host: torch.Tensor, start: int, stop: int,
                divisor: int | None) -> None:
     """Enqueue the sum of elements [start, stop), in ``host``, into the tensor on
@@ -241,9 +250,7 @@ class SegmentCopies:
 
     def into_host(self, area, start: int, stop: int) -> None:
         with _on_stream(self.staging.stream):
-            source = self.staging.tensor.detach().view(-1)[start:stop]
-            if source.dtype in WIDENED_DTYPES:
-                source = source.float()
+            source = _widened(self.staging.tensor.detach().view(-1)[start:stop])
             torch.from_numpy(area).copy_(source, non_blocking=True)
             self.done.record(self.staging.stream)
         self.done.synchronize()

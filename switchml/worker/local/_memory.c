@@ -188,10 +188,10 @@ static const struct {
 /* The fastest kernel (an index of float_kernels) for two sources, and for more. */
 static int pair_choice, many_choice;
 
-static double seconds_now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+static double monotonic(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
 /* Time each kernel on 2 and on 4 sources of 64K elements (in cache: what differs
@@ -214,9 +214,9 @@ static void calibrate(void) {
                 continue;
             double least = 0;
             for (int run = 0; run <= RUNS; run++) {  /* (run 0 warms up) */
-                double begun = seconds_now();
+                double begun = monotonic();
                 float_kernels[k].kernel(buf, srcs, many ? SOURCES : 2, N);
-                double took = seconds_now() - begun;
+                double took = monotonic() - begun;
                 if (run == 1 || (run > 1 && took < least))
                     least = took;
             }
@@ -555,11 +555,6 @@ static PyObject *fail(PyObject *self, PyObject *args) {
 }
 
 /* ------------------------------------------------------------------ wait_for */
-static double monotonic(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 /* REACHED, or the first awaited record short of the target in *short_index. */
 static int check(char *base, const Py_ssize_t *records, Py_ssize_t count, Py_ssize_t field,
