@@ -153,6 +153,19 @@ HIDDEN uint64_t udp_batch_send(udp_batch *b, int fd, int flags, const udp_policy
     return sent;
 }
 
+HIDDEN size_t udp_gro_segment(const struct msghdr *h, size_t len)
+{
+    size_t segment = len;
+    for (struct cmsghdr *cm = CMSG_FIRSTHDR(h); cm; cm = CMSG_NXTHDR((struct msghdr *)h, cm))
+        if (cm->cmsg_level == SOL_UDP && cm->cmsg_type == UDP_GRO) {
+            int size;
+            memcpy(&size, CMSG_DATA(cm), sizeof size);
+            if (size > 0)
+                segment = (size_t)size;
+        }
+    return segment;
+}
+
 HIDDEN void udp_drain_error_queue(int fd)
 {
     char data[64], control[256];

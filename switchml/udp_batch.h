@@ -29,6 +29,9 @@
  * for the switch's results and the worker's contributions alike. */
 #define UDP_SEND_PAUSE_NS 50000L
 #define UDP_SEND_PATIENCE_NS 200000000L
+#ifndef UDP_GRO /* Linux 5.0 */
+#define UDP_GRO 104
+#endif
 /* At most this many segments, of at most this many bytes in all, a message. */
 #define GSO_MAX_SEGMENTS 64
 #define GSO_MAX_BYTES 65000
@@ -90,6 +93,10 @@ int udp_batch_add(udp_batch *b, const struct sockaddr_in *to, const void *data, 
  * The batch is empty afterwards. */
 uint64_t udp_batch_send(udp_batch *b, int fd, int flags, const udp_policy *policy,
                         int *gso_refused, uint64_t *bytes);
+/* The segment size of a message of `len` bytes received on a socket with UDP_GRO
+ * on: the size its UDP_GRO control message gives (a run of datagrams that
+ * arrived whole, each that long but the last), else `len` (one datagram). */
+size_t udp_gro_segment(const struct msghdr *h, size_t len);
 /* netutil.drain_error_queue: read away what IP_RECVERR queued on `fd` (ICMP errors
  * from a peer gone, a datagram refused for its size): the queue is charged to the
  * receive buffer. */

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 import socket
+import sys
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 
 from switchml import wire
 from switchml.sim.network import Faults, Simulation, StalledSimulation
+from switchml.switch import server
 from switchml.switch.dataplane import fastpipeline
 from switchml.switch.dataplane.fastpipeline import FastPipeline
 from switchml.switch.dataplane.pipeline import Pipeline
@@ -340,6 +342,51 @@ def test_drain_gives_the_reference_replies_over_real_sockets(gso):
     for w, a in zip(workers, addrs):
         assert [w.recv(65536) for _ in expected[a]] == expected[a]
     assert fast.stats()["totals"] == ref.stats()["totals"]
+    for s in workers + [switch]:
+        s.close()
+
+
+def test_drain_cuts_runs_received_whole_into_the_reference_datagrams():
+    """With UDP_GRO on the switch's socket, a worker's UDP GSO run over loopback
+    arrives as one receive; the loop must run each of its datagrams through the
+    pipeline, in order, the last one shorter, as the reference does one by one."""
+    switch = _udp()
+    switch.setblocking(False)
+    switch.setsockopt(socket.SOL_UDP, server.UDP_GRO, 1)
+    workers = [_udp() for _ in range(3)]
+    addrs = [w.getsockname() for w in workers]
+    fast = FastPipeline(slots=8, packet_elements=16, block_elements=4)
+    ref = Pipeline(slots=8, packet_elements=16, block_elements=4)
+    for p in (fast, ref):
+        p.install_job("j", 7, addrs, 0, 8)
+    rng = np.random.default_rng(3)
+
+    def contribution(msg, slot, count=16):
+        return wire.encode(wire.KIND_CONTRIBUTION, 0, slot, 7, msg, 0, slot,
+                           np.zeros(4, wire.LANE), rng.integers(-9, 9, count).astype(np.int32))
+    runs = []  # (datagrams, rank): each rank's slots of a message in one run
+    for msg in range(2):
+        for r in rng.permutation(3):
+            runs.append(([contribution(msg, slot) for slot in range(8)], r))
+    runs.append(([contribution(2, 0), contribution(2, 1, count=5)], 0))  # a shorter last one
+    expected = {a: [] for a in addrs}
+    for datagrams, r in runs:
+        for data in datagrams:
+            for d, a in ref.receive_datagram(data, addrs[r]):
+                expected[a].append(bytes(d))
+    for datagrams, r in runs:
+        workers[r].sendmsg([b"".join(datagrams)],
+                           [(socket.SOL_UDP, server.UDP_SEGMENT,
+                             len(datagrams[0]).to_bytes(2, sys.byteorder))], 0,
+                           switch.getsockname())
+    received = 0
+    while received < len(runs):
+        received += fast.drain(switch.fileno(), 1000)[0]
+    for w, a in zip(workers, addrs):
+        assert [w.recv(65536) for _ in expected[a]] == expected[a]
+    totals = fast.stats()["totals"]
+    assert totals.pop("runs_received") == len(runs)
+    assert totals == ref.stats()["totals"]
     for s in workers + [switch]:
         s.close()
 

@@ -44,6 +44,7 @@ enum fp_counter {
      * a UDP GSO run on loopback) that could not be handed over to that thread */
     C_DROPPED_NOT_HANDED_OVER,
     C_HANDED_OVER, /* datagrams a data thread gave to the thread owning their slot */
+    C_RUNS_RECEIVED, /* receives that held a run of datagrams (UDP_GRO), not one */
     FP_NCOUNTERS
 };
 extern const char *const FP_COUNTER_NAMES[FP_NCOUNTERS];

@@ -18,7 +18,7 @@ const char *const FP_COUNTER_NAMES[FP_NCOUNTERS] = {
     "dropped_unknown_source", "dropped_ingress_simulated", "socket_errors", "send_errors",
     "send_fragmented", "probes_in", "probes_waiting", "resends_asked", "dropped_bad_probe",
     "send_waits", "queries_done", "dropped_not_handed_over",
-    "handed_over",
+    "handed_over", "runs_received",
 };
 
 /* Received datagrams may start anywhere: read them through these. */

@@ -28,6 +28,7 @@ static size_t lay_out(fp_io *io, uintptr_t base)
     CARVE(recv_msgs, FP_RECV_BATCH);
     CARVE(recv_iov, FP_RECV_BATCH);
     CARVE(recv_addrs, FP_RECV_BATCH);
+    CARVE(recv_control, FP_RECV_BATCH);
     CARVE(send_queue, FP_SEND_QUEUE);
     CARVE(order, FP_SEND_QUEUE);
     CARVE(batch.msgs, FP_SEND_QUEUE);
@@ -277,6 +278,8 @@ static uint32_t drain_socket(fp_io *io, uint32_t limit)
             h->msg_namelen = sizeof io->recv_addrs[i];
             h->msg_iov = &io->recv_iov[i];
             h->msg_iovlen = 1;
+            h->msg_control = &io->recv_control[i];
+            h->msg_controllen = sizeof io->recv_control[i];
         }
         int got = recvmmsg(io->fd, io->recv_msgs, want, MSG_DONTWAIT, NULL);
         if (got < 0) {
@@ -296,18 +299,24 @@ static uint32_t drain_socket(fp_io *io, uint32_t limit)
             if (io->recv_msgs[i].msg_hdr.msg_namelen >= sizeof *sa &&
                 sa->sin_family == AF_INET)
                 key = (uint64_t)ntohl(sa->sin_addr.s_addr) << 16 | ntohs(sa->sin_port);
-            if (io->queued + FP_MAX_WORKERS > FP_SEND_QUEUE)
-                flush_queue(io->thread, io);
-            int n = fp_receive(core, io->thread, io->recv_iov[i].iov_base,
-                               io->recv_msgs[i].msg_len, key, out);
-            if (n == FP_OTHER_THREAD) {
-                int given = hand_over(io, io->recv_iov[i].iov_base, io->recv_msgs[i].msg_len,
-                                      key);
-                fp_count(&io->thread->counters, given ? C_HANDED_OVER : C_DROPPED_NOT_HANDED_OVER,
-                         1);
-                continue;
+            const uint8_t *data = io->recv_iov[i].iov_base;
+            size_t len = io->recv_msgs[i].msg_len;
+            size_t segment = udp_gro_segment(&io->recv_msgs[i].msg_hdr, len);
+            if (segment < len)
+                fp_count(&io->thread->counters, C_RUNS_RECEIVED, 1);
+            for (size_t at = 0; at < len; at += segment) { /* each datagram of a run */
+                uint32_t one = (uint32_t)(len - at < segment ? len - at : segment);
+                if (io->queued + FP_MAX_WORKERS > FP_SEND_QUEUE)
+                    flush_queue(io->thread, io);
+                int n = fp_receive(core, io->thread, data + at, one, key, out);
+                if (n == FP_OTHER_THREAD) {
+                    int given = hand_over(io, data + at, one, key);
+                    fp_count(&io->thread->counters,
+                             given ? C_HANDED_OVER : C_DROPPED_NOT_HANDED_OVER, 1);
+                    continue;
+                }
+                queue_results(io, out, n);
             }
-            queue_results(io, out, n);
         }
         received += (uint32_t)got;
         flush_queue(io->thread, io);

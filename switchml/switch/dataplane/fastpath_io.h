@@ -25,6 +25,12 @@
 
 typedef struct fp_serving fp_serving;
 
+/* Room for the control message of a run received whole (UDP_GRO: its segment size). */
+typedef union {
+    char buf[CMSG_SPACE(sizeof(int))];
+    struct cmsghdr align;
+} fp_gro_control;
+
 /* Datagrams other data threads handed over to a thread: those of its slots that
  * reached their sockets.  The kernel steers each datagram by its slot, but a UDP
  * GSO run that stays unsegmented up to the socket (a worker on the switch's own
@@ -48,6 +54,7 @@ typedef struct {
     struct mmsghdr *recv_msgs;
     struct iovec *recv_iov;
     struct sockaddr_in *recv_addrs;
+    fp_gro_control *recv_control; /* each message's UDP_GRO segment size */
     fp_out *send_queue;
     uint64_t (*order)[2]; /* (destination key, queue index) */
     udp_batch batch;      /* the sender; its storage is in the block too */

@@ -19,9 +19,6 @@ static int gso_wanted = 1;
  * reports, instead of one skb and one copy-out a datagram.  On only while run_io
  * runs: the Python engine reads the same socket a datagram at a time.
  * SWITCHML_WORKER_GRO=0 turns it off (bench/ compares); read once at import. */
-#ifndef UDP_GRO
-#define UDP_GRO 104
-#endif
 static int gro_wanted = 1;
 /* What one receive holds with GRO on: a whole run (at most 64 KiB of payload). */
 #define GRO_BUFFER 65536
@@ -104,15 +101,7 @@ static void flush_outbox(StreamCore *c, int fd, struct sockaddr_in *dst, int gso
  * gave its real length) goes to receive() with that length, which drops it. */
 static int receive_run(StreamCore *c, struct mmsghdr *msg, const uint8_t *data,
                        size_t capacity) {
-    size_t len = msg->msg_len, segment = len;
-    for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg->msg_hdr); cm;
-         cm = CMSG_NXTHDR(&msg->msg_hdr, cm))
-        if (cm->cmsg_level == SOL_UDP && cm->cmsg_type == UDP_GRO) {
-            int size;
-            memcpy(&size, CMSG_DATA(cm), sizeof(size));
-            if (size > 0)
-                segment = (size_t)size;
-        }
+    size_t len = msg->msg_len, segment = udp_gro_segment(&msg->msg_hdr, len);
     size_t held = len < capacity ? len : capacity;
     for (size_t at = 0; at < len; at += segment) {
         size_t one = len - at < segment ? len - at : segment;
