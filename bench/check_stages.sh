@@ -60,6 +60,24 @@ PYEOF
 
 # stage NAME CAP_S COMMAND...: run it with at most CAP_S seconds, and never past the
 # budget (15 s kept for the summary); its output in OUT/NAME.log; a line in stages.tsv
+# The kernel's UDP counters of this namespace (/proc/net/snmp), "name=value ...":
+# what a stage on loopback lost in socket buffers shows as RcvbufErrors.
+udp_counters() {
+    awk '/^Udp:/ { if (!n) { split($0, names); n = 1 } else { for (i = 2; i <= NF; i++)
+        printf "%s=%s ", names[i], $i } }' /proc/net/snmp 2>/dev/null
+}
+# What grew between two udp_counters readings, the error counters only.
+udp_growth() {
+    local before=$1 after=$2 pair grown=""
+    for pair in $after; do
+        local key=${pair%%=*} now=${pair#*=} was
+        case $key in *Errors|NoPorts) ;; *) continue ;; esac
+        was=$(tr ' ' '\n' <<< "$before" | awk -F= -v k="$key" '$1 == k {print $2}')
+        [ -n "$was" ] && [ "$now" -gt "$was" ] && grown="$grown $key +$(( now - was ))"
+    done
+    echo "${grown# }"
+}
+
 stage() {
     local name=$1 cap=$2
     shift 2
@@ -74,8 +92,12 @@ stage() {
     local begun rc
     begun=$(date +%s)
     touch "$MARK"
+    local udp_before
+    udp_before=$(udp_counters)
     timeout -s INT -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1
     rc=$?
+    local udp_grown
+    udp_grown=$(udp_growth "$udp_before" "$(udp_counters)")
     local took=$(( $(date +%s) - begun ))
     # (tqdm's progress lines left out: the log keeps them)
     tr '\r' '\n' < "$OUT/$name.log" | grep -v 'case/s' | tail -n 15 | sed "s/^/  $name| /"
@@ -84,6 +106,7 @@ stage() {
     local leftover
     leftover=$(find /dev/shm -maxdepth 1 -name 'switchml-*' -newer "$MARK" 2>/dev/null | wc -l)
     [ "$leftover" != 0 ] && note="${note:+$note; }$leftover switchml segment(s) left in /dev/shm"
+    [ -n "$udp_grown" ] && note="${note:+$note; }UDP here: $udp_grown"
     printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$took" "$note" >> "$STAGES_FILE"
     say "$name: exit $rc after ${took}s${note:+ ($note)}"
 }

@@ -11,9 +11,9 @@
 #   build        python setup.py build_ext --inplace; the three C cores must import
 #   testbed-10g  4 hosts, 10 Gbit/s links, MTU 9000, 256 MiB, switch defaults,
 #                switchml and gloo, median of 3 invocations (root, ip, tc)
-#   engine       one rank's goodput: bench/worker_core.py, 2 ranks on loopback of
-#                1, 2 and 4 I/O threads each, a switch of 8 data threads, 256 MiB,
-#                3 invocations each
+#   engine       one rank's goodput: bench/worker_core.py, a job of one rank on
+#                loopback with 1, 2, 4 and 6 I/O threads, a switch of 8 data
+#                threads, 256 MiB, 3 invocations each
 #   loopback     switchml bench --workers 4 8 --sizes 64, default settings,
 #                median of 3 invocations
 #   testbed-25g  the testbed stage at 25 Gbit/s
@@ -92,14 +92,15 @@ if [ "$SMALL" = 1 ]; then
     LINKS=(1gbit 500mbit); TB_MIB=64; ENGINE_MIB=64; THREADS="1 2"; SWITCH_THREADS=1
     LOOPBACK=(--workers 2 4 --sizes 16)
 else
-    LINKS=(10gbit 25gbit); TB_MIB=256; ENGINE_MIB=256; THREADS="1 2 4"; SWITCH_THREADS=8
+    LINKS=(10gbit 25gbit); TB_MIB=256; ENGINE_MIB=256; THREADS="1 2 4 6"; SWITCH_THREADS=8
     LOOPBACK=(--workers 4 8 --sizes 64)
 fi
 
 engine() {
     for threads in $THREADS; do
         for run in 1 2 3; do
-            "$PYTHON" bench/worker_core.py --engines c --workers 2 --threads "$threads" \
+            # one rank alone: its engine, not two ranks' sharing the cores
+            "$PYTHON" bench/worker_core.py --engines c --workers 1 --threads "$threads" \
                 --switch-threads "$SWITCH_THREADS" --mib "$ENGINE_MIB" \
                 --json "$OUT/engine/threads$threads-run$run.json" || return
         done
@@ -129,7 +130,7 @@ can_testbed() {
 
 want build && stage build 90 bash -c check_build
 want testbed-10g && can_testbed testbed-10g && testbed "${LINKS[0]}" 10g 150
-want engine && stage engine 110 bash -c engine
+want engine && stage engine 130 bash -c engine
 want loopback && stage loopback 130 "$PYTHON" bench/invocations.py --runs 3 \
     --check-first-only --out "$OUT/loopback" -- "${LOOPBACK[@]}" --systems dense gloo --no-plots
 want testbed-25g && can_testbed testbed-25g && testbed "${LINKS[1]}" 25g 150

@@ -41,7 +41,7 @@ SWITCHML_WORKER_GRO         0: the worker's C engine receives one    1
                             datagram a call instead of whole runs
                             (UDP_GRO)
 SWITCHML_WORKER_THREADS     I/O threads a rank sends its calls       one per
-                            with, each with a socket and a share     10 Gbit/s
+                            with, each with a socket and a share     8 Gbit/s
                             of the job's slots of its own (the job   of link
                             takes the least any rank asks for;       (1 to 8)
                             ``auto_worker_threads``)
@@ -158,10 +158,11 @@ def auto_switch_threads(cores: int | None = None) -> int:
 
 #: A worker's I/O threads by default at most.
 MAX_AUTO_WORKER_THREADS = 8
-#: Link speed one worker I/O thread keeps up with, in Mbit/s: its C engine sums
-#: about 0.5 ms of one core a MiB of allreduce (``bench/worker_core.py``), some
-#: 16 Gbit/s, less on slower cores; 10 leaves room for them.
-WORKER_THREAD_MBIT = 10_000
+#: Link speed one worker I/O thread keeps up with, in Mbit/s: its C engine takes
+#: about 0.4 ms of a 2-core AMD EPYC VM's core a MiB of allreduce
+#: (``bench/worker_core.py``), some 20 Gbit/s, but about 0.95 ms of a 16-core
+#: Xeon VM's, 8.5 Gbit/s; 8 keeps a 10 Gbit/s link full on such cores (two).
+WORKER_THREAD_MBIT = 8_000
 
 
 def auto_worker_threads(link_mbit: int | None, senders: int = 1,
@@ -172,7 +173,8 @@ def auto_worker_threads(link_mbit: int | None, senders: int = 1,
     ``senders`` that send through that link at once (the host's ranks, or its
     shards), and 1 to ``MAX_AUTO_WORKER_THREADS``.  A link that reports no speed
     (loopback) gets one thread: on one host the switch and the kernel need the
-    other cores; a veth reports 10 Gbit/s, one thread's worth."""
+    other cores; a veth reports 10 Gbit/s, two threads' worth where the cores
+    allow."""
     if not link_mbit:
         return 1
     cores = os.cpu_count() if cores is None else cores

@@ -711,8 +711,8 @@ def test_a_switch_killed_under_a_threaded_call_fails_every_rank_naming_it():
         victim.stop()
 
 
-def test_a_rank_takes_a_thread_per_10_gbits_of_its_link_unless_told(monkeypatch):
-    """One thread per 10 Gbit/s its interface reports, at most half the cores its
+def test_a_rank_takes_a_thread_per_8_gbits_of_its_link_unless_told(monkeypatch):
+    """One thread per 8 Gbit/s its interface reports, at most half the cores its
     host's senders share, 1 to 8; a link of no reported speed (loopback) one;
     SWITCHML_WORKER_THREADS wins; the join says it and an older switch's ready
     (no field) means one."""
@@ -720,7 +720,7 @@ def test_a_rank_takes_a_thread_per_10_gbits_of_its_link_unless_told(monkeypatch)
     from switchml.config import auto_worker_threads
     from switchml.worker.client import worker_threads
     assert [auto_worker_threads(mbit, cores=16) for mbit in
-            (None, 1000, 10_000, 25_000, 100_000, 400_000)] == [1, 1, 1, 3, 8, 8]
+            (None, 1000, 8_000, 10_000, 25_000, 100_000, 400_000)] == [1, 1, 1, 2, 4, 8, 8]
     assert auto_worker_threads(100_000, senders=4, cores=16) == 2
     assert auto_worker_threads(100_000, senders=8, cores=16) == 1
     assert auto_worker_threads(25_000, cores=2) == 1
