@@ -237,8 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int,
                    help="data threads of the C data plane, a core each: each owns the slots "
                         "s where s %% threads is its index, with a socket of its own "
-                        "($SWITCHML_SWITCH_THREADS; default: a quarter of the machine's "
-                        "cores, 1 to 8)")
+                        "($SWITCHML_SWITCH_THREADS; default: half the machine's cores, "
+                        "1 to 8)")
     p.add_argument("--shared-link", action="store_true", default=None,
                    help="this switch is a server behind one link all its workers share (no "
                         "programmable switch): a job's window is its ranks' share of that "

@@ -75,10 +75,10 @@ SWITCHML_PURE_PYTHON        1: the Python data plane and engine      0
 SWITCHML_DATA_PLANE         a switch's data plane: python, c or      (C when
                             xdp (an XDP program on the interface     built)
                             holding its host address; root)
-SWITCHML_SWITCH_THREADS     data threads of a switch's C data        a quarter
-                            plane, each with the slots s where       of the
-                            s % threads is its index and a socket    cores (1
-                            of its own (a core each)                 to 8)
+SWITCHML_SWITCH_THREADS     data threads of a switch's C data        half the
+                            plane, each with the slots s where       cores (1
+                            s % threads is its index and a socket    to 8)
+                            of its own (a core each)
 SWITCHML_XDP_CACHE          where the XDP program, built by clang    ~/.cache/
                             on first use, is kept (or under          switchml/xdp
                             $XDG_CACHE_HOME)
@@ -142,18 +142,20 @@ DEFAULT_PACKET_ELEMENTS = 16128  # 63 blocks of 256: the most one UDP datagram h
 DEFAULT_BLOCK_ELEMENTS = 256
 DEFAULT_SLOTS_PER_JOB = 32
 DEFAULT_MAX_JOBS = 64
-#: A switch's data threads by default at most: a quarter of the machine's cores.
+#: A switch's data threads by default at most: half the machine's cores.
 MAX_AUTO_SWITCH_THREADS = 8
 
 
 def auto_switch_threads(cores: int | None = None) -> int:
-    """The C data plane's data threads where none are asked for: a quarter of the
-    machine's cores (``os.cpu_count()``), 1 to ``MAX_AUTO_SWITCH_THREADS``.  The
-    rest are the workers' and the kernel's, which on one host do the network
-    stack's work of every datagram; on two cores that leaves one thread, the
-    serving thread draining the socket itself, as on four."""
+    """The C data plane's data threads where none are asked for: half the
+    machine's cores (``os.cpu_count()``), 1 to ``MAX_AUTO_SWITCH_THREADS``.  A
+    switch adds and sends back every worker's bytes, K times one worker's, so on
+    one host it needs about as many cores as its workers together; the rest are
+    theirs and the kernel's.  On a switch server of its own the other half is
+    the kernel's, which receives and sends every datagram.  On two or three cores
+    that leaves one thread, the serving thread draining the socket itself."""
     cores = os.cpu_count() if cores is None else cores
-    return max(1, min(MAX_AUTO_SWITCH_THREADS, (cores or 1) // 4))
+    return max(1, min(MAX_AUTO_SWITCH_THREADS, (cores or 1) // 2))
 
 
 #: A worker's I/O threads by default at most.
@@ -380,8 +382,8 @@ class SwitchConfiguration:
     slots ``s`` with ``s % threads`` equal to its index and drains a socket of
     its own, to which the kernel steers those slots' datagrams, so that a
     switch aggregates with that many cores; 1: the serving thread drains the
-    one socket itself, between control messages; None, the default: a quarter
-    of the machine's cores, 1 to 8 (``auto_switch_threads``), on the C data
+    one socket itself, between control messages; None, the default: half
+    the machine's cores, 1 to 8 (``auto_switch_threads``), on the C data
     plane, and 1 on the others; the Python and XDP data planes take 1 only),
     ``upstream`` ("host:port" of a spine switch: this switch is then a rack
     switch, whose jobs' partial sums go up to the spine; its data plane runs in

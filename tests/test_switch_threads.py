@@ -314,20 +314,20 @@ def test_threads_are_the_c_data_planes_setting(monkeypatch):
     assert cli.switch_configuration(args, environ={}).threads == 2
 
 
-def test_a_switch_takes_a_quarter_of_the_cores_unless_told(monkeypatch):
-    """Unless told, the C data plane runs a quarter of the machine's cores (1 to 8);
+def test_a_switch_takes_half_the_cores_unless_told(monkeypatch):
+    """Unless told, the C data plane runs half the machine's cores (1 to 8);
     other data planes and rack switches one; a number given is kept."""
     from switchml.config import auto_switch_threads
-    assert [auto_switch_threads(c) for c in (1, 2, 4, 7, 8, 16, 64, 128)] == [
-        1, 1, 1, 1, 2, 4, 8, 8]
+    assert [auto_switch_threads(c) for c in (1, 2, 3, 4, 7, 8, 16, 64, 128)] == [
+        1, 1, 1, 2, 3, 4, 8, 8, 8]
     assert SwitchConfiguration().threads is None
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     switch = switchml.Switch()
-    assert switch.threads == 4 and switch.pipeline.threads == 4
+    assert switch.threads == 8 and switch.pipeline.threads == 8
     assert switchml.Switch(threads=2).threads == 2
     assert switchml.Switch(data_plane="python").threads == 1
-    with switchml.Switch() as running:  # its four sockets, and a job through them
-        assert len(running._data_sockets) == 4
+    with switchml.Switch() as running:  # its eight sockets, and a job through them
+        assert len(running._data_sockets) == 8
         rng = np.random.default_rng(5)
         arrays = [rng.integers(-1000, 1000, 40_000, dtype=np.int32) for _ in range(2)]
         outs: list = [None, None]

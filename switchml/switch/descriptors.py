@@ -42,7 +42,7 @@ def descriptors_needed(config: SwitchConfiguration) -> int:
 
 
 def _threads(config: SwitchConfiguration) -> int:
-    """Its data threads' sockets at most (the default's, a quarter of the cores, at most
+    """Its data threads' sockets at most (the default's, half the cores, at most
     ``MAX_AUTO_SWITCH_THREADS``, where the data plane is not known yet)."""
     return config.threads if config.threads is not None else auto_switch_threads()
 

@@ -884,8 +884,8 @@ def why_not_xdp() -> str:
 
 def data_threads(config: SwitchConfiguration, data_plane: str) -> int:
     """The data threads a switch of ``config`` runs on ``data_plane``: those asked
-    for, or on the C data plane of a one-level switch a quarter of the machine's
-    cores (``config.auto_switch_threads``), else 1."""
+    for, or on the C data plane of a one-level switch half the machine's cores
+    (``config.auto_switch_threads``), else 1."""
     if config.threads is not None:
         return config.threads
     if data_plane == "c" and config.upstream is None:
