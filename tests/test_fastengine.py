@@ -9,10 +9,11 @@ duplication, reordering, a bottleneck queue, and hostile or stale datagrams.
 from __future__ import annotations
 
 import random
+import time
 
 import numpy as np
 import pytest
-from conftest import reference_sum
+from conftest import reference_sum, run_ranks
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -393,6 +394,43 @@ def test_a_call_starts_sending_without_reading_its_whole_input():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+
+
+def test_an_empty_datagram_at_a_worker_is_dropped_and_counted():
+    """An empty datagram is one datagram, not a run of none: the C loop counts it
+    as malformed, as the Python engine does, and the call is not disturbed.  It
+    arrives while rank 0's call waits for rank 1 (between calls the worker drops
+    what comes as stale)."""
+    import threading
+
+    import switchml
+    x = np.arange(50_000, dtype=np.float32)
+    in_flight, sent = threading.Event(), threading.Event()
+    with switchml.Switch("127.0.0.1", 0) as switch:
+        def body(rank):
+            with switchml.Worker(switch.address, rank, 2, job="empty", timeout=20,
+                                 local_stage=False) as w:
+                w.allreduce(x)
+                before = dict(w.counters)
+                if rank == 0:
+                    handle = w.allreduce_async(x)
+                    in_flight.wait(10)  # rank 1 holds back until the datagram went out
+                    time.sleep(0.2)  # the C loop is polling rank 0's socket
+                    # from the switch's own socket: the worker's is connected to it
+                    switch._udp.sendto(b"", w._udp.getsockname())
+                    sent.set()
+                    total = handle.wait()
+                else:
+                    in_flight.set()
+                    sent.wait(10)
+                    total = w.allreduce(x)
+                after = w.counters
+                return total, {k: after.get(k, 0) - before.get(k, 0)
+                               for k in ("dropped_malformed", "dropped_stale")}
+        (total, counted), (other, _) = run_ranks(2, body)
+    assert compiled.enabled()
+    assert total.tobytes() == other.tobytes() == (2 * x).tobytes()
+    assert counted == {"dropped_malformed": 1, "dropped_stale": 0}
 
 
 def test_results_that_arrive_as_one_gro_run_are_cut_into_their_datagrams():

@@ -676,6 +676,30 @@ def test_threads_over_two_switches(switches):
     assert [name for name, _ in many[0][1]] == ["two-by-two", "two-by-two#1"] * 2
 
 
+def test_threads_of_a_job_named_near_the_limit_join_under_names_of_their_own(switches):
+    """A name of 199 characters: "name#1" would pass the switch's 200, which cuts
+    it, so every thread past the first would join as the same job (refused as a
+    duplicate rank); their names keep a digest of the whole name instead, the
+    same on every rank, and the calls give one thread's bytes.  A name the switch
+    would cut is refused at once."""
+    from switchml.protocol import MAX_NAME
+    from switchml.worker.multi import thread_job
+    long = "n" * (MAX_NAME - 1)
+    names = [thread_job(long, t) for t in (1, 2, 3)]
+    assert len(set(names)) == 3 and all(len(n) <= MAX_NAME for n in names)
+    assert thread_job(long + "x", 1) not in names  # another name: other digests
+    assert thread_job("short", 2) == "short#2"
+    rng = np.random.default_rng(14)
+    inputs = [spiky(rng, 20_000) for _ in range(2)]
+    one = run_threaded(address(switches[0]), inputs, [1, 1], "near-limit-1", [{}])
+    three = run_threaded(address(switches[0]), inputs, [3, 3], long, [{}])
+    for (results, channels), (expected, _) in zip(three, one):
+        assert_same_bytes(results, expected[0])
+        assert [name for name, _ in channels] == [long] + names[:2]
+    with pytest.raises(ValueError, match=f"at most {MAX_NAME} characters"):
+        switchml.Worker(address(switches[0]), 0, 2, job="n" * (MAX_NAME + 1))
+
+
 def test_a_switch_killed_under_a_threaded_call_fails_every_rank_naming_it():
     """SIGKILL while two ranks' calls are in flight on two threads each: both raise
     ``SwitchUnreachableError`` naming the switch within the timeout."""

@@ -50,7 +50,7 @@ from ..netutil import (
     runs_leave_cut,
     send_when_room,
 )
-from ..protocol import MAX_WORKER_THREADS, Left, StatusReply
+from ..protocol import MAX_NAME, MAX_WORKER_THREADS, Left, StatusReply
 from .calls import AllreduceHandle, check_call, narrow_result, widen
 from .control import ControlClient, JobFailed
 from .engine import compiled, nonfinite
@@ -248,6 +248,9 @@ class Worker:
         self.rank = rank
         self.world_size = world_size
         self.job = job if job is not None else env("JOB", "default")
+        if len(self.job) > MAX_NAME:  # the switch would cut it: two jobs could become one
+            raise ValueError(f"a job's name is at most {MAX_NAME} characters; this one has "
+                             f"{len(self.job)}: {self.job[:40]}...")
         self.timeout = float(timeout if timeout is not None
                              else env("TIMEOUT", DEFAULT_TIMEOUT, float))
         self.link_share = link_share

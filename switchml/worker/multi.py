@@ -53,6 +53,7 @@ sum, its input, or chunks of each, as a call on one switch does.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -70,6 +71,7 @@ from ..errors import (
     SwitchMLTimeoutError,
     SwitchUnreachableError,
 )
+from ..protocol import MAX_NAME
 from .calls import AllreduceHandle, check_call
 
 __all__ = ["MultiSwitchWorker", "PartState", "part_bounds", "thread_job"]
@@ -392,8 +394,15 @@ class MultiSwitchWorker:
 
 def thread_job(job: str, thread: int) -> str:
     """The name on the switch of a job's I/O thread ``thread`` (1 on; thread 0 runs
-    under the job's own name)."""
-    return f"{job}#{thread}"
+    under the job's own name).  Within the switch's limit on names
+    (``protocol.MAX_NAME``), which cuts longer ones: where the suffix would not
+    fit, the name's tail is a digest of the whole name, so that every thread's
+    name stays its own and the same on every rank."""
+    suffix = f"#{thread}"
+    if len(job) + len(suffix) <= MAX_NAME:
+        return job + suffix
+    digest = "~" + hashlib.sha256(job.encode()).hexdigest()[:12]
+    return job[:MAX_NAME - len(digest) - len(suffix)] + digest + suffix
 
 
 def renamed(error: SwitchMLError, message: str) -> SwitchMLError:

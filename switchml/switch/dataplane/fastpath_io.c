@@ -304,7 +304,8 @@ static uint32_t drain_socket(fp_io *io, uint32_t limit)
             size_t segment = udp_gro_segment(&io->recv_msgs[i].msg_hdr, len);
             if (segment < len)
                 fp_count(&io->thread->counters, C_RUNS_RECEIVED, 1);
-            for (size_t at = 0; at < len; at += segment) { /* each datagram of a run */
+            /* each datagram of a run; an empty one too, which the pipeline counts */
+            for (size_t at = 0, first = 1; first || at < len; first = 0, at += segment) {
                 uint32_t one = (uint32_t)(len - at < segment ? len - at : segment);
                 if (io->queued + FP_MAX_WORKERS > FP_SEND_QUEUE)
                     flush_queue(io->thread, io);

@@ -103,7 +103,8 @@ static int receive_run(StreamCore *c, struct mmsghdr *msg, const uint8_t *data,
                        size_t capacity) {
     size_t len = msg->msg_len, segment = udp_gro_segment(&msg->msg_hdr, len);
     size_t held = len < capacity ? len : capacity;
-    for (size_t at = 0; at < len; at += segment) {
+    /* each datagram of a run; an empty one too, which receive() counts */
+    for (size_t at = 0, first = 1; first || at < len; first = 0, at += segment) {
         size_t one = len - at < segment ? len - at : segment;
         c->counters[COUNTER_BYTES_RECEIVED] += one;
         if (at >= held) /* cut off: nothing of it to read */
