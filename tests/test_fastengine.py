@@ -396,6 +396,35 @@ def test_a_call_starts_sending_without_reading_its_whole_input():
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
 
 
+def test_a_steady_state_of_calls_allocates_no_large_blocks():
+    """After a first call, calls take their packet and receive buffers from the
+    blocks earlier calls kept, and keep their last chunks (for a rank behind) in
+    the storage of the call before's, which they replace: a steady state
+    allocates neither, so that
+    it faults in no fresh pages (tests/test_fresh_memory.py counts those)."""
+    import switchml
+    x = np.arange(300_000, dtype=np.float32)
+    made, storages = {}, {0: [], 1: []}
+    with switchml.Switch("127.0.0.1", 0) as switch:
+        def body(rank):
+            with switchml.Worker(switch.address, rank, 2, job="steady", timeout=20,
+                                 local_stage=False) as w:
+                out = np.empty_like(x)
+                w.allreduce(x, out)
+                w.allreduce(x, out)
+                made[rank] = fast.blocks_allocated()
+                for _ in range(4):
+                    w.allreduce(x, out)
+                    storages[rank].append(id(w._kept.storage))
+                return fast.blocks_allocated(), out
+        (after, out), _ = run_ranks(2, body)
+    assert compiled.enabled()
+    assert out.tobytes() == (2 * x).tobytes()
+    assert after == max(made.values())  # both ranks' blocks came from the kept ones
+    for ids in storages.values():  # the one storage, over and over
+        assert len(set(ids)) == 1
+
+
 def test_an_empty_datagram_at_a_worker_is_dropped_and_counted():
     """An empty datagram is one datagram, not a run of none: the C loop counts it
     as malformed, as the Python engine does, and the call is not disturbed.  It

@@ -746,7 +746,10 @@ class Worker:
                                              self._role)
             raise
         if resumable:
-            self._kept = (Kept.of(ledger, out, op.nonfinite_chunks)
+            # the kept chunks it replaces are no one's (a failed call's account may
+            # hold them: then not)
+            replaced = self._kept if self.lost is None else None
+            self._kept = (Kept.of(ledger, out, op.nonfinite_chunks, replaced=replaced)
                           if ledger is not None else None)
         return op
 

@@ -118,15 +118,29 @@ class Kept:
     ledger: CallLedger
     values: dict[int, np.ndarray] = field(default_factory=dict)
     nonfinite: set[int] = field(default_factory=set)
+    #: The values side by side (``values`` are views of it).
+    storage: np.ndarray | None = None
 
     @classmethod
-    def of(cls, ledger: CallLedger, out: np.ndarray, nonfinite) -> Kept:
+    def of(cls, ledger: CallLedger, out: np.ndarray, nonfinite,
+           replaced: Kept | None = None) -> Kept:
+        """The last chunks of the call that wrote ``out``; in the storage of
+        ``replaced`` (the call before's, no longer needed) where it fits, so that a
+        steady state of calls allocates none."""
         flat = out.reshape(-1)
-        kept = cls(ledger, nonfinite=set(nonfinite))
-        for j in range(ledger.width):
-            c = ledger.chunk(j, ledger.messages(j) - 1)
-            if c is not None:
-                kept.values[c] = flat[ledger.span(c)].copy()
+        chunks = [c for c in (ledger.chunk(j, ledger.messages(j) - 1)
+                              for j in range(ledger.width)) if c is not None]
+        need = sum(ledger.span(c).stop - ledger.span(c).start for c in chunks)
+        spare = replaced.storage if replaced is not None else None
+        storage = (spare if spare is not None and spare.dtype == flat.dtype
+                   and need <= spare.size <= 2 * need else np.empty(need, flat.dtype))
+        kept = cls(ledger, nonfinite=set(nonfinite), storage=storage)
+        at = 0
+        for c in chunks:
+            values = flat[ledger.span(c)]
+            kept.values[c] = storage[at:at + values.size]
+            np.copyto(kept.values[c], values)
+            at += values.size
         return kept
 
 

@@ -515,6 +515,10 @@ static PyObject *py_chunk_exponent(PyObject *self, PyObject *arg) {
     return PyLong_FromLong(e);
 }
 
+static PyObject *py_blocks_allocated(PyObject *self, PyObject *unused) {
+    return PyLong_FromLongLong(__atomic_load_n(&blocks_allocated, __ATOMIC_RELAXED));
+}
+
 /* magnitude_peak(values, build): one build's result ("baseline" or "avx2"), or
  * None where the CPU or compiler lacks it (tests compare both with quant.py). */
 static PyObject *py_magnitude_peak(PyObject *self, PyObject *args) {
@@ -545,6 +549,9 @@ static PyMethodDef module_methods[] = {
      "dequantize_into(src, exponent, bits, dst): quant.dequantize_into's arithmetic (tests)."},
     {"chunk_exponent", py_chunk_exponent, METH_O,
      "chunk_exponent(values): quant.chunk_exponents of one chunk (tests)."},
+    {"blocks_allocated", py_blocks_allocated, METH_NOARGS,
+     "blocks_allocated(): the calls' large blocks (packets, receive buffers) allocated so "
+     "far, not taken again from the ones earlier calls kept (tests)."},
     {"magnitude_peak", py_magnitude_peak, METH_VARARGS,
      "magnitude_peak(values, build): the greatest magnitude's bits by one build, or None "
      "(tests)."},

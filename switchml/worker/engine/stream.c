@@ -4,6 +4,73 @@
  * always in flight; timers, fast retransmit and probes (stream.py says why).
  * What differs between the dense and the sparse call goes through c->call. */
 
+/* ------------------------------------------------------------ kept blocks */
+/* buffers.py's BufferPool for a call's two large blocks, its packet buffers and
+ * run_io's receive buffers (a few MiB with 64 KiB packets): a call frees them
+ * into this process-wide cache and the next call takes them again, instead of
+ * the allocator giving them back to the kernel and the next call faulting in
+ * fresh pages (docs/protocol.md, "Cores and memory").  Several I/O threads make
+ * calls at once: a lock, tried only, so that a child forked while another
+ * thread held it allocates as before. */
+#define KEPT_BLOCKS 8
+static struct { void *block; size_t bytes; } kept_blocks[KEPT_BLOCKS];
+static pthread_mutex_t kept_lock = PTHREAD_MUTEX_INITIALIZER;
+static int64_t blocks_allocated = 0; /* ever: a steady state allocates none */
+
+/* A block of at least `bytes` (at most twice, as BufferPool's slack); *got: its size. */
+static void *block_take(size_t bytes, size_t *got) {
+    if (pthread_mutex_trylock(&kept_lock) == 0) {
+        int best = -1;
+        for (int i = 0; i < KEPT_BLOCKS; i++)
+            if (kept_blocks[i].block && kept_blocks[i].bytes >= bytes &&
+                kept_blocks[i].bytes <= 2 * bytes &&
+                (best < 0 || kept_blocks[i].bytes < kept_blocks[best].bytes))
+                best = i;
+        if (best >= 0) {
+            void *block = kept_blocks[best].block;
+            *got = kept_blocks[best].bytes;
+            kept_blocks[best].block = NULL;
+            pthread_mutex_unlock(&kept_lock);
+            return block;
+        }
+        pthread_mutex_unlock(&kept_lock);
+    }
+    __atomic_fetch_add(&blocks_allocated, 1, __ATOMIC_RELAXED);
+    *got = bytes;
+    return malloc(bytes);
+}
+
+/* Keep `block` for a later call: in an empty place, or over the smallest kept
+ * one if it is smaller (the largest serve the most calls). */
+static void block_give(void *block, size_t bytes) {
+    if (!block)
+        return;
+    if (pthread_mutex_trylock(&kept_lock) == 0) {
+        int place = -1;
+        for (int i = 0; i < KEPT_BLOCKS && place < 0; i++)
+            if (!kept_blocks[i].block)
+                place = i;
+        if (place < 0) {
+            place = 0;
+            for (int i = 1; i < KEPT_BLOCKS; i++)
+                if (kept_blocks[i].bytes < kept_blocks[place].bytes)
+                    place = i;
+            if (kept_blocks[place].bytes < bytes) {
+                free(kept_blocks[place].block);
+            } else {
+                place = -1;
+            }
+        }
+        if (place >= 0) {
+            kept_blocks[place].block = block;
+            kept_blocks[place].bytes = bytes;
+            block = NULL;
+        }
+        pthread_mutex_unlock(&kept_lock);
+    }
+    free(block);
+}
+
 static inline int heap_less(HeapItem a, HeapItem b) {
     return a.key < b.key || (a.key == b.key && a.slot < b.slot);
 }
@@ -486,9 +553,8 @@ static int stream_allocate(StreamCore *c, int64_t words) {
     c->overtaken_send_no = calloc(n, sizeof(int64_t));
     c->fast_copies = calloc(n, sizeof(int32_t));
     c->copy = calloc(n, 1); /* COPY_SENT */
-    /* malloc, not calloc: every byte is written before it is sent, and memory
-     * freed by the previous call is reused without being zeroed again */
-    c->packets = malloc(n * c->packet_size);
+    /* a kept block, not zeroed: every byte is written before it is sent */
+    c->packets = block_take(n * c->packet_size, &c->packets_bytes);
     c->probes = malloc(n * WIRE_HEADER_SIZE);
     c->datagram_len = calloc(n, sizeof(uint32_t));
     c->local_exp = calloc(c->chunks ? (size_t)c->chunks : 1, sizeof(int16_t));
@@ -537,7 +603,7 @@ static void stream_free(StreamCore *c) {
     free(c->sent_at);
     free(c->deadline);
     free(c->decreased_at);
-    free(c->packets);
+    block_give(c->packets, c->packets_bytes);
     free(c->probes);
     free(c->datagram_len);
     free(c->outbox);
@@ -548,7 +614,7 @@ static void stream_free(StreamCore *c) {
     free(c->overtaken_send_no);
     free(c->fast_copies);
     free(c->copy);
-    free(c->recv_buffers);
+    block_give(c->recv_buffers, c->recv_bytes);
     if (c->call && c->call->free)
         c->call->free(c);
 }

@@ -17,6 +17,7 @@
 #define SWITCHML_WORKER_STREAM_H
 
 #include <errno.h>
+#include <pthread.h>
 #include <math.h>
 #include <poll.h>
 #include <stddef.h>
@@ -116,7 +117,7 @@ typedef struct StreamCore {
     uint8_t *inflight, *lost;
     int32_t *backoff;
     double *sent_at, *deadline;
-    uint8_t *packets; /* one packet buffer per slot */
+    uint8_t *packets; /* one packet buffer per slot (a kept block: block_take) */
     uint8_t *probes;  /* per slot: the probe of its message (WIRE_HEADER_SIZE bytes) */
     size_t packet_size;
     uint32_t *datagram_len;
@@ -158,7 +159,8 @@ typedef struct StreamCore {
     double epoch_start, epoch_min, queue_at, clear_at;
     double *decreased_at; /* per slot: when its timeout halved the window, or NAN */
     int64_t counters[COUNTER_COUNT]; /* since the last export_state() */
-    uint8_t *recv_buffers;           /* run_io's */
+    uint8_t *recv_buffers;           /* run_io's (a kept block) */
+    size_t packets_bytes, recv_bytes; /* the two kept blocks' sizes */
     /* the sparse mode (sparse.py's SparseAllreduce): its state, NULL when dense */
     struct SparseState *sp;
 } StreamCore;

@@ -135,7 +135,7 @@ static int stream_run_io(StreamCore *c, int fd, struct sockaddr_in dst, int cont
         size_t plain = (c->packet_size + 64) * RECV_BATCH;
         size_t grouped = (GRO_BUFFER > c->packet_size + 64 ? GRO_BUFFER : c->packet_size + 64)
                          * GRO_BATCH;
-        c->recv_buffers = malloc(plain > grouped ? plain : grouped);
+        c->recv_buffers = block_take(plain > grouped ? plain : grouped, &c->recv_bytes);
         if (!c->recv_buffers)
             return -1;
     }
