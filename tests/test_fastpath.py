@@ -307,16 +307,23 @@ def _udp(host="127.0.0.1"):
     return s
 
 
-@pytest.mark.parametrize("gso", [True, False])
-def test_drain_gives_the_reference_replies_over_real_sockets(gso):
+def _a_job_on_both(slots):
+    """A switch socket, three worker sockets, and one job of them installed on the C
+    pipeline and on the reference: (switch, workers, addresses, fast, ref)."""
     switch = _udp()
     switch.setblocking(False)
     workers = [_udp() for _ in range(3)]
     addrs = [w.getsockname() for w in workers]
-    fast = FastPipeline(slots=4, packet_elements=16, block_elements=4)
-    ref = Pipeline(slots=4, packet_elements=16, block_elements=4)
+    fast = FastPipeline(slots=slots, packet_elements=16, block_elements=4)
+    ref = Pipeline(slots=slots, packet_elements=16, block_elements=4)
     for p in (fast, ref):
-        p.install_job("j", 7, addrs, 0, 4)
+        p.install_job("j", 7, addrs, 0, slots)
+    return switch, workers, addrs, fast, ref
+
+
+@pytest.mark.parametrize("gso", [True, False])
+def test_drain_gives_the_reference_replies_over_real_sockets(gso):
+    switch, workers, addrs, fast, ref = _a_job_on_both(4)
     rng = np.random.default_rng(2)
     sent, expected = [], {a: [] for a in addrs}
     for msg in range(3):
@@ -350,15 +357,8 @@ def test_drain_cuts_runs_received_whole_into_the_reference_datagrams():
     """With UDP_GRO on the switch's socket, a worker's UDP GSO run over loopback
     arrives as one receive; the loop must run each of its datagrams through the
     pipeline, in order, the last one shorter, as the reference does one by one."""
-    switch = _udp()
-    switch.setblocking(False)
+    switch, workers, addrs, fast, ref = _a_job_on_both(8)
     switch.setsockopt(socket.SOL_UDP, server.UDP_GRO, 1)
-    workers = [_udp() for _ in range(3)]
-    addrs = [w.getsockname() for w in workers]
-    fast = FastPipeline(slots=8, packet_elements=16, block_elements=4)
-    ref = Pipeline(slots=8, packet_elements=16, block_elements=4)
-    for p in (fast, ref):
-        p.install_job("j", 7, addrs, 0, 8)
     rng = np.random.default_rng(3)
 
     def contribution(msg, slot, count=16):
