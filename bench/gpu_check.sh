@@ -15,8 +15,8 @@
 #   bench-cpu   the same with --device cpu
 #   ddp         bench/ddp_resnet.py --device cuda, K = 2 4: ResNet-18, batch 32 of 224x224
 #   cuda-modes  the CUDA bench's switchml alone with SWITCHML_CUDA_COPIES=pipelined and
-#               =whole, one invocation each (bench-cuda holds the default's), and the
-#               DDP bench with =pipelined
+#               =whole, one invocation each (bench-cuda holds the default's), the
+#               DDP bench with =pipelined, and at K = 4 with SWITCHML_LOCAL_THREADS=2
 # then bench/gpu_summary.py prints the table of every figure against its aim.
 #
 # Environment:
@@ -139,12 +139,16 @@ cuda_modes() {
             --systems dense --timeout 60 || return
     done
     SWITCHML_CUDA_COPIES=pipelined "$PYTHON" bench/ddp_resnet.py "${DDP[@]}" --timeout 60 \
-        --out "$OUT/ddp-pipelined.json"
+        --out "$OUT/ddp-pipelined.json" || return
+    # fewer local-stage threads than the default's 4 a rank at K = 4: 16 threads
+    # summing leave no core to the ranks' own threads, which feed the GPU
+    SWITCHML_LOCAL_THREADS=2 "$PYTHON" bench/ddp_resnet.py "${DDP[@]}" --workers 4 --timeout 60 \
+        --out "$OUT/ddp-threads2.json"
 }
 export -f cuda_modes
 export OUT WORKERS PER_HOST SIZES DDP_TEXT="${DDP[*]}"
 if want cuda-modes && [ "$CPU_ONLY" = 0 ]; then
-    stage cuda-modes 190 bash -c 'DDP=($DDP_TEXT); cuda_modes'
+    stage cuda-modes 240 bash -c 'DDP=($DDP_TEXT); cuda_modes'
 fi
 
 say "summary"

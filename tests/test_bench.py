@@ -535,10 +535,12 @@ def test_gpu_summary_sets_each_figure_against_its_aim(tmp_path, capsys):
             "speedup_over_gloo": s / 100.0, "max_weight_diff_vs_gloo": 3e-5}
            for b, s in (("gloo", 100.0), ("switchml", 130.0))]
     (tmp_path / "ddp.json").write_text(json.dumps({"runs": ddp}))
+    (tmp_path / "ddp-threads2.json").write_text(json.dumps({"runs": ddp}))  # its own table
     (tmp_path / "stages.tsv").write_text("build\t0\t20\t\nbench-cpu\t124\t110\ttimed out\n")
     assert main([str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert "bench-cpu | 124 | 110 | timed out" in printed and "H100" in printed
+    assert "DDP ResNet-18, SWITCHML_LOCAL_THREADS=2" in printed
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["invocations"] == {"cuda": 3, "cpu": 2}
     got = {(r["device"], r["workers"]): r for r in summary["allreduce"]}
