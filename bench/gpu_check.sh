@@ -14,9 +14,11 @@
 #               switchml and gloo in each invocation, median of 3 invocations
 #   bench-cpu   the same with --device cpu
 #   ddp         bench/ddp_resnet.py --device cuda, K = 2 4: ResNet-18, batch 32 of 224x224
-#   cuda-modes  the CUDA bench's switchml alone with SWITCHML_CUDA_COPIES=pipelined and
-#               =whole, one invocation each (bench-cuda holds the default's), the
-#               DDP bench with =pipelined, and at K = 4 with SWITCHML_LOCAL_THREADS=2
+#   cuda-modes  the CUDA bench's switchml alone with SWITCHML_CUDA_COPIES=pipelined,
+#               the DDP bench with =pipelined and at K = 4 with
+#               SWITCHML_LOCAL_THREADS=2, the CUDA bench with SWITCHML_LOCAL_SEGMENT of
+#               8 MiB and with =whole, one invocation each, in that order (bench-cuda
+#               holds the default's)
 # then bench/gpu_summary.py prints the table of every figure against its aim.
 #
 # Environment:
@@ -130,22 +132,29 @@ want bench-cpu && stage bench-cpu 220 "$PYTHON" bench/invocations.py --runs 3 \
 want ddp && stage ddp 120 "$PYTHON" bench/ddp_resnet.py "${DDP[@]}" --timeout 60 \
     --out "$OUT/ddp.json"
 
-# SWITCHML_CUDA_COPIES's other ways, switchml alone, one invocation each
+# SWITCHML_CUDA_COPIES's other ways and the settings DDP may want, switchml alone,
+# one invocation each, the most telling first (the stage's cap cuts the rest)
+cuda_bench() {  # cuda_bench NAME [VAR=VALUE ...]: the CUDA bench under those variables
+    local name=$1
+    shift
+    env "$@" "$PYTHON" bench/invocations.py --runs 1 --check-first-only \
+        --out "$OUT/bench-cuda-$name" -- --device cuda --workers $WORKERS \
+        --ranks-per-host "$PER_HOST" --sizes "$SIZES" --warmup 3 --repeats 5 \
+        --systems dense --timeout 60
+}
 cuda_modes() {
-    for mode in pipelined whole; do
-        SWITCHML_CUDA_COPIES=$mode "$PYTHON" bench/invocations.py --runs 1 --check-first-only \
-            --out "$OUT/bench-cuda-$mode" -- --device cuda --workers $WORKERS \
-            --ranks-per-host "$PER_HOST" --sizes "$SIZES" --warmup 3 --repeats 5 \
-            --systems dense --timeout 60 || return
-    done
+    cuda_bench pipelined SWITCHML_CUDA_COPIES=pipelined
     SWITCHML_CUDA_COPIES=pipelined "$PYTHON" bench/ddp_resnet.py "${DDP[@]}" --timeout 60 \
-        --out "$OUT/ddp-pipelined.json" || return
+        --out "$OUT/ddp-pipelined.json"
     # fewer local-stage threads than the default's 4 a rank at K = 4: 16 threads
     # summing leave no core to the ranks' own threads, which feed the GPU
     SWITCHML_LOCAL_THREADS=2 "$PYTHON" bench/ddp_resnet.py "${DDP[@]}" --workers 4 --timeout 60 \
         --out "$OUT/ddp-threads2.json"
+    # direct copies in segments of 8 MiB: a quarter of the waits for each copy
+    cuda_bench segment8m SWITCHML_LOCAL_SEGMENT=8388608
+    cuda_bench whole SWITCHML_CUDA_COPIES=whole
 }
-export -f cuda_modes
+export -f cuda_bench cuda_modes
 export OUT WORKERS PER_HOST SIZES DDP_TEXT="${DDP[*]}"
 if want cuda-modes && [ "$CPU_ONLY" = 0 ]; then
     stage cuda-modes 240 bash -c 'DDP=($DDP_TEXT); cuda_modes'

@@ -134,6 +134,7 @@ def modes_table(folders: list) -> tuple[list, list]:
     bench-cuda/, the others' from bench-cuda-<mode>/ (the ``cuda-modes`` stage)."""
     found: dict = {}
     for mode, name in (("default", "bench-cuda"), ("pipelined", "bench-cuda-pipelined"),
+                       ("direct, 8 MiB segments", "bench-cuda-segment8m"),
                        ("whole", "bench-cuda-whole")):
         for folder in folders:
             rows, _, _ = bench_rows(os.path.join(folder, name))
