@@ -676,6 +676,24 @@ def test_threads_over_two_switches(switches):
     assert [name for name, _ in many[0][1]] == ["two-by-two", "two-by-two#1"] * 2
 
 
+def test_a_switch_restart_counts_once_for_a_rank_on_several_threads():
+    """Its threads' channels each rejoin a restarted switch; the rank's counters say
+    one rejoin and one resumed call a switch, and sum everything else."""
+    from types import SimpleNamespace
+
+    from switchml.worker.multi import PER_SWITCH
+
+    def channel(switch, **counters):
+        return SimpleNamespace(switch_address=switch, counters=counters)
+    rank = SimpleNamespace(channels=[
+        channel(("a", 1), rejoins=1, calls_resumed=1, results_in=10),
+        channel(("a", 1), rejoins=1, calls_resumed=1, results_in=12),  # a's thread 1
+        channel(("b", 2), rejoins=2, calls_resumed=0, results_in=5)])
+    counted = MultiSwitchWorker.counters.fget(rank)
+    assert counted == {"rejoins": 3, "calls_resumed": 1, "results_in": 27}
+    assert set(PER_SWITCH) == {"rejoins", "calls_resumed"}
+
+
 def test_threads_of_a_job_named_near_the_limit_join_under_names_of_their_own(switches):
     """A name of 199 characters: "name#1" would pass the switch's 200, which cuts
     it, so every thread past the first would join as the same job (refused as a

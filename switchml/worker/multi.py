@@ -76,6 +76,11 @@ from .calls import AllreduceHandle, check_call
 
 __all__ = ["MultiSwitchWorker", "PartState", "part_bounds", "thread_job"]
 
+#: Counters of events a switch's restart brings to every thread of a rank on it
+#: at once (each thread's channel rejoins, and resumes its part of the call): the
+#: rank counts them once a switch.
+PER_SWITCH = ("rejoins", "calls_resumed")
+
 
 def part_bounds(size: int, unit: int, parts: int) -> list[tuple[int, int]]:
     """[start, stop) of each of ``parts`` parts of ``size`` values cut at multiples of
@@ -113,7 +118,9 @@ class MultiSwitchWorker:
     class, one per address.  What other code reads:
 
     * ``counters``: the channels' counters summed (packets, bytes, retransmissions
-      over all switches); ``channels[k].counters`` per switch;
+      over all switches), but for the events a switch's restart brings to each
+      of its threads at once (``PER_SWITCH``: one a switch); ``channels[k].counters``
+      per channel;
     * ``membership``: the first switch's (``packet_elements``, ``block_elements`` and
       ``lanes`` are every switch's, checked at join); ``memberships``: all of them;
     * ``switch_address``: the first switch's; ``switch_addresses``: all, in order
@@ -324,11 +331,19 @@ class MultiSwitchWorker:
 
     @property
     def counters(self) -> dict:
-        """Every channel's counters, summed."""
+        """Every channel's counters, summed; of ``PER_SWITCH``'s, each switch's
+        most over its threads' channels, summed over the switches."""
         total: dict = {}
+        per_switch: dict = {}
         for channel in self.channels:
             for name, value in channel.counters.items():
-                total[name] = total.get(name, 0) + value
+                if name in PER_SWITCH:
+                    key = (channel.switch_address, name)
+                    per_switch[key] = max(per_switch.get(key, 0), value)
+                else:
+                    total[name] = total.get(name, 0) + value
+        for (_, name), value in per_switch.items():
+            total[name] = total.get(name, 0) + value
         return total
 
     @property
