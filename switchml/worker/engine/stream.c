@@ -12,7 +12,9 @@
  * fresh pages (docs/protocol.md, "Cores and memory").  Several I/O threads make
  * calls at once: a lock, tried only, so that a child forked while another
  * thread held it allocates as before. */
-#define KEPT_BLOCKS 8
+/* Two blocks a call, one call at a time a channel: room for 16 channels (a rank
+ * of 8 I/O threads on 2 switches).  What is kept is what calls used at once. */
+#define KEPT_BLOCKS 32
 static struct { void *block; size_t bytes; } kept_blocks[KEPT_BLOCKS];
 static pthread_mutex_t kept_lock = PTHREAD_MUTEX_INITIALIZER;
 static int64_t blocks_allocated = 0; /* ever: a steady state allocates none */
