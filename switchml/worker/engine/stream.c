@@ -9,11 +9,11 @@
  * run_io's receive buffers (a few MiB with 64 KiB packets): a call frees them
  * into this process-wide cache and the next call takes them again, instead of
  * the allocator giving them back to the kernel and the next call faulting in
- * fresh pages (docs/protocol.md, "Cores and memory").  Several I/O threads make
+ * fresh pages (buffers.py says what that costs).  Several I/O threads make
  * calls at once: a lock, tried only, so that a child forked while another
- * thread held it allocates as before. */
-/* Two blocks a call, one call at a time a channel: room for 16 channels (a rank
- * of 8 I/O threads on 2 switches).  What is kept is what calls used at once. */
+ * thread held it allocates as before.  Two blocks a call, one call at a time a
+ * channel: room for 16 channels (a rank of 8 I/O threads on 2 switches); what
+ * is kept is what calls used at once. */
 #define KEPT_BLOCKS 32
 static struct { void *block; size_t bytes; } kept_blocks[KEPT_BLOCKS];
 static pthread_mutex_t kept_lock = PTHREAD_MUTEX_INITIALIZER;
