@@ -400,8 +400,8 @@ def test_a_steady_state_of_calls_allocates_no_large_blocks():
     """After a first call, calls take their packet and receive buffers from the
     blocks earlier calls kept, and keep their last chunks (for a rank behind) in
     the storage of the call before's, which they replace: a steady state
-    allocates neither, so that
-    it faults in no fresh pages (tests/test_fresh_memory.py counts those)."""
+    allocates neither, so that it faults in no fresh pages
+    (tests/test_fresh_memory.py counts those)."""
     import switchml
     x = np.arange(300_000, dtype=np.float32)
     made, storages = {}, {0: [], 1: []}
