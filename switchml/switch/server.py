@@ -26,6 +26,7 @@ read from the counters at scrape time (see ``metrics.py``).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -893,14 +894,11 @@ def data_threads(config: SwitchConfiguration, data_plane: str) -> int:
     return 1
 
 
-def _receive_runs_whole(sock: socket.socket) -> bool:
-    """UDP_GRO on ``sock``, for the C data plane's loop; False where the kernel has
-    none (before Linux 5.0): then every datagram is a receive, as without it."""
-    try:
+def _receive_runs_whole(sock: socket.socket) -> None:
+    """UDP_GRO on ``sock``, for the C data plane's loop; where the kernel has none
+    (before Linux 5.0) every datagram stays a receive of its own."""
+    with contextlib.suppress(OSError):
         sock.setsockopt(socket.SOL_UDP, UDP_GRO, 1)
-    except OSError:
-        return False
-    return True
 
 
 def _bind_group(first: socket.socket, threads: int) -> list[socket.socket]:

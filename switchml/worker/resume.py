@@ -130,17 +130,17 @@ class Kept:
         flat = out.reshape(-1)
         chunks = [c for c in (ledger.chunk(j, ledger.messages(j) - 1)
                               for j in range(ledger.width)) if c is not None]
-        need = sum(ledger.span(c).stop - ledger.span(c).start for c in chunks)
+        pieces = [flat[ledger.span(c)] for c in chunks]
+        need = sum(piece.size for piece in pieces)
         spare = replaced.storage if replaced is not None else None
         storage = (spare if spare is not None and spare.dtype == flat.dtype
                    and need <= spare.size <= 2 * need else np.empty(need, flat.dtype))
         kept = cls(ledger, nonfinite=set(nonfinite), storage=storage)
         at = 0
-        for c in chunks:
-            values = flat[ledger.span(c)]
-            kept.values[c] = storage[at:at + values.size]
-            np.copyto(kept.values[c], values)
-            at += values.size
+        for c, piece in zip(chunks, pieces):
+            kept.values[c] = storage[at:at + piece.size]
+            np.copyto(kept.values[c], piece)
+            at += piece.size
         return kept
 
 
