@@ -125,6 +125,11 @@ def test_bench_on_loopback(tmp_path):
     assert data["cluster"] == {"kind": "loopback"}
     assert "switchml-sparse" in done.stdout and "median s" in done.stdout  # the table
     assert all(r["wire_tx_bytes_per_worker"] is None for r in data["rows"])  # no own link
+    for row in data["rows"]:  # where a run's datagrams could have been lost
+        assert set(row["host_drops_in_run"]) == {"backlog_dropped", "udp_rcvbuf_errors",
+                                                 "udp_sndbuf_errors", "udp_in_errors"}
+    dense = next(r for r in data["rows"] if r["system"] == "switchml-dense")
+    assert dense["switch_counters_in_run"]["jobs_started"] >= 1  # the switch's own
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None,

@@ -6,7 +6,9 @@ refused: Linux counts a local qdisc drop of a UDP datagram there); per switch
 port: the downlink's queue (a switch port's buffer); per veth pair: its ends'
 drops (a receiving CPU's backlog full); in every namespace: UDP's receive-buffer
 errors (a socket that did not read fast enough) and the loss rule's drops.
-``delta`` of two snapshots says where one run's losses were.
+``delta`` of two snapshots says where one run's losses were.  On loopback,
+``host_snapshot`` and ``host_delta`` do the same for the one host: its CPUs'
+backlogs and its UDP error counters.
 """
 
 from __future__ import annotations
@@ -82,3 +84,24 @@ if __name__ == "__main__":  # a testbed's drops: python -m switchml.bench.drops 
     from ..testbed import Testbed
 
     print(json.dumps(snapshot(Testbed.from_state(*sys.argv[1:2])), indent=2))
+
+
+def host_snapshot() -> dict:
+    """This host's drop counters now (a job on loopback): datagrams its CPUs'
+    backlogs dropped (``/proc/net/softnet_stat``'s second column: a receiving
+    CPU's queue full, netdev_max_backlog) and UDP's error counters."""
+    backlog = 0
+    with open("/proc/net/softnet_stat") as f:
+        for line in f:
+            backlog += int(line.split()[1], 16)
+    with open("/proc/net/snmp") as f:
+        lines = [line.split() for line in f if line.startswith("Udp:")]
+    udp = dict(zip(lines[0][1:], map(int, lines[1][1:])))
+    return {"backlog_dropped": backlog, "udp_rcvbuf_errors": udp.get("RcvbufErrors", 0),
+            "udp_sndbuf_errors": udp.get("SndbufErrors", 0),
+            "udp_in_errors": udp.get("InErrors", 0)}
+
+
+def host_delta(before: dict, after: dict) -> dict:
+    """What ``after`` counted since ``before`` (``host_snapshot``'s)."""
+    return {k: after[k] - before[k] for k in after}

@@ -195,6 +195,7 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
             switch.stdin.write("stop\n")
             switch.stdin.flush()
         counters: dict = {}
+        pooled: dict = {}  # the switches' own counters: hand-overs, runs, drops of no job
         planes: set = set()  # what the switches said they aggregated with
         switch_cpu = {"thread_s": 0.0, "program_s": 0.0}
         stopped = 0
@@ -209,6 +210,9 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
                         "counters", {}).items():
                     counters[key] = (counters.get(key, 0) + value
                                      if isinstance(value, (int, float)) else value)
+                for key, value in msg["stats"].get("counters", {}).items():
+                    if isinstance(value, (int, float)):
+                        pooled[key] = pooled.get(key, 0) + value
     uplinks = cluster.uplink_bytes(since=uplinks)
     rows = []
     for i, case in enumerate(cases):
@@ -219,6 +223,7 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
                          sent=_mean(items, "bytes_sent"), received=_mean(items, "bytes_received"),
                          retransmissions=_mean(items, "retransmissions")))
         rows[-1]["switch_data_plane"] = ",".join(sorted(str(p) for p in planes)) or None
+        rows[-1]["switch_counters_in_run"] = pooled
     calls = len(cases) * (args.warmup + args.repeats)
     _note_uplinks(rows, uplinks, calls)
     _note_switch_cpu(rows, switch_cpu, calls)
@@ -489,20 +494,23 @@ class _Lines:
 
 
 def _drops(cluster):
-    """The testbed's drop counters (None on loopback)."""
-    if not isinstance(cluster, OnTestbed):
-        return None
+    """The testbed's drop counters, or on loopback the host's."""
     from . import drops
 
+    if not isinstance(cluster, OnTestbed):
+        return drops.host_snapshot()
     return drops.snapshot(cluster.tb)
 
 
 def _note_drops(rows, before, cluster) -> None:
     """Where the datagrams of these rows' run were lost (all its cases together)."""
-    if before is None:
-        return
     from . import drops
 
+    if not isinstance(cluster, OnTestbed):
+        lost = drops.host_delta(before, _drops(cluster))
+        for row in rows:
+            row["host_drops_in_run"] = lost
+        return
     lost = drops.delta(before, _drops(cluster))
     for row in rows:
         row["testbed_drops_in_run"] = lost
