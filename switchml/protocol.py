@@ -44,6 +44,8 @@ MIN_MTU = 68
 MAX_STATUS_ROWS = 4096
 #: Most I/O threads a rank sends one job's calls with (``Join.threads``).
 MAX_WORKER_THREADS = 64
+#: Most data threads a switch says it answers with (``Ready.data_threads``).
+MAX_DATA_THREADS = 64
 #: Most ranks a gather takes (ranks, not hosts: the switch's 32 members of a job
 #: are hosts once the ranks of a host combine).
 MAX_GATHER_RANKS = 4096
@@ -392,6 +394,12 @@ class Ready(Event):
     #: (``Join.threads``); ``slot_count`` and ``link_window`` are one thread's
     #: share.  1: one (a rack switch's, an older switch's).
     threads: int = field(default=1, kw_only=True)
+    #: The switch's data threads: thread ``slot % data_threads`` answers a slot's
+    #: datagrams, in the order they came, and another thread's results may
+    #: overtake them by any number (a thread waits for a core), so a worker counts
+    #: overtaking results within a thread's slots only.  1: one (a Python, XDP or
+    #: rack switch's, an older switch's).
+    data_threads: int = field(default=1, kw_only=True)
 
     def fields(self) -> dict:
         out = {"session": self.session, "slot_base": self.slot_base,
@@ -404,6 +412,8 @@ class Ready(Event):
             out["gso"] = False
         if self.threads != 1:
             out["threads"] = self.threads
+        if self.data_threads != 1:
+            out["data_threads"] = self.data_threads
         return out
 
 
@@ -600,7 +610,10 @@ def decode_event(msg) -> Event | None:
             gso=_field(msg, "gso", lambda v: isinstance(v, bool), "true or false", True),
             threads=_field(msg, "threads",
                            lambda v: _is_int(v) and 1 <= v <= MAX_WORKER_THREADS,
-                           f"an integer 1 to {MAX_WORKER_THREADS}", 1))
+                           f"an integer 1 to {MAX_WORKER_THREADS}", 1),
+            data_threads=_field(msg, "data_threads",
+                                lambda v: _is_int(v) and 1 <= v <= MAX_DATA_THREADS,
+                                f"an integer 1 to {MAX_DATA_THREADS}", 1))
     if name == "rack_ready":
         session, base, count, packet, block, port, member, members = (
             _field(msg, key, _is_int, "an integer") for key in (

@@ -35,6 +35,7 @@ EVENTS = [
     Ready(0xDEADBEEF, 32, 16, 16128, 256, 7300),
     Ready(0xDEADBEEF, 32, 2, 16128, 256, 7300, link_window=32),
     Ready(0xDEADBEEF, 32, 2, 16128, 256, 7300, token=5, gso=False),
+    Ready(0xDEADBEEF, 32, 2, 16128, 256, 7300, threads=2, data_threads=8),
     Waiting("j", "slots", "its window does not fit"),
     Error("refused"),
     Error("job 'j' refused: ...", limit="max_jobs"),
@@ -68,6 +69,15 @@ def test_the_json_objects_are_those_of_docs_protocol_md():
     assert Left().to_dict() == {"event": "left"}
     assert Leave().to_dict() == {"op": "leave"}
     assert Join("j", 0, 1, ("h", 1)).to_dict()["version"] == protocol.PROTOCOL_VERSION
+
+
+def test_ready_says_data_threads_only_where_the_switch_has_several():
+    assert "data_threads" not in Ready(1, 0, 4, 16128, 256, 7300).to_dict()
+    assert protocol.decode_event(Ready(1, 0, 4, 16128, 256, 7300).to_dict()).data_threads == 1
+    for bad in (0, protocol.MAX_DATA_THREADS + 1, "8"):
+        line = Ready(1, 0, 4, 16128, 256, 7300).to_dict() | {"data_threads": bad}
+        with pytest.raises(protocol.MalformedMessage, match="data_threads"):
+            protocol.decode_event(line)
 
 
 def test_ready_says_gso_only_when_the_switch_wants_datagrams_apart():

@@ -94,6 +94,8 @@ def _allreduces(threads: int, drop_rate: float, world: int = 3) -> tuple[list, d
         def body(rank):
             rng = np.random.default_rng([rank, 5])
             with switchml.Worker(sw.address, rank, world, timeout=20) as w:
+                # told at join whose results overtake whose (engine/stream.py)
+                assert w.membership.data_threads == threads
                 return [w.allreduce((rng.standard_normal(n) * 100).astype(np.float32))
                         for n in sizes] + [w.allreduce(rng.integers(-9, 9, 999, dtype=np.int32))]
 
@@ -365,3 +367,12 @@ def test_a_switch_left_to_its_default_says_why_it_is_not_on_xdp(monkeypatch, cap
     with switchml.Switch(data_plane="c"):
         pass
     assert not any("XDP" in r.message for r in caplog.records)
+
+
+def test_the_data_threads_a_switch_may_announce_are_those_it_may_run():
+    from switchml import protocol
+    from switchml.config import MAX_SWITCH_THREADS
+    from switchml.worker.engine import compiled
+    assert protocol.MAX_DATA_THREADS == MAX_SWITCH_THREADS
+    assert compiled._fastengine is None or (
+        compiled._fastengine.MAX_DATA_THREADS == protocol.MAX_DATA_THREADS)

@@ -537,7 +537,7 @@ def test_a_message_supersedes_its_slots_datagram_still_waiting_to_leave(engine):
 
 
 # ---------------------------------------------------------------- fast retransmit
-def one_rank_call(engine: str, width: int = 8):
+def one_rank_call(engine: str, width: int = 8, data_threads: int = 1):
     """A one-rank job's int32 call of two messages a slot, its window the whole width,
     on a switch pipeline the test drives: (membership, call, input, output, the first
     datagrams, ``answer``: the switch's result for a datagram given to the call at
@@ -545,7 +545,8 @@ def one_rank_call(engine: str, width: int = 8):
     pipeline = Pipeline(slots=width, packet_elements=K)
     pipeline.install_job("one", 0x55, [("w", 0)], 0, width)
     s = Membership(session=0x55, rank=0, world_size=1, slot_base=0, slot_count=width,
-                   packet_elements=K, window=CongestionWindow(width, initial=width))
+                   packet_elements=K, window=CongestionWindow(width, initial=width),
+                   data_threads=data_threads)
     assert s.reordering == FAST_RETRANSMIT_THRESHOLD
     data = np.arange(2 * width * K, dtype=np.int32)
     out = np.zeros_like(data)
@@ -613,6 +614,29 @@ def test_a_message_overtaken_by_three_results_goes_again_at_once(engine):
     assert (out == data).all()
     assert s.counters["fast_retransmissions"] == 1 and s.counters["retransmissions"] == 2
     assert s.counters["probe_retransmissions"] == 1 and s.counters["resends"] == 1
+
+
+@pytest.mark.parametrize("engine", ["python", "c"])
+def test_results_of_another_switch_thread_overtake_a_message_freely(engine):
+    """A switch of two data threads: slots 0, 2, 4, 6 are one thread's, 1, 3, 5, 7
+    the other's.  Message 0 unanswered: the other thread's results, however many
+    (its messages and their slots' next ones), never send it again, where one
+    thread of the switch would have sent it after three; three results of its own
+    thread's slots do."""
+    from switchml.worker.engine import compiled
+    if engine == "c" and compiled._fastengine is None:
+        pytest.skip("the C engine is not built")
+    s, op, data, out, sent, answer = one_rank_call(engine, data_threads=2)
+    later = []
+    for m in (1, 3, 5, 7):
+        later += answer(sent[m], 0.001)
+    assert ids(later) == [9, 11, 13, 15]  # those slots' next messages, not message 0
+    for d in later:
+        assert answer(d, 0.0011) == []  # slots 1, 3, 5, 7 done; 0 still waits
+    assert ids(answer(sent[2], 0.0012) + answer(sent[4], 0.0013)) == [10, 12]
+    assert ids(answer(sent[6], 0.0014)) == [14, 0]  # three of its thread: lost
+    getattr(op, "sync", lambda: None)()
+    assert s.counters["fast_retransmissions"] == 1
 
 
 @pytest.mark.parametrize("engine", ["python", "c"])

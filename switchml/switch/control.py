@@ -515,7 +515,8 @@ class Controller:
                  if c in self._racks else Ready(*geometry, link_window=job.slot_request,
                                                 token=tokens[i],
                                                 gso=self.pipeline.takes_gso_runs,
-                                                threads=job.threads))
+                                                threads=job.threads,
+                                                data_threads=self.pipeline.data_threads))
                 for i, c in enumerate(conns)]
 
     def _admit_waiting(self) -> list:

@@ -406,7 +406,8 @@ class Worker:
                                      packet_elements=ready.packet_elements,
                                      block_elements=ready.block_elements,
                                      progress_timeout=self.timeout,
-                                     rtt=previous.rtt if previous is not None else None)
+                                     rtt=previous.rtt if previous is not None else None,
+                                     data_threads=ready.data_threads)
         if previous is not None:
             self.membership.counters = previous.counters
         #: The window one link carries (protocol.Ready.link_window): what a job over

@@ -336,9 +336,11 @@ uint32_t fp_io_drain(fp_io *io, int fd, uint32_t limit, int gso)
     io->gso = gso && !io->gso_refused;
     io->thread->flush = flush_queue;
     io->thread->flush_ctx = io;
-    received = drain_socket(io, limit);
-    if (io->inbox.entries)
-        received += drain_inbox(io);
+    /* the inbox first: what other threads handed over was received before what
+     * this socket holds now, and a slot's results go out in the order its
+     * datagrams came, as workers count on (engine/stream.py, fast retransmit) */
+    received = io->inbox.entries ? drain_inbox(io) : 0;
+    received += drain_socket(io, limit);
     io->thread->flush = NULL;
     return received;
 }

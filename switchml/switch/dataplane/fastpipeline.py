@@ -82,6 +82,7 @@ class FastPipeline(Pipeline):
         self._core = _fastpath.Core(rows, slots, self.row_size, slots * MAX_WORKERS, threads)
         #: Data threads (1: the switch's serving thread drains the socket itself).
         self.threads = threads
+        self.data_threads = threads
         self._core.set_drop_rates(self.ingress_drop_rate, self.egress_drop_rate,
                                   self._rng.getrandbits(64))
         self._row_bytes = rows.data

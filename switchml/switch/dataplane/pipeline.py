@@ -145,6 +145,9 @@ class Pipeline:
     #: Whether workers may send runs of UDP GSO segments (``protocol.Ready.gso``): a
     #: socket's receive path cuts a run that reaches it whole into its datagrams.
     takes_gso_runs = True
+    #: Threads that answer the slots, thread ``slot % data_threads`` each slot in
+    #: the order its datagrams came (``protocol.Ready.data_threads``): one here.
+    data_threads = 1
 
     def __init__(self, slots: int = DEFAULT_SLOTS, packet_elements: int = DEFAULT_PACKET_ELEMENTS,
                  *, block_elements: int | None = None, drop_rate: float = 0.0,

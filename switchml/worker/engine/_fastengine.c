@@ -166,7 +166,7 @@ static int core_init(DenseCore *self, PyObject *args, PyObject *kwds) {
                              "packet_elements", "lanes", "bits", "seq", "slot_msgs", "now",
                              "progress_timeout", "rtt", "window", "wire_bits", "world_size",
                              "sparse", "block_elements", "reordering", "token",
-                             NULL};
+                             "data_threads", NULL};
     PyObject *src, *out, *slot_msgs, *rtt_arg, *window_arg;
     int is_float, wire_bits = 32;
     unsigned int session, seq, token = 0;
@@ -176,13 +176,18 @@ static int core_init(DenseCore *self, PyObject *args, PyObject *kwds) {
     long long block_elements = 0;
     c->world_size = 1;
     c->reordering = FAST_RETRANSMIT_THRESHOLD;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOpIiiLiiIOddOO|iipLiI", kwlist, &src, &out,
+    c->data_threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOpIiiLiiIOddOO|iipLiIi", kwlist, &src, &out,
                                      &is_float, &session, &c->slot_base, &c->width, &k,
                                      &c->lanes, &c->bits, &seq, &slot_msgs, &now,
                                      &c->progress_timeout, &rtt_arg, &window_arg,
                                      &wire_bits, &c->world_size, &sparse, &block_elements,
-                                     &c->reordering, &token))
+                                     &c->reordering, &token, &c->data_threads))
         return -1;
+    if (c->data_threads < 1 || c->data_threads > MAX_DATA_THREADS) {
+        PyErr_SetString(PyExc_ValueError, "data_threads: 1 to MAX_DATA_THREADS");
+        return -1;
+    }
     if (c->reordering < 1 || c->reordering > MAX_REORDERING) {
         PyErr_SetString(PyExc_ValueError, "reordering: 1 to MAX_REORDERING");
         return -1;
@@ -582,6 +587,7 @@ PyMODINIT_FUNC PyInit__fastengine(void) {
     }
     if (PyModule_AddIntConstant(m, "FAST_RETRANSMIT_THRESHOLD", FAST_RETRANSMIT_THRESHOLD) < 0 ||
         PyModule_AddIntConstant(m, "MAX_REORDERING", MAX_REORDERING) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_DATA_THREADS", MAX_DATA_THREADS) < 0 ||
         PyModule_AddIntConstant(m, "TAIL_PROBE_ROUND_TRIPS", TAIL_PROBE_ROUND_TRIPS) < 0 ||
         PyModule_AddIntConstant(m, "COPY_PROBE_ROUND_TRIPS", COPY_PROBE_ROUND_TRIPS) < 0 ||
         PyModule_AddObject(m, "TAIL_PROBE_MARGIN", PyFloat_FromDouble(TAIL_PROBE_MARGIN)) < 0 ||

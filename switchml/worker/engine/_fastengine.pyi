@@ -6,6 +6,7 @@ import numpy as np
 
 FAST_RETRANSMIT_THRESHOLD: int
 MAX_REORDERING: int
+MAX_DATA_THREADS: int
 TAIL_PROBE_ROUND_TRIPS: int
 COPY_PROBE_ROUND_TRIPS: int
 TAIL_PROBE_MARGIN: float
@@ -21,7 +22,8 @@ class DenseCore:
                  seq: int, slot_msgs: Any, now: float, progress_timeout: float,
                  rtt: dict[str, Any], window: dict[str, Any], wire_bits: int = ...,
                  world_size: int = ..., sparse: bool = ..., block_elements: int = ...,
-                 reordering: int = ..., token: int = ...) -> None: ...
+                 reordering: int = ..., token: int = ...,
+                 data_threads: int = ...) -> None: ...
     @property
     def done(self) -> bool: ...
     @property

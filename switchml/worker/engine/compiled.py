@@ -76,7 +76,7 @@ class CompiledDenseAllreduce:
             # Sparse: W = min(slots, ceil(blocks / lanes)) is min(slots, chunks) too,
             # a packet being whole blocks (supports_sparse).
             sparse=self.SPARSE, block_elements=membership.block_elements,
-            reordering=membership.reordering)
+            reordering=membership.reordering, data_threads=membership.data_threads)
         self.width = self._core.width
         self.sync()
         self._sync_when_over()  # an empty call is over at once

@@ -178,10 +178,15 @@ static uint8_t *outbox_bytes(StreamCore *c, ptrdiff_t i) {
                     : c->packets + (size_t)e->slot * c->packet_size;
 }
 
+/* Stream._thread: the switch data thread answering slot j */
+static inline int thread_of(const StreamCore *c, int j) {
+    return (c->slot_base + j) % c->data_threads;
+}
+
 /* Stream._number_send */
 static int number_send(StreamCore *c, int j) {
     c->send_no[j] = ++c->sends;
-    return heap_push(&c->by_send, c->sends, j);
+    return heap_push(&c->by_send[thread_of(c, j)], c->sends, j);
 }
 
 static int send_message(StreamCore *c, int j, double now) {
@@ -227,11 +232,12 @@ static int resend_message(StreamCore *c, int j, double now) {
 }
 
 /* Stream._note_result */
-static void note_result(StreamCore *c, int64_t send_no) {
-    int64_t *latest = c->latest_results;
+static void note_result(StreamCore *c, int j, int64_t send_no) {
+    int thread = thread_of(c, j);
+    int64_t *latest = c->latest_results + (size_t)thread * MAX_REORDERING;
     int i;
-    if (c->latest_len < MAX_REORDERING) {
-        i = c->latest_len++;
+    if (c->latest_len[thread] < MAX_REORDERING) {
+        i = c->latest_len[thread]++;
     } else if (send_no > latest[0]) {
         /* drop the least, then insert */
         for (i = 0; i + 1 < MAX_REORDERING; i++)
@@ -249,8 +255,9 @@ static void note_result(StreamCore *c, int64_t send_no) {
 
 /* Stream._learn_reordering */
 static void learn_reordering(StreamCore *c, int j) {
-    int overtaken_by = 0;
-    for (int i = c->latest_len - 1; i >= 0 && c->latest_results[i] > c->overtaken_send_no[j]; i--)
+    int thread = thread_of(c, j), overtaken_by = 0;
+    const int64_t *latest = c->latest_results + (size_t)thread * MAX_REORDERING;
+    for (int i = c->latest_len[thread] - 1; i >= 0 && latest[i] > c->overtaken_send_no[j]; i--)
         overtaken_by++;
     int want = overtaken_by + 1 < MAX_REORDERING ? overtaken_by + 1 : MAX_REORDERING;
     if (want > c->reordering)
@@ -285,12 +292,14 @@ static int fast_resend(StreamCore *c, int j, double now) {
     return outbox_add(c, j); /* whole, as Stream._fast_resend */
 }
 
-/* Stream._fast_retransmit */
-static int fast_retransmit(StreamCore *c, double now) {
-    if (c->latest_len < c->reordering)
+/* Stream._fast_retransmit: slot `answered`'s thread's candidates */
+static int fast_retransmit(StreamCore *c, int answered, double now) {
+    int thread = thread_of(c, answered);
+    int len = c->latest_len[thread];
+    if (len < c->reordering)
         return 0;
-    int64_t bound = c->latest_results[c->latest_len - c->reordering];
-    Heap *candidates = &c->by_send;
+    int64_t bound = c->latest_results[(size_t)thread * MAX_REORDERING + len - c->reordering];
+    Heap *candidates = &c->by_send[thread];
     while (candidates->len) {
         HeapItem top = candidates->items[0];
         int j = top.slot;
@@ -454,7 +463,7 @@ static int receive(StreamCore *c, const uint8_t *data, ptrdiff_t len, double now
         if (!isnan(c->decreased_at[j]))
             window_undo_decrease(c, c->decreased_at[j]);
     }
-    note_result(c, answered);
+    note_result(c, j, answered);
     window_on_result(c, c->inflight_count >= window_allowed(c));
     c->last_progress = now;
     c->call->absorb(c, j, m, data, count);
@@ -482,7 +491,7 @@ static int receive(StreamCore *c, const uint8_t *data, ptrdiff_t len, double now
     }
     if (send_ready(c, now) < 0)
         return -1;
-    return fast_retransmit(c, now);
+    return fast_retransmit(c, j, now);
 }
 
 static double get_timer(StreamCore *c) { /* NAN: none */
@@ -555,6 +564,9 @@ static int stream_allocate(StreamCore *c, int64_t words) {
     c->overtaken_send_no = calloc(n, sizeof(int64_t));
     c->fast_copies = calloc(n, sizeof(int32_t));
     c->copy = calloc(n, 1); /* COPY_SENT */
+    c->by_send = calloc((size_t)c->data_threads, sizeof(Heap));
+    c->latest_results = calloc((size_t)c->data_threads * MAX_REORDERING, sizeof(int64_t));
+    c->latest_len = calloc((size_t)c->data_threads, sizeof(int));
     /* a kept block, not zeroed: every byte is written before it is sent */
     c->packets = block_take(n * c->packet_size, &c->packets_bytes);
     c->probes = malloc(n * WIRE_HEADER_SIZE);
@@ -564,7 +576,8 @@ static int stream_allocate(StreamCore *c, int64_t words) {
     if (!c->slot_msgs || !c->round || !c->messages || !c->global_exp || !c->inflight || !c->lost ||
         !c->backoff || !c->sent_at || !c->deadline || !c->decreased_at || !c->send_no ||
         !c->overtaken_send_no || !c->fast_copies || !c->copy || !c->packets || !c->probes ||
-        !c->datagram_len || !c->local_exp || !c->wide || !c->nonfinite)
+        !c->datagram_len || !c->local_exp || !c->wide || !c->nonfinite || !c->by_send ||
+        !c->latest_results || !c->latest_len)
         return -1;
     return 0;
 }
@@ -611,7 +624,11 @@ static void stream_free(StreamCore *c) {
     free(c->outbox);
     free(c->ready.items);
     free(c->inflight_ids.items);
-    free(c->by_send.items);
+    for (int t = 0; c->by_send && t < c->data_threads; t++)
+        free(c->by_send[t].items);
+    free(c->by_send);
+    free(c->latest_results);
+    free(c->latest_len);
     free(c->send_no);
     free(c->overtaken_send_no);
     free(c->fast_copies);

@@ -67,6 +67,8 @@ typedef struct {
  * constants, and tests/test_fastengine.py checks they agree) */
 #define FAST_RETRANSMIT_THRESHOLD 3
 #define MAX_REORDERING 16
+/* protocol.MAX_DATA_THREADS: the most data threads a switch says it has */
+#define MAX_DATA_THREADS 64
 /* recovery.TAIL_PROBE_ROUND_TRIPS, COPY_PROBE_ROUND_TRIPS, TAIL_PROBE_MARGIN (exported
  * too, checked against them) */
 #define TAIL_PROBE_ROUND_TRIPS 2
@@ -123,16 +125,18 @@ typedef struct StreamCore {
     uint32_t *datagram_len;
     Heap ready, inflight_ids;
     int64_t inflight_count, remaining;
-    /* fast retransmit (Stream's): send numbers, the candidates by send number,
-     * the greatest send numbers answered (least first), the Membership's reordering
+    /* fast retransmit (Stream's): send numbers, per switch data thread the
+     * candidates by send number and the greatest send numbers answered (least
+     * first; data_threads rows of MAX_REORDERING), the Membership's reordering
      * threshold, and per slot the send number a fast retransmission followed */
     int64_t sends, *send_no, *overtaken_send_no;
     int reordering;
     int32_t *fast_copies; /* per slot: fast retransmissions and probes of its message */
     uint8_t *copy;        /* per slot: how its latest transmission went out (COPY_*) */
-    Heap by_send;
-    int64_t latest_results[MAX_REORDERING];
-    int latest_len;
+    int data_threads; /* Membership.data_threads: slot s's thread is s % data_threads */
+    Heap *by_send;
+    int64_t *latest_results;
+    int *latest_len;
     /* datagrams to send: (slot, length, probe); the bytes are the slot's buffer
      * (or its probe's) when sent, as the reference's outbox holds views of its
      * packet buffers */

@@ -27,7 +27,10 @@ probably lost (its datagram, a peer's, or its result; the threshold is
 ``FAST_RETRANSMIT_THRESHOLD`` at first, and a fast retransmission that proves
 spurious raises it past the reordering it saw, up to ``MAX_REORDERING``): it is sent
 again at once, whole, instead of after its timeout, at most once per
-timeout (not again until its result comes or its timer fires).  The window
+timeout (not again until its result comes or its timer fires).  A switch of
+several data threads (``Membership.data_threads``) answers each thread's slots
+in order, but one thread's results overtake another's by any number while that
+one waits for a core: only results of the same thread's slots count.  The window
 takes it as a loss like a timeout (``CongestionWindow.on_timeout``, judged as a
 first timeout: the results that overtook it show the path answers).
 
@@ -110,7 +113,8 @@ class MembershipState:
     def __init__(self, *, session: int, rank: int, world_size: int, slot_base: int,
                  slot_count: int, packet_elements: int, block_elements: int | None = None,
                  progress_timeout: float = 30.0, rtt: RttEstimator | None = None,
-                 window: CongestionWindow | None = None, token: int = 0):
+                 window: CongestionWindow | None = None, token: int = 0,
+                 data_threads: int = 1):
         self.session = session
         #: What this rank's datagrams carry as session (``protocol.Ready.token``),
         #: the switch's proof of who sent them; 0: ``session``.
@@ -129,6 +133,10 @@ class MembershipState:
         #: FAST_RETRANSMIT_THRESHOLD, raised by the reordering a spurious fast
         #: retransmission shows, up to MAX_REORDERING (recovery.py says why).
         self.reordering = FAST_RETRANSMIT_THRESHOLD
+        #: The switch's data threads (``protocol.Ready.data_threads``): slot ``s``'s
+        #: results come in order with those of the slots ``s'`` of the same
+        #: ``s' % data_threads`` only, so fast retransmit counts within those.
+        self.data_threads = data_threads
         self.bits = scale_bits(world_size)
         self.bits16 = scale_bits16(world_size)
         self.slot_msgs = [0] * slot_count
@@ -191,10 +199,11 @@ class Stream:
         # Fast retransmit: every (re)transmission takes the next send number;
         # (send number, slot) of the messages that may still be fast-retransmitted
         # (sent, or resent by the timer, and not fast-retransmitted since), and the
-        # MAX_REORDERING greatest send numbers whose results came, least first.
-        # A message in flight has had results of as many messages sent after it
-        # as there are results with a greater send number (those were sent after
-        # it, so they came after it went out).
+        # MAX_REORDERING greatest send numbers whose results came, least first,
+        # each per switch data thread (``_thread``).  A message in flight has had
+        # results of as many messages sent after it as there are results with a
+        # greater send number (those were sent after it, so they came after it
+        # went out).
         self._sends = 0
         self._send_no = [0] * width
         # Per slot: the send number of the transmission a fast retransmission
@@ -207,8 +216,10 @@ class Stream:
         # resent by the timer, FAST: fast retransmission, PROBE: tail loss probe),
         # for when it is probed (``_probe_at``).
         self._copy = [SENT] * width
-        self._by_send: list = []
-        self._latest_results: list = []
+        threads = membership.data_threads
+        self._thread = [(membership.slot_base + j) % threads for j in range(width)]
+        self._by_send: list = [[] for _ in range(threads)]
+        self._latest_results: list = [[] for _ in range(threads)]
         self._outbox: list = []
         self._outbox_slots: list = []  # the slot of each datagram in the outbox
         self.remaining = width
@@ -355,7 +366,7 @@ class Stream:
                 rtt.on_premature_timeout(self._sent_at[j], now)
             if self._decreased_at[j] is not None:
                 s.window.undo_decrease(self._decreased_at[j])
-        self._note_result(answered)
+        self._note_result(j, answered)
         s.window.on_result(self.inflight_count >= s.window.allowed(self.width))
         self.last_progress = now
         self._absorb(j, m, h, data)
@@ -380,12 +391,13 @@ class Stream:
                 self._finish()
                 return
             self._send_ready(now)
-        self._fast_retransmit(now)
+        self._fast_retransmit(j, now)
 
     # ------------------------------------------------------------ fast retransmit
-    def _note_result(self, send_no: int) -> None:
-        """Keep the MAX_REORDERING greatest send numbers answered."""
-        latest = self._latest_results
+    def _note_result(self, j: int, send_no: int) -> None:
+        """Keep the MAX_REORDERING greatest send numbers answered by slot j's
+        switch thread."""
+        latest = self._latest_results[self._thread[j]]
         if len(latest) < MAX_REORDERING:
             bisect.insort(latest, send_no)
         elif send_no > latest[0]:
@@ -396,18 +408,20 @@ class Stream:
         """Message j's fast retransmission was spurious: its original's result came
         after the results of as many later sends as are answered above it.  Let
         that many (and one more) overtake a message before it counts as lost."""
-        overtaken_by = len(self._latest_results) - bisect.bisect_right(
-            self._latest_results, self._overtaken_send_no[j])
+        latest = self._latest_results[self._thread[j]]
+        overtaken_by = len(latest) - bisect.bisect_right(latest, self._overtaken_send_no[j])
         self.s.reordering = min(MAX_REORDERING, max(self.s.reordering, overtaken_by + 1))
 
-    def _fast_retransmit(self, now: float) -> None:
+    def _fast_retransmit(self, answered: int, now: float) -> None:
         """Resend, lowest send number first, every message in flight that results of
-        ``Membership.reordering`` messages sent after it have overtaken."""
-        latest = self._latest_results
+        ``Membership.reordering`` messages sent after it have overtaken, of the
+        switch thread of slot ``answered`` (whose result just came)."""
+        thread = self._thread[answered]
+        latest = self._latest_results[thread]
         if len(latest) < self.s.reordering:
             return
         bound = latest[-self.s.reordering]
-        candidates = self._by_send
+        candidates = self._by_send[thread]
         while candidates:
             send_no, j = candidates[0]
             if (self._inflight[j] is None or self._lost[j] or self._send_no[j] != send_no):
@@ -499,7 +513,7 @@ class Stream:
     def _number_send(self, j: int) -> None:
         self._sends += 1
         self._send_no[j] = self._sends
-        heapq.heappush(self._by_send, (self._sends, j))
+        heapq.heappush(self._by_send[self._thread[j]], (self._sends, j))
 
     # ------------------------------------------------------------ the window
     def _start(self, now: float) -> None:
