@@ -182,7 +182,7 @@ class Worker:
     that share of a window.
 
     ``threads``: the I/O threads this rank sends with (None: ``worker_threads``,
-    ``SWITCHML_WORKER_THREADS`` or one per 10 Gbit/s of the link).  More than one
+    ``SWITCHML_WORKER_THREADS`` or one per 8 Gbit/s of the link).  More than one
     returns a ``multi.MultiSwitchWorker`` whose channels share the switch: each
     thread's part of a call goes through a job of its own there, with its own
     socket and its share of the window.  Every rank of a job sends with the
