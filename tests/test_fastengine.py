@@ -172,10 +172,11 @@ def tap(sim: Simulation, seed: int, hostile_rate: float, forge=None) -> list:
 
 
 def run_calls(compiled_engine, calls, world, slots, k, faults, seed, bottleneck, hostile_rate,
-              wire_bits=32):
+              wire_bits=32, data_threads=1):
     """Every datagram sent, every result, and the Memberships' state after ``calls``."""
     sim = Simulation(world, slots=slots, packet_elements=k, faults=faults, seed=seed,
-                     bottleneck=bottleneck, compiled=compiled_engine)
+                     bottleneck=bottleneck, compiled=compiled_engine,
+                     data_threads=data_threads)
     sent = tap(sim, seed, hostile_rate)
     results = []
     for arrays in calls:
@@ -216,15 +217,18 @@ def scenarios(draw):
     hostile_rate = draw(st.sampled_from([0.0, 0.3]))
     seed = draw(st.integers(0, 2**16))
     wire_bits = draw(st.sampled_from([32, 32, 16])) if dtype == np.float32 else 32
-    return calls, world, slots, k, faults, seed, bottleneck, hostile_rate, wire_bits
+    data_threads = draw(st.sampled_from([1, 1, 3]))  # fast retransmit per switch thread
+    return calls, world, slots, k, faults, seed, bottleneck, hostile_rate, wire_bits, data_threads
 
 
 @settings(max_examples=80, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(scenario=scenarios())
 def test_c_engine_sends_and_computes_what_python_does(scenario):
-    calls, world, slots, k, faults, seed, bottleneck, hostile_rate, wire_bits = scenario
-    args = (calls, world, slots, k, faults, seed, bottleneck, hostile_rate, wire_bits)
+    (calls, world, slots, k, faults, seed, bottleneck, hostile_rate, wire_bits,
+     data_threads) = scenario
+    args = (calls, world, slots, k, faults, seed, bottleneck, hostile_rate, wire_bits,
+            data_threads)
     py_sent, py_results, py_state = run_calls(False, *args)
     c_sent, c_results, c_state = run_calls(True, *args)
     assert len(c_sent) == len(py_sent)

@@ -221,12 +221,14 @@ class Simulation(CallDriver):
                  progress_timeout: float = 60.0, block_elements: int | None = None,
                  bottleneck: Bottleneck | None = None, network: Network | None = None,
                  compiled: bool = False, addresses: list | None = None,
-                 switch_address: tuple = SWITCH):
+                 switch_address: tuple = SWITCH, data_threads: int = 1):
         """``packet_elements`` and ``block_elements`` are the job's packet size: with a
         given ``pipeline`` they may be smaller than its own (its defaults when None);
         without one, the pipeline built here has that size (64 values by default).
         ``addresses``: the workers' data addresses, by rank (names by default);
-        ``switch_address``: the switch's, for several switches on one network."""
+        ``switch_address``: the switch's, for several switches on one network;
+        ``data_threads``: the switch's data threads the workers are told of
+        (``protocol.Ready.data_threads``)."""
         self.switch_address = switch_address
         self.network = network or Network(faults, seed, bottleneck)
         self.faults = self.network.faults
@@ -247,7 +249,8 @@ class Simulation(CallDriver):
                                        slot_base=base, slot_count=slots,
                                        packet_elements=self.job.packet_elements,
                                        block_elements=self.job.block_elements,
-                                       progress_timeout=progress_timeout)
+                                       progress_timeout=progress_timeout,
+                                       data_threads=data_threads)
                             for r in range(world_size)]
         self.ops: list = []
         self.call_ops: list = []
