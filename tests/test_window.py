@@ -640,6 +640,27 @@ def test_results_of_another_switch_thread_overtake_a_message_freely(engine):
 
 
 @pytest.mark.parametrize("engine", ["python", "c"])
+def test_a_slot_alone_of_its_switch_thread_counts_every_threads_results(engine):
+    """Four slots on a switch of three data threads: slots 0 and 3 are thread 0's,
+    1 and 2 alone of theirs.  Nothing of its own thread could reveal message 1's
+    loss before its timeout, so every thread's results count for it: the results
+    of messages 2, 3 and 6 (sent after it) send it again.  Message 0, unanswered
+    as long, waits: of those, only message 3's is its thread's."""
+    from switchml.worker.engine import compiled
+    if engine == "c" and compiled._fastengine is None:
+        pytest.skip("the C engine is not built")
+    s, op, data, out, sent, answer = one_rank_call(engine, width=4, data_threads=3)
+    assert ids(sent) == [0, 1, 2, 3]
+    (six,) = answer(sent[2], 0.001)
+    assert ids([six]) == [6]
+    assert ids(answer(sent[3], 0.0011)) == [7]
+    again = answer(six, 0.0012)
+    assert ids(again) == [1] and again[0] == sent[1]
+    getattr(op, "sync", lambda: None)()
+    assert s.counters["fast_retransmissions"] == 1
+
+
+@pytest.mark.parametrize("engine", ["python", "c"])
 @pytest.mark.parametrize("kind, counter", [(wire.KIND_RESEND, "resends"),
                                            (wire.KIND_DONE, "results_lost")])
 def test_a_resend_or_done_sends_the_message_whole_and_a_stale_one_nothing(engine, kind,

@@ -178,15 +178,10 @@ static uint8_t *outbox_bytes(StreamCore *c, ptrdiff_t i) {
                     : c->packets + (size_t)e->slot * c->packet_size;
 }
 
-/* Stream._thread: the switch data thread answering slot j */
-static inline int thread_of(const StreamCore *c, int j) {
-    return (c->slot_base + j) % c->data_threads;
-}
-
 /* Stream._number_send */
 static int number_send(StreamCore *c, int j) {
     c->send_no[j] = ++c->sends;
-    return heap_push(&c->by_send[thread_of(c, j)], c->sends, j);
+    return heap_push(&c->by_send[c->group[j]], c->sends, j);
 }
 
 static int send_message(StreamCore *c, int j, double now) {
@@ -231,13 +226,12 @@ static int resend_message(StreamCore *c, int j, double now) {
     return outbox_add_probe(c, j, WIRE_KIND_QUERY);
 }
 
-/* Stream._note_result */
-static void note_result(StreamCore *c, int j, int64_t send_no) {
-    int thread = thread_of(c, j);
-    int64_t *latest = c->latest_results + (size_t)thread * MAX_REORDERING;
+/* Stream._note_in */
+static void note_in(StreamCore *c, int group, int64_t send_no) {
+    int64_t *latest = c->latest_results + (size_t)group * MAX_REORDERING;
     int i;
-    if (c->latest_len[thread] < MAX_REORDERING) {
-        i = c->latest_len[thread]++;
+    if (c->latest_len[group] < MAX_REORDERING) {
+        i = c->latest_len[group]++;
     } else if (send_no > latest[0]) {
         /* drop the least, then insert */
         for (i = 0; i + 1 < MAX_REORDERING; i++)
@@ -253,11 +247,18 @@ static void note_result(StreamCore *c, int j, int64_t send_no) {
     latest[i] = send_no;
 }
 
+/* Stream._note_result */
+static void note_result(StreamCore *c, int j, int64_t send_no) {
+    note_in(c, c->group[j], send_no);
+    if (c->group[j] != c->every)
+        note_in(c, c->every, send_no);
+}
+
 /* Stream._learn_reordering */
 static void learn_reordering(StreamCore *c, int j) {
-    int thread = thread_of(c, j), overtaken_by = 0;
-    const int64_t *latest = c->latest_results + (size_t)thread * MAX_REORDERING;
-    for (int i = c->latest_len[thread] - 1; i >= 0 && latest[i] > c->overtaken_send_no[j]; i--)
+    int group = c->group[j], overtaken_by = 0;
+    const int64_t *latest = c->latest_results + (size_t)group * MAX_REORDERING;
+    for (int i = c->latest_len[group] - 1; i >= 0 && latest[i] > c->overtaken_send_no[j]; i--)
         overtaken_by++;
     int want = overtaken_by + 1 < MAX_REORDERING ? overtaken_by + 1 : MAX_REORDERING;
     if (want > c->reordering)
@@ -292,14 +293,13 @@ static int fast_resend(StreamCore *c, int j, double now) {
     return outbox_add(c, j); /* whole, as Stream._fast_resend */
 }
 
-/* Stream._fast_retransmit: slot `answered`'s thread's candidates */
-static int fast_retransmit(StreamCore *c, int answered, double now) {
-    int thread = thread_of(c, answered);
-    int len = c->latest_len[thread];
+/* Stream._fast_retransmit_group */
+static int fast_retransmit_group(StreamCore *c, int group, double now) {
+    int len = c->latest_len[group];
     if (len < c->reordering)
         return 0;
-    int64_t bound = c->latest_results[(size_t)thread * MAX_REORDERING + len - c->reordering];
-    Heap *candidates = &c->by_send[thread];
+    int64_t bound = c->latest_results[(size_t)group * MAX_REORDERING + len - c->reordering];
+    Heap *candidates = &c->by_send[group];
     while (candidates->len) {
         HeapItem top = candidates->items[0];
         int j = top.slot;
@@ -314,6 +314,13 @@ static int fast_retransmit(StreamCore *c, int answered, double now) {
             return -1;
     }
     return 0;
+}
+
+/* Stream._fast_retransmit: slot `answered`'s group, then the slots alone of their thread */
+static int fast_retransmit(StreamCore *c, int answered, double now) {
+    if (fast_retransmit_group(c, c->group[answered], now) < 0)
+        return -1;
+    return c->group[answered] != c->every ? fast_retransmit_group(c, c->every, now) : 0;
 }
 
 /* Stream._probe_at: when message j is probed (INFINITY: it is not). */
@@ -564,9 +571,20 @@ static int stream_allocate(StreamCore *c, int64_t words) {
     c->overtaken_send_no = calloc(n, sizeof(int64_t));
     c->fast_copies = calloc(n, sizeof(int32_t));
     c->copy = calloc(n, 1); /* COPY_SENT */
-    c->by_send = calloc((size_t)c->data_threads, sizeof(Heap));
-    c->latest_results = calloc((size_t)c->data_threads * MAX_REORDERING, sizeof(int64_t));
-    c->latest_len = calloc((size_t)c->data_threads, sizeof(int));
+    c->every = c->data_threads > 1 ? c->data_threads : 0;
+    c->group = calloc(n, sizeof(int32_t));
+    c->by_send = calloc((size_t)c->every + 1, sizeof(Heap));
+    c->latest_results = calloc(((size_t)c->every + 1) * MAX_REORDERING, sizeof(int64_t));
+    c->latest_len = calloc((size_t)c->every + 1, sizeof(int));
+    if (c->group && c->every) { /* Stream._group: a thread's slots, if it has two */
+        int slots_of[MAX_DATA_THREADS] = {0};
+        for (int j = 0; j < c->width; j++)
+            slots_of[(c->slot_base + j) % c->data_threads]++;
+        for (int j = 0; j < c->width; j++) {
+            int thread = (c->slot_base + j) % c->data_threads;
+            c->group[j] = slots_of[thread] > 1 ? thread : c->every;
+        }
+    }
     /* a kept block, not zeroed: every byte is written before it is sent */
     c->packets = block_take(n * c->packet_size, &c->packets_bytes);
     c->probes = malloc(n * WIRE_HEADER_SIZE);
@@ -576,8 +594,8 @@ static int stream_allocate(StreamCore *c, int64_t words) {
     if (!c->slot_msgs || !c->round || !c->messages || !c->global_exp || !c->inflight || !c->lost ||
         !c->backoff || !c->sent_at || !c->deadline || !c->decreased_at || !c->send_no ||
         !c->overtaken_send_no || !c->fast_copies || !c->copy || !c->packets || !c->probes ||
-        !c->datagram_len || !c->local_exp || !c->wide || !c->nonfinite || !c->by_send ||
-        !c->latest_results || !c->latest_len)
+        !c->datagram_len || !c->local_exp || !c->wide || !c->nonfinite || !c->group ||
+        !c->by_send || !c->latest_results || !c->latest_len)
         return -1;
     return 0;
 }
@@ -624,8 +642,9 @@ static void stream_free(StreamCore *c) {
     free(c->outbox);
     free(c->ready.items);
     free(c->inflight_ids.items);
-    for (int t = 0; c->by_send && t < c->data_threads; t++)
-        free(c->by_send[t].items);
+    for (int g = 0; c->by_send && g <= c->every; g++)
+        free(c->by_send[g].items);
+    free(c->group);
     free(c->by_send);
     free(c->latest_results);
     free(c->latest_len);

@@ -125,15 +125,19 @@ typedef struct StreamCore {
     uint32_t *datagram_len;
     Heap ready, inflight_ids;
     int64_t inflight_count, remaining;
-    /* fast retransmit (Stream's): send numbers, per switch data thread the
-     * candidates by send number and the greatest send numbers answered (least
-     * first; data_threads rows of MAX_REORDERING), the Membership's reordering
-     * threshold, and per slot the send number a fast retransmission followed */
+    /* fast retransmit (Stream's): send numbers, per group (Stream._group: a slot's
+     * switch data thread, or `every`, every thread's results, for a slot alone of
+     * its thread) the candidates by send number and the greatest send numbers
+     * answered (least first; every + 1 rows of MAX_REORDERING), the Membership's
+     * reordering threshold, and per slot the send number a fast retransmission
+     * followed */
     int64_t sends, *send_no, *overtaken_send_no;
     int reordering;
     int32_t *fast_copies; /* per slot: fast retransmissions and probes of its message */
     uint8_t *copy;        /* per slot: how its latest transmission went out (COPY_*) */
     int data_threads; /* Membership.data_threads: slot s's thread is s % data_threads */
+    int every;        /* the group of every thread's results: data_threads, or 0 for one */
+    int32_t *group;   /* per slot */
     Heap *by_send;
     int64_t *latest_results;
     int *latest_len;

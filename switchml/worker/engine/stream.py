@@ -30,7 +30,9 @@ again at once, whole, instead of after its timeout, at most once per
 timeout (not again until its result comes or its timer fires).  A switch of
 several data threads (``Membership.data_threads``) answers each thread's slots
 in order, but one thread's results overtake another's by any number while that
-one waits for a core: only results of the same thread's slots count.  The window
+one waits for a core: only results of the same thread's slots count, where the
+call has another slot of that thread (else nothing would ever reveal a loss
+before the timeout: every thread's results count for such a slot).  The window
 takes it as a loss like a timeout (``CongestionWindow.on_timeout``, judged as a
 first timeout: the results that overtook it show the path answers).
 
@@ -70,6 +72,7 @@ The engine never reads a clock or touches a socket: callers pass ``now``.
 from __future__ import annotations
 
 import bisect
+import collections
 import heapq
 
 import numpy as np
@@ -200,10 +203,11 @@ class Stream:
         # (send number, slot) of the messages that may still be fast-retransmitted
         # (sent, or resent by the timer, and not fast-retransmitted since), and the
         # MAX_REORDERING greatest send numbers whose results came, least first,
-        # each per switch data thread (``_thread``).  A message in flight has had
-        # results of as many messages sent after it as there are results with a
-        # greater send number (those were sent after it, so they came after it
-        # went out).
+        # each per group (``_group``: the slot's switch data thread, or ``_every``,
+        # every thread's results, for a slot alone of its thread in the call).  A
+        # message in flight has had results of as many messages sent after it as
+        # there are results with a greater send number (those were sent after it,
+        # so they came after it went out).
         self._sends = 0
         self._send_no = [0] * width
         # Per slot: the send number of the transmission a fast retransmission
@@ -217,9 +221,13 @@ class Stream:
         # for when it is probed (``_probe_at``).
         self._copy = [SENT] * width
         threads = membership.data_threads
-        self._thread = [(membership.slot_base + j) % threads for j in range(width)]
-        self._by_send: list = [[] for _ in range(threads)]
-        self._latest_results: list = [[] for _ in range(threads)]
+        thread = [(membership.slot_base + j) % threads for j in range(width)]
+        slots_of = collections.Counter(thread)
+        self._every = threads if threads > 1 else 0
+        self._group = [t if threads > 1 and slots_of[t] > 1 else self._every
+                       for t in thread]
+        self._by_send: list = [[] for _ in range(self._every + 1)]
+        self._latest_results: list = [[] for _ in range(self._every + 1)]
         self._outbox: list = []
         self._outbox_slots: list = []  # the slot of each datagram in the outbox
         self.remaining = width
@@ -395,9 +403,14 @@ class Stream:
 
     # ------------------------------------------------------------ fast retransmit
     def _note_result(self, j: int, send_no: int) -> None:
-        """Keep the MAX_REORDERING greatest send numbers answered by slot j's
-        switch thread."""
-        latest = self._latest_results[self._thread[j]]
+        """Keep the MAX_REORDERING greatest send numbers answered, of slot j's group
+        and of every thread's."""
+        self._note_in(self._group[j], send_no)
+        if self._group[j] != self._every:
+            self._note_in(self._every, send_no)
+
+    def _note_in(self, group: int, send_no: int) -> None:
+        latest = self._latest_results[group]
         if len(latest) < MAX_REORDERING:
             bisect.insort(latest, send_no)
         elif send_no > latest[0]:
@@ -408,20 +421,25 @@ class Stream:
         """Message j's fast retransmission was spurious: its original's result came
         after the results of as many later sends as are answered above it.  Let
         that many (and one more) overtake a message before it counts as lost."""
-        latest = self._latest_results[self._thread[j]]
+        latest = self._latest_results[self._group[j]]
         overtaken_by = len(latest) - bisect.bisect_right(latest, self._overtaken_send_no[j])
         self.s.reordering = min(MAX_REORDERING, max(self.s.reordering, overtaken_by + 1))
 
     def _fast_retransmit(self, answered: int, now: float) -> None:
         """Resend, lowest send number first, every message in flight that results of
-        ``Membership.reordering`` messages sent after it have overtaken, of the
-        switch thread of slot ``answered`` (whose result just came)."""
-        thread = self._thread[answered]
-        latest = self._latest_results[thread]
+        ``Membership.reordering`` messages sent after it (of its group) have
+        overtaken: of slot ``answered``'s group (whose result just came), then of
+        the slots alone of their thread."""
+        self._fast_retransmit_group(self._group[answered], now)
+        if self._group[answered] != self._every:
+            self._fast_retransmit_group(self._every, now)
+
+    def _fast_retransmit_group(self, group: int, now: float) -> None:
+        latest = self._latest_results[group]
         if len(latest) < self.s.reordering:
             return
         bound = latest[-self.s.reordering]
-        candidates = self._by_send[thread]
+        candidates = self._by_send[group]
         while candidates:
             send_no, j = candidates[0]
             if (self._inflight[j] is None or self._lost[j] or self._send_no[j] != send_no):
@@ -513,7 +531,7 @@ class Stream:
     def _number_send(self, j: int) -> None:
         self._sends += 1
         self._send_no[j] = self._sends
-        heapq.heappush(self._by_send[self._thread[j]], (self._sends, j))
+        heapq.heappush(self._by_send[self._group[j]], (self._sends, j))
 
     # ------------------------------------------------------------ the window
     def _start(self, now: float) -> None:
