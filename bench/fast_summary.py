@@ -47,8 +47,9 @@ def link_of(folder: str) -> str:
 
 def suite_table(rows: list, aims: dict, gloo_bound: bool) -> tuple[list, list]:
     """switchml against gloo per (workers, MiB): lines and records."""
-    lines = ["| K | MiB | switchml s (runs) | of bound | gloo s (runs) | gloo of its bound | "
-             "vs gloo | aim | check |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| K | MiB | switchml s (runs) | of bound | retransmissions a call | gloo s (runs) | "
+             "gloo of its bound | vs gloo | aim | check |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     records = []
     gloo = {(r["workers"], r["size_mib"]): r for r in rows if r["system"] == "gloo"}
     for r in (r for r in rows if r["system"] == "switchml-dense"):
@@ -64,13 +65,16 @@ def suite_table(rows: list, aims: dict, gloo_bound: bool) -> tuple[list, list]:
                         "of_bound": r["of_bound"], "gloo_s": g["median_s"] if g else None,
                         "gloo_of_bound": g["of_bound"] if g else None,
                         "speedup_over_gloo": ratio, "aim": aim, "met": met,
-                        "checked": checked})
+                        "checked": checked,
+                        "retransmissions_per_worker": r.get("retransmissions_per_worker")})
 
         def share(v):
             return "-" if v is None else f"{100 * v:.0f}%"
 
+        retx = r.get("retransmissions_per_worker")
         lines.append(f"| {r['workers']} | {r['size_mib']:g} | {runs_text(r)} | "
-                     f"{share(r['of_bound'])} | {runs_text(g) if g else '-'} | "
+                     f"{share(r['of_bound'])} | {'-' if retx is None else f'{retx:.1f}'} | "
+                     f"{runs_text(g) if g else '-'} | "
                      f"{share(g['of_bound'] if g else None)} | "
                      f"{'-' if ratio is None else format(ratio, '.2f') + 'x'} | "
                      f"{'-' if aim is None else f'>= {aim}x {_verdict(met)}'} | "

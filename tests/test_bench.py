@@ -469,18 +469,19 @@ def test_fast_summary_sets_each_figure_against_its_aim(tmp_path, capsys):
     best thread count's median goodput, loopback at 8 workers."""
     from bench.fast_summary import main
 
-    def row(system, workers, median, of_bound):
+    def row(system, workers, median, of_bound, retransmissions=0.0):
         return {"system": system, "workers": workers, "size_bytes": 256 * 2**20,
                 "density": None, "device": "cpu", "median_s": median,
                 "bound_s": median * of_bound, "faults_per_call": 0.0,
-                "retransmissions_per_worker": 0.0, "checked": True,
+                "retransmissions_per_worker": retransmissions, "checked": True,
                 "ranks_bit_identical": True}
 
     stages = {"testbed-10g": [row("switchml-dense", 4, 0.23, 0.95),
                               row("gloo", 4, 0.33, 0.97)],        # 1.43x: met
               "testbed-25g": [row("switchml-dense", 4, 0.10, 0.90),
                               row("gloo", 4, 0.15, 0.85)],
-              "loopback": [row("switchml-dense", 8, 0.30, 1.0), row("gloo", 8, 0.27, 1.0)]}
+              "loopback": [row("switchml-dense", 8, 0.30, 1.0, 4.5),
+                           row("gloo", 8, 0.27, 1.0)]}
     for name, rows in stages.items():
         for i in range(3):
             folder = tmp_path / name / f"run{i + 1}"
@@ -502,6 +503,8 @@ def test_fast_summary_sets_each_figure_against_its_aim(tmp_path, capsys):
     assert fast["speedup_over_gloo"] == pytest.approx(0.33 / 0.23) and fast["met"] is True
     assert summary["testbed-25g"][0]["met"] is None  # reported, no aim
     assert summary["loopback"][0]["met"] is False    # 0.9x gloo at 8 workers
+    assert summary["loopback"][0]["retransmissions_per_worker"] == 4.5
+    assert "| 4.5 |" in printed
     assert [(r["threads"], r["goodput_Gbps"], r["met"]) for r in summary["engine"]] == [
         (1, 14.0, None), (4, 26.0, True)]
     stages["testbed-10g"][1] = row("gloo", 4, 0.33, 0.85)  # gloo short of 90%: not a fair one
