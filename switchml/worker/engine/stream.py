@@ -138,7 +138,8 @@ class MembershipState:
         self.reordering = FAST_RETRANSMIT_THRESHOLD
         #: The switch's data threads (``protocol.Ready.data_threads``): slot ``s``'s
         #: results come in order with those of the slots ``s'`` of the same
-        #: ``s' % data_threads`` only, so fast retransmit counts within those.
+        #: ``s' % data_threads`` only, so fast retransmit counts within those
+        #: (where a call has two of them: ``Stream._group``).
         self.data_threads = data_threads
         self.bits = scale_bits(world_size)
         self.bits16 = scale_bits16(world_size)
