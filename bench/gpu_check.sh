@@ -15,10 +15,10 @@
 #   bench-cpu   the same with --device cpu
 #   ddp         bench/ddp_resnet.py --device cuda, K = 2 4: ResNet-18, batch 32 of 224x224
 #   cuda-modes  the CUDA bench's switchml alone with SWITCHML_CUDA_COPIES=pipelined,
-#               the DDP bench with =pipelined and at K = 4 with
-#               SWITCHML_LOCAL_THREADS=2, the CUDA bench with SWITCHML_LOCAL_SEGMENT of
-#               8 MiB and with =whole, one invocation each, in that order (bench-cuda
-#               holds the default's)
+#               the CPU bench's switchml alone (the CPU call a CUDA call is set
+#               against where bench-cpu did not run), the DDP bench with =pipelined,
+#               the CUDA bench with SWITCHML_LOCAL_SEGMENT of 8 MiB and with =whole,
+#               one invocation each, in that order (bench-cuda holds the default's)
 # then bench/gpu_summary.py prints the table of every figure against its aim.
 #
 # Environment:
@@ -144,12 +144,12 @@ cuda_bench() {  # cuda_bench NAME [VAR=VALUE ...]: the CUDA bench under those va
 }
 cuda_modes() {
     cuda_bench pipelined SWITCHML_CUDA_COPIES=pipelined
+    # the CPU call of the same size, in the same call of the machine
+    "$PYTHON" bench/invocations.py --runs 1 --check-first-only --out "$OUT/bench-cpu-switchml" \
+        -- --device cpu --workers $WORKERS --ranks-per-host "$PER_HOST" --sizes "$SIZES" \
+        --warmup 3 --repeats 5 --systems dense --timeout 60
     SWITCHML_CUDA_COPIES=pipelined "$PYTHON" bench/ddp_resnet.py "${DDP[@]}" --timeout 60 \
         --out "$OUT/ddp-pipelined.json"
-    # fewer local-stage threads than the default's 4 a rank at K = 4: 16 threads
-    # summing leave no core to the ranks' own threads, which feed the GPU
-    SWITCHML_LOCAL_THREADS=2 "$PYTHON" bench/ddp_resnet.py "${DDP[@]}" --workers 4 --timeout 60 \
-        --out "$OUT/ddp-threads2.json"
     # direct copies in segments of 8 MiB: a quarter of the waits for each copy
     cuda_bench segment8m SWITCHML_LOCAL_SEGMENT=8388608
     cuda_bench whole SWITCHML_CUDA_COPIES=whole

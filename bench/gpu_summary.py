@@ -3,7 +3,9 @@
     python bench/gpu_summary.py OUT [OUT ...]
 
 Reads what the run wrote in OUT (stages.tsv, bench-cuda/ and bench-cpu/ from
-bench/invocations.py, ddp.json from bench/ddp_resnet.py), prints the stages, the
+bench/invocations.py, or for the CPU calls the ``cuda-modes`` stage's
+bench-cpu-switchml/ where bench-cpu/ is missing; ddp.json from
+bench/ddp_resnet.py), prints the stages, the
 machine, and one table per measurement, and writes OUT/summary.json.  A bench
 stage cut short still counts the invocations that finished (their results.json).
 Several OUT folders (the stages of one check split over calls of the machine)
@@ -203,8 +205,9 @@ def main(argv=None) -> int:
     rows_by_device, counted, machine = {}, {}, None
     for device in ("cuda", "cpu"):
         rows_by_device[device], counted[device] = [], 0
-        for folder in argv:
-            rows, runs, found = bench_rows(os.path.join(folder, f"bench-{device}"))
+        names = [f"bench-{device}"] + (["bench-cpu-switchml"] if device == "cpu" else [])
+        for folder in (os.path.join(f, name) for name in names for f in argv):
+            rows, runs, found = bench_rows(folder)
             machine = machine or found
             if rows:
                 rows_by_device[device], counted[device] = rows, runs
@@ -228,8 +231,7 @@ def main(argv=None) -> int:
     lines, modes = modes_table(argv)
     if lines:
         printed += ["", "CUDA calls by SWITCHML_CUDA_COPIES (switchml alone)"] + lines
-    for name, title in (("ddp-pipelined.json", "SWITCHML_CUDA_COPIES=pipelined"),
-                        ("ddp-threads2.json", "SWITCHML_LOCAL_THREADS=2")):
+    for name, title in (("ddp-pipelined.json", "SWITCHML_CUDA_COPIES=pipelined"),):
         found = next((os.path.join(f, name) for f in argv
                       if os.path.exists(os.path.join(f, name))), None)
         if found:

@@ -543,12 +543,12 @@ def test_gpu_summary_sets_each_figure_against_its_aim(tmp_path, capsys):
             "speedup_over_gloo": s / 100.0, "max_weight_diff_vs_gloo": 3e-5}
            for b, s in (("gloo", 100.0), ("switchml", 130.0))]
     (tmp_path / "ddp.json").write_text(json.dumps({"runs": ddp}))
-    (tmp_path / "ddp-threads2.json").write_text(json.dumps({"runs": ddp}))  # its own table
+    (tmp_path / "ddp-pipelined.json").write_text(json.dumps({"runs": ddp}))  # its own table
     (tmp_path / "stages.tsv").write_text("build\t0\t20\t\nbench-cpu\t124\t110\ttimed out\n")
     assert main([str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert "bench-cpu | 124 | 110 | timed out" in printed and "H100" in printed
-    assert "DDP ResNet-18, SWITCHML_LOCAL_THREADS=2" in printed
+    assert "DDP ResNet-18, SWITCHML_CUDA_COPIES=pipelined" in printed
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["invocations"] == {"cuda": 3, "cpu": 2}
     got = {(r["device"], r["workers"]): r for r in summary["allreduce"]}
@@ -561,6 +561,12 @@ def test_gpu_summary_sets_each_figure_against_its_aim(tmp_path, capsys):
     assert got[("cpu", 2)]["fresh_pages_met"] and not got[("cuda", 2)]["fresh_pages_met"]
     [trained] = summary["ddp"]
     assert trained["speedup_over_gloo"] == pytest.approx(1.3) and trained["speedup_met"]
+    # bench-cpu not run: the cuda-modes stage's switchml-alone CPU calls stand in
+    (tmp_path / "bench-cpu").rename(tmp_path / "bench-cpu-switchml")
+    assert main([str(tmp_path)]) == 0
+    got = {(r["device"], r["workers"]): r
+           for r in json.loads((tmp_path / "summary.json").read_text())["allreduce"]}
+    assert got[("cuda", 2)]["cuda_over_cpu"] == pytest.approx(1.3)
 
 
 def test_a_rank_takes_the_gpu_of_its_place_on_its_host(monkeypatch):
