@@ -61,6 +61,13 @@ class Case:
     compare: str | None = None  # loss-free | flat | one-switch | one-rank
     #: False: a plot's points only, in no table
     table: bool = True
+    #: The least cores the case needs (its links faster than fewer carry): on a
+    #: machine of fewer it is skipped, saying so.  0: any.  Its figures state the
+    #: machine they ran on (its results' own), not machine.json's.
+    cores: int = 0
+    #: Whether only the first invocation checks the sums (bench/invocations.py
+    #: --check-first-only): at 256 MiB the check takes longer than the calls.
+    check_first_only: bool = False
 
 
 CASES = (
@@ -203,6 +210,15 @@ CASES = (
          ("--workers", "4", "--testbed", "--link", "1gbit", "--mtu", "9000", "--runs", "3",
           "--only", "bag-of-words gloo", "bag-of-words switchml sparse",
           "--sparse-args", "--epochs 1")),
+    # fast links: a machine of 16 cores (bench/fast_check.sh runs the same commands)
+    Case("tb-n4-10gbit", "fast", "4 hosts, 10 Gbit/s, MTU 9000, 256 MiB", "suite",
+         ("--testbed", "--link", "10gbit", "--mtu", "9000", "--workers", "4", "--sizes", "256",
+          "--repeats", "5", "--systems", "dense", "gloo", "--no-plots"),
+         cores=16, check_first_only=True),
+    Case("tb-n4-25gbit", "fast", "4 hosts, 25 Gbit/s, MTU 9000, 256 MiB", "suite",
+         ("--testbed", "--link", "25gbit", "--mtu", "9000", "--workers", "4", "--sizes", "256",
+          "--repeats", "5", "--systems", "dense", "gloo", "--no-plots"),
+         cores=16, check_first_only=True),
 )
 BY_ID = {case.id: case for case in CASES}
 GROUPS = tuple(dict.fromkeys(case.group for case in CASES))
@@ -218,8 +234,9 @@ def command(case: Case, results: str = RESULTS, python: str = "python") -> list:
     """The command that measures ``case`` into ``results``, from the repository root."""
     out = output(case, results)
     if case.kind == "suite":
-        return [python, "bench/invocations.py", "--runs", str(case.runs), "--out", out, "--",
-                *case.args]
+        checks = ["--check-first-only"] if case.check_first_only else []
+        return [python, "bench/invocations.py", "--runs", str(case.runs), *checks, "--out", out,
+                "--", *case.args]
     script, flag = {"train": ("train.py", "--out"), "two_jobs": ("two_jobs.py", "--json"),
                     "beside_tcp": ("beside_tcp.py", "--json"),
                     "switch_core": ("switch_core.py", "--json")}[case.kind]
@@ -259,8 +276,15 @@ def machine() -> dict:
 
 def run(cases: list, results: str, python: str) -> int:
     os.makedirs(os.path.join(ROOT, results), exist_ok=True)
-    with open(os.path.join(ROOT, results, "machine.json"), "w") as f:
-        json.dump(machine(), f, indent=2)
+    cores = os.cpu_count() or 1
+    for case in cases:
+        if case.cores > cores:
+            print(f"campaign: {case.id} skipped: it needs {case.cores} cores, this machine "
+                  f"has {cores}", file=sys.stderr)
+    cases = [c for c in cases if c.cores <= cores]
+    if any(not c.cores for c in cases):  # the machine of every figure that states none
+        with open(os.path.join(ROOT, results, "machine.json"), "w") as f:
+            json.dump(machine(), f, indent=2)
     for case in cases:
         argv = command(case, results, python)
         print(f"campaign: {case.id}: {' '.join(argv)}", file=sys.stderr, flush=True)
@@ -435,6 +459,18 @@ def machine_text(results: str = RESULTS) -> str:
             "emulated cluster shares those cores.")
 
 
+def fast_text(results: str = RESULTS) -> str:
+    """The fast-link cases' table, and the machine they ran on (their results')."""
+    fast = [c for c in CASES if c.group == "fast"]
+    with open(os.path.join(output(fast[0], os.path.join(ROOT, results)), "run1",
+                           "results.json")) as f:
+        m = json.load(f)["machine"]
+    return (cases_table([c.id for c in fast], results) + "\n\n"
+            f"**Machine**: {m['cpus']} cores ({m['cpu']}, as `/proc/cpuinfo` names it), "
+            f"{m['platform']}, Python {m['python']}. The 4 hosts, the switch and every "
+            "link share those cores.")
+
+
 def commands_list(results: str = RESULTS) -> str:
     lines = []
     for case in CASES:
@@ -442,6 +478,10 @@ def commands_list(results: str = RESULTS) -> str:
             shown = "switchml bench " + " ".join(
                 a if re.fullmatch(r"[\w.:/=-]+", a) else repr(a) for a in case.args)
             runs = f"; the median of {case.runs} invocations" if case.runs > 1 else ""
+            if case.check_first_only:
+                runs += ", the first checking the sums"
+            if case.cores:
+                runs += f"; on {case.cores} cores or more"
             lines.append(f"- <a id=\"{case.id}\"></a>`{case.id}`: `{shown}`{runs}")
         else:
             shown = " ".join(a if re.fullmatch(r"[\w.:/=-]+", a) else repr(a)
@@ -455,7 +495,7 @@ BLOCKS = {
     "headline": headline_table,
     "link": lambda results=RESULTS: cases_table(
         [c.id for c in CASES if c.kind == "suite" and not c.id.startswith("lat-")
-         and c.group != "local"], results),
+         and c.group not in ("local", "fast")], results),
     "local": lambda results=RESULTS: cases_table(
         [c.id for c in CASES if c.kind == "suite" and not c.id.startswith("lat-")
          and c.group == "local"], results),
@@ -463,6 +503,7 @@ BLOCKS = {
     "latency": latency_table,
     "other": lambda results=RESULTS: cases_table(
         [c.id for c in CASES if c.kind != "suite"], results),
+    "fast": fast_text,
     "commands": commands_list,
 }
 BLOCK = re.compile(r"(<!-- campaign:(\w+) -->\n)(.*?)(<!-- /campaign -->)", re.S)

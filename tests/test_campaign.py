@@ -130,3 +130,16 @@ def test_the_campaign_lists_its_commands_and_refuses_unknown_names():
     assert unknown.returncode != 0 and "no case or group nothing" in unknown.stderr
     case = campaign.BY_ID["train-testbed-bag-of-words"]
     assert campaign.command(case, "R")[-2:] == ["--out", "R/train-testbed-bag-of-words.json"]
+
+
+def test_a_case_for_more_cores_is_skipped_and_leaves_the_machine_file(tmp_path, capsys,
+                                                                    monkeypatch):
+    """A fast-link case on a machine of fewer cores than it needs runs nothing and
+    says so; machine.json, the machine of the figures that state none, stays."""
+    fast = campaign.BY_ID["tb-n4-10gbit"]
+    assert fast.cores == 16 and "--check-first-only" in campaign.command(fast)
+    monkeypatch.setattr(os, "cpu_count", lambda: fast.cores - 1)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("ran a command"))
+    assert campaign.run([fast], str(tmp_path), sys.executable) == 0
+    assert "tb-n4-10gbit skipped: it needs 16 cores" in capsys.readouterr().err
+    assert not (tmp_path / "machine.json").exists()
