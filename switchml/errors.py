@@ -12,11 +12,15 @@ class SwitchMLTimeoutError(SwitchMLError, TimeoutError):
 
     ``missing_ranks`` lists the ranks that did not contribute; it may be empty when
     the switch could not tell (for instance because it is unreachable).
+    ``culprits``: where this job serves another (a local stage's shard job, whose
+    ranks are hosts), the ranks of that one that caused the failure, as the rank
+    that gave up named them.
     """
 
-    def __init__(self, message: str, missing_ranks=()):
+    def __init__(self, message: str, missing_ranks=(), *, culprits=()):
         super().__init__(message)
         self.missing_ranks = sorted(missing_ranks)
+        self.culprits = sorted(culprits)
 
 
 class CallMismatchError(SwitchMLError, ValueError):

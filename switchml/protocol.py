@@ -226,21 +226,31 @@ class Abort(Request):
     #: it gave up because a switch went away (one of a job over several): the
     #: others learn a switch failure, not a stall
     switch_lost: bool = False
+    #: Ranks of the job this one serves that caused it (a local stage's shard job,
+    #: whose ranks are hosts, gives up because a rank of its host died): passed
+    #: on to the other ranks in ``Failed.culprits``.
+    culprits: tuple[int, ...] = ()
 
     def fields(self) -> dict:
         out: dict = {"reason": self.reason, "missing": list(self.missing)}
         if self.switch_lost:
             out["switch_lost"] = True
+        if self.culprits:
+            out["culprits"] = list(self.culprits)
         return out
 
     @classmethod
     def from_dict(cls, msg: dict) -> Abort:
         """Lenient: a gone rank's last word is never refused; what is not a rank is
         left out (the controller also drops ranks outside the job)."""
-        said = msg.get("missing")
-        missing = tuple(r for r in (said if isinstance(said, list) else []) if _is_int(r))
-        return cls(str(msg.get("reason", "no progress"))[:MAX_NAME], missing,
-                   msg.get("switch_lost") is True)
+        return cls(str(msg.get("reason", "no progress"))[:MAX_NAME], _ranks_in(msg, "missing"),
+                   msg.get("switch_lost") is True, _ranks_in(msg, "culprits"))
+
+
+def _ranks_in(msg: dict, key: str) -> tuple[int, ...]:
+    """The integers of list ``msg[key]`` (none where it is no list)."""
+    said = msg.get(key)
+    return tuple(r for r in (said if isinstance(said, list) else []) if _is_int(r))
 
 
 @dataclass(frozen=True)
@@ -521,6 +531,8 @@ class Failed(Event):
     reason: str
     mismatch: bool = False
     switch_lost: bool = False
+    #: ``Abort.culprits`` of the rank that gave up: ranks of the job its job serves.
+    culprits: tuple[int, ...] = ()
 
     def fields(self) -> dict:
         out: dict = {"missing": list(self.missing), "reason": self.reason}
@@ -528,6 +540,8 @@ class Failed(Event):
             out["mismatch"] = True
         if self.switch_lost:
             out["switch_lost"] = True
+        if self.culprits:
+            out["culprits"] = list(self.culprits)
         return out
 
 
@@ -638,7 +652,8 @@ def decode_event(msg) -> Event | None:
     if name == "failed":
         return Failed(tuple(_field(msg, "missing", _ints, "ranks", [])),
                       str(msg.get("reason", "")), msg.get("mismatch") is True,
-                      msg.get("switch_lost") is True)
+                      msg.get("switch_lost") is True,
+                      tuple(_field(msg, "culprits", _ints, "ranks", [])))
     if name == "left":
         return Left()
     if name == "other_secret_waiting":

@@ -69,6 +69,17 @@ def test_disconnect_of_a_running_rank_fails_the_job_and_frees_slots(ctl):
     assert ctl.pipeline.free_slots() == 16 and ctl.jobs == {}
 
 
+def test_a_rank_that_gives_up_passes_its_culprits_on(ctl):
+    """A shard job's rank gives up because a rank of its host died: the others hear
+    that rank of the enclosing job named (``culprits``), not a rank of this one."""
+    join(ctl, 1, 0, 2)
+    join(ctl, 2, 1, 2)
+    out = ctl.handle_message(1, {"op": "abort", "reason": "job 'local': rank 1 died",
+                                 "missing": [], "culprits": [1]})
+    assert out == [(2, {"event": "failed", "missing": [], "culprits": [1],
+                        "reason": "rank 0 of job 'j' gave up: job 'local': rank 1 died"})]
+
+
 def test_slots_freed_only_after_every_rank_left(ctl):
     join(ctl, 1, 0, 2)
     join(ctl, 2, 1, 2)

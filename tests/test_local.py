@@ -483,3 +483,37 @@ def test_shards_start_at_whole_pages():
     bounds = host.stages[0].shard_bounds(10 * SHARD_ALIGN + 3)
     assert [b[0] % SHARD_ALIGN for b in bounds] == [0, 0, 0]
     assert bounds[-1][1] == 10 * SHARD_ALIGN + 3
+
+
+def test_a_host_gives_its_shard_job_up_naming_the_rank_it_lost():
+    """The switch job of a host's shard has hosts for ranks: a rank of this host
+    that died is no rank of it, so the host gives it up naming that rank as the
+    culprit the other hosts hear (the switch passes ``culprits`` on), blaming no
+    host; the other hosts name it to their ranks as the one that failed."""
+    from switchml.errors import CallMismatchError, SwitchMLTimeoutError
+    from switchml.worker.local.worker import LocalStageWorker
+
+    given = LocalStageWorker._in_shard_ranks(SwitchMLTimeoutError("rank 1 died", [1]))
+    assert isinstance(given, SwitchMLTimeoutError)
+    assert given.missing_ranks == [] and given.culprits == [1] and str(given) == "rank 1 died"
+    other = CallMismatchError("ranks disagree")
+    assert LocalStageWorker._in_shard_ranks(other) is other
+
+
+def test_a_shard_jobs_failure_names_the_culprits_else_the_hosts_senders():
+    """A failure of a shard's switch job, told in this job's ranks: the culprits a
+    host that gave up named, where there are; else each host the switch names by
+    its rank that sends the shard."""
+    from types import SimpleNamespace
+
+    from switchml.errors import SwitchMLTimeoutError
+    from switchml.worker.local.worker import LocalStageWorker
+
+    me = SimpleNamespace(job="local", placement=SimpleNamespace(
+        shard=0, shard_members=lambda shard: [0, 2]))  # host 0 sends by rank 0, host 1 by 2
+    gave_up = SwitchMLTimeoutError("rank 0 of job 'local.shard0' gave up: rank 1 died",
+                                   culprits=[1])
+    told = LocalStageWorker._in_job_ranks(me, gave_up)
+    assert told.missing_ranks == [1] and str(told).startswith("job 'local': rank 1 failed")
+    gone = SwitchMLTimeoutError("rank 1 of job 'local.shard0' disconnected", [1])
+    assert LocalStageWorker._in_job_ranks(me, gone).missing_ranks == [2]

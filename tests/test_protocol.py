@@ -27,6 +27,7 @@ REQUESTS = [
     Leave(),
     Abort("no progress for 30s", (2, 3)),
     Abort("the switch at h:7300 closed the control connection", (), switch_lost=True),
+    Abort("job 'local': rank 1 died", culprits=(1,)),
     StatusQuery(((0, 1), (5, 7))),
     StatsQuery(),
 ]

@@ -586,7 +586,7 @@ class Controller:
         reason = abort.reason
         log.warning("job %s failed: rank %d gave up: %s", job.name, rank, reason)
         return self._fail(job, missing, f"rank {rank} of job '{job.name}' gave up: {reason}",
-                          skip=conn, switch_lost=abort.switch_lost)
+                          skip=conn, switch_lost=abort.switch_lost, culprits=abort.culprits)
 
     def handle_mismatches(self) -> list:
         """Fail every job whose ranks the pipeline saw disagree on a call."""
@@ -607,12 +607,12 @@ class Controller:
         return _on_wire(out)
 
     def _fail(self, job: JobEntry, missing: list, reason: str, skip=None,
-              mismatch: bool = False, switch_lost: bool = False) -> list:
+              mismatch: bool = False, switch_lost: bool = False, culprits=()) -> list:
         conns = list(dict.fromkeys(c for r, c in sorted(job.conns.items())
                                    if r not in job.left and c != skip))
         out = self._end(job, "failed")
         self.pipeline.counters["jobs_failed"] += 1
-        failed = Failed(tuple(missing), reason, mismatch, switch_lost)
+        failed = Failed(tuple(missing), reason, mismatch, switch_lost, tuple(culprits))
         return [(c, failed) for c in conns] + out
 
     def _end(self, job: JobEntry, state: str) -> list:

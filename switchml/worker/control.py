@@ -187,7 +187,8 @@ class ControlClient:
     def abort(self, error: SwitchMLError) -> None:
         """This rank gives up on the job: the switch fails it for every rank."""
         self._send(protocol.Abort(str(error), tuple(getattr(error, "missing_ranks", ())),
-                                  isinstance(error, SwitchUnreachableError)))
+                                  isinstance(error, SwitchUnreachableError),
+                                  tuple(getattr(error, "culprits", ()))))
 
     def query_status(self, pending) -> None:
         """Ask which ranks contributed to ``pending`` (slot, message number) pairs."""
@@ -281,7 +282,7 @@ class ControlClient:
                 return self._fail(SwitchUnreachableError(
                     f"job '{self.job}' failed: {event.reason}"))
             return self._fail(SwitchMLTimeoutError(f"job '{self.job}' failed: {event.reason}",
-                                                   event.missing))
+                                                   event.missing, culprits=event.culprits))
         if self.state == JOINING:
             if isinstance(event, Challenge):
                 return self._answer(event)

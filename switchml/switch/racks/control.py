@@ -221,9 +221,10 @@ class RackController:
         if entry is None or job is None or not job.session:
             return []
         reason = f"rank {entry[1]} of job '{job.name}' gave up: {abort.reason}"
-        return self._fail(job, Failed(abort.missing, reason, switch_lost=abort.switch_lost),
+        return self._fail(job, Failed(abort.missing, reason, switch_lost=abort.switch_lost,
+                                      culprits=abort.culprits),
                           skip=conn, up=protocol.Abort(abort.reason, abort.missing,
-                                                       abort.switch_lost))
+                                                       abort.switch_lost, abort.culprits))
 
     def _gather(self, conn, gather: protocol.Gather) -> list:
         """A rank's host record for its job's ranks, in every rack: to the spine."""

@@ -503,8 +503,17 @@ class LocalStageWorker:
             memory.fail(self._segment.buf, code, culprit, str(error).encode()[:256])
             error = self._failure() or error
         if self.switch is not None:
-            self.switch.abort(error)
+            self.switch.abort(self._in_shard_ranks(error))
         return error
+
+    @staticmethod
+    def _in_shard_ranks(error: SwitchMLError) -> SwitchMLError:
+        """``error`` (of this job's ranks) as this rank's switch job gives it up: the
+        ranks it blames are no ranks of that job (whose ranks are hosts), but its
+        culprits, which the switch passes on to the other hosts."""
+        if not isinstance(error, SwitchMLTimeoutError):
+            return error
+        return SwitchMLTimeoutError(str(error), culprits=error.missing_ranks)
 
     def _failure(self) -> SwitchMLError | None:
         """The host's recorded failure, as the error every rank of it raises."""
@@ -529,7 +538,10 @@ class LocalStageWorker:
         assert p.shard is not None
         senders = p.shard_members(p.shard)
         hosts = getattr(error, "missing_ranks", None) or []
-        missing = [senders[h] for h in hosts if 0 <= h < len(senders)]
+        # a host that gave up names the ranks of this job it gave up for; else the
+        # switch names hosts, each by its rank that sends this shard
+        missing = list(getattr(error, "culprits", None) or
+                       [senders[h] for h in hosts if 0 <= h < len(senders)])
         where = ", ".join(f"{h} is rank {r}" for h, r in enumerate(senders))
         blame = (f"rank{'s' if len(missing) > 1 else ''} "
                  f"{', '.join(map(str, missing))} failed: " if missing else "")
