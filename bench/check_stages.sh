@@ -58,8 +58,6 @@ for name in ("numpy", "pytest", "torchvision", "cryptography", "tqdm", "setuptoo
 PYEOF
 }
 
-# stage NAME CAP_S COMMAND...: run it with at most CAP_S seconds, and never past the
-# budget (15 s kept for the summary); its output in OUT/NAME.log; a line in stages.tsv
 # The kernel's UDP counters of this namespace (/proc/net/snmp), "name=value ...":
 # what a stage on loopback lost in socket buffers shows as RcvbufErrors.
 udp_counters() {
@@ -78,6 +76,8 @@ udp_growth() {
     echo "${grown# }"
 }
 
+# stage NAME CAP_S COMMAND...: run it with at most CAP_S seconds, and never past the
+# budget (15 s kept for the summary); its output in OUT/NAME.log; a line in stages.tsv
 stage() {
     local name=$1 cap=$2
     shift 2

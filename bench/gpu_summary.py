@@ -231,12 +231,11 @@ def main(argv=None) -> int:
     lines, modes = modes_table(argv)
     if lines:
         printed += ["", "CUDA calls by SWITCHML_CUDA_COPIES (switchml alone)"] + lines
-    for name, title in (("ddp-pipelined.json", "SWITCHML_CUDA_COPIES=pipelined"),):
-        found = next((os.path.join(f, name) for f in argv
-                      if os.path.exists(os.path.join(f, name))), None)
-        if found:
-            lines, _ = ddp_table(found)
-            printed += ["", f"DDP ResNet-18, {title}"] + lines
+    pipelined = next((os.path.join(f, "ddp-pipelined.json") for f in argv
+                      if os.path.exists(os.path.join(f, "ddp-pipelined.json"))), None)
+    if pipelined:
+        lines, _ = ddp_table(pipelined)
+        printed += ["", "DDP ResNet-18, SWITCHML_CUDA_COPIES=pipelined"] + lines
     print("\n".join(printed))
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump({"machine": machine, "invocations": counted, "allreduce": allreduce,

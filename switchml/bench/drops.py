@@ -25,8 +25,12 @@ def _qdisc_drops(ns: str, dev: str) -> int:
 
 def _udp(ns: str) -> dict:
     """UDP's counters in ``ns`` (/proc/net/snmp)."""
-    lines = [line.split() for line in sh(["ip", "netns", "exec", ns, "cat", "/proc/net/snmp"])
-             .stdout.splitlines() if line.startswith("Udp:")]
+    return _udp_counters(sh(["ip", "netns", "exec", ns, "cat", "/proc/net/snmp"]).stdout)
+
+
+def _udp_counters(snmp: str) -> dict:
+    """UDP's counters in the text of a /proc/net/snmp: its names line, its values line."""
+    lines = [line.split() for line in snmp.splitlines() if line.startswith("Udp:")]
     return dict(zip(lines[0][1:], map(int, lines[1][1:])))
 
 
@@ -78,14 +82,6 @@ def delta(before: dict, after: dict) -> dict:
             "loss_rule": after["loss_rule"] - before["loss_rule"], "per_host": per_host}
 
 
-if __name__ == "__main__":  # a testbed's drops: python -m switchml.bench.drops PREFIX
-    import sys
-
-    from ..testbed import Testbed
-
-    print(json.dumps(snapshot(Testbed.from_state(*sys.argv[1:2])), indent=2))
-
-
 def host_snapshot() -> dict:
     """This host's drop counters now (a job on loopback): datagrams its CPUs'
     backlogs dropped (``/proc/net/softnet_stat``'s second column: a receiving
@@ -95,8 +91,7 @@ def host_snapshot() -> dict:
         for line in f:
             backlog += int(line.split()[1], 16)
     with open("/proc/net/snmp") as f:
-        lines = [line.split() for line in f if line.startswith("Udp:")]
-    udp = dict(zip(lines[0][1:], map(int, lines[1][1:])))
+        udp = _udp_counters(f.read())
     return {"backlog_dropped": backlog, "udp_rcvbuf_errors": udp.get("RcvbufErrors", 0),
             "udp_sndbuf_errors": udp.get("SndbufErrors", 0),
             "udp_in_errors": udp.get("InErrors", 0)}
@@ -105,3 +100,12 @@ def host_snapshot() -> dict:
 def host_delta(before: dict, after: dict) -> dict:
     """What ``after`` counted since ``before`` (``host_snapshot``'s)."""
     return {k: after[k] - before[k] for k in after}
+
+
+if __name__ == "__main__":  # a testbed's drops: python -m switchml.bench.drops PREFIX
+    import sys
+
+    from ..testbed import Testbed
+
+    print(json.dumps(snapshot(Testbed.from_state(*sys.argv[1:2])), indent=2))
+

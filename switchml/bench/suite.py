@@ -506,14 +506,12 @@ def _note_drops(rows, before, cluster) -> None:
     """Where the datagrams of these rows' run were lost (all its cases together)."""
     from . import drops
 
-    if not isinstance(cluster, OnTestbed):
-        lost = drops.host_delta(before, _drops(cluster))
-        for row in rows:
-            row["host_drops_in_run"] = lost
-        return
-    lost = drops.delta(before, _drops(cluster))
+    if isinstance(cluster, OnTestbed):
+        key, lost = "testbed_drops_in_run", drops.delta(before, _drops(cluster))
+    else:
+        key, lost = "host_drops_in_run", drops.host_delta(before, _drops(cluster))
     for row in rows:
-        row["testbed_drops_in_run"] = lost
+        row[key] = lost
 
 
 def run(args, cluster) -> dict:
