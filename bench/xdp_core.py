@@ -51,6 +51,7 @@ import multiprocessing
 import os
 import resource
 import sys
+import threading
 import time
 
 import numpy as np
@@ -136,6 +137,8 @@ def _runner(prog_fd, cpu, leader, frames, start, deadline, barrier, stop, conn):
         cpu_s = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
         conn.send((passes, runs, ns, cpu_s, t1 - t0, actions))
     except BaseException as exc:  # the parent reports it
+        if barrier is not None:  # the other process must not wait its 30 s for this one
+            barrier.abort()
         conn.send(exc)
 
 
@@ -197,9 +200,10 @@ def measure(mtu: int, cpus: int, share: str, workers: int, slots: int, block: in
         answers = [pipe.recv() for pipe in pipes]
         for child in children:
             child.join(timeout=30)
-        for answer in answers:
-            if isinstance(answer, BaseException):
-                raise answer
+        failures = [a for a in answers if isinstance(a, BaseException)]
+        if failures:  # the cause, not the broken barrier it left the other process
+            raise next((f for f in failures if not isinstance(f, threading.BrokenBarrierError)),
+                       failures[0])
         p.sync_counters()
         c = p.jobs[SESSION].counters
         if cpus == 1:  # the per-call cost: a frame (stale by now: its set moved on), alone or
