@@ -89,9 +89,9 @@ SWITCHML_LOCAL_STAGE        0: ranks that share a host each send     1
 SWITCHML_LOCAL_GROUP        ranks of one host that name different    (none)
                             groups do not combine (never merges
                             ranks of different hosts)
-SWITCHML_LOCAL_SEGMENT      bytes the local stage combines, sends    2097152
-                            and copies back at a time (alike on
-                            every rank of a job)
+SWITCHML_LOCAL_SEGMENT      bytes the local stage combines, sends    2 MiB a
+                            and copies back at a time (alike on      local thread,
+                            every rank of a job, or on none)         at most 8 MiB
 SWITCHML_CUDA_COPIES        how a one-host job's CUDA tensors move:  direct
                             direct (each segment by DMA straight
                             to and from the local stage's shared

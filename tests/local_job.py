@@ -27,16 +27,24 @@ def digest(array) -> str:
 
 
 class Straight:
-    """stage.DeviceCopies over numpy arrays that stand for a GPU's."""
+    """stage.DeviceCopies over numpy arrays that stand for a GPU's: each copy made
+    when it is waited for, as late as a device may make it."""
 
     def __init__(self, src):
         self.src, self.out = src, np.empty_like(src)
+        self.started: dict = {}
 
     def into_host(self, area, start, stop):
-        np.copyto(area, self.src[start:stop])
+        self.started["in", start] = lambda: np.copyto(area, self.src[start:stop])
+
+    def wait_into_host(self, start, stop):
+        self.started.pop(("in", start))()
 
     def from_host(self, result, start, stop):
-        np.copyto(self.out[start:stop], result)
+        self.started["out", start] = lambda: np.copyto(self.out[start:stop], result)
+
+    def wait_from_host(self, start, stop):
+        self.started.pop(("out", start))()
 
 
 class Pipelined:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from switchml.errors import CallMismatchError, JoinRefusedError
 from switchml.worker.local import memory
-from switchml.worker.local.hosts import HostRecord, Placement
+from switchml.worker.local.hosts import HostRecord, Placement, auto_segment
 from switchml.worker.local.memory import R_STATE, Layout
 from switchml.worker.local.stage import SHARD_ALIGN, Finished, Launch, LocalStage, Wait, call_kind
 
@@ -33,18 +33,37 @@ class Host:
 
 class DeviceArrays:
     """``stage.DeviceCopies`` over two arrays standing for a GPU's input and output;
-    counts the segments that came in and went back."""
+    counts the segments that came in and went back.  A copy is made when it
+    starts (``eager``: a copy in that starts too early overwrites what a peer
+    has yet to sum) or when it is waited for (``lazy``: the stage reading an
+    area before its copy is done reads the wrong values, and a result changed
+    before its copy back is done goes back wrong)."""
 
-    def __init__(self, src, out):
-        self.src, self.out = src, out
+    def __init__(self, src, out, lazy: bool = False):
+        self.src, self.out, self.lazy = src, out, lazy
         self.segments_in = self.segments_out = 0
+        self.started: dict = {}  # (direction, start) -> the copy, until waited for
+
+    def _start(self, key, copy):
+        assert key not in self.started, f"{key} started twice"
+        if self.lazy:
+            self.started[key] = copy
+        else:
+            copy()
+            self.started[key] = lambda: None
 
     def into_host(self, area, start, stop):
-        np.copyto(area, self.src[start:stop])
+        self._start(("in", start), lambda: np.copyto(area, self.src[start:stop]))
+
+    def wait_into_host(self, start, stop):
+        self.started.pop(("in", start))()
         self.segments_in += 1
 
     def from_host(self, result, start, stop):
-        np.copyto(self.out[start:stop], result)
+        self._start(("out", start), lambda: np.copyto(self.out[start:stop], result))
+
+    def wait_from_host(self, start, stop):
+        self.started.pop(("out", start))()
         self.segments_out += 1
 
 
@@ -75,9 +94,10 @@ def run_hosts(sizes, calls, seed, switched=None, in_place=False, defer=False, de
     model switch that sums each shard over the hosts, in float64 rounded once,
     whenever the scheduler lets it.  ``defer``: each call but the last leaves its
     last copy-out to the next (as a rank does when calls are queued).  ``device``:
-    every call's input and output live "on a device": ``"direct"``
-    (``DeviceArrays``: the host arrays the stage is given hold NaN and must stay
-    so) or ``"pipelined"`` (``DevicePipelineArrays``: each segment of the host
+    every call's input and output live "on a device": ``"direct"`` or
+    ``"direct-lazy"`` (``DeviceArrays``, its copies made as they start or as
+    they are waited for: the host arrays the stage is given hold NaN and must
+    stay so) or ``"pipelined"`` (``DevicePipelineArrays``: each segment of the host
     copy filled as the stage asks for it, and sent back as it says).  Returns
     outputs[c][host][index]."""
     rng = np.random.default_rng(seed)
@@ -104,14 +124,15 @@ def run_hosts(sizes, calls, seed, switched=None, in_place=False, defer=False, de
                 assert pipe.arrived == bounds  # each segment asked for once, in order
                 if not (defer and c < len(calls) - 1):
                     assert pipe.departed == bounds
-            elif device == "direct":
+            elif device in ("direct", "direct-lazy"):
                 host = np.full(src.size, np.nan, np.float32).view(src.dtype)
-                copies = DeviceArrays(src, outputs[c][h][i])
+                copies = DeviceArrays(src, outputs[c][h][i], lazy=device == "direct-lazy")
                 yield from stage.allreduce(host, host, kind, more, copies)
                 untouched = np.full(src.size, np.nan, np.float32).view(src.dtype)
                 assert host.tobytes() == untouched.tobytes()
                 assert copies.segments_in == copies.segments_out == segments or (
                     defer and c < len(calls) - 1)
+                assert not copies.started  # every copy started was waited for
             else:
                 yield from stage.allreduce(src, outputs[c][h][i], kind, more)
 
@@ -213,12 +234,13 @@ def test_every_interleaving_gives_every_rank_the_two_stage_sum(sizes, lengths, d
 @given(sizes=st.lists(st.integers(1, 4), min_size=1, max_size=2),
        lengths=st.lists(st.integers(1, 3 * SEGMENT + 77), min_size=1, max_size=3),
        dtype=st.sampled_from([np.float32, np.int32]), seed=st.integers(0, 2**32 - 1),
-       defer=st.booleans(), device=st.sampled_from(["direct", "pipelined"]))
+       defer=st.booleans(), device=st.sampled_from(["direct", "direct-lazy", "pipelined"]))
 def test_calls_whose_arrays_are_on_a_device_sum_alike(sizes, lengths, dtype, seed, defer,
                                                       device):
     """Input and output on a device (``copies``): straight, each segment comes
     into the rank's area and its sum goes back, once, the host arrays never
-    touched; pipelined, each segment of the host copy is read only once it
+    touched, whether a copy is made as soon as it starts or only once waited
+    for; pipelined, each segment of the host copy is read only once it
     arrived and sent back once summed, in order.  Every rank gets the two-stage
     sum, as from host arrays."""
     rng = np.random.default_rng(seed)
@@ -467,6 +489,41 @@ def test_placement_groups_by_memory_and_shards_by_the_smallest_host():
 def test_placement_refuses_ranks_that_cut_segments_differently():
     with pytest.raises(JoinRefusedError, match="SWITCHML_LOCAL_SEGMENT"):
         Placement.of([record("a"), record("a", segment=2 * SEGMENT)], 0)
+    with pytest.raises(JoinRefusedError, match="on every rank, or on none"):
+        Placement.of([record("a"), record("a", segment=0)], 0)  # told, and not told
+
+
+MIB = 2**20 // 4  # elements
+
+
+def test_a_segment_is_2_mib_a_local_thread_as_shared_memory_allows():
+    """Unasked, a segment is 2 MiB for each thread a rank copies and sums with (the
+    host's cores over its ranks, 1 to 4), halved down to 2 MiB while the host's
+    shared memory would take more than half of what /dev/shm has free."""
+    assert auto_segment(2, 2) == auto_segment(4, 2) == 2 * MIB  # this machine's shape
+    assert auto_segment(2, 16) == auto_segment(4, 16) == 8 * MIB
+    assert auto_segment(8, 16) == 4 * MIB and auto_segment(1, 64) == 8 * MIB
+    # 4 ranks of 8 MiB: 2 slots of 5 areas, 80 MiB; 64 MiB free (docker's default)
+    assert auto_segment(4, 16, free_shm=64 * 2**20) == 2 * MIB
+    assert auto_segment(4, 16, free_shm=150 * 2**20) == 4 * MIB
+    assert auto_segment(4, 16, free_shm=2**20) == 2 * MIB  # never below 2 MiB
+
+
+def test_a_job_told_no_segment_takes_the_smallest_its_hosts_choose():
+    """Every host cuts its calls alike: told (alike), the job's segment is that;
+    else the smallest ``auto_segment`` of its hosts, from their records."""
+    def told_nothing(memory, cores, free_shm=0, pid=1):
+        return HostRecord(memory, "m", pid, 0, cores, free_shm)
+
+    big = [told_nothing("a", 16, pid=1), told_nothing("a", 16, pid=2)]
+    assert Placement.of(big, 0).segment == 8 * MIB
+    # a host of one rank on 2 cores: 2 threads, 4 MiB
+    assert Placement.of(big + [told_nothing("b", 2, pid=3)], 0).segment == 4 * MIB
+    # a rank that may run on fewer cores, or a host with less room, speaks for its host
+    assert Placement.of(big + [told_nothing("a", 4, pid=3)], 0).segment == 2 * MIB
+    tight = told_nothing("a", 16, free_shm=50 * 2**20, pid=3)  # 3 ranks: 2 slots of 4 areas
+    assert Placement.of(big + [tight], 0).segment == 2 * MIB
+    assert Placement.of([record("a", segment=3 * 1024)] * 2, 0).segment == 3 * 1024
 
 
 @given(st.text(max_size=40))
@@ -517,3 +574,23 @@ def test_a_shard_jobs_failure_names_the_culprits_else_the_hosts_senders():
     assert told.missing_ranks == [1] and str(told).startswith("job 'local': rank 1 failed")
     gone = SwitchMLTimeoutError("rank 1 of job 'local.shard0' disconnected", [1])
     assert LocalStageWorker._in_job_ranks(me, gone).missing_ranks == [2]
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_a_host_overlaps_device_copies_with_its_sums_and_never_races_them(lazy):
+    """One host (the case the overlap is for): the next segment's input comes in
+    and the last one's sum goes back while this one is summed.  Over many
+    interleavings of 2 to 4 ranks, an input copied in before every owner summed
+    what the area held (``eager``), or read before its copy is done (``lazy``),
+    shows as a wrong sum."""
+    for seed in range(150):
+        rng = np.random.default_rng(seed)
+        sizes = [int(rng.integers(2, 5))]
+        lengths = [int(rng.integers(2 * SEGMENT, 5 * SEGMENT)) for _ in range(2)]
+        calls = [inputs(rng, sizes, n, np.float32) for n in lengths]
+        outputs = run_hosts(sizes, calls, seed, defer=bool(seed % 2),
+                            device="direct-lazy" if lazy else "direct")
+        for call, out in zip(calls, outputs):
+            expected = two_stage_sum(call)
+            for array in out[0]:
+                np.testing.assert_array_equal(array, expected, err_msg=f"seed {seed}")

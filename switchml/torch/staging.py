@@ -19,9 +19,11 @@ contiguous CUDA tensor moves a segment at a time (``SWITCHML_CUDA_COPIES``).
 By default (``direct``) it skips the host copy altogether: the host's shared
 memory is registered with CUDA once (``cudaHostRegister``), and each segment
 goes by DMA from the tensor into the rank's area of the shared memory, and its
-sum from the result area straight back into the tensor (``SegmentCopies``, on
-the side stream; 16-bit tensors widened and rounded back on the GPU, AVG
-divided there), so the host's cores only sum.  With ``pipelined`` every
+sum from the result area straight back into the tensor (``SegmentCopies``; 16-bit
+tensors widened and rounded back on the GPU, AVG divided there), so the host's
+cores only sum.  The copies overlap the sums: while the stage sums a segment,
+the next one comes in on a second side stream and the last one's sum goes back
+on the first.  With ``pipelined`` every
 segment's copy into the pinned host copy is enqueued at once, each with an
 event, the stage starts on a segment once its event is done, and each
 segment's sum goes back as soon as it is copied out (``PipelinedCopies``):
@@ -65,12 +67,14 @@ def _pinned_pool(device: torch.device) -> BufferPool:
         return pool
 
 
-def _side_stream(device: torch.device):
-    """This process's copy stream for ``device`` (one a device, made on first use)."""
+def _side_stream(device: torch.device, inward: bool = False):
+    """This process's copy stream for ``device`` (one a device, made on first use),
+    or, ``inward``, its second one: a segment's input comes in on it while the
+    last one's sum goes back on the first."""
     with _side_streams_lock:
-        stream = _side_streams.get(device)
+        stream = _side_streams.get((device, inward))
         if stream is None:
-            stream = _side_streams[device] = torch.cuda.Stream(device)
+            stream = _side_streams[device, inward] = torch.cuda.Stream(device)
         return stream
 
 
@@ -240,26 +244,47 @@ def _send_back(staging: CudaStaging, host: torch.Tensor, start: int, stop: int,
 
 class SegmentCopies:
     """``stage.DeviceCopies`` of a CUDA tensor: each segment by DMA between the
-    tensor and the host's shared memory (registered with CUDA), on the side stream,
-    the calling thread (the worker's) waiting for each."""
+    tensor and the host's shared memory (registered with CUDA), the input on the
+    device's in-stream and the sum on the side stream (the two directions run at
+    once), each copy's event waited for by the calling thread (the worker's)."""
 
     def __init__(self, staging: CudaStaging, divisor: int | None):
         self.staging = staging
         self.divisor = divisor
-        self.done = staging.event()
+        self.in_stream = _side_stream(staging.tensor.device, inward=True)
+        # the input is read there: after what the side stream waited for (the
+        # caller's kernels) and after the last call's sums went back
+        self.in_stream.wait_stream(staging.stream)
+        staging.tensor.record_stream(self.in_stream)
+        self._started: dict[tuple[str, int], torch.cuda.Event] = {}
+        self._spare: list = []
+
+    def _record(self, key: tuple[str, int], stream) -> None:
+        event = self._spare.pop() if self._spare else self.staging.event()
+        event.record(stream)
+        self._started[key] = event
+
+    def _wait(self, key: tuple[str, int]) -> None:
+        event = self._started.pop(key)
+        event.synchronize()
+        self._spare.append(event)
 
     def into_host(self, area, start: int, stop: int) -> None:
-        with _on_stream(self.staging.stream):
+        with _on_stream(self.in_stream):
             source = _widened(self.staging.tensor.detach().view(-1)[start:stop])
             torch.from_numpy(area).copy_(source, non_blocking=True)
-            self.done.record(self.staging.stream)
-        self.done.synchronize()
+            self._record(("in", start), self.in_stream)
+
+    def wait_into_host(self, start: int, stop: int) -> None:
+        self._wait(("in", start))
 
     def from_host(self, result, start: int, stop: int) -> None:
         with _on_stream(self.staging.stream):
             _send_back(self.staging, torch.from_numpy(result), start, stop, self.divisor)
-            self.done.record(self.staging.stream)
-        self.done.synchronize()
+            self._record(("out", start), self.staging.stream)
+
+    def wait_from_host(self, start: int, stop: int) -> None:
+        self._wait(("out", start))
         self.staging.sent_upto = stop
 
 

@@ -46,6 +46,9 @@ SHM_DIR = "/dev/shm"
 PREFIX = "switchml-"
 #: Most ranks a host group holds (a header of one page and a bit).
 MAX_RANKS = 256
+#: Segments a host's shared memory holds at once: one being combined while the
+#: one before crosses the switch.
+SLOTS = 2
 
 # Header fields: byte offsets.
 H_MAGIC, H_VERSION, H_RANKS, H_SHARDS, H_SLOTS, H_SEGMENT = 0, 8, 12, 16, 20, 24

@@ -22,7 +22,9 @@ segment, in order, each rank of the host:
 So while shard s of segment t crosses the network, segment t+1 is summed and
 queued behind it, and segment t-1 copied out: the switch always has the next
 call waiting (measured on the testbed: 64 MiB as 16 calls queued back to back
-took as long as one call).
+took as long as one call).  Where a device copies the segments in and out
+(``DeviceCopies``, a host that is the whole job), the copies of segment t+1 in
+and of segment t-1 out run while segment t is summed.
 
 A rank's calls are generators: they yield ``Wait`` (a counter of some ranks
 must reach a target; the driver sleeps on the segment's futex, or a test's
@@ -72,14 +74,25 @@ def describe_kind(elements: int, kind: int) -> str:
 class DeviceCopies(Protocol):
     """A call whose input and output live on a device (a GPU), straight to and
     from the shared memory: how each segment comes into the rank's area and its
-    sum goes back, both done when the method returns (the slot is then free to
-    change).  The call's host arrays are not touched."""
+    sum goes back.  A copy is started and later waited for, so that it runs
+    beside the stage's other work: the next segment's input comes in and the
+    last one's sum goes back while this one is summed.  The call's host arrays
+    are not touched."""
 
     def into_host(self, area: np.ndarray, start: int, stop: int) -> None:
-        """``area`` = elements [start, stop) of the input."""
+        """Start ``area`` = elements [start, stop) of the input."""
+
+    def wait_into_host(self, start: int, stop: int) -> None:
+        """Return once the copy into the host that ``into_host`` started for
+        [start, stop) is done."""
 
     def from_host(self, result: np.ndarray, start: int, stop: int) -> None:
-        """Elements [start, stop) of the output = ``result``."""
+        """Start elements [start, stop) of the output = ``result`` (which stays
+        as it is until ``wait_from_host``)."""
+
+    def wait_from_host(self, start: int, stop: int) -> None:
+        """Return once the copy that ``from_host`` started for [start, stop) is
+        done."""
 
 
 @runtime_checkable
@@ -159,6 +172,10 @@ class LocalStage:
         #: begun and not yet forgotten (``forget_output``): the first that many
         #: segments of that output hold the sum, the rest still the input (in place).
         self.copied_out: dict[int, int] = {}
+        #: Device copies under way (``DeviceCopies``): the segment whose input is
+        #: coming into this rank's area, and the one whose sum is going back.
+        self._coming: int | None = None
+        self._going: int | None = None
 
     # ------------------------------------------------------------------ helpers
     def record(self, index: int, field: int) -> int:
@@ -214,7 +231,7 @@ class LocalStage:
             segment = base + t
             if segment >= layout.slots:  # the slot's last segment copied out by all
                 yield Wait(R_COPIED_OUT, self.everyone, segment - layout.slots + 1)
-            yield from self._combine(src, t, segment, n, call, kind, copies)
+            yield from self._combine(src, t, segment, n, call, kind, copies, count)
             if t:
                 yield from self._copy_out(out, t - 1, segment - 1, n, copies)
             else:
@@ -237,6 +254,7 @@ class LocalStage:
     def forget_deferred(self) -> None:
         """The job failed: the last call's copy-out will not happen."""
         self._tail = None
+        self._coming = self._going = None
 
     def finish(self):
         """The steps of the last call's deferred copy-out (none if there is none)."""
@@ -248,8 +266,8 @@ class LocalStage:
         yield Finished(call)
 
     def _combine(self, src, t: int, segment: int, n: int, call: int, kind: int,
-                 copies: DeviceCopies | DevicePipeline | None):
-        """Steps 1 and 2 for segment ``segment`` (the call's ``t``-th)."""
+                 copies: DeviceCopies | DevicePipeline | None, count: int):
+        """Steps 1 and 2 for segment ``segment`` (the call's ``t``-th of ``count``)."""
         g = self.layout.segment
         slot = segment % self.layout.slots
         start, stop = t * g, min(n, (t + 1) * g)
@@ -259,7 +277,10 @@ class LocalStage:
         area = self._area(slot, self.index, length, src.dtype)
         direct = isinstance(copies, DeviceCopies)
         if isinstance(copies, DeviceCopies):  # the whole segment: its owner sums it here too
-            copies.into_host(area, start, stop)
+            if self._coming != segment:
+                copies.into_host(area, start, stop)
+            self._coming = None
+            copies.wait_into_host(start, stop)
         else:  # (an owner reads its own shard from its input: no need to copy it in)
             if copies is not None:
                 copies.arrive(start, stop)
@@ -270,6 +291,8 @@ class LocalStage:
             yield Wait(R_COPIED_IN, self.everyone, segment + 1)
         if t == 0:
             self._check_calls(call, n, kind)
+        if isinstance(copies, DeviceCopies) and not self.switched:
+            yield from self._overlap(copies, t, segment, n, count, src.dtype)
         if self.shard is None:
             return
         lo, hi = mine
@@ -288,6 +311,28 @@ class LocalStage:
             yield Wait(R_REDUCED, (self.index,), segment)
         self._publish(R_REDUCED, segment + 1)
 
+    def _overlap(self, copies: DeviceCopies, t: int, segment: int, n: int, count: int,
+                 dtype):
+        """Start the device copies that run while segment ``segment`` is summed: the
+        next segment's input into this rank's area, and the last one's sum back.
+        On a host that is the whole job, the owners' sums of a segment end
+        before they copy the next one in: the waits here are met already."""
+        g, slots = self.layout.segment, self.layout.slots
+        if t + 1 < count:
+            coming = segment + 1
+            if coming >= slots:  # this rank's area there: read by the owners' sums of
+                yield Wait(R_REDUCED, self.owners, coming - slots + 1)  # coming - slots
+            start, stop = (t + 1) * g, min(n, (t + 2) * g)
+            copies.into_host(self._area(coming % slots, self.index, stop - start, dtype),
+                             start, stop)
+            self._coming = coming
+        if t:
+            going = segment - 1
+            yield Wait(R_REDUCED, self.owners, going + 1)
+            start, stop = (t - 1) * g, t * g
+            copies.from_host(self._result(going % slots, stop - start, dtype), start, stop)
+            self._going = going
+
     def _copy_out(self, out, t: int, segment: int, n: int,
                   copies: DeviceCopies | DevicePipeline | None):
         """Step 3 for segment ``segment`` (the call's ``t``-th)."""
@@ -296,7 +341,10 @@ class LocalStage:
         yield Wait(R_REDUCED, self.owners, segment + 1)
         result = self._result(segment % self.layout.slots, stop - start, out.dtype)
         if isinstance(copies, DeviceCopies):
-            copies.from_host(result, start, stop)
+            if self._going != segment:
+                copies.from_host(result, start, stop)
+            self._going = None
+            copies.wait_from_host(start, stop)  # the slot's result may change after this
         else:
             memory.copy_into(out[start:stop], result, self.threads)
             if copies is not None:

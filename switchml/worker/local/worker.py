@@ -59,6 +59,7 @@ from .memory import (
     R_REDUCED,
     R_STATE,
     REACHED,
+    SLOTS,
     TIMED_OUT,
     Layout,
     Segment,
@@ -69,9 +70,6 @@ __all__ = ["LocalStageWorker", "SLOTS", "local_threads"]
 
 log = logging.getLogger("switchml.worker")
 
-#: Segments a host's shared memory holds at once: one being combined while the
-#: one before crosses the switch.
-SLOTS = 2
 #: Seconds between looks at the peers' processes while no call runs.
 IDLE_WATCH = 0.25
 #: Extra seconds a wait for a shard's sum allows beyond ``timeout``: the switch
