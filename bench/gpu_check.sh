@@ -14,11 +14,11 @@
 #               switchml and gloo in each invocation, median of 3 invocations
 #   bench-cpu   the same with --device cpu
 #   ddp         bench/ddp_resnet.py --device cuda, K = 2 4: ResNet-18, batch 32 of 224x224
-#   cuda-modes  the CUDA bench's switchml alone with SWITCHML_CUDA_COPIES=pipelined,
-#               the CPU bench's switchml alone (the CPU call a CUDA call is set
-#               against where bench-cpu did not run), the DDP bench with =pipelined,
-#               the CUDA bench with SWITCHML_LOCAL_SEGMENT of 8 MiB and with =whole,
-#               one invocation each, in that order (bench-cuda holds the default's)
+#   cuda-modes  switchml alone, one invocation each, in this order (bench-cuda holds
+#               the default's): the CUDA and the CPU bench with SWITCHML_LOCAL_SEGMENT
+#               of 8 MiB, the CPU bench (the CPU call a CUDA call is set against
+#               where bench-cpu did not run), the CUDA bench with
+#               SWITCHML_CUDA_COPIES=whole and =pipelined
 # then bench/gpu_summary.py prints the table of every figure against its aim.
 #
 # Environment:
@@ -143,21 +143,24 @@ cuda_bench() {  # cuda_bench NAME [VAR=VALUE ...]: the CUDA bench under those va
         --systems dense --timeout 60
 }
 cuda_modes() {
-    cuda_bench pipelined SWITCHML_CUDA_COPIES=pipelined
+    # direct copies in segments of 8 MiB (a quarter of the copies), and the CPU
+    # call in the same segments: what that segment would do as the default
+    cuda_bench segment8m SWITCHML_LOCAL_SEGMENT=8388608
+    SWITCHML_LOCAL_SEGMENT=8388608 "$PYTHON" bench/invocations.py --runs 1 --check-first-only \
+        --out "$OUT/bench-cpu-segment8m" -- --device cpu --workers $WORKERS \
+        --ranks-per-host "$PER_HOST" --sizes "$SIZES" --warmup 3 --repeats 5 \
+        --systems dense --timeout 60
     # the CPU call of the same size, in the same call of the machine
     "$PYTHON" bench/invocations.py --runs 1 --check-first-only --out "$OUT/bench-cpu-switchml" \
         -- --device cpu --workers $WORKERS --ranks-per-host "$PER_HOST" --sizes "$SIZES" \
         --warmup 3 --repeats 5 --systems dense --timeout 60
-    SWITCHML_CUDA_COPIES=pipelined "$PYTHON" bench/ddp_resnet.py "${DDP[@]}" --timeout 60 \
-        --out "$OUT/ddp-pipelined.json"
-    # direct copies in segments of 8 MiB: a quarter of the waits for each copy
-    cuda_bench segment8m SWITCHML_LOCAL_SEGMENT=8388608
     cuda_bench whole SWITCHML_CUDA_COPIES=whole
+    cuda_bench pipelined SWITCHML_CUDA_COPIES=pipelined
 }
 export -f cuda_bench cuda_modes
-export OUT WORKERS PER_HOST SIZES DDP_TEXT="${DDP[*]}"
+export OUT WORKERS PER_HOST SIZES
 if want cuda-modes && [ "$CPU_ONLY" = 0 ]; then
-    stage cuda-modes 240 bash -c 'DDP=($DDP_TEXT); cuda_modes'
+    stage cuda-modes 240 bash -c cuda_modes
 fi
 
 say "summary"

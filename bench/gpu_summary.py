@@ -137,7 +137,8 @@ def modes_table(folders: list) -> tuple[list, list]:
     found: dict = {}
     for mode, name in (("default", "bench-cuda"), ("pipelined", "bench-cuda-pipelined"),
                        ("direct, 8 MiB segments", "bench-cuda-segment8m"),
-                       ("whole", "bench-cuda-whole")):
+                       ("whole", "bench-cuda-whole"),
+                       ("CPU tensors, 8 MiB segments", "bench-cpu-segment8m")):
         for folder in folders:
             rows, _, _ = bench_rows(os.path.join(folder, name))
             rows = [r for r in rows if r["system"] == "switchml-dense"]
@@ -230,12 +231,7 @@ def main(argv=None) -> int:
     printed += ["", "DDP ResNet-18, one host"] + (lines or ["(no DDP results)"])
     lines, modes = modes_table(argv)
     if lines:
-        printed += ["", "CUDA calls by SWITCHML_CUDA_COPIES (switchml alone)"] + lines
-    pipelined = next((os.path.join(f, "ddp-pipelined.json") for f in argv
-                      if os.path.exists(os.path.join(f, "ddp-pipelined.json"))), None)
-    if pipelined:
-        lines, _ = ddp_table(pipelined)
-        printed += ["", "DDP ResNet-18, SWITCHML_CUDA_COPIES=pipelined"] + lines
+        printed += ["", "Calls by SWITCHML_CUDA_COPIES and segment (switchml alone)"] + lines
     print("\n".join(printed))
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump({"machine": machine, "invocations": counted, "allreduce": allreduce,

@@ -543,12 +543,15 @@ def test_gpu_summary_sets_each_figure_against_its_aim(tmp_path, capsys):
             "speedup_over_gloo": s / 100.0, "max_weight_diff_vs_gloo": 3e-5}
            for b, s in (("gloo", 100.0), ("switchml", 130.0))]
     (tmp_path / "ddp.json").write_text(json.dumps({"runs": ddp}))
-    (tmp_path / "ddp-pipelined.json").write_text(json.dumps({"runs": ddp}))  # its own table
+    segment8m = tmp_path / "bench-cpu-segment8m" / "run1"  # a column of the modes' table
+    segment8m.mkdir(parents=True)
+    (segment8m / "results.json").write_text(json.dumps({"rows": [
+        row("switchml-dense", 2, 0.009, "cpu", 0.0)], "machine": {"cpus": 16}}))
     (tmp_path / "stages.tsv").write_text("build\t0\t20\t\nbench-cpu\t124\t110\ttimed out\n")
     assert main([str(tmp_path)]) == 0
     printed = capsys.readouterr().out
     assert "bench-cpu | 124 | 110 | timed out" in printed and "H100" in printed
-    assert "DDP ResNet-18, SWITCHML_CUDA_COPIES=pipelined" in printed
+    assert "CPU tensors, 8 MiB segments ms (runs)" in printed and "| 9.0 " in printed
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["invocations"] == {"cuda": 3, "cpu": 2}
     got = {(r["device"], r["workers"]): r for r in summary["allreduce"]}
