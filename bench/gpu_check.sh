@@ -30,7 +30,8 @@
 #                        two calls with GPU_CHECK_STAGES and summarise both folders:
 #                        "build tests bench-cuda", then "build bench-cpu ddp
 #                        cuda-modes")
-#   GPU_CHECK_STAGES     the stages to run (default: all five, in the order above)
+#   GPU_CHECK_STAGES     the stages to run (default: all six, in the order above)
+#   GPU_CHECK_WORKERS    the benches' K (default "2 4 8")
 #   GPU_CHECK_DEPS       a folder put first on PYTHONPATH: pure-Python packages the
 #                        machine lacks (pytest and its dependencies, tqdm) or
 #                        cryptography unpacked from its wheel
@@ -101,7 +102,7 @@ if [ "$CPU_ONLY" = 1 ]; then
     SIZES=1; WORKERS="2"; PER_HOST=2; TESTS_K=(-k "cuda or pool")
     DDP=(--device cpu --workers 2 --batch 2 --image 32 --warmup 1 --steps 2)
 else
-    SIZES=45; WORKERS="2 4 8"; PER_HOST=8; TESTS_K=()
+    SIZES=45; WORKERS=${GPU_CHECK_WORKERS:-2 4 8}; PER_HOST=8; TESTS_K=()
     DDP=(--device cuda --workers 2 4 --batch 32 --image 224 --warmup 5 --steps 20)
 fi
 # K ranks of one host: --ranks-per-host at least the largest K; the median of 3
