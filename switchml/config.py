@@ -216,6 +216,9 @@ def auto_local_threads(ranks: int, cores: int | None = None) -> int:
     return max(1, min(MAX_AUTO_LOCAL_THREADS, cores // max(1, ranks)))
 
 
+#: Segments a host's shared memory holds at once (worker/local/memory.py): one being
+#: combined while the one before crosses the switch.
+LOCAL_SLOTS = 2
 #: Bytes of a local-stage segment (worker/local/stage.py): a call is combined on a host,
 #: sent and copied back this much at a time, each piece behind the last.
 DEFAULT_LOCAL_SEGMENT = 2 * 2**20

@@ -36,9 +36,8 @@ import os
 import socket
 from dataclasses import dataclass
 
-from ...config import DEFAULT_LOCAL_SEGMENT, auto_local_threads, env
+from ...config import DEFAULT_LOCAL_SEGMENT, LOCAL_SLOTS, auto_local_threads, env
 from ...errors import JoinRefusedError
-from .memory import MAX_RANKS, SHM_DIR, SLOTS, Layout
 
 __all__ = ["HostRecord", "Hosts", "Placement", "auto_segment", "host_record", "local_segment",
            "shard_job"]
@@ -133,15 +132,21 @@ def auto_segment(ranks: int, cores: int, free_shm: int = 0) -> int:
     half of ``free_shm`` (bytes free in /dev/shm; 0: unknown)."""
     least = DEFAULT_LOCAL_SEGMENT // 4
     elements = least * auto_local_threads(ranks, cores)
-    while (free_shm and elements > least
-           and Layout(min(ranks, MAX_RANKS), 1, SLOTS, elements).size > free_shm // 2):
+    while free_shm and elements > least and _shared_bytes(ranks, elements) > free_shm // 2:
         elements //= 2
     return elements
 
 
+def _shared_bytes(ranks: int, elements: int) -> int:
+    """What a host's shared memory (``memory.Layout``) takes for ``ranks`` ranks and
+    segments of ``elements``, its header of a page or two aside: every slot holds
+    an area a rank and a result area."""
+    return LOCAL_SLOTS * (ranks + 1) * elements * 4
+
+
 def _free_shm() -> int:
     try:
-        stat = os.statvfs(SHM_DIR)
+        stat = os.statvfs("/dev/shm")
     except OSError:
         return 0
     return stat.f_bavail * stat.f_frsize

@@ -33,7 +33,7 @@ import types
 
 import numpy as np
 
-from ...config import pure_python
+from ...config import LOCAL_SLOTS, pure_python
 from ...errors import SwitchMLError
 
 __all__ = ["Layout", "Segment", "reduce_into", "copy_into", "publish", "wait_for", "fail", "attach",
@@ -46,9 +46,7 @@ SHM_DIR = "/dev/shm"
 PREFIX = "switchml-"
 #: Most ranks a host group holds (a header of one page and a bit).
 MAX_RANKS = 256
-#: Segments a host's shared memory holds at once: one being combined while the
-#: one before crosses the switch.
-SLOTS = 2
+SLOTS = LOCAL_SLOTS
 
 # Header fields: byte offsets.
 H_MAGIC, H_VERSION, H_RANKS, H_SHARDS, H_SLOTS, H_SEGMENT = 0, 8, 12, 16, 20, 24
