@@ -117,11 +117,9 @@ def big_calls(iterations: int, elements: int):
         return ((index * 13 + 7 * r + salt) % 2001 - 1000).to(torch.float32)
 
     wrong = calls = 0
-    per_call = 0.0
     for i in range(iterations):
         pair = [values(rank, 2 * i), values(rank, 2 * i + 1)]
         dist.barrier()  # the ranks start each pair together
-        began = time.monotonic()
         works = [dist.all_reduce(t, async_op=True) for t in pair]
         if i == 2:  # the switch dies in the middle of the first call of the third pair
             worker = group._worker
@@ -135,13 +133,14 @@ def big_calls(iterations: int, elements: int):
                 while rank == 0 and channel.counters["results_in"] - start < 40 and \
                         not works[0].is_completed():
                     time.sleep(0.0005)
-            else:  # (a third of the second pair's calls: well inside, said late or not)
-                time.sleep(per_call / 3)
+            else:  # one switch: 40 results of the call in, as over two
+                start = worker.counters["results_in"]
+                while rank == 0 and worker.counters["results_in"] - start < 40 and \
+                        not works[0].is_completed():
+                    time.sleep(0.0005)
             _say("kill")
         for work in works:
             work.wait()
-        if i == 1:  # the first pair warms up
-            per_call = (time.monotonic() - began) / 2
         for j, t in enumerate(pair):
             want = sum(values(r, 2 * i + j) for r in range(size))
             wrong += int(not torch.equal(t, want))
