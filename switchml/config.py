@@ -204,15 +204,20 @@ MAX_KEEPALIVE = 32767
 MAX_AUTO_LOCAL_THREADS = 4
 
 
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def auto_local_threads(ranks: int, cores: int | None = None) -> int:
     """Threads a rank of the local stage copies and sums with where none are asked
-    for: the cores this process may run on shared by the host's ``ranks``, 1 to
-    ``MAX_AUTO_LOCAL_THREADS``."""
+    for: the cores this process may run on (``cores``, else ``usable_cores()``)
+    shared by the host's ``ranks``, 1 to ``MAX_AUTO_LOCAL_THREADS``."""
     if cores is None:
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            cores = os.cpu_count() or 1
+        cores = usable_cores()
     return max(1, min(MAX_AUTO_LOCAL_THREADS, cores // max(1, ranks)))
 
 

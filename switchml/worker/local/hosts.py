@@ -36,7 +36,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from ...config import DEFAULT_LOCAL_SEGMENT, LOCAL_SLOTS, auto_local_threads, env
+from ...config import DEFAULT_LOCAL_SEGMENT, LOCAL_SLOTS, auto_local_threads, env, usable_cores
 from ...errors import JoinRefusedError
 
 __all__ = ["HostRecord", "Hosts", "Placement", "auto_segment", "host_record", "local_segment",
@@ -152,13 +152,6 @@ def _free_shm() -> int:
     return stat.f_bavail * stat.f_frsize
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def host_record(group: str | None = None) -> HostRecord:
     """This process's record.  ``group``: SWITCHML_LOCAL_GROUP unless given (ranks
     of one host that name different groups do not combine)."""
@@ -171,7 +164,8 @@ def host_record(group: str | None = None) -> HostRecord:
     else:
         memory = _digest(boot, net, shm, _inode("/proc/self/ns/ipc"),
                          _inode("/proc/self/ns/pid"), os.getuid(), group)
-    return HostRecord(memory, machine, os.getpid(), local_segment(), _cores(), _free_shm())
+    return HostRecord(memory, machine, os.getpid(), local_segment(), usable_cores(),
+                      _free_shm())
 
 
 def shard_job(job: str, shard: int) -> str:
