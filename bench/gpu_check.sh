@@ -133,32 +133,27 @@ want bench-cpu && stage bench-cpu 220 "$PYTHON" bench/invocations.py --runs 3 \
 want ddp && stage ddp 120 "$PYTHON" bench/ddp_resnet.py "${DDP[@]}" --timeout 60 \
     --out "$OUT/ddp.json"
 
-# SWITCHML_CUDA_COPIES's other ways and the settings DDP may want, switchml alone,
-# one invocation each, the most telling first (the stage's cap cuts the rest)
-cuda_bench() {  # cuda_bench NAME [VAR=VALUE ...]: the CUDA bench under those variables
-    local name=$1
-    shift
+# SWITCHML_CUDA_COPIES's other ways and other segments, switchml alone, one
+# invocation each, the most telling first (the stage's cap cuts the rest)
+alone() {  # alone DEVICE NAME [VAR=VALUE ...]: that device's bench under those variables
+    local device=$1 name=$2
+    shift 2
     env "$@" "$PYTHON" bench/invocations.py --runs 1 --check-first-only \
-        --out "$OUT/bench-cuda-$name" -- --device cuda --workers $WORKERS \
+        --out "$OUT/bench-$device-$name" -- --device "$device" --workers $WORKERS \
         --ranks-per-host "$PER_HOST" --sizes "$SIZES" --warmup 3 --repeats 5 \
         --systems dense --timeout 60
 }
 cuda_modes() {
     # direct copies in segments of 8 MiB (a quarter of the copies), and the CPU
     # call in the same segments: what that segment would do as the default
-    cuda_bench segment8m SWITCHML_LOCAL_SEGMENT=8388608
-    SWITCHML_LOCAL_SEGMENT=8388608 "$PYTHON" bench/invocations.py --runs 1 --check-first-only \
-        --out "$OUT/bench-cpu-segment8m" -- --device cpu --workers $WORKERS \
-        --ranks-per-host "$PER_HOST" --sizes "$SIZES" --warmup 3 --repeats 5 \
-        --systems dense --timeout 60
+    alone cuda segment8m SWITCHML_LOCAL_SEGMENT=8388608
+    alone cpu segment8m SWITCHML_LOCAL_SEGMENT=8388608
     # the CPU call of the same size, in the same call of the machine
-    "$PYTHON" bench/invocations.py --runs 1 --check-first-only --out "$OUT/bench-cpu-switchml" \
-        -- --device cpu --workers $WORKERS --ranks-per-host "$PER_HOST" --sizes "$SIZES" \
-        --warmup 3 --repeats 5 --systems dense --timeout 60
-    cuda_bench whole SWITCHML_CUDA_COPIES=whole
-    cuda_bench pipelined SWITCHML_CUDA_COPIES=pipelined
+    alone cpu switchml
+    alone cuda whole SWITCHML_CUDA_COPIES=whole
+    alone cuda pipelined SWITCHML_CUDA_COPIES=pipelined
 }
-export -f cuda_bench cuda_modes
+export -f alone cuda_modes
 export OUT WORKERS PER_HOST SIZES
 if want cuda-modes && [ "$CPU_ONLY" = 0 ]; then
     stage cuda-modes 240 bash -c cuda_modes

@@ -127,15 +127,10 @@ def big_calls(iterations: int, elements: int):
                 while rank == 0 and worker.copied_segments(pair[0].numpy()) < 3 and \
                         not works[0].is_completed():
                     time.sleep(0.0005)
-            elif hasattr(worker, "channels"):  # two switches: a third of the second's part
-                channel = worker.channels[1]
-                start = channel.counters["results_in"]
-                while rank == 0 and channel.counters["results_in"] - start < 40 and \
-                        not works[0].is_completed():
-                    time.sleep(0.0005)
-            else:  # one switch: 40 results of the call in, as over two
-                start = worker.counters["results_in"]
-                while rank == 0 and worker.counters["results_in"] - start < 40 and \
+            else:  # 40 results of the call in (over two switches: of the second's part)
+                source = worker.channels[1] if hasattr(worker, "channels") else worker
+                start = source.counters["results_in"]
+                while rank == 0 and source.counters["results_in"] - start < 40 and \
                         not works[0].is_completed():
                     time.sleep(0.0005)
             _say("kill")

@@ -35,6 +35,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
+from functools import cached_property
 
 from ...config import DEFAULT_LOCAL_SEGMENT, LOCAL_SLOTS, auto_local_threads, env, usable_cores
 from ...errors import JoinRefusedError
@@ -207,7 +208,7 @@ class Placement:
                               key=lambda g: g[0]))
         return cls(rank, groups, records)
 
-    @property
+    @cached_property
     def segment(self) -> int:
         """Elements of every local-stage segment: what the ranks were told (alike:
         checked), else ``auto_segment`` of the host that takes the smallest."""
