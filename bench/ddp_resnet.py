@@ -21,8 +21,11 @@ backward with DDP's communication off (``no_sync``, weights untouched), so
 steps every rank's parameters must be bit-identical (``replicas_identical``), and
 switchml's are compared with gloo's (``max_weight_diff_vs_gloo``: the largest
 absolute difference; the two backends sum in different orders).  ``--runs`` R
-launches each configuration R times and keeps the run of median samples/s.
-Writes a table and ``--out`` (JSON).
+launches each configuration R times (the backends in turn) and keeps the run
+of median samples/s.  ``--backends`` launches only those named; ``--set
+SWITCHML_VAR=VALUE`` (repeatable) sets switchml's launches apart from its defaults
+(the caller's own SWITCHML_* are not passed on), named in the results.
+Writes a table and ``--out`` (JSON, rewritten as each K ends).
 """
 
 from __future__ import annotations
@@ -193,10 +196,12 @@ def rank_job(args) -> None:
 
 
 # ------------------------------------------------------------------ the launcher
-def _environment() -> dict:
-    """The launch's: switchml at its defaults (no SWITCHML_* of the caller's), one
-    intra-op thread a rank (the ranks share the host's cores), this tree importable."""
+def _environment(settings: dict) -> dict:
+    """The launch's: switchml at its defaults but for ``settings`` (no SWITCHML_* of
+    the caller's), one intra-op thread a rank (the ranks share the host's cores),
+    this tree importable."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHML_")}
+    env.update(settings)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     return env
@@ -212,7 +217,8 @@ def launch(backend: str, workers: int, args, prefix: str) -> dict:
            "--backend", backend, "--device", args.device, "--batch", str(args.batch),
            "--image", str(args.image), "--warmup", str(args.warmup), "--steps", str(args.steps),
            "--lr", str(args.lr), "--summary", summary, "--params", params]
-    proc = subprocess.Popen(cmd, env=_environment(), stdout=subprocess.PIPE,
+    settings = dict(args.set) if backend == "switchml" else {}
+    proc = subprocess.Popen(cmd, env=_environment(settings), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         _, err = proc.communicate(timeout=args.timeout)
@@ -226,7 +232,7 @@ def launch(backend: str, workers: int, args, prefix: str) -> dict:
         raise SystemExit(f"ddp_resnet: {shlex.join(cmd)} failed (exit {proc.returncode}):\n"
                          f"{err[-3000:]}")
     with open(summary) as f:
-        return dict(json.load(f), params=params)
+        return dict(json.load(f), params=params, settings=settings)
 
 
 def _stop(proc: subprocess.Popen) -> tuple:
@@ -260,11 +266,32 @@ def table(runs: list) -> str:
         ratio = f"{r['speedup_over_gloo']:.2f}x" if r.get("speedup_over_gloo") else "-"
         diff = (f"{r['max_weight_diff_vs_gloo']:.2e}" if r.get("max_weight_diff_vs_gloo")
                 is not None else "-")
-        lines.append(f"| {r['workers']} | {r['backend']} | {r['device']} | "
+        backend = " ".join([r["backend"], *(f"{k}={v}" for k, v in r["settings"].items())])
+        lines.append(f"| {r['workers']} | {backend} | {r['device']} | "
                      f"{r['samples_per_s']:.1f} ({each}) | {r['step_ms']:.1f} | "
                      f"{r['compute_ms_per_step']:.1f} | {ratio} | "
                      f"{'yes' if r['replicas_identical'] else 'NO'} | {diff} |")
     return "\n".join(lines)
+
+
+def _setting(text: str) -> tuple[str, str]:
+    """``--set``'s VAR=VALUE, a switchml setting."""
+    name, _, value = text.partition("=")
+    if not name.startswith("SWITCHML_") or not _:
+        raise argparse.ArgumentTypeError(f"{text!r}: give SWITCHML_VAR=VALUE")
+    return name, value
+
+
+def write(args, argv, runs: list) -> None:
+    """``--out``'s JSON of the runs so far."""
+    if not args.out:
+        return
+    result = {"command": "python bench/ddp_resnet.py " + shlex.join(argv or sys.argv[1:]),
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                          "python": platform.python_version()},
+              "date": time.strftime("%Y-%m-%d %H:%M"), "runs": runs}
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
 
 
 def main(argv=None) -> int:
@@ -282,6 +309,11 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds one launch may take (default 300)")
     p.add_argument("--out", default=None, help="JSON file (default: none)")
+    p.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS),
+                   help="the backends to launch, in turn (default: both)")
+    p.add_argument("--set", action="append", type=_setting, default=[],
+                   metavar="SWITCHML_VAR=VALUE",
+                   help="a setting of switchml's launches (repeatable; default: none)")
     # a rank of a launch (torchrun runs this file with these)
     p.add_argument("--rank-job", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--backend", choices=BACKENDS, help=argparse.SUPPRESS)
@@ -300,30 +332,28 @@ def main(argv=None) -> int:
     runs: list = []
     with tempfile.TemporaryDirectory() as tmp:
         for workers in args.workers:
-            kept = {}
-            for backend in BACKENDS:
-                trials = []
-                for i in range(args.runs):
+            trials: dict = {b: [] for b in args.backends}
+            for i in range(args.runs):  # the backends in turn: a slow spell hits both
+                for backend in args.backends:
                     t = launch(backend, workers, args, os.path.join(tmp, f"run{i}-"))
-                    trials.append(t)
+                    trials[backend].append(t)
                     print(f"K={workers} {backend:<8} {t['samples_per_s']:8.1f} samples/s  "
-                          f"step {t['step_ms']:7.1f} ms  compute {t['compute_ms_per_step']:6.1f} "
-                          f"ms  replicas identical: {t['replicas_identical']}", flush=True)
-                rate = statistics.median(t["samples_per_s"] for t in trials)
-                best = min(trials, key=lambda t: abs(t["samples_per_s"] - rate))
-                kept[backend] = dict(best, samples_per_s_all=[t["samples_per_s"] for t in trials])
-            kept["switchml"].update(compare(kept["switchml"], kept["gloo"]))
-            runs += [kept[b] for b in BACKENDS]
-    for r in runs:
-        r.pop("params")
+                          f"step {t['step_ms']:7.1f} ms  compute "
+                          f"{t['compute_ms_per_step']:6.1f} ms  replicas identical: "
+                          f"{t['replicas_identical']}", flush=True)
+            kept = {}
+            for backend, tried in trials.items():
+                rate = statistics.median(t["samples_per_s"] for t in tried)
+                best = min(tried, key=lambda t: abs(t["samples_per_s"] - rate))
+                kept[backend] = dict(best, samples_per_s_all=[t["samples_per_s"] for t in tried])
+            if len(kept) == len(BACKENDS):
+                kept["switchml"].update(compare(kept["switchml"], kept["gloo"]))
+            for backend in args.backends:
+                kept[backend].pop("params")
+            runs += [kept[b] for b in args.backends]
+            write(args, argv, runs)  # each K as it ends: a run cut short keeps the ones done
     print(table(runs))
-    result = {"command": "python bench/ddp_resnet.py " + shlex.join(argv or sys.argv[1:]),
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
-                          "python": platform.python_version()},
-              "date": time.strftime("%Y-%m-%d %H:%M"), "runs": runs}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
         print(f"wrote {args.out}")
     bad = [r for r in runs if not r["replicas_identical"]]
     if bad:

@@ -13,7 +13,11 @@
 #   bench-cuda  switchml bench --device cuda, 45 MiB, K = 2 4 8 ranks of this host,
 #               switchml and gloo in each invocation, median of 3 invocations
 #   bench-cpu   the same with --device cpu
-#   ddp         bench/ddp_resnet.py --device cuda, K = 2 4: ResNet-18, batch 32 of 224x224
+#   ddp         bench/ddp_resnet.py --device cuda, K = 2 4: ResNet-18, batch 32 of 224x224,
+#               3 launches of each backend in turn, the median kept
+#   ddp-modes   the ddp stage's switchml at K = 4 with SWITCHML_CUDA_COPIES=whole, then
+#               =pipelined (3 launches each, switchml alone): ranks that time-share
+#               one GPU wait for their turn at each copy
 #   cuda-modes  switchml alone, one invocation each, in this order (bench-cuda holds
 #               the default's): the CUDA and the CPU bench with SWITCHML_LOCAL_SEGMENT
 #               of 8 MiB, the CPU bench (the CPU call a CUDA call is set against
@@ -26,11 +30,11 @@
 #   PYTHON               the interpreter (default: the first of python3, python that
 #                        imports torch)
 #   GPU_CHECK_BUDGET_S   seconds for the whole run (default 560: one call of a lent
-#                        machine; every stage takes about 750 s, so split them over
-#                        two calls with GPU_CHECK_STAGES and summarise both folders:
-#                        "build tests bench-cuda", then "build bench-cpu ddp
-#                        cuda-modes")
-#   GPU_CHECK_STAGES     the stages to run (default: all six, in the order above)
+#                        machine; the first five stages take about 600 s, so split
+#                        them over two calls with GPU_CHECK_STAGES and summarise
+#                        both folders: "build tests bench-cuda", then "build
+#                        bench-cpu ddp ddp-modes")
+#   GPU_CHECK_STAGES     the stages to run (default: all seven, in the order above)
 #   GPU_CHECK_WORKERS    the benches' K (default "2 4 8")
 #   GPU_CHECK_DEPS       a folder put first on PYTHONPATH: pure-Python packages the
 #                        machine lacks (pytest and its dependencies, tqdm) or
@@ -96,25 +100,26 @@ if [ "$CPU_ONLY" = 0 ] && ! "$PYTHON" -c "import torch, sys; sys.exit(not torch.
 fi
 
 # ------------------------------------------------------------------ stages
-want() { [[ " ${GPU_CHECK_STAGES:-build tests bench-cuda bench-cpu ddp cuda-modes} " == *" $1 "* ]]; }
+want() { [[ " ${GPU_CHECK_STAGES:-build tests bench-cuda bench-cpu ddp ddp-modes cuda-modes} " == *" $1 "* ]]; }
 
 if [ "$CPU_ONLY" = 1 ]; then
     SIZES=1; WORKERS="2"; PER_HOST=2; TESTS_K=(-k "cuda or pool")
     DDP=(--device cpu --workers 2 --batch 2 --image 32 --warmup 1 --steps 2)
 else
     SIZES=45; WORKERS=${GPU_CHECK_WORKERS:-2 4 8}; PER_HOST=8; TESTS_K=()
-    DDP=(--device cuda --workers 2 4 --batch 32 --image 224 --warmup 5 --steps 20)
+    DDP=(--device cuda --workers 2 4 --batch 32 --image 224 --warmup 5 --steps 20 --runs 3)
 fi
 # K ranks of one host: --ranks-per-host at least the largest K; the median of 3
-# invocations, each its median of 5 calls after 3 (the steady state's buffers made);
+# invocations, each its median of 10 calls after 20 (a steady state: the buffers made,
+# Python's and the driver's allocations at their high-water mark);
 # the first invocation checks the sums (rebuilding 8 ranks' 45 MiB inputs and the
 # bound takes seconds), every one that the ranks' results are bit-identical.
-BENCH=(--workers $WORKERS --ranks-per-host $PER_HOST --sizes $SIZES --warmup 3 --repeats 5
+BENCH=(--workers $WORKERS --ranks-per-host $PER_HOST --sizes $SIZES --warmup 20 --repeats 10
        --systems dense gloo --timeout 60)
 
 export PYTHON
 # caps: what each stage took on an H100 VM of 16 cores (an invocation of a bench
-# about 65 s, the tests 130 s, DDP 80 s), with room
+# about 45 s, the tests 133 s, a DDP launch 17 s, 12 of them), with room
 want build && stage build 90 bash -c check_build
 if want tests; then
     if has pytest; then
@@ -130,7 +135,7 @@ if want bench-cuda && [ "$CPU_ONLY" = 0 ]; then
 fi
 want bench-cpu && stage bench-cpu 220 "$PYTHON" bench/invocations.py --runs 3 \
     --check-first-only --out "$OUT/bench-cpu" -- --device cpu "${BENCH[@]}"
-want ddp && stage ddp 120 "$PYTHON" bench/ddp_resnet.py "${DDP[@]}" --timeout 60 \
+want ddp && stage ddp 330 "$PYTHON" bench/ddp_resnet.py "${DDP[@]}" --timeout 60 \
     --out "$OUT/ddp.json"
 
 # SWITCHML_CUDA_COPIES's other ways and other segments, switchml alone, one
@@ -140,7 +145,7 @@ alone() {  # alone DEVICE NAME [VAR=VALUE ...]: that device's bench under those 
     shift 2
     env "$@" "$PYTHON" bench/invocations.py --runs 1 --check-first-only \
         --out "$OUT/bench-$device-$name" -- --device "$device" --workers $WORKERS \
-        --ranks-per-host "$PER_HOST" --sizes "$SIZES" --warmup 3 --repeats 5 \
+        --ranks-per-host "$PER_HOST" --sizes "$SIZES" --warmup 20 --repeats 10 \
         --systems dense --timeout 60
 }
 cuda_modes() {
@@ -153,8 +158,22 @@ cuda_modes() {
     alone cuda whole SWITCHML_CUDA_COPIES=whole
     alone cuda pipelined SWITCHML_CUDA_COPIES=pipelined
 }
-export -f alone cuda_modes
+# DDP at K = 4 under SWITCHML_CUDA_COPIES's other ways (switchml alone; the ddp stage
+# has the default's and gloo's)
+ddp_modes() {
+    local mode
+    for mode in whole pipelined; do
+        # shellcheck disable=SC2086  # DDP_ARGS: words
+        "$PYTHON" bench/ddp_resnet.py $DDP_ARGS --workers 4 --backends switchml \
+            --set "SWITCHML_CUDA_COPIES=$mode" --timeout 60 --out "$OUT/ddp-$mode.json"
+    done
+}
+export -f alone cuda_modes ddp_modes
+export DDP_ARGS="${DDP[*]}"
 export OUT WORKERS PER_HOST SIZES
+if want ddp-modes && [ "$CPU_ONLY" = 0 ]; then
+    stage ddp-modes 160 bash -c ddp_modes
+fi
 if want cuda-modes && [ "$CPU_ONLY" = 0 ]; then
     stage cuda-modes 240 bash -c cuda_modes
 fi

@@ -20,8 +20,8 @@ The aims (one host, K ranks, switchml against gloo in the same invocations):
   of a call may fault in);
 - DDP ResNet-18: at least 1.2x gloo's samples/s, replicas identical.
 
-With the ``cuda-modes`` stage's results it also sets the CUDA calls of each
-``SWITCHML_CUDA_COPIES`` side by side.
+With the ``cuda-modes`` and ``ddp-modes`` stages' results it also sets the CUDA
+calls and DDP's samples/s of each ``SWITCHML_CUDA_COPIES`` side by side.
 """
 
 from __future__ import annotations
@@ -186,6 +186,35 @@ def ddp_table(path: str) -> tuple[list, list]:
     return lines, records
 
 
+def ddp_modes_table(folders: list, ddp: list) -> tuple[list, list]:
+    """DDP's samples/s by ``SWITCHML_CUDA_COPIES`` (the ``ddp-modes`` stage's
+    ddp-<mode>.json, switchml alone) beside the default's and gloo's (``ddp``)."""
+    found: dict = {}
+    for mode in ("whole", "pipelined"):
+        path = next((os.path.join(f, f"ddp-{mode}.json") for f in folders
+                     if os.path.exists(os.path.join(f, f"ddp-{mode}.json"))), None)
+        if path:
+            with open(path) as f:
+                found[mode] = {r["workers"]: r for r in json.load(f)["runs"]}
+    if not found:
+        return [], []
+    default = {r["workers"]: r for r in ddp}
+    lines = ["| K | " + " | ".join(f"{m} samples/s (runs)" for m in found)
+             + " | default | gloo |", "|---|" + "---|" * (len(found) + 2)]
+    records = []
+    for k in sorted({k for runs in found.values() for k in runs}):
+        cells = [f"{found[m][k]['samples_per_s']:.1f} ("
+                 + ", ".join(f"{x:.1f}" for x in found[m][k]["samples_per_s_all"]) + ")"
+                 if k in found[m] else "-" for m in found]
+        d = default.get(k)
+        cells += [f"{d['switchml_samples_per_s']:.1f}" if d else "-",
+                  f"{d['gloo_samples_per_s']:.1f}" if d else "-"]
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+        records.append({"workers": k, **{m: found[m][k]["samples_per_s"] for m in found
+                                         if k in found[m]}})
+    return lines, records
+
+
 def stages(path: str) -> list:
     if not os.path.exists(path):
         return []
@@ -229,13 +258,16 @@ def main(argv=None) -> int:
                      if os.path.exists(os.path.join(f, "ddp.json"))), os.path.join(out, "ddp.json"))
     lines, ddp = ddp_table(ddp_json)
     printed += ["", "DDP ResNet-18, one host"] + (lines or ["(no DDP results)"])
+    lines, ddp_modes = ddp_modes_table(argv, ddp)
+    if lines:
+        printed += ["", "DDP by SWITCHML_CUDA_COPIES (switchml alone)"] + lines
     lines, modes = modes_table(argv)
     if lines:
         printed += ["", "Calls by SWITCHML_CUDA_COPIES and segment (switchml alone)"] + lines
     print("\n".join(printed))
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump({"machine": machine, "invocations": counted, "allreduce": allreduce,
-                   "ddp": ddp, "cuda_modes": modes}, f, indent=2)
+                   "ddp": ddp, "ddp_modes": ddp_modes, "cuda_modes": modes}, f, indent=2)
     return 0
 
 

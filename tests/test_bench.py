@@ -518,7 +518,7 @@ def test_fast_summary_sets_each_figure_against_its_aim(tmp_path, capsys):
 
 def test_gpu_summary_sets_each_figure_against_its_aim(tmp_path, capsys):
     """bench/gpu_summary.py: ratios from the invocations' medians, a cut-short stage
-    counted from its finished runs, CUDA against CPU, faults, DDP."""
+    counted from its finished runs, CUDA against CPU, faults, DDP and its modes."""
     from bench.gpu_summary import main
 
     mib45 = 45 * 2**20
@@ -543,6 +543,8 @@ def test_gpu_summary_sets_each_figure_against_its_aim(tmp_path, capsys):
             "speedup_over_gloo": s / 100.0, "max_weight_diff_vs_gloo": 3e-5}
            for b, s in (("gloo", 100.0), ("switchml", 130.0))]
     (tmp_path / "ddp.json").write_text(json.dumps({"runs": ddp}))
+    (tmp_path / "ddp-whole.json").write_text(json.dumps({"runs": [dict(  # switchml alone
+        ddp[1], samples_per_s=150.0, samples_per_s_all=[150.0, 140.0, 155.0])]}))
     segment8m = tmp_path / "bench-cpu-segment8m" / "run1"  # a column of the modes' table
     segment8m.mkdir(parents=True)
     (segment8m / "results.json").write_text(json.dumps({"rows": [
@@ -552,6 +554,7 @@ def test_gpu_summary_sets_each_figure_against_its_aim(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "bench-cpu | 124 | 110 | timed out" in printed and "H100" in printed
     assert "CPU tensors, 8 MiB segments ms (runs)" in printed and "| 9.0 " in printed
+    assert "| 2 | 150.0 (150.0, 140.0, 155.0) | 130.0 | 100.0 |" in printed
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["invocations"] == {"cuda": 3, "cpu": 2}
     got = {(r["device"], r["workers"]): r for r in summary["allreduce"]}
@@ -564,6 +567,7 @@ def test_gpu_summary_sets_each_figure_against_its_aim(tmp_path, capsys):
     assert got[("cpu", 2)]["fresh_pages_met"] and not got[("cuda", 2)]["fresh_pages_met"]
     [trained] = summary["ddp"]
     assert trained["speedup_over_gloo"] == pytest.approx(1.3) and trained["speedup_met"]
+    assert summary["ddp_modes"] == [{"workers": 2, "whole": 150.0}]
     # bench-cpu not run: the cuda-modes stage's switchml-alone CPU calls stand in
     (tmp_path / "bench-cpu").rename(tmp_path / "bench-cpu-switchml")
     assert main([str(tmp_path)]) == 0
