@@ -16,8 +16,10 @@ on cuda:0).
 Each launch does ``--warmup`` steps, then ``--steps`` timed ones (a step ends when
 its device is idle); a step's time is the slowest rank's, and samples/s is K x
 batch over the median step.  "compute" is the median of a few steps' forward and
-backward with DDP's communication off (``no_sync``, weights untouched), so
-1 - compute/step is the share of a step that communication costs.  After the timed
+backward with DDP's communication off (``no_sync``), rank 0's;
+``step_without_communication_ms`` the median of a few whole steps so (the
+optimizer's included, the ranks started together, the slowest rank's): the
+step an allreduce that took no time would give.  After the timed
 steps every rank's parameters must be bit-identical (``replicas_identical``), and
 switchml's are compared with gloo's (``max_weight_diff_vs_gloo``: the largest
 absolute difference; the two backends sum in different orders).  ``--runs`` R
@@ -157,17 +159,19 @@ def rank_job(args) -> None:
     times = [step(i) for i in range(args.steps)]
     flat = torch.cat([p.detach().reshape(-1).float().cpu() for p in model.parameters()])
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
-    compute = []
-    with ddp.no_sync():  # forward and backward alone; no optimizer step: weights unchanged
-        for i in range(min(args.steps, 5)):
+    compute, alone = [], []
+    with ddp.no_sync():  # no communication (the weights' digest is taken)
+        for i in range(min(args.steps, 5)):  # forward and backward
             x, y = batches[i % len(batches)]
             start = time.perf_counter()
             loss_fn(ddp(x), y).backward()
             _settle(device)
             compute.append(time.perf_counter() - start)
-    optimizer.zero_grad(set_to_none=True)
+        for i in range(min(args.steps, 5)):  # whole steps, the ranks started together
+            dist.barrier()
+            alone.append(step(i))
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, {"times": times, "digest": digest})
+    dist.all_gather_object(gathered, {"times": times, "digest": digest, "alone": alone})
     counted = None  # what switchml's worker did (rank 0's): the gradients went through it
     if args.backend == "switchml":
         counters = dist.distributed_c10d._get_default_group()._worker.counters
@@ -185,6 +189,8 @@ def rank_job(args) -> None:
             "step_s_all": per_step, "step_ms": 1e3 * step_s,
             "samples_per_s": world * args.batch / step_s,
             "compute_ms_per_step": 1e3 * statistics.median(compute),
+            "step_without_communication_ms": 1e3 * statistics.median(
+                max(g["alone"][i] for g in gathered) for i in range(len(alone))),
             "replicas_identical": len({g["digest"] for g in gathered}) == 1,
             "weights_sha256": digest, "switchml_counters_rank0": counted}
         with open(args.summary, "w") as f:
@@ -258,9 +264,9 @@ def compare(ours: dict, gloo: dict) -> dict:
 
 
 def table(runs: list) -> str:
-    lines = ["| K | backend | device | samples/s (runs) | step ms | compute ms | vs gloo | "
-             "replicas identical | max weight diff vs gloo |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| K | backend | device | samples/s (runs) | step ms | compute ms | "
+             "step without communication ms | vs gloo | replicas identical | "
+             "max weight diff vs gloo |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         each = ", ".join(f"{x:.1f}" for x in r["samples_per_s_all"])
         ratio = f"{r['speedup_over_gloo']:.2f}x" if r.get("speedup_over_gloo") else "-"
@@ -269,7 +275,8 @@ def table(runs: list) -> str:
         backend = " ".join([r["backend"], *(f"{k}={v}" for k, v in r["settings"].items())])
         lines.append(f"| {r['workers']} | {backend} | {r['device']} | "
                      f"{r['samples_per_s']:.1f} ({each}) | {r['step_ms']:.1f} | "
-                     f"{r['compute_ms_per_step']:.1f} | {ratio} | "
+                     f"{r['compute_ms_per_step']:.1f} | "
+                     f"{r['step_without_communication_ms']:.1f} | {ratio} | "
                      f"{'yes' if r['replicas_identical'] else 'NO'} | {diff} |")
     return "\n".join(lines)
 
@@ -339,7 +346,8 @@ def main(argv=None) -> int:
                     trials[backend].append(t)
                     print(f"K={workers} {backend:<8} {t['samples_per_s']:8.1f} samples/s  "
                           f"step {t['step_ms']:7.1f} ms  compute "
-                          f"{t['compute_ms_per_step']:6.1f} ms  replicas identical: "
+                          f"{t['compute_ms_per_step']:6.1f} ms  without communication "
+                          f"{t['step_without_communication_ms']:6.1f} ms  replicas identical: "
                           f"{t['replicas_identical']}", flush=True)
             kept = {}
             for backend, tried in trials.items():

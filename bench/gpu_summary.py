@@ -165,8 +165,9 @@ def ddp_table(path: str) -> tuple[list, list]:
     with open(path) as f:
         runs = json.load(f)["runs"]
     lines = ["| K | device | model | switchml samples/s | gloo samples/s | vs gloo | aim | "
-             "step ms: switchml / gloo (compute) | replicas identical | max weight diff |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "step ms: switchml / gloo (compute) | step without communication ms | "
+             "replicas identical | max weight diff |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     records = []
     gloo = {r["workers"]: r for r in runs if r["backend"] == "gloo"}
     for r in (r for r in runs if r["backend"] == "switchml"):
@@ -177,11 +178,13 @@ def ddp_table(path: str) -> tuple[list, list]:
                         "switchml_samples_per_s": r["samples_per_s"],
                         "gloo_samples_per_s": g["samples_per_s"], "speedup_over_gloo": ratio,
                         "speedup_met": ratio >= DDP_AIM, "replicas_identical": identical,
+                        "step_without_communication_ms": r.get("step_without_communication_ms"),
                         "max_weight_diff_vs_gloo": r["max_weight_diff_vs_gloo"]})
         lines.append(f"| {r['workers']} | {r['device']} | {r['model']} | "
                      f"{r['samples_per_s']:.1f} | {g['samples_per_s']:.1f} | {ratio:.2f}x | "
                      f">= {DDP_AIM}x {_verdict(ratio >= DDP_AIM)} | "
                      f"{r['step_ms']:.1f} / {g['step_ms']:.1f} ({g['compute_ms_per_step']:.1f}) | "
+                     f"{_ms(r.get('step_without_communication_ms'))} | "
                      f"{'yes' if identical else 'NO'} | {r['max_weight_diff_vs_gloo']:.1e} |")
     return lines, records
 
@@ -213,6 +216,10 @@ def ddp_modes_table(folders: list, ddp: list) -> tuple[list, list]:
         records.append({"workers": k, **{m: found[m][k]["samples_per_s"] for m in found
                                          if k in found[m]}})
     return lines, records
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def stages(path: str) -> list:
