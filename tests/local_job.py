@@ -46,6 +46,13 @@ class Straight:
     def wait_from_host(self, start, stop):
         self.started.pop(("out", start))()
 
+    def synchronize(self):
+        """What a reader of the output waits for on the device: every copy started
+        (a call ends with its last one on its way)."""
+        for copy in self.started.values():
+            copy()
+        self.started.clear()
+
 
 class Pipelined:
     """stage.DevicePipeline over numpy arrays that stand for a GPU's: the host
@@ -79,6 +86,9 @@ def device_calls(w, floats):
                for c in calls]
     for h in handles:
         h.wait()
+    for c in calls:
+        if isinstance(c, Straight):
+            c.synchronize()
     return [digest(c.out) for c in calls]
 
 

@@ -61,10 +61,16 @@ class DeviceArrays:
 
     def from_host(self, result, start, stop):
         self._start(("out", start), lambda: np.copyto(self.out[start:stop], result))
+        self.segments_out += 1
 
     def wait_from_host(self, start, stop):
         self.started.pop(("out", start))()
-        self.segments_out += 1
+
+    def synchronize(self):
+        """What a reader of the output waits for on the device: every copy started."""
+        for copy in self.started.values():
+            copy()
+        self.started.clear()
 
 
 class DevicePipelineArrays:
@@ -109,6 +115,7 @@ def run_hosts(sizes, calls, seed, switched=None, in_place=False, defer=False, de
 
     def rank_steps(h, i):
         stage = hosts[h].stages[i]
+        copies = None
         for c, call in enumerate(calls):
             src = call[h][i]
             kind = call_kind(src.dtype, False, 32)
@@ -126,15 +133,21 @@ def run_hosts(sizes, calls, seed, switched=None, in_place=False, defer=False, de
                     assert pipe.departed == bounds
             elif device in ("direct", "direct-lazy"):
                 host = np.full(src.size, np.nan, np.float32).view(src.dtype)
+                last = copies
                 copies = DeviceArrays(src, outputs[c][h][i], lazy=device == "direct-lazy")
                 yield from stage.allreduce(host, host, kind, more, copies)
+                assert last is None or not last.started  # waited for before the slot's reuse
                 untouched = np.full(src.size, np.nan, np.float32).view(src.dtype)
                 assert host.tobytes() == untouched.tobytes()
                 assert copies.segments_in == copies.segments_out == segments or (
                     defer and c < len(calls) - 1)
-                assert not copies.started  # every copy started was waited for
+                # every copy started was waited for but the last one back, the call
+                # ends with it on its way (its reader waits on the device)
+                assert set(copies.started) <= {("out", (segments - 1) * SEGMENT)}
             else:
                 yield from stage.allreduce(src, outputs[c][h][i], kind, more)
+        if copies is not None:
+            copies.synchronize()
 
     runners = {(h, i): rank_steps(h, i) for h, k in enumerate(sizes) for i in range(k)}
     waiting: dict = {key: None for key in runners}  # the step each rank waits on

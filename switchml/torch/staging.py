@@ -23,7 +23,9 @@ sum from the result area straight back into the tensor (``SegmentCopies``; 16-bi
 tensors widened and rounded back on the GPU, AVG divided there), so the host's
 cores only sum.  The copies overlap the sums: while the stage sums a segment,
 the next one comes in on a second side stream and the last one's sum goes back
-on the first.  With ``pipelined`` every
+on the first; the call ends once its last sum is on its way (its readers wait
+on the side stream, which the call's future records), not there.  With
+``pipelined`` every
 segment's copy into the pinned host copy is enqueued at once, each with an
 event, the stage starts on a segment once its event is done, and each
 segment's sum goes back as soon as it is copied out (``PipelinedCopies``):
@@ -246,7 +248,10 @@ class SegmentCopies:
     """``stage.DeviceCopies`` of a CUDA tensor: each segment by DMA between the
     tensor and the host's shared memory (registered with CUDA), the input on the
     device's in-stream and the sum on the side stream (the two directions run at
-    once), each copy's event waited for by the calling thread (the worker's)."""
+    once), each copy's event waited for by the calling thread (the worker's).
+    The last segment's copy back is waited for at the stage's next call, after
+    this call's end: its events are its own, not the staging's, and go back to
+    the pool once every copy was waited for."""
 
     def __init__(self, staging: CudaStaging, divisor: int | None):
         self.staging = staging
@@ -260,7 +265,8 @@ class SegmentCopies:
         self._spare: list = []
 
     def _record(self, key: tuple[str, int], stream) -> None:
-        event = self._spare.pop() if self._spare else self.staging.event()
+        event = (self._spare.pop() if self._spare
+                 else _take_events(self.staging.tensor.device, 1)[0])
         event.record(stream)
         self._started[key] = event
 
@@ -268,6 +274,9 @@ class SegmentCopies:
         event = self._started.pop(key)
         event.synchronize()
         self._spare.append(event)
+        if not self._started and self.staging.sent_upto == self.staging.tensor.numel():
+            _give_events(self.staging.tensor.device, self._spare)  # the call's last wait
+            self._spare = []
 
     def into_host(self, area, start: int, stop: int) -> None:
         with _on_stream(self.in_stream):
@@ -282,10 +291,11 @@ class SegmentCopies:
         with _on_stream(self.staging.stream):
             _send_back(self.staging, torch.from_numpy(result), start, stop, self.divisor)
             self._record(("out", start), self.staging.stream)
+        # enqueued on the stream the call's future records: its readers wait for it
+        self.staging.sent_upto = stop
 
     def wait_from_host(self, start: int, stop: int) -> None:
         self._wait(("out", start))
-        self.staging.sent_upto = stop
 
 
 class PipelinedCopies:

@@ -77,7 +77,10 @@ class DeviceCopies(Protocol):
     sum goes back.  A copy is started and later waited for, so that it runs
     beside the stage's other work: the next segment's input comes in and the
     last one's sum goes back while this one is summed.  The call's host arrays
-    are not touched."""
+    are not touched.  A call ends once its last segment's sum is on its way
+    back, not there: whoever reads the output waits on the device (as NCCL's
+    and gloo's calls do), and the stage waits for that copy at its next call,
+    before the slot it reads from is used again."""
 
     def into_host(self, area: np.ndarray, start: int, stop: int) -> None:
         """Start ``area`` = elements [start, stop) of the input."""
@@ -88,7 +91,8 @@ class DeviceCopies(Protocol):
 
     def from_host(self, result: np.ndarray, start: int, stop: int) -> None:
         """Start elements [start, stop) of the output = ``result`` (which stays
-        as it is until ``wait_from_host``)."""
+        as it is until ``wait_from_host``): from then on the output's readers
+        find that sum there."""
 
     def wait_from_host(self, start: int, stop: int) -> None:
         """Return once the copy that ``from_host`` started for [start, stop) is
@@ -176,6 +180,9 @@ class LocalStage:
         #: coming into this rank's area, and the one whose sum is going back.
         self._coming: int | None = None
         self._going: int | None = None
+        #: The last call's last copy back to its device, started and not yet
+        #: waited for: (its copies, start, stop, segment).
+        self._landing: tuple | None = None
 
     # ------------------------------------------------------------------ helpers
     def record(self, index: int, field: int) -> int:
@@ -218,6 +225,7 @@ class LocalStage:
         layout = self.layout
         n, g = src.size, layout.segment
         count = max(1, -(-n // g))
+        self._land()  # before any slot is used again (by this rank or a peer)
         base = self.segments
         self.calls += 1
         call = self.calls
@@ -240,7 +248,17 @@ class LocalStage:
         if more is not None and more():
             self._tail = (out, count - 1, base + count - 1, n, call, copies)
             return
-        yield from self._copy_out(out, count - 1, base + count - 1, n, copies)
+        yield from self._copy_out(out, count - 1, base + count - 1, n, copies, last=True)
+
+    def _land(self) -> None:
+        """Wait for the last call's last copy back to its device, and say the
+        slot it read from is free."""
+        if self._landing is None:
+            return
+        copies, start, stop, segment = self._landing
+        self._landing = None
+        copies.wait_from_host(start, stop)
+        self._publish(R_COPIED_OUT, segment + 1)
 
     @property
     def deferred(self) -> bool:
@@ -255,6 +273,7 @@ class LocalStage:
         """The job failed: the last call's copy-out will not happen."""
         self._tail = None
         self._coming = self._going = None
+        self._landing = None
 
     def finish(self):
         """The steps of the last call's deferred copy-out (none if there is none)."""
@@ -334,8 +353,9 @@ class LocalStage:
             self._going = going
 
     def _copy_out(self, out, t: int, segment: int, n: int,
-                  copies: DeviceCopies | DevicePipeline | None):
-        """Step 3 for segment ``segment`` (the call's ``t``-th)."""
+                  copies: DeviceCopies | DevicePipeline | None, last: bool = False):
+        """Step 3 for segment ``segment`` (the call's ``t``-th; ``last``: the
+        call ends with it, and a device copy back is left to land)."""
         g = self.layout.segment
         start, stop = t * g, min(n, (t + 1) * g)
         yield Wait(R_REDUCED, self.owners, segment + 1)
@@ -344,6 +364,10 @@ class LocalStage:
             if self._going != segment:
                 copies.from_host(result, start, stop)
             self._going = None
+            if last:
+                self.copied_out[out.ctypes.data] = t + 1
+                self._landing = (copies, start, stop, segment)
+                return
             copies.wait_from_host(start, stop)  # the slot's result may change after this
         else:
             memory.copy_into(out[start:stop], result, self.threads)
