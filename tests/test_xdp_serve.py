@@ -200,8 +200,9 @@ def test_workers_get_the_user_space_switchs_sums_bit_for_bit(veth, loss):
     switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp")
     table = lose(here, loss) if loss else None
     try:
-        # attached where the address is, in generic mode, to this switch's program
-        assert "xdpgeneric" in sh("ip", "-n", ns, "link", "show", "dev", dev)
+        # attached where the address is, in the veth's native mode: the dispatcher
+        shown = sh("ip", "-n", ns, "link", "show", "dev", dev)
+        assert "prog/xdp " in shown and "xdpgeneric" not in shown
         got = run_job(switch.address, inputs, "xdp")
         if table:  # before the stats query, which is UDP-free but keeps it simple
             subprocess.run(["nft", "delete", "table", "inet", table], check=True)
@@ -211,7 +212,8 @@ def test_workers_get_the_user_space_switchs_sums_bit_for_bit(veth, loss):
         if table:
             subprocess.run(["nft", "delete", "table", "inet", table])
         log = switch.close()
-    assert "XDP program attached" in log
+    assert "XDP program attached (driver mode" in log
+    assert stats["xdp_mode"] == "driver"
     for r in range(world):
         for a, b in zip(got[r], want[r]):
             assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
@@ -941,7 +943,7 @@ def test_a_switch_that_loses_the_race_to_attach_joins_the_winner(veth, monkeypat
         monkeypatch.setattr(xdp_loader, "xdp_attached", looked_too_early)
         second.serve((me, 7341))
         assert stale == [0]
-        assert second._dispatch is not None and second._dispatch._obj is None  # joined
+        assert len(second._dispatches) == 1 and second._dispatches[0]._obj is None  # joined
         shown = sh("ip", "-d", "link", "show", "dev", here)
         assert shown.count("prog/xdp") == 1 and "switchml_dispat" in shown
         first.detach()  # the winner goes: the dispatcher stays for the other
