@@ -3,9 +3,10 @@
  * step by step, in the same order, with the same drop reasons and counter
  * names.  switch/loader.py builds it (clang) and loads it (libbpf through
  * ctypes); switch/xdp/pipeline.py fills its maps from the Python control plane, serves
- * the switch's interface with it (generic mode: through the dispatcher that the
- * XDP switches on one interface share, dispatch.bpf.c, which tail-calls it
- * for the datagrams to its port; in driver mode, attached alone), with
+ * the switch's interface with it (through the dispatcher that the XDP
+ * switches on one interface share, dispatch.bpf.c, which tail-calls it for
+ * the datagrams to its port: in the driver's native mode where it has one, on
+ * each port of a bridge, else generic; or attached alone, in driver mode), with
  * fan_out_results on the interface's TC ingress (one tcx program a switch,
  * each passing on what is not its own), and runs it with BPF_PROG_TEST_RUN
  * (tests, and probes passed up); tests/test_xdp.py feeds it and the Python pipeline the same
@@ -28,6 +29,8 @@
  *  - an answer to one rank (a stored result for its retransmission or probe, a
  *    resend, a done): rewritten in the received frame, addresses swapped,
  *    XDP_TX back out of the port it came in by (to the rank that sent it);
+ *    on a veth in native mode, XDP_PASS with ANSWER_MARK in its metadata, and
+ *    fan_out_results sends it back out (answers_by_stack, below);
  *  - a completed result, for every rank of the job: written over the
  *    contribution that completed it (a dense result has exactly that size) and
  *    handed on with XDP_PASS, addressed as the contribution was (from the last

@@ -6,10 +6,25 @@ adds, MODE_MAX, duplicates, stale messages, retransmissions, probes and
 queries, results), tested against the Python pipeline through
 ``BPF_PROG_TEST_RUN`` on Ethernet/IPv4/UDP frames (tests/test_xdp.py, also two
 CPUs at once), and served for real by ``Switch(data_plane="xdp")``: ``serve``
-runs it (generic mode) on the interface holding the switch's address, and
-beside it, on that interface's TC ingress, the program that sends each
-completed result to every rank (tests/test_xdp_serve.py, in network
-namespaces).
+runs it on the interface holding the switch's address, and beside it, on
+that interface's TC ingress, the program that sends each completed result to
+every rank (tests/test_xdp_serve.py, in network namespaces).
+
+Where: in the driver's native mode where the interface has one (a veth, most
+NICs), in XDP's generic (skb) mode where it has none (loopback) or refuses
+(the reason is in the switch's log line, in ``mode`` and ``mode_reason``,
+and the stats say ``xdp_mode``).  A bridge has no driver mode, but the
+frames for its address come in by its ports: the switch on a bridge attaches
+to each of its ports in their driver mode, with the fan-out program on each
+port's TC ingress (its copies go out of the bridge, as from the bridge's
+own), and the program learns ranks' Ethernet addresses there (the ``ports``
+map); where a port refuses, the bridge itself is served in generic mode,
+nothing left on the ports.  ``SWITCHML_XDP_MODE=generic``
+(``serve(..., mode="generic")``) asks for generic mode.  Driver mode is the
+faster: the program runs in the driver's receive loop on batches of frames,
+with no socket buffer built for what it drops (on the 2-core testbed at MTU
+1500, a 64 MiB allreduce in 0.72 s against generic mode's 1.40:
+docs/benchmarks.md).
 
 An interface runs one XDP program, and several XDP switches may serve one
 (other ports, of one process or several: several ``Switch(data_plane="xdp")``
@@ -19,7 +34,8 @@ attaches through a BPF link and the later ones join (their own file
 descriptors of its link and maps, found from the attached program's id).  It
 tail-calls, for each UDP datagram, the program of the switch that serves its
 destination port (each switch keeps its own object and maps) and passes the
-rest to the host.  The kernel detaches it when the last switch holding its
+rest to the host.  The switches on an interface share the mode of the first.
+The kernel detaches it when the last switch holding its
 link closes it, or dies; a switch that closes takes its port out; the port of
 a switch that was killed (its program, still in the dispatcher, takes that
 port's datagrams meanwhile) is taken out by the switches still serving
@@ -43,7 +59,11 @@ with the Python names are added into
 
 How a datagram's fate reads in XDP (the program's header comment says why):
 ``XDP_DROP`` for nothing sent, ``XDP_TX`` for an answer to its sender alone
-(the frame rewritten, addresses swapped), ``XDP_PASS`` for a sparse
+(the frame rewritten, addresses swapped; on a veth in driver mode, whose
+XDP_TX reaches the peer only where the peer polls with NAPI, which the
+switch can neither tell nor set, ``XDP_PASS`` with a mark in the frame's
+metadata instead, and the TC program sends it back out of the device it came
+in by: ``answers_by_stack``), ``XDP_PASS`` for a sparse
 contribution (untouched: user space aggregates it, below) and for a completed
 result, which goes to every rank from the kernel: the TC program ``fan_out_results``
 (the same object, the same maps), which runs next on the same interface,
@@ -67,8 +87,13 @@ A UDP GSO super-packet (a run of datagrams that a sender on the same host, a
 veth peer or loopback, hands over whole; a NIC cuts it before the wire) is
 one frame to XDP: the program passes it up (``gso_passed_up``), the kernel
 cuts it into its datagrams for the switch's socket, and ``passed_up`` runs
-each through the program, a system call a datagram (``switchml bench
---data-plane xdp`` turns the veths' segmentation offload off for that).
+each through the program, a system call a datagram.  In driver mode no run
+reaches the program whole (on a NIC runs are cut before the wire; a veth
+with a native XDP program has the kernel take software GSO off its peer,
+which then cuts each run as it leaves), so ``takes_gso_runs`` (the ``ready``'s
+``gso``) is true and the workers send runs, one system call for up to 64
+datagrams; in generic mode it is false, and the workers send their datagrams
+apart where their runs would reach it whole.
 
 Simulated drops (``drop_rate``, ``egress_drop_rate``) are the program's: a
 datagram coming in, or an answer or a result's copy going out, is lost when
@@ -117,9 +142,7 @@ above), IPv6, packets of more than 64 lanes (blocks), the UDP
 checksum of received datagrams (the kernel drops a bad one before the Python
 switch's socket; the program does not check it yet),
 secondary addresses of an interface (``interface_of`` reads the primary one),
-a UDP checksum on the results (sent without one, which IPv4 allows), and the
-switch's own choice of native (driver) mode: ``serve(address, driver=True)``
-attaches there (bench/xdp_driver.py), ``Switch`` serves in generic mode.
+and a UDP checksum on the results (sent without one, which IPv4 allows).
 """
 
 from __future__ import annotations
@@ -403,6 +426,14 @@ class XdpPipeline(Pipeline):
         #: or None before it serves; ``mode_reason`` says why.
         self.mode: str | None = None
         self.mode_reason = ""
+        #: Whether workers may send runs of UDP GSO segments (``protocol.Ready.gso``):
+        #: where the program runs in driver mode, no run reaches it whole (a NIC's
+        #: are cut before the wire; a veth with a native XDP program has its peer
+        #: cut them, as the kernel takes software GSO off the peer's features).
+        #: In generic mode a run from this host (another namespace, a container)
+        #: crosses veths and bridges whole, and the program could only pass it
+        #: up, to be summed a datagram at a time: the workers send datagrams apart.
+        self.takes_gso_runs = False
         self._configure(ifindex=0)
         self._sparse_logged: set[int] = set()  # sessions whose sparse path was logged
 
@@ -410,18 +441,6 @@ class XdpPipeline(Pipeline):
         """Detach and unload the program (its maps go with it)."""
         self.detach()
         self._prog.close()
-
-    @property
-    def takes_gso_runs(self) -> bool:
-        """Whether workers may send runs of UDP GSO segments (``protocol.Ready.gso``):
-        where the program runs in driver mode, no run reaches it whole (a NIC's
-        are cut before the wire; a veth with a native XDP program has its
-        peer cut them, as the kernel takes software GSO off the peer's
-        features).  In generic mode a run from this host (another namespace,
-        a container) crosses veths and bridges whole, and the program could
-        only pass it up, to be summed a datagram at a time: the workers send
-        datagrams apart."""
-        return self.mode == "driver"
 
     def serve(self, address, driver: bool = False, mode: str = "auto") -> int:
         """Serve the switch's UDP ``address`` (host, port) for real: the program
@@ -491,6 +510,7 @@ class XdpPipeline(Pipeline):
             self.detach()
             raise
         self.ifindex = ifindex
+        self.takes_gso_runs = self.mode == "driver"
         return ifindex
 
     def _serve_in_driver_mode(self, ifindex: int) -> None:
@@ -564,6 +584,7 @@ class XdpPipeline(Pipeline):
         for dispatch in dispatches:  # its port out; the last switch's close detaches it
             dispatch.close()
         self.mode = None
+        self.takes_gso_runs = False
         self._answers_by_stack = False
         if getattr(self, "_prog", None) is not None:  # no interface: nothing to learn from
             self._configure(ifindex=0)
