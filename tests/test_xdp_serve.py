@@ -455,8 +455,12 @@ def test_a_switch_on_loopback_falls_back_to_generic_mode_and_says_why():
     finally:
         p.close()
     assert "prog/xdp" not in sh("ip", "link", "show", "dev", "lo")
-    with pytest.raises(ValueError, match="'auto' or 'generic'"):
-        xdp.XdpPipeline(8, 352, block_elements=352).serve(("127.0.0.1", 7350), mode="native")
+    p = xdp.XdpPipeline(8, 352, block_elements=352)
+    try:
+        with pytest.raises(ValueError, match="'auto' or 'generic'"):
+            p.serve(("127.0.0.1", 7350), mode="native")
+    finally:
+        p.close()
 
 
 @needs_xdp
@@ -535,6 +539,14 @@ def test_data_plane_setting_is_checked():
         config.SwitchConfiguration(data_plane="xdp", upstream="127.0.0.1:7300")
     assert config.SwitchConfiguration.from_env(environ={"SWITCHML_DATA_PLANE": "python"}) \
         .data_plane == "python"
+
+
+def test_an_unknown_xdp_mode_is_a_clear_error(monkeypatch):
+    from switchml.switch.server import Switch
+
+    monkeypatch.setenv("SWITCHML_XDP_MODE", "native")
+    with pytest.raises(ValueError, match="SWITCHML_XDP_MODE='native': auto .* or generic"):
+        Switch(data_plane="xdp", packet_elements=512)
 
 
 def test_xdp_unavailable_is_a_clear_error(monkeypatch):

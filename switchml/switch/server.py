@@ -177,6 +177,12 @@ class Switch:
         self.upstream = parse_address(config.upstream) if config.upstream else None
         self.pipeline: Pipeline
         if self.data_plane == "xdp":
+            #: How the XDP program attaches (SWITCHML_XDP_MODE): "auto", the
+            #: driver's native mode where it has one, else generic; "generic".
+            self.xdp_mode = env("XDP_MODE", "auto").strip().lower()
+            if self.xdp_mode not in ("auto", "generic"):
+                raise ValueError(f"SWITCHML_XDP_MODE={self.xdp_mode!r}: auto (driver mode "
+                                 f"where the interface has one, else generic) or generic")
             self.pipeline = _xdp_pipeline(config)
         else:
             pipeline_class = (RackPipeline if self.upstream else
@@ -248,7 +254,7 @@ class Switch:
                 _receive_runs_whole(sock)
         if self.data_plane == "xdp":
             try:  # the program takes the port's datagrams from here on
-                ifindex = self._xdp.serve(self.address, mode=env("XDP_MODE", "auto"))
+                ifindex = self._xdp.serve(self.address, mode=self.xdp_mode)
             except BaseException:
                 tcp.close()
                 udp.close()

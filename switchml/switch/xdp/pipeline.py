@@ -19,7 +19,9 @@ to each of its ports in their driver mode, with the fan-out program on each
 port's TC ingress (its copies go out of the bridge, as from the bridge's
 own), and the program learns ranks' Ethernet addresses there (the ``ports``
 map); where a port refuses, the bridge itself is served in generic mode,
-nothing left on the ports.  ``SWITCHML_XDP_MODE=generic``
+nothing left on the ports.  (A port added to the bridge later has no program:
+its frames reach the switch's socket, and ``passed_up`` runs each through the
+program.)  ``SWITCHML_XDP_MODE=generic``
 (``serve(..., mode="generic")``) asks for generic mode.  Driver mode is the
 faster: the program runs in the driver's receive loop on batches of frames,
 with no socket buffer built for what it drops (on the 2-core testbed at MTU
