@@ -464,12 +464,15 @@ def test_a_switch_on_loopback_falls_back_to_generic_mode_and_says_why():
 
 
 @needs_xdp
-def test_an_answer_to_one_rank_leaves_by_the_stack_where_the_peer_has_no_napi(veth):
+@pytest.mark.parametrize("joined", [False, True])
+def test_an_answer_to_one_rank_leaves_by_the_stack_where_the_peer_has_no_napi(veth, joined):
     """In a veth's native mode XDP_TX reaches the peer only where it polls with
     NAPI, which a veth (GRO off, as the kernel leaves it) does not: the
     program's answer to one rank (a stored result for a retransmission)
     leaves through fan_out_results, back out of the veth, and the rank gets
-    it; nothing reaches the switch's socket."""
+    it; nothing reaches the switch's socket.  Also for a switch asking for
+    generic mode that joins (``joined``) a dispatcher another switch attached
+    in driver mode."""
     ns, dev, peer, here, me = veth
     port = 7307
     tokens = [0x10, 0x20]
@@ -478,8 +481,16 @@ def test_an_answer_to_one_rank_leaves_by_the_stack_where_the_peer_has_no_napi(ve
     result = reference_sends(members, tokens, ranks)[0][0]
     assert "rx-gro: off" in sh("ip", "netns", "exec", ns, sys.executable,
                                str(REPO / "switchml" / "ethtool.py"), dev)
-    with switch_here((me, port), members, tokens) as (p, udp):
-        assert p.mode == "driver"
+    with contextlib.ExitStack() as held:
+        if joined:  # another switch's dispatcher, in driver mode
+            first = xdp.XdpPipeline(8, 352, block_elements=352, port=7308, switch_ip=me)
+            held.callback(first.close)
+            first.serve((me, 7308))
+        p, udp = held.enter_context(
+            switch_here((me, port), members, tokens, "generic" if joined else "auto"))
+        assert p.mode == "driver" and p.takes_gso_runs
+        if joined:
+            assert "the dispatcher there runs in driver mode" in p.mode_reason
         run = peer_run(ns, peer, (me, port), [(5000, ranks[0]), (5001, ranks[1]),
                                               (5000, ranks[0])])  # again: its result
         out, err = run.communicate(timeout=30)
@@ -497,14 +508,15 @@ def test_an_answer_to_one_rank_leaves_by_the_stack_where_the_peer_has_no_napi(ve
 def test_workers_send_runs_where_their_interface_cuts_them_before_they_leave(veth):
     """With the workers' veth cutting UDP GSO runs as they leave (its segmentation
     offload off, as a NIC without it), the runs reach the XDP switch as frames:
-    its workers send runs though its ``ready`` says ``"gso": false`` (one send a
-    run, not one a datagram), and no run reaches the program whole.  With the
+    its workers send runs though its ``ready`` says ``"gso": false`` (generic
+    mode; one send a run, not one a datagram), and no run reaches the program
+    whole.  With the
     offload on they send apart; to this host's own address, never runs."""
     from switchml.netutil import runs_leave_cut
     ns, _, host, here, local = veth
     assert runs_leave_cut(local, host)
     assert not runs_leave_cut(local, local)  # this host: through loopback
-    switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp")
+    switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp", env={"SWITCHML_XDP_MODE": "generic"})
     try:
         def rank(r):
             with switchml.Worker(switch.address, r, world_size=2, job="runs",
@@ -673,16 +685,16 @@ def received(out: str) -> list:
 
 
 @contextlib.contextmanager
-def switch_here(address: tuple, members: list, tokens: list):
+def switch_here(address: tuple, members: list, tokens: list, mode: str = "auto"):
     """An XdpPipeline in this process serving ``address`` (an address of this
-    namespace), with its UDP socket, and job 0x77 of ``members`` installed:
-    (pipeline, socket); both closed afterwards."""
+    namespace; attach ``mode``), with its UDP socket, and job 0x77 of
+    ``members`` installed: (pipeline, socket); both closed afterwards."""
     p = xdp.XdpPipeline(8, 352, block_elements=352, port=address[1], switch_ip=address[0])
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         udp.bind(address)
         udp.settimeout(5)
-        assert p.serve(address) == xdp.interface_of(address[0])
+        assert p.serve(address, mode=mode) == xdp.interface_of(address[0])
         p.install_job("job", 0x77, members, 0, 4, 352, 352, tokens=tokens)
         yield p, udp
     finally:

@@ -486,10 +486,11 @@ class XdpPipeline(Pipeline):
                         self.mode_reason = "generic mode asked for"
                     self._dispatches = [Dispatcher(ifindex)]
                     self.mode = self._dispatches[0].mode
-                    if self.mode == "driver":
+                    if self.mode == "driver":  # another switch's, joined
                         self.mode_reason = "the dispatcher there runs in driver mode"
+                        self._answers_by_stack = is_virtual(ifindex)
                     self._configure(ifindex)
-                    self._attach_fan_out([ifindex], required=False)
+                    self._attach_fan_out([ifindex], required=self._answers_by_stack)
                 for dispatch in self._dispatches:
                     dispatch.register(port, self._prog.prog_fd, self._prog.prog_id,
                                       self._prog.fan_out_id)
@@ -549,7 +550,8 @@ class XdpPipeline(Pipeline):
             self._configure(ifindex)
             self._attach_fan_out(devices, required=True)
         except (OSError, InterfaceTaken) as exc:
-            self.mode_reason = f"no driver mode on {at}: {exc}"
+            why = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno else str(exc)
+            self.mode_reason = f"no driver mode on {at} ({why})"
             self.detach()
             return
         self.mode = "driver"
@@ -588,11 +590,11 @@ class XdpPipeline(Pipeline):
         self.mode = None
         self.takes_gso_runs = False
         self._answers_by_stack = False
+        ports, self._ports = getattr(self, "_ports", []), []
         if getattr(self, "_prog", None) is not None:  # no interface: nothing to learn from
             self._configure(ifindex=0)
-            for device in self._ports:
+            for device in ports:
                 self._prog.delete("ports", _u32(device))
-        self._ports = []
 
     def sweep_gone_switches(self) -> list[int]:
         """Take the ports of the XDP switches gone from this interface (killed,
