@@ -37,6 +37,9 @@ SWITCHML_SPARSE             the torch backend's path: true           auto
 SWITCHML_WORKER_GSO         0: the worker's C engine sends one       1
                             datagram a call instead of runs of
                             UDP GSO segments
+SWITCHML_XDP_MODE           an XDP switch's attach: auto (the        auto
+                            driver's native mode where it has one,
+                            else generic) or generic
 SWITCHML_WORKER_GRO         0: the worker's C engine receives one    1
                             datagram a call instead of whole runs
                             (UDP_GRO)

@@ -206,12 +206,14 @@ def test_bench_on_the_testbed_with_the_xdp_data_plane(tmp_path):
     data = json.load(open(os.path.join(tmp_path, "results.json")))
     [dense] = data["rows"]
     assert dense["system"] == "switchml-dense" and dense["switch_data_plane"] == "xdp"
+    # on the testbed's bridge: attached to its ports (veths) in their driver mode
+    assert dense["switch_xdp_mode"] == "driver"
     assert dense["checked"] is True and dense["ranks_bit_identical"], dense
     assert dense["bytes_sent_per_worker"] >= dense["size_bytes"]
     counters = data["switch_job_counters"]["2"]
     assert counters["results_completed"] > 0
-    # its workers send datagrams apart (the veths' segmentation offload on, the
-    # kernel's default): no GSO run reached the program whole
+    # its workers send runs (the veths' segmentation offload on, the kernel's
+    # default), which the kernel cuts at their veths: none reached the program whole
     assert "gso_passed_up" not in counters, counters
     # the switch's CPU a call: its serving thread's, and the programs' own (counted)
     assert dense["switch_thread_cpu_s_per_call"] > 0 and dense["switch_program_s_per_call"] > 0

@@ -143,8 +143,9 @@ def test_a_missing_tool_is_a_clear_error_before_anything_is_made(monkeypatch):
 def test_the_udp_offload_is_on_without_loss_and_off_with_it_unless_told(monkeypatch):
     """Per-datagram loss needs the runs cut into frames; without loss that only
     costs this machine's cores frame-by-frame work a real switch's fabric does not.
-    The data plane does not change it: an XDP switch asks its workers for
-    datagrams apart (test_xdp_serve.py)."""
+    The data plane does not change it: an XDP switch in driver mode has the
+    kernel cut runs before its program, one in generic mode asks its workers
+    for datagrams apart (test_xdp_serve.py)."""
     monkeypatch.setenv("SWITCHML_DATA_PLANE", "xdp")
     assert Testbed(hosts=1, prefix="zzoff").udp_offload is True
     assert Testbed(hosts=1, loss=0.01, prefix="zzoff").udp_offload is False

@@ -755,6 +755,7 @@ def test_jobs_come_and_go_and_keep_their_counters(both):
     # the kernel's count of the programs' runs, which the reference has no twin of
     assert set(stats.pop("program_runs")) == set(stats.pop("program_time_s")) == \
         {"xdp_pipeline", "fan_out_results"}
+    assert stats.pop("xdp_mode") is None  # attached nowhere: serve() says how
     assert stats == both.ref.stats()
 
 

@@ -69,16 +69,44 @@ def veth():
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
+@pytest.fixture
+def bridged():
+    """A namespace holding a bridge with the switch's address (.1) and one port,
+    a veth whose other end is in this namespace (the workers', .2, its offloads
+    as the kernel leaves them); removed afterwards, with whatever ran in it."""
+    tag = f"{os.getpid() % 100000}"
+    ns, bridge, here, port = f"smlxdb{tag}", f"smb{tag}", f"smb{tag}a", f"smb{tag}p"
+    net = f"10.214.{os.getpid() % 250}"
+    sh("ip", "netns", "add", ns)
+    try:
+        sh("ip", "-n", ns, "link", "add", bridge, "type", "bridge")
+        sh("ip", "link", "add", here, "type", "veth", "peer", "name", port)
+        sh("ip", "link", "set", port, "netns", ns)
+        sh("ip", "-n", ns, "link", "set", port, "master", bridge)
+        sh("ip", "addr", "add", f"{net}.2/24", "dev", here)
+        sh("ip", "link", "set", here, "up")
+        sh("ip", "-n", ns, "addr", "add", f"{net}.1/24", "dev", bridge)
+        for dev in (port, bridge, "lo"):
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+        yield ns, bridge, port, f"{net}.1", here
+    finally:
+        subprocess.run(["ip", "link", "del", here], capture_output=True)
+        for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                                  text=True).stdout.split():
+            os.kill(int(pid), 9)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
 class SwitchIn:
     """``switchml switch`` run in namespace ``ns`` until closed."""
 
-    def __init__(self, ns: str, host: str, port: int, *flags: str):
+    def __init__(self, ns: str, host: str, port: int, *flags: str, env: dict | None = None):
         self.proc = subprocess.Popen(
             ["ip", "netns", "exec", ns, sys.executable, "-c",
              "import sys; from switchml.cli import main; sys.exit(main())", "switch",
              "--host", host, "--port", str(port), "--log-level", "info", *flags],
-            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True)
+            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO), **(env or {})),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.address = f"{host}:{port}"
         line = self.proc.stdout.readline()  # "listening on ...", or nothing: it failed
         if "listening" not in line:
@@ -153,13 +181,20 @@ def test_jumbo_frames_past_one_page(veth):
     sh("ip", "link", "set", "dev", here, "mtu", "9000")
     sh("ip", "-n", ns, "link", "set", "dev", dev, "mtu", "9000")
     world = 3
-    stats, inputs = exact_sums_through_an_xdp_switch(ns, host, world, seed=4, job="jumbo")
+    # the workers' veth passes runs whole (its offload on), but the switch's
+    # native program has the kernel cut them there: the ranks send runs
+    sh(sys.executable, str(REPO / "switchml" / "ethtool.py"), here,
+       "tx-udp-segmentation", "on")
+    stats, inputs = exact_sums_through_an_xdp_switch(ns, host, world, seed=4, job="jumbo",
+                                                     sent_runs=True)
+    assert stats["xdp_mode"] == "driver"
     ended = stats["ended_jobs"]["jumbo"]
     assert ended["packet_elements"] == 2048  # wire.frame_geometry(9000, 16128, 256)
     job = ended["counters"]
     assert job["results_completed"] >= sum(-(-a.size // 2048) for a in inputs[0])
     assert job["packets_in"] >= world * job["results_completed"]
     assert not {k for k in job if k.startswith("dropped_")} - {"dropped_stale"}, job
+    assert "gso_passed_up" not in job, job  # every run cut before the program
     # results of several buffers, sent to every rank by the fan-out program
     assert job["results_fanned_out"] == world * job["results_completed"], job
 
@@ -200,8 +235,9 @@ def test_workers_get_the_user_space_switchs_sums_bit_for_bit(veth, loss):
     switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp")
     table = lose(here, loss) if loss else None
     try:
-        # attached where the address is, in generic mode, to this switch's program
-        assert "xdpgeneric" in sh("ip", "-n", ns, "link", "show", "dev", dev)
+        # attached where the address is, in the veth's native mode: the dispatcher
+        shown = sh("ip", "-n", ns, "link", "show", "dev", dev)
+        assert "prog/xdp " in shown and "xdpgeneric" not in shown
         got = run_job(switch.address, inputs, "xdp")
         if table:  # before the stats query, which is UDP-free but keeps it simple
             subprocess.run(["nft", "delete", "table", "inet", table], check=True)
@@ -211,7 +247,8 @@ def test_workers_get_the_user_space_switchs_sums_bit_for_bit(veth, loss):
         if table:
             subprocess.run(["nft", "delete", "table", "inet", table])
         log = switch.close()
-    assert "XDP program attached" in log
+    assert "XDP program attached (driver mode" in log
+    assert stats["xdp_mode"] == "driver"
     for r in range(world):
         for a, b in zip(got[r], want[r]):
             assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
@@ -250,17 +287,28 @@ def test_workers_get_the_user_space_switchs_sums_bit_for_bit(veth, loss):
 
 
 def exact_sums_through_an_xdp_switch(ns: str, host: str, world: int, *flags: str, seed=3,
-                                     job="xdp") -> tuple[dict, list]:
+                                     job="xdp", env=None, sent_runs=None) -> tuple[dict, list]:
     """A job of ``world`` ranks through an XDP switch in ``ns`` started with
-    ``flags``: the int32 sums exactly, with wrap-around, and every result the
-    same on every rank; the switch's stats, and the inputs."""
+    ``flags`` (and ``env``): the int32 sums exactly, with wrap-around, and every
+    result the same on every rank; the switch's stats, and the inputs.
+    ``sent_runs``: whether every rank sent runs of UDP GSO segments (``Worker.gso``)
+    must be this."""
     inputs = inputs_for(world, seed=seed)
-    switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp", *flags)
+    switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp", *flags, env=env)
+    gso: list = []
     try:
-        got = run_job(switch.address, inputs, job)
+        def rank(r):
+            with switchml.Worker(switch.address, r, world_size=world, job=job,
+                                 timeout=30) as w:
+                gso.append(w.gso)
+                return [w.allreduce(a.copy()) for a in inputs[r]]
+
+        got = in_threads(rank, world, 120)
         stats = switch.stats()
     finally:
         switch.close()
+    if sent_runs is not None:
+        assert gso == [sent_runs] * world
     for i in (0, 2):
         total = sum(x[i].astype(np.int64) for x in inputs)
         assert got[0][i].tolist() == ((total + 2**31) % 2**32 - 2**31).tolist()
@@ -289,32 +337,186 @@ def test_simulated_drops_at_the_xdp_switch_are_recovered_exactly(veth):
 
 @needs_xdp
 def test_workers_send_datagrams_apart_where_gso_runs_would_reach_the_program_whole(veth):
-    """With the workers' veth passing UDP GSO runs whole (its segmentation
-    offload on, as a same-host peer's), the XDP switch's ``ready`` tells them to
-    send each datagram apart: no run reaches the program (``gso_passed_up``),
-    the exact sums.  (A run that comes anyway, from another sender, is passed up
-    and cut by the kernel: tests/test_xdp.py.)"""
-    ns, _, host, here, _ = veth
+    """In generic mode (``SWITCHML_XDP_MODE=generic``), with the workers' veth
+    passing UDP GSO runs whole (its segmentation offload on, as a same-host
+    peer's), the XDP switch's ``ready`` tells them to send each datagram
+    apart: no run reaches the program (``gso_passed_up``), the exact sums.  (A
+    run that comes anyway, from another sender, is passed up and cut by the
+    kernel: tests/test_xdp.py.)"""
+    ns, dev, host, here, _ = veth
     sh(sys.executable, str(REPO / "switchml" / "ethtool.py"), here,
        "tx-udp-segmentation", "on")
-    stats, _ = exact_sums_through_an_xdp_switch(ns, host, 3)
+    stats, _ = exact_sums_through_an_xdp_switch(ns, host, 3, env={"SWITCHML_XDP_MODE": "generic"},
+                                                sent_runs=False)
+    assert stats["xdp_mode"] == "generic"
     job = stats["ended_jobs"]["xdp"]["counters"]
     assert job["results_completed"] > 0
     assert "gso_passed_up" not in job and "dropped_bad_length" not in job, job
 
 
 @needs_xdp
+@pytest.mark.parametrize("mtu", [1500, 9000])
+def test_in_driver_mode_workers_send_runs_that_the_kernel_cuts_before_the_program(veth, mtu):
+    """On a veth the switch attaches in the driver's native mode, and the kernel
+    takes software GSO off the peer (the workers' end, offload on as the
+    kernel leaves it): each run is cut as it leaves, so the switch's ``ready``
+    says ``"gso": true`` and the ranks send runs, none reaching the program
+    whole; the exact sums, every result fanned out from the kernel."""
+    ns, dev, host, here, _ = veth
+    from switchml.ethtool import features
+    for end, where in ((here, []), (dev, ["ip", "netns", "exec", ns])):
+        sh(*where, "ip", "link", "set", "dev", end, "mtu", str(mtu))
+    sh(sys.executable, str(REPO / "switchml" / "ethtool.py"), here,
+       "tx-udp-segmentation", "on")
+    assert features(here)["tx-udp-segmentation"]
+    switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp")
+    try:
+        assert not features(here)["tx-udp-segmentation"]  # the kernel cuts the runs here
+        world, n = 3, 300_000
+
+        def rank(r):
+            with switchml.Worker(switch.address, r, world_size=world, job="runs",
+                                 timeout=30) as w:
+                return w.gso, w.allreduce(np.arange(n, dtype=np.int32) * (r + 1))
+
+        got = in_threads(rank, world, 60)
+        stats = switch.stats()
+    finally:
+        log = switch.close()
+    assert "XDP program attached (driver mode" in log and "workers send runs" in log, log
+    assert stats["xdp_mode"] == "driver"
+    assert [gso for gso, _ in got] == [True] * world
+    assert all(out.tolist() == (6 * np.arange(n)).tolist() for _, out in got)
+    job = stats["ended_jobs"]["runs"]["counters"]
+    assert "gso_passed_up" not in job and "dropped_bad_length" not in job, job
+    assert job["results_fanned_out"] == world * job["results_completed"], job
+    # detached: the kernel gives the peer its offload back
+    assert features(here)["tx-udp-segmentation"]
+
+
+@needs_xdp
+def test_a_switch_on_a_bridge_serves_its_ports_in_driver_mode(bridged):
+    """A bridge has no driver mode, but its ports do: the switch on the bridge's
+    address attaches to each port natively (the bridge runs no XDP program),
+    its workers send runs, cut at their end (offload on), and with 5% of the
+    datagrams lost in the program the answers to one rank (resends, stored
+    results) reach the ranks: the exact sums, every result fanned out."""
+    ns, bridge, port, host, here = bridged
+    stats, _ = exact_sums_through_an_xdp_switch(ns, host, 3, "--drop-rate", "0.05",
+                                                sent_runs=True)
+    assert stats["xdp_mode"] == "driver"
+    job = stats["ended_jobs"]["xdp"]["counters"]
+    assert stats["counters"]["dropped_ingress_simulated"] > 0
+    assert job.get("resends_asked", 0) + job.get("retransmissions_answered", 0) > 0, job
+    assert "gso_passed_up" not in job and "results_passed_up" not in job, job
+    assert job["results_fanned_out"] > 0
+    assert stats["counters"].get("internal_errors", 0) == 0
+
+
+@needs_xdp
+def test_a_bridge_port_without_driver_mode_leaves_the_bridge_in_generic_mode(bridged):
+    """A port with no driver mode (a VXLAN device, after the veth in the
+    bridge's order) leaves the switch on the bridge itself, in generic mode,
+    saying which port, with nothing of the attempt left on the veth; the
+    workers send their runs apart."""
+    ns, bridge, port, host, here = bridged
+    sh("ip", "-n", ns, "link", "add", f"{port}z", "type", "vxlan", "id", "42", "dstport", "4789")
+    sh("ip", "-n", ns, "link", "set", f"{port}z", "master", bridge)
+    switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp")
+    try:
+        assert "prog/xdp" not in sh("ip", "-n", ns, "link", "show", "dev", port)
+        assert "xdpgeneric" in sh("ip", "-n", ns, "link", "show", "dev", bridge)
+
+        def rank(r):
+            with switchml.Worker(switch.address, r, world_size=2, job="g", timeout=30) as w:
+                return w.gso, w.allreduce(np.arange(100_000, dtype=np.int32))
+
+        got = in_threads(rank, 2, 60)
+        stats = switch.stats()
+    finally:
+        log = switch.close()
+    assert stats["xdp_mode"] == "generic"
+    assert f"no driver mode on {port}z, a port of bridge {bridge}" in log, log
+    assert [gso for gso, _ in got] == [False, False]
+    assert all(out.tolist() == (2 * np.arange(100_000)).tolist() for _, out in got)
+
+
+@needs_xdp
+def test_a_switch_on_loopback_falls_back_to_generic_mode_and_says_why():
+    """Loopback has no driver mode: generic, the kernel's reason in the log
+    line's words, and ``ready`` keeps the workers' runs apart."""
+    p = xdp.XdpPipeline(8, 352, block_elements=352, port=7350, switch_ip="127.0.0.1")
+    try:
+        p.serve(("127.0.0.1", 7350))
+        assert p.mode == "generic" and not p.takes_gso_runs
+        assert "no driver mode on lo" in p.mode_reason and "not supported" in p.mode_reason
+        assert "xdpgeneric" in sh("ip", "link", "show", "dev", "lo")
+        assert p.stats()["xdp_mode"] == "generic"
+    finally:
+        p.close()
+    assert "prog/xdp" not in sh("ip", "link", "show", "dev", "lo")
+    p = xdp.XdpPipeline(8, 352, block_elements=352)
+    try:
+        with pytest.raises(ValueError, match="'auto' or 'generic'"):
+            p.serve(("127.0.0.1", 7350), mode="native")
+    finally:
+        p.close()
+
+
+@needs_xdp
+@pytest.mark.parametrize("joined", [False, True])
+def test_an_answer_to_one_rank_leaves_by_the_stack_where_the_peer_has_no_napi(veth, joined):
+    """In a veth's native mode XDP_TX reaches the peer only where it polls with
+    NAPI, which a veth (GRO off, as the kernel leaves it) does not: the
+    program's answer to one rank (a stored result for a retransmission)
+    leaves through fan_out_results, back out of the veth, and the rank gets
+    it; nothing reaches the switch's socket.  Also for a switch asking for
+    generic mode that joins (``joined``) a dispatcher another switch attached
+    in driver mode."""
+    ns, dev, peer, here, me = veth
+    port = 7307
+    tokens = [0x10, 0x20]
+    members = [(peer, 5000), (peer, 5001)]
+    ranks = contributions(tokens)
+    result = reference_sends(members, tokens, ranks)[0][0]
+    assert "rx-gro: off" in sh("ip", "netns", "exec", ns, sys.executable,
+                               str(REPO / "switchml" / "ethtool.py"), dev)
+    with contextlib.ExitStack() as held:
+        if joined:  # another switch's dispatcher, in driver mode
+            first = xdp.XdpPipeline(8, 352, block_elements=352, port=7308, switch_ip=me)
+            held.callback(first.close)
+            first.serve((me, 7308))
+        p, udp = held.enter_context(
+            switch_here((me, port), members, tokens, "generic" if joined else "auto"))
+        assert p.mode == "driver" and p.takes_gso_runs
+        if joined:
+            assert "the dispatcher there runs in driver mode" in p.mode_reason
+        run = peer_run(ns, peer, (me, port), [(5000, ranks[0]), (5001, ranks[1]),
+                                              (5000, ranks[0])])  # again: its result
+        out, err = run.communicate(timeout=30)
+        udp.settimeout(0.5)
+        with pytest.raises(socket.timeout):
+            udp.recvfrom(65536)
+        switch = (me, port)
+        assert received(out) == [(5000, switch, result), (5000, switch, result),
+                                 (5001, switch, result)], err
+        assert job_counters(p) == {"packets_in": 3, "results_completed": 1, "results_out": 3,
+                                   "retransmissions_answered": 1, "results_fanned_out": 2}
+
+
+@needs_xdp
 def test_workers_send_runs_where_their_interface_cuts_them_before_they_leave(veth):
     """With the workers' veth cutting UDP GSO runs as they leave (its segmentation
     offload off, as a NIC without it), the runs reach the XDP switch as frames:
-    its workers send runs though its ``ready`` says ``"gso": false`` (one send a
-    run, not one a datagram), and no run reaches the program whole.  With the
+    its workers send runs though its ``ready`` says ``"gso": false`` (generic
+    mode; one send a run, not one a datagram), and no run reaches the program
+    whole.  With the
     offload on they send apart; to this host's own address, never runs."""
     from switchml.netutil import runs_leave_cut
     ns, _, host, here, local = veth
     assert runs_leave_cut(local, host)
     assert not runs_leave_cut(local, local)  # this host: through loopback
-    switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp")
+    switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp", env={"SWITCHML_XDP_MODE": "generic"})
     try:
         def rank(r):
             with switchml.Worker(switch.address, r, world_size=2, job="runs",
@@ -349,6 +551,14 @@ def test_data_plane_setting_is_checked():
         config.SwitchConfiguration(data_plane="xdp", upstream="127.0.0.1:7300")
     assert config.SwitchConfiguration.from_env(environ={"SWITCHML_DATA_PLANE": "python"}) \
         .data_plane == "python"
+
+
+def test_an_unknown_xdp_mode_is_a_clear_error(monkeypatch):
+    from switchml.switch.server import Switch
+
+    monkeypatch.setenv("SWITCHML_XDP_MODE", "native")
+    with pytest.raises(ValueError, match="SWITCHML_XDP_MODE='native': auto .* or generic"):
+        Switch(data_plane="xdp", packet_elements=512)
 
 
 def test_xdp_unavailable_is_a_clear_error(monkeypatch):
@@ -475,16 +685,16 @@ def received(out: str) -> list:
 
 
 @contextlib.contextmanager
-def switch_here(address: tuple, members: list, tokens: list):
+def switch_here(address: tuple, members: list, tokens: list, mode: str = "auto"):
     """An XdpPipeline in this process serving ``address`` (an address of this
-    namespace), with its UDP socket, and job 0x77 of ``members`` installed:
-    (pipeline, socket); both closed afterwards."""
+    namespace; attach ``mode``), with its UDP socket, and job 0x77 of
+    ``members`` installed: (pipeline, socket); both closed afterwards."""
     p = xdp.XdpPipeline(8, 352, block_elements=352, port=address[1], switch_ip=address[0])
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         udp.bind(address)
         udp.settimeout(5)
-        assert p.serve(address) == xdp.interface_of(address[0])
+        assert p.serve(address, mode=mode) == xdp.interface_of(address[0])
         p.install_job("job", 0x77, members, 0, 4, 352, 352, tokens=tokens)
         yield p, udp
     finally:
@@ -635,8 +845,9 @@ def test_results_go_through_user_space_where_the_kernel_refuses_the_fan_out(veth
 
 @needs_xdp
 def test_a_probe_its_frame_has_no_room_to_answer_is_answered_through_user_space(veth):
-    """Attached in generic mode, a frame is the skb it came in: a 32-byte probe
-    of a complete set leaves no room for the result.  The program passes it up
+    """A frame as the kernel hands it over (a veth's in native mode, as here; in
+    generic mode the skb it came in) has no room past a 32-byte probe of a
+    complete set for the result.  The program passes it up
     (``probes_passed_up``), the switch runs it through the program in a page
     (``passed_up``) and sends the answer: the member gets its result again.
     The switch here is this process, on this namespace's end of the veth."""
@@ -941,7 +1152,7 @@ def test_a_switch_that_loses_the_race_to_attach_joins_the_winner(veth, monkeypat
         monkeypatch.setattr(xdp_loader, "xdp_attached", looked_too_early)
         second.serve((me, 7341))
         assert stale == [0]
-        assert second._dispatch is not None and second._dispatch._obj is None  # joined
+        assert len(second._dispatches) == 1 and second._dispatches[0]._obj is None  # joined
         shown = sh("ip", "-d", "link", "show", "dev", here)
         assert shown.count("prog/xdp") == 1 and "switchml_dispat" in shown
         first.detach()  # the winner goes: the dispatcher stays for the other

@@ -197,6 +197,7 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
         counters: dict = {}
         pooled: dict = {}  # the switches' own counters: hand-overs, runs, drops of no job
         planes: set = set()  # what the switches said they aggregated with
+        xdp_modes: set = set()  # how the XDP switches attached (stats' xdp_mode)
         switch_cpu = {"thread_s": 0.0, "program_s": 0.0}
         stopped = 0
         while stopped < len(switches):
@@ -204,6 +205,8 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
             if isinstance(name, str) and name.startswith("switch") and msg["event"] == "stats":
                 stopped += 1
                 planes.add(msg["stats"].get("data_plane"))
+                if msg["stats"].get("xdp_mode"):  # an XDP switch: driver or generic
+                    xdp_modes.add(msg["stats"]["xdp_mode"])
                 switch_cpu["thread_s"] += msg["stats"].get("cpu_s", 0.0)
                 switch_cpu["program_s"] += sum(msg["stats"].get("program_time_s", {}).values())
                 for key, value in msg["stats"]["ended_jobs"].get(job, {}).get(
@@ -223,6 +226,8 @@ def run_switchml(cluster, world, cases, args, progress) -> tuple:
                          sent=_mean(items, "bytes_sent"), received=_mean(items, "bytes_received"),
                          retransmissions=_mean(items, "retransmissions")))
         rows[-1]["switch_data_plane"] = ",".join(sorted(str(p) for p in planes)) or None
+        if xdp_modes:
+            rows[-1]["switch_xdp_mode"] = ",".join(sorted(xdp_modes))
         rows[-1]["switch_counters_in_run"] = pooled
     calls = len(cases) * (args.warmup + args.repeats)
     _note_uplinks(rows, uplinks, calls)

@@ -40,7 +40,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from ..auth import read_token, token_from_env
-from ..config import SwitchConfiguration, auto_switch_threads, parse_address
+from ..config import SwitchConfiguration, auto_switch_threads, env, parse_address
 from ..errors import DataPlaneUnavailableError, SwitchMLError
 from ..netutil import (
     LineReader,
@@ -177,6 +177,12 @@ class Switch:
         self.upstream = parse_address(config.upstream) if config.upstream else None
         self.pipeline: Pipeline
         if self.data_plane == "xdp":
+            #: How the XDP program attaches (SWITCHML_XDP_MODE): "auto", the
+            #: driver's native mode where it has one, else generic; "generic".
+            self.xdp_mode = env("XDP_MODE", "auto").strip().lower()
+            if self.xdp_mode not in ("auto", "generic"):
+                raise ValueError(f"SWITCHML_XDP_MODE={self.xdp_mode!r}: auto (driver mode "
+                                 f"where the interface has one, else generic) or generic")
             self.pipeline = _xdp_pipeline(config)
         else:
             pipeline_class = (RackPipeline if self.upstream else
@@ -248,14 +254,17 @@ class Switch:
                 _receive_runs_whole(sock)
         if self.data_plane == "xdp":
             try:  # the program takes the port's datagrams from here on
-                ifindex = self._xdp.serve(self.address)
+                ifindex = self._xdp.serve(self.address, mode=self.xdp_mode)
             except BaseException:
                 tcp.close()
                 udp.close()
                 self._xdp.close()  # unloaded: nothing of a switch that did not start stays
                 raise
-            log.info("XDP program attached (generic mode) to %s%s", socket.if_indextoname(ifindex),
-                     ", results fanned out by its TC program" if self._xdp.fans_out else "")
+            log.info("XDP program attached (%s mode: %s) to %s%s; workers send %s",
+                     self._xdp.mode, self._xdp.mode_reason, socket.if_indextoname(ifindex),
+                     ", results fanned out by its TC program" if self._xdp.fans_out else "",
+                     "runs of UDP GSO segments" if self._xdp.takes_gso_runs else
+                     "datagrams apart where their runs would reach the program whole")
         if self.upstream is not None:
             assert isinstance(self.pipeline, RackPipeline)
             uplinks = self._uplinks = Uplinks(self, self.upstream, self.keepalive)

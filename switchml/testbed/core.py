@@ -199,8 +199,10 @@ class Testbed:
     switch's fabric does not, so the machine's cores, not the links, can bound
     a run at small MTUs.  None (the default): on, as the kernel leaves a veth,
     without loss, and off with loss, where per-datagram loss needs it.  (An XDP
-    switch, whose program would see a run as one frame, asks its workers at join
-    to send their datagrams apart, ``protocol.Ready.gso``.)
+    switch on the bridge attaches to its ports in their driver mode, which has
+    the kernel cut the hosts' runs at their veths, offload on or off; one in
+    generic mode, whose program would see a run as one frame, asks its workers
+    at join to send their datagrams apart, ``protocol.Ready.gso``.)
     ``switches``: switch servers (0: none, the switch on the bridge as before);
     each is a namespace ``"s<k>"`` behind a shaped link like a host's.
     ``racks``: R racks under the spine on the bridge, each a namespace ``"r<k>"``

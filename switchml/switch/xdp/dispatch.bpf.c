@@ -1,6 +1,7 @@
 /* The dispatcher that lets several XDP switches share one interface: an
  * interface runs one XDP program, so switch/loader.py attaches this one
- * (generic mode, a BPF link) once per interface, and each switch serving there
+ * (a BPF link; in the driver's native mode where it has one, else generic)
+ * once per interface, and each switch serving there
  * (each its own process or not, each with its own xdp_pipeline object and
  * maps) puts its own xdp_pipeline program in `switchml_progs` at its UDP port.
  * A UDP datagram over IPv4 goes, by bpf_tail_call, to the program registered

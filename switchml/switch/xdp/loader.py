@@ -302,7 +302,7 @@ class Program:
             self.fan_out_id = prog_info(self.fan_out_fd).id
             self.fds = {name: lib.bpf_map__fd(self._map(name)) for name in
                         ("config", "members", "rank_addresses", "jobs", "mismatches", "sets",
-                         "rows", "counts")}
+                         "rows", "counts", "ports")}
             self.cpus = lib.libbpf_num_possible_cpus()
             _check(self.cpus, "libbpf_num_possible_cpus")
         except BaseException:
@@ -535,20 +535,26 @@ class Dispatcher:
     """A switch's hold on the dispatcher of an interface (``dispatch.bpf.c``):
     ``Dispatcher(ifindex)`` finds the one attached there (by another switch, of
     this process or another) and takes its own file descriptors of its BPF link
-    and maps, or attaches one (generic mode) when the interface runs no XDP
-    program; ``register(port, ...)`` puts a switch's pipeline at its port,
-    ``close()`` takes it out and lets go: the kernel detaches the dispatcher
-    when the last switch holding its link closes it (or dies).
+    and maps, or attaches one when the interface runs no XDP program: in
+    generic mode, or with ``driver`` in the driver's native mode (an OSError
+    where the driver has none: a bridge, loopback); ``mode`` says which mode
+    the dispatcher it holds runs in ("generic" or "driver"), its own or the
+    one it joined.  ``register(port, ...)`` puts a switch's pipeline at its
+    port, ``close()`` takes it out and lets go: the kernel detaches the
+    dispatcher when the last switch holding its link closes it (or dies).
     ``InterfaceTaken`` when another XDP program is on the interface (a switch
-    attached directly, in driver mode, or another tool's): it is left alone."""
+    attached alone, ``serve(..., driver=True)``, or another tool's): it is left
+    alone."""
 
-    def __init__(self, ifindex: int):
+    def __init__(self, ifindex: int, driver: bool = False):
         self.ifindex = ifindex
         self._lib = libbpf()
         self._obj: int | None = None  # the dispatcher's object, where this one loaded it
         self.link_fd = self.progs_fd = self.owners_fd = -1
         self.port: int | None = None
         self._prog_id = 0  # register's
+        self._driver = driver
+        self.mode = "driver" if driver else "generic"  # _join's, where it joined one
         try:
             for _ in range(8):  # another switch may attach or detach meanwhile: again
                 if self._join() or self._attach():
@@ -566,12 +572,14 @@ class Dispatcher:
             return False
         lib = self._lib
         obj, prog = load_dispatcher()
-        fd = _link_xdp(prog, self.ifindex, XDP_FLAGS_SKB_MODE)
+        fd = _link_xdp(prog, self.ifindex,
+                       XDP_FLAGS_DRV_MODE if self._driver else XDP_FLAGS_SKB_MODE)
         if fd < 0:
             lib.bpf_object__close(obj)
             if -fd in (errno.EBUSY, errno.EEXIST):  # another one got there first
                 return False
-            _check(fd, f"attaching the XDP dispatcher to interface {self.ifindex}")
+            _check(fd, f"attaching the XDP dispatcher to {_ifname(self.ifindex)} in "
+                       f"{self.mode} mode")
         self._obj, self.link_fd = obj, fd
         self.progs_fd = dispatcher_map_fd(obj, "switchml_progs")
         self.owners_fd = dispatcher_map_fd(obj, "switchml_owners")
@@ -591,7 +599,8 @@ class Dispatcher:
             map_ids = (ctypes.c_uint32 * 8)()
             info = prog_info(prog, map_ids)
             name = info.name.decode(errors="replace")
-            if name != DISPATCH_PROGRAM[:15] or attached.skb_prog_id != attached.prog_id:
+            if name != DISPATCH_PROGRAM[:15] or attached.prog_id not in (
+                    attached.skb_prog_id, attached.drv_prog_id):
                 mode = "generic" if attached.skb_prog_id else "driver" \
                     if attached.drv_prog_id else "hardware"
                 raise InterfaceTaken(
@@ -614,6 +623,8 @@ class Dispatcher:
             if self.progs_fd < 0 or self.owners_fd < 0:
                 raise InterfaceTaken(f"the XDP dispatcher of interface "
                                      f"{_ifname(self.ifindex)} has not switchml's maps")
+            # the mode the switches there chose: every switch of an interface shares it
+            self.mode = "generic" if attached.skb_prog_id == attached.prog_id else "driver"
             # the link's own fd: it keeps the dispatcher attached while this
             # switch runs, whoever attached it
             for link in _links():
@@ -709,6 +720,28 @@ class Dispatcher:
             setattr(self, name, -1)
             if fd >= 0:
                 os.close(fd)
+
+
+def bridge_ports(ifindex: int) -> list[int] | None:
+    """The interfaces of bridge ``ifindex`` (its ports' indices, in order), or
+    None where it is not a bridge."""
+    name = _ifname(ifindex)
+    base = pathlib.Path("/sys/class/net") / name
+    if not (base / "bridge").is_dir():
+        return None
+    ports = []
+    for port in sorted(p.name for p in (base / "brif").iterdir()):
+        try:
+            ports.append(socket.if_nametoindex(port))
+        except OSError:  # gone meanwhile
+            pass
+    return ports
+
+
+def is_virtual(ifindex: int) -> bool:
+    """Whether interface ``ifindex`` is no NIC (a veth, a bridge, loopback): no
+    device behind it in sysfs."""
+    return not (pathlib.Path("/sys/class/net") / _ifname(ifindex) / "device").exists()
 
 
 def _ifname(ifindex: int) -> str:

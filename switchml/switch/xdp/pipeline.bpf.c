@@ -3,9 +3,10 @@
  * step by step, in the same order, with the same drop reasons and counter
  * names.  switch/loader.py builds it (clang) and loads it (libbpf through
  * ctypes); switch/xdp/pipeline.py fills its maps from the Python control plane, serves
- * the switch's interface with it (generic mode: through the dispatcher that the
- * XDP switches on one interface share, dispatch.bpf.c, which tail-calls it
- * for the datagrams to its port; in driver mode, attached alone), with
+ * the switch's interface with it (through the dispatcher that the XDP
+ * switches on one interface share, dispatch.bpf.c, which tail-calls it for
+ * the datagrams to its port: in the driver's native mode where it has one, on
+ * each port of a bridge, else generic; or attached alone, in driver mode), with
  * fan_out_results on the interface's TC ingress (one tcx program a switch,
  * each passing on what is not its own), and runs it with BPF_PROG_TEST_RUN
  * (tests, and probes passed up); tests/test_xdp.py feeds it and the Python pipeline the same
@@ -28,6 +29,8 @@
  *  - an answer to one rank (a stored result for its retransmission or probe, a
  *    resend, a done): rewritten in the received frame, addresses swapped,
  *    XDP_TX back out of the port it came in by (to the rank that sent it);
+ *    on a veth in native mode, XDP_PASS with ANSWER_MARK in its metadata, and
+ *    fan_out_results sends it back out (answers_by_stack, below);
  *  - a completed result, for every rank of the job: written over the
  *    contribution that completed it (a dense result has exactly that size) and
  *    handed on with XDP_PASS, addressed as the contribution was (from the last
@@ -165,7 +168,17 @@ struct xdp_config {
      * in, or an answer or result copy out, is lost when a random u32 falls
      * below these (the rate times 2**32); 0: none */
     __u32 ingress_drop, egress_drop;
+    /* 1: an answer to one rank goes out by the stack, not XDP_TX: the program
+     * runs in a veth's native mode, whose XDP_TX reaches the peer only where
+     * the peer polls with NAPI (GRO on, or an XDP program of its own), which
+     * the switch cannot tell or set from its side.  The answer, rewritten as
+     * for XDP_TX, is passed (XDP_PASS) with ANSWER_MARK in its metadata, and
+     * fan_out_results, next on the same device, sends it back out of it. */
+    __u32 answers_by_stack;
 };
+
+/* The metadata (bpf_xdp_adjust_meta) of an answer passed to fan_out_results. */
+#define ANSWER_MARK 0x534D4C41 /* "SMLA" */
 
 /* Member table, the controller's table entries: source address -> job, rank. */
 struct member_key {
@@ -224,6 +237,16 @@ struct {
     __type(key, __u32);
     __type(value, struct xdp_config);
 } config SEC(".maps");
+
+/* The devices the program is attached to besides the interface served (its
+ * ifindex -> 1): the ports of a bridge served in driver mode, where a rank's
+ * Ethernet address is learned as on the bridge itself. */
+struct {
+    __uint(type, BPF_MAP_TYPE_HASH);
+    __uint(max_entries, 256);
+    __type(key, __u32);
+    __type(value, __u32);
+} ports SEC(".maps");
 
 struct {
     __uint(type, BPF_MAP_TYPE_HASH);
@@ -531,7 +554,21 @@ static __always_inline int frame_to_sender(struct xdp_md *ctx, __u32 len)
     udp->dest = port;
     udp->len = bpf_htons(sizeof(struct udphdr) + len);
     udp->check = 0;
-    return XDP_TX;
+    __u32 zero = 0;
+    const struct xdp_config *cfg = bpf_map_lookup_elem(&config, &zero);
+    __u32 in = ctx->ingress_ifindex;
+    /* by the stack where it came in by a device that fan_out_results serves
+     * (not BPF_PROG_TEST_RUN's: user space sends that answer); XDP_TX where
+     * the driver keeps no metadata (a NIC's XDP_TX works) */
+    if (!cfg || !cfg->answers_by_stack ||
+        (in != cfg->ifindex && !bpf_map_lookup_elem(&ports, &in)) ||
+        bpf_xdp_adjust_meta(ctx, -(int)sizeof(__u32)))
+        return XDP_TX;
+    __u32 *mark = (void *)(long)ctx->data_meta;
+    if ((void *)(mark + 1) > (void *)(long)ctx->data)
+        return XDP_DROP; /* cannot be: the room was just made */
+    *mark = ANSWER_MARK;
+    return XDP_PASS;
 }
 
 /* The frame's headers for a completed result handed to the switch's socket
@@ -962,7 +999,8 @@ int xdp_pipeline(struct xdp_md *ctx)
     }
     __u8 src_mac[ETH_ALEN];
     __builtin_memcpy(src_mac, eth->h_source, ETH_ALEN);
-    int served = cfg->ifindex && ctx->ingress_ifindex == cfg->ifindex;
+    __u32 in = ctx->ingress_ifindex;
+    int served = cfg->ifindex && (in == cfg->ifindex || bpf_map_lookup_elem(&ports, &in));
     return receive_datagram(ctx, ulen - sizeof(struct udphdr), m, slots,
                             served ? src_mac : (const __u8 *)0);
 }
@@ -1010,6 +1048,10 @@ int fan_out_results(struct __sk_buff *skb)
     const struct xdp_config *cfg = bpf_map_lookup_elem(&config, &zero);
     if (!cfg || !cfg->ifindex)
         return TCX_NEXT;
+    void *meta = (void *)(long)skb->data_meta, *data = (void *)(long)skb->data;
+    if (cfg->answers_by_stack && meta + sizeof(__u32) <= data &&
+        *(__u32 *)meta == ANSWER_MARK) /* an answer the XDP program made: back out */
+        return bpf_redirect(skb->ifindex, 0);
     struct result_headers f;
     __u8 kind;
     if (bpf_skb_load_bytes_relative(skb, 0, &f.eth, sizeof f.eth, BPF_HDR_START_MAC) ||

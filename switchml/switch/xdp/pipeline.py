@@ -6,10 +6,27 @@ adds, MODE_MAX, duplicates, stale messages, retransmissions, probes and
 queries, results), tested against the Python pipeline through
 ``BPF_PROG_TEST_RUN`` on Ethernet/IPv4/UDP frames (tests/test_xdp.py, also two
 CPUs at once), and served for real by ``Switch(data_plane="xdp")``: ``serve``
-runs it (generic mode) on the interface holding the switch's address, and
-beside it, on that interface's TC ingress, the program that sends each
-completed result to every rank (tests/test_xdp_serve.py, in network
-namespaces).
+runs it on the interface holding the switch's address, and beside it, on
+that interface's TC ingress, the program that sends each completed result to
+every rank (tests/test_xdp_serve.py, in network namespaces).
+
+Where: in the driver's native mode where the interface has one (a veth, most
+NICs), in XDP's generic (skb) mode where it has none (loopback) or refuses
+(the reason is in the switch's log line, in ``mode`` and ``mode_reason``,
+and the stats say ``xdp_mode``).  A bridge has no driver mode, but the
+frames for its address come in by its ports: the switch on a bridge attaches
+to each of its ports in their driver mode, with the fan-out program on each
+port's TC ingress (its copies go out of the bridge, as from the bridge's
+own), and the program learns ranks' Ethernet addresses there (the ``ports``
+map); where a port refuses, the bridge itself is served in generic mode,
+nothing left on the ports.  (A port added to the bridge later has no program:
+its frames reach the switch's socket, and ``passed_up`` runs each through the
+program.)  ``SWITCHML_XDP_MODE=generic``
+(``serve(..., mode="generic")``) asks for generic mode.  Driver mode is the
+faster: the program runs in the driver's receive loop on batches of frames,
+with no socket buffer built for what it drops (on the 2-core testbed at MTU
+1500, a 64 MiB allreduce in 0.72 s against generic mode's 1.40:
+docs/benchmarks.md).
 
 An interface runs one XDP program, and several XDP switches may serve one
 (other ports, of one process or several: several ``Switch(data_plane="xdp")``
@@ -19,7 +36,8 @@ attaches through a BPF link and the later ones join (their own file
 descriptors of its link and maps, found from the attached program's id).  It
 tail-calls, for each UDP datagram, the program of the switch that serves its
 destination port (each switch keeps its own object and maps) and passes the
-rest to the host.  The kernel detaches it when the last switch holding its
+rest to the host.  The switches on an interface share the mode of the first.
+The kernel detaches it when the last switch holding its
 link closes it, or dies; a switch that closes takes its port out; the port of
 a switch that was killed (its program, still in the dispatcher, takes that
 port's datagrams meanwhile) is taken out by the switches still serving
@@ -43,7 +61,11 @@ with the Python names are added into
 
 How a datagram's fate reads in XDP (the program's header comment says why):
 ``XDP_DROP`` for nothing sent, ``XDP_TX`` for an answer to its sender alone
-(the frame rewritten, addresses swapped), ``XDP_PASS`` for a sparse
+(the frame rewritten, addresses swapped; on a veth in driver mode, whose
+XDP_TX reaches the peer only where the peer polls with NAPI, which the
+switch can neither tell nor set, ``XDP_PASS`` with a mark in the frame's
+metadata instead, and the TC program sends it back out of the device it came
+in by: ``answers_by_stack``), ``XDP_PASS`` for a sparse
 contribution (untouched: user space aggregates it, below) and for a completed
 result, which goes to every rank from the kernel: the TC program ``fan_out_results``
 (the same object, the same maps), which runs next on the same interface,
@@ -67,8 +89,13 @@ A UDP GSO super-packet (a run of datagrams that a sender on the same host, a
 veth peer or loopback, hands over whole; a NIC cuts it before the wire) is
 one frame to XDP: the program passes it up (``gso_passed_up``), the kernel
 cuts it into its datagrams for the switch's socket, and ``passed_up`` runs
-each through the program, a system call a datagram (``switchml bench
---data-plane xdp`` turns the veths' segmentation offload off for that).
+each through the program, a system call a datagram.  In driver mode no run
+reaches the program whole (on a NIC runs are cut before the wire; a veth
+with a native XDP program has the kernel take software GSO off its peer,
+which then cuts each run as it leaves), so ``takes_gso_runs`` (the ``ready``'s
+``gso``) is true and the workers send runs, one system call for up to 64
+datagrams; in generic mode it is false, and the workers send their datagrams
+apart where their runs would reach it whole.
 
 Simulated drops (``drop_rate``, ``egress_drop_rate``) are the program's: a
 datagram coming in, or an answer or a result's copy going out, is lost when
@@ -117,9 +144,7 @@ above), IPv6, packets of more than 64 lanes (blocks), the UDP
 checksum of received datagrams (the kernel drops a bad one before the Python
 switch's socket; the program does not check it yet),
 secondary addresses of an interface (``interface_of`` reads the primary one),
-a UDP checksum on the results (sent without one, which IPv4 allows), and the
-switch's own choice of native (driver) mode: ``serve(address, driver=True)``
-attaches there (bench/xdp_driver.py), ``Switch`` serves in generic mode.
+and a UDP checksum on the results (sent without one, which IPv4 allows).
 """
 
 from __future__ import annotations
@@ -145,7 +170,9 @@ from .loader import (
     SOURCE,
     Dispatcher,
     InterfaceTaken,
+    bridge_ports,
     build_object,
+    is_virtual,
     libbpf,
     load,
     unavailable,
@@ -216,7 +243,8 @@ def row_size(values: int) -> int:
 class _Config(ctypes.Structure):
     _fields_ = [("slots", ctypes.c_uint32), ("port", ctypes.c_uint16),
                 ("pad", ctypes.c_uint16), ("ifindex", ctypes.c_uint32),
-                ("ingress_drop", ctypes.c_uint32), ("egress_drop", ctypes.c_uint32)]
+                ("ingress_drop", ctypes.c_uint32), ("egress_drop", ctypes.c_uint32),
+                ("answers_by_stack", ctypes.c_uint32)]
 
 
 def drop_threshold(rate: float) -> int:
@@ -357,10 +385,6 @@ class XdpPipeline(Pipeline):
     (see the module doc).  ``port``: the switch's UDP port, which the program
     serves (other traffic passes to the host); ``close()`` unloads it."""
 
-    #: A sender's GSO run can reach the program whole (between namespaces or
-    #: containers on one host, nothing cuts it on the way), where it could only be
-    #: passed up and summed a datagram at a time: the workers send datagrams apart.
-    takes_gso_runs = False
 
     def __init__(self, slots: int = DEFAULT_SLOTS, packet_elements: int = DEFAULT_PACKET_ELEMENTS,
                  *, block_elements: int | None = None, port: int = DEFAULT_PORT,
@@ -389,14 +413,30 @@ class XdpPipeline(Pipeline):
             "sets": 2 * slots, "rows": 2 * slots, "counts": slots + 1,
             "scratch": libbpf().libbpf_num_possible_cpus()})
         self.verifier_stats = self._prog.verifier_stats
-        self._configure(ifindex=0)
         self._counts_type = ctypes.c_uint64 * (len(COUNTER_NAMES) * self._prog.cpus)
         self._counted: dict[int, list[int]] = {}  # counts entry -> its sums already taken
         self._job_at: dict[int, Job] = {}  # slot_base -> running job
         self._link: int | None = None  # serve(driver=True): the BPF link's fd
-        self._dispatch: Dispatcher | None = None  # serve(): its hold on the dispatcher
-        self._fan_out_link: int | None = None  # serve(): the fan-out program's link
+        #: serve(): its holds on the dispatchers (one, or one a port of a bridge)
+        self._dispatches: list[Dispatcher] = []
+        self._fan_out_links: list[int] = []  # serve(): the fan-out program's links
+        self._ports: list[int] = []  # serve(): the bridge ports in the `ports` map
+        self._answers_by_stack = False
         self.ifindex: int | None = None
+        #: How ``serve`` attached the program: "driver" (the driver's native mode,
+        #: on the interface or on each port of the bridge that is it), "generic",
+        #: or None before it serves; ``mode_reason`` says why.
+        self.mode: str | None = None
+        self.mode_reason = ""
+        #: Whether workers may send runs of UDP GSO segments (``protocol.Ready.gso``):
+        #: where the program runs in driver mode, no run reaches it whole (a NIC's
+        #: are cut before the wire; a veth with a native XDP program has its peer
+        #: cut them, as the kernel takes software GSO off the peer's features).
+        #: In generic mode a run from this host (another namespace, a container)
+        #: crosses veths and bridges whole, and the program could only pass it
+        #: up, to be summed a datagram at a time: the workers send datagrams apart.
+        self.takes_gso_runs = False
+        self._configure(ifindex=0)
         self._sparse_logged: set[int] = set()  # sessions whose sparse path was logged
 
     def close(self) -> None:
@@ -404,32 +444,56 @@ class XdpPipeline(Pipeline):
         self.detach()
         self._prog.close()
 
-    def serve(self, address, driver: bool = False) -> int:
+    def serve(self, address, driver: bool = False, mode: str = "auto") -> int:
         """Serve the switch's UDP ``address`` (host, port) for real: the program
         takes the datagrams to that port on the interface that holds the host's
-        IPv4 address (``interface_of``), in generic mode, through the
-        interface's dispatcher, which the XDP switches there share (with
-        ``driver``, attached alone, in the driver's native mode: an error where
-        it has none, or where another XDP program is attached), and the
-        fan-out program to that interface's TC ingress, which sends each
-        completed result to every rank (not on a loopback interface: its ranks
-        are this host's, which the switch's socket reaches; nor where the kernel
-        refuses it, logged: the socket sends the results).  Returns the
-        interface's index.  ``detach()`` (or ``close()``) undoes it."""
+        IPv4 address (``interface_of``), through the interface's dispatcher,
+        which the XDP switches there share, and the fan-out program on that
+        interface's TC ingress sends each completed result to every rank (not
+        on a loopback interface: its ranks are this host's, which the switch's
+        socket reaches; nor where the kernel refuses it, logged: the socket
+        sends the results).  Returns the interface's index.
+
+        ``mode`` "auto": in the driver's native mode where it has one (a veth,
+        most NICs; for a bridge, which has none, on each of its ports, when
+        every one takes it), else generic mode (loopback, a bridge with a port
+        that refuses, a kernel without tcx for the fan-out); "generic":
+        generic mode.  A dispatcher already on the interface is joined in its
+        mode.  ``self.mode`` and ``self.mode_reason`` say which and why.  With
+        ``driver``, the switch's program alone, without the dispatcher, in
+        driver mode: an error where the driver has none, or where another XDP
+        program is attached (bench/xdp_driver.py).  ``detach()`` (or
+        ``close()``) undoes it."""
+        if mode not in ("auto", "generic"):
+            raise ValueError(f"the XDP attach mode is 'auto' or 'generic', not {mode!r}")
         host, port = address
         ifindex = interface_of(host)
         self.port = port
         self.address = (host, port)
         self.detach()
-        self._configure(ifindex)
         name = socket.if_indextoname(ifindex)
         try:
             if driver:  # the program alone on the interface, as a benchmark wants it
+                self._configure(ifindex)
                 self._link = self._prog.attach(ifindex, driver)
+                self.mode, self.mode_reason = "driver", "the program alone (driver=True)"
+                self._attach_fan_out([ifindex], required=False)
             else:  # shared with the other XDP switches there, through the dispatcher
-                self._dispatch = Dispatcher(ifindex)
-                self._dispatch.register(port, self._prog.prog_fd, self._prog.prog_id,
-                                        self._prog.fan_out_id)
+                if mode == "auto":
+                    self._serve_in_driver_mode(ifindex)
+                if self.mode is None:
+                    if mode == "generic":
+                        self.mode_reason = "generic mode asked for"
+                    self._dispatches = [Dispatcher(ifindex)]
+                    self.mode = self._dispatches[0].mode
+                    if self.mode == "driver":  # another switch's, joined
+                        self.mode_reason = "the dispatcher there runs in driver mode"
+                        self._answers_by_stack = is_virtual(ifindex)
+                    self._configure(ifindex)
+                    self._attach_fan_out([ifindex], required=self._answers_by_stack)
+                for dispatch in self._dispatches:
+                    dispatch.register(port, self._prog.prog_fd, self._prog.prog_id,
+                                      self._prog.fan_out_id)
         except InterfaceTaken as exc:
             self.detach()
             raise DataPlaneUnavailableError(
@@ -448,45 +512,105 @@ class XdpPipeline(Pipeline):
         except BaseException:
             self.detach()
             raise
-        if not _is_loopback(ifindex):
+        self.ifindex = ifindex
+        self.takes_gso_runs = self.mode == "driver"
+        return ifindex
+
+    def _serve_in_driver_mode(self, ifindex: int) -> None:
+        """The dispatchers in driver mode, and the fan-out program beside each,
+        where the interface (or each port of the bridge it is) takes them:
+        ``self.mode`` "driver"; else nothing held, ``self.mode_reason`` saying
+        why (then generic mode)."""
+        name = socket.if_indextoname(ifindex)
+        ports = bridge_ports(ifindex)
+        if ports is None:
+            devices = [ifindex]
+        elif xdp_attached(ifindex).prog_id:
+            self.mode_reason = f"XDP switches serve bridge {name} in generic mode already"
+            return
+        elif not ports:
+            self.mode_reason = f"bridge {name} has no ports (a bridge has no driver mode)"
+            return
+        else:  # the frames for the bridge's address come in by its ports
+            devices = ports
+        at = name
+        try:
+            for device in devices:
+                at = name if ports is None else \
+                    f"{socket.if_indextoname(device)}, a port of bridge {name}"
+                self._dispatches.append(Dispatcher(device, driver=True))
+                if self._dispatches[-1].mode != "driver":
+                    raise InterfaceTaken("its dispatcher runs in generic mode")
+            at = name if ports is None else f"the ports of bridge {name}"
+            self._ports = ports or []
+            # A veth's XDP_TX reaches its peer only where the peer polls with
+            # NAPI, which the switch can neither tell nor set: answers go out by
+            # the stack there (pipeline.bpf.c, answers_by_stack)
+            self._answers_by_stack = any(is_virtual(d) for d in devices)
+            self._configure(ifindex)
+            self._attach_fan_out(devices, required=True)
+        except (OSError, InterfaceTaken) as exc:
+            why = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno else str(exc)
+            self.mode_reason = f"no driver mode on {at} ({why})"
+            self.detach()
+            return
+        self.mode = "driver"
+        self.mode_reason = (f"{name}'s driver" if ports is None else
+                            f"on the {len(ports)} port(s) of bridge {name}")
+
+    def _attach_fan_out(self, devices: list[int], required: bool) -> None:
+        """The fan-out program on the TC ingress of each of ``devices`` (none on
+        a loopback interface); ``required``: a refusal raises (driver mode, whose
+        answers it sends), else it is logged and the socket sends the results."""
+        for device in devices:
+            if _is_loopback(device):
+                continue
             try:
-                self._fan_out_link = self._prog.attach_fan_out(ifindex)
+                self._fan_out_links.append(self._prog.attach_fan_out(device))
             except OSError as exc:  # a kernel before 6.6 (no tcx): the socket sends them
+                if required:
+                    raise
                 log.warning("results go to the ranks from the switch's socket, not the "
                             "kernel: %s", exc)
-        self.ifindex = ifindex
-        return ifindex
 
     @property
     def fans_out(self) -> bool:
         """Whether the fan-out program sends completed results (``serve``)."""
-        return self._fan_out_link is not None
+        return bool(self._fan_out_links)
 
     def detach(self) -> None:
         """Detach the programs from their interface, if ``serve`` attached them."""
-        for name in ("_fan_out_link", "_link"):
-            link = getattr(self, name, None)
-            setattr(self, name, None)
-            if link is not None:
-                os.close(link)
-        dispatch, self._dispatch = getattr(self, "_dispatch", None), None
-        if dispatch is not None:  # its port out; the last switch's close detaches it
+        links, self._fan_out_links = getattr(self, "_fan_out_links", []), []
+        link, self._link = getattr(self, "_link", None), None
+        for fd in links + ([link] if link is not None else []):
+            os.close(fd)
+        dispatches, self._dispatches = getattr(self, "_dispatches", []), []
+        for dispatch in dispatches:  # its port out; the last switch's close detaches it
             dispatch.close()
+        self.mode = None
+        self.takes_gso_runs = False
+        self._answers_by_stack = False
+        ports, self._ports = getattr(self, "_ports", []), []
         if getattr(self, "_prog", None) is not None:  # no interface: nothing to learn from
             self._configure(ifindex=0)
+            for device in ports:
+                self._prog.delete("ports", _u32(device))
 
     def sweep_gone_switches(self) -> list[int]:
         """Take the ports of the XDP switches gone from this interface (killed,
-        not closed) out of its dispatcher, which frees their programs and maps;
+        not closed) out of its dispatchers, which frees their programs and maps;
         the ports taken out (``Dispatcher.sweep``)."""
-        return self._dispatch.sweep() if self._dispatch is not None else []
+        return sorted({port for d in self._dispatches for port in d.sweep()})
 
     def _configure(self, ifindex: int) -> None:
         """The program's settings: the pool, the port, the interface served (0:
         none), the simulated drop rates."""
+        for device in self._ports:  # the bridge's ports, where a rank's address is learned
+            self._prog.update("ports", _u32(device), _u32(1))
         self._prog.update("config", _u32(0), _Config(
             self.slots, socket.htons(self.port), 0, ifindex,
-            drop_threshold(self.ingress_drop_rate), drop_threshold(self.egress_drop_rate)))
+            drop_threshold(self.ingress_drop_rate), drop_threshold(self.egress_drop_rate),
+            int(self._answers_by_stack and ifindex != 0)))
 
     def passed_up(self, data, addr) -> list:
         """What the switch's socket sends for a datagram it received while the
@@ -733,6 +857,7 @@ class XdpPipeline(Pipeline):
         times = self._prog.run_times()
         stats["program_runs"] = {name: runs for name, (_, runs) in times.items()}
         stats["program_time_s"] = {name: ns / 1e9 for name, (ns, _) in times.items()}
+        stats["xdp_mode"] = self.mode  # "driver" or "generic" (None: not serving)
         return stats
 
     def set_registers(self, v: int, slot: int) -> dict:
