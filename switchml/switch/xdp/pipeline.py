@@ -25,7 +25,7 @@ program.)  ``SWITCHML_XDP_MODE=generic``
 (``serve(..., mode="generic")``) asks for generic mode.  Driver mode is the
 faster: the program runs in the driver's receive loop on batches of frames,
 with no socket buffer built for what it drops (on the 2-core testbed at MTU
-1500, a 64 MiB allreduce in 0.72 s against generic mode's 1.40:
+1500, a 64 MiB allreduce in 0.72 s against generic mode's 1.25:
 docs/benchmarks.md).
 
 An interface runs one XDP program, and several XDP switches may serve one
