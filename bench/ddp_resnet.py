@@ -27,6 +27,9 @@ launches each configuration R times (the backends in turn) and keeps the run
 of median samples/s.  ``--backends`` launches only those named; ``--set
 SWITCHML_VAR=VALUE`` (repeatable) sets switchml's launches apart from its defaults
 (the caller's own SWITCHML_* are not passed on), named in the results.
+``--profile-dir DIR`` profiles three more steps of each configuration's first
+launch (rank 0, torch's profiler, the GPU's kernels and copies too) into DIR:
+profile-BACKEND-K.json (a Chrome trace) and profile-BACKEND-K-ops.txt.
 Writes a table and ``--out`` (JSON, rewritten as each K ends).
 """
 
@@ -116,6 +119,31 @@ def _settle(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def profile_steps(args, rank: int, world: int, device, step) -> None:
+    """Three more steps, rank 0's under torch's profiler (the CPU, and the GPU's
+    kernels and copies on each stream): ``args.profile``-BACKEND-K.json, a
+    Chrome trace, and -ops.txt, the table of its busiest operations."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    dist.barrier()
+    if rank != 0:
+        for i in range(3):
+            step(i)
+        return
+    with profile(activities=activities) as prof:
+        for i in range(3):
+            step(i)
+    base = f"{args.profile}-{args.backend}-{world}"
+    prof.export_chrome_trace(base + ".json")
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    with open(base + "-ops.txt", "w") as f:
+        f.write(prof.key_averages().table(sort_by=sort, row_limit=30))
+
+
 def rank_job(args) -> None:
     """One rank of a torchrun launch; rank 0 writes the summary and the weights."""
     import numpy as np
@@ -170,6 +198,8 @@ def rank_job(args) -> None:
         for i in range(min(args.steps, 5)):  # whole steps, the ranks started together
             dist.barrier()
             alone.append(step(i))
+    if args.profile:
+        profile_steps(args, rank, world, device, step)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, {"times": times, "digest": digest, "alone": alone})
     counted = None  # what switchml's worker did (rank 0's): the gradients went through it
@@ -213,7 +243,7 @@ def _environment(settings: dict) -> dict:
     return env
 
 
-def launch(backend: str, workers: int, args, prefix: str) -> dict:
+def launch(backend: str, workers: int, args, prefix: str, profile: bool = False) -> dict:
     """One torchrun of ``workers`` ranks on ``backend``; rank 0's summary, the
     weights' file (``prefix``...) in ``params``."""
     summary = f"{prefix}{backend}-{workers}.json"
@@ -223,6 +253,9 @@ def launch(backend: str, workers: int, args, prefix: str) -> dict:
            "--backend", backend, "--device", args.device, "--batch", str(args.batch),
            "--image", str(args.image), "--warmup", str(args.warmup), "--steps", str(args.steps),
            "--lr", str(args.lr), "--summary", summary, "--params", params]
+    if profile and args.profile_dir:
+        os.makedirs(args.profile_dir, exist_ok=True)
+        cmd += ["--profile", os.path.join(os.path.abspath(args.profile_dir), "profile")]
     settings = dict(args.set) if backend == "switchml" else {}
     proc = subprocess.Popen(cmd, env=_environment(settings), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -326,6 +359,10 @@ def main(argv=None) -> int:
     p.add_argument("--backend", choices=BACKENDS, help=argparse.SUPPRESS)
     p.add_argument("--summary", help=argparse.SUPPRESS)
     p.add_argument("--params", help=argparse.SUPPRESS)
+    p.add_argument("--profile", help=argparse.SUPPRESS)
+    p.add_argument("--profile-dir", default=None, metavar="DIR",
+                   help="profile 3 more steps of each configuration's first launch "
+                        "(rank 0, torch's profiler) into DIR: a Chrome trace and a table")
     args = p.parse_args(argv)
     if args.rank_job:
         rank_job(args)
@@ -342,7 +379,8 @@ def main(argv=None) -> int:
             trials: dict = {b: [] for b in args.backends}
             for i in range(args.runs):  # the backends in turn: a slow spell hits both
                 for backend in args.backends:
-                    t = launch(backend, workers, args, os.path.join(tmp, f"run{i}-"))
+                    t = launch(backend, workers, args, os.path.join(tmp, f"run{i}-"),
+                               profile=i == 0)
                     trials[backend].append(t)
                     print(f"K={workers} {backend:<8} {t['samples_per_s']:8.1f} samples/s  "
                           f"step {t['step_ms']:7.1f} ms  compute "

@@ -14,7 +14,8 @@
 #               switchml and gloo in each invocation, median of 3 invocations
 #   bench-cpu   the same with --device cpu
 #   ddp         bench/ddp_resnet.py --device cuda, K = 2 4: ResNet-18, batch 32 of 224x224,
-#               3 launches of each backend in turn, the median kept
+#               3 launches of each backend in turn, the median kept; 3 more steps of
+#               each first launch profiled (profiles/: Chrome traces, op tables)
 #   ddp-modes   the ddp stage's switchml at K = 4 with SWITCHML_CUDA_COPIES=whole, then
 #               =pipelined (3 launches each, switchml alone): ranks that time-share
 #               one GPU wait for their turn at each copy
@@ -136,7 +137,7 @@ fi
 want bench-cpu && stage bench-cpu 220 "$PYTHON" bench/invocations.py --runs 3 \
     --check-first-only --out "$OUT/bench-cpu" -- --device cpu "${BENCH[@]}"
 want ddp && stage ddp 330 "$PYTHON" bench/ddp_resnet.py "${DDP[@]}" --timeout 60 \
-    --out "$OUT/ddp.json"
+    --out "$OUT/ddp.json" --profile-dir "$OUT/profiles"
 
 # SWITCHML_CUDA_COPIES's other ways and other segments, switchml alone, one
 # invocation each, the most telling first (the stage's cap cuts the rest)
