@@ -111,11 +111,11 @@ else
     DDP=(--device cuda --workers 2 4 --batch 32 --image 224 --warmup 5 --steps 20 --runs 3)
 fi
 # K ranks of one host: --ranks-per-host at least the largest K; the median of 3
-# invocations, each its median of 10 calls after 20 (a steady state: the buffers made,
+# invocations, each its median of 10 calls after 50 (a steady state: the buffers made,
 # Python's and the driver's allocations at their high-water mark);
 # the first invocation checks the sums (rebuilding 8 ranks' 45 MiB inputs and the
 # bound takes seconds), every one that the ranks' results are bit-identical.
-BENCH=(--workers $WORKERS --ranks-per-host $PER_HOST --sizes $SIZES --warmup 20 --repeats 10
+BENCH=(--workers $WORKERS --ranks-per-host $PER_HOST --sizes $SIZES --warmup 50 --repeats 10
        --systems dense gloo --timeout 60)
 
 export PYTHON
@@ -146,7 +146,7 @@ alone() {  # alone DEVICE NAME [VAR=VALUE ...]: that device's bench under those 
     shift 2
     env "$@" "$PYTHON" bench/invocations.py --runs 1 --check-first-only \
         --out "$OUT/bench-$device-$name" -- --device "$device" --workers $WORKERS \
-        --ranks-per-host "$PER_HOST" --sizes "$SIZES" --warmup 20 --repeats 10 \
+        --ranks-per-host "$PER_HOST" --sizes "$SIZES" --warmup 50 --repeats 10 \
         --systems dense --timeout 60
 }
 cuda_modes() {
