@@ -181,4 +181,7 @@ fi
 
 say "summary"
 "$PYTHON" bench/gpu_summary.py "$OUT" | tee "$OUT/summary.txt"
+if compgen -G "$OUT/profiles/*.json" > /dev/null; then
+    "$PYTHON" bench/trace_summary.py "$OUT"/profiles/*.json | tee "$OUT/profiles/summary.txt"
+fi
 say "done: $OUT"

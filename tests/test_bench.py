@@ -578,6 +578,32 @@ def test_gpu_summary_sets_each_figure_against_its_aim(tmp_path, capsys):
     assert got[("cuda", 2)]["cuda_over_cpu"] == pytest.approx(1.3)
 
 
+def test_trace_summary_unions_each_streams_work_and_the_copies_beside_kernels():
+    """bench/trace_summary.py: busy time is the union of a stream's intervals
+    (overlapping ones counted once), the copies' time beside kernels is their
+    overlap with the kernels of any stream, idle is the window less the union."""
+    from bench.trace_summary import summarize
+
+    def event(cat, name, ts, dur, stream, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
+                "args": {"stream": stream, **args}}
+
+    trace = {"traceEvents": [
+        event("kernel", "conv", 0, 10, 7), event("kernel", "relu", 5, 10, 7),  # 0-15
+        event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 12, 6, 20, bytes=2**20),  # 12-18
+        event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 30, 5, 21, bytes=2**21),  # 30-35
+        {"ph": "X", "cat": "user_annotation", "name": "Optimizer.step#SGD.step", "ts": 0,
+         "dur": 40, "args": {}},
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 1, "args": {}}]}
+    s = summarize(trace)
+    assert s["window_us"] == 35 and s["kernel_us"] == 15 and s["copy_us"] == 11
+    assert s["gpu_busy_us"] == 23 and s["gpu_idle_us"] == 12
+    assert s["copy_beside_kernels_us"] == 3  # 12-15
+    assert s["streams"]["7"] == {"busy_us": 15, "kernels": 2, "copies": {}}
+    assert s["streams"]["20"]["copies"] == {"DtoH": {"count": 1, "us": 6, "bytes": 2**20}}
+    assert s["annotated"]["Optimizer.step#SGD.step"] == {"count": 1, "us": 40}
+
+
 def test_a_rank_takes_the_gpu_of_its_place_on_its_host(monkeypatch):
     """--device cuda: rank r uses GPU (r mod ranks-per-host) mod the GPUs: every
     rank of a one-GPU host on cuda:0, the ranks of a 2-GPU host of 4 spread."""
