@@ -316,8 +316,8 @@ def table(runs: list) -> str:
 
 def _setting(text: str) -> tuple[str, str]:
     """``--set``'s VAR=VALUE, a switchml setting."""
-    name, _, value = text.partition("=")
-    if not name.startswith("SWITCHML_") or not _:
+    name, equals, value = text.partition("=")
+    if not name.startswith("SWITCHML_") or not equals:
         raise argparse.ArgumentTypeError(f"{text!r}: give SWITCHML_VAR=VALUE")
     return name, value
 
