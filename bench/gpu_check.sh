@@ -17,8 +17,8 @@
 #               3 launches of each backend in turn, the median kept; 3 more steps of
 #               each first launch profiled (profiles/: Chrome traces, op tables)
 #   ddp-modes   the ddp stage's switchml at K = 4 with SWITCHML_CUDA_COPIES=whole, then
-#               =pipelined (3 launches each, switchml alone): ranks that time-share
-#               one GPU wait for their turn at each copy
+#               =pipelined (3 launches each, switchml alone): fewer waits for the
+#               GPU a call, where the ranks time-share one
 #   cuda-modes  switchml alone, one invocation each, in this order (bench-cuda holds
 #               the default's): the CUDA and the CPU bench with SWITCHML_LOCAL_SEGMENT
 #               of 8 MiB, the CPU bench (the CPU call a CUDA call is set against
