@@ -275,8 +275,8 @@ def test_xdp_driver_bench_runs_with_tiny_settings(tmp_path):
         assert r["contributions_added"] > 0, r
         # A frame the veth's ring dropped leaves its slot's round open: the sender,
         # which never retransmits, goes on to the next round, stale to the program.
-        assert set(r["dropped"]) <= {"dropped_stale"}, r
-        assert r["dropped"] == {} or r["dropped_at_the_veth"] > 0, r
+        assert set(r["dropped"]) <= {"dropped_stale"}, json.dumps(r)
+        assert r["dropped"] == {} or r["dropped_at_the_veth"] > 0, json.dumps(r)
         assert r["runs"] >= r["contributions_added"] and r["program_ns_per_frame"] > 0, r
         # a completion takes four adds; a set short of one was left waiting at the
         # end, or lost a contribution the veth dropped before the program (its ring full)
