@@ -101,7 +101,7 @@ def send(index: int, port: int, workers: int, slots: int, packet_elements: int, 
                                     SESSION + index))
     msg_fields = [np.frombuffer(b, np.uint8).reshape(slots, size)[:, 12:16] for b in bodies]
     segment = [(socket.SOL_UDP, UDP_SEGMENT, size.to_bytes(2, sys.byteorder))]
-    sent = msg = 0
+    sent = msg = refused = 0
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         for s, body, field in zip(socks, bodies, msg_fields):
@@ -114,10 +114,11 @@ def send(index: int, port: int, workers: int, slots: int, packet_elements: int, 
                         s.sendmsg([run], segment)
                         break
                     except OSError:  # the socket's buffer or the veth's queue: wait
+                        refused += 1  # (a run refused part-way: its first datagrams twice)
                         time.sleep(0.0001)
                 sent += n
         msg += 1
-    print(json.dumps({"sent": sent, "passes": msg}), flush=True)
+    print(json.dumps({"sent": sent, "passes": msg, "refused": refused}), flush=True)
 
 
 def inside(mtu: int, dev: str, cpus: list, workers: int, slots: int, block: int,
@@ -187,7 +188,8 @@ def inside(mtu: int, dev: str, cpus: list, workers: int, slots: int, block: int,
                 program_s=ns / 1e9, wall_s=wall,
                 program_ns_per_frame=ns / runs if runs else 0.0,
                 gbit_per_program_core_s=bits / ns if ns else 0.0,
-                offered_gbit_s=offered * size * 8 / wall / 1e9)
+                offered_gbit_s=offered * size * 8 / wall / 1e9,
+                sends_refused=sum(json.loads(out)["refused"] for out, _ in answers))
 
 
 def measure(mtu: int, cpus: int, workers: int, slots: int, block: int,
