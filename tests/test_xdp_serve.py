@@ -39,6 +39,16 @@ def sh(*argv: str) -> str:
     return subprocess.run(argv, check=True, capture_output=True, text=True).stdout
 
 
+def remove(ns: str, here: str) -> None:
+    """A fixture's veth end ``here`` deleted (its peer goes with it), and namespace
+    ``ns``, every process still in it killed first."""
+    subprocess.run(["ip", "link", "del", here], capture_output=True)
+    for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
+                              text=True).stdout.split():
+        os.kill(int(pid), 9)
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
 @pytest.fixture
 def veth():
     """A namespace holding one end of a veth pair (the switch's, .1), this
@@ -62,11 +72,7 @@ def veth():
         sh("ip", "-n", ns, "link", "set", "lo", "up")
         yield ns, there, f"{net}.1", here, f"{net}.2"
     finally:
-        subprocess.run(["ip", "link", "del", here], capture_output=True)
-        for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
-                                  text=True).stdout.split():
-            os.kill(int(pid), 9)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        remove(ns, here)
 
 
 @pytest.fixture
@@ -90,11 +96,7 @@ def bridged():
             sh("ip", "-n", ns, "link", "set", dev, "up")
         yield ns, bridge, port, f"{net}.1", here
     finally:
-        subprocess.run(["ip", "link", "del", here], capture_output=True)
-        for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True,
-                                  text=True).stdout.split():
-            os.kill(int(pid), 9)
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        remove(ns, here)
 
 
 class SwitchIn:
