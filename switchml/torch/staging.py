@@ -250,8 +250,8 @@ class SegmentCopies:
     device's in-stream and the sum on the side stream (the two directions run at
     once), each copy's event waited for by the calling thread (the worker's).
     The last segment's copy back is waited for at the stage's next call, after
-    this call's end: its events are its own, not the staging's, and go back to
-    the pool once every copy was waited for."""
+    this call's end: each copy's event comes from the device's pool, not the
+    staging's, and goes back to it once waited for."""
 
     def __init__(self, staging: CudaStaging, divisor: int | None):
         self.staging = staging
@@ -262,21 +262,16 @@ class SegmentCopies:
         self.in_stream.wait_stream(staging.stream)
         staging.tensor.record_stream(self.in_stream)
         self._started: dict[tuple[str, int], torch.cuda.Event] = {}
-        self._spare: list = []
 
     def _record(self, key: tuple[str, int], stream) -> None:
-        event = (self._spare.pop() if self._spare
-                 else _take_events(self.staging.tensor.device, 1)[0])
+        event = _take_events(self.staging.tensor.device, 1)[0]
         event.record(stream)
         self._started[key] = event
 
     def _wait(self, key: tuple[str, int]) -> None:
         event = self._started.pop(key)
         event.synchronize()
-        self._spare.append(event)
-        if not self._started and self.staging.sent_upto == self.staging.tensor.numel():
-            _give_events(self.staging.tensor.device, self._spare)  # the call's last wait
-            self._spare = []
+        _give_events(self.staging.tensor.device, [event])  # done: another copy may take it
 
     def into_host(self, area, start: int, stop: int) -> None:
         with _on_stream(self.in_stream):
