@@ -189,13 +189,18 @@ def ddp_table(path: str) -> tuple[list, list]:
     return lines, records
 
 
+def first_file(folders: list, name: str) -> str | None:
+    """``name`` in the first of ``folders`` that holds it."""
+    return next((os.path.join(f, name) for f in folders
+                 if os.path.exists(os.path.join(f, name))), None)
+
+
 def ddp_modes_table(folders: list, ddp: list) -> tuple[list, list]:
     """DDP's samples/s by ``SWITCHML_CUDA_COPIES`` (the ``ddp-modes`` stage's
     ddp-<mode>.json, switchml alone) beside the default's and gloo's (``ddp``)."""
     found: dict = {}
     for mode in ("whole", "pipelined"):
-        path = next((os.path.join(f, f"ddp-{mode}.json") for f in folders
-                     if os.path.exists(os.path.join(f, f"ddp-{mode}.json"))), None)
+        path = first_file(folders, f"ddp-{mode}.json")
         if path:
             with open(path) as f:
                 found[mode] = {r["workers"]: r for r in json.load(f)["runs"]}
@@ -261,9 +266,7 @@ def main(argv=None) -> int:
                 + ", ".join(f"{d} {n}" for d, n in counted.items()) + ")"]
     lines, allreduce = allreduce_table(rows_by_device)
     printed += lines if allreduce else ["(no bench results)"]
-    ddp_json = next((os.path.join(f, "ddp.json") for f in argv
-                     if os.path.exists(os.path.join(f, "ddp.json"))), os.path.join(out, "ddp.json"))
-    lines, ddp = ddp_table(ddp_json)
+    lines, ddp = ddp_table(first_file(argv, "ddp.json") or os.path.join(out, "ddp.json"))
     printed += ["", "DDP ResNet-18, one host"] + (lines or ["(no DDP results)"])
     lines, ddp_modes = ddp_modes_table(argv, ddp)
     if lines:
