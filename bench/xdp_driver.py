@@ -27,7 +27,8 @@ measurement alone).  Gbit/s a
 program core is the contributions' datagram bytes added per second of it; the
 rate at which the sender, on this machine's cores, offers frames is given
 beside it (``offered``; ``dropped_at_the_veth``: frames the veth's ring could
-not hold, which the program never saw), and bounds the wall-clock rate here,
+not hold, which the program never saw; ``dropped_at_the_sender``: datagrams the
+sender's stack refused), and bounds the wall-clock rate here,
 not the program's.
 
 Needs root (CAP_BPF, CAP_NET_ADMIN, namespaces), clang and libbpf, as
@@ -228,9 +229,12 @@ def measure(mtu: int, cpus: int, workers: int, slots: int, block: int,
                          str(mtu), "xs", ",".join(map(str, mine)), str(workers), str(slots),
                          str(block), str(seconds)], timeout=seconds + 120)
         row = json.loads(done.stdout.strip().splitlines()[-1])
-        # frames the veth dropped before the program saw them (its ring full)
+        # frames the veth dropped before the program saw them (its ring full), and
+        # datagrams the senders' own stack dropped (a send the kernel answered with
+        # ENOBUFS, which a socket without IP_RECVERR counts and does not report)
         row["dropped_at_the_veth"] = (netns.link_counters(snd, "xw")["tx_dropped"]
                                       + netns.link_counters(sw, "xs")["rx_dropped"])
+        row["dropped_at_the_sender"] = netns.udp_counters(snd)["SndbufErrors"]
         return row
     finally:
         for ns in (sw, snd):

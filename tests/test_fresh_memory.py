@@ -36,8 +36,10 @@ def assert_no_fresh_pages(results, worker_kind):
 
 @pytest.mark.parametrize("local_stage", ["1", "0"], ids=["local-stage", "switch"])
 def test_backend_calls_of_every_cpu_tensor_kind_take_no_fresh_pages(local_stage):
-    results = launch(2, "torch", "cpu", MIB, TORCH_KINDS, job=JOB, timeout=180,
-                     env={"SWITCHML_LOCAL_STAGE": local_stage, "OMP_NUM_THREADS": "1"})
+    # (fresh interpreters: a rank forked from one that imported torch would count the
+    # copies of the pages it shares with it as its own)
+    results = launch(2, "torch", "cpu", MIB, TORCH_KINDS, job=JOB, fresh=True,
+                     timeout=180, env={"SWITCHML_LOCAL_STAGE": local_stage, "OMP_NUM_THREADS": "1"})
     assert_no_fresh_pages(results, "LocalStageWorker" if local_stage == "1" else "Worker")
 
 
@@ -47,8 +49,9 @@ def test_worker_calls_with_an_output_take_no_fresh_pages(local_stage, threads):
     with switchml.Switch("127.0.0.1", 0) as switch:
         host, port = switch.address
         results = launch(2, "worker", f"{host}:{port}", MIB, "float32,float16,int32,sparse",
-                         job=JOB, timeout=180, env={"SWITCHML_LOCAL_STAGE": local_stage,
-                                                    "SWITCHML_WORKER_THREADS": threads})
+                         job=JOB, fresh=True, timeout=180,
+                         env={"SWITCHML_LOCAL_STAGE": local_stage,
+                              "SWITCHML_WORKER_THREADS": threads})
     assert_no_fresh_pages(results, "LocalStageWorker" if local_stage == "1" else
                           "Worker" if threads == "1" else "MultiSwitchWorker")
 

@@ -12,6 +12,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 
+from rank_processes import RankProcess  # noqa: E402
+
 JOB = os.path.join(os.path.dirname(__file__), "torch_job.py")
 
 
@@ -28,10 +30,11 @@ def free_port():
             return port
 
 
-def launch(world, *args, timeout=120, env=None, job=JOB, rank_env=None):
+def launch(world, *args, timeout=120, env=None, job=JOB, rank_env=None, fresh=False):
     """Run ``job`` (tests/torch_job.py) as ``world`` ranks; return each rank's RESULT
     (if it printed one).  ``rank_env(rank)``: variables of that rank's own."""
-    return collect(start(world, *args, env=env, job=job, rank_env=rank_env), timeout)
+    return collect(start(world, *args, env=env, job=job, rank_env=rank_env, fresh=fresh),
+                   timeout)
 
 
 @functools.cache
@@ -48,8 +51,10 @@ def gloo_ddp_with_the_hook(world, steps):
     return launch(world, "hook", "gloo", steps)
 
 
-def start(world, *args, env=None, job=JOB, rank_env=None):
-    """``world`` ranks of ``job`` started: their processes (``collect`` ends them)."""
+def start(world, *args, env=None, job=JOB, rank_env=None, fresh=False):
+    """``world`` ranks of ``job`` started: their processes (``collect`` ends them),
+    forked from a server that imported torch once (tests/rank_processes.py), or each
+    a fresh interpreter where ``fresh``."""
     port = free_port()
     extra = env or {}
     procs = []
@@ -61,8 +66,12 @@ def start(world, *args, env=None, job=JOB, rank_env=None):
         env.pop("SWITCHML_SWITCH", None)
         env.update(extra)
         env.update(rank_env(rank) if rank_env else {})
-        procs.append(subprocess.Popen([sys.executable, job, *map(str, args)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        if fresh:
+            procs.append(subprocess.Popen([sys.executable, job, *map(str, args)], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                          text=True))
+        else:
+            procs.append(RankProcess(job, args, env))
     return procs
 
 

@@ -16,10 +16,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 from test_torch import launch, start  # noqa: E402  (after the skip: it imports torch's extras)
 
 JOB = os.path.join(os.path.dirname(__file__), "cuda_job.py")
+# Each rank a fresh interpreter (fresh=True), as a user's are: a process forked after
+# torch was imported would share CUDA's state of its parent with it where any was made.
 
 
 def test_cuda_calls_equal_the_cpu_path_wait_for_their_stream_and_complete_on_it():
-    for out in launch(3, "calls", "switchml", job=JOB, timeout=300):
+    for out in launch(3, "calls", "switchml", job=JOB, fresh=True, timeout=300):
         assert out.pop("direct_segments") == 0  # each rank sends its own: a host copy
         failed = sorted(name for name, ok in out.items() if ok is not True)
         assert not failed, out
@@ -32,7 +34,7 @@ def test_cuda_calls_through_the_local_stage_move_a_segment_at_a_time(copies):
     GPU and the shared memory or through the pipelined host copy, 16-bit ones
     widened and rounded back on the GPU, AVG divided there; every result is the
     CPU path's, bit for bit, and the stream semantics are the same."""
-    for out in launch(3, "calls", "switchml", job=JOB, timeout=300,
+    for out in launch(3, "calls", "switchml", job=JOB, fresh=True, timeout=300,
                       env={"SWITCHML_LOCAL_STAGE": "1", "SWITCHML_CUDA_COPIES": copies,
                            "SWITCHML_LOCAL_SEGMENT": str(256 * 1024)}):
         assert out.pop("direct_segments") > 100
@@ -43,7 +45,7 @@ def test_cuda_calls_through_the_local_stage_move_a_segment_at_a_time(copies):
 @pytest.mark.parametrize("copies", ["direct", "pipelined"])
 def test_a_rank_killed_mid_copy_is_named_on_the_others_and_leaves_nothing(copies):
     shm = {n for n in os.listdir("/dev/shm") if n.startswith("switchml-")}
-    procs = start(3, "kill", "switchml", job=JOB,
+    procs = start(3, "kill", "switchml", job=JOB, fresh=True,
                   env={"SWITCHML_LOCAL_STAGE": "1", "SWITCHML_CUDA_COPIES": copies})
     try:
         outs = [p.communicate(timeout=120) for p in procs]
@@ -64,8 +66,8 @@ def test_a_rank_killed_mid_copy_is_named_on_the_others_and_leaves_nothing(copies
 
 
 def test_ddp_on_cuda_matches_gloo_on_cuda():
-    ours = launch(3, "ddp", "switchml", job=JOB, timeout=300)
-    theirs = launch(3, "ddp", "gloo", job=JOB, timeout=300)
+    ours = launch(3, "ddp", "switchml", job=JOB, fresh=True, timeout=300)
+    theirs = launch(3, "ddp", "gloo", job=JOB, fresh=True, timeout=300)
     a = torch.tensor(ours[0]["params"])
     for r in ours[1:]:
         assert torch.equal(torch.tensor(r["params"]), a)  # replicas stay identical
@@ -74,8 +76,8 @@ def test_ddp_on_cuda_matches_gloo_on_cuda():
 
 @pytest.mark.parametrize("bits", [32, 16])
 def test_the_ddp_hook_on_cuda_buckets_trains_like_gloo(bits):
-    ours = launch(3, "hook", "gloo", bits, job=JOB, timeout=300)
-    theirs = launch(3, "ddp", "gloo", job=JOB, timeout=300)
+    ours = launch(3, "hook", "gloo", bits, job=JOB, fresh=True, timeout=300)
+    theirs = launch(3, "ddp", "gloo", job=JOB, fresh=True, timeout=300)
     a = torch.tensor(ours[0]["params"])
     for r in ours[1:]:
         assert torch.equal(torch.tensor(r["params"]), a)

@@ -11,14 +11,13 @@ storage untouched.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("torch", reason="the torch extra is not installed")
 from hypothesis import HealthCheck, Phase, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
+from rank_processes import RankProcess  # noqa: E402
 from test_torch import free_port  # noqa: E402
 
 RANKS = os.path.join(os.path.dirname(__file__), "torch_cases.py")
@@ -107,8 +106,7 @@ def launch(cases_: list, tmp_path) -> list:
         env.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([ROOT, env.get("PYTHONPATH", "")]))
-        procs.append(subprocess.Popen([sys.executable, RANKS, str(path)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(RankProcess(RANKS, [path], env))
     results = []
     try:
         for p in procs:
