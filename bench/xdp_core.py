@@ -109,6 +109,7 @@ def _runner(prog_fd, cpu, leader, frames, start, deadline, barrier, stop, conn):
         msgs = frames[:, MSG_AT:MSG_AT + 4].view(np.uint32)
         actions = [0] * 5
         passes = runs = ns = 0
+        where = "before the first pass"
         time.sleep(max(0.0, start - time.monotonic()))
         if barrier is not None:
             barrier.wait(timeout=30)
@@ -123,6 +124,7 @@ def _runner(prog_fd, cpu, leader, frames, start, deadline, barrier, stop, conn):
                 actions[o.retval] += 1
             runs += len(opts)
             passes += 1
+            where = f"after pass {passes}, {time.monotonic() - t0:.3f} s in"
             msgs += 2  # the next message of every set
             if barrier is None:
                 if time.monotonic() >= deadline:
@@ -136,10 +138,10 @@ def _runner(prog_fd, cpu, leader, frames, start, deadline, barrier, stop, conn):
         t1, usage1 = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
         cpu_s = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
         conn.send((passes, runs, ns, cpu_s, t1 - t0, actions))
-    except BaseException as exc:  # the parent reports it
+    except BaseException as exc:  # the parent reports it, and where it came
         if barrier is not None:  # the other process must not wait its 30 s for this one
             barrier.abort()
-        conn.send(exc)
+        conn.send((exc, f"CPU {cpu}, {where}"))
 
 
 _AFFINITY = set(os.sched_getaffinity(0))
@@ -200,10 +202,11 @@ def measure(mtu: int, cpus: int, share: str, workers: int, slots: int, block: in
         answers = [pipe.recv() for pipe in pipes]
         for child in children:
             child.join(timeout=30)
-        failures = [a for a in answers if isinstance(a, BaseException)]
-        if failures:  # the cause, not the broken barrier it left the other process
-            raise next((f for f in failures if not isinstance(f, threading.BrokenBarrierError)),
-                       failures[0])
+        failures = [a for a in answers if isinstance(a[0], BaseException)]
+        if failures:  # the cause first, not the broken barrier it left the other process
+            failures.sort(key=lambda f: isinstance(f[0], threading.BrokenBarrierError))
+            raise RuntimeError("; ".join(f"{where}: {exc!r}" for exc, where in failures)) \
+                from failures[0][0]
         p.sync_counters()
         c = p.jobs[SESSION].counters
         if cpus == 1:  # the per-call cost: a frame (stale by now: its set moved on), alone or
