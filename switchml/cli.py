@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import socket
 import sys
 
@@ -64,11 +65,18 @@ def _switch(args) -> int:
           f"export SWITCHML_SWITCH={host}:{port}", flush=True)
     if switch.metrics_address:
         print("Prometheus metrics on http://%s:%d/metrics" % switch.metrics_address, flush=True)
+    # SIGTERM (kill, systemd, docker stop) stops it as Ctrl-C does: detached,
+    # and what it changed on its interfaces put back
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         switch.serve_forever()
     except KeyboardInterrupt:
         print("stopped", file=sys.stderr)
     return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def fetch_stats(address, timeout: float = 5.0) -> dict:

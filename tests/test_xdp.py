@@ -68,7 +68,7 @@ STRANGERS = [("10.0.0.1", 4999), ("10.0.0.9", 5000), ("10.0.0.2", 5000)]
 # the copies of results its fan-out sends (tests/test_xdp_serve.py)
 XDP_ONLY = {"dropped_bad_ip_udp", "dropped_ip_options", "dropped_ip_fragment",
             "sparse_passed_up", "dropped_internal", "probes_passed_up", "gso_passed_up",
-            "results_fanned_out", "results_fanout_failed"}
+            "results_fanned_out", "results_fanout_failed", "result_runs_fanned_out"}
 DIFF = settings(max_examples=30, derandomize=True, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -756,6 +756,7 @@ def test_jobs_come_and_go_and_keep_their_counters(both):
     assert set(stats.pop("program_runs")) == set(stats.pop("program_time_s")) == \
         {"xdp_pipeline", "fan_out_results"}
     assert stats.pop("xdp_mode") is None  # attached nowhere: serve() says how
+    assert stats.pop("xdp_results_in_runs") is False
     assert stats == both.ref.stats()
 
 

@@ -15,6 +15,7 @@ import os
 import pathlib
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -363,7 +364,10 @@ def test_in_driver_mode_workers_send_runs_that_the_kernel_cuts_before_the_progra
     takes software GSO off the peer (the workers' end, offload on as the
     kernel leaves it): each run is cut as it leaves, so the switch's ``ready``
     says ``"gso": true`` and the ranks send runs, none reaching the program
-    whole; the exact sums, every result fanned out from the kernel."""
+    whole; the exact sums, every result fanned out from the kernel.  Its own
+    end's offload on (the kernel's default), results leave in runs: GRO on
+    there while the switch runs, off again after, every result's copies
+    counted one a datagram."""
     ns, dev, host, here, _ = veth
     from switchml.ethtool import features
     for end, where in ((here, []), (dev, ["ip", "netns", "exec", ns])):
@@ -371,9 +375,11 @@ def test_in_driver_mode_workers_send_runs_that_the_kernel_cuts_before_the_progra
     sh(sys.executable, str(REPO / "switchml" / "ethtool.py"), here,
        "tx-udp-segmentation", "on")
     assert features(here)["tx-udp-segmentation"]
+    assert switch_end_feature(ns, dev, "rx-gro") == "off"  # a veth's default
     switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp")
     try:
         assert not features(here)["tx-udp-segmentation"]  # the kernel cuts the runs here
+        assert switch_end_feature(ns, dev, "rx-gro") == "on"
         world, n = 3, 300_000
 
         def rank(r):
@@ -386,14 +392,120 @@ def test_in_driver_mode_workers_send_runs_that_the_kernel_cuts_before_the_progra
     finally:
         log = switch.close()
     assert "XDP program attached (driver mode" in log and "workers send runs" in log, log
-    assert stats["xdp_mode"] == "driver"
+    assert "in runs (GRO on)" in log, log
+    assert stats["xdp_mode"] == "driver" and stats["xdp_results_in_runs"]
     assert [gso for gso, _ in got] == [True] * world
     assert all(out.tolist() == (6 * np.arange(n)).tolist() for _, out in got)
     job = stats["ended_jobs"]["runs"]["counters"]
     assert "gso_passed_up" not in job and "dropped_bad_length" not in job, job
     assert job["results_fanned_out"] == world * job["results_completed"], job
-    # detached: the kernel gives the peer its offload back
+    assert 0 < job["result_runs_fanned_out"] < job["results_fanned_out"], job
+    # detached: the kernel gives the peer its offload back, the switch GRO
     assert features(here)["tx-udp-segmentation"]
+    assert switch_end_feature(ns, dev, "rx-gro") == "off"
+
+
+def pseudo_header_sum(src: str, dst: str, udp_len: int) -> int:
+    """The 16-bit one's-complement sum of a UDP pseudo-header, folded: the checksum
+    field of a datagram whose checksum the kernel completes later."""
+    words = struct.unpack("!4H", socket.inet_aton(src) + socket.inet_aton(dst))
+    total = sum(words) + socket.IPPROTO_UDP + udp_len
+    while total > 0xFFFF:
+        total = (total & 0xFFFF) + (total >> 16)
+    return total
+
+
+@needs_xdp
+def test_a_run_of_results_reaches_a_rank_with_the_checksum_the_kernel_completes(veth):
+    """A run of results leaves the fan-out program with its checksum field the
+    pseudo-header's sum of its new addresses (from which the kernel, or a NIC,
+    makes each datagram's checksum as it cuts the run), a result alone with no
+    checksum: every result frame the workers' end receives is one or the
+    other, and some are runs."""
+    ns, _, host, here, worker_ip = veth
+    capture = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+    capture.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)
+    capture.bind((here, 0))
+    capture.setblocking(False)
+    try:
+        stats, _ = exact_sums_through_an_xdp_switch(ns, host, 3)
+        frames = []
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                frames.append(capture.recv(1 << 17))
+    finally:
+        capture.close()
+    assert stats["xdp_results_in_runs"]
+    seeded = alone = 0
+    for frame in frames:
+        ip, udp = frame[14:34], frame[34:42]
+        if frame[12:14] != b"\x08\x00" or ip[9] != socket.IPPROTO_UDP or len(frame) < 46:
+            continue
+        sport, _, length, check = struct.unpack("!4H", udp)
+        if sport != 7300 or frame[42 + 3] != wire.KIND_RESULT:
+            continue
+        src, dst = socket.inet_ntoa(ip[12:16]), socket.inet_ntoa(ip[16:20])
+        assert (src, dst) == (host, worker_ip)
+        if check == 0:
+            alone += 1
+        else:
+            assert check == pseudo_header_sum(src, dst, length), (check, length)
+            seeded += 1
+    assert seeded > 0, (seeded, alone, len(frames))
+
+
+SEND_A_RUN = """
+import socket, sys
+host, port, size, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    s.sendmsg([bytes(size * n)], [(socket.SOL_UDP, 103, size.to_bytes(2, sys.byteorder))],
+              0, (host, port))
+"""
+
+
+@needs_xdp
+def test_a_run_that_reaches_the_switchs_socket_is_cut_into_its_datagrams(veth):
+    """Where results leave in runs the switch's socket takes UDP_GRO, so a run
+    sent to it from its own host comes to it whole: each of its datagrams goes
+    through the program (8 from a stranger: 8 dropped, not one)."""
+    ns, _, host, _, _ = veth
+    switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp")
+    try:
+        assert switch.stats()["xdp_results_in_runs"]
+        sender = in_ns(ns, SEND_A_RUN, host, "7300", "200", "8")
+        assert sender.wait(timeout=30) == 0, sender.stderr.read()
+        deadline = time.monotonic() + 10
+        while switch.stats()["counters"].get("dropped_unknown_source", 0) < 8:
+            assert time.monotonic() < deadline, switch.stats()["counters"]
+            time.sleep(0.05)
+        assert switch.stats()["counters"]["dropped_unknown_source"] == 8
+    finally:
+        switch.close()
+
+
+def switch_end_feature(ns: str, dev: str, feature: str) -> str:
+    """``on`` or ``off``: an offload feature of device ``dev`` in namespace ``ns``."""
+    out = sh("ip", "netns", "exec", ns, sys.executable, str(REPO / "switchml" / "ethtool.py"),
+             dev)
+    return next(line.split(": ")[1] for line in out.splitlines()
+                if line.startswith(f"{dev} {feature}:"))
+
+
+@needs_xdp
+def test_results_leave_one_by_one_where_a_run_would_be_cut_as_it_leaves(veth):
+    """The switch's end of the veth with its UDP segmentation offload off: a run
+    of results would be cut into datagrams as each copy leaves, so the switch
+    leaves GRO off there and sends each result's copies one by one; the exact
+    sums."""
+    ns, dev, host, _, _ = veth
+    sh("ip", "netns", "exec", ns, sys.executable, str(REPO / "switchml" / "ethtool.py"), dev,
+       "tx-udp-segmentation", "off")
+    stats, _ = exact_sums_through_an_xdp_switch(ns, host, 3)
+    assert stats["xdp_mode"] == "driver" and not stats["xdp_results_in_runs"]
+    job = stats["ended_jobs"]["xdp"]["counters"]
+    assert job["results_fanned_out"] == 3 * job["results_completed"], job
+    assert "result_runs_fanned_out" not in job, job
+    assert switch_end_feature(ns, dev, "rx-gro") == "off"
 
 
 @needs_xdp

@@ -33,6 +33,7 @@ import logging
 import os
 import selectors
 import socket
+import struct
 import sys
 import threading
 import time
@@ -255,6 +256,8 @@ class Switch:
         if self.data_plane == "xdp":
             try:  # the program takes the port's datagrams from here on
                 ifindex = self._xdp.serve(self.address, mode=self.xdp_mode)
+                if self._xdp.merges_results:  # GRO merges results only for a socket
+                    _receive_runs_whole(udp)  # that takes runs (and they may reach it)
             except BaseException:
                 tcp.close()
                 udp.close()
@@ -262,7 +265,8 @@ class Switch:
                 raise
             log.info("XDP program attached (%s mode: %s) to %s%s; workers send %s",
                      self._xdp.mode, self._xdp.mode_reason, socket.if_indextoname(ifindex),
-                     ", results fanned out by its TC program" if self._xdp.fans_out else "",
+                     (", results fanned out by its TC program" if self._xdp.fans_out else "")
+                     + (", in runs (GRO on)" if self._xdp.merges_results else ""),
                      "runs of UDP GSO segments" if self._xdp.takes_gso_runs else
                      "datagrams apart where their runs would reach the program whole")
         if self.upstream is not None:
@@ -517,9 +521,15 @@ class Switch:
 
     def _drain_into(self, buf: bytearray, view: memoryview, send) -> bool:
         udp, pipeline = self._sockets[1], self.pipeline
+        runs = self.data_plane == "xdp" and self._xdp.merges_results
         for _ in range(DRAIN_BATCH):
             try:
-                n, addr = udp.recvfrom_into(buf)
+                if runs:  # UDP_GRO: a run of datagrams comes as one, its size beside it
+                    n, ancillary, _flags, addr = udp.recvmsg_into([buf], GRO_CMSG_SPACE)
+                    segment = _gro_segment(ancillary) or n
+                else:
+                    n, addr = udp.recvfrom_into(buf)
+                    segment = n
             except BlockingIOError:
                 return False
             except OSError as exc:  # e.g. ICMP errors surfacing on Linux
@@ -527,15 +537,17 @@ class Switch:
                 log.debug("udp receive error: %s", exc)
                 drain_error_queue(udp)
                 continue
-            try:
-                replies = (self._xdp.passed_up(bytes(view[:n]), addr)
-                           if self.data_plane == "xdp" else
-                           pipeline.receive_datagram(view[:n], addr))
-            except Exception:  # a bug must not take the switch down
-                pipeline.counters["internal_errors"] += 1
-                log.exception("pipeline failed on a datagram from %s", addr)
-                continue
-            send(replies)
+            for at in range(0, n, max(segment, 1)):
+                end = min(at + segment, n)
+                try:
+                    replies = (self._xdp.passed_up(bytes(view[at:end]), addr)
+                               if self.data_plane == "xdp" else
+                               pipeline.receive_datagram(view[at:end], addr))
+                except Exception:  # a bug must not take the switch down
+                    pipeline.counters["internal_errors"] += 1
+                    log.exception("pipeline failed on a datagram from %s", addr)
+                    continue
+                send(replies)
         return True
 
     def _send_results(self, replies) -> None:
@@ -901,6 +913,19 @@ def data_threads(config: SwitchConfiguration, data_plane: str) -> int:
     if data_plane == "c" and config.upstream is None:
         return auto_switch_threads()
     return 1
+
+
+#: Room for the UDP_GRO control message of a receive (its segment size, an int).
+GRO_CMSG_SPACE = socket.CMSG_SPACE(4)
+
+
+def _gro_segment(ancillary: list) -> int:
+    """The segment size of a run received whole (UDP_GRO's control message), or
+    0 where the datagram came alone."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_UDP and kind == UDP_GRO and len(data) >= 4:
+            return struct.unpack("i", data[:4])[0]
+    return 0
 
 
 def _receive_runs_whole(sock: socket.socket) -> None:

@@ -41,8 +41,10 @@
  *    the host stack: the switch's own UDP socket receives it and user space
  *    sends it to each member (a datagram of kind RESULT on that socket can
  *    only come from here: the program drops every result a member or
- *    stranger sends).  Not XDP alone: an XDP program has no helper that copies
- *    a frame, and a devmap broadcast (BPF_F_BROADCAST) clones one per *device*,
+ *    stranger sends).  Where results leave in runs (config's
+ *    results_in_runs), the kernel's GRO merges them, one sender's, before the
+ *    TC hook, and fan_out_results sends each rank the run whole.  Not XDP
+ *    alone: an XDP program has no helper that copies a frame, and a devmap broadcast (BPF_F_BROADCAST) clones one per *device*,
  *    not per destination, with egress programs that do not learn which entry
  *    they run for, so it cannot address copies to n ranks behind one port;
  *  - a sparse contribution, once checked: XDP_PASS, untouched (user space
@@ -151,6 +153,7 @@ enum xdp_counter {
     C_GSO_PASSED_UP,              /* a UDP GSO super-packet: its datagrams go through user space */
     C_RESULTS_FANNED_OUT,         /* copies of a result sent to ranks by fan_out_results */
     C_RESULTS_FANOUT_FAILED,      /* copies it could not send (the rank's probe recovers) */
+    C_RESULT_RUNS_FANNED_OUT,     /* of those copies, the runs (one skb, several results) */
     XDP_NCOUNTERS
 };
 
@@ -175,10 +178,23 @@ struct xdp_config {
      * for XDP_TX, is passed (XDP_PASS) with ANSWER_MARK in its metadata, and
      * fan_out_results, next on the same device, sends it back out of it. */
     __u32 answers_by_stack;
+    /* 1: completed results leave in runs.  On a veth in driver mode, with GRO
+     * on the device and UDP_GRO on the switch's socket (xdp/pipeline.py sets
+     * both), the kernel merges the results this program passes, one flow's,
+     * into one skb, and fan_out_results sends each rank that run whole, as
+     * the C switch sends its results (one skb, up to 64 datagrams).  GRO
+     * merges UDP datagrams only with a checksum: a result keeps its
+     * contribution's (on a veth the sender's seed of a checksum the stack
+     * never computes, CHECKSUM_PARTIAL; the merged skb's is made anew by GRO),
+     * and a mark in its metadata (RESULT_MARK), which GRO compares: a result
+     * is never merged with a sparse contribution of the same flow. */
+    __u32 results_in_runs;
 };
 
 /* The metadata (bpf_xdp_adjust_meta) of an answer passed to fan_out_results. */
 #define ANSWER_MARK 0x534D4C41 /* "SMLA" */
+/* The metadata of a completed result passed up where results leave in runs. */
+#define RESULT_MARK 0x534D4C52 /* "SMLR" */
 
 /* Member table, the controller's table entries: source address -> job, rank. */
 struct member_key {
@@ -573,26 +589,49 @@ static __always_inline int frame_to_sender(struct xdp_md *ctx, __u32 len)
 
 /* The frame's headers for a completed result handed to the switch's socket
  * (XDP_PASS): addressed as the contribution was, the same length; no UDP
- * checksum, as the payload changed. */
+ * checksum, as the payload changed.  Where results leave in runs (config's
+ * results_in_runs) and it came in by a device fan_out_results serves: the
+ * contribution's checksum kept (GRO merges nothing without one) and
+ * RESULT_MARK in its metadata; fan_out_results makes each copy's checksum. */
 static __always_inline int frame_to_host(struct xdp_md *ctx)
 {
     void *data = (void *)(long)ctx->data, *data_end = (void *)(long)ctx->data_end;
     struct udphdr *udp = data + sizeof(struct ethhdr) + sizeof(struct iphdr);
     if ((void *)(udp + 1) > data_end)
         return XDP_DROP;
-    udp->check = 0;
+    __u32 zero = 0, in = ctx->ingress_ifindex;
+    const struct xdp_config *cfg = bpf_map_lookup_elem(&config, &zero);
+    if (!cfg || !cfg->results_in_runs || !udp->check ||
+        (in != cfg->ifindex && !bpf_map_lookup_elem(&ports, &in))) {
+        udp->check = 0;
+        return XDP_PASS;
+    }
+    if (bpf_xdp_adjust_meta(ctx, -(int)sizeof(__u32))) {
+        /* no room for the mark: no checksum either, so GRO leaves it alone */
+        data = (void *)(long)ctx->data;
+        data_end = (void *)(long)ctx->data_end;
+        udp = data + sizeof(struct ethhdr) + sizeof(struct iphdr);
+        if ((void *)(udp + 1) > data_end)
+            return XDP_DROP;
+        udp->check = 0;
+        return XDP_PASS;
+    }
+    __u32 *mark = (void *)(long)ctx->data_meta;
+    if ((void *)(mark + 1) > (void *)(long)ctx->data)
+        return XDP_DROP; /* cannot be: the room was just made */
+    *mark = RESULT_MARK;
     return XDP_PASS;
 }
 
-/* pipeline.py's simulated egress drop of one answer or result copy: whether it
- * is lost (counted). */
-static __always_inline int egress_dropped(struct xdp_counters *counters)
+/* pipeline.py's simulated egress drop of one answer or result copy (of `n`
+ * datagrams: a run of results is lost whole): whether it is lost (counted). */
+static __always_inline int egress_dropped(struct xdp_counters *counters, __u64 n)
 {
     __u32 zero = 0;
     const struct xdp_config *cfg = bpf_map_lookup_elem(&config, &zero);
     if (!cfg || !cfg->egress_drop || bpf_get_prandom_u32() >= cfg->egress_drop)
         return 0;
-    count(counters, C_DROPPED_EGRESS_SIMULATED, 1);
+    count(counters, C_DROPPED_EGRESS_SIMULATED, n);
     return 1;
 }
 
@@ -688,7 +727,7 @@ static __always_inline int answer_probe(struct xdp_md *ctx, struct xdp_counters 
             return XDP_DROP;
         }
         count(counters, C_RETRANSMISSIONS_ANSWERED, 1);
-        if (egress_dropped(counters))
+        if (egress_dropped(counters, 1))
             return XDP_DROP;
         count(counters, C_RESULTS_OUT, 1);
         return frame_to_sender(ctx, out_len);
@@ -696,7 +735,7 @@ static __always_inline int answer_probe(struct xdp_md *ctx, struct xdp_counters 
     default: { /* pipeline._answer_header: the probe's header as a resend or done */
         __u8 kind = action == A_DONE ? WIRE_KIND_DONE : WIRE_KIND_RESEND;
         count(counters, action == A_DONE ? C_QUERIES_DONE : C_RESENDS_ASKED, 1);
-        if (egress_dropped(counters))
+        if (egress_dropped(counters, 1))
             return XDP_DROP;
         __u32 session = job->session; /* the job's, not the rank's token */
         if (bpf_xdp_store_bytes(ctx, FRAME_HEADERS + 3, &kind, 1) ||
@@ -915,7 +954,7 @@ static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
         DROP(C_DROPPED_MISMATCH);
     case A_RESULT_ONE:
         count(counters, C_RETRANSMISSIONS_ANSWERED, 1);
-        if (egress_dropped(counters))
+        if (egress_dropped(counters, 1))
             return XDP_DROP;
         if (put_scratch(ctx, in->bytes, out_len))
             DROP(C_DROPPED_INTERNAL);
@@ -1041,6 +1080,34 @@ struct result_headers {
 #define RESULT_HEADERS_AT __builtin_offsetof(struct result_headers, eth)
 _Static_assert(sizeof(struct result_headers) == 2 + FRAME_HEADERS, "headers unpadded");
 
+/* The 16-bit one's-complement sum of the UDP pseudo-header (addresses, protocol,
+ * length as they are in the packet), folded, not inverted: the checksum field
+ * of a CHECKSUM_PARTIAL skb, from which the segments' checksums are made. */
+static __always_inline __u16 pseudo_header_sum(__u32 saddr, __u32 daddr, __u16 udp_len)
+{
+    __u32 sum = (saddr >> 16) + (saddr & 0xFFFF) + (daddr >> 16) + (daddr & 0xFFFF) +
+                bpf_htons(IPPROTO_UDP) + udp_len;
+    sum = (sum & 0xFFFF) + (sum >> 16);
+    sum = (sum & 0xFFFF) + (sum >> 16);
+    return (__u16)sum;
+}
+
+/* A result's UDP checksum set to none, for the switch's socket: where results
+ * leave in runs the XDP program kept its contribution's, which is not its
+ * own (the socket trusts it only in a CHECKSUM_PARTIAL skb).  `ip`: the IP
+ * header, to find where skb->data is (see fan_out_results). */
+static __always_inline void no_udp_checksum(struct __sk_buff *skb, const struct iphdr *ip)
+{
+    struct iphdr at_data;
+    __u16 none = 0;
+    if (bpf_skb_load_bytes(skb, 0, &at_data, sizeof at_data))
+        return;
+    __u32 l3 = at_data.saddr == ip->saddr && at_data.daddr == ip->daddr &&
+               at_data.id == ip->id && at_data.tot_len == ip->tot_len ? 0 : ETH_HLEN;
+    bpf_skb_store_bytes(skb, l3 + sizeof(struct iphdr) + __builtin_offsetof(struct udphdr, check),
+                        &none, sizeof none, 0);
+}
+
 SEC("tc")
 int fan_out_results(struct __sk_buff *skb)
 {
@@ -1073,13 +1140,19 @@ int fan_out_results(struct __sk_buff *skb)
     if (!job || !counters || job->world < 1 || job->world > XDP_MAX_WORKERS)
         return TCX_NEXT;
     __u32 world = job->world;
+    /* A run of results the kernel merged (config's results_in_runs): its
+     * datagrams count one each, and it goes to each rank whole. */
+    __u32 segs = skb->gso_segs > 1 ? skb->gso_segs : 1;
     for (rank = 0; rank < XDP_MAX_WORKERS; rank++) { /* every rank reachable from here? */
         if (rank >= world)
             break;
         at = job_index * XDP_MAX_WORKERS + rank;
         const struct rank_address *a = bpf_map_lookup_elem(&rank_addresses, &at);
-        if (!a || !a->learned)
-            return TCX_NEXT; /* user space sends it to every rank */
+        if (!a || !a->learned) { /* user space sends it to every rank */
+            if (cfg->results_in_runs && segs == 1)
+                no_udp_checksum(skb, &f.ip); /* the contribution's, kept: not this one's */
+            return TCX_NEXT;
+        }
     }
     /* The copies leave from skb->data, which must be the Ethernet header.  At
      * TC ingress it is where the kernel put it back for the program, but for
@@ -1103,8 +1176,8 @@ int fan_out_results(struct __sk_buff *skb)
         const struct rank_address *a = bpf_map_lookup_elem(&rank_addresses, &at);
         if (!a)
             break; /* cannot be: checked above */
-        if (egress_dropped(counters)) { /* this copy lost: counted out again */
-            count(counters, C_RESULTS_OUT, (__u64)-1);
+        if (egress_dropped(counters, segs)) { /* this copy lost: counted out again */
+            count(counters, C_RESULTS_OUT, -(__u64)segs);
             continue;
         }
         __builtin_memcpy(f.eth.h_dest, a->mac, ETH_ALEN);
@@ -1116,17 +1189,26 @@ int fan_out_results(struct __sk_buff *skb)
         f.ip.check = ip_checksum(&f.ip);
         f.udp.source = switch_port;
         f.udp.dest = a->port;
-        f.udp.check = 0;
+        /* a run's segmentation completes the checksum from the pseudo-header's
+         * sum (GRO made the skb CHECKSUM_PARTIAL); a datagram alone has none */
+        f.udp.check = segs > 1 ? pseudo_header_sum(switch_addr, a->addr, f.udp.len) : 0;
         if (bpf_skb_store_bytes(skb, 0, (__u8 *)&f + RESULT_HEADERS_AT, FRAME_HEADERS, 0)) {
-            count(counters, C_RESULTS_FANOUT_FAILED, 1);
+            count(counters, C_RESULTS_FANOUT_FAILED, segs);
             continue;
         }
+        if (segs > 1)
+            count(counters, C_RESULT_RUNS_FANNED_OUT, 1);
         if (rank + 1 == world) { /* the frame itself goes to the last rank: no clone */
-            count(counters, C_RESULTS_FANNED_OUT, 1);
+            count(counters, C_RESULTS_FANNED_OUT, segs);
             return bpf_redirect(cfg->ifindex, 0);
         }
-        count(counters, bpf_clone_redirect(skb, cfg->ifindex, 0) ? C_RESULTS_FANOUT_FAILED
-                                                                : C_RESULTS_FANNED_OUT, 1);
+        if (bpf_clone_redirect(skb, cfg->ifindex, 0)) {
+            count(counters, C_RESULTS_FANOUT_FAILED, segs);
+            if (segs > 1)
+                count(counters, C_RESULT_RUNS_FANNED_OUT, (__u64)-1);
+        } else {
+            count(counters, C_RESULTS_FANNED_OUT, segs);
+        }
     }
     return TC_ACT_SHOT; /* the last rank's copy failed or was lost: the socket gets nothing */
 }
