@@ -214,6 +214,8 @@ class Switch:
         self._udp: socket.socket | None = None
         #: The data threads' sockets (threads > 1), the first being _udp.
         self._data_sockets: list[socket.socket] = []
+        #: The socket takes UDP_GRO for the Python loop: a receive may be a run.
+        self._socket_takes_runs = False
         #: Why the switch stopped serving by itself (a data thread failed); None.
         self.failure: SwitchMLError | None = None
         self._wake_r: socket.socket | None = None
@@ -258,6 +260,7 @@ class Switch:
                 ifindex = self._xdp.serve(self.address, mode=self.xdp_mode)
                 if self._xdp.merges_results:  # GRO merges results only for a socket
                     _receive_runs_whole(udp)  # that takes runs (and they may reach it)
+                    self._socket_takes_runs = True
             except BaseException:
                 tcp.close()
                 udp.close()
@@ -521,7 +524,7 @@ class Switch:
 
     def _drain_into(self, buf: bytearray, view: memoryview, send) -> bool:
         udp, pipeline = self._sockets[1], self.pipeline
-        runs = self.data_plane == "xdp" and self._xdp.merges_results
+        runs = self._socket_takes_runs
         for _ in range(DRAIN_BATCH):
             try:
                 if runs:  # UDP_GRO: a run of datagrams comes as one, its size beside it
