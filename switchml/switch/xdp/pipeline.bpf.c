@@ -44,9 +44,10 @@
  *    stranger sends).  Where results leave in runs (config's
  *    results_in_runs), the kernel's GRO merges them, one sender's, before the
  *    TC hook, and fan_out_results sends each rank the run whole.  Not XDP
- *    alone: an XDP program has no helper that copies a frame, and a devmap broadcast (BPF_F_BROADCAST) clones one per *device*,
- *    not per destination, with egress programs that do not learn which entry
- *    they run for, so it cannot address copies to n ranks behind one port;
+ *    alone: an XDP program has no helper that copies a frame, and a devmap
+ *    broadcast (BPF_F_BROADCAST) clones one per *device*, not per
+ *    destination, with egress programs that do not learn which entry they
+ *    run for, so it cannot address copies to n ranks behind one port;
  *  - a sparse contribution, once checked: XDP_PASS, untouched (user space
  *    aggregates it and sends its result from the switch's socket);
  *  - anything that is not a UDP datagram to the switch's port: XDP_PASS,
