@@ -932,8 +932,10 @@ def _gro_segment(ancillary: list) -> int:
 
 
 def _receive_runs_whole(sock: socket.socket) -> None:
-    """UDP_GRO on ``sock``, for the C data plane's loop; where the kernel has none
-    (before Linux 5.0) every datagram stays a receive of its own."""
+    """UDP_GRO on ``sock``, for the C data plane's loop (and the Python loop of an
+    XDP switch whose results the kernel merges into runs, which GRO does only for
+    such a socket); where the kernel has none (before Linux 5.0) every datagram
+    stays a receive of its own."""
     with contextlib.suppress(OSError):
         sock.setsockopt(socket.SOL_UDP, UDP_GRO, 1)
 
