@@ -597,13 +597,25 @@ class XdpPipeline(Pipeline):
         made a datagram at a time): GRO on each, as it was put back by
         ``detach``; the switch's socket takes UDP_GRO (``merges_results``)."""
         names = [socket.if_indextoname(device) for device in devices]
-        if not all(ethtool.features(name).get(USO, False) for name in names):
+        try:  # a device that will not say or change: results one by one, still driver mode
+            if not all(ethtool.features(name).get(USO, False) for name in names):
+                return
+            for name in names:
+                if not ethtool.features(name).get(GRO, True):
+                    ethtool.set_features(name, {GRO: True})
+                    self._gro_turned_on.append(name)
+        except (OSError, ValueError):
+            self._gro_back_off()
             return
-        for name in names:
-            if not ethtool.features(name).get(GRO, True):
-                ethtool.set_features(name, {GRO: True})
-                self._gro_turned_on.append(name)
         self.merges_results = True
+
+    def _gro_back_off(self) -> None:
+        """GRO off again where ``_merge_results_on`` turned it on (a device gone
+        with its namespace: nothing to do)."""
+        turned_on, self._gro_turned_on = getattr(self, "_gro_turned_on", []), []
+        for name in turned_on:
+            with contextlib.suppress(OSError, ValueError):
+                ethtool.set_features(name, {GRO: False})
 
     def _attach_fan_out(self, devices: list[int], required: bool) -> None:
         """The fan-out program on the TC ingress of each of ``devices`` (none on
@@ -638,10 +650,7 @@ class XdpPipeline(Pipeline):
         self.takes_gso_runs = False
         self._answers_by_stack = False
         self.merges_results = False
-        turned_on, self._gro_turned_on = getattr(self, "_gro_turned_on", []), []
-        for name in turned_on:  # as it was (a device gone with its namespace: nothing to do)
-            with contextlib.suppress(OSError):
-                ethtool.set_features(name, {GRO: False})
+        self._gro_back_off()
         ports, self._ports = getattr(self, "_ports", []), []
         if getattr(self, "_prog", None) is not None:  # no interface: nothing to learn from
             self._configure(ifindex=0)
