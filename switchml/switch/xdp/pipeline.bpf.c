@@ -1093,20 +1093,32 @@ static __always_inline __u16 pseudo_header_sum(__u32 saddr, __u32 daddr, __u16 u
     return (__u16)sum;
 }
 
-/* A result's UDP checksum set to none, for the switch's socket: where results
- * leave in runs the XDP program kept its contribution's, which is not its
- * own (the socket trusts it only in a CHECKSUM_PARTIAL skb).  `ip`: the IP
- * header, to find where skb->data is (see fan_out_results). */
-static __always_inline void no_udp_checksum(struct __sk_buff *skb, const struct iphdr *ip)
+/* Whether skb->data is at the frame's IP header `ip` (1) rather than at its
+ * Ethernet header (0), or unreadable (-1).  At TC ingress it is where the
+ * kernel put the Ethernet header back for the program, but for a frame XDP
+ * passed up in generic mode this kernel leaves it at the IP header (seen on
+ * 6.18: mac_len 0). */
+static __always_inline int data_at_ip(struct __sk_buff *skb, const struct iphdr *ip)
 {
     struct iphdr at_data;
-    __u16 none = 0;
     if (bpf_skb_load_bytes(skb, 0, &at_data, sizeof at_data))
+        return -1;
+    return at_data.saddr == ip->saddr && at_data.daddr == ip->daddr &&
+           at_data.id == ip->id && at_data.tot_len == ip->tot_len;
+}
+
+/* A result's UDP checksum set to none, for the switch's socket: where results
+ * leave in runs the XDP program kept its contribution's, which is not its
+ * own (the socket trusts it only in a CHECKSUM_PARTIAL skb).  `ip`: its IP
+ * header. */
+static __always_inline void no_udp_checksum(struct __sk_buff *skb, const struct iphdr *ip)
+{
+    __u16 none = 0;
+    int at_ip = data_at_ip(skb, ip);
+    if (at_ip < 0)
         return;
-    __u32 l3 = at_data.saddr == ip->saddr && at_data.daddr == ip->daddr &&
-               at_data.id == ip->id && at_data.tot_len == ip->tot_len ? 0 : ETH_HLEN;
-    bpf_skb_store_bytes(skb, l3 + sizeof(struct iphdr) + __builtin_offsetof(struct udphdr, check),
-                        &none, sizeof none, 0);
+    bpf_skb_store_bytes(skb, (at_ip ? 0 : ETH_HLEN) + sizeof(struct iphdr) +
+                        __builtin_offsetof(struct udphdr, check), &none, sizeof none, 0);
 }
 
 SEC("tc")
@@ -1155,16 +1167,10 @@ int fan_out_results(struct __sk_buff *skb)
             return TCX_NEXT;
         }
     }
-    /* The copies leave from skb->data, which must be the Ethernet header.  At
-     * TC ingress it is where the kernel put it back for the program, but for
-     * a frame XDP passed up in generic mode this kernel leaves skb->data at
-     * the IP header (seen on 6.18: mac_len 0): then room is made for one. */
-    struct iphdr at_data;
-    if (bpf_skb_load_bytes(skb, 0, &at_data, sizeof at_data))
-        return TCX_NEXT;
-    if (at_data.saddr == f.ip.saddr && at_data.daddr == f.ip.daddr &&
-        at_data.id == f.ip.id && at_data.tot_len == f.ip.tot_len &&
-        bpf_skb_change_head(skb, ETH_HLEN, 0))
+    /* The copies leave from skb->data, which must be the Ethernet header:
+     * where it is at the IP header (data_at_ip), room is made for one. */
+    int at_ip = data_at_ip(skb, &f.ip);
+    if (at_ip < 0 || (at_ip && bpf_skb_change_head(skb, ETH_HLEN, 0)))
         return TCX_NEXT;
     __u8 switch_mac[ETH_ALEN];
     __builtin_memcpy(switch_mac, f.eth.h_dest, ETH_ALEN);

@@ -598,10 +598,11 @@ class XdpPipeline(Pipeline):
         ``detach``; the switch's socket takes UDP_GRO (``merges_results``)."""
         names = [socket.if_indextoname(device) for device in devices]
         try:  # a device that will not say or change: results one by one, still driver mode
-            if not all(ethtool.features(name).get(USO, False) for name in names):
+            state = {name: ethtool.features(name) for name in names}
+            if not all(state[name].get(USO, False) for name in names):
                 return
             for name in names:
-                if not ethtool.features(name).get(GRO, True):
+                if not state[name].get(GRO, True):
                     ethtool.set_features(name, {GRO: True})
                     self._gro_turned_on.append(name)
         except (OSError, ValueError):
