@@ -93,6 +93,17 @@ def test_ranks_missing_at_the_join_deadline_are_named():
     assert c.state == CLOSED and c.get_timer() is None and c.error is failed.error
 
 
+@pytest.mark.parametrize("heard", [b"", b"\x00\x01 not a line of ours", b"HTTP/1.1 400"])
+def test_an_address_that_never_answers_the_join_is_the_switchs_fault(heard):
+    """Something listens there and says nothing of the protocol: the switch is
+    named unreachable (a torch job goes to gloo), not some rank late to join."""
+    c = joining(0, world=3, now=100.0)
+    assert c.receive_data(heard, 101.0) == []
+    [failed] = c.handle_timer(110.0)
+    assert isinstance(failed.error, switchml.SwitchUnreachableError)
+    assert "switch at sw:7300 did not answer the join within 10s" in str(failed.error)
+
+
 def test_a_job_waiting_for_room_fails_after_wait_for_slots_naming_the_limit():
     c = joining(0, wait_for_slots=3.0)
     waiting = {"event": "waiting", "job": "j", "limit": "slots", "message": "no room"}

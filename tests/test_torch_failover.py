@@ -1,5 +1,6 @@
 """A torch job whose switch dies: real ranks, a real `switchml switch`, SIGKILL."""
 
+import socket
 import subprocess
 import sys
 import time
@@ -229,12 +230,21 @@ def test_a_job_the_full_switch_refuses_runs_on_gloo_and_moves_over_when_room_ope
         switch.stop()
 
 
-def test_an_unreachable_switch_at_the_start_means_gloo(tmp_path):
-    """Nothing listens at SWITCHML_SWITCH: the group starts on gloo, sums right."""
+@pytest.mark.parametrize("there", ["nothing", "a-silent-listener"])
+def test_an_unreachable_switch_at_the_start_means_gloo(tmp_path, there):
+    """Nothing listens at SWITCHML_SWITCH, or something that never answers a join:
+    the group starts on gloo, sums right."""
     from test_torch import free_port
-    results = collect(start(2, "allreduce-loop", "switchml", 0.3, 0,
-                            env={"SWITCHML_SWITCH": f"127.0.0.1:{free_port()}",
-                                 "SWITCHML_TIMEOUT": "3", "CONTROL_DIR": str(tmp_path)}))
+    with socket.socket() as listener:
+        if there == "nothing":
+            port = free_port()
+        else:  # accepts connections (the kernel does, from its backlog) and says nothing
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(8)
+            port = listener.getsockname()[1]
+        results = collect(start(2, "allreduce-loop", "switchml", 0.3, 0,
+                                env={"SWITCHML_SWITCH": f"127.0.0.1:{port}",
+                                     "SWITCHML_TIMEOUT": "3", "CONTROL_DIR": str(tmp_path)}))
     for out in results:
         assert out["wrong"] == 0 and out["counters"]["fallbacks"] == 1, out
         assert out["counters"]["calls_on_gloo"] == out["calls"] * 2, out  # and the flags

@@ -124,6 +124,9 @@ class ControlClient:
         #: Whether the switch sent anything on this connection (a join the switch
         #: closed unheard was never read: it may be sent again).
         self.heard = False
+        #: Whether a message of the protocol came (bytes that are not one, from
+        #: something else listening at the address, do not count).
+        self._understood = False
         self._outbox = bytearray()
         self._present: tuple[int, ...] = (rank,)
         self._waiting: Waiting | None = None  # while the complete job waits for room
@@ -216,6 +219,7 @@ class ControlClient:
             log.debug("malformed control message: %s", exc)
             return self._fail(SwitchUnreachableError(
                 f"the {self.where} sent a malformed control message: {exc}"))
+        self._understood = self._understood or bool(events)
         out: list = []
         for event in events:
             if self.state == CLOSED:
@@ -261,6 +265,10 @@ class ControlClient:
                 f"(secret=, SWITCHML_JOB_SECRET), or none to all"))
         if self._deadline is None or now < self._deadline:
             return []
+        if not self._understood:  # not a slow rank of the job: nothing that answers joins
+            return self._fail(SwitchUnreachableError(
+                f"job '{self.job}' rank {self.rank}: the {self.where} did not answer the "
+                f"join within {self.timeout:g}s (is a switchml switch listening there?)"))
         waiting = self._waiting
         if waiting is not None:
             return self._fail(LimitExceededError(
