@@ -34,7 +34,7 @@ process may use, run at once.  ``--share disjoint`` (the default): each owns
 half of the slots and sends all ranks' contributions to them (a slot's
 packets on one CPU, as a NIC's flow steering by slot would give); ``--share
 same``: both feed the same slots, the first CPU half the ranks, the second the
-other half, meeting at a barrier after each pass so that neither runs a
+other half, meeting after each pass so that neither runs a
 message ahead: every set's lock is fought over.  The ratio ``2 CPUs / 1`` is of
 contributions added per second of wall-clock time, and of the program's own
 rate (its per-core rate on two CPUs, twice, over its rate on one).
@@ -51,7 +51,6 @@ import multiprocessing
 import os
 import resource
 import sys
-import threading
 import time
 
 import numpy as np
@@ -87,11 +86,35 @@ def _frames(pipeline, addresses, slots, ranks, packet_elements, block) -> np.nda
     return np.stack(out)
 
 
-def _runner(prog_fd, cpu, leader, frames, start, deadline, barrier, stop, conn):
+class PassMeeting:
+    """Two processes meeting after each pass: each publishes the passes it has
+    made and waits until the other has made as many.  (multiprocessing's Barrier,
+    reused a few thousand times a second, was seen to break in one process while
+    the other passed.)  ``stop``: set by the leader before it publishes the pass
+    after which both end; ``failed``: set by a process that gave up, so the
+    other does not wait for it."""
+
+    def __init__(self, ctx):
+        self.passes = ctx.RawArray("q", [-1, -1])
+        self.stop = ctx.RawValue("i", 0)
+        self.failed = ctx.RawValue("i", 0)
+
+    def meet(self, me: int, passes: int, timeout: float = 30.0) -> None:
+        self.passes[me] = passes
+        limit = time.monotonic() + timeout
+        while self.passes[1 - me] < passes:
+            if self.failed.value:
+                raise RuntimeError("the other process failed")
+            if time.monotonic() > limit:
+                raise TimeoutError(f"the other process made no pass {passes} in {timeout:g} s")
+            os.sched_yield()
+
+
+def _runner(prog_fd, cpu, me, frames, start, deadline, meeting, conn):
     """One process on CPU ``cpu``: passes over ``frames`` until ``deadline``
-    (with a ``barrier``: until ``stop``, which the ``leader`` sets at a pass's
-    end, every pass meeting the other process's).  Sends back (passes, runs,
-    program ns, CPU s, wall s, actions)."""
+    (with a ``meeting``: every pass meeting the other process's, until the pass
+    at whose end process 0, the leader, is past the deadline).  Sends back
+    (passes, runs, program ns, CPU s, wall s, actions)."""
     try:
         os.sched_setaffinity(0, {cpu})
         lib = xdp_loader.libbpf()
@@ -111,8 +134,8 @@ def _runner(prog_fd, cpu, leader, frames, start, deadline, barrier, stop, conn):
         passes = runs = ns = 0
         where = "before the first pass"
         time.sleep(max(0.0, start - time.monotonic()))
-        if barrier is not None:
-            barrier.wait(timeout=30)
+        if meeting is not None:
+            meeting.meet(me, 0)
         usage0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
         while True:
             for o, ref in zip(opts, refs):
@@ -126,21 +149,21 @@ def _runner(prog_fd, cpu, leader, frames, start, deadline, barrier, stop, conn):
             passes += 1
             where = f"after pass {passes}, {time.monotonic() - t0:.3f} s in"
             msgs += 2  # the next message of every set
-            if barrier is None:
+            if meeting is None:
                 if time.monotonic() >= deadline:
                     break
             else:
-                if leader and time.monotonic() >= deadline:
-                    stop.value = 1
-                barrier.wait(timeout=30)
-                if stop.value:
+                if me == 0 and time.monotonic() >= deadline:
+                    meeting.stop.value = 1  # before the pass is published
+                meeting.meet(me, passes)
+                if meeting.stop.value:
                     break
         t1, usage1 = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
         cpu_s = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
         conn.send((passes, runs, ns, cpu_s, t1 - t0, actions))
     except BaseException as exc:  # the parent reports it, and where it came
-        if barrier is not None:  # the other process must not wait its 30 s for this one
-            barrier.abort()
+        if meeting is not None:  # the other process must not wait its 30 s for this one
+            meeting.failed.value = 1
         conn.send((exc, f"CPU {cpu}, {where}"))
 
 
@@ -186,16 +209,14 @@ def measure(mtu: int, cpus: int, share: str, workers: int, slots: int, block: in
         else:
             plans = [(list(range(slots)), list(range(workers))[i::2]) for i in range(2)]
         ctx = multiprocessing.get_context("fork")  # the children use the loaded program's fd
-        barrier = ctx.Barrier(2) if cpus > 1 and share == "same" else None
-        stop = ctx.Value("i", 0)
+        meeting = PassMeeting(ctx) if cpus > 1 and share == "same" else None
         start = time.monotonic() + 0.3
         pipes, children = [], []
-        for cpu, (slots_of, ranks) in zip(mine, plans):
+        for me, (cpu, (slots_of, ranks)) in enumerate(zip(mine, plans)):
             frames = _frames(p, addresses, slots_of, ranks, packet_elements, block)
             here, there = ctx.Pipe(duplex=False)
             child = ctx.Process(target=_runner, args=(
-                p._prog.prog_fd, cpu, cpu == mine[0], frames, start, start + seconds, barrier,
-                stop, there))
+                p._prog.prog_fd, cpu, me, frames, start, start + seconds, meeting, there))
             child.start()
             pipes.append(here)
             children.append(child)
@@ -203,8 +224,8 @@ def measure(mtu: int, cpus: int, share: str, workers: int, slots: int, block: in
         for child in children:
             child.join(timeout=30)
         failures = [a for a in answers if isinstance(a[0], BaseException)]
-        if failures:  # the cause first, not the broken barrier it left the other process
-            failures.sort(key=lambda f: isinstance(f[0], threading.BrokenBarrierError))
+        if failures:  # the cause first, not the failed meeting it left the other process
+            failures.sort(key=lambda f: "the other process failed" in str(f[0]))
             raise RuntimeError("; ".join(f"{where}: {exc!r}" for exc, where in failures)) \
                 from failures[0][0]
         p.sync_counters()
