@@ -130,6 +130,10 @@ def test_bench_on_loopback(tmp_path):
                                                  "udp_sndbuf_errors", "udp_in_errors"}
     dense = next(r for r in data["rows"] if r["system"] == "switchml-dense")
     assert dense["switch_counters_in_run"]["jobs_started"] >= 1  # the switch's own
+    for row in data["rows"]:  # each timed call, in order: the median is theirs
+        assert len(row["call_s"]) == 2 and row["median_s"] == pytest.approx(
+            sum(row["call_s"]) / 2, abs=1e-5)
+    assert len(dense["recovery_per_call"]) == 2  # the counters that moved in each call
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None,

@@ -33,7 +33,8 @@ def summarize(per_rank_times, nbytes):
     per_iter = np.max(np.array(per_rank_times), axis=0)  # the slowest rank finishes it
     median = float(statistics.median(per_iter))
     return {"median_s": median, "min_s": float(per_iter.min()), "max_s": float(per_iter.max()),
-            "goodput_GBps_per_worker": nbytes / median / 1e9}
+            "goodput_GBps_per_worker": nbytes / median / 1e9,
+            "call_s": [round(float(t), 6) for t in per_iter]}  # each timed call, in order
 
 
 def ring_bytes(world, nbytes):

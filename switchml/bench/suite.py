@@ -45,6 +45,7 @@ from ..config import DEFAULT_BLOCK_ELEMENTS
 from ..testbed.core import OFFLOAD, add_host_queue_argument
 from .common import lower_bound_s, ring_bytes, summarize
 from .launch import BenchError, Loopback, OnTestbed, Roles
+from .roles import RECOVERY
 
 #: dense16: switchml's dense path on the 16-bit wire; gloo-fp16: gloo's allreduce
 #: of the tensor cast to float16 and back, as PyTorch's fp16_compress_hook does.
@@ -346,6 +347,12 @@ def _row(system, world, case, items, cluster, args, *, sent, received, retransmi
     recovery = [m["recovery"] for m in items if m.get("recovery")]
     row["recovery_per_worker"] = ({k: sum(r[k] for r in recovery) / len(recovery)
                                    for k in recovery[0]} if recovery else None)
+    # each timed call's recovery, summed over the ranks (the counters that moved)
+    windows = [m["windows"] for m in items if m.get("windows")]
+    row["recovery_per_call"] = ([{k: v for k in RECOVERY
+                                  if (v := sum(w[call].get(k, 0) for w in windows))}
+                                 for call in range(min(map(len, windows)))]
+                                if windows else None)
     row["checked"] = items[0].get("ok")
     row["ranks_bit_identical"] = len({m["digest"] for m in items}) == 1 and len(items) == world
     # the result's SHA-256 (rank 0's): runs of the same inputs compare bit for bit,
