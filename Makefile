@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # torch==2.13.0 (the torch extra) installs its CPU build from a local wheel where there is one
+# make test runs the suite on this many processes, then the tests marked alone one by one
+TEST_PROCESSES ?= 2
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
 .PHONY: demo test install bench clean nft xdp-toolchain conformance docs
@@ -30,7 +32,10 @@ test: $(STAMP) nft xdp-toolchain
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 	$(MAKE) --no-print-directory docs
-	$(PY) -m pytest -q
+	@status=0; \
+	$(PY) -m pytest -q -m "not alone" -n $(TEST_PROCESSES) --dist worksteal || status=1; \
+	$(PY) -m pytest -q -m alone || status=1; \
+	exit $$status
 
 # The API reference (docs/api, from the docstrings) into build/docs, warnings as
 # errors and every reference resolved; then the Markdown docs' links and paths.

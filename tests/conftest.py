@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import settings
 
 import switchml
 from switchml import quant
@@ -16,6 +17,30 @@ from switchml.netutil import LineReader
 # the local stage would combine them before the switch: the tests of the switch
 # path run without it, and tests/test_local*.py turn it on where they test it.
 os.environ["SWITCHML_LOCAL_STAGE"] = "0"
+
+# make test runs the suite on several processes at once: a property's examples take
+# what time the machine gives them, so Hypothesis's per-example deadline is off.
+settings.register_profile("suite", deadline=None)
+settings.load_profile("suite")
+
+#: Modules whose tests run alone, after the others (``make test``'s second pass,
+#: ``pytest -m alone``): they shape links and count what crossed them, measure
+#: shares of a link, run the benchmarks, or look at machine-wide state (/dev/shm)
+#: that a test running beside them would change.
+ALONE = {"test_window.py", "test_testbed.py", "test_racks_testbed.py", "test_bench.py",
+         "test_xdp_serve.py", "test_availability.py", "test_local_runtime.py",
+         "test_torch_cuda.py"}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "alone: run with no other test beside it "
+                            "(make test's second pass)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in ALONE:
+            item.add_marker(pytest.mark.alone)
 
 
 def _testbed_missing() -> str | None:
