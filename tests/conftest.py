@@ -25,11 +25,11 @@ settings.load_profile("suite")
 
 #: Modules whose tests run alone, after the others (``make test``'s second pass,
 #: ``pytest -m alone``): they shape links and count what crossed them, measure
-#: shares of a link, run the benchmarks, or look at machine-wide state (/dev/shm)
-#: that a test running beside them would change.
-ALONE = {"test_window.py", "test_testbed.py", "test_racks_testbed.py", "test_bench.py",
-         "test_xdp_serve.py", "test_availability.py", "test_local_runtime.py",
-         "test_torch_cuda.py"}
+#: shares of a link, or look at machine-wide state (/dev/shm) that a test running
+#: beside them would change.  Tests elsewhere that do (the benchmarks on the
+#: testbed, of the XDP program) are marked ``@pytest.mark.alone`` one by one.
+ALONE = {"test_window.py", "test_testbed.py", "test_racks_testbed.py", "test_xdp_serve.py",
+         "test_availability.py", "test_local_runtime.py", "test_torch_cuda.py"}
 
 
 def pytest_configure(config):

@@ -21,6 +21,7 @@ CLI = [sys.executable, "-m", "bench"]  # from ROOT: bench/__main__.py is switchm
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.alone  # a testbed or the XDP program: measured, not beside other tests
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None,
                     reason="the testbed needs root and tc")
 @pytest.mark.parametrize("flat", [False, True], ids=["racks", "flat"])
@@ -136,6 +137,7 @@ def test_bench_on_loopback(tmp_path):
     assert len(dense["recovery_per_call"]) == 2  # the counters that moved in each call
 
 
+@pytest.mark.alone  # a testbed or the XDP program: measured, not beside other tests
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None,
                     reason="the testbed needs root and tc")
 def test_bench_on_the_testbed(tmp_path):
@@ -195,6 +197,7 @@ def test_invocations_take_the_median_of_the_runs_and_gloo_from_the_same():
     assert "1.67x" in format_summary(list(rows.values()))
 
 
+@pytest.mark.alone  # a testbed or the XDP program: measured, not beside other tests
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None,
                     reason="the testbed needs root and tc")
 def test_bench_on_the_testbed_with_the_xdp_data_plane(tmp_path):
@@ -227,6 +230,7 @@ def test_bench_on_the_testbed_with_the_xdp_data_plane(tmp_path):
         refused.stderr, refused.stderr
 
 
+@pytest.mark.alone  # a testbed or the XDP program: measured, not beside other tests
 def test_xdp_core_bench_runs_with_tiny_settings(tmp_path):
     """bench/xdp_core.py end to end, tiny: every contribution added, each fourth
     completing its slot, on one CPU and two; MTU 9000's packets (multi-buffer
@@ -255,6 +259,7 @@ def test_xdp_core_bench_runs_with_tiny_settings(tmp_path):
     assert table.count("\n| 9000 | 8320 |") == 3
 
 
+@pytest.mark.alone  # a testbed or the XDP program: measured, not beside other tests
 @needs_root
 def test_xdp_driver_bench_runs_with_tiny_settings(tmp_path):
     """bench/xdp_driver.py end to end, tiny: the program in veth's driver mode adds

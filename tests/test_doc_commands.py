@@ -225,6 +225,7 @@ def skip_where_the_docs_testbed_is_up() -> None:
         pytest.skip("a testbed with the docs' prefix smltb is up on this machine")
 
 
+@pytest.mark.alone  # the docs' testbed has the one default name: one block at a time
 @needs_root
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.mark == "root"], ids=lambda b: b.name)
 def test_root_blocks_run_as_written_outside_the_repository(block, tmp_path):
