@@ -24,11 +24,13 @@ settings.register_profile("suite", deadline=None)
 settings.load_profile("suite")
 
 #: Modules whose tests run alone, after the others (``make test``'s second pass,
-#: ``pytest -m alone``): they shape links and count what crossed them, measure
-#: shares of a link, or look at machine-wide state (/dev/shm) that a test running
-#: beside them would change.  Tests elsewhere that do (the benchmarks on the
-#: testbed, of the XDP program) are marked ``@pytest.mark.alone`` one by one.
-ALONE = {"test_window.py", "test_testbed.py", "test_racks_testbed.py", "test_xdp_serve.py",
+#: ``pytest -m alone``): they shape links or serve real traffic and count what
+#: crossed them, time floods, or look at machine-wide state (/dev/shm) that a test
+#: running beside them would change.  Tests elsewhere that do (the benchmarks on the
+#: testbed, of the XDP program) are marked ``@pytest.mark.alone`` one by one.  (The
+#: window's shares and losses are the simulator's, in simulated time:
+#: tests/test_window.py runs beside other tests.)
+ALONE = {"test_testbed.py", "test_racks_testbed.py", "test_xdp_serve.py",
          "test_availability.py", "test_local_runtime.py", "test_torch_cuda.py"}
 
 

@@ -87,3 +87,38 @@ class RankProcess:
         for f in getattr(self, "_files", []):
             if os.path.exists(f.name):
                 os.unlink(f.name)
+
+
+def torchrun_environment(env: dict, rank: int, world: int, port: int) -> dict:
+    """``env`` with what ``torchrun --standalone --nproc-per-node=world`` gives its
+    rank ``rank`` (its own store: rank 0 serves it at ``port``, as without torchrun)."""
+    return {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world), "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+            "ROLE_NAME": "default", "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world),
+            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "False",
+            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
+
+
+def run_as_torchrun(script: str, args: list, world: int, env: dict,
+                    timeout: float) -> subprocess.CompletedProcess:
+    """``script`` on ``world`` ranks as torchrun would start them on one host, each
+    forked from the server (no launcher, no fresh interpreters): for the runs a
+    test compares against, where torchrun itself is not what it tests.  Returns
+    the first failed rank's exit status (0: none failed) and every rank's stderr."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [RankProcess(script, args, torchrun_environment(env, r, world, port))
+             for r in range(world)]
+    try:
+        outputs = [rank.communicate(timeout) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    codes = [rank.returncode for rank in ranks]
+    failed = next((c for c in codes if c), 0)
+    return subprocess.CompletedProcess(script, failed, "".join(o for o, _ in outputs),
+                                       "".join(e for _, e in outputs))

@@ -9,23 +9,29 @@ import pytest
 
 pytest.importorskip("torch", reason="the torch extra is not installed")
 pytest.importorskip("sklearn", reason="the examples extra (scikit-learn) is not installed")
+from rank_processes import run_as_torchrun  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def torchrun(tmp_path, script, workers, *args, local_stage=True):
+def torchrun(tmp_path, script, workers, *args, local_stage=True, launcher=True):
     """Run examples/<script> under torchrun; return rank 0's JSON summary.
-    ``local_stage=False``: the ranks, all on this machine, go through the switch."""
+    ``local_stage=False``: the ranks, all on this machine, go through the switch.
+    ``launcher=False``: the ranks torchrun would start, forked with its environment
+    (``rank_processes.run_as_torchrun``), for gloo's runs compared against."""
     out = tmp_path / f"{script}-{len(list(tmp_path.iterdir()))}.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWITCHML_")}
     env["OMP_NUM_THREADS"] = "1"
     if not local_stage:
         env["SWITCHML_LOCAL_STAGE"] = "0"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc-per-node={workers}", os.path.join(ROOT, "examples", script),
-         "--json", str(out), "--quiet", *map(str, args)],
-        env=env, capture_output=True, text=True, timeout=240)
+    argv = [os.path.join(ROOT, "examples", script), "--json", str(out), "--quiet",
+            *map(str, args)]
+    if launcher:
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               f"--nproc-per-node={workers}", *argv],
+                              env=env, capture_output=True, text=True, timeout=240)
+    else:
+        proc = run_as_torchrun(argv[0], argv[1:], workers, env, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -34,7 +40,7 @@ def test_digits_on_switchml_reaches_gloo_accuracy(tmp_path):
     ours = torchrun(tmp_path, "train_ddp.py", 2, "--backend", "switchml", "--epochs", 4,
                     "--hidden", 256)
     theirs = torchrun(tmp_path, "train_ddp.py", 2, "--backend", "gloo", "--epochs", 4,
-                      "--hidden", 256)
+                      "--hidden", 256, launcher=False)
     assert ours["workers"] == theirs["workers"] == 2, (ours, theirs)
     assert ours["test_accuracy"] > 0.85  # it learned (20 epochs reach ~97%)
     assert abs(ours["test_accuracy"] - theirs["test_accuracy"]) <= 0.005, (ours, theirs)
@@ -72,7 +78,7 @@ def test_embedding_gradients_take_the_sparse_path(tmp_path):
               "--test-docs", 512]
     sparse = torchrun(tmp_path, "train_sparse.py", 2, "--backend", "switchml", "--sparse",
                       "true", *common, local_stage=False)
-    gloo = torchrun(tmp_path, "train_sparse.py", 2, "--backend", "gloo", *common)
+    gloo = torchrun(tmp_path, "train_sparse.py", 2, "--backend", "gloo", *common, launcher=False)
     table_mb = vocab * dim * 4 / 1e6
     assert sparse["switchml_sparse_blocks_sent"] > 0
     # a batch touches a few percent of the table: far less than the table goes up

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 torch = pytest.importorskip("torch", reason="the torch extra is not installed")
+from rank_processes import run_as_torchrun  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples", "integrations")
@@ -36,8 +37,12 @@ def run(tmp_path, command: list, name: str) -> list:
     for _attempt in range(2):
         for rank in range(WORLD):
             (tmp_path / f"{name}.rank{rank}").unlink(missing_ok=True)
-        proc = subprocess.run([*command, "--json", str(out)], env=env, cwd=ROOT,
-                              capture_output=True, text=True, timeout=240)
+        if command[0] == FORKED:
+            proc = run_as_torchrun(command[1], [*command[2:], "--json", str(out)], WORLD, env,
+                                   timeout=240)
+        else:
+            proc = subprocess.run([*command, "--json", str(out)], env=env, cwd=ROOT,
+                                  capture_output=True, text=True, timeout=240)
         exit_race = ("terminate called without an active exception" in proc.stderr
                      and all((tmp_path / f"{name}.rank{r}").exists() for r in range(WORLD)))
         if proc.returncode == 0 or not exit_race:
@@ -54,6 +59,16 @@ def run(tmp_path, command: list, name: str) -> list:
 def torchrun(script: str, *args) -> list:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             f"--nproc-per-node={WORLD}", os.path.join(EXAMPLES, script), *args]
+
+
+FORKED = "forked"
+
+
+def forked(script: str, *args) -> list:
+    """The ranks torchrun would start, forked with its environment and no launcher
+    (``rank_processes.run_as_torchrun``): gloo's runs, which only give the weights
+    to compare with."""
+    return [FORKED, os.path.join(EXAMPLES, script), *args]
 
 
 def same_training(ours: list, theirs: list) -> None:
@@ -88,17 +103,17 @@ def test_lightning_matches_gloo(mode, lightning_gloo, tmp_path):
 def test_accelerate_with_the_hook_matches_gloo(tmp_path):
     pytest.importorskip("accelerate", reason="the integrations extra is not installed")
     ours = run(tmp_path, torchrun("accelerate_train.py", "--hook"), "hook")
-    theirs = run(tmp_path, torchrun("accelerate_train.py"), "gloo")
+    theirs = run(tmp_path, forked("accelerate_train.py"), "gloo")
     same_training(ours, theirs)
 
 
 def test_fsdp2_with_a_scalar_loss_reduction_matches_gloo(tmp_path):
     ours = run(tmp_path, torchrun("fsdp2_train.py", "--backend", "switchml"), "switchml")
-    theirs = run(tmp_path, torchrun("fsdp2_train.py", "--backend", "gloo"), "gloo")
+    theirs = run(tmp_path, forked("fsdp2_train.py", "--backend", "gloo"), "gloo")
     same_training(ours, theirs)
 
 
 def test_plain_ddp_under_torchrun_matches_gloo(tmp_path):
     ours = run(tmp_path, torchrun("ddp_torchrun.py", "--backend", "switchml"), "switchml")
-    theirs = run(tmp_path, torchrun("ddp_torchrun.py", "--backend", "gloo"), "gloo")
+    theirs = run(tmp_path, forked("ddp_torchrun.py", "--backend", "gloo"), "gloo")
     same_training(ours, theirs)
