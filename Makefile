@@ -4,9 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # torch==2.13.0 (the torch extra) installs its CPU build from a local wheel where there is one
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 # make test runs the suite on this many processes, then the tests marked alone one by one
 TEST_PROCESSES ?= 2
-FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
 .PHONY: demo test install bench clean nft xdp-toolchain conformance docs
 

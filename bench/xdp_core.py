@@ -90,13 +90,14 @@ class PassMeeting:
     """Two processes meeting after each pass: each publishes the passes it has
     made and waits until the other has made as many.  (multiprocessing's Barrier,
     reused a few thousand times a second, was seen to break in one process while
-    the other passed.)  ``stop``: set by the leader before it publishes the pass
-    after which both end; ``failed``: set by a process that gave up, so the
-    other does not wait for it."""
+    the other passed.)  ``last``: the pass after which both end, set by the
+    leader before it publishes that pass (a number, not a flag: the other may
+    read it after the leader has gone on to the next pass); ``failed``: set by a
+    process that gave up, so the other does not wait for it."""
 
     def __init__(self, ctx):
         self.passes = ctx.RawArray("q", [-1, -1])
-        self.stop = ctx.RawValue("i", 0)
+        self.last = ctx.RawValue("q", -1)
         self.failed = ctx.RawValue("i", 0)
 
     def meet(self, me: int, passes: int, timeout: float = 30.0) -> None:
@@ -154,9 +155,9 @@ def _runner(prog_fd, cpu, me, frames, start, deadline, meeting, conn):
                     break
             else:
                 if me == 0 and time.monotonic() >= deadline:
-                    meeting.stop.value = 1  # before the pass is published
+                    meeting.last.value = passes  # before the pass is published
                 meeting.meet(me, passes)
-                if meeting.stop.value:
+                if meeting.last.value == passes:
                     break
         t1, usage1 = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
         cpu_s = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)

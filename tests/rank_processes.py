@@ -13,6 +13,7 @@ never touches a device, so each rank initialises CUDA afresh where it uses it.""
 import multiprocessing
 import os
 import runpy
+import socket
 import subprocess
 import sys
 import tempfile
@@ -107,7 +108,6 @@ def run_as_torchrun(script: str, args: list, world: int, env: dict,
     forked from the server (no launcher, no fresh interpreters): for the runs a
     test compares against, where torchrun itself is not what it tests.  Returns
     the first failed rank's exit status (0: none failed) and every rank's stderr."""
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -242,8 +242,8 @@ def test_workers_get_the_user_space_switchs_sums_bit_for_bit(veth, loss):
         ref_job = reference.stats()["ended_jobs"]["ref"]["counters"]
     finally:
         reference.close()
-    if loss:  # results one frame each, as contributions are: nftables drops per skb,
-        # and a run of results (GRO on the switch's end) would be lost whole or not at all
+    if loss:  # results one frame each: nftables drops per skb, and runs of results (GRO
+        # on the switch's end), like the workers' GSO runs, are lost whole or not at all
         sh("ip", "netns", "exec", ns, sys.executable, str(REPO / "switchml" / "ethtool.py"),
            dev, "tx-udp-segmentation", "off")
     switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp")

@@ -10,6 +10,7 @@ reference.  Prints ``RESULT {"failures": [...], "switched": k}``.
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import torch
@@ -192,6 +193,28 @@ def check(case: dict, ref_group, world: int, rank: int, worker) -> str | None:
     return None
 
 
+def leave_together(world: int, rank: int, timeout: float = 60.0) -> None:
+    """Every rank past its last collective before any closes its connections, and
+    the store's own rank (0) the last to go.  A rank that returns from a gloo call
+    and closes while another still reads its part fails that one's call
+    ("Connection closed by peer"), even in a final barrier; the store, which
+    serves the counts, lives in rank 0."""
+    store = dist.distributed_c10d._get_default_store()
+    deadline = time.monotonic() + timeout
+    store.add("cases/done", 1)
+    while store.add("cases/done", 0) < world:  # everyone is past their collectives
+        if time.monotonic() > deadline:
+            raise TimeoutError("the other ranks did not finish their cases")
+        time.sleep(0.005)
+    if rank == 0:  # the others' last word to the store came in before it goes
+        while store.add("cases/left", 0) < world - 1:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the other ranks did not leave")
+            time.sleep(0.005)
+    else:
+        store.add("cases/left", 1)
+
+
 def main():
     cases = json.load(open(sys.argv[1]))
     dist.init_process_group("switchml")
@@ -205,7 +228,7 @@ def main():
             failures.append({"case": case, "problem": problem})
     print("RESULT " + json.dumps({"failures": failures,
                                   "switched": sum(map(switched, cases))}), flush=True)
-    dist.barrier()
+    leave_together(world, rank)
     dist.destroy_process_group()
     # The result is out and the group is down: skip the interpreter's teardown,
     # where torch 2.13's gloo threads now and then abort ("terminate called
