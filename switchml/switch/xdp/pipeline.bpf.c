@@ -602,25 +602,23 @@ static __always_inline int frame_to_host(struct xdp_md *ctx)
         return XDP_DROP;
     __u32 zero = 0, in = ctx->ingress_ifindex;
     const struct xdp_config *cfg = bpf_map_lookup_elem(&config, &zero);
-    if (!cfg || !cfg->results_in_runs || !udp->check ||
-        (in != cfg->ifindex && !bpf_map_lookup_elem(&ports, &in))) {
-        udp->check = 0;
+    if (cfg && cfg->results_in_runs && udp->check &&
+        (in == cfg->ifindex || bpf_map_lookup_elem(&ports, &in)) &&
+        !bpf_xdp_adjust_meta(ctx, -(int)sizeof(__u32))) {
+        __u32 *mark = (void *)(long)ctx->data_meta;
+        if ((void *)(mark + 1) > (void *)(long)ctx->data)
+            return XDP_DROP; /* cannot be: the room was just made */
+        *mark = RESULT_MARK;
         return XDP_PASS;
     }
-    if (bpf_xdp_adjust_meta(ctx, -(int)sizeof(__u32))) {
-        /* no room for the mark: no checksum either, so GRO leaves it alone */
-        data = (void *)(long)ctx->data;
-        data_end = (void *)(long)ctx->data_end;
-        udp = data + sizeof(struct ethhdr) + sizeof(struct iphdr);
-        if ((void *)(udp + 1) > data_end)
-            return XDP_DROP;
-        udp->check = 0;
-        return XDP_PASS;
-    }
-    __u32 *mark = (void *)(long)ctx->data_meta;
-    if ((void *)(mark + 1) > (void *)(long)ctx->data)
-        return XDP_DROP; /* cannot be: the room was just made */
-    *mark = RESULT_MARK;
+    /* no checksum (also where there was no room for the mark: GRO then leaves it
+     * alone); the frame read again, as a failed bpf_xdp_adjust_meta may move it */
+    data = (void *)(long)ctx->data;
+    data_end = (void *)(long)ctx->data_end;
+    udp = data + sizeof(struct ethhdr) + sizeof(struct iphdr);
+    if ((void *)(udp + 1) > data_end)
+        return XDP_DROP;
+    udp->check = 0;
     return XDP_PASS;
 }
 
