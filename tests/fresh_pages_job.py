@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-CALLS = 4
+CALLS = 2
 
 try:  # numpy asks for huge pages for its large arrays, which fault once per 2 MiB:
     # without, a fresh array takes a fault for each of its pages, and counting shows it
@@ -23,7 +23,7 @@ _set_madvise_hugepage(False)
 
 
 def faults_per_call(call) -> float:
-    for _ in range(3):  # the first calls make the buffers a steady state reuses
+    for _ in range(2):  # the first calls make the buffers a steady state reuses
         call()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(CALLS):
