@@ -15,7 +15,8 @@ import switchml
 TIMEOUT = 2.0
 
 
-def _join_and_sleep(address, rank, world, ready):
+def _join_and_sleep(address, rank, world, started, ready):
+    started.set()  # its interpreter is up (a spawn on a busy machine takes seconds)
     w = switchml.Worker(address, rank, world, timeout=10)
     ready.set()
     time.sleep(60)
@@ -24,11 +25,14 @@ def _join_and_sleep(address, rank, world, ready):
 
 def test_killed_worker_is_named_and_slots_are_freed(switch):
     ctx = mp.get_context("spawn")
-    ready = ctx.Event()
-    victim = ctx.Process(target=_join_and_sleep, args=(switch.address, 2, 3, ready), daemon=True)
+    started, ready = ctx.Event(), ctx.Event()
+    victim = ctx.Process(target=_join_and_sleep, args=(switch.address, 2, 3, started, ready),
+                         daemon=True)
     victim.start()
     try:
         def body(rank):
+            # the others join within TIMEOUT of the first: not before the victim can
+            assert started.wait(60)
             with switchml.Worker(switch.address, rank, 3, timeout=TIMEOUT) as w:
                 assert ready.wait(30)
                 os.kill(victim.pid, signal.SIGKILL)

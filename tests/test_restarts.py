@@ -48,8 +48,9 @@ class DieAfterSends:
         return getattr(self._sock, name)
 
 
-def _victim(address, rank, world, job):
+def _victim(address, rank, world, job, started):
     """Join, finish one allreduce, then die inside the second one."""
+    started.set()  # its interpreter is up (a spawn on a busy machine takes seconds)
     w = switchml.Worker(address, rank, world, job=job, timeout=10)
     w.allreduce(inputs(rank))
     w._udp = DieAfterSends(w._udp, 30)  # about a third of the second call's packets
@@ -59,8 +60,11 @@ def _victim(address, rank, world, job):
 
 def test_worker_killed_inside_an_allreduce_is_named_and_its_slots_are_reused(switch):
     ctx = mp.get_context("spawn")
-    victim = ctx.Process(target=_victim, args=(switch.address, 2, 3, "kill"), daemon=True)
+    started = ctx.Event()
+    victim = ctx.Process(target=_victim, args=(switch.address, 2, 3, "kill", started),
+                         daemon=True)
     victim.start()
+    assert started.wait(60)  # the others join within TIMEOUT of the first
     died = {}
     watcher = threading.Thread(target=lambda: (victim.join(30), died.setdefault(
         "at", time.monotonic())))
@@ -206,8 +210,9 @@ def test_packets_of_an_old_session_are_dropped_and_counted(how):
         data.close()
 
 
-def _restartable_rank(address, job, results, die):
+def _restartable_rank(address, job, results, die, started):
     """Rank 1: one allreduce, then die (SIGKILL, no goodbye) or report and leave."""
+    started.set()  # its interpreter is up (a spawn on a busy machine takes seconds)
     w = switchml.Worker(address, 1, 2, job=job, timeout=10)
     out = w.allreduce(inputs(1))
     if die:
@@ -220,10 +225,11 @@ def test_a_worker_that_restarts_rejoins_and_the_job_re_forms(switch):
     """Rank 1 dies mid-job; rank 0 gets an error naming it; the restarted rank 1 and
     a fresh Worker of rank 0 form the job again under a new session."""
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    first = ctx.Process(target=_restartable_rank, args=(switch.address, "rj", results, True),
-                        daemon=True)
+    results, started = ctx.Queue(), ctx.Event()
+    first = ctx.Process(target=_restartable_rank,
+                        args=(switch.address, "rj", results, True, started), daemon=True)
     first.start()
+    assert started.wait(60)  # rank 0 waits TIMEOUT for it to join
     with switchml.Worker(switch.address, 0, 2, job="rj", timeout=TIMEOUT) as w:
         old_session = w.membership.session
         w.allreduce(inputs(0))  # rank 1 dies right after this one
@@ -232,8 +238,8 @@ def test_a_worker_that_restarts_rejoins_and_the_job_re_forms(switch):
         assert info.value.missing_ranks == [1]
     first.join(10)
     assert switch.stats()["free_slots"] == 64
-    second = ctx.Process(target=_restartable_rank, args=(switch.address, "rj", results, False),
-                         daemon=True)
+    second = ctx.Process(target=_restartable_rank,
+                         args=(switch.address, "rj", results, False, started), daemon=True)
     second.start()
     with switchml.Worker(switch.address, 0, 2, job="rj", timeout=10) as w:
         out = w.allreduce(inputs(0))

@@ -764,10 +764,12 @@ def test_sparse_and_dense_calls_get_the_user_space_switchs_sums_bit_for_bit(veth
 
 
 # Members in the namespace: sends the datagrams given (hex, each from its own
-# port) one after the other, then prints, a line each, what came back to them:
-# the port it came to, the address it came from and the datagram in hex.
+# port) one after the other, then prints, a line each, what came back to them
+# until none came for half a second (the lines of each port together, in the
+# order the ports were given): the port it came to, the address it came from and
+# the datagram in hex.
 PEER = """
-import socket, sys, time
+import select, socket, sys, time
 host, switch, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
 socks = {}
 for item in sys.argv[4:]:
@@ -776,17 +778,21 @@ for item in sys.argv[4:]:
     if s is None:
         s = socks[src] = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         s.bind((host, int(src)))
-        s.settimeout(0.5)
     if data:
         s.sendto(bytes.fromhex(data), (switch, port))
-        time.sleep(0.3)
-for src, s in socks.items():
-    try:
-        while True:
+        time.sleep(0.05)
+lines = {src: [] for src in socks}
+quiet_until = time.monotonic() + 0.5
+while (left := quiet_until - time.monotonic()) > 0:
+    ready, _, _ = select.select(list(socks.values()), [], [], left)
+    for src, s in socks.items():
+        if s in ready:
             data, (a, p) = s.recvfrom(65536)
-            print(src, f"{a}:{p}", data.hex(), flush=True)
-    except socket.timeout:
-        pass
+            lines[src].append(f"{src} {a}:{p} {data.hex()}")
+            quiet_until = time.monotonic() + 0.5
+for src in socks:
+    for line in lines[src]:
+        print(line, flush=True)
 """
 
 
@@ -888,8 +894,8 @@ def test_every_rank_gets_its_result_from_the_data_plane_as_the_reference_sends_i
         assert p.fans_out and p.ifindex == socket.if_nametoindex(here)
         before = qdisc_sent_bytes(here)
         run = peer_run(ns, peer, (me, port), [(5000 + r, ranks[r]) for r in range(3)])
-        out, err = run.communicate(timeout=30)
-        udp.settimeout(1)
+        out, err = run.communicate(timeout=30)  # (half a second after the last result)
+        udp.settimeout(0.2)
         with pytest.raises(socket.timeout):  # nothing came up to the switch's socket
             udp.recvfrom(65536)
         got = received(out)
