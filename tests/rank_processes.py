@@ -7,9 +7,9 @@ and forks each rank from there.  A rank is still a process of its own, run as
 output), killed by a real signal where a test kills it.  Only what the interpreter or a
 library reads once at start-up is the server's: ``sys.path`` gets the rank's
 ``PYTHONPATH`` in front, and torch's thread count is set from ``OMP_NUM_THREADS``.
-The server imports torch (with torch._dynamo) and switchml's worker and switch
-(switchml reads its settings when it runs, not at import), and never touches a
-device, so each rank initialises CUDA afresh where it uses it."""
+The server imports torch (and torch._dynamo, on a CPU build) and switchml's worker
+and switch (switchml reads its settings when it runs, not at import), and never
+touches a device, so each rank initialises CUDA afresh where it uses it."""
 
 import multiprocessing
 import os
@@ -19,12 +19,16 @@ import subprocess
 import sys
 import tempfile
 
+import torch
+
 _context = multiprocessing.get_context("forkserver")
-# torch._dynamo too, which DDP's constructor imports (2 s of CPU a rank on a slow
-# core), and switchml's own modules, all but switchml.torch, which asks torch
-# whether CUDA is there (a process that asked cannot give its forks a working CUDA)
-_context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
-                                 "switchml.worker.client", "switchml.switch.server"])
+# switchml's own modules too, all but switchml.torch, which asks torch whether CUDA
+# is there (a process that asked cannot give its forks a working CUDA); and, where
+# torch has no CUDA to be asked about by accident, torch._dynamo, which DDP's
+# constructor imports (2 s of CPU a rank on a slow core)
+_context.set_forkserver_preload(
+    ["torch", "torch.distributed", "switchml.worker.client", "switchml.switch.server"]
+    + ([] if torch.backends.cuda.is_built() else ["torch._dynamo"]))
 
 
 def _run(job: str, args: list, env: dict, out_path: str, err_path: str) -> None:

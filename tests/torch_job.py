@@ -7,10 +7,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-import switchml.torch  # noqa: F401  registers the "switchml" backend
-
 # (no gloo barrier at the end: a rank out of it may close under another still in it)
-from torch_cases import leave_together  # noqa: E402
+from torch_cases import leave_together
+
+import switchml.torch  # noqa: F401  registers the "switchml" backend
 
 
 def ddp(backend: str, steps: int, hook: bool, bits=None):
