@@ -45,6 +45,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.alone)
 
 
+def pytest_ignore_collect(collection_path, config):
+    """``-m alone`` (make test's second pass) imports only the modules that hold
+    tests to run alone: the others' imports (torch, Hypothesis's strategies) would
+    cost the pass seconds of collection for tests it deselects."""
+    if config.getoption("markexpr") != "alone" or collection_path.suffix != ".py":
+        return None
+    name = collection_path.name
+    if not name.startswith("test_") or name in ALONE:
+        return None
+    return "mark.alone" not in collection_path.read_text()
+
+
 def _testbed_missing() -> str | None:
     """Why the emulated cluster cannot run here (None: it can)."""
     if os.geteuid() != 0:

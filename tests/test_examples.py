@@ -1,5 +1,6 @@
 """The DDP examples, launched by torchrun exactly as the README says, on both backends."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -8,7 +9,10 @@ import sys
 import pytest
 
 pytest.importorskip("torch", reason="the torch extra is not installed")
-pytest.importorskip("sklearn", reason="the examples extra (scikit-learn) is not installed")
+# (found, not imported: the ranks import it, and importing it here costs every
+# collection of the suite 3 s)
+if importlib.util.find_spec("sklearn") is None:
+    pytest.skip("the examples extra (scikit-learn) is not installed", allow_module_level=True)
 from rank_processes import run_as_torchrun  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

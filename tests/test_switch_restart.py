@@ -36,8 +36,9 @@ def start_switch(port=0, drop_rate=0.0):
 def data(rank, size=SIZE):
     """Values of many magnitudes (every chunk its own exponent), some chunks zero."""
     rng = np.random.default_rng(rank)
-    scale = np.float32(2.0) ** rng.integers(-40, 40, size // 1024 + 1).repeat(1024)[:size]
-    a = (rng.standard_normal(size) * scale).astype(np.float32)
+    exponents = rng.integers(-40, 40, size // 1024 + 1)
+    scale = np.ldexp(np.float32(1), exponents).astype(np.float32).repeat(1024)[:size]
+    a = rng.standard_normal(size, dtype=np.float32) * scale
     a[5 * 1024:7 * 1024] = 0
     return a
 
@@ -52,11 +53,12 @@ def _rank(address, rank, world, in_place, started, results):
                          local_stage=False) as w:
         w.allreduce(np.ones(16, np.float32))
         a = data(rank)
+        same = a.copy()  # the undisturbed call's input (made once: 1 s of CPU a rank)
         started.put(rank)
         out = w.allreduce(a, out=a if in_place else None)
         cut = digest(out)
         counters = w.counters
-        again = w.allreduce(data(rank))
+        again = w.allreduce(same)
         results.put((rank, cut, digest(again), counters["rejoins"],
                      counters["calls_resumed"]))
 
