@@ -31,12 +31,12 @@ def faults_per_call(call) -> float:
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / CALLS
 
 
-def torch_tensor(kind: str, n: int, device: str):
+def torch_tensor(kind: str, n: int, device: str, values):
+    """A tensor of ``kind`` made from ``values`` (2n of them, not changed)."""
     import torch
     gen = torch.Generator().manual_seed(int(os.environ["RANK"]))
-    values = torch.randn(2 * n, generator=gen)
-    tensor = {"float32": values[:n], "float16": values[:n].half(),
-              "bfloat16": values[:n].bfloat16(), "strided": values[::2],
+    tensor = {"float32": values[:n].clone(), "float16": values[:n].half(),
+              "bfloat16": values[:n].bfloat16(), "strided": values.clone()[::2],
               "int32": (values[:n] * 100).int()}.get(kind)
     if kind == "sparse":
         tensor = values[:n].clone()
@@ -53,8 +53,10 @@ def on_torch(device: str, n: int, kinds: list) -> dict:
     import switchml.torch  # noqa: F401  registers the backend
     dist.init_process_group("switchml")
     found = {}
+    # (drawn once: 20M normal values a kind were most of a rank's CPU)
+    values = torch.randn(2 * n, generator=torch.Generator().manual_seed(dist.get_rank()))
     for kind in kinds:
-        tensor = torch_tensor(kind, n, device)
+        tensor = torch_tensor(kind, n, device, values)
 
         def call(tensor=tensor):
             dist.all_reduce(tensor)
@@ -72,9 +74,10 @@ def on_worker(address: str, n: int, kinds: list) -> dict:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     rng = np.random.default_rng(rank)
     found = {}
+    drawn = rng.standard_normal(n, dtype=np.float32)  # once: a copy a kind
     with switchml.Worker(address, rank, world, job="fresh-pages", timeout=30) as w:
         for kind in kinds:
-            values = rng.standard_normal(n).astype(np.float32)
+            values = drawn.copy()
             sparse = kind == "sparse"
             if sparse:
                 values.reshape(-1, 256)[rng.random(n // 256) < 0.9] = 0
