@@ -417,6 +417,49 @@ def test_in_driver_mode_workers_send_runs_that_the_kernel_cuts_before_the_progra
     assert switch_end_feature(ns, dev, "rx-gro") == "off"
 
 
+def runs_through(switch: SwitchIn, job: str, world: int = 3, n: int = 300_000) -> dict:
+    """A job of ``world`` ranks through ``switch``, its sums checked: its counters."""
+    def rank(r):
+        with switchml.Worker(switch.address, r, world_size=world, job=job, timeout=30) as w:
+            return w.allreduce(np.arange(n, dtype=np.int32) * (r + 1))
+
+    want = (np.arange(n) * world * (world + 1) // 2).tolist()
+    assert all(out.tolist() == want for out in in_threads(rank, world, 60))
+    return switch.stats()["ended_jobs"][job]["counters"]
+
+
+@needs_xdp
+def test_gro_goes_back_off_with_the_last_switch_on_the_interface(veth):
+    """Switches sharing a veth in driver mode, results in runs: the first turns
+    GRO on; it stays on when that one stops while another serves (whose
+    results still leave in runs), and when a switch SIGKILLed leaves another;
+    the last to stop turns it off.  GRO that was on before any switch came is
+    left on."""
+    ns, dev, host, _, _ = veth
+    assert switch_end_feature(ns, dev, "rx-gro") == "off"  # a veth's default
+    first = SwitchIn(ns, host, 7350, "--data-plane", "xdp")
+    second = third = None
+    try:
+        assert switch_end_feature(ns, dev, "rx-gro") == "on"
+        second = SwitchIn(ns, host, 7351, "--data-plane", "xdp")
+        first.close()  # the one that turned it on
+        assert switch_end_feature(ns, dev, "rx-gro") == "on"
+        assert runs_through(second, "after")["result_runs_fanned_out"] > 0
+        third = SwitchIn(ns, host, 7352, "--data-plane", "xdp")
+        third.proc.kill()
+        third.proc.wait()
+        second.close()  # the last one alive: the SIGKILLed one's port is swept
+        assert switch_end_feature(ns, dev, "rx-gro") == "off"
+    finally:
+        for switch in (first, second, third):
+            if switch is not None:
+                switch.close()
+    sh("ip", "netns", "exec", ns, sys.executable, str(REPO / "switchml" / "ethtool.py"), dev,
+       "rx-gro", "on")
+    SwitchIn(ns, host, 7350, "--data-plane", "xdp").close()
+    assert switch_end_feature(ns, dev, "rx-gro") == "on"
+
+
 def pseudo_header_sum(src: str, dst: str, udp_len: int) -> int:
     """The 16-bit one's-complement sum of a UDP pseudo-header, folded: the checksum
     field of a datagram whose checksum the kernel completes later."""

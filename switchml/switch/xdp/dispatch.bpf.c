@@ -40,7 +40,9 @@
  * `switchml_owners` (port -> the registering switch) is user space's:
  * loader.py tells from it whether a port's program belongs to a switch
  * still running (a SIGKILLed switch's port is taken out by the next switch
- * that joins or leaves the interface).  The dispatcher stays attached while any
+ * that joins or leaves the interface); at port 0, which no switch serves, a
+ * mark that the switches turned the interface's GRO on, for the last to turn
+ * off.  The dispatcher stays attached while any
  * switch holds a file descriptor of its BPF link, and the kernel detaches it
  * when the last holder closes it or dies.
  */

@@ -434,6 +434,11 @@ class _Owner(ctypes.Structure):
                 ("alive_id", ctypes.c_uint32)]
 
 
+#: The key of ``switchml_owners`` no switch serves (UDP port 0): there, where
+#: present, the mark that the switches of the interface turned its GRO on.
+GRO_MARK = 0
+
+
 #: linux/bpf.h's BPF_LINK_TYPE_XDP, BPF_NOEXIST and BPF_ANY
 BPF_LINK_TYPE_XDP = 6
 BPF_NOEXIST, BPF_ANY = 1, 0
@@ -662,7 +667,7 @@ class Dispatcher:
         while self._lib.bpf_map_get_next_key(self.owners_fd, at, ctypes.byref(key)) == 0:
             at = ctypes.byref(ctypes.c_uint32(key.value))
             owner = self._owner(key.value)
-            if owner is not None and not _alive(owner):
+            if key.value != GRO_MARK and owner is not None and not _alive(owner):
                 gone.append((key.value, owner.alive_id))
         taken = []
         for port, alive_id in gone:
@@ -699,16 +704,42 @@ class Dispatcher:
             self.port = None
             _check(rc, f"putting the switch's program in the XDP dispatcher at port {port}")
 
-    def close(self) -> None:
+    def mark_gro_turned_on(self) -> None:
+        """Say, in the dispatcher's maps, that a switch turned GRO on for this
+        interface: the last switch to leave it turns it off (``close``)."""
+        rc = self._lib.bpf_map_update_elem(self.owners_fd,
+                                           ctypes.byref(ctypes.c_uint32(GRO_MARK)),
+                                           ctypes.byref(_Owner()), BPF_ANY)
+        _check(rc, f"marking GRO on {_ifname(self.ifindex)} as the XDP switches'")
+
+    def _ports_served(self) -> bool:
+        key, at = ctypes.c_uint32(), None
+        while self._lib.bpf_map_get_next_key(self.owners_fd, at, ctypes.byref(key)) == 0:
+            if key.value != GRO_MARK:
+                return True
+            at = ctypes.byref(ctypes.c_uint32(key.value))
+        return False
+
+    def close(self) -> bool:
         """Take this switch's port out, if it is still its own (and those of
-        switches gone), and let go of the dispatcher."""
-        if self.port is not None and self.owners_fd >= 0:
-            owner = self._owner(self.port)
-            if owner is not None and (owner.pid, owner.prog_id) == (os.getpid(), self._prog_id):
-                self._remove(self.port)
-            self.port = None
+        switches gone), and let go of the dispatcher.  True where this switch
+        was the last on an interface whose GRO switches turned on
+        (``mark_gro_turned_on``): the caller turns it off again."""
+        gro_back_off = False
+        if self.owners_fd >= 0:
+            if self.port is not None:
+                owner = self._owner(self.port)
+                if owner is not None and \
+                        (owner.pid, owner.prog_id) == (os.getpid(), self._prog_id):
+                    self._remove(self.port)
+                self.port = None
             self.sweep()
+            if self._owner(GRO_MARK) is not None and not self._ports_served():
+                self._lib.bpf_map_delete_elem(self.owners_fd,
+                                              ctypes.byref(ctypes.c_uint32(GRO_MARK)))
+                gro_back_off = True
         self._close_fds()
+        return gro_back_off
 
     def _close_fds(self) -> None:
         if self._obj is not None:  # the object's own fds of the maps

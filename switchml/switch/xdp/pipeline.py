@@ -82,7 +82,8 @@ as ``results_fanned_out`` (``results_fanout_failed`` for a copy the kernel
 refused: that rank's probe recovers it).  Several ranks behind one port or
 host each get their copy.  On veths in driver mode whose UDP segmentation
 offload is on, results leave in runs (``merges_results``): ``serve`` turns
-GRO on there (``detach`` turns it off again) and the switch's socket takes
+GRO on there (the last switch on the device to ``detach`` turns it off
+again) and the switch's socket takes
 UDP_GRO, so the kernel merges the results the program passes, one sender's,
 into one skb (a result keeps its contribution's UDP checksum, which GRO
 needs, and a mark in its metadata, which keeps it apart from anything else),
@@ -458,7 +459,8 @@ class XdpPipeline(Pipeline):
         #: up, to be summed a datagram at a time: the workers send datagrams apart.
         self.takes_gso_runs = False
         #: Whether completed results leave in runs: on veths in driver mode, the
-        #: kernel's GRO (turned on there by ``serve``, off again by ``detach``)
+        #: kernel's GRO (turned on there by ``serve``, off again by the last
+        #: switch on the device to ``detach``)
         #: merges the results the program passes, a flow's, into one skb, which
         #: the fan-out program sends each rank whole (pipeline.bpf.c,
         #: ``results_in_runs``); the switch's socket then takes UDP_GRO, and what
@@ -594,25 +596,32 @@ class XdpPipeline(Pipeline):
         """Results in runs on these veths (``results_in_runs``), where each sends a
         run whole (its UDP segmentation offload on: else the kernel would cut
         each copy of a run into datagrams as it leaves, more work than copies
-        made a datagram at a time): GRO on each, as it was put back by
-        ``detach``; the switch's socket takes UDP_GRO (``merges_results``)."""
+        made a datagram at a time): GRO on each where it is off, marked in the
+        device's dispatcher as the switches' (the last switch there to ``detach``
+        turns it off again); the switch's socket takes UDP_GRO
+        (``merges_results``)."""
         names = [socket.if_indextoname(device) for device in devices]
         try:  # a device that will not say or change: results one by one, still driver mode
             state = {name: ethtool.features(name) for name in names}
             if not all(state[name].get(USO, False) for name in names):
                 return
-            for name in names:
+            dispatches = {d.ifindex: d for d in self._dispatches}
+            for device, name in zip(devices, names):
                 if not state[name].get(GRO, True):
                     ethtool.set_features(name, {GRO: True})
                     self._gro_turned_on.append(name)
+                    # the switches' now: the last of them on it turns it off (detach)
+                    dispatches[device].mark_gro_turned_on()
         except (OSError, ValueError):
             self._gro_back_off()
             return
         self.merges_results = True
 
     def _gro_back_off(self) -> None:
-        """GRO off again where ``_merge_results_on`` turned it on (a device gone
-        with its namespace: nothing to do)."""
+        """GRO off again on the devices of ``_gro_turned_on``: those
+        ``_merge_results_on`` turned it on for when it fails, those this switch
+        was the last on when it detaches (a device gone with its namespace:
+        nothing to do)."""
         turned_on, self._gro_turned_on = getattr(self, "_gro_turned_on", []), []
         for name in turned_on:
             with contextlib.suppress(OSError, ValueError):
@@ -645,8 +654,11 @@ class XdpPipeline(Pipeline):
         for fd in links + ([link] if link is not None else []):
             os.close(fd)
         dispatches, self._dispatches = getattr(self, "_dispatches", []), []
+        self._gro_turned_on = []
         for dispatch in dispatches:  # its port out; the last switch's close detaches it
-            dispatch.close()
+            if dispatch.close():  # the last switch on a device whose GRO switches turned on
+                with contextlib.suppress(OSError):  # (a device gone with its namespace)
+                    self._gro_turned_on.append(socket.if_indextoname(dispatch.ifindex))
         self.mode = None
         self.takes_gso_runs = False
         self._answers_by_stack = False
