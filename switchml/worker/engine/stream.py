@@ -273,11 +273,7 @@ class Stream:
         if self.done or self.error:
             return None
         timer = min(min(self._deadline), self.last_progress + self.s.progress_timeout)
-        room = self._probe_room()
-        for j in range(self.width):
-            if room > 0 or self._copy[j] == FAST:
-                timer = min(timer, self._probe_at(j))
-        return timer
+        return min(timer, self._first_probe_at(self._probe_room() > 0))
 
     def handle_timer(self, now: float) -> None:
         """Presume lost every message whose deadline passed and resend what the
@@ -502,6 +498,28 @@ class Stream:
                 COPY_PROBE_ROUND_TRIPS * srtt + 4 * self.s.rtt.rttvar + TAIL_PROBE_MARGIN)
         return max(self._sent_at[j], self.last_progress) + (
             TAIL_PROBE_ROUND_TRIPS * srtt + TAIL_PROBE_MARGIN)
+
+    def _first_probe_at(self, tail_room: bool) -> float:
+        """The least ``_probe_at(j)`` of the messages that may be probed now: the
+        copies of fast retransmissions, and the others where ``tail_room``.  In
+        one pass, for ``get_timer``, which the event loop asks at every event:
+        a constant added to the least time is the least of the sums, exactly."""
+        srtt = self.s.rtt.srtt
+        if srtt is None:
+            return float("inf")
+        copies = tails = float("inf")  # the least sent_at of each kind
+        for j in range(self.width):
+            if self._inflight[j] is None or self._lost[j]:
+                continue
+            copy = self._copy[j]
+            if copy == FAST:
+                copies = min(copies, self._sent_at[j])
+            elif copy != PROBE and tail_room:
+                tails = min(tails, self._sent_at[j])
+        return min(copies + (COPY_PROBE_ROUND_TRIPS * srtt + 4 * self.s.rtt.rttvar
+                             + TAIL_PROBE_MARGIN),
+                   max(tails, self.last_progress) + (TAIL_PROBE_ROUND_TRIPS * srtt
+                                                     + TAIL_PROBE_MARGIN))
 
     def _probe_room(self) -> int:
         """How many more tail probes may go out: a probe is one more datagram in
