@@ -503,7 +503,8 @@ class Stream:
         """The least ``_probe_at(j)`` of the messages that may be probed now: the
         copies of fast retransmissions, and the others where ``tail_room``.  In
         one pass, for ``get_timer``, which the event loop asks at every event:
-        a constant added to the least time is the least of the sums, exactly."""
+        a constant added to the least time is the least of the sums, exactly.
+        (stream.c's get_timer calls probe_at a slot: a call costs nothing there.)"""
         srtt = self.s.rtt.srtt
         if srtt is None:
             return float("inf")
