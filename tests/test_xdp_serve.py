@@ -369,6 +369,19 @@ def test_workers_send_datagrams_apart_where_gso_runs_would_reach_the_program_who
     assert "gso_passed_up" not in job and "dropped_bad_length" not in job, job
 
 
+def runs_through(switch: SwitchIn, job: str, world: int = 3, n: int = 300_000) -> list:
+    """A job of ``world`` ranks through ``switch``, its sums checked: whether each
+    rank sent runs (``Worker.gso``)."""
+    def rank(r):
+        with switchml.Worker(switch.address, r, world_size=world, job=job, timeout=30) as w:
+            return w.gso, w.allreduce(np.arange(n, dtype=np.int32) * (r + 1))
+
+    got = in_threads(rank, world, 60)
+    want = (np.arange(n) * world * (world + 1) // 2).tolist()
+    assert all(out.tolist() == want for _, out in got)
+    return [gso for gso, _ in got]
+
+
 @needs_xdp
 @pytest.mark.parametrize("mtu", [1500, 9000])
 def test_in_driver_mode_workers_send_runs_that_the_kernel_cuts_before_the_program(veth, mtu):
@@ -392,22 +405,15 @@ def test_in_driver_mode_workers_send_runs_that_the_kernel_cuts_before_the_progra
     try:
         assert not features(here)["tx-udp-segmentation"]  # the kernel cuts the runs here
         assert switch_end_feature(ns, dev, "rx-gro") == "on"
-        world, n = 3, 300_000
-
-        def rank(r):
-            with switchml.Worker(switch.address, r, world_size=world, job="runs",
-                                 timeout=30) as w:
-                return w.gso, w.allreduce(np.arange(n, dtype=np.int32) * (r + 1))
-
-        got = in_threads(rank, world, 60)
+        world = 3
+        gso = runs_through(switch, "runs", world)
         stats = switch.stats()
     finally:
         log = switch.close()
     assert "XDP program attached (driver mode" in log and "workers send runs" in log, log
     assert "in runs (GRO on)" in log, log
     assert stats["xdp_mode"] == "driver" and stats["xdp_results_in_runs"]
-    assert [gso for gso, _ in got] == [True] * world
-    assert all(out.tolist() == (6 * np.arange(n)).tolist() for _, out in got)
+    assert gso == [True] * world
     job = stats["ended_jobs"]["runs"]["counters"]
     assert "gso_passed_up" not in job and "dropped_bad_length" not in job, job
     assert job["results_fanned_out"] == world * job["results_completed"], job
@@ -415,17 +421,6 @@ def test_in_driver_mode_workers_send_runs_that_the_kernel_cuts_before_the_progra
     # detached: the kernel gives the peer its offload back, the switch GRO
     assert features(here)["tx-udp-segmentation"]
     assert switch_end_feature(ns, dev, "rx-gro") == "off"
-
-
-def runs_through(switch: SwitchIn, job: str, world: int = 3, n: int = 300_000) -> dict:
-    """A job of ``world`` ranks through ``switch``, its sums checked: its counters."""
-    def rank(r):
-        with switchml.Worker(switch.address, r, world_size=world, job=job, timeout=30) as w:
-            return w.allreduce(np.arange(n, dtype=np.int32) * (r + 1))
-
-    want = (np.arange(n) * world * (world + 1) // 2).tolist()
-    assert all(out.tolist() == want for out in in_threads(rank, world, 60))
-    return switch.stats()["ended_jobs"][job]["counters"]
 
 
 @needs_xdp
@@ -444,7 +439,8 @@ def test_gro_goes_back_off_with_the_last_switch_on_the_interface(veth):
         second = SwitchIn(ns, host, 7351, "--data-plane", "xdp")
         first.close()  # the one that turned it on
         assert switch_end_feature(ns, dev, "rx-gro") == "on"
-        assert runs_through(second, "after")["result_runs_fanned_out"] > 0
+        runs_through(second, "after")
+        assert second.stats()["ended_jobs"]["after"]["counters"]["result_runs_fanned_out"] > 0
         third = SwitchIn(ns, host, 7352, "--data-plane", "xdp")
         third.proc.kill()
         third.proc.wait()

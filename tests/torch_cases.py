@@ -201,18 +201,18 @@ def leave_together(world: int, rank: int, timeout: float = 60.0) -> None:
     serves the counts, lives in rank 0."""
     store = dist.distributed_c10d._get_default_store()
     deadline = time.monotonic() + timeout
-    store.add("cases/done", 1)
-    while store.add("cases/done", 0) < world:  # everyone is past their collectives
+    store.add("leave/done", 1)
+    while store.add("leave/done", 0) < world:  # everyone is past their collectives
         if time.monotonic() > deadline:
-            raise TimeoutError("the other ranks did not finish their cases")
+            raise TimeoutError("the other ranks did not finish their collectives")
         time.sleep(0.005)
     if rank == 0:  # the others' last word to the store came in before it goes
-        while store.add("cases/left", 0) < world - 1:
+        while store.add("leave/left", 0) < world - 1:
             if time.monotonic() > deadline:
                 raise TimeoutError("the other ranks did not leave")
             time.sleep(0.005)
     else:
-        store.add("cases/left", 1)
+        store.add("leave/left", 1)
 
 
 def main():

@@ -660,15 +660,24 @@ class Dispatcher:
         self._lib.bpf_map_delete_elem(self.progs_fd, ctypes.byref(key))  # first: not run
         self._lib.bpf_map_delete_elem(self.owners_fd, ctypes.byref(key))
 
+    def _ports(self):
+        """The ports switches registered (``switchml_owners``' keys but the GRO
+        mark's), as the map holds them while it is read."""
+        key, at = ctypes.c_uint32(), None
+        while self._lib.bpf_map_get_next_key(self.owners_fd, at, ctypes.byref(key)) == 0:
+            port = key.value
+            at = ctypes.byref(ctypes.c_uint32(port))
+            if port != GRO_MARK:
+                yield port
+
     def sweep(self) -> list[int]:
         """Take out the ports whose switch is gone (killed: the program only
         it held is freed); the ports taken out."""
-        gone, key, at = [], ctypes.c_uint32(), None
-        while self._lib.bpf_map_get_next_key(self.owners_fd, at, ctypes.byref(key)) == 0:
-            at = ctypes.byref(ctypes.c_uint32(key.value))
-            owner = self._owner(key.value)
-            if key.value != GRO_MARK and owner is not None and not _alive(owner):
-                gone.append((key.value, owner.alive_id))
+        gone = []
+        for port in self._ports():
+            owner = self._owner(port)
+            if owner is not None and not _alive(owner):
+                gone.append((port, owner.alive_id))
         taken = []
         for port, alive_id in gone:
             # looked up again: a switch that took the port meanwhile keeps it
@@ -712,14 +721,6 @@ class Dispatcher:
                                            ctypes.byref(_Owner()), BPF_ANY)
         _check(rc, f"marking GRO on {_ifname(self.ifindex)} as the XDP switches'")
 
-    def _ports_served(self) -> bool:
-        key, at = ctypes.c_uint32(), None
-        while self._lib.bpf_map_get_next_key(self.owners_fd, at, ctypes.byref(key)) == 0:
-            if key.value != GRO_MARK:
-                return True
-            at = ctypes.byref(ctypes.c_uint32(key.value))
-        return False
-
     def close(self) -> bool:
         """Take this switch's port out, if it is still its own (and those of
         switches gone), and let go of the dispatcher.  True where this switch
@@ -734,7 +735,7 @@ class Dispatcher:
                     self._remove(self.port)
                 self.port = None
             self.sweep()
-            if self._owner(GRO_MARK) is not None and not self._ports_served():
+            if self._owner(GRO_MARK) is not None and next(self._ports(), None) is None:
                 self._lib.bpf_map_delete_elem(self.owners_fd,
                                               ctypes.byref(ctypes.c_uint32(GRO_MARK)))
                 gro_back_off = True

@@ -486,18 +486,26 @@ class Stream:
         s.counters["fast_retransmissions"] += 1
 
     # ------------------------------------------------------------ tail loss probe
+    def _probe_delays(self) -> tuple[float, float] | None:
+        """How long after it a message is probed: (a fast retransmission's copy,
+        after its sending; any other, after its latest transmission or the
+        latest result, whichever came last); None before a round trip is known."""
+        srtt = self.s.rtt.srtt
+        if srtt is None:
+            return None
+        return (COPY_PROBE_ROUND_TRIPS * srtt + 4 * self.s.rtt.rttvar + TAIL_PROBE_MARGIN,
+                TAIL_PROBE_ROUND_TRIPS * srtt + TAIL_PROBE_MARGIN)
+
     def _probe_at(self, j: int) -> float:
         """When message j is probed: a probe time after its latest transmission or
         the latest result, whichever came last (inf: it is not probed)."""
-        srtt = self.s.rtt.srtt
+        delays = self._probe_delays()
         copy = self._copy[j]
-        if srtt is None or self._inflight[j] is None or self._lost[j] or copy == PROBE:
+        if delays is None or self._inflight[j] is None or self._lost[j] or copy == PROBE:
             return float("inf")
         if copy == FAST:
-            return self._sent_at[j] + (
-                COPY_PROBE_ROUND_TRIPS * srtt + 4 * self.s.rtt.rttvar + TAIL_PROBE_MARGIN)
-        return max(self._sent_at[j], self.last_progress) + (
-            TAIL_PROBE_ROUND_TRIPS * srtt + TAIL_PROBE_MARGIN)
+            return self._sent_at[j] + delays[0]
+        return max(self._sent_at[j], self.last_progress) + delays[1]
 
     def _first_probe_at(self, tail_room: bool) -> float:
         """The least ``_probe_at(j)`` of the messages that may be probed now: the
@@ -505,8 +513,8 @@ class Stream:
         one pass, for ``get_timer``, which the event loop asks at every event:
         a constant added to the least time is the least of the sums, exactly.
         (stream.c's get_timer calls probe_at a slot: a call costs nothing there.)"""
-        srtt = self.s.rtt.srtt
-        if srtt is None:
+        delays = self._probe_delays()
+        if delays is None:
             return float("inf")
         copies = tails = float("inf")  # the least sent_at of each kind
         for j in range(self.width):
@@ -517,10 +525,7 @@ class Stream:
                 copies = min(copies, self._sent_at[j])
             elif copy != PROBE and tail_room:
                 tails = min(tails, self._sent_at[j])
-        return min(copies + (COPY_PROBE_ROUND_TRIPS * srtt + 4 * self.s.rtt.rttvar
-                             + TAIL_PROBE_MARGIN),
-                   max(tails, self.last_progress) + (TAIL_PROBE_ROUND_TRIPS * srtt
-                                                     + TAIL_PROBE_MARGIN))
+        return min(copies + delays[0], max(tails, self.last_progress) + delays[1])
 
     def _probe_room(self) -> int:
         """How many more tail probes may go out: a probe is one more datagram in
