@@ -433,7 +433,9 @@ def test_an_empty_datagram_at_a_worker_is_dropped_and_counted():
     """An empty datagram is one datagram, not a run of none: the C loop counts it
     as malformed, as the Python engine does, and the call is not disturbed.  It
     arrives while rank 0's call waits for rank 1 (between calls the worker drops
-    what comes as stale)."""
+    what comes as stale).  Rank 0's probes may fire while it waits, and an answer
+    to one that comes after the result is stale: so at most one stale datagram a
+    retransmission, and none without one."""
     import threading
 
     import switchml
@@ -459,11 +461,13 @@ def test_an_empty_datagram_at_a_worker_is_dropped_and_counted():
                     total = w.allreduce(x)
                 after = w.counters
                 return total, {k: after.get(k, 0) - before.get(k, 0)
-                               for k in ("dropped_malformed", "dropped_stale")}
+                               for k in ("dropped_malformed", "dropped_stale",
+                                         "retransmissions")}
         (total, counted), (other, _) = run_ranks(2, body)
     assert compiled.enabled()
     assert total.tobytes() == other.tobytes() == (2 * x).tobytes()
-    assert counted == {"dropped_malformed": 1, "dropped_stale": 0}
+    assert counted["dropped_malformed"] == 1
+    assert counted["dropped_stale"] <= counted["retransmissions"]
 
 
 def test_results_that_arrive_as_one_gro_run_are_cut_into_their_datagrams():
