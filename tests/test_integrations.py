@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -24,8 +25,13 @@ WORLD = 2
 ATOL = 1e-5
 
 
-def run(tmp_path, command: list, name: str) -> list:
-    """Run ``command`` (its script gets --json); return every rank's report.
+#: How a run starts: given the arguments to add (--json PATH) and the environment,
+#: run the ranks to their end and return the outcome.
+Launch = Callable[[list, dict], subprocess.CompletedProcess]
+
+
+def run(tmp_path, launch: Launch, name: str) -> list:
+    """Start ``launch`` (its script gets --json); return every rank's report.
 
     A run gets a second try only where torch's exit race struck: a rank aborted
     ("terminate called without an active exception": gloo's threads against the
@@ -37,12 +43,7 @@ def run(tmp_path, command: list, name: str) -> list:
     for _attempt in range(2):
         for rank in range(WORLD):
             (tmp_path / f"{name}.rank{rank}").unlink(missing_ok=True)
-        if command[0] == FORKED:
-            proc = run_as_torchrun(command[1], [*command[2:], "--json", str(out)], WORLD, env,
-                                   timeout=240)
-        else:
-            proc = subprocess.run([*command, "--json", str(out)], env=env, cwd=ROOT,
-                                  capture_output=True, text=True, timeout=240)
+        proc = launch(["--json", str(out)], env)
         exit_race = ("terminate called without an active exception" in proc.stderr
                      and all((tmp_path / f"{name}.rank{r}").exists() for r in range(WORLD)))
         if proc.returncode == 0 or not exit_race:
@@ -56,19 +57,27 @@ def run(tmp_path, command: list, name: str) -> list:
     return reports
 
 
-def torchrun(script: str, *args) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={WORLD}", os.path.join(EXAMPLES, script), *args]
+def command(*argv) -> Launch:
+    """A command run as its user types it (it starts the ranks itself)."""
+    def launch(extra: list, env: dict) -> subprocess.CompletedProcess:
+        return subprocess.run([*map(str, argv), *extra], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=240)
+    return launch
 
 
-FORKED = "forked"
+def torchrun(script: str, *args) -> Launch:
+    return command(sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={WORLD}", os.path.join(EXAMPLES, script), *args)
 
 
-def forked(script: str, *args) -> list:
+def forked(script: str, *args) -> Launch:
     """The ranks torchrun would start, forked with its environment and no launcher
     (``rank_processes.run_as_torchrun``): gloo's runs, which only give the weights
     to compare with."""
-    return [FORKED, os.path.join(EXAMPLES, script), *args]
+    def launch(extra: list, env: dict) -> subprocess.CompletedProcess:
+        return run_as_torchrun(os.path.join(EXAMPLES, script), [*args, *extra], WORLD, env,
+                               timeout=240)
+    return launch
 
 
 def same_training(ours: list, theirs: list) -> None:
@@ -87,16 +96,16 @@ def same_training(ours: list, theirs: list) -> None:
 def lightning_gloo(tmp_path_factory):
     pytest.importorskip("lightning", reason="the integrations extra is not installed")
     tmp = tmp_path_factory.mktemp("lightning")
-    return run(tmp, [sys.executable, os.path.join(EXAMPLES, "lightning_train.py"),
-                     "--mode", "gloo", "--devices", str(WORLD)], "gloo")
+    return run(tmp, command(sys.executable, os.path.join(EXAMPLES, "lightning_train.py"),
+                            "--mode", "gloo", "--devices", WORLD), "gloo")
 
 
 @pytest.mark.parametrize("mode", ["backend", "hook"])
 def test_lightning_matches_gloo(mode, lightning_gloo, tmp_path):
     """``DDPStrategy(process_group_backend="switchml")`` and the comm hook (its state
     built before the process group), logging the loss with ``sync_dist=True``."""
-    ours = run(tmp_path, [sys.executable, os.path.join(EXAMPLES, "lightning_train.py"),
-                          "--mode", mode, "--devices", str(WORLD)], mode)
+    ours = run(tmp_path, command(sys.executable, os.path.join(EXAMPLES, "lightning_train.py"),
+                                 "--mode", mode, "--devices", WORLD), mode)
     same_training(ours, lightning_gloo)
 
 

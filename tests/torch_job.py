@@ -182,17 +182,19 @@ def allreduce_loop(seconds: float, until_return: bool):
     group = dist.distributed_c10d._get_default_group()
     deadline = time.monotonic() + seconds
     calls = wrong = 0
-    while time.monotonic() < deadline:
+    while True:
         t = torch.full((1000,), float(rank + 1))
         dist.all_reduce(t)
         wrong += int(not torch.all(t == size * (size + 1) / 2))
         calls += 1
-        # every rank decides alike: the flag is summed like any call
+        # every rank decides alike, the flags summed like any call: each rank's own
+        # clock alone would let one rank leave while another makes one call more
+        # (their loops start apart: the joins time out at different moments)
         stop = os.path.exists(os.path.join(os.environ["CONTROL_DIR"], "stop"))
-        done = torch.tensor([int(stop or until_return and group.counters["returns"] > 0)],
-                            dtype=torch.int32)
-        dist.all_reduce(done)
-        if done.item() == size:
+        flags = torch.tensor([int(stop or until_return and group.counters["returns"] > 0),
+                              int(time.monotonic() >= deadline)], dtype=torch.int32)
+        dist.all_reduce(flags)
+        if flags[0].item() == size or flags[1].item() > 0:
             break
         time.sleep(0.05)
     return {"calls": calls, "wrong": wrong, "counters": group.counters, "log": LOG,
