@@ -156,11 +156,16 @@ def _until_back(ddp_model, state) -> None:
     group = dist.distributed_c10d._get_default_group()
     source = state if state is not None else group
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        back = torch.tensor([int(source.counters.get("returns", 0) > 0)], dtype=torch.int64)
-        dist.all_reduce(back)  # int64: gloo's, the same decision on every rank
-        if back.item() == dist.get_world_size():
+    while True:
+        # int64: gloo's, the same decision on every rank (the deadline's too: each
+        # rank's own clock could end one rank's loop a call before another's)
+        flags = torch.tensor([int(source.counters.get("returns", 0) > 0),
+                              int(time.monotonic() >= deadline)], dtype=torch.int64)
+        dist.all_reduce(flags)
+        if flags[0].item() == dist.get_world_size():
             return
+        if flags[1].item() > 0:
+            raise TimeoutError("the ranks' calls did not come back to the switch in 20 s")
         ddp_model(torch.zeros(1, 20)).sum().backward()
         ddp_model.zero_grad()
         time.sleep(0.05)
