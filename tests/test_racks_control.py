@@ -195,6 +195,17 @@ def rack_switches(racks=2, **settings):
     return stack, spine, under
 
 
+def after_the_end(switch, *jobs, seconds: float = 10.0) -> dict:
+    """``switch``'s stats once every one of ``jobs`` ended there: a rank returns from
+    its leave before its rack, and the rack's uplink before the spine, have heard it."""
+    deadline = time.monotonic() + seconds
+    while True:
+        stats = switch.stats()
+        if all(job in stats["ended_jobs"] for job in jobs) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.01)
+
+
 @pytest.mark.parametrize("guarded", [False, True])
 def test_two_levels_over_sockets_give_the_flat_sums(guarded, monkeypatch):
     """(guarded: a job secret, and a spine with an admission token, both of which
@@ -217,12 +228,12 @@ def test_two_levels_over_sockets_give_the_flat_sums(guarded, monkeypatch):
         packet = results[0][0]
         for inputs, *outs in zip(calls, *(r[1] for r in results)):
             same_bits(outs, reference_sum(inputs, packet))
-        stats = spine.stats()
+        stats = after_the_end(spine, "two-level")
         spine_job = stats["ended_jobs"]["two-level"]
         assert spine_job["world_size"] == 2  # two racks, one member each
         assert stats["totals"].get("jobs_open", 0) == (0 if guarded else 1)
         for rack in racks:
-            job = rack.stats()["ended_jobs"]["two-level"]
+            job = after_the_end(rack, "two-level")["ended_jobs"]["two-level"]
             assert job["counters"]["partials_up"] == job["counters"]["results_from_spine"] > 0
 
 
@@ -331,10 +342,11 @@ def test_two_jobs_share_the_rack_switches_and_the_spine_over_sockets():
         for job, packet, outs in results:
             for out in outs:
                 same_bits([out], reference_sum(inputs[job], packet))
-        ended = spine.stats()["ended_jobs"]
+        ended = after_the_end(spine, "first", "second")["ended_jobs"]
         assert ended["first"]["world_size"] == ended["second"]["world_size"] == 2
         for rack in racks:
-            up = {job: rack.stats()["ended_jobs"][job]["counters"]["partials_up"]
+            up = {job: after_the_end(rack, "first", "second")["ended_jobs"][job]["counters"]
+                  ["partials_up"]
                   for job in ("first", "second")}
             assert all(count > 0 for count in up.values())
 
