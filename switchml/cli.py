@@ -6,14 +6,13 @@ import argparse
 import json
 import logging
 import signal
-import socket
 import sys
 
-from . import __version__, config, protocol
+from . import __version__, config
 from .errors import SwitchMLError
-from .netutil import LineReader
 from .switch.dataplane.pipeline import MAX_WORKERS
 from .wire import max_packet_elements
+from .worker.client import fetch_stats
 
 LIMITS = f"""limits (each refused with an error that names it):
   at most {MAX_WORKERS} workers per job (max_workers: the width of the switch's
@@ -77,21 +76,6 @@ def _switch(args) -> int:
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-def fetch_stats(address, timeout: float = 5.0) -> dict:
-    """Ask a running switch for its counters over its control port."""
-    with socket.create_connection(config.parse_address(address), timeout=timeout) as conn:
-        conn.sendall(protocol.StatsQuery().encode())
-        reader = LineReader()
-        while True:
-            data = conn.recv(65536)
-            if not data:
-                raise ConnectionError("switch closed the connection")
-            for msg in reader.feed(data):
-                event = protocol.decode_event(msg)  # a malformed one: ValueError
-                if isinstance(event, protocol.StatsReply):
-                    return event.stats
 
 
 def _table(header: list, rows: list) -> list:

@@ -196,6 +196,17 @@ DEFAULT_KEEPALIVE = 20.0
 #: Seconds a control connection has to join (or ask for stats) before the
 #: switch closes it (switch/lobby.py).
 DEFAULT_JOIN_DEADLINE = 5.0
+#: Seconds a switch has to answer a worker's join or status query.  A switch
+#: answers both at once (a join with who of the job is there so far), a rack
+#: switch once its spine did (the rack's connect to it bounded at 5 s): past
+#: them nothing that speaks switchml listens at the address, or the switch
+#: hangs (stopped, deadlocked), whatever the job's own ``timeout``.
+SWITCH_ANSWER_S = 10.0
+#: Seconds a call may go without a result before its worker asks the switch
+#: whether it is still there (a status query, ``SWITCH_ANSWER_S`` to answer):
+#: a hung switch fails the call within about their sum, not the ``timeout``
+#: meant for slow ranks (a switch that answers leaves the call waiting).
+SWITCH_SILENCE_S = 5.0
 #: Control connections that have not joined, in all and from one source address.
 DEFAULT_MAX_UNJOINED = 256
 DEFAULT_MAX_UNJOINED_PER_SOURCE = 64

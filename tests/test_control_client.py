@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 import switchml
+from switchml.config import SWITCH_ANSWER_S
 from switchml.netutil import LineReader, encode_line
 from switchml.protocol import PROTOCOL_VERSION, Joined, Left, Ready, StatusReply, Waiting
 from switchml.switch.control import Controller
@@ -102,6 +103,26 @@ def test_an_address_that_never_answers_the_join_is_the_switchs_fault(heard):
     [failed] = c.handle_timer(110.0)
     assert isinstance(failed.error, switchml.SwitchUnreachableError)
     assert "switch at sw:7300 did not answer the join within 10s" in str(failed.error)
+
+
+def test_a_switch_that_does_not_answer_fails_the_join_long_before_a_long_timeout():
+    """A switch answers a join at once (who is there so far): one that says nothing
+    for SWITCH_ANSWER_S is stopped or hung, however long the job would wait for its
+    ranks (a torch group's timeout is 30 minutes); one that answered waits that long."""
+    silent = joining(0, world=3, now=100.0, timeout=1800.0)
+    assert silent.get_timer() == 100.0 + SWITCH_ANSWER_S
+    assert silent.handle_timer(100.0 + SWITCH_ANSWER_S - 0.01) == []
+    [failed] = silent.handle_timer(100.0 + SWITCH_ANSWER_S)
+    assert isinstance(failed.error, switchml.SwitchUnreachableError)
+    assert f"did not answer the join within {SWITCH_ANSWER_S:g}s" in str(failed.error)
+    assert silent.unanswered
+    answered = joining(0, world=3, now=100.0, timeout=1800.0)
+    answered.receive_data(encode_line({"event": "joined", "job": "j", "present": [0]}), 101.0)
+    assert answered.get_timer() == 1900.0
+    assert answered.handle_timer(1899.0) == []
+    [late] = answered.handle_timer(1900.0)
+    assert isinstance(late.error, switchml.SwitchMLTimeoutError)
+    assert late.error.missing_ranks == [1, 2]
 
 
 def test_a_job_waiting_for_room_fails_after_wait_for_slots_naming_the_limit():

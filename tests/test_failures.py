@@ -1,8 +1,10 @@
 """Dead, missing and silent ranks, and a dead switch: errors that name them, never hangs."""
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -11,6 +13,7 @@ import pytest
 from conftest import job_whose_rank_1_vanishes, run_ranks
 
 import switchml
+from switchml.switch.process import SwitchProcess
 
 TIMEOUT = 2.0
 
@@ -115,6 +118,85 @@ def test_switch_stopping_mid_job_fails_the_workers():
         assert isinstance(error, switchml.SwitchUnreachableError)
         assert "switch" in str(error)
         assert elapsed < TIMEOUT + 1.0
+
+
+@pytest.fixture
+def quick_switch_checks(monkeypatch):
+    """The switch asked after 0.3 s without a result, 1 s to answer (not 5 and 10)."""
+    from switchml.worker import client
+    monkeypatch.setattr(client, "SWITCH_SILENCE_S", 0.3)
+    monkeypatch.setattr(client, "SWITCH_ANSWER_S", 1.0)
+
+
+def test_a_hung_switch_fails_the_call_as_the_switchs_long_before_the_timeout(
+        quick_switch_checks):
+    """A stopped switch (SIGSTOP: its connections stay open, the kernel still takes
+    datagrams) under a job with a long timeout: each rank's call asks it whether it
+    is there and, unanswered, raises SwitchUnreachableError naming it, not a
+    SwitchMLTimeoutError blaming ranks after 60 s."""
+    with SwitchProcess() as sw:
+        ready = threading.Barrier(2)
+
+        def body(rank):
+            with switchml.Worker(sw.address, rank, 2, timeout=60.0) as w:
+                w.allreduce(np.ones(10, np.float32))
+                ready.wait(10)
+                if rank == 0:
+                    os.kill(sw._proc.pid, signal.SIGSTOP)
+                ready.wait(10)
+                start = time.monotonic()
+                try:
+                    with pytest.raises(switchml.SwitchMLError) as info:
+                        w.allreduce(np.ones(100_000, np.float32))
+                finally:
+                    ready.wait(30)
+                    if rank == 0:
+                        os.kill(sw._proc.pid, signal.SIGCONT)
+                return info.value, time.monotonic() - start
+
+        for error, elapsed in run_ranks(2, body):
+            assert isinstance(error, switchml.SwitchUnreachableError), error
+            assert "%s:%d" % sw.address in str(error) and "status query" in str(error)
+            assert elapsed < 10.0  # 0.3 s + 1 s, on a busy machine; not the 60 s
+
+
+def test_a_rank_that_is_late_is_waited_for_while_the_switch_answers(switch,
+                                                                     quick_switch_checks):
+    """The same checks while a rank computes for 2 s before its call: the switch
+    answers each, and the call waits and sums as always."""
+    def body(rank):
+        with switchml.Worker(switch.address, rank, 2, timeout=60.0) as w:
+            if rank == 1:
+                time.sleep(2.0)
+            return w.allreduce(np.full(1000, rank + 1.0, np.float32))
+
+    for out in run_ranks(2, body):
+        assert (out == 3.0).all()
+
+
+def test_an_address_that_never_answers_fails_the_join_once_within_the_answer_bound(
+        monkeypatch):
+    """Something accepts at the switch's address and says nothing (or a hung switch):
+    the join fails as the switch's after SWITCH_ANSWER_S, not the job's 60 s
+    timeout, and is not sent again on a second connection (that retry is for a
+    connection closed unheard)."""
+    from switchml.worker import control
+    monkeypatch.setattr(control, "SWITCH_ANSWER_S", 0.5)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        start = time.monotonic()
+        with pytest.raises(switchml.SwitchUnreachableError, match="did not answer the join"):
+            switchml.Worker(listener.getsockname(), 0, 2, timeout=60.0)
+        assert time.monotonic() - start < 30
+        listener.settimeout(0.2)
+        accepted = []
+        with contextlib.suppress(TimeoutError):
+            while True:
+                accepted.append(listener.accept()[0])
+        for conn in accepted:
+            conn.close()
+        assert len(accepted) == 1
 
 
 def test_join_refused_for_inconsistent_world_size(switch):

@@ -1,5 +1,6 @@
 """A torch job whose switch dies: real ranks, a real `switchml switch`, SIGKILL."""
 
+import signal
 import socket
 import subprocess
 import sys
@@ -10,6 +11,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch extra is not installed")
 
 from test_torch import collect, start  # noqa: E402
+
+from switchml.config import SWITCH_ANSWER_S, SWITCH_SILENCE_S  # noqa: E402
 
 CLI = [sys.executable, "-m", "switchml.cli"]
 WORLD = 3
@@ -230,10 +233,43 @@ def test_a_job_the_full_switch_refuses_runs_on_gloo_and_moves_over_when_room_ope
         switch.stop()
 
 
+def test_a_hung_switch_sends_the_calls_to_gloo_and_they_return_when_it_runs_again(tmp_path):
+    """The switch stopped (SIGSTOP) mid-job, under the group's own timeout (30
+    minutes): its connections stay open and nothing answers, yet within
+    SWITCH_SILENCE_S + SWITCH_ANSWER_S the calls go on through gloo, and once it
+    runs again they come back to it; every sum right."""
+    switch = SwitchProcess()
+    try:
+        env = {"SWITCHML_SWITCH": switch.address, "SWITCHML_LOCAL_STAGE": "0",
+               "SWITCHML_RETRY_S": "0.3", "CONTROL_DIR": str(tmp_path)}
+        procs = start(2, "allreduce-loop", "switchml", 120, 1, env=env)
+        for point in ("joined", "on-gloo"):
+            deadline = time.monotonic() + 60
+            while not (tmp_path / point).exists():
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+                time.sleep(0.01)
+            if point == "joined":
+                time.sleep(0.5)
+                switch.proc.send_signal(signal.SIGSTOP)
+                stopped = time.monotonic()
+        on_gloo_after = time.monotonic() - stopped
+        switch.proc.send_signal(signal.SIGCONT)
+        for out in collect(procs, timeout=60):
+            counters = out["counters"]
+            assert out["wrong"] == 0 and counters["calls_on_gloo"] > 0, out
+            assert counters["fallbacks"] == 1 and counters["returns"] == 1, counters
+            assert out["results_after_return"] > 0, out
+            assert any("did not answer a status query" in line for line in out["log"]), out
+        assert on_gloo_after < SWITCH_SILENCE_S + SWITCH_ANSWER_S + 10  # not the 30 minutes
+    finally:
+        switch.proc.send_signal(signal.SIGCONT)
+        switch.stop()
+
+
 @pytest.mark.parametrize("there", ["nothing", "a-silent-listener"])
 def test_an_unreachable_switch_at_the_start_means_gloo(tmp_path, there):
-    """Nothing listens at SWITCHML_SWITCH, or something that never answers a join:
-    the group starts on gloo, sums right."""
+    """Nothing listens at SWITCHML_SWITCH, or something that never answers a join
+    (or a hung switch): the group starts on gloo within SWITCH_ANSWER_S, sums right."""
     from test_torch import free_port
     with socket.socket() as listener:
         if there == "nothing":
@@ -242,9 +278,12 @@ def test_an_unreachable_switch_at_the_start_means_gloo(tmp_path, there):
             listener.bind(("127.0.0.1", 0))
             listener.listen(8)
             port = listener.getsockname()[1]
+        began = time.monotonic()
+        # the group's own timeout (30 minutes): the join's answer is what is waited for
         results = collect(start(2, "allreduce-loop", "switchml", 0.3, 0,
                                 env={"SWITCHML_SWITCH": f"127.0.0.1:{port}",
-                                     "SWITCHML_TIMEOUT": "3", "CONTROL_DIR": str(tmp_path)}))
+                                     "CONTROL_DIR": str(tmp_path)}))
+        assert time.monotonic() - began < SWITCH_ANSWER_S + 30
     for out in results:
         assert out["wrong"] == 0 and out["counters"]["fallbacks"] == 1, out
         assert out["counters"]["calls_on_gloo"] == out["calls"] * 2, out  # and the flags

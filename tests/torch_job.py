@@ -180,7 +180,7 @@ def _switch_results(state) -> int:
 def allreduce_loop(seconds: float, until_return: bool):
     """all_reduce of 1000 values (rank + 1) every 50 ms for ``seconds`` (or until the
     group came back to the switch, or CONTROL_DIR/stop exists): wrong sums, counters
-    and the backend's log."""
+    and the backend's log.  CONTROL_DIR/on-gloo: the calls went to gloo."""
     import time
     _say("joined")
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -192,6 +192,8 @@ def allreduce_loop(seconds: float, until_return: bool):
         dist.all_reduce(t)
         wrong += int(not torch.all(t == size * (size + 1) / 2))
         calls += 1
+        if group.counters["fallbacks"] and not group.counters["returns"]:
+            _say("on-gloo")
         # every rank decides alike, the flags summed like any call: each rank's own
         # clock alone would let one rank leave while another makes one call more
         # (their loops start apart: the joins time out at different moments)

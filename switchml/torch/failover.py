@@ -49,7 +49,6 @@ switch's (a rank gone, ranks that disagree) is an error either way.
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -62,6 +61,7 @@ import torch
 from ..buffers import BufferPool
 from ..config import parse_flag, switch_addresses
 from ..errors import LimitExceededError, SwitchMLError, SwitchUnreachableError
+from ..worker.client import fetch_stats
 from .settle import (
     KEPT_SEGMENTS,
     PartsPlan,
@@ -79,7 +79,8 @@ log = logging.getLogger("switchml.torch")
 PARTS_GRACE_S = 10.0
 #: Seconds between two probes of a switch that went away (SWITCHML_RETRY_S).
 DEFAULT_RETRY_S = 5.0
-#: Seconds a probe waits for the switch's control port to accept.
+#: Seconds a probe waits for the switch's control port to accept, and then for
+#: each read of its answer.
 PROBE_TIMEOUT = 1.0
 
 
@@ -303,15 +304,17 @@ class SwitchPath:
                                  name=f"switchml-probe-{self.rank}").start()
 
     def _probe(self) -> None:
-        """Every ``retry_s``: whether every switch's control port accepts (while on gloo)."""
+        """Every ``retry_s``: whether every switch answers on its control port (while
+        on gloo).  An answer, not an accepted connection: the kernel accepts for a
+        stopped or hung switch too, and a join there would hold the calls up."""
         while not self._closed:
             time.sleep(self.retry_s)
             if self._direct or self._reachable.is_set():
                 continue
             try:
-                for host, port in self._probe_addresses:
-                    socket.create_connection((host, port), timeout=PROBE_TIMEOUT).close()
-            except OSError:
+                for address in self._probe_addresses:
+                    fetch_stats(address, timeout=PROBE_TIMEOUT)
+            except (OSError, ValueError):
                 continue
             self._reachable.set()
 

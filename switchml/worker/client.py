@@ -33,13 +33,17 @@ from ..config import (
     DEFAULT_SPARSE_AUTO_MIN_LANES_COMPILED,
     DEFAULT_SPARSE_AUTO_UNION,
     DEFAULT_TIMEOUT,
+    SWITCH_ANSWER_S,
+    SWITCH_SILENCE_S,
     auto_worker_threads,
     env,
     local_stage_on,
+    parse_address,
     switch_addresses,
 )
-from ..errors import SwitchMLError, SwitchMLTimeoutError, SwitchUnreachableError
+from ..errors import SwitchMLError, SwitchUnreachableError
 from ..netutil import (
+    LineReader,
     drain_error_queue,
     enable_keepalive,
     enlarge_buffers,
@@ -50,7 +54,15 @@ from ..netutil import (
     runs_leave_cut,
     send_when_room,
 )
-from ..protocol import MAX_NAME, MAX_WORKER_THREADS, Left, StatusReply
+from ..protocol import (
+    MAX_NAME,
+    MAX_WORKER_THREADS,
+    Left,
+    StatsQuery,
+    StatsReply,
+    StatusReply,
+    decode_event,
+)
 from .calls import AllreduceHandle, check_call, narrow_result, widen
 from .control import ControlClient, JobFailed
 from .engine import compiled, nonfinite
@@ -148,6 +160,22 @@ def worker_threads(addresses: list, senders: int = 1) -> int:
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     senders = max(senders, int(local) if local.isdigit() else 1)
     return auto_worker_threads(route_link_mbit(addresses[0]), senders)
+
+
+def fetch_stats(address, timeout: float = 5.0) -> dict:
+    """Ask a running switch for its counters over its control port (``timeout``:
+    for the connect and for each read of the answer)."""
+    with socket.create_connection(parse_address(address), timeout=timeout) as conn:
+        conn.sendall(StatsQuery().encode())
+        reader = LineReader()
+        while True:
+            data = conn.recv(65536)
+            if not data:
+                raise ConnectionError("switch closed the connection")
+            for msg in reader.feed(data):
+                event = decode_event(msg)  # a malformed one: ValueError
+                if isinstance(event, StatsReply):
+                    return event.stats
 
 
 class Worker:
@@ -257,6 +285,10 @@ class Worker:
         #: Seconds a switch that went away has to take the job again (``timeout``
         #: unless given: the torch backend, which has gloo to go to, waits less).
         self.rejoin_within = self.timeout if rejoin_within is None else float(rejoin_within)
+        #: When this call asked the switch whether it is there (None: not asked),
+        #: and when the switch last answered (``_check_switch``).
+        self._switch_asked_at: float | None = None
+        self._switch_answered_at = 0.0
         self._sparse_auto_union = env("SPARSE_AUTO_UNION", DEFAULT_SPARSE_AUTO_UNION, float)
         # The C sparse engine makes a round cost microseconds: 8-lane packets pay
         # there (MTU 9000); the Python engine's rounds need 32 (docs/protocol.md,
@@ -472,7 +504,8 @@ class Worker:
                     # Closed before a word: the lobby let the connection go before its
                     # join arrived (a flood from this address, on a busy host).  The
                     # join was never read, so it may go again on a new connection.
-                    if self._protocol.heard or attempt + 1 == JOIN_ATTEMPTS:
+                    if (self._protocol.heard or self._protocol.unanswered
+                            or attempt + 1 == JOIN_ATTEMPTS):
                         raise
                     log.info("job %s rank %d: %s; joining again", self.job, self.rank, exc)
         except BaseException:
@@ -609,6 +642,8 @@ class Worker:
                 events += self._read_control()
             elif drain_udp:
                 self._drain_stray()
+        if any(isinstance(event, StatusReply) for event in events):
+            self._switch_asked_at, self._switch_answered_at = None, time.monotonic()
         return events
 
     def _drain_stray(self) -> None:
@@ -770,8 +805,10 @@ class Worker:
                 counters["bytes_sent"] += send_waiting(udp, d, dst, op)
 
         flush()
+        self._switch_asked_at = None
         while not op.done:
             self._honour_abort()
+            self._check_switch(op, time.monotonic())
             received = 0
             for _ in range(DRAIN_BATCH):
                 try:
@@ -948,8 +985,10 @@ class Worker:
         without the GIL (recvmmsg, sendmmsg) and comes back when the control
         connection has news, when the call stalled, or every ``IO_SLICE`` seconds."""
         address = self._data_address
+        self._switch_asked_at = None
         while True:
             self._honour_abort()
+            self._check_switch(op, time.monotonic())
             control_fd = self._control.fileno() if self._control_open else -1
             status = op.run_io(self._udp, address, control_fd, IO_SLICE, self.gso)
             if status == compiled.IO_DONE:
@@ -958,6 +997,35 @@ class Worker:
                 self._fail_stalled(op)
             if status == compiled.IO_CONTROL:
                 self._wait(0.0, drain_udp=False)  # a failure announced there raises
+
+    def _check_switch(self, op, now: float) -> None:
+        """A call without a result for ``SWITCH_SILENCE_S``: ask the switch whether it
+        is there (a status query, answered at once by a running switch, whatever the
+        ranks do); no answer within ``SWITCH_ANSWER_S`` fails the job as the
+        switch's (``SwitchUnreachableError``): a stopped or hung switch keeps its
+        connections open, and the call's ``timeout`` is for slow ranks."""
+        if not self._control_open:
+            return
+        asked = self._switch_asked_at
+        if asked is None:
+            heard = max(op.last_progress, self._switch_answered_at)
+            if now - heard >= SWITCH_SILENCE_S:
+                self._switch_asked_at = now
+                try:
+                    self._protocol.query_status(op.pending())
+                    self._control.sendall(self._protocol.data_to_send())
+                except OSError:
+                    pass  # a connection that failed says so on its own
+            return
+        if now - asked < min(SWITCH_ANSWER_S, self.timeout):
+            return
+        host, port = self.switch_address
+        error = SwitchUnreachableError(
+            f"job '{self.job}' rank {self.rank}: the switch at {host}:{port} sent no "
+            f"result for {now - op.last_progress:.0f}s and did not answer a status query "
+            f"within {min(SWITCH_ANSWER_S, self.timeout):g}s (stopped or hung?)")
+        self._abort(error)  # should it come back, it frees the job's slots
+        raise error
 
     def _fail_stalled(self, op) -> None:
         """No progress for ``timeout``: find out who is missing, fail the job, raise."""
@@ -988,7 +1056,8 @@ class Worker:
             return exc
         except OSError as exc:
             return SwitchUnreachableError(f"switch did not answer a status query: {exc}")
-        return SwitchMLTimeoutError(
+        # no answer: the switch's failure (hung), not ranks' that it could have named
+        return SwitchUnreachableError(
             f"job '{self.job}': no progress for {self.timeout:g}s and the switch at "
-            f"{self.switch_address[0]}:{self.switch_address[1]} did not answer within "
-            f"{STATUS_TIMEOUT:g}s")
+            f"{self.switch_address[0]}:{self.switch_address[1]} did not answer a status "
+            f"query within {STATUS_TIMEOUT:g}s")

@@ -36,6 +36,7 @@ import logging
 from dataclasses import dataclass
 
 from .. import auth, protocol
+from ..config import SWITCH_ANSWER_S
 from ..errors import (
     AuthenticationError,
     CallMismatchError,
@@ -132,6 +133,13 @@ class ControlClient:
         self._waiting: Waiting | None = None  # while the complete job waits for room
         self._join_deadline: float | None = None
         self._deadline: float | None = None
+        #: Until when the switch may take to answer the join (or gather) at all:
+        #: a switch answers at once, so silence this long is no slow rank.
+        self._answer_within = min(timeout, SWITCH_ANSWER_S)
+        self._answer_by: float | None = None
+        #: Whether the join failed for want of any answer in that time (the
+        #: connection left open: no lobby closed it, so a retry would wait again).
+        self.unanswered = False
         #: Until when this rank, its job's only one so far, waits for another rank
         #: of its own after ``OtherSecretWaiting`` (None: it was not told so).
         self._other_secret_deadline: float | None = None
@@ -152,6 +160,7 @@ class ControlClient:
                                  link_share=link_share, key=self.key, rejoin=rejoin,
                                  threads=threads))
         self._join_deadline = self._deadline = now + self.timeout
+        self._answer_by = now + self._answer_within
 
     def gather(self, value: str, now: float) -> None:
         """Send this rank's ``value`` for the job's allgather (before a join: the
@@ -159,6 +168,7 @@ class ControlClient:
         self._send(protocol.Gather(self.job, self.rank, self.world_size, value,
                                    version=self.version, key=self.key))
         self._join_deadline = self._deadline = now + self.timeout
+        self._answer_by = now + self._answer_within
 
     @property
     def key(self) -> str | None:
@@ -246,10 +256,13 @@ class ControlClient:
 
     def get_timer(self) -> float | None:
         """When ``handle_timer`` must run: the join's deadline (or sooner, the end of
-        the wait for a rank with this one's secret), None once running."""
+        the wait for a rank with this one's secret, or for the switch's first
+        answer), None once running."""
         if self.state != JOINING:
             return None
-        deadlines = [d for d in (self._deadline, self._other_secret_deadline) if d is not None]
+        answer_by = self._answer_by if not self._understood else None
+        deadlines = [d for d in (self._deadline, self._other_secret_deadline, answer_by)
+                     if d is not None]
         return min(deadlines, default=None)
 
     def handle_timer(self, now: float) -> list:
@@ -263,12 +276,15 @@ class ControlClient:
                 f"waiting on the {self.where} with a different secret, and no rank with "
                 f"this one's secret joined: give every rank of the job the same secret "
                 f"(secret=, SWITCHML_JOB_SECRET), or none to all"))
-        if self._deadline is None or now < self._deadline:
-            return []
-        if not self._understood:  # not a slow rank of the job: nothing that answers joins
+        if not self._understood and self._answer_by is not None and now >= self._answer_by:
+            # not a slow rank of the job: nothing that answers joins, or a hung switch
+            self.unanswered = True
             return self._fail(SwitchUnreachableError(
                 f"job '{self.job}' rank {self.rank}: the {self.where} did not answer the "
-                f"join within {self.timeout:g}s (is a switchml switch listening there?)"))
+                f"join within {self._answer_within:g}s (is a switchml switch listening "
+                f"there, and running?)"))
+        if self._deadline is None or now < self._deadline:
+            return []
         waiting = self._waiting
         if waiting is not None:
             return self._fail(LimitExceededError(
