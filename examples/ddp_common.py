@@ -262,6 +262,10 @@ def evaluate(model, x, y) -> float:
 
 
 def finish(state) -> None:
+    """Leave together and end the group.  Drop the DDP model first: its reducer
+    holds the group, and a gloo group whose last holder is the reducer ends in
+    the reducer's teardown, which holds the GIL while it waits for gloo's
+    threads, one of which may need it to free a tensor (a hang at exit)."""
     if state is not None:
         state.close()
     dist.barrier()  # the TCPStore lives on rank 0: leave together

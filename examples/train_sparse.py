@@ -63,6 +63,7 @@ def main():
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
     ddp_common.train(model, ddp, state, opt, ddp_common.loader(train, args), test, args, durations,
                      torch.nn.functional.cross_entropy)
+    del ddp  # before the group ends: see ddp_common.finish
     ddp_common.finish(state)
 
 

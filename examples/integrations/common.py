@@ -45,7 +45,10 @@ def sharded_loader() -> torch.utils.data.DataLoader:
 
 def leave() -> None:
     """End the process group together: a rank that tears gloo down while its peer
-    is still in a collective can abort that peer."""
+    is still in a collective can abort that peer.  Drop a DDP model first: its
+    reducer holds the group, and a gloo group whose last holder is the reducer
+    ends in the reducer's teardown, which holds the GIL while it waits for
+    gloo's threads, one of which may need it to free a tensor (a hang at exit)."""
     dist.barrier()
     dist.destroy_process_group()
 

@@ -34,6 +34,7 @@ def main():
         print(f"ddp ({args.backend}): mean loss {mean.item():.4f}")
     report(args.json, dist.get_rank(), net.parameters(), loss=mean.item(),
            switch_results=switch_results())
+    del ddp  # before the group ends: see common.leave
     leave()
 
 
