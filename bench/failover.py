@@ -47,8 +47,8 @@ def _wait_file(path: str, seconds: float = 120.0) -> None:
         time.sleep(0.01)
 
 
-def rank_main(args) -> None:
-    """One rank: the phases, each step timed; prints one JSON line."""
+def phases(args) -> dict:
+    """One rank's phases, each step timed."""
     import torch
     import torch.distributed as dist
 
@@ -102,6 +102,16 @@ def rank_main(args) -> None:
         out["back_after_s"] = time.monotonic() - restarted
         out["back"] = steps(args.steps)
         out["counters"] = dict(group.counters)
+    return out
+
+
+def rank_main(args) -> None:
+    """One rank: the phases (``phases``), each step timed; prints one JSON line.
+    The group ends once ``phases`` returned and its DDP model went with it
+    (examples/ddp_common.py's ``finish`` says why)."""
+    import torch.distributed as dist
+
+    out = phases(args)
     dist.barrier()
     dist.destroy_process_group()
     print(json.dumps(out), flush=True)
