@@ -1014,8 +1014,8 @@ class Worker:
                 try:
                     self._protocol.query_status(op.pending())
                     self._control.sendall(self._protocol.data_to_send())
-                except OSError:
-                    pass  # a connection that failed says so on its own
+                except OSError:  # failed (said on its own), or full (a switch that
+                    pass  # reads nothing): the wait for the answer decides either way
             return
         if now - asked < min(SWITCH_ANSWER_S, self.timeout):
             return

@@ -133,8 +133,8 @@ class ControlClient:
         self._waiting: Waiting | None = None  # while the complete job waits for room
         self._join_deadline: float | None = None
         self._deadline: float | None = None
-        #: Until when the switch may take to answer the join (or gather) at all:
-        #: a switch answers at once, so silence this long is no slow rank.
+        #: How long the switch may take to answer the join (or gather) at all, and
+        #: until when: a switch answers at once, so silence this long is no slow rank.
         self._answer_within = min(timeout, SWITCH_ANSWER_S)
         self._answer_by: float | None = None
         #: Whether the join failed for want of any answer in that time (the
