@@ -202,6 +202,14 @@ DEFAULT_JOIN_DEADLINE = 5.0
 #: them nothing that speaks switchml listens at the address, or the switch
 #: hangs (stopped, deadlocked), whatever the job's own ``timeout``.
 SWITCH_ANSWER_S = 10.0
+
+
+def switch_answer_within(timeout: float) -> float:
+    """How long a switch has to answer a join or status query of a job whose
+    ``timeout`` is given: ``SWITCH_ANSWER_S``, or the timeout if shorter."""
+    return min(timeout, SWITCH_ANSWER_S)
+
+
 #: Seconds a call may go without a result before its worker asks the switch
 #: whether it is still there (a status query, ``SWITCH_ANSWER_S`` to answer):
 #: a hung switch fails the call within about their sum, not the ``timeout``

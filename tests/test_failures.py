@@ -123,10 +123,11 @@ def test_switch_stopping_mid_job_fails_the_workers():
 @pytest.fixture
 def quick_switch_checks(monkeypatch):
     """The switch asked after 0.3 s without a result, 1 s to answer (not 5 and 10)."""
+    from switchml import config
     from switchml.worker import client
     monkeypatch.setattr(client, "SWITCH_SILENCE_S", 0.3)
-    monkeypatch.setattr(client, "SWITCH_ANSWER_S", 1.0)
-    return client
+    monkeypatch.setattr(config, "SWITCH_ANSWER_S", 1.0)
+    return config
 
 
 def test_a_hung_switch_fails_the_call_as_the_switchs_long_before_the_timeout(
@@ -184,8 +185,8 @@ def test_an_address_that_never_answers_fails_the_join_once_within_the_answer_bou
     the join fails as the switch's after SWITCH_ANSWER_S, not the job's 60 s
     timeout, and is not sent again on a second connection (that retry is for a
     connection closed unheard)."""
-    from switchml.worker import control
-    monkeypatch.setattr(control, "SWITCH_ANSWER_S", 0.5)
+    from switchml import config
+    monkeypatch.setattr(config, "SWITCH_ANSWER_S", 0.5)
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(8)

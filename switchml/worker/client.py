@@ -33,13 +33,13 @@ from ..config import (
     DEFAULT_SPARSE_AUTO_MIN_LANES_COMPILED,
     DEFAULT_SPARSE_AUTO_UNION,
     DEFAULT_TIMEOUT,
-    SWITCH_ANSWER_S,
     SWITCH_SILENCE_S,
     auto_worker_threads,
     env,
     local_stage_on,
     parse_address,
     switch_addresses,
+    switch_answer_within,
 )
 from ..errors import SwitchMLError, SwitchUnreachableError
 from ..netutil import (
@@ -1017,13 +1017,14 @@ class Worker:
                 except OSError:  # failed (said on its own), or full (a switch that
                     pass  # reads nothing): the wait for the answer decides either way
             return
-        if now - asked < min(SWITCH_ANSWER_S, self.timeout):
+        within = switch_answer_within(self.timeout)
+        if now - asked < within:
             return
         host, port = self.switch_address
         error = SwitchUnreachableError(
             f"job '{self.job}' rank {self.rank}: the switch at {host}:{port} sent no "
             f"result for {now - op.last_progress:.0f}s and did not answer a status query "
-            f"within {min(SWITCH_ANSWER_S, self.timeout):g}s (stopped or hung?)")
+            f"within {within:g}s (stopped or hung?)")
         self._abort(error)  # should it come back, it frees the job's slots
         raise error
 

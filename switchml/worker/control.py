@@ -36,7 +36,7 @@ import logging
 from dataclasses import dataclass
 
 from .. import auth, protocol
-from ..config import SWITCH_ANSWER_S
+from ..config import switch_answer_within
 from ..errors import (
     AuthenticationError,
     CallMismatchError,
@@ -135,7 +135,7 @@ class ControlClient:
         self._deadline: float | None = None
         #: How long the switch may take to answer the join (or gather) at all, and
         #: until when: a switch answers at once, so silence this long is no slow rank.
-        self._answer_within = min(timeout, SWITCH_ANSWER_S)
+        self._answer_within = switch_answer_within(timeout)
         self._answer_by: float | None = None
         #: Whether the join failed for want of any answer in that time (the
         #: connection left open: no lobby closed it, so a retry would wait again).
