@@ -134,6 +134,7 @@ then the SWITCHML_* variable, then the default.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
@@ -204,9 +205,10 @@ DEFAULT_JOIN_DEADLINE = 5.0
 SWITCH_ANSWER_S = 10.0
 
 
-def switch_answer_within(timeout: float) -> float:
-    """How long a switch has to answer a join or status query of a job whose
-    ``timeout`` is given: ``SWITCH_ANSWER_S``, or the timeout if shorter."""
+def switch_answer_within(timeout: float = math.inf) -> float:
+    """How long a switch has to answer: ``SWITCH_ANSWER_S``, or a join's
+    ``timeout`` if shorter (the job would have given up by then anyway).  A status
+    query gets the whole bound: it is asked once a call has waited."""
     return min(timeout, SWITCH_ANSWER_S)
 
 

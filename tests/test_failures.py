@@ -179,6 +179,37 @@ def test_a_rank_that_is_late_is_waited_for_while_the_switch_answers(quick_switch
             assert (out == 3.0).all()
 
 
+def test_a_switch_slow_to_answer_the_diagnosis_still_names_the_missing_rank():
+    """Rank 1 never calls; rank 0's call stalls for its 1 s timeout and asks the
+    switch who is missing while the switch is stopped, answering 3 s later: as
+    slow as that, the switch is alive (it has SWITCH_ANSWER_S, as for the checks
+    during a call), so the error names rank 1, not the switch."""
+    with SwitchProcess() as sw:
+        joined, ended = threading.Barrier(2), threading.Event()
+
+        def body(rank):
+            with switchml.Worker(sw.address, rank, 2, timeout=1.0) as w:
+                joined.wait(10)
+                if rank == 1:
+                    ended.wait(30)
+                    return None
+                try:
+                    stopper = threading.Timer(0.7, os.kill, (sw._proc.pid, signal.SIGSTOP))
+                    resumer = threading.Timer(3.7, os.kill, (sw._proc.pid, signal.SIGCONT))
+                    stopper.start(), resumer.start()
+                    with pytest.raises(switchml.SwitchMLError) as info:
+                        w.allreduce(np.ones(1000, np.float32))
+                    return info.value
+                finally:
+                    stopper.join(), resumer.join()
+                    os.kill(sw._proc.pid, signal.SIGCONT)
+                    ended.set()
+
+        error, _ = run_ranks(2, body)
+        assert isinstance(error, switchml.SwitchMLTimeoutError), error
+        assert error.missing_ranks == [1], error
+
+
 def test_an_address_that_never_answers_fails_the_join_once_within_the_answer_bound(
         monkeypatch):
     """Something accepts at the switch's address and says nothing (or a hung switch):

@@ -82,8 +82,8 @@ log = logging.getLogger("switchml.worker")
 DRAIN_BATCH = 64
 #: Seconds the C engine runs a call without the GIL before Python looks again.
 IO_SLICE = 0.02
-#: Seconds to wait for the switch's answer to a status query while diagnosing.
-STATUS_TIMEOUT = 2.0
+#: Seconds a leaving rank waits for the switch to take note of its leave.
+LEAVE_WAIT_S = 2.0
 #: Seconds between tries to reach a switch that went away, at first and at most
 #: (doubling): a restart is back within a second or so, and a switch that is not
 #: is tried about once a second until the worker's timeout.
@@ -614,7 +614,7 @@ class Worker:
 
     def _leave(self) -> None:
         """Tell the switch we are done and wait (briefly) until it has taken note."""
-        deadline = time.monotonic() + STATUS_TIMEOUT
+        deadline = time.monotonic() + LEAVE_WAIT_S
         try:
             self._protocol.leave()
             self._control.sendall(self._protocol.data_to_send())
@@ -1017,7 +1017,7 @@ class Worker:
                 except OSError:  # failed (said on its own), or full (a switch that
                     pass  # reads nothing): the wait for the answer decides either way
             return
-        within = switch_answer_within(self.timeout)
+        within = switch_answer_within()
         if now - asked < within:
             return
         host, port = self.switch_address
@@ -1044,11 +1044,15 @@ class Worker:
             log.debug("aborting the job: %s", exc)
 
     def _diagnose(self, op) -> SwitchMLError:
-        """Ask the switch which ranks are missing from the stalled slots."""
+        """Ask the switch which ranks are missing from the stalled slots; it has as
+        long to answer as ``_check_switch`` gives it (counted from a query of that
+        check still unanswered), so one bound tells a slow switch from a hung one."""
+        within = switch_answer_within()
+        asked = self._switch_asked_at
         try:
             self._protocol.query_status(op.pending())
             self._control.sendall(self._protocol.data_to_send())
-            deadline = time.monotonic() + STATUS_TIMEOUT
+            deadline = (time.monotonic() if asked is None else asked) + within
             while time.monotonic() < deadline:
                 for event in self._wait(deadline - time.monotonic()):
                     if isinstance(event, StatusReply):
@@ -1061,4 +1065,4 @@ class Worker:
         return SwitchUnreachableError(
             f"job '{self.job}': no progress for {self.timeout:g}s and the switch at "
             f"{self.switch_address[0]}:{self.switch_address[1]} did not answer a status "
-            f"query within {STATUS_TIMEOUT:g}s")
+            f"query within {within:g}s")
