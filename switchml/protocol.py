@@ -46,6 +46,9 @@ MAX_STATUS_ROWS = 4096
 MAX_WORKER_THREADS = 64
 #: Most data threads a switch says it answers with (``Ready.data_threads``).
 MAX_DATA_THREADS = 64
+#: ``Error.reason`` of a request that needed a switch which could not be reached
+#: (a rack switch's spine): the worker's ``SwitchUnreachableError``.
+UNREACHABLE = "unreachable"
 #: Most ranks a gather takes (ranks, not hosts: the switch's 32 members of a job
 #: are hosts once the ranks of a host combine).
 MAX_GATHER_RANKS = 4096
@@ -506,7 +509,8 @@ class Error(Event):
     message: str
     limit: str | None = None
     version: int | None = None
-    #: "authentication" or "admission": the request's proof failed.
+    #: "authentication" or "admission": the request's proof failed; UNREACHABLE: a
+    #: switch the request needs (a rack switch's spine) could not be reached.
     reason: str | None = None
 
     def fields(self) -> dict:

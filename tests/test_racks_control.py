@@ -147,6 +147,74 @@ def test_the_spine_lost_fails_the_rack_job_naming_the_spine():
         failed = relay.told[("j", rank)][-1]
         assert failed["event"] == "failed"
         assert "the spine switch at 10.0.0.1:7300 closed the connection" in failed["reason"]
+        assert failed["switch_lost"] is True  # the switch's failure: a torch job goes on
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def silent_spine_rack(clock):
+    """A rack switch whose requests to the spine go nowhere (a hung spine)."""
+    return RackController(RackPipeline(16, K), data_port=7400, spine=("10.0.0.1", 7300),
+                          uplink_address=lambda job: ("10.0.1.0", 9000), clock=clock)
+
+
+def test_a_spine_that_does_not_answer_a_relayed_join_fails_it_as_unreachable():
+    """The spine answers a join at once: silent for SPINE_ANSWER_S, it is hung, and
+    the rank hears so (as the switch's failure, naming the spine) before it would
+    give up on its rack switch."""
+    from switchml.config import SWITCH_ANSWER_S
+    from switchml.switch.racks.control import SPINE_ANSWER_S
+    assert SPINE_ANSWER_S < SWITCH_ANSWER_S
+    clock = Clock()
+    rack = silent_spine_rack(clock)
+    [up] = rack.handle_message(("j", 0), join(0, 2))
+    assert isinstance(up, ToSpine) and rack.next_deadline() == 100.0 + SPINE_ANSWER_S
+    assert rack.expire(100.0 + SPINE_ANSWER_S - 0.01) == []
+    [(conn, error), close] = rack.expire(100.0 + SPINE_ANSWER_S)
+    assert conn == ("j", 0) and close == CloseUplink("j")
+    assert error["reason"] == "unreachable"
+    assert "the spine switch at 10.0.0.1:7300 did not answer within" in error["message"]
+    assert rack.jobs == {} and rack.next_deadline() is None
+    client = ControlClient("j", 0, 2, timeout=60.0)
+    [failed] = client.receive_data(encode_line(error), 101.0)
+    assert isinstance(failed.error, switchml.SwitchUnreachableError), failed.error
+
+
+def test_a_spine_that_answers_owes_nothing_and_a_silent_one_fails_the_running_job():
+    """A running job's status query relayed to a spine that says nothing: the job
+    fails on the rack as the switch's (switch_lost), naming the spine.  The same
+    query answered, nothing is left to expire."""
+    relay = joined_cluster((0, 0, 1, 1))
+    rack = relay.racks[0]
+    clock = Clock()
+    rack._clock = clock
+    assert rack.next_deadline() is None  # every join was answered
+    lanes = np.zeros(1, wire.LANE)
+    ready = relay.told[("j", 0)][-1]
+    slot = ready["slot_base"]
+    for g in (0, 1):  # the message is complete at the rack: a query goes up
+        rack.pipeline.receive_datagram(wire.encode(
+            wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, slot, relay.told[("j", g)][-1]["token"],
+            0, 0, 1, lanes, np.ones(K, np.int32)), (f"10.0.2.{g}", 5000 + g))
+    query = {"op": "status", "slots": [[slot, 0]]}
+    relay.worker(0, ("j", 0), query)  # routed: the spine answers at once
+    assert relay.told[("j", 0)][-1]["event"] == "status"
+    assert rack.next_deadline() is None and rack.expire(1e9) == []
+    [up] = rack.handle_message(("j", 0), query)  # this one is not routed: silence
+    assert isinstance(up, ToSpine)
+    assert rack.expire(100.0 + 6.9) == []
+    out = rack.expire(100.0 + 7.0)
+    failed = [event for conn, event in (i for i in out if isinstance(i, tuple))]
+    assert len(failed) == 2 and all(f["switch_lost"] for f in failed)
+    assert all("the spine switch at 10.0.0.1:7300 did not answer" in f["reason"]
+               for f in failed)
+    assert CloseUplink("j") in out and "j" not in rack.jobs
 
 
 def test_every_worker_leaving_ends_the_job_at_the_racks_and_the_spine():
@@ -268,7 +336,8 @@ def test_a_spine_that_does_not_answer_stalls_nothing_else_on_the_rack(monkeypatc
             answered = time.monotonic() - asked
             ranks.join(30)
         for error, at in errors:
-            assert error is not None and "could not be reached" in str(error), error
+            assert isinstance(error, switchml.SwitchUnreachableError), error
+            assert "could not be reached" in str(error), error
             assert at - start < 2.0 + 1.5
         assert answered < 1.0, answered  # blocked, it waited for the connect (2 s)
 
@@ -378,48 +447,77 @@ def test_a_status_query_at_a_rack_asks_the_spine_which_ranks_it_has():
     assert sorted(error.missing_ranks) == [2, 3]
 
 
+def calls_while_a_switch_hangs(racks, hung_switch, ranks_waited, job, timeout) -> list:
+    """Two ranks a rack, each rack's switch in ``racks``: one call, then
+    ``hung_switch`` stops serving with its connections open (its lock held: a hung
+    process) and every rank calls again; (error or None, seconds) per rank.  The
+    switch hangs until ``ranks_waited`` have their outcome (not a fixed time)."""
+    world = 2 * len(racks)
+    first_done, hung = threading.Barrier(world + 1), threading.Event()
+    ended = threading.Barrier(len(ranks_waited) + 1)
+
+    def body(rank):
+        with switchml.Worker(racks[rank // 2].address, rank, world, job=job,
+                             timeout=timeout) as w:
+            w.allreduce(np.ones(3000, np.float32))
+            first_done.wait(20)
+            hung.wait(20)
+            started = time.monotonic()
+            try:
+                w.allreduce(np.ones(3000, np.float32))
+            except switchml.SwitchMLError as exc:
+                return exc, time.monotonic() - started
+            finally:
+                if rank in ranks_waited:
+                    ended.wait(30)
+            return None, 0.0
+
+    def hang():
+        first_done.wait(20)
+        with hung_switch._lock:  # its serving thread waits here: it hangs
+            hung.set()
+            ended.wait(30)
+
+    hanger = threading.Thread(target=hang)
+    hanger.start()
+    results = run_ranks(world, body, timeout=60)
+    hanger.join()
+    return results
+
+
 def test_a_hung_rack_switch_is_named_by_the_other_racks_ranks_within_the_timeout():
-    """A rack switch that stops serving but keeps its connections open (its lock
-    held: a hung process): the ranks of the other rack see no progress for their
+    """A hung rack switch: the ranks of the other racks see no progress for their
     timeout, ask their rack, which asks the spine, and name the hung rack's ranks."""
     stack, spine, racks = rack_switches(racks=3)
     with stack:
-        first_done = threading.Barrier(7)
-        hung = threading.Event()
-        others_ended = threading.Barrier(5)  # ranks 0, 1, 4, 5 and the hang
-
-        def body(rank):
-            with switchml.Worker(racks[rank // 2].address, rank, 6, job="hangs",
-                                 timeout=2) as w:
-                w.allreduce(np.ones(3000, np.float32))
-                first_done.wait(20)
-                hung.wait(20)
-                started = time.monotonic()
-                try:
-                    w.allreduce(np.ones(3000, np.float32))
-                except switchml.SwitchMLError as exc:
-                    return exc, time.monotonic() - started
-                finally:
-                    if rank // 2 != 1:
-                        others_ended.wait(20)
-                return None, 0.0
-
-        def hang():
-            first_done.wait(20)
-            with racks[1]._lock:  # its serving thread waits here: it hangs
-                hung.set()
-                # until the other racks' ranks have their outcome (not a fixed 6 s)
-                others_ended.wait(20)
-
-        hanger = threading.Thread(target=hang)
-        hanger.start()
-        results = run_ranks(6, body, timeout=40)
-        hanger.join()
+        results = calls_while_a_switch_hangs(racks, racks[1], (0, 1, 4, 5), "hangs", 2)
         for rank in (0, 1, 4, 5):  # not all the others: the spine heard from rack 2
             error, took = results[rank]
             assert isinstance(error, switchml.SwitchMLTimeoutError), error
             assert sorted(error.missing_ranks) == [2, 3], error
             assert took < 2 + 3, took
+
+
+def test_a_hung_spine_is_named_by_every_rank_as_the_switchs_failure(monkeypatch):
+    """A hung spine: each rank's call, without a result, asks its rack switch,
+    which asks the spine; the spine silent for SPINE_ANSWER_S, every rank raises
+    SwitchUnreachableError naming the spine, not its own rack switch, long before
+    its timeout.  (The checks shortened: asked after 0.3 s, the spine 1 s to
+    answer, the rack 3.)"""
+    from switchml import config
+    from switchml.switch.racks import control as rack_control
+    from switchml.worker import client
+    monkeypatch.setattr(client, "SWITCH_SILENCE_S", 0.3)
+    monkeypatch.setattr(config, "SWITCH_ANSWER_S", 3.0)
+    monkeypatch.setattr(rack_control, "SPINE_ANSWER_S", 1.0)
+    stack, spine, racks = rack_switches()
+    with stack:
+        where = "%s:%d" % spine.address
+        for error, took in calls_while_a_switch_hangs(racks, spine, (0, 1, 2, 3),
+                                                       "spine-hangs", 60):
+            assert isinstance(error, switchml.SwitchUnreachableError), error
+            assert f"the spine switch at {where} did not answer" in str(error), error
+            assert took < 10, took  # 0.3 s + 1 s on a busy machine; not the 60 s
 
 
 def test_a_worker_joined_to_the_spine_directly_is_a_member_beside_the_racks():

@@ -51,6 +51,7 @@ from ..errors import (
 from ..netutil import LineReader
 from ..protocol import (
     PROTOCOL_VERSION,
+    UNREACHABLE,
     Challenge,
     Error,
     Failed,
@@ -334,12 +335,14 @@ class ControlClient:
                 return self._fail(self._refusal(event))
         return [event]
 
-    def _refusal(self, error: Error) -> JoinRefusedError:
+    def _refusal(self, error: Error) -> SwitchMLError:
         if error.version is not None and error.version != self.version:
             return ProtocolVersionError(
                 f"the {self.where} speaks control protocol version {error.version} and this "
                 f"worker version {self.version}: run the same switchml release on both "
                 f"({error.message})", switch_version=error.version, worker_version=self.version)
+        if error.reason == UNREACHABLE:
+            return SwitchUnreachableError(error.message)
         if error.reason is not None:
             return AuthenticationError(error.message, error.reason)
         if error.limit:

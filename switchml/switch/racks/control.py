@@ -26,19 +26,26 @@ Failures: the spine's ``failed`` fails the local job and is relayed to the
 workers; a worker that disconnects or aborts fails the local job and is relayed
 up as ``abort`` (the spine fails the job on every rack, naming it); the
 spine's connection lost fails the local job naming the spine; ranks of the rack
-that disagree on a call fail it the same way.
+that disagree on a call fail it the same way.  A spine answers a relayed join,
+proof and status query at once: one that says nothing on the job's connection
+for ``SPINE_ANSWER_S`` after being asked is hung or stopped, and the job fails
+naming it (``expire``), before its workers would blame this rack switch
+(``config.SWITCH_ANSWER_S``).  Failures of the spine reach the workers as the
+switch's (``switch_lost``; at join an ``Error`` with reason "unreachable"):
+``SwitchUnreachableError``, which sends a torch job to gloo.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ... import protocol
-from ...protocol import Error, Failed, Joined, Ready, StatsReply, StatusReply
+from ...protocol import UNREACHABLE, Error, Failed, Joined, Ready, StatsReply, StatusReply
 from ..control import describe_mismatch, new_tokens
 from ..dataplane.pipeline import MAX_WORKERS, SlotPoolExhausted
 from .pipeline import RackPipeline, Uplink
@@ -46,6 +53,12 @@ from .pipeline import RackPipeline, Uplink
 log = logging.getLogger("switchml.switch")
 
 __all__ = ["RackController", "ToSpine", "CloseUplink"]
+
+#: Seconds the spine has to say something on a job's connection once asked (a
+#: join, a proof, a status query), counted from the rack's request: under the
+#: workers' ``SWITCH_ANSWER_S`` (10), so that they hear the spine named, and
+#: above the connect's own bound (``uplinks.CONNECT_TIMEOUT``, 5).
+SPINE_ANSWER_S = 7.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +94,8 @@ class RackJob:
     # Workers' status queries waiting for the spine's answer, in the order asked:
     # (connection, rows so far, [(row index, spine's (slot, number))]).
     statuses: deque = field(default_factory=deque)
+    #: When the rack asked the spine what it has not answered since (None: nothing).
+    asked: float | None = None
 
     @property
     def ranks(self) -> list:
@@ -96,13 +111,15 @@ class RackController:
     """
 
     def __init__(self, pipeline: RackPipeline, *, data_port: int, spine: tuple[str, int],
-                 uplink_address: Callable[[str], tuple], route_mtu=None, stats=None):
+                 uplink_address: Callable[[str], tuple], route_mtu=None, stats=None,
+                 clock: Callable[[], float] = time.monotonic):
         self.pipeline = pipeline
         self.data_port = data_port
         self.spine = spine
         self.uplink_address = uplink_address
         self.route_mtu = route_mtu
         self._stats = stats or pipeline.stats
+        self._clock = clock
         self.jobs: dict[str, RackJob] = {}  # relay name -> job
         self._conn_job: dict = {}  # worker connection -> (relay name, rank)
         # A gather at join (who shares a host) spans racks: each rank's is relayed
@@ -189,7 +206,7 @@ class RackController:
         self._conn_job[conn] = (relay, rank)
         log.info("job %s: rank %d/%d joined the rack from %s:%d; relayed to the spine",
                  name, rank, world, *join.data_addr)
-        return [ToSpine(relay, relayed)]
+        return self._ask_spine(job, relayed)
 
     def _prove(self, conn, prove: protocol.Prove) -> list:
         """A rank's proof for the spine's challenge: up on its join's or gather's
@@ -198,7 +215,8 @@ class RackController:
         relay = self._conn_gather.get(conn) or (entry[0] if entry else None)
         if relay is None:
             return self._to(conn, Error("no challenge is open on this connection"))
-        return [ToSpine(relay, prove)]
+        job = self.jobs.get(relay)
+        return self._ask_spine(job, prove) if job is not None else [ToSpine(relay, prove)]
 
     def _leave(self, conn) -> list:
         entry = self._conn_job.get(conn)
@@ -303,13 +321,14 @@ class RackController:
         if not ask:
             return self._to(conn, StatusReply(tuple(map(tuple, rows))))
         job.statuses.append((conn, rows, ask))
-        return [ToSpine(job.relay, protocol.StatusQuery(tuple(spine for _, spine in ask)))]
+        return self._ask_spine(job, protocol.StatusQuery(tuple(spine for _, spine in ask)))
 
     def _spine_status(self, job: RackJob, reply: StatusReply) -> list:
         """The spine's answer to the oldest status query relayed: its ranks added."""
         if not job.statuses:
             return []
         conn, rows, ask = job.statuses.popleft()
+        job.asked = self._clock() if job.statuses else None
         spine = {(slot, number): bitmap for slot, number, holds, bitmap in reply.slots
                  if holds}
         for index, key in ask:
@@ -347,6 +366,8 @@ class RackController:
         except protocol.MalformedMessage as exc:
             return self._fail(job, Failed((), f"job '{job.name}': the spine switch at "
                                               f"{self._spine_name()} sent {exc}"))
+        # the spine answers: what is still asked of it waits from now
+        job.asked = self._clock() if job.statuses else None
         if isinstance(event, protocol.RackReady):
             return self._start(job, event)
         if isinstance(event, protocol.Challenge):  # for the rank it names alone
@@ -366,10 +387,12 @@ class RackController:
         return []  # left, stats: nothing for the workers
 
     def handle_uplink_closed(self, name: str, why: str = "closed the connection") -> list:
-        """Job ``name``'s connection to the spine ended (or could not be opened)."""
+        """Job ``name``'s connection to the spine ended (or could not be opened): the
+        job fails as the switch's (its workers raise ``SwitchUnreachableError``)."""
         if name in self._gathers:
             return self._gather_answered(
-                name, Error(f"the spine switch at {self._spine_name()} {why}"))
+                name, Error(f"the spine switch at {self._spine_name()} {why}",
+                            reason=UNREACHABLE))
         job = self.jobs.get(name)
         if job is None:
             return []
@@ -378,8 +401,24 @@ class RackController:
             del self.jobs[name]
             for c in job.conns.values():
                 self._conn_job.pop(c, None)
-            return self._to_all(job, Error(reason)) + [CloseUplink(name)]
-        return self._fail(job, Failed((), reason), up=None)
+            return self._to_all(job, Error(reason, reason=UNREACHABLE)) + [CloseUplink(name)]
+        return self._fail(job, Failed((), reason, switch_lost=True), up=None)
+
+    def expire(self, now: float) -> list:
+        """Fail the jobs whose spine did not answer within ``SPINE_ANSWER_S``."""
+        out: list = []
+        for job in [j for j in self.jobs.values()
+                    if j.asked is not None and now >= j.asked + SPINE_ANSWER_S]:
+            log.warning("job %s: the spine at %s did not answer within %gs",
+                        job.name, self._spine_name(), SPINE_ANSWER_S)
+            out += self.handle_uplink_closed(
+                job.relay, f"did not answer within {SPINE_ANSWER_S:g}s (stopped or hung?)")
+        return out
+
+    def next_deadline(self) -> float | None:
+        """When ``expire`` has work next (None: the spine owes no answer)."""
+        return min((j.asked + SPINE_ANSWER_S for j in self.jobs.values()
+                    if j.asked is not None), default=None)
 
     def _start(self, job: RackJob, ready: protocol.RackReady) -> list:
         if list(ready.ranks) != job.ranks:  # a rank came or went as the job started
@@ -416,6 +455,12 @@ class RackController:
                 for r, token in zip(job.ranks, tokens)]
 
     # ------------------------------------------------------------------ helpers
+    def _ask_spine(self, job: RackJob, request: protocol.Request) -> list:
+        """``request`` up, the spine's answer awaited (``expire``)."""
+        if job.asked is None:
+            job.asked = self._clock()
+        return [ToSpine(job.relay, request)]
+
     def _fail(self, job: RackJob, failed: Failed, skip=None, up=None) -> list:
         """The job is over here: workers told (but ``skip``), the spine told ``up``."""
         log.warning("job %s failed: %s", job.name, failed.reason)

@@ -52,6 +52,7 @@ class Uplinks:
         # connections still being opened, without blocking the switch's thread: the
         # deadline of each and the requests that wait for it
         self._connecting: dict[str, tuple[float, bytearray]] = {}
+        self._next: float | None = None  # next_deadline's, for expire
         self._buf = bytearray(65536)
 
     def address_for(self, job: str) -> tuple:
@@ -106,19 +107,30 @@ class Uplinks:
             self.close(job)
 
     def expire(self, now: float) -> None:
-        """Fail the jobs whose connection to the spine is not open by its deadline
-        (the switch's thread)."""
-        if not self._connecting:  # (every turn of the loop: no lock taken for nothing)
-            return
+        """Fail the jobs whose connection to the spine is not open by its deadline,
+        or whose spine did not answer what it was asked (the switch's thread)."""
+        if self._next is None or now < self._next:  # (every turn of the loop: no
+            return                                  # lock taken for nothing)
         with self.switch._lock:
             for job in [job for job, (deadline, _) in self._connecting.items()
                         if now >= deadline]:
                 self.switch._send(self._unreachable(job, OSError(
                     errno.ETIMEDOUT, f"no answer within {CONNECT_TIMEOUT:g}s")))
+            self.switch._send(self.carry_out(self.switch._rack_control.expire(now)))
 
     def next_deadline(self) -> float | None:
-        """The earliest connect deadline (None: no connect under way)."""
-        return min((deadline for deadline, _ in self._connecting.values()), default=None)
+        """The earliest connect or answer deadline (None: none under way), kept for
+        ``expire`` (the switch's thread, under its lock or not)."""
+        self._next = None
+        if not self._tcp:  # no job's connection: nothing to wait for (no lock taken)
+            return None
+        with self.switch._lock:
+            connects = (deadline for deadline, _ in self._connecting.values())
+            self._next = min(connects, default=None)
+            answer = self.switch._rack_control.next_deadline()
+        if answer is not None and (self._next is None or answer < self._next):
+            self._next = answer
+        return self._next
 
     # ------------------------------------------------------------------ inside
     def _close_tcp(self, job: str) -> None:
