@@ -44,8 +44,8 @@ def _ed25519():
         from cryptography.hazmat.primitives.asymmetric import ed25519
     except ImportError:
         raise AuthUnavailableError(
-            "authenticated jobs need the 'cryptography' package: pip install "
-            "'switchml[auth]'") from None
+            "authenticated jobs need the 'cryptography' package (the 'auth' extra): "
+            "pip install 'cryptography>=42'") from None
     return ed25519
 
 

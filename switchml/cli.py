@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import signal
 import sys
 
@@ -165,8 +166,13 @@ def _demo(args) -> int:
     return 0 if ok else 1
 
 
+def plain(doc: str | None) -> str:
+    """A docstring as ``--help`` prints it: without reST's ``literal`` and :role: marks."""
+    return re.sub(r":\w+:`([^`]*)`", r"\1", doc or "").replace("``", "")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="switchml", description=__doc__)
+    parser = argparse.ArgumentParser(prog="switchml", description=plain(__doc__))
     parser.add_argument("--version", action="version", version=f"switchml {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -194,8 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
                         f"default {config.DEFAULT_MAX_JOBS})")
     p.add_argument("--metrics-port", type=int,
                    help="serve Prometheus metrics on http://HOST:PORT/metrics "
-                        "($SWITCHML_METRICS_PORT; 0: any free port; needs pip install "
-                        "'switchml[metrics]')")
+                        "($SWITCHML_METRICS_PORT; 0: any free port; needs the 'metrics' "
+                        "extra: pip install 'prometheus-client>=0.17')")
     p.add_argument("--metrics-host",
                    help="address the metrics endpoint binds (default: --host)")
     p.add_argument("--keepalive", type=float,
@@ -239,7 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="admission token: only workers that prove they know the token in "
                         "FILE (their SWITCHML_SWITCH_TOKEN) can create jobs "
                         "($SWITCHML_SWITCH_TOKEN_FILE; $SWITCHML_SWITCH_TOKEN gives the token)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="the switch's log, on stderr: joins, leaves, failures and a summary "
+                        "of drops at info (default info)")
     p.set_defaults(func=_switch)
 
     p = sub.add_parser("stats", help="print a running switch's counters")
@@ -249,12 +257,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_stats)
 
-    p = sub.add_parser("demo", help="local switch + worker processes; check sums; print a table")
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--sizes", type=int, nargs="+", default=[0, 1, 1000, 1_000_003])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--drop-rate", type=float, default=0.0)
-    p.add_argument("--timeout", type=float, default=30.0)
+    p = sub.add_parser("demo", help="local switch + worker processes; check sums; print a table",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--workers", type=int, default=4, help="worker processes, each a rank")
+    p.add_argument("--sizes", type=int, nargs="+", default=[0, 1, 1000, 1_000_003],
+                   help="array sizes, in values; each is summed as float32 and int32, the "
+                        "largest also block-sparse")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls of each case")
+    p.add_argument("--drop-rate", type=float, default=0.0,
+                   help="fraction of datagrams the switch drops on purpose (0 to 1): loss "
+                        "recovery at work")
+    p.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds a worker waits without progress before it fails the job")
     p.set_defaults(func=_demo)
 
     from .testbed.cli import add_parsers  # testbed up|run|status|down

@@ -95,5 +95,5 @@ class SecretMismatchError(AuthenticationError):
 
 class AuthUnavailableError(SwitchMLError, ImportError):
     """A job secret or an admission token was given, but the ``cryptography``
-    package that signs and checks them is not installed (``pip install
-    'switchml[auth]'``)."""
+    package that signs and checks them is not installed (the ``auth`` extra:
+    ``pip install 'cryptography>=42'``)."""

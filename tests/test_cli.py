@@ -126,6 +126,35 @@ def test_version_is_the_packages():
     assert shown.stdout.strip() == f"switchml {switchml.__version__}"
 
 
+@pytest.mark.parametrize("command", [[], ["switch"], ["demo"], ["stats"], ["testbed"],
+                                     ["bench"]])
+def test_help_is_plain_text_and_every_flag_says_what_it_does(command):
+    """--help prints docstrings without reST's marks (``literal``, :mod:), and each
+    flag has a line of its own saying what it sets."""
+    shown = subprocess.run(CLI + command + ["--help"], capture_output=True, text=True,
+                           timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "``" not in shown.stdout and ":mod:" not in shown.stdout, shown.stdout
+    import argparse
+
+    from switchml.bench.suite import add_arguments
+    from switchml.cli import build_parser
+    parser = build_parser()
+    if command == ["bench"]:
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+    elif command:
+        parser = parser._subparsers._group_actions[0].choices[command[0]]
+    parsers = [parser]
+    while parsers:  # with the subcommands' own (testbed up, run, ...)
+        parser = parsers.pop()
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers += action.choices.values()
+            elif action.option_strings and action.dest != "help":
+                assert action.help, f"{parser.prog}: {action.option_strings} has no help"
+
+
 def test_a_switch_with_a_token_file_admits_only_workers_with_the_token(tmp_path, monkeypatch):
     token = tmp_path / "token"
     token.write_text("s3cret admission\n")

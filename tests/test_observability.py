@@ -116,14 +116,14 @@ def test_refused_joins_are_counted_by_limit():
 def test_metrics_without_prometheus_client_name_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # as if not installed
     with pytest.raises(switchml.MetricsUnavailableError,
-                       match=r"pip install 'switchml\[metrics\]'"):
+                       match=r"the 'metrics' extra.*pip install 'prometheus-client"):
         switchml.Switch(metrics_port=0)
     code = ("import sys; sys.modules['prometheus_client'] = None; from switchml.cli import main; "
             "sys.exit(main(['switch', '--port', '0', '--metrics-port', '0']))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=30)
     assert result.returncode == 2
-    assert "pip install 'switchml[metrics]'" in result.stderr
+    assert "pip install 'prometheus-client>=0.17'" in result.stderr
 
 
 def test_logs_joins_leaves_failures_and_summarises_drops(caplog):

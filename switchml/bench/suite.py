@@ -4,7 +4,7 @@
     switchml bench --testbed --link 1gbit --mtu 9000 --workers 4 --sizes 64 --densities 0.1
     switchml bench --device cuda --workers 2 4 --ranks-per-host 4 --sizes 45
 
-Installed with the ``bench`` extra (``pip install 'switchml[bench,torch]'``; gloo
+Installed with the ``bench`` extra (``pip install '.[bench,torch]'`` in a checkout; gloo
 needs torch); the testbed needs root, ``ip`` and ``tc``.
 
 For every worker count and tensor size, on the same float32 tensors (common.py):
@@ -38,6 +38,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import sys
 import time
 
@@ -68,8 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "switchml's \"switchml\" backend and gloo on the same tensors "
                         "(default: none, switchml.Worker on numpy arrays); "
                         "--systems dense gloo gloo-fp16 only")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed calls of each system first (default: 1)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="timed calls of each system; a row gives their median, min and max "
+                        "(default: 5)")
     p.add_argument("--testbed", action="store_true",
                    help="run on an emulated cluster (root): one worker per host namespace, "
                         "the switch on the bridge")
@@ -411,7 +415,7 @@ def format_table(rows, link_bps) -> str:
 
 def _preflight(args) -> None:
     if {"gloo", "gloo-fp16"} & set(args.systems) and importlib.util.find_spec("torch") is None:
-        raise SystemExit("bench: gloo needs torch (pip install 'switchml[torch]'), "
+        raise SystemExit("bench: gloo needs torch (the 'torch' extra: pip install torch), "
                          "or leave it out with --systems dense sparse")
     if args.device is not None:
         _preflight_device(args)
@@ -442,7 +446,7 @@ def _preflight_device(args) -> None:
     """--device: torch is there, the device too, and only what runs on its tensors."""
     if importlib.util.find_spec("torch") is None:
         raise SystemExit(f"switchml bench: --device {args.device} needs torch "
-                         "(pip install 'switchml[torch]')")
+                         "(the 'torch' extra: pip install torch)")
     # sparse (a default) runs only at --densities
     others = sorted(set(args.systems) - set(DEVICE_SYSTEMS) - ({"sparse"} - {
         "sparse" if args.densities else ""}))
@@ -616,7 +620,9 @@ def main(args, argv_text: str = "", prog: str = "switchml bench") -> int:
 
 
 def cli(argv=None, prog: str = "switchml bench") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+    # the docstring without reST's marks (as ``switchml --help``: cli.plain)
+    description = re.sub(r":\w+:`([^`]*)`", r"\1", __doc__ or "").replace("``", "")
+    parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     argv = sys.argv[1:] if argv is None else argv

@@ -3,7 +3,7 @@
 A custom collector turns ``Switch.stats()`` into metric families when Prometheus
 scrapes: the data plane keeps counting into its plain ``Counter``s and pays
 nothing per packet for the metrics.  Needs prometheus-client (the ``metrics``
-extra: ``pip install 'switchml[metrics]'``).
+extra: ``pip install 'prometheus-client>=0.17'``).
 
 Families (all ``switchml_``):
 
@@ -66,7 +66,8 @@ def require_prometheus_client():
         import prometheus_client
     except ImportError:
         raise MetricsUnavailableError(
-            "Prometheus metrics need prometheus-client: pip install 'switchml[metrics]'"
+            "Prometheus metrics need prometheus-client (the 'metrics' extra): "
+            "pip install 'prometheus-client>=0.17'"
         ) from None
     return prometheus_client
 

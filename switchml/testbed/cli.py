@@ -263,13 +263,15 @@ def add_parsers(sub) -> None:
         return p
 
     p = prefixed(tsub.add_parser("up", help="create N host namespaces and a switch namespace"))
-    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--hosts", type=int, default=4,
+                   help="host namespaces, each with its link to the bridge (default 4)")
     p.add_argument("--link", default="1gbit",
                    help="rate of every link each way, tc style (1gbit, 200mbit) or 'none'")
     p.add_argument("--mtu", type=int, default=None, help="MTU of the links (default 1500)")
     p.add_argument("--loss", type=float, default=0.0,
                    help="probability of dropping a UDP datagram on each link (needs nft)")
-    p.add_argument("--subnet", default="10.77.0.0/24")
+    p.add_argument("--subnet", default="10.77.0.0/24",
+                   help="the addresses of the hosts and switches (default %(default)s)")
     p.add_argument("--burst", default="256kb", help="tbf bucket size (default %(default)s)")
     p.add_argument("--queue", default="256kb",
                    help="bytes each link queues before it drops, as a switch port's buffer "

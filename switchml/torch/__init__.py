@@ -156,7 +156,8 @@ def _job_secret() -> str:
     secret = auth.new_secret_if_available()
     if secret is None:
         log.warning("this job is open to anyone who learns its name: authenticated jobs "
-                    "need the 'cryptography' package (pip install 'switchml[auth]')")
+                    "need the 'cryptography' package (the 'auth' extra: "
+                    "pip install 'cryptography>=42')")
         return ""
     return secret
 
