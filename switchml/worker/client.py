@@ -71,8 +71,9 @@ from .engine.sparse import nonzero_blocks
 from .local.hosts import Hosts, Placement
 from .local.worker import LocalStageWorker
 from .multi import MultiSwitchWorker
+from .rejoin import RejoinMixin, SwitchLost
 from .rendezvous import control_events, exchange_through_switch
-from .resume import CallLedger, Kept, Lost, ResumeError, settle
+from .resume import CallLedger, Kept, Lost
 
 __all__ = ["Worker", "AllreduceHandle"]
 
@@ -84,32 +85,8 @@ DRAIN_BATCH = 64
 IO_SLICE = 0.02
 #: Seconds a leaving rank waits for the switch to take note of its leave.
 LEAVE_WAIT_S = 2.0
-#: Seconds between tries to reach a switch that went away, at first and at most
-#: (doubling): a restart is back within a second or so, and a switch that is not
-#: is tried about once a second until the worker's timeout.
-REJOIN_FIRST_DELAY, REJOIN_MAX_DELAY = 0.05, 1.0
 #: Connections a join tries where the switch closes one without a word.
 JOIN_ATTEMPTS = 2
-
-
-class _SwitchLost(Exception):
-    """The switch closed the control connection of a running job (``at``: when this
-    rank saw it): the I/O thread tries to rejoin a restarted switch at its address
-    within the timeout (``Worker._resume``), and raises ``error`` if none comes."""
-
-    def __init__(self, error: SwitchMLError, at: float):
-        super().__init__(str(error))
-        self.error = error
-        self.at = at
-
-
-class _Resumed:
-    """A call finished after a rejoin (``Worker._resume``): what ``_run`` reads of
-    a call's state machine."""
-
-    def __init__(self, nonfinite_chunks: list[int], chunk_values: int):
-        self.nonfinite_chunks = nonfinite_chunks
-        self.chunk_values = chunk_values
 
 
 def send_waiting(udp, datagram, address, op) -> int:
@@ -178,7 +155,7 @@ def fetch_stats(address, timeout: float = 5.0) -> dict:
                     return event.stats
 
 
-class Worker:
+class Worker(RejoinMixin):
     """One rank of a job aggregating through a switch, or through several.
 
     ``switch`` is "host:port" or (host, port); None reads ``SWITCHML_SWITCH``.
@@ -554,7 +531,7 @@ class Worker:
                     try:
                         self._wait(1.0)
                         self._honour_abort()
-                    except _SwitchLost as lost:
+                    except SwitchLost as lost:
                         self._resume_idle(lost)
                     except SwitchMLError:
                         self._lost_between_calls()  # the next call raises the failure
@@ -621,7 +598,7 @@ class Worker:
             while time.monotonic() < deadline:
                 if any(isinstance(e, Left) for e in self._wait(deadline - time.monotonic())):
                     return
-        except (OSError, SwitchMLError, _SwitchLost) as exc:
+        except (OSError, SwitchMLError, SwitchLost) as exc:
             log.debug("leaving the job: %s", exc)
 
     def _wait(self, timeout: float, drain_udp: bool = True) -> list:
@@ -679,7 +656,7 @@ class Worker:
                 self._sel.unregister(self._control)
                 self._control_open = False
                 if event.switch_lost:
-                    raise _SwitchLost(event.error, time.monotonic())
+                    raise SwitchLost(event.error, time.monotonic())
                 self._failure = event.error
                 if self.on_failure is not None:
                     self.on_failure(self._failure)
@@ -770,7 +747,7 @@ class Worker:
         ledger = None if sparse else CallLedger.of(op, src.reshape(-1), start)
         try:
             self._drive(op, out)
-        except _SwitchLost as lost:
+        except SwitchLost as lost:
             if not resumable:
                 raise lost.error from None
             return self._resume(lost, (op, ledger, src, out, bits))
@@ -837,149 +814,6 @@ class Worker:
                 self._wait(wait, drain_udp=False)
 
     # -------------------------------------------------------------- a switch restart
-    def _resume_idle(self, lost: _SwitchLost) -> None:
-        """The switch went away between calls: rejoin and settle what the ranks
-        still in the last call lack (an error is the next call's)."""
-        self._role = "before"
-        try:
-            self._resume(lost, None)
-        except SwitchMLError as exc:
-            self._failure = self._failure or exc
-            self.failure_noted.set()  # (``lost`` written where it could be)
-
-    def _resume(self, lost: _SwitchLost, call):
-        """Rejoin a restarted switch and finish ``call`` (op, ledger, src, out, bits;
-        None between calls) as it would have ended: resume.py's two exchanges make
-        every rank hold what any held, then what none held is summed again."""
-        try:
-            return self._resume_call(lost, call)
-        except SwitchMLError as exc:
-            self._failure = self._failure or exc
-            if self.on_failure is not None:
-                self.on_failure(exc)
-            raise
-
-    def _resume_call(self, lost: _SwitchLost, call):
-        old = self.membership
-        kept, self._kept = self._kept, None
-        role, self._role = self._role, None
-        state = self._lost_state(kept, call, role)
-        op: Any = None
-        src: Any = None
-        bits = 32
-        if call is not None:
-            op, _, src, _, bits = call
-        try:
-            self._rejoin(lost, idle=call is None)
-            m = self.membership
-            if (m.packet_elements, m.block_elements) != (old.packet_elements,
-                                                         old.block_elements):
-                raise SwitchUnreachableError(
-                    f"{lost.error}; the switch there now gives packets of "
-                    f"{m.packet_elements} values (blocks of {m.block_elements}), the job ran "
-                    f"with {old.packet_elements} ({old.block_elements}): its calls cannot go on")
-        except SwitchMLError:
-            if role is not None:
-                self.lost = state
-            raise
-        ledger, out, nonfinite = state.ledger, state.out, state.nonfinite
-        try:
-            settled, left = settle(state, self._exchange, self.world_size, state.sparse)
-        except ResumeError as exc:
-            raise SwitchUnreachableError(
-                f"{lost.error}; rejoined the switch there, but the call in flight cannot "
-                f"go on: {exc}") from None
-        log.info("job %s rank %d: resumed on the new session: %d slot(s) where ranks were "
-                 "a message apart, %d chunk(s) of the call to sum again", self.job, self.rank,
-                 settled, len(left))
-        if call is None:
-            return None
-        assert ledger is not None and out is not None  # a sparse call in flight raised above
-        self.membership.counters["calls_resumed"] += 1
-        if len(left) == ledger.chunks and left:
-            return self._run_once(src, out, False, bits)  # none of it was summed
-        if left:
-            flat_src, flat_out = src.reshape(-1), out.reshape(-1)
-            spans = [ledger.span(c) for c in left]
-            part = np.concatenate([flat_src[s] for s in spans])
-            part_out = np.empty_like(part)
-            sub = self._run_once(part, part_out, False, bits)
-            at = 0
-            for span in spans:
-                n = span.stop - span.start
-                flat_out[span] = part_out[at:at + n]
-                at += n
-            nonfinite |= {left[i] for i in sub.nonfinite_chunks}
-        return _Resumed(sorted(nonfinite), ledger.chunk_values)
-
-    def _lost_state(self, kept: Kept | None, call, role: str | None) -> Lost:
-        """What this rank holds as the switch goes: its message numbers, ``kept``, the
-        call in flight (op, ledger, src, out, bits; None: none) and ``role``'s."""
-        state = Lost(list(self.membership.slot_msgs), kept,
-                     whole=self._kept_whole[0] if self._kept_whole is not None else None,
-                     in_call=role == "call")
-        if call is not None:
-            op, state.ledger, _, state.out, _ = call
-            state.sparse = state.ledger is None
-            if state.ledger is not None:
-                state.nonfinite = set(op.nonfinite_chunks)
-        return state
-
-    def _exchange(self, values: np.ndarray) -> np.ndarray:
-        """One int32 sum over the ranks on the new session, for a resumption."""
-        out = np.empty_like(values)
-        self._run_once(values, out, False, 32, resumable=False)
-        return out
-
-    def _rejoin(self, lost: _SwitchLost, idle: bool = False) -> None:
-        """Join the job again at the switch's address, trying until ``timeout`` after
-        the switch went away; past it, the loss's error (what it was without
-        rejoining).  A rank missing from the new job is named as at any join.
-        ``idle``: between calls, where a worker being closed stops trying at once
-        (its job's switch stopping as the job ends is no restart to wait for)."""
-        deadline = lost.at + self.rejoin_within
-        try:
-            self._sel.unregister(self._udp)
-        except (KeyError, ValueError):
-            pass
-        self._control.close()
-        self._udp.close()
-        delay = REJOIN_FIRST_DELAY
-        host, port = self.switch_address
-        log.warning("job %s rank %d: %s; rejoining within %gs", self.job, self.rank,
-                    lost.error, self.rejoin_within)
-        while True:
-            if self._abort_request is not None:
-                raise self._abort_request
-            self._protocol = self._new_protocol()
-            try:
-                self._control, self._udp = self._join(self._slots, rejoin=True)
-                break
-            except SwitchUnreachableError:
-                now = time.monotonic()
-                if now >= deadline:
-                    raise SwitchUnreachableError(
-                        f"{lost.error}; no switch took the job again at {host}:{port} "
-                        f"within {self.rejoin_within:g}s") from None
-                until = now + min(delay, deadline - now)
-                while time.monotonic() < until:
-                    if idle and self._closed:
-                        raise SwitchUnreachableError(
-                            f"{lost.error}; the worker was closed while rejoining") from None
-                    time.sleep(min(0.02, max(0.0, until - time.monotonic())))
-                delay = min(2 * delay, REJOIN_MAX_DELAY)
-        self._take_ready(self.membership)
-        self.membership.counters["rejoins"] += 1
-        self._sel.register(self._udp, selectors.EVENT_READ)
-        self._sel.register(self._control, selectors.EVENT_READ)
-        self._control_open = True
-        log.warning("job %s rank %d: rejoined the switch at %s:%d", self.job, self.rank,
-                    host, port)
-        try:
-            self._control_events(self._early_events)
-        except _SwitchLost as again:  # gone again at once: not tried twice
-            raise again.error from None
-
     def _run_compiled(self, op, out: np.ndarray) -> np.ndarray:
         """The call (dense or sparse) on the C engine: it receives, absorbs and sends
         without the GIL (recvmmsg, sendmmsg) and comes back when the control
