@@ -310,3 +310,43 @@ def test_a_hook_state_closed_ends_its_fallback_group():
     assert ended == ["path", "fallback"]
     state.close()  # twice: the group is ended once
     assert ended == ["path", "fallback", "path"]
+
+
+@pytest.mark.parametrize("join_s, most, least", [(0.3, 4, 2), (0.0, None, 10)])
+def test_a_return_that_fails_slowly_is_tried_less_often(join_s, most, least):
+    """A switch that answers its probes but whose joins fail (a rack switch whose
+    spine hangs takes 7 s to say so; every rank's calls wait for the join): after
+    a failed return that took t, the next comes 4t later, not at the next probe;
+    a quick refusal (a full switch) is tried at every probe as before.  One rank,
+    the gloo group in this process, the probes at a real switch."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import switchml
+    from switchml.errors import SwitchUnreachableError
+    from switchml.torch.failover import SwitchPath
+
+    gloo = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=30))
+    attempts: list = []
+
+    def join(generation):
+        attempts.append(time.monotonic())
+        time.sleep(join_s)
+        raise SwitchUnreachableError("the spine switch at 10.0.0.1:7300 did not answer")
+
+    with switchml.Switch() as probed:
+        path = SwitchPath(gloo, 0, 1, join, enabled=True, retry_s=0.05,
+                          address="%s:%d" % probed.address, name="job t")
+        try:
+            start = time.monotonic()
+            while time.monotonic() - start < 2.5:  # a call on gloo every 10 ms
+                path._come_back(None)
+                time.sleep(0.01)
+        finally:
+            path.close()
+    # (the first attempt is the join at the start)
+    if most is not None:  # at 0.3 s each: about 0.35, then 4 x 0.3 s after each
+        assert least <= len(attempts) <= most, [round(a - attempts[0], 2) for a in attempts]
+    else:
+        assert len(attempts) >= least, len(attempts)

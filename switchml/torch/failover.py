@@ -39,7 +39,8 @@ on every rank):
   ``SWITCHML_RETRY_S`` seconds; at each call on gloo the ranks exchange what
   their probes saw (one small gloo allreduce) and, when every rank reached the
   switch, all join it again as a new job (the same secret) and, when every join
-  succeeded, the calls not yet begun go to the switch, in order.
+  succeeded, the calls not yet begun go to the switch, in order.  Returns that
+  fail are tried less often the longer they take (``FAILED_RETURNS_SHARE``).
 
 With ``SWITCHML_FALLBACK=0`` none of this runs: calls are summed in place as
 before and a failure's error reaches the caller.  A failure that is not the
@@ -82,6 +83,12 @@ DEFAULT_RETRY_S = 5.0
 #: Seconds a probe waits for the switch's control port to accept, and then for
 #: each read of its answer.
 PROBE_TIMEOUT = 1.0
+#: The share of its time on gloo a job spends at most in returns that fail: a
+#: switch may answer its probe and still fail the join slowly (a rack switch
+#: whose spine hangs gives it 7 s), and every rank's calls wait for the join.
+#: After a failed return that took t seconds, the next waits 4t (at least
+#: ``retry_s``); a quick refusal (a full switch) is tried again as often as before.
+FAILED_RETURNS_SHARE = 0.2
 
 
 def switch_failure(error: BaseException) -> bool:
@@ -195,6 +202,7 @@ class SwitchPath:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._reachable = threading.Event()
+        self._return_after = 0.0  # no return tried before (a failed one's pause)
         self._generation = 0
         self.worker: Any = None
         error: SwitchMLError | None = None
@@ -508,12 +516,13 @@ class SwitchPath:
     def _come_back(self, call: Call) -> bool:
         """At this call's boundary: back on the switch if every rank reached it and
         every rank joined it again; True when ``call`` went there."""
-        if not self._probe_addresses or self._ranks.minimum(
-                int(self._reachable.is_set())) == 0:
+        ready = self._reachable.is_set() and time.monotonic() >= self._return_after
+        if not self._probe_addresses or self._ranks.minimum(int(ready)) == 0:
             return False
         self._reachable.clear()
         self._generation += 1
         worker = None
+        started = time.monotonic()
         try:
             worker = self._adopt(self._join(self._generation))
         except SwitchMLError as exc:
@@ -521,6 +530,12 @@ class SwitchPath:
         if self._ranks.minimum(int(worker is not None)) == 0:
             if worker is not None:
                 worker.close()
+            took = time.monotonic() - started
+            pause = max(self.retry_s, took * (1 - FAILED_RETURNS_SHARE) / FAILED_RETURNS_SHARE)
+            self._return_after = time.monotonic() + pause
+            if pause > self.retry_s:
+                log.info("%s: the failed return took %.1fs: the next in %.0fs at the "
+                         "earliest", self.name, took, pause)
             return False
         with self._lock:
             # every call issued so far is this one or waits here (the failed ones
