@@ -302,16 +302,20 @@ def test_workers_get_the_user_space_switchs_sums_bit_for_bit(veth, loss):
 
 
 def exact_sums_through_an_xdp_switch(ns: str, host: str, world: int, *flags: str, seed=3,
-                                     job="xdp", env=None, sent_runs=None) -> tuple[dict, list]:
+                                     job="xdp", env=None, sent_runs=None,
+                                     started=None) -> tuple[dict, list]:
     """A job of ``world`` ranks through an XDP switch in ``ns`` started with
     ``flags`` (and ``env``): the int32 sums exactly, with wrap-around, and every
     result the same on every rank; the switch's stats, and the inputs.
     ``sent_runs``: whether every rank sent runs of UDP GSO segments (``Worker.gso``)
-    must be this."""
+    must be this; ``started()`` runs once the switch is, before the job."""
     inputs = inputs_for(world, seed=seed)
     switch = SwitchIn(ns, host, 7300, "--data-plane", "xdp", *flags, env=env)
     gso: list = []
     try:
+        if started is not None:
+            started()
+
         def rank(r):
             with switchml.Worker(switch.address, r, world_size=world, job=job,
                                  timeout=30) as w:
@@ -576,6 +580,39 @@ def test_a_switch_on_a_bridge_serves_its_ports_in_driver_mode(bridged):
     assert "gso_passed_up" not in job and "results_passed_up" not in job, job
     assert job["results_fanned_out"] > 0
     assert stats["counters"].get("internal_errors", 0) == 0
+
+
+@needs_xdp
+def test_a_port_that_joins_the_bridge_after_the_switch_started_is_served_in_driver_mode(
+        bridged):
+    """A container started after the switch: its veth joins the bridge then (and
+    the first port's container went).  The switch takes the new port within its
+    sweep (the dispatcher in driver mode, the fan-out program), so its ranks'
+    runs meet the program, not the switch's socket: the exact sums, nothing
+    passed up, every result fanned out."""
+    ns, bridge, port, host, here = bridged
+    later, later_port = here[:-1] + "c", port[:-1] + "q"
+    net = host.rsplit(".", 1)[0]
+
+    def a_container_starts():
+        sh("ip", "link", "del", here)  # the first port goes with its peer
+        sh("ip", "link", "add", later, "type", "veth", "peer", "name", later_port)
+        sh("ip", "link", "set", later_port, "netns", ns)
+        sh("ip", "-n", ns, "link", "set", later_port, "master", bridge)
+        sh("ip", "-n", ns, "link", "set", later_port, "up")
+        sh("ip", "addr", "add", f"{net}.2/24", "dev", later)
+        sh("ip", "link", "set", later, "up")
+        deadline = time.monotonic() + 10
+        while "prog/xdp" not in sh("ip", "-n", ns, "link", "show", "dev", later_port):
+            assert time.monotonic() < deadline, "the new port got no XDP program"
+            time.sleep(0.1)
+
+    stats, _ = exact_sums_through_an_xdp_switch(ns, host, 2, sent_runs=True,
+                                                started=a_container_starts)
+    assert stats["xdp_mode"] == "driver"
+    job = stats["ended_jobs"]["xdp"]["counters"]
+    assert "gso_passed_up" not in job and "results_passed_up" not in job, job
+    assert job["results_fanned_out"] > 0, job
 
 
 @needs_xdp

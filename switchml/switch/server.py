@@ -457,6 +457,8 @@ class Switch:
                     for port in self._xdp.sweep_gone_switches():
                         log.info("the XDP switch of port %d on this interface is gone: its "
                                  "program is out of the dispatcher", port)
+                    for name in self._xdp.adopt_new_ports():
+                        log.info("port %s joined the bridge: served in driver mode", name)
                 self._expire_lobby(now)
                 if self._uplinks is not None:  # a rack switch's connects to its spine
                     self._uplinks.expire(now)

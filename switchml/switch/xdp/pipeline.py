@@ -443,6 +443,7 @@ class XdpPipeline(Pipeline):
         self._dispatches: list[Dispatcher] = []
         self._fan_out_links: list[int] = []  # serve(): the fan-out program's links
         self._ports: list[int] = []  # serve(): the bridge ports in the `ports` map
+        self._ports_refused: set[int] = set()  # adopt_new_ports(): left to the socket
         self._answers_by_stack = False
         self.ifindex: int | None = None
         #: How ``serve`` attached the program: "driver" (the driver's native mode,
@@ -605,17 +606,20 @@ class XdpPipeline(Pipeline):
             state = {name: ethtool.features(name) for name in names}
             if not all(state[name].get(USO, False) for name in names):
                 return
-            dispatches = {d.ifindex: d for d in self._dispatches}
             for device, name in zip(devices, names):
-                if not state[name].get(GRO, True):
-                    ethtool.set_features(name, {GRO: True})
-                    self._gro_turned_on.append(name)
-                    # the switches' now: the last of them on it turns it off (detach)
-                    dispatches[device].mark_gro_turned_on()
+                self._gro_on(device, name, state[name])
         except (OSError, ValueError):
             self._gro_back_off()
             return
         self.merges_results = True
+
+    def _gro_on(self, device: int, name: str, features: dict) -> None:
+        """GRO on ``device`` where it is off, marked in its dispatcher as the
+        switches' (the last switch there to ``detach`` turns it off again)."""
+        if not features.get(GRO, True):
+            ethtool.set_features(name, {GRO: True})
+            self._gro_turned_on.append(name)
+            next(d for d in self._dispatches if d.ifindex == device).mark_gro_turned_on()
 
     def _gro_back_off(self) -> None:
         """GRO off again on the devices of ``_gro_turned_on``: those
@@ -665,10 +669,53 @@ class XdpPipeline(Pipeline):
         self.merges_results = False
         self._gro_back_off()
         ports, self._ports = getattr(self, "_ports", []), []
+        self._ports_refused = set()
         if getattr(self, "_prog", None) is not None:  # no interface: nothing to learn from
             self._configure(ifindex=0)
             for device in ports:
                 self._prog.delete("ports", _u32(device))
+
+    def adopt_new_ports(self) -> list[str]:
+        """In driver mode on a bridge's ports: serve the ports added to the bridge
+        since (a container started after the switch), as ``serve`` served the
+        first (the dispatcher, the fan-out program, GRO where results go in runs),
+        so that their ranks' frames meet the program, not the switch's socket.
+        A port that refuses driver mode is left so, logged: its frames reach the
+        socket (``passed_up``), correct and slower.  Ports gone keep what was
+        attached for them until ``detach`` (the kernel took their programs off).
+        The names of the ports taken."""
+        if self.mode != "driver" or not self._ports or self.ifindex is None:
+            return []
+        known = {d.ifindex for d in self._dispatches} | self._ports_refused
+        added: list[str] = []
+        for device in bridge_ports(self.ifindex) or []:
+            if device in known:
+                continue
+            try:
+                name = socket.if_indextoname(device)
+                dispatch = Dispatcher(device, driver=True)
+            except (OSError, InterfaceTaken) as exc:  # (or gone meanwhile)
+                log.warning("port %d of the bridge is not served in driver mode (%s): its "
+                            "ranks' frames reach the switch's socket", device, exc)
+                self._ports_refused.add(device)  # not tried again
+                continue
+            self._dispatches.append(dispatch)
+            try:
+                dispatch.register(self.port, self._prog.prog_fd, self._prog.prog_id,
+                                  self._prog.fan_out_id)
+                self._attach_fan_out([device], required=False)
+                if self.merges_results:  # results go in runs: merged where they arrive
+                    features = ethtool.features(name)
+                    if features.get(USO, False):
+                        self._gro_on(device, name, features)
+            except (OSError, ValueError) as exc:
+                log.warning("port %s of the bridge: %s", name, exc)
+            if is_virtual(device):
+                self._answers_by_stack = True  # (pipeline.bpf.c, answers_by_stack)
+            self._ports.append(device)
+            self._configure(self.ifindex)
+            added.append(name)
+        return added
 
     def sweep_gone_switches(self) -> list[int]:
         """Take the ports of the XDP switches gone from this interface (killed,
