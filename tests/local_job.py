@@ -92,9 +92,43 @@ def device_calls(w, floats):
     return [digest(c.out) for c in calls]
 
 
+def inject(fault: str, rank: int) -> None:
+    """``FAULT``: this rank dies (SIGKILL) at a moment of joining its host, the
+    others arrive a little late, so that the moment is what they find:
+    ``creator-dies-sizing`` (rank 0 while it sizes the segment: a ``.partial``
+    file), ``creator-dies-made`` (rank 0 once the segment is whole: its name),
+    ``last-dies-before-unlink`` (rank 1, the last to count itself in, before it
+    removes the name)."""
+    from switchml.worker.local import memory, worker
+
+    def die(*_):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def late(seconds):
+        watch = worker.LocalStageWorker._watch_peers
+        worker.LocalStageWorker._watch_peers = lambda self: (time.sleep(seconds), watch(self))[1]
+
+    if fault == "creator-dies-sizing":
+        if rank == 0:
+            memory.os.posix_fallocate = die
+        else:
+            late(float(os.environ.get("LATE", "0.5")))
+    elif fault == "creator-dies-made":
+        if rank == 0:
+            create = memory.Segment.create.__func__
+            memory.Segment.create = classmethod(lambda cls, *a: (create(cls, *a), die())[0])
+        else:
+            late(float(os.environ.get("LATE", "0.5")))
+    elif fault == "last-dies-before-unlink" and rank == 1:
+        late(0.5)
+        memory.Segment.unlink = die
+
+
 def main():
     address, rank, world, n, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
         int(sys.argv[4]), sys.argv[5]
+    if os.environ.get("FAULT"):
+        inject(os.environ["FAULT"], rank)
     floats, ints = inputs(rank, n if mode != "mismatch" or rank != 1 else n + 1)
     report: dict = {"rank": rank}
     try:
@@ -114,6 +148,22 @@ def main():
                 handles = [w.allreduce_async(ints + np.int32(i)) for i in range(4)]
                 report["queued"] = [digest(h.wait()) for h in handles]
                 report["device"] = device_calls(w, floats)
+            elif mode == "ready":  # the first queued call of rank 1 cannot begin
+                def fails():
+                    raise RuntimeError("the device's copy failed")
+
+                first = w.allreduce_async(ints, ready=fails if rank == 1 else None)
+                second = w.allreduce_async(ints + np.int32(1))
+                for name, handle in (("first", first), ("second", second)):
+                    try:
+                        report[name] = digest(handle.wait())
+                    except Exception as exc:  # noqa: BLE001 - reported
+                        report[name] = f"{type(exc).__name__}: {exc}"
+            elif mode == "close-early":  # rank 0 leaves and exits, the others idle a while
+                w.allreduce(floats)
+                if rank != 0:
+                    time.sleep(1.0)
+                report["failure"] = str(w._failure()) if w._failure() else None
             else:
                 w.allreduce(floats)
                 if mode == "kill" and rank == int(os.environ["VICTIM"]):

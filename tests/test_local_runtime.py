@@ -30,6 +30,13 @@ def shm_files() -> set:
     return {name for name in os.listdir("/dev/shm") if name.startswith("switchml-")}
 
 
+def files_of(procs) -> set:
+    """The /dev/shm files of the segments these ranks' processes created (named
+    after their creator's process, whatever else runs beside)."""
+    return {name for name in shm_files() for p in procs
+            if name.startswith(f"switchml-{p.pid}-")}
+
+
 def start_ranks(switch, groups, mode="calls", env=None, wrap=None, n=N):
     """One process per rank; ``groups[r]``: rank r's host (its SWITCHML_LOCAL_GROUP).
     ``switch``: a Switch, or several (one job over them all)."""
@@ -65,8 +72,8 @@ def big_switch():
 
 @pytest.mark.parametrize("groups", [[0, 1, 0, 1], [0, 0, 0, 1]], ids=["2x2", "3+1"])
 def test_hosts_of_ranks_agree_bit_for_bit_and_leave_nothing(big_switch, groups, tmp_path):
-    before = shm_files()
-    results = reports(start_ranks(big_switch, groups, env={"OUT": str(tmp_path)}))
+    procs = start_ranks(big_switch, groups, env={"OUT": str(tmp_path)})
+    results = reports(procs)
     for code, report, stderr in results:
         assert code == 0 and report is not None and "error" not in report, (report, stderr)
         assert report["kind"] == "LocalStageWorker"
@@ -96,7 +103,7 @@ def test_hosts_of_ranks_agree_bit_for_bit_and_leave_nothing(big_switch, groups, 
     owners = [r["rank"] for _, r, _ in results if r["counters"].get("bytes_sent", 0) > 0]
     shards = min(groups.count(0), groups.count(1))
     assert len(owners) == 2 * shards
-    assert shm_files() <= before
+    assert files_of(procs) == set()
 
 
 def test_one_host_takes_arrays_on_a_device_segment_by_segment(big_switch, tmp_path):
@@ -144,20 +151,70 @@ def test_hosts_of_ranks_on_more_threads_sum_as_on_one(big_switch, tmp_path):
     assert {"local.shard0#1", "local.shard1#1"} <= set(big_switch.stats()["ended_jobs"])
 
 
-def test_sigkill_of_a_rank_names_it_on_every_host(big_switch):
-    before = shm_files()
-    groups = [0, 0, 1, 1]
-    procs = start_ranks(big_switch, groups, mode="kill", env={"VICTIM": "1", "AFTER": "0.2"},
-                        n=3_000_000)
+@pytest.mark.parametrize("groups, victim", [([0, 0, 1, 1], 1), ([0, 0, 0, 1], 2)],
+                         ids=["a-shard-sender", "a-rank-that-sends-no-shard"])
+def test_sigkill_of_a_rank_names_it_on_every_host(big_switch, groups, victim):
+    """(Host 0 of [0, 0, 0, 1] has three ranks and two shards: rank 2 only
+    combines.  A peer records its death, and the ranks that send the host's
+    shards abort their switch jobs for it, so host 1's rank names rank 2, not
+    the hosts the switch saw stall.)"""
+    procs = start_ranks(big_switch, groups, mode="kill",
+                        env={"VICTIM": str(victim), "AFTER": "0.2"}, n=3_000_000)
     results = reports(procs)
-    assert results[1][0] == -signal.SIGKILL
-    for rank in (0, 2, 3):
+    assert results[victim][0] == -signal.SIGKILL
+    for rank in set(range(len(groups))) - {victim}:
         code, report, stderr = results[rank]
         assert report is not None and report.get("error") == "SwitchMLTimeoutError", \
             (rank, report, stderr)
-        assert "rank 1" in report["message"] and 1 in report["missing"], report
+        assert f"rank {victim}" in report["message"] and report["missing"] == [victim], report
         assert report["elapsed"] < 3.0 + 5.0 + 2.0  # the timeout, the switch's grace
-    assert shm_files() <= before
+    assert files_of(procs) == set()
+
+
+def test_a_call_that_cannot_begin_on_one_rank_fails_the_host_not_its_sums(big_switch):
+    """Rank 1's first queued call fails before it begins (its ``ready`` raises, as
+    a device's failed copy does): its host fails naming it, and rank 1's second
+    call is not summed with rank 0's first (a sum of the wrong calls)."""
+    results = reports(start_ranks(big_switch, [0, 0], mode="ready", n=10_000))
+    assert all(report is not None and "second" in report for _, report, _ in results), results
+    (_, zero, _), (_, one, _) = results
+    assert one["first"] == "RuntimeError: the device's copy failed", results
+    assert zero["first"].startswith("SwitchMLError"), results
+    for report in (zero, one):
+        assert report["second"].startswith("SwitchMLError"), results
+        assert "rank 1's call could not begin" in report["second"], results
+
+
+def test_a_rank_that_closes_and_exits_first_is_no_failure(big_switch):
+    """Rank 0 closes its worker and exits while its peer idles: an ending, not a
+    death; nothing is recorded and no switch job is aborted."""
+    results = reports(start_ranks(big_switch, [0, 0, 1, 1], mode="close-early", n=10_000))
+    for code, report, stderr in results:
+        assert code == 0 and report is not None and "error" not in report, (report, stderr)
+        assert report["failure"] is None, report
+    assert big_switch.stats()["counters"].get("jobs_failed", 0) == 0
+
+
+@pytest.mark.parametrize("fault", ["creator-dies-sizing", "creator-dies-made",
+                                   "last-dies-before-unlink"])
+@pytest.mark.parametrize("late", ["0", "0.5"])
+def test_a_rank_that_dies_while_its_host_joins_leaves_nothing_in_dev_shm(big_switch, fault,
+                                                                         late):
+    """The segment's creator killed while it sizes the file or once it is whole,
+    the other rank there a moment later or at once; or the last rank to count
+    itself in killed before it removes the name: the survivor raises naming the
+    dead rank, and no file of the job is left in /dev/shm."""
+    if fault == "last-dies-before-unlink" and late == "0":
+        pytest.skip("one timing: the dead rank is the late one")
+    procs = start_ranks(big_switch, [0, 0], env={"FAULT": fault, "LATE": late}, n=10_000)
+    results = reports(procs)
+    dead = 0 if fault.startswith("creator") else 1
+    assert results[dead][0] == -signal.SIGKILL
+    _, report, stderr = results[1 - dead]
+    assert report is not None and report.get("error") == "SwitchMLTimeoutError", \
+        (report, stderr)
+    assert f"rank {dead}" in report["message"], report
+    assert files_of(procs) == set(), files_of(procs)
 
 
 def test_ranks_that_disagree_fail_the_whole_job(big_switch):

@@ -63,7 +63,7 @@ ABSENT, ATTACHED, LEFT = 0, 1, 2
 #: TIMED_OUT, the first rank short of the target).
 REACHED, FAILED, EXITED, CLOSED, TIMED_OUT = 0, 1, 2, 3, 4
 #: Failure codes (``fail``): what error the ranks raise.
-FAILED_TIMEOUT, FAILED_MISMATCH, FAILED_UNREACHABLE, FAILED_OTHER = 1, 2, 3, 4
+FAILED_TIMEOUT, FAILED_MISMATCH, FAILED_UNREACHABLE, FAILED_OTHER, FAILED_LIMIT = 1, 2, 3, 4, 5
 PAGE = 4096
 
 
@@ -276,6 +276,15 @@ def sweep(older_than: float = 60.0) -> list[str]:
 
 def segment_name(creator_pid: int, nonce: str, group: int) -> str:
     return f"{PREFIX}{creator_pid}-{nonce}-{group}"
+
+
+def unlink_segment(name: str) -> None:
+    """Remove segment ``name``'s file, whole or still being made (``.partial``):
+    for a rank that outlives the segment's creator, whose job on the host is
+    over, and which may be the only one left to remove it."""
+    path = os.path.join(SHM_DIR, name)
+    _unlink(path)
+    _unlink(path + ".partial")
 
 
 class Segment:

@@ -40,6 +40,7 @@ import numpy as np
 from ...config import MAX_AUTO_LOCAL_THREADS, auto_local_threads, env
 from ...errors import (
     CallMismatchError,
+    LimitExceededError,
     SwitchMLError,
     SwitchMLTimeoutError,
     SwitchUnreachableError,
@@ -78,7 +79,10 @@ IDLE_WATCH = 0.25
 SWITCH_GRACE = 5.0
 _CODES = ((CallMismatchError, memory.FAILED_MISMATCH),
           (SwitchUnreachableError, memory.FAILED_UNREACHABLE),
-          (SwitchMLTimeoutError, memory.FAILED_TIMEOUT))
+          (SwitchMLTimeoutError, memory.FAILED_TIMEOUT),
+          (LimitExceededError, memory.FAILED_LIMIT))
+#: ``LimitExceededError.limit`` recorded as the failure's rank (FAILED_LIMIT).
+_LIMITS = ("max_workers", "max_jobs", "slots")
 _STEPS = {R_COPIED_IN: "copy its array in", R_REDUCED: "sum its shard",
           R_COPIED_OUT: "copy the sum out", R_STATE: "attach to the host's shared memory"}
 
@@ -125,11 +129,15 @@ class LocalStageWorker:
         self._closed = False
         self._close_callbacks: list = []
         self._local_calls = 0
+        self._switch_aborted = False  # for the host's recorded failure (_host_failure)
+        leader = self._peers[0]
+        self._segment_name = memory.segment_name(placement.records[leader].pid, hosts.nonce,
+                                                 placement.group)
         self._pidfds = self._watch_peers()
         self._segment: Segment | None = None
         self.switch = None
         try:
-            self._segment = self._attach(hosts.nonce)
+            self._segment = self._attach()
             switched = placement.hosts > 1
             self.stage = LocalStage(self._segment.buf, self._segment.layout, self._index,
                                     switched=switched, peers=self._peers,
@@ -173,22 +181,23 @@ class LocalStageWorker:
                 for fd in fds:
                     if fd >= 0:
                         os.close(fd)
+                if r == self._peers[0]:  # the creator: no one else may remove its segment
+                    memory.unlink_segment(self._segment_name)
                 raise SwitchMLTimeoutError(
                     f"job '{self.job}': rank {r} (process {pid}) on this host exited before "
                     f"its ranks could combine", [r]) from None
         return fds
 
-    def _attach(self, nonce: str) -> Segment:
+    def _attach(self) -> Segment:
         """Create (the host's first rank) or map the host's segment, count this rank
         in, unlink the name once every rank is in, and wait for them all."""
         p = self.placement
         layout = Layout(len(self._peers), p.shards, SLOTS, p.segment)
-        leader = self._peers[0]
-        name = memory.segment_name(p.records[leader].pid, nonce, p.group)
+        name = self._segment_name
         if self._index == 0:
             segment = Segment.create(name, layout)
         else:
-            segment = self._open(name, leader)
+            segment = self._open(name, self._peers[0])
         try:
             mine = layout.record(self._index, 0)
             segment.view(mine + R_PID, 1, np.uint64)[0] = os.getpid()
@@ -200,6 +209,9 @@ class LocalStageWorker:
         except BaseException:
             segment.unlink()
             raise
+        # every rank is in: the name goes, though the last to count itself in died
+        # before it removed it
+        segment.unlink()
         return segment
 
     def _open(self, name: str, leader: int) -> Segment:
@@ -213,6 +225,7 @@ class LocalStageWorker:
             if segment is not None:
                 break
             if poll.poll(0):
+                memory.unlink_segment(name)  # (a file the creator left whole or half made)
                 raise SwitchMLTimeoutError(
                     f"job '{self.job}': rank {leader}, which creates its host's shared memory, "
                     f"exited before it did", [leader])
@@ -371,7 +384,7 @@ class LocalStageWorker:
             try:
                 with self._running:
                     if ready is not None:
-                        ready()
+                        self._ready(ready)
                     # another call queued behind this one takes over its last copy-out
                     self._run(src.reshape(-1), out.reshape(-1), sparse, bits,
                               more=lambda: self._pending > 1, copies=copies)
@@ -388,6 +401,17 @@ class LocalStageWorker:
                 self.stage.forget_output(out.reshape(-1))
                 self._settle(future, result=narrow_result(narrow, out))
 
+    def _ready(self, ready) -> None:
+        """The caller's ``ready()`` before a queued call; where it raises, the call
+        never begins here while the host's other ranks begin it: the host fails
+        (its ranks would otherwise pair this rank's next call with their this one)."""
+        try:
+            ready()
+        except BaseException as exc:
+            self._fail(SwitchMLError(f"job '{self.job}': rank {self.rank}'s call could not "
+                                     f"begin: {exc!r}"), self.rank)
+            raise
+
     def _settle(self, future: Future, result=None, error: BaseException | None = None) -> None:
         """A queued call's end: counted out before its caller hears of it (the
         caller's next call may then run on its own thread)."""
@@ -402,7 +426,7 @@ class LocalStageWorker:
              copies: DeviceCopies | DevicePipeline | None = None) -> None:
         """One call's steps, driven to their end (``LocalStage.allreduce``'s ``more``
         and ``copies``)."""
-        failure = self._failure()
+        failure = self._host_failure()
         if failure is not None:
             raise failure
         self._local_calls += 1
@@ -422,6 +446,12 @@ class LocalStageWorker:
                     self._settle(future, result=narrow_result(narrow, previous))
         except CallMismatchError as exc:
             raise self._fail(exc, self.rank) from None
+        except SwitchMLError as exc:  # recorded (a wait's), or the switch worker's own
+            raise self._fail(exc, -1) from None
+        except BaseException as exc:  # a device's copy failed, or a bug: this rank is out
+            self._fail(SwitchMLError(f"job '{self.job}': rank {self.rank}'s call failed: "
+                                     f"{exc!r}"), self.rank)  # of step with its host: fail it
+            raise
 
     def _launch(self, step: Launch, sparse, bits: int) -> None:
         assert self.switch is not None
@@ -437,8 +467,12 @@ class LocalStageWorker:
             else:
                 memory.publish(buf, record, step.segment + 1)
 
-        self.switch.allreduce_async(step.shard, out=step.shard, sparse=sparse,
-                                    bits=bits).add_done_callback(done)
+        try:
+            handle = self.switch.allreduce_async(step.shard, out=step.shard, sparse=sparse,
+                                                 bits=bits)
+        except SwitchMLError as exc:  # its job failed already: told in this job's ranks
+            raise self._fail(self._in_job_ranks(exc), -1) from None
+        handle.add_done_callback(done)
 
     def _wait(self, step: Wait) -> None:
         """Sleep until ``step`` holds; an error naming the rank at fault otherwise."""
@@ -453,7 +487,7 @@ class LocalStageWorker:
         if status == REACHED:
             return
         if status == FAILED:
-            raise self._failure()  # type: ignore[misc]
+            raise self._host_failure()  # type: ignore[misc]
         call = f"allreduce #{self.stage.calls}" if step.field != R_STATE else "joining"
         if status == EXITED:
             culprit = self._peers[i]
@@ -472,16 +506,24 @@ class LocalStageWorker:
 
     def _watch(self) -> None:
         """Between calls: a peer whose process ended fails the job now, not at the
-        next call, so the other hosts learn it too."""
-        if self._segment is None or self._failure() is not None:
+        next call, so the other hosts learn it too; one that closed its worker
+        first ended normally (a later call names it as closed).  A failure another
+        rank of the host recorded: this rank's switch job is aborted for it."""
+        if self._segment is None or self._host_failure() is not None:
             return
         poll = select.poll()
         for fd in self._pidfds:
             if fd >= 0:
                 poll.register(fd, select.POLLIN)
         for fd, _ in poll.poll(0):
-            culprit = self._peers[self._pidfds.index(fd)]
-            self._fail(self._died(culprit), culprit)
+            i = self._pidfds.index(fd)
+            state = self._segment.view(self.stage.record(i, R_STATE), 1, np.uint64)[0]
+            if state == LEFT:
+                os.close(fd)
+                self._pidfds[i] = -1  # gone after its close: no death to report
+                continue
+            self._fail(self._died(self._peers[i]), self._peers[i])
+            return
 
     def _died(self, culprit: int, when: str = "") -> SwitchMLTimeoutError:
         """The error of a peer whose process ended (``when``: during what)."""
@@ -496,13 +538,26 @@ class LocalStageWorker:
         this rank's switch job, and return the host's failure (the first one)."""
         if culprit < 0 and getattr(error, "missing_ranks", None):
             culprit = error.missing_ranks[0]  # type: ignore[attr-defined]
+        if isinstance(error, LimitExceededError):  # a switch full at a rejoin: the switch's
+            culprit = _LIMITS.index(error.limit) if error.limit in _LIMITS else -1
         if self._segment is not None:
             code = next((c for t, c in _CODES if isinstance(error, t)), memory.FAILED_OTHER)
             memory.fail(self._segment.buf, code, culprit, str(error).encode()[:256])
             error = self._failure() or error
         if self.switch is not None:
+            self._switch_aborted = True
             self.switch.abort(self._in_shard_ranks(error))
         return error
+
+    def _host_failure(self) -> SwitchMLError | None:
+        """The host's recorded failure, if any, with this rank's switch job aborted
+        for it (once): a rank that sends no shard may have recorded it, and the
+        other hosts hear of it only from the switch jobs."""
+        failure = self._failure()
+        if failure is not None and self.switch is not None and not self._switch_aborted:
+            self._switch_aborted = True
+            self.switch.abort(self._in_shard_ranks(failure))
+        return failure
 
     @staticmethod
     def _in_shard_ranks(error: SwitchMLError) -> SwitchMLError:
@@ -527,6 +582,9 @@ class LocalStageWorker:
             return SwitchUnreachableError(reason)
         if code == memory.FAILED_TIMEOUT:
             return SwitchMLTimeoutError(reason, [culprit] if culprit >= 0 else [])
+        if code == memory.FAILED_LIMIT:
+            return LimitExceededError(reason, _LIMITS[culprit] if 0 <= culprit < len(_LIMITS)
+                                      else "slots")
         return SwitchMLError(reason)
 
     def _in_job_ranks(self, error: SwitchMLError) -> SwitchMLError:
