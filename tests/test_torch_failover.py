@@ -350,3 +350,146 @@ def test_a_return_that_fails_slowly_is_tried_less_often(join_s, most, least):
         assert least <= len(attempts) <= most, [round(a - attempts[0], 2) for a in attempts]
     else:
         assert len(attempts) >= least, len(attempts)
+
+
+# ---------------------------------------------------------------- the recovery's own threads
+class FakeWorker:
+    """A switch worker whose calls end when the test says (``ends``), or fail at
+    once (``gone``: its switch went away again)."""
+
+    recoverable_in_place = False
+    lost = None
+
+    def __init__(self, gone=False):
+        self.gone, self.ends = gone, []
+
+    def allreduce_async(self, array, out=None, sparse=False, bits=None, ready=None):
+        from concurrent.futures import Future
+
+        from switchml.errors import SwitchUnreachableError
+        from switchml.worker.calls import AllreduceHandle
+
+        future = Future()
+        if self.gone:
+            future.set_exception(SwitchUnreachableError("the switch went away again"))
+        self.ends.append(future)
+        return AllreduceHandle(future)
+
+    def close(self):
+        pass
+
+
+def one_rank_path(join, monkeypatch, **settings):
+    """A SwitchPath of one rank (its gloo group in this process) whose probes
+    always reach the switch."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from switchml.torch import failover
+
+    monkeypatch.setattr(failover, "fetch_stats", lambda address, timeout=None: {})
+    gloo = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=30))
+    return failover.SwitchPath(gloo, 0, 1, join, enabled=True, retry_s=0.05,
+                               address="127.0.0.1:9", name="job t", **settings)
+
+
+def a_call(value=1.0):
+    from switchml.torch.failover import Call
+
+    tensor = torch.full((4,), value)
+    return Call(tensor, None, False, None, lambda: [tensor])
+
+
+def settled(call, within=5.0) -> bool:
+    deadline = time.monotonic() + within
+    while not call.settled.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return call.settled.done()
+
+
+def test_a_return_to_a_switch_that_fails_the_calls_at_once_sends_them_to_gloo(monkeypatch):
+    """The group comes back to a switch that is gone again before the calls are
+    queued there (a worker over several switches fails them at once): they go
+    back through gloo, none is left waiting."""
+    from switchml.errors import SwitchUnreachableError
+
+    def join(generation):
+        if generation == 0:
+            raise SwitchUnreachableError("no switch at the start")
+        return FakeWorker(gone=True)
+
+    path = one_rank_path(join, monkeypatch)
+    try:
+        time.sleep(0.2)  # the probe reached the switch
+        call = a_call()
+        path.submit(call)
+        assert settled(call), (path._direct, sorted(path._pending))
+        assert path.counters["returns"] >= 1 and path.counters["fallbacks"] >= 2
+    finally:
+        path.close()
+
+
+def test_calls_that_fail_after_the_recovery_gave_up_fail_too(monkeypatch):
+    """The recovery gives up on the group (a call it cannot settle) while a later
+    call still runs on the worker: that call's failure, when it comes, settles
+    it with the group's error instead of leaving it waiting."""
+    from switchml.errors import SwitchUnreachableError
+
+    worker = FakeWorker()
+    path = one_rank_path(lambda generation: worker, monkeypatch)
+    try:
+        first, second = a_call(), a_call()
+        path.submit(first)
+        path.submit(second)
+        worker.ends[0].set_exception(SwitchUnreachableError("gone"))
+        assert settled(first) and path._broken is not None  # (lost: nothing to settle)
+        worker.ends[1].set_exception(SwitchUnreachableError("gone"))
+        assert settled(second)
+        assert second.settled.value().error is path._broken
+    finally:
+        path.close()
+
+
+def test_a_call_that_fails_otherwise_behind_a_failover_breaks_the_group(monkeypatch):
+    """Calls settle in call order once the group left the switch: a later call that
+    fails with the job's own error (not the switch's) cannot be settled, nor any
+    call after it; they fail, none waits forever."""
+    from switchml.errors import SwitchMLError, SwitchUnreachableError
+
+    worker = FakeWorker()
+    worker.lost = None
+    path = one_rank_path(lambda generation: worker, monkeypatch)
+    path._agree = lambda first, call: time.sleep(0.3) or False  # (settles nothing)
+    path._come_back = lambda call: False
+    try:
+        calls = [a_call() for _ in range(3)]
+        for call in calls:
+            path.submit(call)
+        worker.ends[0].set_exception(SwitchUnreachableError("gone"))
+        worker.ends[1].set_exception(SwitchMLError("ranks disagree"))
+        worker.ends[2].set_exception(SwitchUnreachableError("gone"))
+        assert all(settled(call) for call in calls), sorted(path._pending)
+        assert str(calls[1].settled.value().error) == "ranks disagree"
+    finally:
+        path.close()
+
+
+def test_closing_the_group_fails_the_calls_still_waiting(monkeypatch):
+    """Closed while calls wait for the recovery (on gloo, behind one it holds):
+    they fail, saying so, rather than never settle."""
+    from switchml.errors import SwitchUnreachableError
+
+    worker = FakeWorker()
+    path = one_rank_path(lambda generation: worker, monkeypatch)
+    path._agree = lambda first, call: time.sleep(1.0) or False
+    path._come_back = lambda call: False
+    calls = [a_call() for _ in range(3)]
+    for call in calls:
+        path.submit(call)
+    for end in worker.ends:
+        end.set_exception(SwitchUnreachableError("gone"))
+    time.sleep(0.2)  # the recovery holds call 0; 1 and 2 wait
+    path.close()
+    assert settled(calls[1]) and settled(calls[2])
+    assert "closed" in str(calls[2].settled.value().error)

@@ -219,6 +219,8 @@ class SwitchPath:
             outcomes = self._allgather(joined)
             if max(outcomes) > 0:
                 if 1 not in outcomes:
+                    if self.worker is not None:
+                        self.worker.close()
                     raise error if error is not None else SwitchMLError(
                         f"{name}: ranks {[r for r, o in enumerate(outcomes) if o]} could "
                         "not join the job on the switch")
@@ -280,13 +282,18 @@ class SwitchPath:
         try:
             handle.wait()
         except BaseException as exc:
-            if not (self.enabled and isinstance(exc, SwitchMLError) and switch_failure(exc)):
-                call.fail(exc)
-                return
+            failover = self.enabled and isinstance(exc, SwitchMLError) and switch_failure(exc)
             with self._lock:
-                if self._direct:
-                    self._leave_switch(index, exc, agreed=False)
-                self._pending[index] = call
+                if self._broken is not None:  # the recovery gave up: no one takes it
+                    call.fail(self._broken)
+                elif failover:
+                    if self._direct:
+                        self._leave_switch(index, exc, agreed=False)
+                    self._pending[index] = call
+                elif self._direct:
+                    call.fail(exc)  # the job's error, not the switch's: the caller's
+                else:  # behind a failover, which settles calls in order: this one
+                    self._break(exc, call)  # cannot be, nor any after it
                 self._lock.notify_all()
             return
         if self._mode == "segments":
@@ -330,9 +337,10 @@ class SwitchPath:
         """The recovery thread: the calls off the switch, in call order."""
         while True:
             with self._lock:
-                while not self._closed and (self._direct or self._next not in self._pending):
+                while not self._closed and self._broken is None and (
+                        self._direct or self._next not in self._pending):
                     self._lock.wait()
-                if self._closed:
+                if self._closed or self._broken is not None:
                     return
                 index = self._next
                 call = self._pending.pop(index)
@@ -353,12 +361,18 @@ class SwitchPath:
                 self._on_gloo(call)
             except BaseException as exc:  # a peer gone, gloo failed: every call fails
                 with self._lock:
-                    self._broken = exc
-                    for waiting in [call, *self._pending.values()]:
-                        waiting.fail(exc)
-                    self._pending.clear()
+                    self._break(exc, call)
                 return
             self._next += 1
+
+    def _break(self, error: BaseException, call: Call | None = None) -> None:
+        """No call of the group can go on (the lock held): ``call`` and every one
+        waiting fail with ``error``, and so does any later one."""
+        self._broken = error
+        for waiting in ([call] if call is not None else []) + list(self._pending.values()):
+            waiting.fail(error)
+        self._pending.clear()
+        self._lock.notify_all()
 
     def _agree(self, first: int, call: Call) -> bool:
         """Settle with the other ranks where each left the switch; True when ``call``
@@ -388,7 +402,7 @@ class SwitchPath:
                             else any(row[2] for row in rows)):
             return self._agree_whole(first, behind, ahead, call)
         summed = settle_resumed(self._ranks, self.name, first, behind, bool(ahead), lost,
-                                call.staging.array.reshape(-1))
+                                self._values(call))
         if summed is None:
             return False
         self._settled(call, summed)
@@ -406,7 +420,7 @@ class SwitchPath:
             sent = whole if self.rank == source else whole.copy()
             self._ranks.broadcast(sent, source)
             return False
-        self._ranks.broadcast(call.staging.array, source)
+        self._ranks.broadcast(self._values(call), source)
         call.finish()
         return True
 
@@ -428,12 +442,12 @@ class SwitchPath:
 
         def array_of(index: int) -> np.ndarray:
             if index == first:
-                return call.staging.array.reshape(-1)
+                return self._values(call)
             with self._lock:
                 pending = self._pending.get(index)
             if pending is None:
                 raise SwitchMLError(f"{self.name}: call {index} is not here to settle")
-            return pending.staging.array.reshape(-1)
+            return self._values(pending)
 
         self._plan = settle_parts(self._ranks, self.name, first,
                                   base + self.worker.calls_queued - 1, states, array_of)
@@ -444,7 +458,7 @@ class SwitchPath:
         """Call ``index`` after the plan: gloo sums what no rank holds of it."""
         plan = self._plan
         assert plan is not None
-        flat = call.staging.array.reshape(-1)
+        flat = self._values(call)
         spans = plan.spans(index, self.worker.parts(flat.size, call.bits))
         if spans and index < max(plan.firsts):
             raise SwitchMLError(f"{self.name}: call {index}, which some rank ended, has "
@@ -490,12 +504,21 @@ class SwitchPath:
                 if i == index]
         summed = settle_segments(
             self._ranks, self.name, index, self._segment,
-            call.staging.array.reshape(-1) if call is not None else None, copied or 0,
+            self._values(call) if call is not None else None, copied or 0,
             {t: values for t, values, _ in kept}, kept[0][2] if kept else -1)
         if call is None:
             return False
         self._settled(call, summed, part=bool(copied))
         return True
+
+    @staticmethod
+    def _values(call: Call) -> np.ndarray:
+        """``call``'s host values, flat, for a settlement to read or write: its copy
+        from the GPU (a CUDA tensor's, on a side stream) waited for first, which a
+        call the worker never began has not been."""
+        if call.staging.ready is not None:
+            call.staging.ready()
+        return call.staging.array.reshape(-1)
 
     def _settled(self, call: Call, summed: bool, part: bool = True) -> None:
         """``call`` holds its sum after a settlement: counted, and finished."""
@@ -537,21 +560,27 @@ class SwitchPath:
                 log.info("%s: the failed return took %.1fs: the next in %.0fs at the "
                          "earliest", self.name, took, pause)
             return False
+        assert worker is not None
         with self._lock:
             # every call issued so far is this one or waits here (the failed ones
             # reach the pending set in call order): they start on the switch, in order
             while any(i not in self._pending for i in range(self._next + 1, self._issued)):
+                if self._closed or self._broken is not None:
+                    worker.close()
+                    raise self._broken or SwitchMLError(f"{self.name}: closed")
                 self._lock.wait(0.01)
             old, self.worker = self.worker, worker
-            self._worker_base = self._next
+            first, self._worker_base = self._next, self._next
             self.counters["returns"] += 1
             log.warning("%s: back on the switch after %d calls on gloo", self.name,
                         self.counters["calls_on_gloo"])
-            self._on_switch(self._next, call)
-            for index in range(self._next + 1, self._issued):
-                self._on_switch(index, self._pending.pop(index))
-            self._next = self._issued
-            self._direct = True
+            calls = [(first, call)] + [(index, self._pending.pop(index))
+                                       for index in range(first + 1, self._issued)]
+            # on the switch before they are queued there: a worker that fails them at
+            # once (gone again) sends them back through _leave_switch, in order
+            self._next, self._direct = self._issued, True
+            for index, queued in calls:
+                self._on_switch(index, queued)
         if old is not None:
             old.close()
         return True
@@ -561,8 +590,13 @@ class SwitchPath:
         return [row[0] for row in self._ranks.rows([value])]
 
     def close(self) -> None:
+        """Leave the switch; calls still waiting for the recovery fail (closed)."""
         with self._lock:
             self._closed = True
+            closed = SwitchMLError(f"{self.name}: closed before this call was summed")
+            for waiting in self._pending.values():
+                waiting.fail(closed)
+            self._pending.clear()
             self._lock.notify_all()
         if self.worker is not None:
             self.worker.close()
