@@ -261,3 +261,98 @@ def test_a_rank_leaving_right_after_ready_is_named_at_once(switch):
         errors = job_whose_rank_1_vanishes(switch.address, f"brief-{attempt}", timeout=5)
         assert errors and errors[0].missing_ranks == [1], errors
         assert time.monotonic() - start < 3  # from the switch's news, not the 5 s timeout
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_call_whose_ready_raises_fails_the_job_not_the_sums(switch, threads):
+    """Rank 0's call cannot begin (its ``ready`` raises, as a device's failed copy):
+    the job fails on every rank naming rank 0, and no rank's next call is summed
+    with another's previous one (a wrong sum, silently)."""
+    def boom():
+        raise RuntimeError("the device's copy failed")
+
+    def body(rank):
+        with switchml.Worker(switch.address, rank, 2, timeout=3.0, threads=threads) as w:
+            outcomes = []
+            calls = [(np.full(8, 100, np.int32), boom if rank == 0 else None),
+                     (np.full(8, 1000 * (rank + 1), np.int32), None)]
+            for values, ready in calls:
+                try:
+                    outcomes.append(w.allreduce_async(values, ready=ready).wait(20)[0])
+                except Exception as exc:  # noqa: BLE001 - the outcome
+                    outcomes.append(exc)
+            return outcomes
+
+    zero, one = run_ranks(2, body)
+    assert isinstance(zero[0], RuntimeError), zero
+    for outcome in zero[1:] + one:
+        assert isinstance(outcome, switchml.SwitchMLError), (zero, one)
+        assert "rank 0's call failed there" in str(outcome), outcome
+
+
+def test_a_name_that_does_not_resolve_is_the_switchs_error_at_a_join_and_a_rejoin(
+        switch, monkeypatch):
+    """A switch named by a host name that does not resolve: SwitchUnreachableError
+    at the join; and where the name stops resolving while the ranks rejoin a
+    restarted switch (a pod's DNS record), the rejoin tries again until its bound,
+    then the calls raise that error, the worker's thread alive (not a hang)."""
+    with pytest.raises(switchml.SwitchUnreachableError, match="cannot reach the switch"):
+        switchml.Worker("nonexistent-host.invalid:7300", 0, 1, timeout=2.0)
+    real_connect = socket.socket.connect
+    unresolved = threading.Event()
+
+    def connect(sock, address):
+        if unresolved.is_set() and sock.type == socket.SOCK_DGRAM:
+            raise socket.gaierror(-2, "Name or service not known")
+        return real_connect(sock, address)
+
+    monkeypatch.setattr(socket.socket, "connect", connect)
+    sw = switchml.Switch().start()
+    workers = run_ranks(2, lambda r: switchml.Worker(f"localhost:{sw.address[1]}", r, 2,
+                                                     timeout=2.0))
+    try:
+        run_ranks(2, lambda r: workers[r].allreduce(np.ones(4, np.float32)))
+        unresolved.set()
+        sw.stop()
+
+        def call(rank):
+            with pytest.raises(switchml.SwitchUnreachableError, match="within 2s"):
+                workers[rank].allreduce_async(np.ones(4, np.float32)).wait(20)
+            return workers[rank]._thread.is_alive()
+
+        assert run_ranks(2, call) == [True, True]
+    finally:
+        for w in workers:
+            w.close()
+
+
+def test_a_call_queued_as_the_worker_closes_is_refused_or_served(switch, monkeypatch):
+    """A call that is being queued while the worker closes (another thread): it
+    is served before the end or refused, never left waiting behind the end."""
+    w = switchml.Worker(switch.address, 0, 1, timeout=3.0)
+    put = w._queue.put
+
+    def slow_put(item, *args, **kwargs):  # the queueing thread held up a moment
+        if item is not None:
+            time.sleep(0.3)
+        return put(item, *args, **kwargs)
+
+    monkeypatch.setattr(w._queue, "put", slow_put)
+    outcome: list = []
+
+    def queue_one():
+        try:
+            outcome.append(w.allreduce_async(np.ones(4, np.float32)).wait(10))
+        except Exception as exc:  # noqa: BLE001 - the outcome
+            outcome.append(exc)
+
+    caller = threading.Thread(target=queue_one)
+    caller.start()
+    time.sleep(0.1)
+    w.close()
+    caller.join(15)
+    assert outcome and not isinstance(outcome[0], TimeoutError), outcome
+    if isinstance(outcome[0], Exception):
+        assert "closed" in str(outcome[0])
+    else:
+        assert (outcome[0] == 1.0).all()

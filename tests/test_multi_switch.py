@@ -784,3 +784,32 @@ def test_a_rank_takes_a_thread_per_8_gbits_of_its_link_unless_told(monkeypatch):
         protocol.Join.from_dict({**join.fields(), "threads": 0})
     with pytest.raises(protocol.MalformedMessage, match="threads"):  # a switch's bad answer
         protocol.decode_event({**ready.fields(), "event": "ready", "threads": 10**9})
+
+
+def test_calls_made_after_an_abort_end_after_the_calls_before():
+    """A rank of two I/O threads aborts while a call runs (its peer never makes
+    it): a call it makes after the abort fails, but not before the call made
+    before it ends, as on one thread; every call raises the caller's error as
+    it is, not as a switch's."""
+    sw = make_switch()
+    try:
+        workers = run_ranks(2, lambda r: switchml.Worker(address(sw), r, 2, job="abort",
+                                                         timeout=5.0, threads=2))
+        run_ranks(2, lambda r: workers[r].allreduce(np.ones(4, np.float32)))
+        first = workers[0].allreduce_async(np.ones(1_000_000, np.float32))
+        time.sleep(0.2)
+        workers[0].abort(switchml.SwitchMLError("the caller gave up"))
+        later = workers[0].allreduce_async(np.ones(4, np.float32))
+        assert not later.done() or first.done()
+        ended = []
+        for name, handle in (("first", first), ("later", later)):
+            handle.add_done_callback(lambda _, name=name: ended.append(name))
+        for handle in (first, later):
+            with pytest.raises(switchml.SwitchMLError) as info:
+                handle.wait(10)
+            assert str(info.value) == "the caller gave up"
+        assert ended == ["first", "later"]
+        for w in workers:
+            w.close()
+    finally:
+        sw.stop()

@@ -283,6 +283,9 @@ class Worker(RejoinMixin):
                                     else env("WAIT_FOR_SLOTS", 0.0, float))
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
+        #: Queueing a call and closing, one at a time: no call lands behind the end.
+        self._queueing = threading.Lock()
+        self._serving = True  # False once the I/O thread failed: calls fail at once
         self._failure: SwitchMLError | None = None
         #: Set by ``abort`` (any thread); the I/O thread acts on it.
         self._abort_request: SwitchMLError | None = None
@@ -357,21 +360,26 @@ class Worker(RejoinMixin):
         # a float16 ulp
         src, out, narrow = widen(src, out)
         future: Future = Future()
-        if self._closed:
-            raise SwitchMLError("this worker is closed")
-        self._queue.put((src, out, sparse, future, narrow, bits, ready))
+        with self._queueing:
+            if self._closed:
+                raise SwitchMLError("this worker is closed")
+            if not self._serving:
+                raise self._failure or SwitchMLError("this worker's thread ended")
+            self._queue.put((src, out, sparse, future, narrow, bits, ready))
         self._wake()
         return AllreduceHandle(future)
 
     def close(self) -> None:
         """Leave the job (after queued allreduces finish) and release the sockets."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._queueing:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
         atexit.unregister(self.close)
-        self._queue.put(None)
         self._wake()
-        self._thread.join()
+        if self._thread is not threading.current_thread():  # (a call's done callback)
+            self._thread.join()
         for s in (self._control, self._udp, self._wake_r, self._wake_w):
             s.close()
 
@@ -426,7 +434,7 @@ class Worker(RejoinMixin):
         #: job over several threads joins its other threads' jobs after this one.
         self.threads = ready.threads
         # An IPv4 address, resolved once: the C loop takes one, and no send needs a lookup.
-        self._data_address = (socket.gethostbyname(self.switch_address[0]), ready.data_port)
+        self._data_address = (self._switch_ip, ready.data_port)
         #: Whether this worker sends runs of UDP GSO segments: where the switch takes
         #: them (protocol.Ready.gso), or, for an XDP switch, which asks for each
         #: datagram apart, where the runs leave this host cut into frames anyway
@@ -441,13 +449,15 @@ class Worker(RejoinMixin):
         udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         control: socket.socket | None = None
         try:
-            # The address the switch sees us from is the one routing picks toward it.
-            udp.connect((host, port))
-            local_ip = udp.getsockname()[0]
+            try:  # The address the switch sees us from is the one routing picks toward it.
+                udp.connect((host, port))
+            except OSError as exc:  # a name that does not resolve (now), no route
+                raise SwitchUnreachableError(f"cannot reach the {where}: {exc}") from None
+            local_ip, self._switch_ip = udp.getsockname()[0], udp.getpeername()[0]
             udp.close()
             # Packets are sized to one frame of this route (the switch takes the
             # least over the job's ranks); SWITCHML_MTU overrides what the kernel says.
-            mtu = env("MTU", None, int) or route_mtu((host, port))
+            mtu = env("MTU", None, int) or route_mtu((self._switch_ip, port))
             udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             udp.bind((local_ip, 0))
             rcvbuf = enlarge_buffers(udp)
@@ -524,52 +534,85 @@ class Worker(RejoinMixin):
         except SwitchMLError:
             self._lost_between_calls()  # the first call raises the failure
         try:
+            self._serve_calls()
+        except BaseException as exc:  # (a bug) every call queued and to come fails
+            self._out_of_step(exc)
+            log.exception("job %s rank %d: the worker's thread failed", self.job, self.rank)
+            with self._queueing:
+                self._serving = False
             while True:
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
-                    try:
-                        self._wait(1.0)
-                        self._honour_abort()
-                    except SwitchLost as lost:
-                        self._resume_idle(lost)
-                    except SwitchMLError:
-                        self._lost_between_calls()  # the next call raises the failure
-                    continue
-                if item is None:
                     break
-                src, out, sparse, future, narrow, bits, ready = item
-                try:
-                    self._honour_abort()
-                except SwitchMLError:
-                    self._lost_between_calls()
-                if self._failure is not None:
-                    future.set_exception(self._failure)
-                    continue
-                try:
-                    if ready is not None:
-                        ready()
-                    self._role = "before"  # the caller's arrays untouched
-                    if sparse == "auto":
-                        sparse = self._auto_choice(src)
-                    self._role = "call"
-                    self._call(src, out, sparse, bits)
-                except SwitchMLError as exc:
-                    self._failure = self._failure or exc
-                    self.failure_noted.set()
-                    future.set_exception(exc)
-                except BaseException as exc:  # a bug: surface it to the caller
-                    future.set_exception(exc)
-                else:
-                    future.set_result(narrow_result(narrow, out))
-                finally:
-                    self._role = None
-            if self._control_open:
-                # Also after a timeout: this rank is alive, and leaving rather than
-                # vanishing keeps the switch from blaming it for the others' stall.
-                self._leave()
+                if item is not None:
+                    item[3].set_exception(self._failure)
         finally:
             sel.close()
+
+    def _serve_calls(self) -> None:
+        """The I/O thread's loop: the queued calls in order, the control connection
+        between them; until ``close``."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                try:
+                    self._wait(1.0)
+                    self._honour_abort()
+                except SwitchLost as lost:
+                    self._resume_idle(lost)
+                except SwitchMLError:
+                    self._lost_between_calls()  # the next call raises the failure
+                continue
+            if item is None:
+                break
+            src, out, sparse, future, narrow, bits, ready = item
+            try:
+                self._honour_abort()
+            except SwitchMLError:
+                self._lost_between_calls()
+            if self._failure is not None:
+                future.set_exception(self._failure)
+                continue
+            try:
+                if ready is not None:
+                    ready()
+                self._role = "before"  # the caller's arrays untouched
+                if sparse == "auto":
+                    sparse = self._auto_choice(src)
+                self._role = "call"
+                self._call(src, out, sparse, bits)
+            except SwitchMLError as exc:
+                self._failure = self._failure or exc
+                self.failure_noted.set()
+                future.set_exception(exc)
+            except BaseException as exc:  # a failed ready() (a device's copy), a bug
+                self._out_of_step(exc)
+                future.set_exception(exc)
+            else:
+                future.set_result(narrow_result(narrow, out))
+            finally:
+                self._role = None
+        if self._control_open:
+            # Also after a timeout: this rank is alive, and leaving rather than
+            # vanishing keeps the switch from blaming it for the others' stall.
+            self._leave()
+
+    def _out_of_step(self, exc: BaseException) -> None:
+        """A call that failed here otherwise than by the job's or the switch's failure
+        (its ``ready()`` raised, a bug) began on the other ranks, or may have: this
+        rank's next call would be summed with their this one.  The job fails, for
+        every rank, naming this one."""
+        error = SwitchMLError(f"job '{self.job}': rank {self.rank}'s call failed there: "
+                              f"{exc!r}")
+        if self._failure is None:
+            self._failure = error
+            if self._control_open:
+                self._abort(error)
+            if self.on_failure is not None:
+                self.on_failure(error)
+        self.failure_noted.set()
 
     def _lost_between_calls(self) -> None:
         """The job failed between calls (``_failure``): where calls are recovered

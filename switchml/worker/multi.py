@@ -247,17 +247,18 @@ class MultiSwitchWorker:
         with self._lock:
             number, self._calls = self._calls, self._calls + 1
             failure = self._failure
+            parts = self.parts(src.size, bits) if failure is None else []
+            gather = _Gather(self, future, out, src.size, len(parts), self._last_call, number)
+            self._last_call = gather
             if failure is None:
-                parts = self.parts(src.size, bits)
-                gather = _Gather(self, future, out, src.size, len(parts), self._last_call,
-                                 number)
-                self._last_call = gather
                 self._queued_through = number
                 for k, start, stop in parts:
                     self._unfinished[k].append((number, start, stop))
                 self._parts_running += len(parts)
+            else:  # it fails, though after the calls queued before it, as they end
+                gather.fail_with(failure)
         if failure is not None:
-            future.set_exception(failure)
+            gather.parts_done()
             return AllreduceHandle(future)
         flat_src, flat_out = src.reshape(-1), out.reshape(-1)
         if not parts:  # an empty array: nothing to sum, as on one switch
@@ -392,6 +393,7 @@ class MultiSwitchWorker:
 
     def abort(self, error: SwitchMLError) -> None:
         """``Worker.abort``, on every switch: the job fails there for every rank."""
+        error._switchml_part = True  # type: ignore[attr-defined]  # the caller's, as it is
         self._fail(error, -1)
 
     def _switch_failed(self, error: SwitchMLError, k: int) -> None:
@@ -462,6 +464,10 @@ class _Gather:
         self._previous = previous  # None once it completed
         self._completed = False
         self._follower: _Gather | None = None  # the next call, its parts all back
+
+    def fail_with(self, error: BaseException) -> None:
+        """The call fails with ``error`` (made after the job failed: no parts)."""
+        self._errors.append(error)
 
     def part_done(self, handle: AllreduceHandle, k: int, start: int, stop: int) -> None:
         """On part k's channel thread, once its part finished."""
