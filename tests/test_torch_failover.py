@@ -493,3 +493,23 @@ def test_closing_the_group_fails_the_calls_still_waiting(monkeypatch):
     path.close()
     assert settled(calls[1]) and settled(calls[2])
     assert "closed" in str(calls[2].settled.value().error)
+
+
+def test_a_works_wait_ends_at_its_timeout_and_its_result_is_the_tensors():
+    """``Work.wait(timeout)``: a call not done by then raises, as gloo's does
+    (it waited for the call whatever the timeout); ``result()`` gives the call's
+    tensors, as gloo's does."""
+    from datetime import timedelta
+
+    from switchml.torch import _SwitchWork
+
+    work = _SwitchWork(torch.futures.Future())
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not complete within 0.2s"):
+        work.wait(timedelta(seconds=0.2))
+    assert time.monotonic() - start < 5
+    done = torch.futures.Future()
+    tensors = [torch.ones(3)]
+    done.set_result(tensors)
+    work = _SwitchWork(done)
+    assert work.wait(timedelta(seconds=1)) and work.result() is tensors

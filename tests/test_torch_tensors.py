@@ -45,6 +45,7 @@ def cases(draw):
         layouts.append("channels_last")
     if dtype.startswith(("float", "bfloat")):
         layouts.append("requires_grad")
+    layouts.append("inference")
     ops = ["sum", "sum", "avg", "max", "min", "product"]
     if dtype == "bool":
         ops.remove("avg")  # gloo refuses it, and so do we (gloo runs it)
@@ -78,6 +79,9 @@ NAMED = [
     case(shape=(2, 3, 4, 5), layout="channels_last"),
     case(shape=(3, 4), layout="requires_grad", op="avg"),
     case("float16", shape=(3,), layout="requires_grad", op="avg"),  # 16-bit: as float32
+    case(shape=(), layout="inference", op="avg", async_op=True),  # an evaluation's metric
+    case("bfloat16", shape=(4,), layout="inference"),
+    case(shape=(3, 5), layout="inference"),
     case("bfloat16", shape=(20_000,), layout="offset", scale=2),      # two packets
     case("float16", shape=(5, 7), layout="transposed", scale=4),     # sums past its range
     case(shape=(20_000,), layout="offset", scale=3),  # two packets

@@ -66,6 +66,9 @@ def build(case: dict, rank: int):
     elif layout == "requires_grad":
         base = values(case, rank, shape).requires_grad_(True)
         tensor = base
+    elif layout == "inference":  # made under torch.inference_mode(), summed there too
+        with torch.inference_mode():
+            base = tensor = values(case, rank, shape)
     else:
         base = tensor = values(case, rank, shape)
     return tensor, base
@@ -112,9 +115,11 @@ def run(case: dict, group, rank: int, detach: bool = False):
         tensor = base = tensor.detach().contiguous()
     before = layout_of(tensor), outside(tensor, base).clone()
     op = OPS[case["op"]]
-    work = dist.all_reduce(tensor, op=op, group=group, async_op=case["async"])
-    if case["async"]:
-        work.wait()
+    # (inference mode is a thread's: the result is written on another one)
+    with torch.inference_mode(case["layout"] == "inference"):
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=case["async"])
+        if case["async"]:
+            work.wait()
     after = layout_of(tensor), outside(tensor, base)
     return tensor.detach().clone(), before, after
 

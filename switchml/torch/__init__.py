@@ -32,6 +32,7 @@ nccl group for everything else.
 
 import logging
 import secrets
+import threading
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from ..switch.process import SwitchProcess
 from ..worker.client import Worker
 from ..worker.local.hosts import HostRecord, Hosts, Placement, host_record
 from .failover import DEFAULT_RETRY_S, Call, Failed, SwitchPath, fallback_on
+from .staging import writable
 
 log = logging.getLogger("switchml.torch")
 
@@ -223,6 +225,14 @@ class _SwitchWork(dist._Work):
         self._settled = settled
 
     def wait(self, timeout=None) -> bool:
+        """Until the call ends (its error raised), or ``timeout`` (a timedelta; 0 or
+        None: none) passes: then a RuntimeError, as gloo's ``wait`` raises."""
+        if timeout:
+            ended = threading.Event()
+            self._future.add_done_callback(lambda _: ended.set())
+            if not ended.wait(timeout.total_seconds()):
+                raise RuntimeError(f"switchml: the collective did not complete within "
+                                   f"{timeout.total_seconds():g}s (Work.wait's timeout)")
         if self._settled is not None:
             outcome = self._settled.wait()
             if isinstance(outcome, Failed):
@@ -236,6 +246,11 @@ class _SwitchWork(dist._Work):
     def get_future(self) -> torch.futures.Future:
         return self._future
 
+    def result(self) -> list:
+        """The call's tensors, once it completed (``wait``)."""
+        self.wait()
+        return self._future.value()
+
 
 class _AllWorks(dist._Work):
     """One Work over several gloo Works (some of gloo's have no future to combine)."""
@@ -246,7 +261,10 @@ class _AllWorks(dist._Work):
 
     def wait(self, timeout=None) -> bool:
         for work in self._works:
-            work.wait()  # raises a failed one's error
+            if timeout:
+                work.wait(timeout)  # raises a failed one's error, or at the timeout
+            else:
+                work.wait()
         return True
 
     def is_completed(self) -> bool:
@@ -369,7 +387,7 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
 
         def result(fut):
             fut.value()  # raises gloo's error
-            with torch.no_grad():  # a requires_grad leaf takes the result as gloo gives it
+            with writable(t):  # (gloo's thread: as the caller could write it)
                 t.copy_(staged)
             return tensors
 

@@ -106,12 +106,15 @@ class HostStaging:
         """Divide the sum by ``divisor`` (AVG; integers truncated, as NCCL's average
         does) and put it into the caller's tensor if it was staged in a copy (a 16-bit
         tensor takes the float32 result rounded to nearest, once)."""
-        _divide(self.host, divisor)
-        if self._buffer is not None:
-            with torch.no_grad():  # a requires_grad leaf takes the result as gloo gives it
-                self.tensor.copy_(self.host)
-            _HOST_BUFFERS.give(self._buffer)
-            self._buffer = None
+        try:
+            with writable(self.tensor):
+                _divide(self.host, divisor)
+                if self._buffer is not None:
+                    self.tensor.copy_(self.host)
+        finally:
+            if self._buffer is not None:
+                _HOST_BUFFERS.give(self._buffer)
+                self._buffer = None
 
 
 #: How a CUDA tensor's call moves between the GPU and the host
@@ -204,20 +207,22 @@ class CudaStaging:
         """Enqueue the sum's copy back to the device, divided by ``divisor`` (AVG) and
         rounded to the tensor's dtype there, into the caller's tensor (nothing to do
         where the segments went back already).  Run in ``context()``."""
-        if self.sent_upto < self.tensor.numel():
-            with torch.no_grad():
-                if self.tensor.dtype == self.host.dtype and self.tensor.is_contiguous():
-                    self.tensor.copy_(self.host, non_blocking=True)
-                    _divide(self.tensor, divisor)
-                else:
-                    result = self.host.to(self.tensor.device, non_blocking=True)
-                    _divide(result, divisor)
-                    self.tensor.copy_(result)
-        # its copy to the device is enqueued: the next user's copy into it comes after
-        self._pool.give(self._buffer)
-        if self._events:  # each waited for (the segments, ready(), the copies): done
-            _give_events(self.tensor.device, self._events)
-            self._events = []
+        try:
+            if self.sent_upto < self.tensor.numel():
+                with writable(self.tensor):
+                    if self.tensor.dtype == self.host.dtype and self.tensor.is_contiguous():
+                        self.tensor.copy_(self.host, non_blocking=True)
+                        _divide(self.tensor, divisor)
+                    else:
+                        result = self.host.to(self.tensor.device, non_blocking=True)
+                        _divide(result, divisor)
+                        self.tensor.copy_(result)
+        finally:
+            # its copy to the device is enqueued: the next user's copy into it comes after
+            self._pool.give(self._buffer)
+            if self._events:  # each waited for (the segments, ready(), the copies): done
+                _give_events(self.tensor.device, self._events)
+                self._events = []
 
 
 def _staged_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -234,7 +239,7 @@ def _send_back(staging: CudaStaging, host: torch.Tensor, start: int, stop: int,
                divisor: int | None) -> None:
     """Enqueue the sum of elements [start, stop), in ``host``, into the tensor on
     the side stream: divided and rounded to the tensor's dtype on the device."""
-    with torch.no_grad():
+    with writable(staging.tensor):
         target = staging.tensor.detach().view(-1)[start:stop]
         if target.dtype != host.dtype or divisor is not None:
             summed = host.to(target.device, non_blocking=True)
@@ -382,6 +387,17 @@ def _register(worker) -> bool:
 @contextlib.contextmanager
 def _on_stream(stream):
     with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        yield
+
+
+@contextlib.contextmanager
+def writable(tensor: torch.Tensor):
+    """Where a call's result goes into the caller's ``tensor``: on the worker's
+    thread or a future's callback, not the caller's, so as the caller could write
+    it there.  An inference tensor (made under ``torch.inference_mode()``, which is
+    a thread's) is written in inference mode, any other without autograd (a
+    ``requires_grad`` leaf takes the result as gloo gives it)."""
+    with torch.inference_mode(tensor.is_inference()), torch.no_grad():
         yield
 
 
