@@ -8,6 +8,7 @@ if sys.argv[1:2] == ["campaign"]:
 
     sys.exit(main(sys.argv[2:]))
 
-from switchml.bench.suite import cli  # noqa: E402
+from switchml.bench import suite  # noqa: E402
+from switchml.cli import plain  # noqa: E402
 
-sys.exit(cli(prog="python -m bench"))
+sys.exit(suite.cli(prog="python -m bench", description=plain(suite.__doc__)))

@@ -283,9 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _bench(argv: list) -> int:
     """``switchml bench ARGS``: the side-by-side suite (switchml/bench/suite.py)."""
-    from .bench.suite import cli
+    from .bench import suite
 
-    return cli(argv, prog="switchml bench")
+    return suite.cli(argv, prog="switchml bench", description=plain(suite.__doc__))
 
 
 def main(argv=None) -> int:

@@ -38,7 +38,6 @@ import importlib.util
 import json
 import os
 import platform
-import re
 import sys
 import time
 
@@ -619,10 +618,10 @@ def main(args, argv_text: str = "", prog: str = "switchml bench") -> int:
     return 0
 
 
-def cli(argv=None, prog: str = "switchml bench") -> int:
-    # the docstring without reST's marks (as ``switchml --help``: cli.plain)
-    description = re.sub(r":\w+:`([^`]*)`", r"\1", __doc__ or "").replace("``", "")
-    parser = argparse.ArgumentParser(prog=prog, description=description,
+def cli(argv=None, prog: str = "switchml bench", description: str | None = None) -> int:
+    """The command; ``description``: what ``--help`` prints above the flags (this
+    module's docstring where None; the ``switchml`` command gives it plain)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description or __doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     argv = sys.argv[1:] if argv is None else argv
