@@ -593,10 +593,7 @@ class SwitchPath:
         """Leave the switch; calls still waiting for the recovery fail (closed)."""
         with self._lock:
             self._closed = True
-            closed = SwitchMLError(f"{self.name}: closed before this call was summed")
-            for waiting in self._pending.values():
-                waiting.fail(closed)
-            self._pending.clear()
-            self._lock.notify_all()
+            self._break(self._broken or SwitchMLError(
+                f"{self.name}: closed before this call was summed"))
         if self.worker is not None:
             self.worker.close()
