@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from switchml import wire
 from switchml.sim.network import Faults, Simulation, StalledSimulation
-from switchml.switch import server
+from switchml.switch import sockets
 from switchml.switch.dataplane import fastpipeline
 from switchml.switch.dataplane.fastpipeline import FastPipeline
 from switchml.switch.dataplane.pipeline import Pipeline
@@ -358,7 +358,7 @@ def test_drain_cuts_runs_received_whole_into_the_reference_datagrams():
     arrives as one receive; the loop must run each of its datagrams through the
     pipeline, in order, the last one shorter, as the reference does one by one."""
     switch, workers, addrs, fast, ref = _a_job_on_both(8)
-    switch.setsockopt(socket.SOL_UDP, server.UDP_GRO, 1)
+    switch.setsockopt(socket.SOL_UDP, sockets.UDP_GRO, 1)
     rng = np.random.default_rng(3)
 
     def contribution(msg, slot, count=16):
@@ -380,7 +380,7 @@ def test_drain_cuts_runs_received_whole_into_the_reference_datagrams():
             workers[r].sendto(datagrams[0], switch.getsockname())
             continue
         workers[r].sendmsg([b"".join(datagrams)],
-                           [(socket.SOL_UDP, server.UDP_SEGMENT,
+                           [(socket.SOL_UDP, sockets.UDP_SEGMENT,
                              len(datagrams[0]).to_bytes(2, sys.byteorder))], 0,
                            switch.getsockname())
     received = 0

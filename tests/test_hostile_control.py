@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import switchml
 from switchml.netutil import unacknowledged
 from switchml.protocol import Join
-from switchml.switch import server
+from switchml.switch import connections
 from switchml.switch.control import Controller
 from switchml.switch.dataplane.pipeline import Pipeline
 
@@ -126,7 +126,7 @@ def test_a_client_that_never_reads_cannot_stall_the_switch(switch, monkeypatch):
     The switch's end of the connection gets a kernel send buffer of a few KiB,
     which, with the client's small window, fills long before the bound: a switch
     that waited for the client would wait there, bound or no bound."""
-    monkeypatch.setattr(server, "MAX_CONTROL_BACKLOG", 1 << 16)
+    monkeypatch.setattr(connections, "MAX_CONTROL_BACKLOG", 1 << 16)
     hog = never_reading_client(switch.address)
     deadline = time.monotonic() + 10
     while not switch._conns:
@@ -160,7 +160,7 @@ def test_replies_held_by_the_kernel_count_toward_the_backlog_bound(switch, monke
     only its own queue, it waited with the replies in the kernel until TCP's user
     timeout (the keepalive, 20 s) ended the connection, uncounted: a flood stalled
     by loopback TCP backing off on a loaded machine did that to the test above."""
-    monkeypatch.setattr(server, "MAX_CONTROL_BACKLOG", 1 << 16)
+    monkeypatch.setattr(connections, "MAX_CONTROL_BACKLOG", 1 << 16)
     hog = never_reading_client(switch.address)
     hog.sendall(b'{"op": "stats"}\n' * 1000)  # 16 KB: the switch reads it all
     wait_for_the_slow_reader_hang_up(switch)

@@ -140,7 +140,8 @@ LAYERS = [
     ["switch.xdp", "switch.control", "switch.descriptors", "worker.control",
      "worker.rendezvous", "worker.calls"],
     ["switch.racks", "worker.multi"],
-    ["switch.server", "switch.process", "switch.metrics", "worker.local"],
+    ["switch.server", "switch.connections", "switch.sockets", "switch.process",
+     "switch.metrics", "worker.local"],
     ["worker.client", "switch", "worker"],
     ["", "sim", "torch", "testbed", "bench", "demo", "cli"],
 ]

@@ -28,7 +28,7 @@ from switchml.config import SwitchConfiguration
 from switchml.sim.network import Faults
 from switchml.switch.dataplane import fastpipeline
 from switchml.switch.dataplane.fastpipeline import FastPipeline
-from switchml.switch.server import _bind_group, _bind_pair
+from switchml.switch.sockets import bind_group, bind_pair
 
 pytestmark = pytest.mark.skipif(fastpipeline._fastpath is None,
                                 reason="switchml.switch.dataplane._fastpath is not built")
@@ -50,8 +50,8 @@ def _received_slots(sock: socket.socket) -> list:
 
 @pytest.mark.parametrize("threads", [2, 3])
 def test_the_kernel_steers_each_slot_to_its_socket(threads):
-    tcp, first = _bind_pair("127.0.0.1", 0, reuse_port=True)
-    group = _bind_group(first, threads)
+    tcp, first = bind_pair("127.0.0.1", 0, reuse_port=True)
+    group = bind_group(first, threads)
     tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         for slot in list(range(200)) + [65535, 4097]:

@@ -1,40 +1,27 @@
 """The software switch behind real sockets: UDP data plane, TCP control plane.
 
 One thread runs everything: it drains the UDP socket through the pipeline and
-serves control connections in between, so the sans-IO pipeline and controller
-never see concurrent calls.  With the C data plane and ``threads`` above 1, the
-datagrams are the C core's own data threads' instead: one socket each, bound to
-the port in one SO_REUSEPORT group whose steering program gives each datagram
-to the thread owning its slot (``fastpipeline.steer_by_slot``); the serving
-thread keeps the control connections, and a data thread's failure stops the
-switch with an error (``failure``).  The control port and the data port have the same
-number (TCP and UDP).  Control replies are queued per connection and sent without
-blocking: a client that does not read them is hung up on, never waited for.  Every
-hang-up is counted by its reason: ``control_bad_message`` (not JSON lines),
-``control_slow_reader`` (replies not read), ``control_lost`` (the connection
-failed: reset, or timed out by TCP keepalive); a client closing is not one.
-Connections that have not joined a job wait in the ``Lobby``: closed when they
-do not join within ``join_deadline`` (``control_join_deadline``), or to make
-room under its caps (``control_source_cap``, ``control_unjoined_cap``), so that
-no flood of them takes the descriptors that members and joins need; members are
-never closed for them.  At start the switch raises its soft descriptor limit to
-the hard one and refuses a configuration that cannot fit in it
-(``descriptors.py``).
+serves control connections in between (connections.py), so the sans-IO pipeline
+and controller never see concurrent calls.  With the C data plane and ``threads``
+above 1, the datagrams are the C core's own data threads' instead: one socket
+each, bound to the port in one SO_REUSEPORT group whose steering program gives
+each datagram to the thread owning its slot (``fastpipeline.steer_by_slot``,
+sockets.py); the serving thread keeps the control connections, and a data
+thread's failure stops the switch with an error (``failure``).  The control port
+and the data port have the same number (TCP and UDP).  At start the switch raises
+its soft descriptor limit to the hard one and refuses a configuration that cannot
+fit in it (``descriptors.py``).
 Optionally, Prometheus metrics are served over HTTP on their own thread; they are
 read from the counters at scrape time (see ``metrics.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import logging
 import os
 import selectors
 import socket
-import struct
-import sys
 import threading
 import time
 from collections import Counter
@@ -43,28 +30,31 @@ from typing import TYPE_CHECKING
 from ..auth import read_token, token_from_env
 from ..config import SwitchConfiguration, auto_switch_threads, env, parse_address
 from ..errors import DataPlaneUnavailableError, SwitchMLError
-from ..netutil import (
-    LineReader,
-    drain_error_queue,
-    enable_keepalive,
-    encode_line,
-    enlarge_buffers,
-    forbid_fragmentation,
-    is_loopback,
-    report_local_drops,
-    route_mtu,
-    send_when_room,
-    unacknowledged,
-)
-from ..protocol import Error, StatsQuery, StatusQuery
+from ..netutil import drain_error_queue, is_loopback, route_mtu
 from . import descriptors
+from .connections import (
+    ACCEPT_PAUSE,
+    LOBBY_LOG_INTERVAL,
+    LOBBY_SWEEP_INTERVAL,
+    ControlConnections,
+    _Connection,
+)
 from .control import Controller
 from .dataplane import fastpipeline
 from .dataplane.pipeline import Pipeline
-from .lobby import REASONS, Closing, Lobby
+from .lobby import Lobby
 from .racks.control import RackController
 from .racks.pipeline import RackPipeline, Uplink
 from .racks.uplinks import Uplinks
+from .sockets import (
+    GRO_CMSG_SPACE,
+    bind_group,
+    bind_pair,
+    gro_segment,
+    receive_runs_whole,
+    send_one,
+    send_results,
+)
 
 if TYPE_CHECKING:  # imported when metrics are asked for: it needs prometheus-client
     from .metrics import MetricsServer
@@ -74,14 +64,6 @@ log = logging.getLogger("switchml.switch")
 
 #: Datagrams handled between two looks at the control sockets.
 DRAIN_BATCH = 256
-#: linux/udp.h: a send's segment size, for UDP GSO; a GSO send's limits (the
-#: kernel's UDP_MAX_SEGMENTS, and one IP packet's worth of payload)
-UDP_SEGMENT = 103
-#: linux/udp.h: a socket that takes a run of datagrams that arrived whole in one
-#: receive (the C data plane cuts it)
-UDP_GRO = 104
-GSO_SEGMENTS = 64
-GSO_BYTES = 65507
 #: The same for the C data plane, whose datagrams cost a few microseconds each.
 FAST_DRAIN_BATCH = 2048
 #: Seconds between readings of the serving thread's CPU time (``cpu_s`` in stats).
@@ -90,50 +72,11 @@ CPU_READ_INTERVAL = 0.1
 #: whose programs and maps the dispatcher would hold until another switch there
 #: comes or goes.
 XDP_SWEEP_INTERVAL = 1.0
-#: Bytes of control replies its client has not acknowledged, queued in the switch or
-#: in its kernel's send buffer, after which a connection that does not read is closed.
-MAX_CONTROL_BACKLOG = 4 << 20
-#: Seconds the listener rests after accept() failed (out of file descriptors, say).
-ACCEPT_PAUSE = 0.2
 #: Seconds between the DEBUG summaries of dropped packets (never one line per packet).
 DROP_LOG_INTERVAL = 10.0
-#: Connections accepted at most per look at the listener: a flood is taken off the
-#: kernel's accept queue quickly (where a full queue would drop a job's SYN, and its
-#: connect would wait a second for the retry), between looks at the members.
-ACCEPT_BATCH = 64
-#: The listener's accept queue (the kernel caps it at net.core.somaxconn).
-LISTEN_BACKLOG = 4096
-#: Seconds between looks for connections that stopped being members (their job ended
-#: or was refused while they stay open): they wait in the lobby again.
-LOBBY_SWEEP_INTERVAL = 1.0
-#: ... and the soonest look after a request or a close that may have ended a job
-#: (at most one look this often, whatever the rate of joins and leaves).
-LOBBY_SWEEP_SOON = 0.05
-#: Requests after which a connection that is no member may have ended others' jobs.
-MEMBERSHIP_REQUESTS = ("join", "rack_join", "prove", "leave", "abort")
-#: Seconds between the WARNING summaries of connections the lobby closed.
-LOBBY_LOG_INTERVAL = 10.0
-#: Requests an operator makes without joining: answered, they renew the join deadline.
-OPERATOR_REQUESTS = (StatsQuery.name, StatusQuery.name)
-#: The pipeline counter of each of the lobby's reasons to close a connection.
-LOBBY_COUNTERS = {reason: f"control_{reason}" for reason in REASONS}
-#: Every reason a control connection is hung up on, as ``stats()["control"]["closed"]``.
-CLOSE_REASONS = ("bad_message", "slow_reader", "lost", *REASONS)
 
 
-class _Connection:
-    """A control connection: its socket, the lines it sent so far, replies not yet sent."""
-
-    __slots__ = ("sock", "source", "reader", "outbox")
-
-    def __init__(self, sock: socket.socket, source: str):
-        self.sock = sock
-        self.source = source
-        self.reader = LineReader()
-        self.outbox = bytearray()
-
-
-class Switch:
+class Switch(ControlConnections):
     """A software switch: ``with Switch() as sw: ...`` or ``start()`` / ``stop()``.
 
     Its settings are a ``config.SwitchConfiguration``: the keyword arguments
@@ -242,24 +185,24 @@ class Switch:
             return self
         self.descriptor_limit = descriptors.raise_limit()
         descriptors.check_fits(self.configuration, self.descriptor_limit)
-        tcp, udp = self._tcp, self._udp = _bind_pair(self._host, self._port,
+        tcp, udp = self._tcp, self._udp = bind_pair(self._host, self._port,
                                                      reuse_port=self.threads > 1)
         self.address = (self._host, tcp.getsockname()[1])
         if self.threads > 1:
             try:
-                self._data_sockets = _bind_group(udp, self.threads)
+                self._data_sockets = bind_group(udp, self.threads)
             except BaseException:
                 tcp.close()
                 udp.close()
                 raise
         if isinstance(self.pipeline, fastpipeline.FastPipeline) and self.udp_gro:
             for sock in self._data_sockets or [udp]:
-                _receive_runs_whole(sock)
+                receive_runs_whole(sock)
         if self.data_plane == "xdp":
             try:  # the program takes the port's datagrams from here on
                 ifindex = self._xdp.serve(self.address, mode=self.xdp_mode)
                 if self._xdp.merges_results:  # GRO merges results only for a socket
-                    _receive_runs_whole(udp)  # that takes runs (and they may reach it)
+                    receive_runs_whole(udp)  # that takes runs (and they may reach it)
                     self._socket_takes_runs = True
             except BaseException:
                 tcp.close()
@@ -369,20 +312,6 @@ class Switch:
         stats["cpu_s"] = self._cpu_seconds + (self._fast.threads_cpu_s()
                                               if self.threads > 1 else 0.0)
         return stats
-
-    def _control_stats(self) -> dict:
-        """The control connections: held, waiting to join, the lobby's settings, and
-        every hang-up by reason (``CLOSE_REASONS``)."""
-        counters = self.pipeline.counters
-        return {
-            "connections": len(self._conns),
-            "unjoined": len(self.lobby),
-            "join_deadline_s": self.lobby.deadline,
-            "max_unjoined": self.lobby.max_total,
-            "max_unjoined_per_source": self.lobby.max_per_source,
-            "descriptor_limit": self.descriptor_limit,
-            "closed": {reason: counters.get(f"control_{reason}", 0) for reason in CLOSE_REASONS},
-        }
 
     def serve_forever(self) -> None:
         """Run until KeyboardInterrupt (for the CLI)."""
@@ -531,7 +460,7 @@ class Switch:
             try:
                 if runs:  # UDP_GRO: a run of datagrams comes as one, its size beside it
                     n, ancillary, _flags, addr = udp.recvmsg_into([buf], GRO_CMSG_SPACE)
-                    segment = _gro_segment(ancillary) or n
+                    segment = gro_segment(ancillary) or n
                 else:
                     n, addr = udp.recvfrom_into(buf)
                     segment = n
@@ -556,33 +485,8 @@ class Switch:
         return True
 
     def _send_results(self, replies) -> None:
-        """Datagrams to workers, those of equal size to one worker as the segments of
-        one UDP GSO send (as the C data plane sends a batch's results): one system
-        call and one pass through the stack a run, not one a datagram.  A send the
-        kernel refuses goes again datagram by datagram (``_send_one``)."""
-        udp = self._sockets[1]
-        by_dst: dict = {}
-        for datagram, dst in replies:
-            by_dst.setdefault(dst, []).append(datagram)
-        for dst, datagrams in by_dst.items():
-            i = 0
-            while i < len(datagrams):
-                size, j = len(datagrams[i]), i + 1
-                most = min(GSO_SEGMENTS, GSO_BYTES // max(size, 1))
-                while j < len(datagrams) and j - i < most and len(datagrams[j]) == size:
-                    j += 1
-                if j - i > 1 and self.udp_gso:
-                    try:
-                        segment = size.to_bytes(2, sys.byteorder)
-                        udp.sendmsg([b"".join(datagrams[i:j])],
-                                    [(socket.SOL_UDP, UDP_SEGMENT, segment)], 0, dst)
-                        i = j
-                        continue
-                    except OSError:
-                        self.pipeline.counters["gso_send_errors"] += 1
-                for datagram in datagrams[i:j]:
-                    self._send_one(udp, datagram, dst)
-                i = j
+        """Results to workers, in runs of UDP GSO segments (``sockets.send_results``)."""
+        send_results(self._sockets[1], replies, self.pipeline.counters, self.udp_gso)
 
     def _send_datagrams(self, replies) -> None:
         """What the pipeline answered: to workers, or up to a rack switch's spine."""
@@ -592,37 +496,7 @@ class Switch:
                 assert self._uplinks is not None
                 self._uplinks.send_datagram(datagram, dst)
                 continue
-            self._send_one(udp, datagram, dst)
-
-    def _send_one(self, udp, datagram, dst) -> None:
-        """One datagram to a worker; where this host's own queue refuses it (ENOBUFS:
-        its link is full, ``report_local_drops``) try again after a pause, as the C
-        data plane does (fastpath_io.c), rather than lose it."""
-        def count_wait(waited):
-            self.pipeline.counters["send_waits"] += 1
-
-        try:
-            send_when_room(udp, datagram, dst, count_wait)
-        except OSError as exc:
-            if exc.errno == errno.EMSGSIZE:
-                self._send_fragmented(datagram, dst)
-            else:
-                self.pipeline.counters["send_errors"] += 1
-
-    def _send_fragmented(self, datagram, dst) -> None:
-        """A result larger than the path MTU, which IP_PMTUDISC_DO refuses: a job whose
-        workers did not ask for frame-sized packets.  It goes out fragmented,
-        counted (``send_fragmented``), so that such a job still works; the C data
-        plane does the same."""
-        udp = self._sockets[1]
-        forbid_fragmentation(udp, False)
-        try:
-            udp.sendto(datagram, dst)
-            self.pipeline.counters["send_fragmented"] += 1
-        except OSError:
-            self.pipeline.counters["send_errors"] += 1
-        finally:
-            forbid_fragmentation(udp)
+            send_one(udp, datagram, dst, self.pipeline.counters)
 
     @property
     def _xdp(self) -> XdpPipeline:
@@ -665,190 +539,6 @@ class Switch:
             return False
         return received >= FAST_DRAIN_BATCH
 
-    def _accept(self) -> bool:
-        """Accept up to ACCEPT_BATCH control connections, each into the lobby (which
-        may close older ones that wait); False when accept() failed (no descriptors)."""
-        listener = self._sockets[0]
-        for _ in range(ACCEPT_BATCH):
-            try:
-                sock, addr = listener.accept()
-            except BlockingIOError:
-                return True
-            except OSError as exc:
-                self.pipeline.counters["control_accept_errors"] += 1
-                log.warning("cannot accept control connections for %gs: %s", ACCEPT_PAUSE, exc)
-                return False
-            sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            enable_keepalive(sock, self.keepalive)
-            conn = self._conns[sock] = _Connection(sock, addr[0])
-            self._selector.register(sock, selectors.EVENT_READ, conn)
-            with self._lock:
-                self._close_for_lobby(self.lobby.arrive(sock, conn.source, time.monotonic()))
-            # A client sends its join as it connects: often here already, taken now,
-            # it never waits in the lobby among a flood that would push it out.
-            self._on_control(conn)
-        return True
-
-    # -------------------------------------------------------------- the lobby
-    def _close_for_lobby(self, closings: list[Closing]) -> None:
-        """Close what the lobby let go, each counted by its reason (under the lock).
-        Each gets a last look first: a complete request it sent that is not read
-        yet is taken, and a connection it made a member stays (part of a line
-        does not save it)."""
-        for closing in closings:
-            conn = self._conns.get(closing.conn)
-            if conn is None:
-                continue
-            self._on_control(conn, settle=False)
-            if conn.sock not in self._conns or self._control.holds(conn.sock):
-                continue
-            self.pipeline.counters[LOBBY_COUNTERS[closing.reason]] += 1
-            self._lobby_sources[closing.source] += 1
-            log.debug("closing a control connection from %s that did not join: %s",
-                      closing.source, closing.reason)
-            self._close(conn)
-
-    def _expire_lobby(self, now: float) -> None:
-        deadline = self.lobby.next_deadline()
-        if deadline is not None and deadline <= now:
-            with self._lock:
-                self._close_for_lobby(self.lobby.expire(now))
-
-    def _settle(self, conn: _Connection, messages: list, now: float) -> None:
-        """After ``conn``'s requests: a member leaves the lobby; a connection that
-        stopped being one (its job ended or was refused) waits there again; an
-        operator's answered request gives it a fresh deadline (under the lock)."""
-        sock = conn.sock
-        if sock not in self._conns:
-            return
-        if self._control.holds(sock):
-            self.lobby.leave(sock)
-            return
-        ops = {m.get("op") for m in messages if isinstance(m, dict)}
-        if not ops.isdisjoint(MEMBERSHIP_REQUESTS):  # others' jobs may have ended with it
-            self._sweep_lobby_soon(now)
-        if sock not in self.lobby:
-            self._close_for_lobby(self.lobby.arrive(sock, conn.source, now))
-        elif not ops.isdisjoint(OPERATOR_REQUESTS):
-            self.lobby.renew(sock, now)
-
-    def _sweep_lobby_soon(self, now: float) -> None:
-        self._next_lobby_sweep = min(self._next_lobby_sweep, now + LOBBY_SWEEP_SOON)
-
-    def _sweep_lobby(self, now: float) -> None:
-        """Connections neither members nor waiting (another's request ended their job)
-        wait in the lobby again."""
-        with self._lock:
-            control = self._control
-            for sock, conn in list(self._conns.items()):
-                if sock in self._conns and sock not in self.lobby and not control.holds(sock):
-                    self._close_for_lobby(self.lobby.arrive(sock, conn.source, now))
-
-    def _log_lobby(self) -> None:
-        """One WARNING line with what the lobby closed since the last one, if anything."""
-        with self._lock:
-            closed = Counter({reason: self.pipeline.counters.get(counter, 0)
-                              for reason, counter in LOBBY_COUNTERS.items()})
-            fresh = closed - self._lobby_closed_logged
-            self._lobby_closed_logged = closed
-            sources, self._lobby_sources = self._lobby_sources, Counter()
-        if fresh:
-            top = ", ".join(f"{source} {n}" for source, n in sources.most_common(3))
-            log.warning("closed %d control connections that did not join (%s); most from %s",
-                        sum(fresh.values()), ", ".join(f"{reason} {n}" for reason, n in
-                                                       sorted(fresh.items())), top)
-
-    def _on_control(self, conn: _Connection, *, settle: bool = True) -> None:
-        """Read and answer what ``conn`` sent; ``settle``: then its place in the lobby
-        follows (``_settle``), not while the lobby is closing it."""
-        try:
-            data = conn.sock.recv(65536)
-            messages = conn.reader.feed(data) if data else None
-        except BlockingIOError:  # nothing yet (a look when accepted, or a last look)
-            return
-        except OSError as exc:
-            self._hang_up(conn, "control_lost", logging.INFO, "control connection lost: %s", exc)
-            return
-        except ValueError as exc:  # not JSON lines: hang up on it
-            self._hang_up(conn, "control_bad_message", logging.INFO,
-                          "closing a control connection that sent a bad message: %s", exc)
-            return
-        with self._lock:
-            if messages is None:  # the client closed it
-                self._close(conn)
-                return
-            if not messages:  # part of a line: it buys no time (the lobby's deadline)
-                return
-            replies: list = []
-            for message in messages:
-                try:
-                    replies += self._control.handle_message(conn.sock, message)
-                except Exception:  # a bug must not take the switch down
-                    self.pipeline.counters["internal_errors"] += 1
-                    log.exception("controller failed on %r", message)
-                    replies.append((conn.sock, Error("internal error").to_dict()))
-            self._send(replies)
-            if settle:
-                self._settle(conn, messages, time.monotonic())
-
-    def _hang_up(self, conn: _Connection, counter: str, level: int, why: str, *args) -> None:
-        """Close a control connection for a reason, counted as ``counter`` and logged;
-        the count and the close are one step for ``stats()``."""
-        with self._lock:
-            if conn.sock not in self._conns:  # closed already
-                return
-            self.pipeline.counters[counter] += 1
-            log.log(level, why, *args)
-            self._close(conn)
-
-    def _close(self, conn: _Connection) -> None:
-        """Forget a control connection; the controller fails or shrinks its job."""
-        if self._conns.pop(conn.sock, None) is None:
-            return
-        if conn.sock not in self.lobby:  # a member: its job fails or shrinks
-            self._sweep_lobby_soon(time.monotonic())
-        self.lobby.leave(conn.sock)
-        self._selector.unregister(conn.sock)
-        replies = self._control.handle_disconnect(conn.sock)
-        conn.sock.close()
-        self._send(replies)
-
-    def _send(self, replies) -> None:
-        if self._uplinks is not None:  # a rack switch's requests for its spine
-            replies = self._uplinks.carry_out(replies)
-        for sock, message in replies:
-            conn = self._conns.get(sock)
-            if conn is not None:
-                conn.outbox += encode_line(message)
-                self._flush(conn)
-
-    def _flush(self, conn: _Connection) -> None:
-        """Send what the socket takes now; watch for writability while replies remain.
-
-        The backlog bound counts the replies the kernel took but the client did not
-        acknowledge: the kernel's send buffer grows to some MiB, and a client that
-        does not read could otherwise fill it, stall its side of the exchange, and
-        be timed out by TCP (``control_lost``) before the switch's own queue grew.
-        """
-        try:
-            while conn.outbox:
-                del conn.outbox[: conn.sock.send(conn.outbox)]
-        except BlockingIOError:
-            pass
-        except OSError as exc:  # reset, or timed out: the client is gone
-            self._hang_up(conn, "control_lost", logging.INFO, "control connection lost: %s", exc)
-            return
-        backlog = len(conn.outbox) + unacknowledged(conn.sock)
-        if backlog > MAX_CONTROL_BACKLOG:
-            self._hang_up(conn, "control_slow_reader", logging.WARNING,
-                          "closing a control connection that does not read its replies "
-                          "(%d bytes not acknowledged)", backlog)
-            return
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbox else 0)
-        if self._selector.get_key(conn.sock).events != events:
-            self._selector.modify(conn.sock, events, conn)
-
     def _log_drops(self) -> None:
         """One DEBUG line with the drops since the last one, by reason."""
         if not log.isEnabledFor(logging.DEBUG):
@@ -874,20 +564,6 @@ def _xdp_pipeline(config: SwitchConfiguration) -> XdpPipeline:
                        block_elements=config.block_elements, port=config.port or 0,
                        drop_rate=config.drop_rate, egress_drop_rate=config.egress_drop_rate,
                        seed=config.seed)
-
-
-def _data_socket(reuse_port: bool) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    if reuse_port:  # before bind: the group is made at bind
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    return sock
-
-
-def _set_up_data_socket(udp: socket.socket) -> None:
-    udp.setblocking(False)
-    enlarge_buffers(udp)
-    forbid_fragmentation(udp)  # every datagram is one frame, or none
-    report_local_drops(udp)  # a server's full link: wait, do not lose results
 
 
 def config_chose_no_data_plane(config: SwitchConfiguration) -> bool:
@@ -919,68 +595,3 @@ def data_threads(config: SwitchConfiguration, data_plane: str) -> int:
         return auto_switch_threads()
     return 1
 
-
-#: Room for the UDP_GRO control message of a receive (its segment size, an int).
-GRO_CMSG_SPACE = socket.CMSG_SPACE(4)
-
-
-def _gro_segment(ancillary: list) -> int:
-    """The segment size of a run received whole (UDP_GRO's control message), or
-    0 where the datagram came alone."""
-    for level, kind, data in ancillary:
-        if level == socket.SOL_UDP and kind == UDP_GRO and len(data) >= 4:
-            return struct.unpack("i", data[:4])[0]
-    return 0
-
-
-def _receive_runs_whole(sock: socket.socket) -> None:
-    """UDP_GRO on ``sock``, for the C data plane's loop (and the Python loop of an
-    XDP switch whose results the kernel merges into runs, which GRO does only for
-    such a socket); where the kernel has none (before Linux 5.0) every datagram
-    stays a receive of its own."""
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_UDP, UDP_GRO, 1)
-
-
-def _bind_group(first: socket.socket, threads: int) -> list[socket.socket]:
-    """``first`` (bound with SO_REUSEPORT) and ``threads - 1`` more sockets bound to
-    its address, in that order: the kernel steers each datagram to the socket of
-    index ``slot % threads`` (the order of binding)."""
-    group = [first]
-    try:
-        for _ in range(threads - 1):
-            sock = _data_socket(reuse_port=True)
-            group.append(sock)
-            sock.bind(first.getsockname())
-            _set_up_data_socket(sock)
-        fastpipeline.steer_by_slot(first, threads)
-    except BaseException:
-        for sock in group[1:]:
-            sock.close()
-        raise
-    return group
-
-
-def _bind_pair(host: str, port: int, attempts: int = 50, reuse_port: bool = False):
-    """A TCP listener and a UDP socket bound to the same port number (the UDP one
-    the first of an SO_REUSEPORT group, with ``reuse_port``)."""
-    last = None
-    for _ in range(attempts if port == 0 else 1):
-        tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        tcp.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        tcp.bind((host, port))
-        udp = _data_socket(reuse_port)
-        try:
-            udp.bind((host, tcp.getsockname()[1]))
-        except OSError as exc:
-            tcp.close()
-            udp.close()
-            last = exc
-            if exc.errno != errno.EADDRINUSE:
-                raise
-            continue
-        tcp.listen(LISTEN_BACKLOG)
-        tcp.setblocking(False)  # accepted in batches, until the queue is empty
-        _set_up_data_socket(udp)
-        return tcp, udp
-    raise OSError(f"could not bind TCP and UDP to one port on {host}: {last}")
