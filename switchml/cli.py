@@ -72,6 +72,9 @@ def _switch(args) -> int:
         switch.serve_forever()
     except KeyboardInterrupt:
         print("stopped", file=sys.stderr)
+    except SwitchMLError as exc:  # it stopped serving by itself (``Switch.failure``)
+        print(f"switchml switch: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

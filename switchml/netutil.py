@@ -153,8 +153,20 @@ _IP_MTU = getattr(socket, "IP_MTU", 14)
 FALLBACK_MTU = 1500
 
 
+def is_ipv4(host) -> bool:
+    """Whether ``host`` is an IPv4 address as the kernel writes one ("10.0.0.2"),
+    never a name, which would have to be resolved."""
+    try:
+        return socket.inet_ntop(socket.AF_INET, socket.inet_pton(socket.AF_INET, host)) == host
+    except (OSError, TypeError, ValueError):
+        return False
+
+
 def route_mtu(address: tuple) -> int:
-    """The MTU of the route to ``address`` (host, port): what one frame carries."""
+    """The MTU of the route to ``address`` (an IPv4 address, port): what one frame
+    carries.  OSError for a name: it is never resolved (no DNS on a serving thread)."""
+    if not is_ipv4(address[0]):
+        raise OSError(errno.EINVAL, f"not an IPv4 address: {address[0]!r}")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect(address)  # picks the route; sends nothing
         try:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .auth import ADMISSION_HEX, KEY_HEX, SIGNATURE_HEX
-from .netutil import encode_line
+from .netutil import encode_line, is_ipv4
 
 #: Version of the control protocol this code speaks (``Join.version``).
 PROTOCOL_VERSION = 2  # 2: Challenge and Prove, job keys, per-rank data tokens
@@ -177,9 +177,9 @@ class Join(Request):
         world = _integer(msg, "world_size", 1, 2**31)
         rank = _integer(msg, "rank", 0, 2**31)
         addr = msg["data_addr"]
-        if not (isinstance(addr, list) and len(addr) == 2 and isinstance(addr[0], str)):
-            raise BadRequest("data_addr must be [host, port]")
-        address = (addr[0][:MAX_NAME], _integer({"port": addr[1]}, "port", 1, 65535))
+        if not (isinstance(addr, list) and len(addr) == 2 and is_ipv4(addr[0])):
+            raise BadRequest("data_addr must be [IPv4 address, port]")
+        address = (addr[0], _integer({"port": addr[1]}, "port", 1, 65535))
         slots = _integer(msg, "slots", 1, 2**31) if msg.get("slots") is not None else None
         rcvbuf = _integer(msg, "rcvbuf", 0, 2**62) if msg.get("rcvbuf") is not None else 0
         mtu = _integer(msg, "mtu", MIN_MTU, 1 << 20) if msg.get("mtu") is not None else None

@@ -32,9 +32,9 @@ def test_ready_only_when_every_rank_joined(ctl):
 @pytest.mark.parametrize("msg, reason", [
     ({"op": "join", "version": 2, "job": "j", "rank": 0}, "needs"),
     ({"op": "join", "version": 2, "job": "j", "rank": 5, "world_size": 2,
-      "data_addr": ["a", 1]}, "outside"),
+      "data_addr": ["10.0.0.1", 1]}, "outside"),
     ({"op": "join", "version": 2, "job": "j", "rank": 0, "world_size": 40,
-      "data_addr": ["a", 1]}, "32"),
+      "data_addr": ["10.0.0.1", 1]}, "32"),
     ({"op": "nonsense"}, "unknown"),
     ("not a dict", "unknown"),
 ])

@@ -61,6 +61,11 @@ def test_non_finite_and_mistyped_join_fields_are_refused(switch):
         '{%s, "data_addr": ["127.0.0.1", 1e999]}' % base,
         '{%s, "data_addr": ["127.0.0.1", 70000]}' % base,
         '{%s, "data_addr": "127.0.0.1:5000"}' % base,
+        # a name, which the switch would resolve on its serving thread (a resolver
+        # that never answers would stall every job): refused, never looked up
+        '{%s, "data_addr": ["localhost", 5000]}' % base,
+        '{%s, "data_addr": ["127.0.0.1\\u0000", 5000]}' % base,
+        '{%s, "data_addr": ["127.1", 5000]}' % base,
         '{"op": "join", "version": 2, "job": "x", "rank": 0.5, "world_size": 1, '
         '"data_addr": ["h", 1]}',
         '{"op": "join", "version": 2, "job": "x", "rank": 0, "world_size": true, '
@@ -191,7 +196,7 @@ def test_more_connections_than_file_descriptors_do_not_kill_the_switch():
         flood = []
         for i in range(150):
             conn = socket.create_connection((host, int(port)))
-            conn.sendall(Join(f"squat{i}", 0, 2, ("127.0.0.1", 9)).encode())
+            conn.sendall(Join(f"squat{i}", 0, 2, ("127.0.0.1", 1000 + i)).encode())
             flood.append(conn)
         time.sleep(0.5)  # the switch runs out of descriptors accepting them
         for conn in flood:
@@ -218,7 +223,8 @@ fields = {
     "job": st.sampled_from(["a", "b"]) | json_values,
     "rank": st.integers(-1, 3) | json_values,
     "world_size": st.integers(0, 4) | json_values,
-    "data_addr": st.tuples(st.sampled_from(["h1", "h2"]), st.integers(0, 4)).map(list)
+    "data_addr": st.tuples(st.sampled_from(["10.0.0.1", "10.0.0.2"]),
+                           st.integers(0, 4)).map(list)
     | json_values,
     "slots": st.integers(0, 12) | st.none() | json_values,
     "wait": st.booleans() | json_values,
@@ -245,3 +251,99 @@ def test_controller_never_raises_and_never_leaks_slots(actions):
         assert set(pipeline.jobs) == {job.session for job in running}
         for c, (name, rank) in ctl._conn_job.items():
             assert ctl.jobs[name].conns[rank] == c
+        # every data address belongs to one job at most, and the index says which
+        assert ctl._address_job == {addr: ident for ident, job in ctl.jobs.items()
+                                    for addr in job.addrs.values()}
+
+
+# ---------------------------------------------------------------- one address, one job
+def join(conn, job, rank, world, port, wait=False, ctl=None):
+    msg = {"op": "join", "version": 2, "job": job, "rank": rank, "world_size": world,
+           "data_addr": ["10.0.0.1", port], "wait": wait}
+    return ctl.handle_message(conn, msg)
+
+
+def test_a_data_address_another_job_holds_is_refused_and_the_waiting_queue_lives_on():
+    """The data plane tells members apart by address: a job that claims one a
+    running job holds, and waits for room, would make the switch install it
+    twice when room came (a ValueError that took the serving thread down)."""
+    ctl = Controller(Pipeline(slots=8, packet_elements=64), data_port=9, slots_per_job=4,
+                     max_jobs=2)
+    assert join("a", "A", 0, 1, 5000, ctl=ctl)[0][1]["event"] == "ready"
+    assert join("c", "C", 0, 1, 5001, ctl=ctl)[0][1]["event"] == "ready"
+    [(_, reply)] = join("b", "B", 0, 1, 5000, wait=True, ctl=ctl)
+    assert reply["event"] == "error" and "already used by a rank of another job" in \
+        reply["message"]
+    assert join("d", "D", 0, 1, 5002, wait=True, ctl=ctl)[0][1]["event"] == "waiting"
+    started = ctl.handle_disconnect("c")  # room: the waiting job starts, nothing raises
+    assert [(c, r["event"]) for c, r in started] == [("d", "ready")]
+    # ranks of jobs still gathering hold their addresses too, until they go
+    assert join("e0", "E", 0, 2, 6000, ctl=ctl)[0][1]["event"] == "joined"
+    assert join("f0", "F", 0, 2, 6000, ctl=ctl)[0][1]["event"] == "error"
+    assert join("e1", "E", 1, 2, 6000, ctl=ctl)[0][1]["event"] == "error"  # its own job's
+    ctl.handle_disconnect("e0")
+    assert join("f0", "F", 0, 2, 6000, ctl=ctl)[0][1]["event"] == "joined"
+    assert ctl.pipeline.counters["internal_errors"] == 0
+
+
+def test_a_bug_on_a_disconnect_is_counted_and_the_switch_serves_on(switch, monkeypatch):
+    def broken(self, conn):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(Controller, "handle_disconnect", broken)
+    control_exchange(switch.address, b'{"op": "stats"}\n')  # closed after the reply
+    deadline = time.monotonic() + 5
+    while switch.stats()["counters"].get("internal_errors", 0) == 0:
+        assert time.monotonic() < deadline, "the disconnect never reached the controller"
+        time.sleep(0.01)
+    monkeypatch.undo()
+    job_still_works(switch.address)
+
+
+def test_a_serving_thread_that_fails_stops_the_switch_with_its_error(monkeypatch):
+    def broken(self):
+        raise RuntimeError("a bug in the loop")
+
+    sw = switchml.Switch()
+    monkeypatch.setattr(switchml.Switch, "_log_lobby", broken)
+    sw.start()
+    try:
+        sw._thread.join(timeout=5)
+        assert not sw._thread.is_alive()
+        assert isinstance(sw.failure, switchml.SwitchMLError)
+        assert "a bug in the loop" in str(sw.failure)
+    finally:
+        sw.stop()
+
+
+def test_idle_gatherings_do_not_lock_jobs_out():
+    """Gatherings of host records are members, as joins' ranks are: however many
+    wait idle, a new job's ranks still gather (a cap on gatherings made four idle
+    connections refuse every job of a switch with max_jobs=4)."""
+    ctl = Controller(Pipeline(slots=8, packet_elements=64), data_port=9, max_jobs=1)
+    gather = {"op": "gather", "version": 2, "world_size": 2, "value": "v"}
+    for i in range(20):
+        [(_, reply)] = ctl.handle_message(f"idle{i}", {**gather, "job": f"squat{i}", "rank": 0})
+        assert reply["event"] == "joined"
+    ctl.handle_message("r0", {**gather, "job": "real", "rank": 0})
+    done = ctl.handle_message("r1", {**gather, "job": "real", "rank": 1})
+    assert sorted((c, r["event"]) for c, r in done) == [("r0", "gathered"), ("r1", "gathered")]
+
+
+def test_an_unknown_request_is_answered_and_counted_as_no_hang_up(switch):
+    with socket.create_connection(switch.address, timeout=2.0) as conn:
+        conn.sendall(b'{"op": "bogus"}\n')
+        assert json.loads(conn.makefile().readline())["event"] == "error"
+        conn.sendall(b'{"op": "stats"}\n')
+        assert json.loads(conn.makefile().readline())["event"] == "stats"
+        stats = switch.stats()
+    assert stats["counters"]["control_unknown_request"] == 1
+    assert stats["control"]["closed"]["bad_message"] == 0
+
+
+def test_running_jobs_that_share_a_name_each_have_their_stats():
+    pipeline = Pipeline(slots=8, packet_elements=64)
+    pipeline.install_job("default", 1, [("10.0.0.1", 1)], 0, 2)
+    pipeline.install_job("default", 2, [("10.0.0.1", 2)], 2, 2)
+    pipeline.install_job("other", 3, [("10.0.0.1", 3)], 4, 2)
+    assert sorted(pipeline.stats()["jobs"]) == ["default@00000001", "default@00000002", "other"]

@@ -23,7 +23,7 @@ from switchml.protocol import (
 
 REQUESTS = [
     Join("j", 1, 4, ("10.0.0.2", 4000), slots=8, rcvbuf=1 << 20, mtu=9000, wait=True),
-    Join("j", 0, 1, ("h", 1)),
+    Join("j", 0, 1, ("10.0.0.3", 1)),
     Leave(),
     Abort("no progress for 30s", (2, 3)),
     Abort("the switch at h:7300 closed the control connection", (), switch_lost=True),

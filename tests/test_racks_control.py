@@ -27,6 +27,14 @@ from switchml.worker.control import ControlClient
 
 
 # ---------------------------------------------------------------- the control relay (sans-IO)
+def uplink_addresses(rack: int):
+    """A rack's address for each job toward the spine, one socket each as
+    ``Uplinks.address_for`` opens: 10.0.1.<rack>, port 9000 + rack for its first
+    job, 10 more for each next one."""
+    ports: dict = {}
+    return lambda job: (f"10.0.1.{rack}", ports.setdefault(job, 9000 + rack + 10 * len(ports)))
+
+
 class Relay:
     """A spine ``Controller`` and rack ``RackController``s wired by hand: what the
     servers do with sockets, here with lists.  ``told[conn]``: the events each
@@ -38,7 +46,7 @@ class Relay:
         for r in range(racks):
             rack = RackController(RackPipeline(slots, K), data_port=7400 + r,
                                   spine=("10.0.0.1", 7300),
-                                  uplink_address=lambda job, r=r: (f"10.0.1.{r}", 9000 + r))
+                                  uplink_address=uplink_addresses(r))
             self.racks.append(rack)
         self.told: dict = {}
         self.open_uplinks: set = set()  # (rack, job) connections to the spine
@@ -608,6 +616,18 @@ def test_an_authenticated_job_forms_through_racks_and_a_squatter_stays_apart():
     squatter = clients["squatter"][1]
     assert squatter.ready is None and squatter.error is None
     [spine_job] = relay.spine.pipeline.jobs.values()
-    assert spine_job.members == [("10.0.1.0", 9000), ("10.0.1.1", 9001)]
+    # the squatter's job came first at rack 0: the real one has the rack's next socket
+    assert spine_job.members == [("10.0.1.0", 9010), ("10.0.1.1", 9001)]
     assert all(("10.0.2.50", 5050) not in job.members
                for rack in relay.racks for job in rack.pipeline.jobs.values())
+
+
+def test_a_rack_refuses_a_data_address_that_a_rank_of_another_job_holds():
+    relay = Relay(racks=1)
+    relay.worker(0, "a", join(0, 2, job="A"))
+    relay.worker(0, "b", join(0, 2, job="B"))  # the same worker address, another job
+    [error] = relay.told["b"]
+    assert error["event"] == "error" and "a rank of another job" in error["message"]
+    relay.worker_gone(0, "a")
+    relay.worker(0, "b2", join(0, 2, job="B"))  # free again once A's rank went
+    assert relay.told["b2"][-1]["event"] == "joined"

@@ -235,15 +235,23 @@ class ControlConnections:
                 return
             replies: list = []
             for message in messages:
-                try:
-                    replies += self._control.handle_message(conn.sock, message)
-                except Exception:  # a bug must not take the switch down
-                    self.pipeline.counters["internal_errors"] += 1
-                    log.exception("controller failed on %r", message)
-                    replies.append((conn.sock, Error("internal error").to_dict()))
+                answer = self._guarded(self._control.handle_message, conn.sock, message)
+                replies += [(conn.sock, Error("internal error").to_dict())] \
+                    if answer is None else answer
             self._send(replies)
             if settle:
                 self._settle(conn, messages, time.monotonic())
+
+    def _guarded(self, handle, *args) -> list | None:
+        """The controller's answer to ``handle(*args)``; None where it failed: a bug
+        there is logged and counted (``internal_errors``), and the switch serves on
+        (under the lock)."""
+        try:
+            return handle(*args)
+        except Exception:  # a bug must not take the switch down
+            self.pipeline.counters["internal_errors"] += 1
+            log.exception("the controller failed on %s%r", handle.__name__, args[1:])
+            return None
 
     def _hang_up(self, conn: _Connection, counter: str, level: int, why: str, *args) -> None:
         """Close a control connection for a reason, counted as ``counter`` and logged;
@@ -263,7 +271,7 @@ class ControlConnections:
             self._sweep_lobby_soon(time.monotonic())
         self.lobby.leave(conn.sock)
         self._selector.unregister(conn.sock)
-        replies = self._control.handle_disconnect(conn.sock)
+        replies = self._guarded(self._control.handle_disconnect, conn.sock) or []
         conn.sock.close()
         self._send(replies)
 

@@ -157,6 +157,9 @@ class Controller:
         self.loopback_only = loopback_only
         self.jobs: dict[tuple, JobEntry] = {}  # (name, key) -> job
         self._conn_job: dict = {}  # connection id -> ((name, key), its first rank)
+        #: data address -> the job whose rank (or rack switch) sends from it: the
+        #: data plane tells members apart by address, so no two jobs share one.
+        self._address_job: dict[tuple, tuple] = {}
         #: Requests waiting for their proof: connection -> rank -> (request, nonce).
         self._challenges: dict[Any, dict[int, tuple[Any, str]]] = {}
         self._racks: dict = {}  # connections of rack switches (several ranks each) -> name
@@ -164,7 +167,7 @@ class Controller:
         self._recent: deque[int] = deque(maxlen=RECENT_SESSIONS_KEPT)
         self.refused: Counter = Counter()  # joins refused, by reason
         #: Ranks exchanging their host records before they join (``protocol.Gather``).
-        self.gatherings = Gatherings(limit=max_jobs)
+        self.gatherings = Gatherings()
 
     def holds(self, conn) -> bool:
         """Whether ``conn`` holds a rank of a job (gathering, waiting or running) or of
@@ -185,8 +188,8 @@ class Controller:
         """``handle_message`` with the answers as ``protocol`` events."""
         try:
             request = msg if isinstance(msg, protocol.Request) else protocol.decode_request(msg)
-        except protocol.UnknownMessage as exc:
-            self.pipeline.counters["control_bad_message"] += 1
+        except protocol.UnknownMessage as exc:  # answered; the connection stays
+            self.pipeline.counters["control_unknown_request"] += 1
             return [(conn, Error(str(exc)))]
         except protocol.VersionMismatch as exc:
             return self._refuse(conn, "version", str(exc), version=PROTOCOL_VERSION)
@@ -279,7 +282,7 @@ class Controller:
             return []
         if not job.session:
             for r in ranks:
-                job.addrs.pop(r, None)
+                self._forget_address(job, job.addrs.pop(r, None))
                 job.rcvbufs.pop(r, None)
                 job.mtus.pop(r, None)
                 job.patient.discard(r)
@@ -346,6 +349,9 @@ class Controller:
         if rank >= world:
             return self._refuse(conn, "bad_request", f"rank {rank} is outside 0..{world - 1}")
         ident = (name, join.key)
+        if self._address_job.get(addr, ident) != ident:
+            return self._refuse(conn, "duplicate_address",
+                                f"data address {addr} is already used by a rank of another job")
         job = self.jobs.get(ident)
         created = job is None
         if job is None:
@@ -368,6 +374,7 @@ class Controller:
                                 f"data address {addr} is already used by another rank")
         job.conns[rank] = conn
         job.addrs[rank] = addr
+        self._address_job[addr] = ident
         job.rejoined = job.rejoined or join.rejoin
         job.threads = min(job.threads, join.threads)
         if rcvbuf > 0:
@@ -447,16 +454,26 @@ class Controller:
             log.info("job %s waits for room: %s", job.name, why)
             waiting = Waiting(job.name, limit, why)
             return [(c, waiting) for c in _members(job)]
+        return self._refuse_job(job, limit, f"{why} (workers may wait for room: "
+                                            f"wait_for_slots)", limit=limit)
+
+    def _refuse_job(self, job: JobEntry, reason: str, why: str,
+                    limit: str | None = None) -> list:
+        """Every rank of a job that cannot start hears why (``limit``: the switch's
+        limit it exceeds), counted by ``reason``; the job is forgotten."""
         conns = _members(job)
         for c in conns:
             self._conn_job.pop(c, None)
             self._racks.pop(c, None)
+        if job.waiting:
+            job.waiting = False
+            self._queue.remove(job.ident)
         del self.jobs[job.ident]
+        self._forget_addresses(job)
         self.pipeline.counters["control_join_refused"] += len(job.conns)
-        self.refused[limit] += len(job.conns)
+        self.refused[reason] += len(job.conns)
         log.warning("job %s refused: %s", job.name, why)
-        error = Error(f"job '{job.name}' refused: {why} (workers may wait for room: "
-                      f"wait_for_slots)", limit)
+        error = Error(f"job '{job.name}' refused: {why}", limit)
         return [(c, error) for c in conns]
 
     def _blocking_limit(self, job: JobEntry):
@@ -488,9 +505,12 @@ class Controller:
         # Each member's own token, which only its own connection hears: no member
         # can pass for another, and a spoofed source address without it adds nothing.
         tokens = new_tokens(len(conns), session)
-        self.pipeline.install_job(job.name, session, members, base, job.slot_count,
-                                  packet_elements=job.packet_elements,
-                                  block_elements=job.block_elements, tokens=tokens)
+        try:
+            self.pipeline.install_job(job.name, session, members, base, job.slot_count,
+                                      packet_elements=job.packet_elements,
+                                      block_elements=job.block_elements, tokens=tokens)
+        except ValueError as exc:  # the data plane cannot hold it: this job alone fails
+            return self._refuse_job(job, "bad_request", f"the data plane cannot take it: {exc}")
         job.session = session
         self.pipeline.counters["jobs_started"] += 1
         if job.rejoined:  # its ranks ran it on a switch here that went away
@@ -620,12 +640,25 @@ class Controller:
         self.pipeline.remove_job(job.session, state)
         self._recent.append(job.session)
         self.jobs.pop(job.ident, None)
+        self._forget_addresses(job)
         for c in job.conns.values():
             self._conn_job.pop(c, None)
             self._racks.pop(c, None)
         if state == "ended":
             self.pipeline.counters["jobs_ended"] += 1
         return self._admit_waiting()
+
+    def _forget_address(self, job: JobEntry, addr) -> None:
+        """``addr`` is free for other jobs once no rank of ``job`` sends from it."""
+        if addr in self._address_job and addr not in job.addrs.values() \
+                and self._address_job[addr] == job.ident:
+            del self._address_job[addr]
+
+    def _forget_addresses(self, job: JobEntry) -> None:
+        """A job that ended, failed or was refused frees its data addresses."""
+        for addr in job.addrs.values():
+            if self._address_job.get(addr) == job.ident:
+                del self._address_job[addr]
 
     def _by_session(self, session: int) -> JobEntry | None:
         return next((j for j in self.jobs.values() if j.session == session), None)

@@ -42,11 +42,12 @@ class _Gathering:
 
 
 class Gatherings:
-    """The open gatherings; at most ``limit`` at once (each holds at most
-    ``protocol.MAX_GATHER_RANKS`` values of ``protocol.MAX_NAME`` characters)."""
+    """The open gatherings.  Each connection holds one rank's value, of at most
+    ``protocol.MAX_NAME`` characters, so their memory grows with the connections
+    the switch holds, as joins' does, and they have no cap of their own: a cap
+    that idle gatherings could fill would lock every job out of the switch."""
 
-    def __init__(self, limit: int):
-        self.limit = limit
+    def __init__(self) -> None:
         self._open: dict[tuple, _Gathering] = {}  # (job name, key) -> its gathering
         self._conn: dict = {}  # connection -> ((job name, key), rank)
 
@@ -65,9 +66,6 @@ class Gatherings:
         entry = self._open.get(ident)
         created = entry is None
         if entry is None:
-            if len(self._open) >= self.limit:
-                raise GatherRefused("max_jobs", f"the switch holds at most {self.limit} "
-                                                "gatherings at once")
             entry = self._open[ident] = _Gathering(request.world_size)
         elif entry.world_size != request.world_size:
             raise GatherRefused("world_size_mismatch",

@@ -372,7 +372,7 @@ class Switch(ControlConnections):
                     else:  # Python, or what the XDP program passes up
                         busy = self._drain(buf, view)
                     if self.pipeline.has_mismatches:  # ranks disagree: fail their job now
-                        self._send(self._control.handle_mismatches())
+                        self._send(self._guarded(self._control.handle_mismatches) or [])
                         self._sweep_lobby_soon(time.monotonic())
                 now = time.monotonic()
                 if now >= next_cpu_read:  # a syscall: not once per batch of datagrams
@@ -425,6 +425,10 @@ class Switch(ControlConnections):
                             self._flush(key.data)
                     elif callable(key.data):  # a rack switch's socket toward its spine
                         key.data(events)
+        except Exception as exc:  # a bug: stop with an error, not a silent thread's death
+            self.failure = SwitchMLError(f"the switch stopped serving: {exc!r}")
+            log.exception("the switch's serving thread failed")
+            self._running = False
         finally:
             if self.threads > 1:  # joined before stop() closes their sockets
                 self._fast.stop_serving()

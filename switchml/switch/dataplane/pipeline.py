@@ -314,6 +314,12 @@ class Pipeline:
             total.update(job.counters)
         return total
 
+    def stats_key(self, job: Job) -> str:
+        """A running job's key in ``stats()["jobs"]``: its name, or where running
+        jobs share it (their secrets differ) its name and session, ``name@1a2b3c4d``."""
+        shared = any(other.name == job.name and other is not job for other in self.jobs.values())
+        return f"{job.name}@{job.session:08x}" if shared else job.name
+
     def stats(self) -> dict:
         return {
             "slots": self.slots,
@@ -322,7 +328,7 @@ class Pipeline:
             "free_slots": self.free_slots(),
             "drop_rate": {"ingress": self.ingress_drop_rate, "egress": self.egress_drop_rate},
             "counters": dict(self.counters),
-            "jobs": {job.name: job.summary() for job in self.jobs.values()},
+            "jobs": {self.stats_key(job): job.summary() for job in self.jobs.values()},
             "ended_jobs": dict(self.ended_jobs),
             "totals": dict(self.totals()),
         }

@@ -147,8 +147,11 @@ class RackController:
             request = msg if isinstance(msg, protocol.Request) else protocol.decode_request(msg)
         except protocol.VersionMismatch as exc:
             return self._to(conn, Error(str(exc), None, protocol.PROTOCOL_VERSION))
+        except protocol.UnknownMessage as exc:  # answered; the connection stays
+            self.pipeline.counters["control_unknown_request"] += 1
+            return self._to(conn, Error(str(exc)))
         except protocol.BadRequest as exc:
-            self.pipeline.counters["control_bad_message"] += 1
+            self.pipeline.counters["control_join_refused"] += 1
             return self._to(conn, Error(str(exc)))
         if isinstance(request, protocol.RackJoin):
             return self._to(conn, Error("this switch is a rack switch: racks join its spine"))
@@ -186,6 +189,9 @@ class RackController:
             refused = f"rank {rank} of job '{name}' has already joined"
         elif job is not None and join.data_addr in job.addrs.values():
             refused = f"data address {join.data_addr} is already used by another rank"
+        elif any(join.data_addr in other.addrs.values() for other in self.jobs.values()):
+            # the data plane tells members apart by address: one job's each
+            refused = f"data address {join.data_addr} is already used by a rank of another job"
         if refused is not None:
             self.pipeline.counters["control_join_refused"] += 1
             return self._to(conn, Error(refused, "max_workers" if world > MAX_WORKERS else None))

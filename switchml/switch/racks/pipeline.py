@@ -113,7 +113,7 @@ class RackPipeline(Pipeline):
         for job in self.jobs.values():
             uplink = self.uplinks.get(job.session)
             if uplink is not None:
-                out["jobs"][job.name]["uplink"] = {
+                out["jobs"][self.stats_key(job)]["uplink"] = {
                     "spine": list(uplink.spine), "source": list(uplink.source),
                     "session": uplink.session, "slot_base": uplink.slot_base,
                     "member": uplink.member}
