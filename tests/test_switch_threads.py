@@ -7,6 +7,7 @@ steered by a classic BPF program to ``slot % N``; each thread owns those slots.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
@@ -26,6 +27,7 @@ import switchml
 from switchml import wire
 from switchml.config import SwitchConfiguration
 from switchml.sim.network import Faults
+from switchml.switch import sockets
 from switchml.switch.dataplane import fastpipeline
 from switchml.switch.dataplane.fastpipeline import FastPipeline
 from switchml.switch.sockets import bind_group, bind_pair
@@ -244,6 +246,81 @@ def test_jobs_come_and_go_while_traffic_flows():
         assert sw.stats()["totals"].get("dropped_unknown_source", 0) == 0
     for s in ranks:
         s.close()
+
+
+def test_a_job_removed_while_its_members_send_leaves_no_count_behind():
+    """A job removed (its rank died) while its other ranks still stream: the data
+    threads count its datagrams until it is out of the core, and those counts go
+    to it, never to a slot base no job holds (a KeyError in every later stats(),
+    leave or disconnect, which took the serving thread down)."""
+    ranks = _members(2)
+    with switchml.Switch(packet_elements=K, slots=64, threads=2) as sw:
+        stop = threading.Event()
+        contributions = [_contribution(slot, 0, 0) for slot in range(16)]
+
+        def traffic():
+            while not stop.is_set():
+                for d in contributions:
+                    for s in ranks:
+                        with contextlib.suppress(BlockingIOError):
+                            s.sendto(d, sw.address)
+
+        sender = threading.Thread(target=traffic)
+        sender.start()
+        try:
+            for i in range(2000):
+                with sw._lock:
+                    sw.pipeline.install_job(f"j{i}", 10**6 + i,
+                                            [s.getsockname() for s in ranks], 0, 16, K, K,
+                                            tokens=[SESSION, SESSION])
+                time.sleep(0.001)
+                with sw._lock:
+                    sw.pipeline.remove_job(10**6 + i)
+                sw.stats()  # raised KeyError here within a thousand rounds or so
+        finally:
+            stop.set()
+            sender.join()
+        totals = sw.stats()["totals"]
+        assert totals["packets_in"] > 0 and totals.get("internal_errors", 0) == 0
+    for s in ranks:
+        s.close()
+
+
+def test_a_datagram_too_long_for_a_row_is_its_jobs_drop_on_any_thread():
+    """A member's UDP GSO run reaches the socket of its first datagram's slot whole:
+    a datagram of it for another thread's slot that the job refuses (more values
+    than its packets hold) is counted as the job's drop, as one thread counts it,
+    not as a hand-over that failed."""
+    def oversized(slot):
+        return wire.encode(wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, slot, SESSION, 0, 0, 0,
+                           np.zeros(1, wire.LANE), np.ones(K + 25, np.int32))
+
+    seen = []
+    for threads in (1, 2):
+        [member] = _members(1)
+        with switchml.Switch(packet_elements=K, slots=32, threads=threads) as sw:
+            with sw._lock:
+                sw.pipeline.install_job("j", SESSION, [member.getsockname()], 0, 16, K, K)
+            first, second = oversized(0), oversized(1)
+            member.sendmsg([first + second], [(socket.SOL_UDP, sockets.UDP_SEGMENT,
+                                               struct.pack("H", len(first)))], 0, sw.address)
+            _wait_for(lambda: sum(sw.stats()["jobs"]["j"]["counters"].values()) >= 2)
+            stats = sw.stats()
+            seen.append((stats["jobs"]["j"]["counters"],
+                         stats["counters"].get("dropped_not_handed_over", 0)))
+        member.close()
+    assert seen[0] == seen[1] == ({"dropped_too_many_values": 2}, 0)
+
+
+@pytest.mark.parametrize("plane", ["c", "python"])
+def test_an_empty_datagram_is_counted_by_either_loop(plane):
+    with switchml.Switch(data_plane=plane, packet_elements=K, slots=8, threads=1) as sw, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as stranger:
+        for _ in range(5):
+            stranger.sendto(b"", sw.address)
+        stranger.sendto(b"x", sw.address)
+        _wait_for(lambda: sw.stats()["totals"].get("dropped_unknown_source", 0) >= 6)
+        assert sw.stats()["totals"]["dropped_unknown_source"] == 6
 
 
 SENDER = """

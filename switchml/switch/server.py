@@ -475,7 +475,7 @@ class Switch(ControlConnections):
                 log.debug("udp receive error: %s", exc)
                 drain_error_queue(udp)
                 continue
-            for at in range(0, n, max(segment, 1)):
+            for at in range(0, max(n, 1), max(segment, 1)):  # an empty one too: counted
                 end = min(at + segment, n)
                 try:
                     replies = (self._xdp.passed_up(bytes(view[at:end]), addr)

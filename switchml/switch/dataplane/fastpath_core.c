@@ -414,11 +414,14 @@ int fp_admit(fp_core *c, fp_thread *t, const uint8_t *d, size_t len, uint64_t sr
         DROP(C_DROPPED_SLOT_OUT_OF_RANGE);
     /* Never touch another thread's slot: the socket steering gives a slot's
      * datagrams to its owner, but the kernel steers a UDP GSO run (loopback
-     * delivers it unsegmented) by its first datagram's slot. */
-    if (slot % t->of != t->index)
-        return FP_OTHER_THREAD;
-    if (kind != WIRE_KIND_CONTRIBUTION)
+     * delivers it unsegmented) by its first datagram's slot.  What the packet
+     * and the job alone refuse is refused here first, under its own reason: a
+     * datagram too long for a row could not be handed over. */
+    if (kind != WIRE_KIND_CONTRIBUTION) {
+        if (slot % t->of != t->index)
+            return FP_OTHER_THREAD;
         return answer_probe(c, t, job, rank, d, out);
+    }
     if (lanes != job->lanes)
         DROP(C_DROPPED_BAD_LANES);
     if (count > job->packet_elements)
@@ -432,6 +435,8 @@ int fp_admit(fp_core *c, fp_thread *t, const uint8_t *d, size_t len, uint64_t sr
         if (count != flagged * job->block_elements)
             DROP(C_DROPPED_BAD_BLOCK_COUNT);
     }
+    if (slot % t->of != t->index)
+        return FP_OTHER_THREAD;
     fp_count(counters, C_PACKETS_IN, 1);
 
     uint32_t v = msg & 1, row = v * c->slots + slot, bit = (uint32_t)1 << rank;

@@ -111,8 +111,10 @@ class FastPipeline(Pipeline):
         job = self.jobs.get(session)
         if job is None:
             return None
-        self.sync_counters()
+        # Out of the core first: from then on no data thread counts for it, so the
+        # sync takes its last counts, and none come for a base no job holds.
         self._core.remove(job.slot_base)
+        self.sync_counters()
         del self._job_at[job.slot_base]
         for addr in job.members:
             self._keys.pop(addr, None)
@@ -121,7 +123,9 @@ class FastPipeline(Pipeline):
     def sync_counters(self) -> None:
         """Add what the C core counted since the last call to the Python counters."""
         for base, counts in self._core.take_counters():
-            (self.counters if base < 0 else self._job_at[base].counters).update(counts)
+            job = self._job_at.get(base)
+            # (a base no job holds has none: whatever came is a removed job's)
+            (self.counters if base < 0 else job.counters if job else self.retired).update(counts)
 
     def slot_state(self, slot: int, msg: int) -> tuple[bool, int]:
         return self._core.slot_state(slot, msg)
