@@ -818,6 +818,70 @@ def test_results_to_every_rank_through_receive_datagram():
         p.close()
 
 
+def test_a_result_completed_by_a_datagram_its_ip_packet_pads_has_its_own_lengths(both):
+    """The kernel trims an IP packet longer than its UDP datagram to the datagram
+    (udp_rcv), and so does the program; the result that datagram completes is
+    sent with its own IP length, which the ranks' kernels check (with the
+    contribution's, every rank dropped it as truncated)."""
+    src = JOB_A["addresses"][2]
+    for rank in range(2):
+        both.deliver(contribution(JOB_A, rank), JOB_A["addresses"][rank])
+    data = contribution(JOB_A, 2)
+    [(want, _), *_] = both.ref.receive_datagram(data, src)
+    action, out = both.xdp.run_frame(frame(src, data + bytes(40), udp_len=8 + len(data)))
+    assert action == xdp.XDP_PASS
+    _, _, ip_src, ip_dst, payload = unpack(out)  # lengths and checksum checked there
+    assert (ip_src, ip_dst, payload) == (src, SWITCH, bytes(want))
+
+
+def test_a_result_reaching_the_socket_is_sent_on_only_where_the_program_completed_it():
+    """What the program passes up is one datagram to the switch's socket, or a run
+    of them the kernel cuts there (UDP GSO, passed up on its first header's
+    word): a result in it from a member's address was sent to every rank.  Only
+    the program's own result is: the row of a set it completed, every byte."""
+    p = xdp.XdpPipeline(SLOTS, PACKET, block_elements=BLOCK)
+    try:
+        p.install_job("A", JOB_A["session"], JOB_A["addresses"], 0, 4, tokens=JOB_A["tokens"])
+        src = JOB_A["addresses"][0]
+        for rank in range(3):
+            action, out = p.run_frame(frame(JOB_A["addresses"][rank],
+                                            contribution(JOB_A, rank, values=[rank + 1] * 16)))
+        assert action == xdp.XDP_PASS
+        result = unpack(out)[4]
+        assert [a for _, a in p.passed_up(result, src)] == JOB_A["addresses"]
+        forged = bytearray(result)
+        forged[-4:] = (666).to_bytes(4, "little")
+        of_a_set_not_complete = bytearray(result)
+        of_a_set_not_complete[6:8] = (1).to_bytes(2, "little")  # slot 1
+        for bad in (forged, of_a_set_not_complete, result[:-4]):
+            assert p.passed_up(bytes(bad), src) == []
+        counters = p.jobs[JOB_A["session"]].counters
+        assert counters["dropped_unverified_result"] == 3 and counters["results_passed_up"] == 1
+    finally:
+        p.close()
+
+
+def test_a_datagram_to_the_port_of_another_host_is_not_the_switchs():
+    """Serving an interface, the program knows the switch's address: on a bridge's
+    port or a router it sees datagrams between other hosts, to the same port,
+    which pass untouched; those to the switch are its own."""
+    p = xdp.XdpPipeline(SLOTS, PACKET, block_elements=BLOCK, port=SWITCH[1],
+                        switch_ip=SWITCH[0])
+    try:
+        p.install_job("A", JOB_A["session"], JOB_A["addresses"], 0, 4, tokens=JOB_A["tokens"])
+        p._configure(socket.if_nametoindex("lo"))  # as serve() configures it
+        src, data = JOB_A["addresses"][0], contribution(JOB_A, 0)
+        for other in (frame(src, data, dst=("10.255.0.2", SWITCH[1])),
+                      frame(src, data + bytes(4), dst=("10.255.0.2", SWITCH[1]),
+                            ip_options=b"\x01\x01\x01\x00")):
+            assert p.run_frame(other) == (xdp.XDP_PASS, other)
+        assert without_zeros(p.totals()) == {}
+        assert p.run_frame(frame(src, data))[0] == xdp.XDP_DROP  # added: waits for the rest
+        assert p.jobs[JOB_A["session"]].counters["packets_in"] == 1
+    finally:
+        p.close()
+
+
 def lost_at_their_rates(p, rounds: int, datagram_of) -> Counter:
     """``rounds`` rounds of job A's ranks' ``datagram_of(rank, round)`` (ones)
     through ``p``, whose drop rates are 0.3 in and 0.5 out: every result the

@@ -666,6 +666,24 @@ def test_a_switch_on_loopback_falls_back_to_generic_mode_and_says_why():
 
 
 @needs_xdp
+def test_a_switch_host_given_by_name_is_served_by_its_address():
+    """``localhost``: resolved once as the switch starts, so that what user space
+    runs through the program (a probe it passed up) is framed to an address."""
+    p = xdp.XdpPipeline(8, 16, block_elements=16, port=7351, switch_ip="127.0.0.1")
+    try:
+        p.serve(("localhost", 7351))
+        assert p.address == ("127.0.0.1", 7351)
+        member = ("127.0.0.1", 5001)
+        p.install_job("j", 0x77, [member], 0, 4, tokens=[11])
+        data = wire.encode(wire.KIND_CONTRIBUTION, 0, 0, 11, 1, 0, 0, np.zeros(1, wire.LANE),
+                           np.ones(16, np.int32))
+        assert [a for _, a in p.passed_up(data, member)] == [member]  # a job of one: done
+        assert [a for _, a in p.passed_up(wire.probe_of(data), member)] == [member]
+    finally:
+        p.close()
+
+
+@needs_xdp
 @pytest.mark.parametrize("joined", [False, True])
 def test_an_answer_to_one_rank_leaves_by_the_stack_where_the_peer_has_no_napi(veth, joined):
     """In a veth's native mode XDP_TX reaches the peer only where it polls with
@@ -980,6 +998,45 @@ def test_every_rank_gets_its_result_from_the_data_plane_as_the_reference_sends_i
         assert qdisc_sent_bytes(here) - before >= 3 * frame
         assert job_counters(p) == {"packets_in": 3, "results_completed": 1, "results_out": 3,
                                    "results_fanned_out": 3}
+
+
+# From a member's host: a later IP fragment (offset 8 bytes) to the switch whose
+# data begins as a UDP header from the member's port to the switch's, then a result.
+FRAGMENT = """
+import socket, struct, sys
+import numpy as np
+from switchml import wire
+peer, switch, port, member = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+result = wire.encode(wire.KIND_RESULT, 0, 1, 0xDEAD, 1, 0, 0, np.zeros(1, wire.LANE),
+                     np.arange(352, dtype=np.int32))
+data = struct.pack("!HHHH", member, port, 8 + len(result), 0) + result
+ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(data), 0x4242, 1, 64, 17, 0,
+                 socket.inet_aton(peer), socket.inet_aton(switch))
+socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW).sendto(ip + data, (switch, 0))
+"""
+
+
+@needs_xdp
+def test_a_later_fragment_that_reads_as_a_result_is_not_fanned_out(veth):
+    """The fan-out program sends a result the XDP program completed to every rank.
+    A later IP fragment carries no UDP header, but its data may read as one: it
+    is the host's (reassembly), never a result sent to each rank and counted as
+    fanned out, which anyone could forge from a member's address."""
+    ns, _, peer, here, me = veth
+    port = 7309
+    tokens = [0x10, 0x20]
+    members = [(peer, 5000), (peer, 5001)]
+    probes = [wire.probe_of(c) for c in contributions(tokens)[:2]]
+    with switch_here((me, port), members, tokens) as (p, udp):
+        assert p.fans_out
+        run = peer_run(ns, peer, (me, port), [(5000, probes[0]), (5001, probes[1])])
+        run.communicate(timeout=30)  # answered: each rank's Ethernet address learnt
+        forge = in_ns(ns, FRAGMENT, peer, me, str(port), "5000")
+        _, err = forge.communicate(timeout=30)
+        assert forge.returncode == 0, err
+        time.sleep(0.3)
+        counters = job_counters(p)
+        assert "results_fanned_out" not in counters and "results_out" not in counters, counters
 
 
 @needs_xdp

@@ -190,6 +190,10 @@ struct xdp_config {
      * and a mark in its metadata (RESULT_MARK), which GRO compares: a result
      * is never merged with a sparse contribution of the same flow. */
     __u32 results_in_runs;
+    /* the switch's IPv4 address, network order: a datagram to its port for
+     * another host (a bridge's port sees every container's traffic, a router
+     * forwards others') is not the switch's; 0: any (not serving: test runs) */
+    __u32 addr;
 };
 
 /* The metadata (bpf_xdp_adjust_meta) of an answer passed to fan_out_results. */
@@ -594,12 +598,20 @@ static __always_inline int frame_to_sender(struct xdp_md *ctx, __u32 len)
  * results_in_runs) and it came in by a device fan_out_results serves: the
  * contribution's checksum kept (GRO merges nothing without one) and
  * RESULT_MARK in its metadata; fan_out_results makes each copy's checksum. */
-static __always_inline int frame_to_host(struct xdp_md *ctx)
+static __always_inline int frame_to_host(struct xdp_md *ctx, __u32 len)
 {
     void *data = (void *)(long)ctx->data, *data_end = (void *)(long)ctx->data_end;
-    struct udphdr *udp = data + sizeof(struct ethhdr) + sizeof(struct iphdr);
+    struct iphdr *ip = data + sizeof(struct ethhdr);
+    struct udphdr *udp = (void *)(ip + 1);
     if ((void *)(udp + 1) > data_end)
         return XDP_DROP;
+    __u16 tot = bpf_htons(sizeof(struct iphdr) + sizeof(struct udphdr) + len);
+    if (ip->tot_len != tot) { /* its IP packet was longer than its datagram (padding,
+                               * which the kernel trims): the result's own length */
+        ip->tot_len = tot;
+        ip->check = 0;
+        ip->check = ip_checksum(ip);
+    }
     __u32 zero = 0, in = ctx->ingress_ifindex;
     const struct xdp_config *cfg = bpf_map_lookup_elem(&config, &zero);
     if (cfg && cfg->results_in_runs && udp->check &&
@@ -964,7 +976,7 @@ static __always_inline int receive_datagram(struct xdp_md *ctx, __u32 len,
         if (put_scratch(ctx, in->bytes, out_len))
             DROP(C_DROPPED_INTERNAL);
         count(counters, C_RESULTS_OUT, world); /* fan_out_results or user space: each rank */
-        return frame_to_host(ctx);
+        return frame_to_host(ctx, out_len);
     default:
         return XDP_DROP; /* added: the set waits for other ranks */
     }
@@ -1000,12 +1012,14 @@ int xdp_pipeline(struct xdp_md *ctx)
         if (ihl < sizeof(struct iphdr) || ihl > 60)
             return XDP_PASS;
         struct udphdr *u = (void *)ip + ihl;
-        if ((void *)(u + 1) > data_end || u->dest != cfg->port)
+        if ((void *)(u + 1) > data_end || u->dest != cfg->port ||
+            (cfg->addr && ip->daddr != cfg->addr))
             return XDP_PASS;
         count(global, C_DROPPED_IP_OPTIONS, 1);
         return XDP_DROP;
     }
-    if ((void *)(udp + 1) > data_end || udp->dest != cfg->port)
+    if ((void *)(udp + 1) > data_end || udp->dest != cfg->port ||
+        (cfg->addr && ip->daddr != cfg->addr))
         return XDP_PASS;
     if (ip->frag_off & bpf_htons(0x2000)) { /* a first fragment (workers set DF) */
         count(global, C_DROPPED_IP_FRAGMENT, 1);
@@ -1137,6 +1151,8 @@ int fan_out_results(struct __sk_buff *skb)
                                     BPF_HDR_START_NET) ||
         f.eth.h_proto != bpf_htons(ETH_P_IP) || f.ip.ihl != 5 ||
         f.ip.protocol != IPPROTO_UDP || f.udp.dest != cfg->port ||
+        (f.ip.frag_off & bpf_htons(0x3FFF)) || /* a fragment: its payload is no header */
+        (cfg->addr && f.ip.daddr != cfg->addr) ||
         bpf_skb_load_bytes_relative(skb, sizeof f.ip + sizeof f.udp + 3, &kind, 1,
                                     BPF_HDR_START_NET) ||
         kind != WIRE_KIND_RESULT)

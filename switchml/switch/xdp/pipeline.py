@@ -266,7 +266,8 @@ class _Config(ctypes.Structure):
     _fields_ = [("slots", ctypes.c_uint32), ("port", ctypes.c_uint16),
                 ("pad", ctypes.c_uint16), ("ifindex", ctypes.c_uint32),
                 ("ingress_drop", ctypes.c_uint32), ("egress_drop", ctypes.c_uint32),
-                ("answers_by_stack", ctypes.c_uint32), ("results_in_runs", ctypes.c_uint32)]
+                ("answers_by_stack", ctypes.c_uint32), ("results_in_runs", ctypes.c_uint32),
+                ("addr", ctypes.c_uint8 * 4)]
 
 
 def drop_threshold(rate: float) -> int:
@@ -500,6 +501,7 @@ class XdpPipeline(Pipeline):
         if mode not in ("auto", "generic"):
             raise ValueError(f"the XDP attach mode is 'auto' or 'generic', not {mode!r}")
         host, port = address
+        host = socket.gethostbyname(host)  # once, at the start: "localhost" as 127.0.0.1
         ifindex = interface_of(host)
         self.port = port
         self.address = (host, port)
@@ -728,11 +730,15 @@ class XdpPipeline(Pipeline):
         none), the simulated drop rates."""
         for device in self._ports:  # the bridge's ports, where a rank's address is learned
             self._prog.update("ports", _u32(device), _u32(1))
+        # the switch's own address where it serves an interface: others' datagrams
+        # to its port (a bridge's port sees every container's) pass
+        addr = (ctypes.c_uint8 * 4)(*socket.inet_aton(self.address[0])) if ifindex else \
+            (ctypes.c_uint8 * 4)()
         self._prog.update("config", _u32(0), _Config(
             self.slots, socket.htons(self.port), 0, ifindex,
             drop_threshold(self.ingress_drop_rate), drop_threshold(self.egress_drop_rate),
             int(self._answers_by_stack and ifindex != 0),
-            int(self.merges_results and ifindex != 0)))
+            int(self.merges_results and ifindex != 0), addr))
 
     def passed_up(self, data, addr) -> list:
         """What the switch's socket sends for a datagram it received while the
@@ -750,9 +756,8 @@ class XdpPipeline(Pipeline):
         goes through the program now, by BPF_PROG_TEST_RUN (``receive_datagram``),
         as if it had come in by the interface.
 
-        Trust: a result that reached the socket without passing through the
-        interface (a datagram from this host, with a member's address) would be
-        taken for the program's; only this host's own processes can send one.
+        Trust: a result is sent on only where it is the row of a set the
+        program completed (``_to_every_rank``), whatever reached the socket.
         A sparse contribution that did not pass through the program is
         aggregated all the same (the reference checks everything the program
         would), only not counted as ``sparse_passed_up``."""
@@ -770,10 +775,35 @@ class XdpPipeline(Pipeline):
     def _to_every_rank(self, result: bytes, addr) -> list:
         """A completed result that the switch's socket sends to every rank of the
         job of member ``addr``: counted as the job's ``results_passed_up`` (the
-        fan-out program sends the others)."""
+        fan-out program sends the others).  Only the program's own: the set it
+        names holds its message, complete, and its row is these bytes.  Anything
+        else (a result forged from a member's address, inside a run of UDP GSO
+        segments the program passed up whole on its first header's word, or one
+        stale because every rank had it and the set moved on) is dropped and
+        counted (``dropped_unverified_result``)."""
         job = self._members[addr][0]
+        if not self._completed_here(job, result):
+            job.counters["dropped_unverified_result"] += 1
+            return []
         job.counters["results_passed_up"] += 1
         return self._to_members(job, result)
+
+    def _completed_here(self, job: Job, result: bytes) -> bool:
+        """Whether ``result`` is the row of a set of ``job`` that the program completed."""
+        try:
+            header = wire.decode_header(result)
+        except wire.MalformedPacket:
+            return False
+        if header.kind != wire.KIND_RESULT or not \
+                job.slot_base <= header.slot < job.slot_base + job.slot_count:
+            return False
+        v = header.msg & 1
+        regs = self.set_registers(v, header.slot)
+        if not regs["valid"] or regs["msg"] != header.msg or regs["count"] != job.world_size:
+            return False
+        row = self._prog.lookup("rows", _u32(v * self.slots + header.slot),
+                                (ctypes.c_uint8 * self._row_size)())
+        return bytes(row)[: len(result)] == bytes(result)
 
     def _to_members(self, job: Job, result: bytes) -> list:
         """A completed result's datagrams to every rank of ``job``, as the fan-out
