@@ -615,6 +615,38 @@ def test_a_port_that_joins_the_bridge_after_the_switch_started_is_served_in_driv
     assert job["results_fanned_out"] > 0, job
 
 
+ADOPT_PAST_THE_LIMIT = """
+import sys
+from switchml.switch.xdp import pipeline as xdp
+xdp.MAX_BRIDGE_PORTS = 1  # as if the bridge's first port filled the program's map
+p = xdp.XdpPipeline(8, 16, block_elements=16, port=7361, switch_ip=sys.argv[1])
+try:
+    p.serve((sys.argv[1], 7361))
+    print(p.mode, flush=True)
+    sys.stdin.readline()  # a second port joined the bridge
+    print(p.adopt_new_ports(), p.adopt_new_ports(), flush=True)
+finally:
+    p.close()
+"""
+
+
+@needs_xdp
+def test_a_port_past_the_programs_limit_is_left_to_the_socket(bridged):
+    """The program serves a fixed number of bridge ports (its map of them, sized
+    at load): one more that joins the bridge is left to the switch's socket,
+    logged once, never an error out of the switch's loop."""
+    ns, bridge, port, host, here = bridged
+    run = in_ns(ns, ADOPT_PAST_THE_LIMIT, host, stdin=subprocess.PIPE)
+    assert run.stdout.readline().strip() == "driver"
+    sh("ip", "-n", ns, "link", "add", f"{port}x", "type", "veth", "peer", "name", f"{port}y")
+    sh("ip", "-n", ns, "link", "set", f"{port}x", "master", bridge)
+    sh("ip", "-n", ns, "link", "set", f"{port}x", "up")
+    out, err = run.communicate("\n", timeout=30)
+    assert run.returncode == 0, err
+    assert out.strip() == "[] []"
+    assert err.count("is not served in driver mode (the switch serves 1 ports at most)") == 1
+
+
 @needs_xdp
 def test_a_bridge_port_without_driver_mode_leaves_the_bridge_in_generic_mode(bridged):
     """A port with no driver mode (a VXLAN device, after the veth in the

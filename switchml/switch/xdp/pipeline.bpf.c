@@ -103,6 +103,8 @@
  * instructions processed of its 1,000,000; 79,000 at MTU 9000's 2048 values).
  * xdp/pipeline.py refuses a pipeline whose packets have more lanes. */
 #define XDP_MAX_LANES 64
+/* Bridge ports served in driver mode at most (the `ports` map). */
+#define XDP_MAX_PORTS 256
 #ifndef XDP_MAX_VALUES
 #error "XDP_MAX_VALUES: the values a slot row holds (xdp/pipeline.py sets it)"
 #endif
@@ -264,7 +266,7 @@ struct {
  * Ethernet address is learned as on the bridge itself. */
 struct {
     __uint(type, BPF_MAP_TYPE_HASH);
-    __uint(max_entries, 256);
+    __uint(max_entries, XDP_MAX_PORTS);
     __type(key, __u32);
     __type(value, __u32);
 } ports SEC(".maps");

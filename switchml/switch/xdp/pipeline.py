@@ -223,9 +223,10 @@ GRO = "rx-gro"
 USO = "tx-udp-segmentation"
 
 
-def _source_constants() -> tuple[list[str], int]:
-    """The counter names (the program's enum) and its bound on lanes, read from
-    the source, so that they have one definition."""
+def _source_constants() -> tuple[list[str], int, int]:
+    """The counter names (the program's enum), its bound on lanes and on the
+    bridge ports it serves, read from the source, so that they have one
+    definition."""
     text = SOURCE.read_text()
     enum = re.search(r"enum xdp_counter \{(.*?)\};", text, re.S)
     if enum is None:
@@ -241,10 +242,11 @@ def _source_constants() -> tuple[list[str], int]:
             raise RuntimeError(f"{SOURCE.name}: no #define {name}")
         return int(found.group(1))
 
-    return [n[2:].lower() for n in names[:-1]], define("XDP_MAX_LANES")
+    return [n[2:].lower() for n in names[:-1]], define("XDP_MAX_LANES"), define("XDP_MAX_PORTS")
 
 
-COUNTER_NAMES, MAX_LANES = _source_constants()
+#: MAX_BRIDGE_PORTS: the bridge ports served in driver mode at most (the ``ports`` map)
+COUNTER_NAMES, MAX_LANES, MAX_BRIDGE_PORTS = _source_constants()
 
 
 def max_values(datagram_size: int) -> int:
@@ -566,6 +568,10 @@ class XdpPipeline(Pipeline):
         elif not ports:
             self.mode_reason = f"bridge {name} has no ports (a bridge has no driver mode)"
             return
+        elif len(ports) > MAX_BRIDGE_PORTS:
+            self.mode_reason = (f"bridge {name} has {len(ports)} ports, more than the "
+                                f"{MAX_BRIDGE_PORTS} the switch serves in driver mode")
+            return
         else:  # the frames for the bridge's address come in by its ports
             devices = ports
         at = name
@@ -692,6 +698,12 @@ class XdpPipeline(Pipeline):
         added: list[str] = []
         for device in bridge_ports(self.ifindex) or []:
             if device in known:
+                continue
+            if len(self._ports) >= MAX_BRIDGE_PORTS:  # the program's map of them is full
+                log.warning("port %d of the bridge is not served in driver mode (the switch "
+                            "serves %d ports at most): its ranks' frames reach the switch's "
+                            "socket", device, MAX_BRIDGE_PORTS)
+                self._ports_refused.add(device)
                 continue
             try:
                 name = socket.if_indextoname(device)
