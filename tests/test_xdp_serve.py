@@ -31,6 +31,7 @@ from switchml.errors import DataPlaneUnavailableError
 from switchml.switch.dataplane.pipeline import Pipeline
 from switchml.switch.xdp import loader as xdp_loader
 from switchml.switch.xdp import pipeline as xdp
+from switchml.switch.xdp import serving as xdp_serving
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 REASON = xdp.unavailable() or (None if shutil.which("ip") else "no ip(8) for the namespaces")
@@ -618,7 +619,7 @@ def test_a_port_that_joins_the_bridge_after_the_switch_started_is_served_in_driv
 ADOPT_PAST_THE_LIMIT = """
 import sys
 from switchml.switch.xdp import pipeline as xdp
-xdp.MAX_BRIDGE_PORTS = 1  # as if the bridge's first port filled the program's map
+xdp.XdpPipeline.max_bridge_ports = 1  # as if the bridge's first port filled its map
 p = xdp.XdpPipeline(8, 16, block_elements=16, port=7361, switch_ip=sys.argv[1])
 try:
     p.serve((sys.argv[1], 7361))
@@ -791,7 +792,7 @@ def test_workers_send_runs_where_their_interface_cuts_them_before_they_leave(vet
 @needs_xdp
 def test_a_host_no_interface_holds_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="no interface holds 192.0.2.1"):
-        xdp.interface_of("192.0.2.1")
+        xdp_serving.interface_of("192.0.2.1")
 
 
 def test_data_plane_setting_is_checked():
@@ -952,7 +953,7 @@ def switch_here(address: tuple, members: list, tokens: list, mode: str = "auto")
     try:
         udp.bind(address)
         udp.settimeout(5)
-        assert p.serve(address, mode=mode) == xdp.interface_of(address[0])
+        assert p.serve(address, mode=mode) == xdp_serving.interface_of(address[0])
         p.install_job("job", 0x77, members, 0, 4, 352, 352, tokens=tokens)
         yield p, udp
     finally:
