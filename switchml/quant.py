@@ -385,6 +385,9 @@ def error_bound_float16(inputs: list, chunk: int, wire_bits: int = 32) -> np.nda
     wide = [np.asarray(a, np.float32) for a in inputs]
     bound = (error_bound16 if wire_bits == 16 else error_bound)(wide, chunk)
     exact = np.sum([a.reshape(-1).astype(np.float64) for a in wide], axis=0)
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", invalid="ignore"):
         reach = (np.abs(exact) + bound).astype(np.float16)
-    return bound + np.spacing(reach).astype(np.float64) / 2
+        rounding = np.spacing(reach).astype(np.float64) / 2
+    # past float16's range (or an inf or NaN input) no finite bound holds: inf,
+    # as error_bound gives, where the spacing of inf would make it NaN
+    return np.where(np.isfinite(reach), bound + rounding, np.inf)

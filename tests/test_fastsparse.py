@@ -4,7 +4,9 @@ Fed the same inputs, both must send the same datagrams (bytes, in order), give
 the same results bit for bit, and leave the same counters, message numbers, RTT
 estimate and window in the Membership.  Through the simulator with seeded loss,
 duplication, reordering, a bottleneck queue, and hostile or stale datagrams
-(forged exponents and positions among them, which sparse.py takes unchecked).
+(forged exponents among them, which sparse.py takes unchecked, and forged
+positions, which it refuses where they would hold a lane in place or point past
+a column's end).
 """
 
 from __future__ import annotations
@@ -357,3 +359,56 @@ def test_worker_runs_sparse_calls_on_the_c_loop_with_the_same_results(dtype, mon
     for c, p in zip(c_counters, py_counters):  # the same blocks went each way
         assert c["sparse_blocks_sent"] == p["sparse_blocks_sent"] > 0
         assert c["sparse_blocks_received"] == p["sparse_blocks_received"] > 0
+
+
+def lanes_held_in_place(data: bytes) -> bytes:
+    """A member's sparse contribution that reports each lane's next position as
+    the one it is at (0 in the seed round): the switch keeps the least, so no
+    lane of the job would ever move on."""
+    h = wire.decode_header(data)
+    if h.kind != wire.KIND_CONTRIBUTION or not h.mode & wire.MODE_SPARSE:
+        return data
+    out = bytearray(data)
+    lanes = np.frombuffer(out, wire.LANE, h.lanes, wire.HEADER_SIZE)
+    lanes["nxt"] = np.where(lanes["pos"] == wire.POS_END, 0, lanes["pos"])
+    return bytes(out)
+
+
+def blocks_past_the_end(data: bytes) -> bytes:
+    """A member's sparse contribution with a block flagged on every lane, those
+    past their column's end too (the switch cannot tell, and adds them)."""
+    h = wire.decode_header(data)
+    if h.kind != wire.KIND_CONTRIBUTION or h.mode != wire.MODE_SPARSE:
+        return data
+    lanes = wire.lane_table(data, h.lanes).copy()
+    sent = iter(wire.values(data, h.lanes, h.count).reshape(-1, 4))
+    blocks = [next(sent) if lanes["flag"][i] else np.full(4, 7 << 20, np.int32)
+              for i in range(h.lanes)]
+    lanes["flag"] = 1
+    return wire.encode(h.kind, h.dtype, h.slot, h.session, h.msg, h.seq, h.pkt_id, lanes,
+                       np.concatenate(blocks), mode=h.mode, call=h.call)
+
+
+@pytest.mark.parametrize("forge", [lanes_held_in_place, blocks_past_the_end])
+def test_results_a_lying_member_shapes_fail_the_call_in_both_engines(forge):
+    """Results that keep a live lane where it is, or flag a block past a column's
+    end, are refused (``dropped_stale``) by both engines: the honest rank's call
+    fails at its progress timeout.  Before, every round had a result and the
+    call ran forever; or Python raised IndexError where C skipped the block."""
+    counters = []
+    for engine_in_c in (False, True):
+        sim = Simulation(2, slots=1, packet_elements=8, block_elements=4,
+                         compiled=engine_in_c, progress_timeout=0.5)
+        deliver = sim._send
+
+        def send(data, src, dst, deliver=deliver, switch=sim.switch_address):
+            if src != switch and src[1] == 1:
+                data = forge(bytes(data))
+            return deliver(data, src, dst)
+
+        sim._send = send
+        with pytest.raises(StalledSimulation):
+            sim.allreduce([np.arange(1, 10, dtype=np.float32)] * 2, max_time=5.0, sparse=True)
+        assert sim.ops[0].error == "stalled"
+        counters.append(dict(sim.memberships[0].counters))
+    assert counters[0] == counters[1] and counters[0]["dropped_stale"] > 0

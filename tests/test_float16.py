@@ -65,3 +65,14 @@ def test_the_bound_is_tight_enough_to_fail():
     exact = 3 * 1.0009765625
     wrong = np.float16(exact) + 2 * np.spacing(np.float16(exact))
     assert np.all(abs(float(wrong) - exact) > bound)
+
+
+def test_the_bound_is_inf_where_no_finite_one_holds():
+    """A sum past float16's range is +inf (as float16 rounds), and an inf or NaN
+    input makes its element's sum one: no finite bound holds there, and the
+    bound says inf, as error_bound does (not NaN, which no error is within)."""
+    over = [np.float16([60000, 1]), np.float16([5536, 1])]
+    assert quant.error_bound_float16(over, 16).tolist()[0] == np.inf
+    special = [np.float16([np.inf, 1, np.nan]), np.float16([1, 1, 1])]
+    bound = quant.error_bound_float16(special, 16)
+    assert np.isposinf(bound[[0, 2]]).all() and np.isfinite(bound[1])

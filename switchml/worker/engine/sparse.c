@@ -357,9 +357,18 @@ static int sparse_result_fits(StreamCore *c, int j, const uint8_t *data, int mod
         return count == 0;
     /* the contribution in flight is still in the slot's packet buffer */
     const uint8_t *ours = c->packets + (size_t)j * c->packet_size + WIRE_HEADER_SIZE;
-    for (int i = 0; i < F; i++)
-        if (get_u32(records + (size_t)i * WIRE_LANE_SIZE) != get_u32(ours + (size_t)i * WIRE_LANE_SIZE))
+    for (int i = 0; i < F; i++) {
+        const uint8_t *record = records + (size_t)i * WIRE_LANE_SIZE;
+        uint32_t pos = get_u32(record), nxt = get_u32(record + 4);
+        uint32_t length = sp->column_length[(int64_t)j * F + i];
+        if (pos != get_u32(ours + (size_t)i * WIRE_LANE_SIZE))
             return 0;
+        /* every live lane moved on, none flagged past its column's end: else
+         * the call would be held in place, or written past the tensor */
+        int flagged = get_u16(record + 10) & WIRE_FLAG_BLOCK;
+        if (pos < length ? nxt <= pos : (nxt < length || flagged))
+            return 0;
+    }
     return 1;
 }
 
@@ -417,9 +426,7 @@ static void sparse_absorb(StreamCore *c, int j, int64_t m, const uint8_t *data) 
             int64_t block = (int64_t)sp->pos[first_lane + i] * G + first_lane + i;
             const int32_t *src = sums + taken * b;
             taken++;
-            /* Past the tensor's end only in a forged result (no rank sends a
-             * block there): nothing to write.  sparse.py fails on an index. */
-            if (block >= sp->blocks)
+            if (block >= sp->blocks) /* cannot be: sparse_result_fits refuses it */
                 continue;
             if (c->is_float && sp->chunk_exp[block / F] == WIRE_EXP_NONFINITE)
                 continue; /* its chunk is left for the follow-up */

@@ -249,7 +249,17 @@ class SparseAllreduce(Stream):
         if self._round[j] == self._exp_rounds[j]:
             return h.count == 0
         # The contribution in flight is still in the slot's packet buffer.
-        if not (records["pos"] == self.s.lane_views[j]["pos"]).all():
+        pos, nxt = records["pos"], records["nxt"]
+        if not (pos == self.s.lane_views[j]["pos"]).all():
+            return False
+        # An honest switch moves every live lane on (each rank reports a next
+        # position past this one, or the column's end) and flags no block past a
+        # column's end: a result that does not (a member's lie, a forgery) would
+        # hold the call in place forever, or write past the tensor.
+        length = self._column_length_of[j]
+        live = pos < length
+        if (nxt[live] <= pos[live]).any() or (nxt[~live] < length[~live]).any() \
+                or not live[present].all():
             return False
         self._present = present
         return True
