@@ -233,6 +233,9 @@ class Abort(Request):
     #: whose ranks are hosts, gives up because a rank of its host died): passed
     #: on to the other ranks in ``Failed.culprits``.
     culprits: tuple[int, ...] = ()
+    #: A rack switch's: ranks behind it disagreed on a call (``reason`` says how):
+    #: the others learn a mismatch (``Failed.mismatch``), not a stall.
+    mismatch: bool = False
 
     def fields(self) -> dict:
         out: dict = {"reason": self.reason, "missing": list(self.missing)}
@@ -240,6 +243,8 @@ class Abort(Request):
             out["switch_lost"] = True
         if self.culprits:
             out["culprits"] = list(self.culprits)
+        if self.mismatch:
+            out["mismatch"] = True
         return out
 
     @classmethod
@@ -247,7 +252,8 @@ class Abort(Request):
         """Lenient: a gone rank's last word is never refused; what is not a rank is
         left out (the controller also drops ranks outside the job)."""
         return cls(str(msg.get("reason", "no progress"))[:MAX_NAME], _ranks_in(msg, "missing"),
-                   msg.get("switch_lost") is True, _ranks_in(msg, "culprits"))
+                   msg.get("switch_lost") is True, _ranks_in(msg, "culprits"),
+                   msg.get("mismatch") is True)
 
 
 def _ranks_in(msg: dict, key: str) -> tuple[int, ...]:
@@ -512,6 +518,10 @@ class Error(Event):
     #: "authentication" or "admission": the request's proof failed; UNREACHABLE: a
     #: switch the request needs (a rack switch's spine) could not be reached.
     reason: str | None = None
+    #: The rank whose request (a join, a proof) was refused, where the refusal is
+    #: that rank's alone: a rack switch, whose ranks share its connection to the
+    #: spine, refuses that rank and keeps the others.  None: the whole request's.
+    rank: int | None = None
 
     def fields(self) -> dict:
         out: dict = {"message": self.message}
@@ -521,6 +531,8 @@ class Error(Event):
             out["version"] = self.version
         if self.reason is not None:
             out["reason"] = self.reason
+        if self.rank is not None:
+            out["rank"] = self.rank
         return out
 
 
@@ -645,10 +657,12 @@ def decode_event(msg) -> Event | None:
                        _field(msg, "message", _text, "text"))
     if name == "error":
         limit, version, reason = msg.get("limit"), msg.get("version"), msg.get("reason")
+        rank = msg.get("rank")
         return Error(_field(msg, "message", _text, "text"),
                      limit if isinstance(limit, str) and limit else None,
                      version if _is_int(version) else None,
-                     reason if isinstance(reason, str) and reason else None)
+                     reason if isinstance(reason, str) and reason else None,
+                     rank if isinstance(rank, int) and _is_int(rank) and rank >= 0 else None)
     if name == "challenge":
         return Challenge(_field(msg, "nonce", _text, "text"),
                          _field(msg, "rank", _is_int, "an integer"),

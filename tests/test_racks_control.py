@@ -581,45 +581,116 @@ def test_the_exchange_of_host_records_spans_the_racks():
         assert info.value.missing_ranks == [1]
 
 
+class Clients:
+    """Workers' sans-IO control clients of job "j" (4 ranks) talking to ``relay``'s
+    racks: ``start`` one, ``pump`` until nothing moves."""
+
+    def __init__(self, relay: Relay):
+        self.relay = relay
+        self.clients: dict = {}
+        self.heard: dict = {}
+
+    def start(self, rack, conn, rank, secret, host) -> ControlClient:
+        client = ControlClient("j", rank, 4, timeout=10, secret=secret)
+        self.clients[conn] = (rack, client)
+        client.join((f"10.0.2.{host}", 5000 + host), 0.0)
+        return client
+
+    def pump(self) -> None:
+        relay, moved = self.relay, True
+        while moved:
+            moved = False
+            for conn, (rack, client) in self.clients.items():
+                for event in relay.told.get(conn, [])[self.heard.get(conn, 0):]:
+                    client.receive_data(encode_line(event), 1.0)
+                self.heard[conn] = len(relay.told.get(conn, []))
+                for line in client.data_to_send().splitlines():
+                    relay.worker(rack, conn, json.loads(line))
+                    moved = True
+
+    def __getitem__(self, conn) -> ControlClient:
+        return self.clients[conn][1]
+
+
 def test_an_authenticated_job_forms_through_racks_and_a_squatter_stays_apart():
     """The spine's challenges come down to the rank they name and the proofs go
     up; a process with the name but not the secret, first at a rack, is another
     job at the rack and at the spine, and the real ranks form theirs."""
     relay = Relay(racks=2)
-    clients: dict = {}
-    heard: dict = {}
-
-    def start(rack, conn, rank, secret, host):
-        client = ControlClient("j", rank, 4, timeout=10, secret=secret)
-        clients[conn] = (rack, client)
-        client.join((f"10.0.2.{host}", 5000 + host), 0.0)
-
-    def pump():
-        moved = True
-        while moved:
-            moved = False
-            for conn, (rack, client) in clients.items():
-                for event in relay.told.get(conn, [])[heard.get(conn, 0):]:
-                    client.receive_data(encode_line(event), 1.0)
-                heard[conn] = len(relay.told.get(conn, []))
-                for line in client.data_to_send().splitlines():
-                    relay.worker(rack, conn, json.loads(line))
-                    moved = True
-
-    start(0, "squatter", 0, None, 50)
-    pump()
+    clients = Clients(relay)
+    clients.start(0, "squatter", 0, None, 50)
+    clients.pump()
     for rank, rack in enumerate((0, 0, 1, 1)):
-        start(rack, rank, rank, "the job's secret", rank)
-        pump()
-    readies = [clients[r][1].ready for r in range(4)]
+        clients.start(rack, rank, rank, "the job's secret", rank)
+        clients.pump()
+    readies = [clients[r].ready for r in range(4)]
     assert None not in readies and len({r.token for r in readies}) == 4
-    squatter = clients["squatter"][1]
+    squatter = clients["squatter"]
     assert squatter.ready is None and squatter.error is None
     [spine_job] = relay.spine.pipeline.jobs.values()
     # the squatter's job came first at rack 0: the real one has the rack's next socket
     assert spine_job.members == [("10.0.1.0", 9010), ("10.0.1.1", 9001)]
     assert all(("10.0.2.50", 5050) not in job.members
                for rack in relay.racks for job in rack.pipeline.jobs.values())
+
+
+def test_a_rank_whose_proof_fails_at_the_spine_is_refused_alone():
+    """A process with the job's key (it travels in clear in each join) but not its
+    secret joins a rank at a rack: the spine refuses its proof, that rank alone
+    hears it, as at a switch of one level, and the real ranks form their job
+    (the refusal, on the connection the rack's ranks share, took the rack's
+    whole job down)."""
+    relay = Relay(racks=2)
+    clients = Clients(relay)
+    for rank, rack in ((0, 0), (1, 0), (2, 1)):
+        clients.start(rack, rank, rank, "the job's secret", rank)
+        clients.pump()
+    key = clients[0].key
+    relay.worker(0, "squatter", protocol.Join("j", 3, 4, ("10.0.2.50", 5050), key=key).to_dict())
+    assert relay.told["squatter"][-1]["event"] == "challenge"
+    relay.worker(0, "squatter", protocol.Prove(3, "00" * (protocol.SIGNATURE_HEX // 2)).to_dict())
+    refused = relay.told["squatter"][-1]
+    assert refused["event"] == "error" and refused["reason"] == "authentication"
+    clients.pump()
+    assert all(clients[r].error is None for r in range(3))
+    clients.start(1, 3, 3, "the job's secret", 3)  # the real rank 3
+    clients.pump()
+    readies = [clients[r].ready for r in range(4)]
+    assert None not in readies and len({r.token for r in readies}) == 4
+
+
+def test_a_proof_from_a_running_rank_is_answered_at_the_rack_and_nothing_is_left_installed():
+    """The spine challenges ranks only while their job forms: a proof from a
+    running job's rank is refused at the rack.  A refusal the spine sends on a
+    running job's connection ends the job at the rack, its slots freed (before,
+    the job stayed installed: a few such connections took every slot)."""
+    relay = joined_cluster((0, 0, 1, 1))
+    rack = relay.racks[0]
+    free = rack.pipeline.free_slots()
+    relay.worker(0, ("j", 0), protocol.Prove(0).to_dict())
+    assert relay.told[("j", 0)][-1]["event"] == "error"
+    assert rack.pipeline.free_slots() == free and len(rack.pipeline.jobs) == 1
+    relay.route(0, rack.handle_upstream("j", protocol.Error("refused").to_dict()))
+    assert [relay.told[("j", r)][-1]["event"] for r in (0, 1)] == ["failed", "failed"]
+    assert rack.pipeline.jobs == {} and rack.jobs == {}
+
+
+def test_ranks_of_one_rack_at_different_calls_fail_every_rank_as_a_mismatch():
+    """Ranks behind one rack disagree on a call: every rank of the job hears a
+    mismatch (CallMismatchError), those of the other racks too, as from a switch
+    of one level (they heard that a rank gave up, a timeout)."""
+    relay = joined_cluster((0, 0, 1, 1))
+    pipeline = relay.racks[0].pipeline
+    for rank in (0, 1):
+        ready = relay.told[("j", rank)][-1]
+        lanes = np.zeros(pipeline.jobs[ready["session"]].lanes, wire.LANE)
+        pipeline.receive_datagram(wire.encode(
+            wire.KIND_CONTRIBUTION, wire.DTYPE_FLOAT32, ready["slot_base"], ready["token"], 1,
+            rank, 0, lanes, np.zeros(K, np.int32)), (f"10.0.2.{rank}", 5000 + rank))
+    relay.route(0, relay.racks[0].handle_mismatches())
+    failed = [relay.told[("j", r)][-1] for r in range(4)]
+    assert all(f["event"] == "failed" and f.get("mismatch") for f in failed), failed
+    assert "different calls" in failed[3]["reason"]
 
 
 def test_a_rack_refuses_a_data_address_that_a_rank_of_another_job_holds():
@@ -631,3 +702,15 @@ def test_a_rack_refuses_a_data_address_that_a_rank_of_another_job_holds():
     relay.worker_gone(0, "a")
     relay.worker(0, "b2", join(0, 2, job="B"))  # free again once A's rank went
     assert relay.told["b2"][-1]["event"] == "joined"
+
+
+def test_relay_names_are_one_jobs_whatever_the_names():
+    """A rack's connections to the spine are named by job, key and (a gather's)
+    rank: a job named as another's key would be would share its connection."""
+    from switchml.switch.racks.control import relay_name
+
+    names = [relay_name("a", "ff"), relay_name("a#key:ff", None), relay_name("a", None),
+             relay_name('["a", "ff"]', None), relay_name("a", "ff", 0),
+             relay_name("a#gather0", "ff"), relay_name("a", None, 0)]
+    assert len(set(names)) == len(names)
+    assert relay_name("j", None) == "j"  # a job without a key: its name, as logged

@@ -229,10 +229,12 @@ class Controller:
             except auth.AuthUnavailableError as exc:
                 return self._refuse(conn, REASON_AUTHENTICATION,
                                     f"job '{request.job}' rank {request.rank}: this switch "
-                                    f"cannot check job secrets: {exc}", proof_failed=True)
+                                    f"cannot check job secrets: {exc}", proof_failed=True,
+                                    rank=request.rank)
         pending = self._challenges.setdefault(conn, {})
         if len(pending) >= MAX_CHALLENGES_PER_CONNECTION:
-            return self._refuse(conn, "bad_request", "too many requests waiting for their proof")
+            return self._refuse(conn, "bad_request", "too many requests waiting for their proof",
+                                rank=request.rank)
         nonce = auth.new_nonce()
         pending[request.rank] = (request, nonce)
         return [(conn, protocol.Challenge(nonce, request.rank,
@@ -243,7 +245,7 @@ class Controller:
         held = self._challenges.get(conn, {}).pop(prove.rank, None)
         if held is None:
             return self._refuse(conn, "bad_request", f"no challenge is open for rank "
-                                f"{prove.rank} on this connection")
+                                f"{prove.rank} on this connection", rank=prove.rank)
         request, nonce = held
         what = f"job '{request.job}' rank {request.rank}"
         message = auth.transcript(nonce, request.job, request.rank, request.key)
@@ -252,11 +254,11 @@ class Controller:
             return self._refuse(conn, REASON_ADMISSION, f"{what}: this switch admits only "
                                 f"workers that know its admission token (SWITCHML_SWITCH_TOKEN "
                                 f"or SWITCHML_SWITCH_TOKEN_FILE), and this one did not prove "
-                                f"it", proof_failed=True)
+                                f"it", proof_failed=True, rank=request.rank)
         if request.key is not None and (prove.signature is None or not auth.verify(
                 request.key, prove.signature, message)):
             return self._refuse(conn, REASON_AUTHENTICATION, f"{what}: the request did not "
-                                f"prove the job's secret", proof_failed=True)
+                                f"prove the job's secret", proof_failed=True, rank=request.rank)
         return self._take(conn, request)
 
     def _disconnect(self, conn) -> list:
@@ -320,13 +322,16 @@ class Controller:
 
     # ------------------------------------------------------------------ joining
     def _refuse(self, conn, reason: str, why: str, limit: str | None = None,
-                version: int | None = None, *, proof_failed: bool = False) -> list:
+                version: int | None = None, *, proof_failed: bool = False,
+                rank: int | None = None) -> list:
         """Refuse a request, counted by ``limit`` or ``reason``; ``proof_failed`` puts
-        ``reason`` in the error (the worker raises AuthenticationError)."""
+        ``reason`` in the error (the worker raises AuthenticationError); ``rank``:
+        the rank whose request it was (a join, a proof), where the refusal is its
+        alone: a rack switch relays several ranks' on one connection."""
         self.pipeline.counters["control_join_refused"] += 1
         self.refused[limit or reason] += 1
         log.warning("join refused: %s", why)
-        return [(conn, Error(why, limit, version, reason if proof_failed else None))]
+        return [(conn, Error(why, limit, version, reason if proof_failed else None, rank))]
 
     def _join(self, conn, join: protocol.Join) -> list:
         # A rack switch relays its ranks' joins on one connection (several ranks, one
@@ -334,7 +339,8 @@ class Controller:
         relayed = isinstance(join, protocol.RackJoin)
         if conn in self._conn_job and not (relayed and conn in self._racks
                                            and self._conn_job[conn][0] == (join.job, join.key)):
-            return self._refuse(conn, "bad_request", "this connection already joined a job")
+            return self._refuse(conn, "bad_request", "this connection already joined a job",
+                                rank=join.rank)
         name, world, rank, addr = join.job, join.world_size, join.rank, join.data_addr
         # A rank whose link carries several jobs at once (its host's shards) asks for
         # its share of the window that link carries.
@@ -345,13 +351,15 @@ class Controller:
             return self._refuse(
                 conn, "max_workers", f"world_size {world} exceeds the limit of {MAX_WORKERS} "
                 f"workers per job (max_workers: the switch's contribution bitmap has "
-                f"{MAX_WORKERS} bits)", LIMIT_MAX_WORKERS)
+                f"{MAX_WORKERS} bits)", LIMIT_MAX_WORKERS, rank=rank)
         if rank >= world:
-            return self._refuse(conn, "bad_request", f"rank {rank} is outside 0..{world - 1}")
+            return self._refuse(conn, "bad_request", f"rank {rank} is outside 0..{world - 1}",
+                                rank=rank)
         ident = (name, join.key)
         if self._address_job.get(addr, ident) != ident:
             return self._refuse(conn, "duplicate_address",
-                                f"data address {addr} is already used by a rank of another job")
+                                f"data address {addr} is already used by a rank of another job",
+                                rank=rank)
         job = self.jobs.get(ident)
         created = job is None
         if job is None:
@@ -361,17 +369,18 @@ class Controller:
             return self._refuse(
                 conn, "job_running", f"job '{name}' is already running and rank {rank} "
                 f"belongs to it; a restarted rank can join again once the job has failed "
-                f"(its old connection dropped, or the other ranks timed out)")
+                f"(its old connection dropped, or the other ranks timed out)", rank=rank)
         elif job.world_size != world:
             return self._refuse(conn, "world_size_mismatch", f"job '{name}' has world_size "
-                                f"{job.world_size}, this worker says {world}")
+                                f"{job.world_size}, this worker says {world}", rank=rank)
         if rank in job.conns:
             return self._refuse(conn, "duplicate_rank",
-                                f"rank {rank} of job '{name}' has already joined")
+                                f"rank {rank} of job '{name}' has already joined", rank=rank)
         if addr in job.addrs.values() and not (relayed and {
                 job.conns.get(r) for r, a in job.addrs.items() if a == addr} == {conn}):
             return self._refuse(conn, "duplicate_address",
-                                f"data address {addr} is already used by another rank")
+                                f"data address {addr} is already used by another rank",
+                                rank=rank)
         job.conns[rank] = conn
         job.addrs[rank] = addr
         self._address_job[addr] = ident
@@ -604,6 +613,10 @@ class Controller:
         rank = entry[1]
         missing = sorted({r for r in abort.missing if 0 <= r < job.world_size})
         reason = abort.reason
+        if abort.mismatch and conn in self._racks:  # its ranks disagreed: said as they did
+            log.warning("job %s failed: %s", job.name, reason)
+            self.pipeline.counters["jobs_mismatched"] += 1
+            return self._fail(job, missing, reason, skip=conn, mismatch=True)
         log.warning("job %s failed: rank %d gave up: %s", job.name, rank, reason)
         return self._fail(job, missing, f"rank {rank} of job '{job.name}' gave up: {reason}",
                           skip=conn, switch_lost=abort.switch_lost, culprits=abort.culprits)

@@ -37,6 +37,7 @@ switch's (``switch_lost``; at join an ``Error`` with reason "unreachable"):
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import time
@@ -76,9 +77,13 @@ class CloseUplink:
     job: str
 
 
-def relay_name(job: str, key: str | None) -> str:
-    """The name of a job's connection to the spine: its name, and its key if any."""
-    return job if key is None else f"{job}#key:{key}"
+def relay_name(job: str, key: str | None, gather_rank: int | None = None) -> str:
+    """The name of a job's connection to the spine (or of one rank's gather): no
+    other job, key and rank give it, whatever text a job's name is.  A job
+    without a key is named by its name alone, unless that looks like another's."""
+    if key is None and gather_rank is None and not job.startswith("["):
+        return job
+    return json.dumps([job, key] if gather_rank is None else [job, key, gather_rank])
 
 
 @dataclass
@@ -219,9 +224,11 @@ class RackController:
         connection (the spine checks it)."""
         entry = self._conn_job.get(conn)
         relay = self._conn_gather.get(conn) or (entry[0] if entry else None)
-        if relay is None:
+        job = self.jobs.get(relay) if relay is not None else None
+        # the spine challenges ranks only while their job forms: a proof for a
+        # running one would be refused up there, for the job's connection
+        if relay is None or (job is not None and job.session):
             return self._to(conn, Error("no challenge is open on this connection"))
-        job = self.jobs.get(relay)
         return self._ask_spine(job, prove) if job is not None else [ToSpine(relay, prove)]
 
     def _leave(self, conn) -> list:
@@ -252,7 +259,7 @@ class RackController:
 
     def _gather(self, conn, gather: protocol.Gather) -> list:
         """A rank's host record for its job's ranks, in every rack: to the spine."""
-        name = f"{relay_name(gather.job, gather.key)}#gather{gather.rank}"
+        name = relay_name(gather.job, gather.key, gather.rank)
         if name in self._gathers or conn in self._conn_gather:
             return self._to(conn, Error(f"rank {gather.rank} of job '{gather.job}' is "
                                         "gathering already"))
@@ -352,7 +359,8 @@ class RackController:
             m = type(m)(tuple(ranks[i] for i in m.ranks), m.first, ranks[m.rank], m.other)
             reason = describe_mismatch(job.name, m)
             self.pipeline.counters["jobs_mismatched"] += 1
-            out += self._fail(job, Failed((), reason, True), up=protocol.Abort(reason))
+            out += self._fail(job, Failed((), reason, True),
+                              up=protocol.Abort(reason, mismatch=True))
         return out
 
     # ------------------------------------------------------------------ from the spine
@@ -382,6 +390,10 @@ class RackController:
         if isinstance(event, (Joined, protocol.Waiting)):
             return self._to_all(job, event)
         if isinstance(event, Error):
+            if event.rank is not None and event.rank in job.conns and not job.session:
+                return self._drop_rank(job, event.rank, event)  # that rank's request alone
+            if job.session:  # out of the pipeline too: its slots are free again
+                return self._fail(job, Failed((), event.message))
             del self.jobs[name]
             for c in job.conns.values():
                 self._conn_job.pop(c, None)
@@ -391,6 +403,20 @@ class RackController:
         if isinstance(event, StatusReply):
             return self._spine_status(job, event)
         return []  # left, stats: nothing for the workers
+
+    def _drop_rank(self, job: RackJob, rank: int, error: Error) -> list:
+        """The spine refused one rank's request (its join, its proof: a process
+        with the job's name and key but not its secret, say): that rank alone
+        hears it and leaves the job here, as it would be refused alone at a
+        switch of one level; the job's other ranks wait on."""
+        conn = job.conns.pop(rank)
+        job.addrs.pop(rank, None)
+        self._conn_job.pop(conn, None)
+        out = self._to(conn, error)
+        if not job.conns:
+            del self.jobs[job.relay]
+            out.append(CloseUplink(job.relay))
+        return out
 
     def handle_uplink_closed(self, name: str, why: str = "closed the connection") -> list:
         """Job ``name``'s connection to the spine ended (or could not be opened): the
