@@ -282,6 +282,32 @@ def after_the_end(switch, *jobs, seconds: float = 10.0) -> dict:
         time.sleep(0.01)
 
 
+def test_a_bug_on_a_spines_datagram_is_counted_and_the_rack_serves_on(monkeypatch):
+    """The rack's socket toward the spine is drained as the switch's own: a datagram
+    the pipeline fails on is counted (``internal_errors``) and logged, and the
+    switch serves on; its sum comes again as the rack's ranks recover it."""
+    original, failed = RackPipeline.receive_datagram, []
+
+    def fails_once(self, data, addr):
+        if addr in self._spines and not failed:
+            failed.append(addr)
+            raise RuntimeError("a bug")
+        return original(self, data, addr)
+
+    monkeypatch.setattr(RackPipeline, "receive_datagram", fails_once)
+    inputs = make_inputs(2, 3000, np.float32, seed=7)
+    stack, spine, racks = rack_switches(racks=1)
+    with stack:
+        def body(rank):
+            with switchml.Worker(racks[0].address, rank, 2, job="bug", timeout=20) as w:
+                return w.membership.packet_elements, w.allreduce(inputs[rank])
+
+        results = run_ranks(2, body)
+        assert failed and racks[0].stats()["counters"]["internal_errors"] == 1
+        assert racks[0]._thread.is_alive()
+    same_bits([out for _, out in results], reference_sum(inputs, results[0][0]))
+
+
 @pytest.mark.parametrize("guarded", [False, True])
 def test_two_levels_over_sockets_give_the_flat_sums(guarded, monkeypatch):
     """(guarded: a job secret, and a spine with an admission token, both of which

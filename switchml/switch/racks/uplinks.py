@@ -252,4 +252,10 @@ class Uplinks:
                 except OSError:
                     pipeline.counters["socket_errors"] += 1
                     continue
-                self.switch._send_datagrams(pipeline.receive_datagram(view[:n], addr))
+                try:
+                    replies = pipeline.receive_datagram(view[:n], addr)
+                except Exception:  # a bug must not take the switch down (as _drain_into)
+                    pipeline.counters["internal_errors"] += 1
+                    log.exception("pipeline failed on a datagram from the spine at %s", addr)
+                    continue
+                self.switch._send_datagrams(replies)
