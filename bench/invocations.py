@@ -18,9 +18,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from switchml.bench.launch import run_to_its_end
+from switchml.testbed.core import signals_end_the_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -112,10 +114,10 @@ def main(argv=None) -> int:
                    "--out", folder, "--no-plots"]
         print(f"run {i + 1}/{args.runs}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
         started = time.monotonic()
-        done = subprocess.run(command, cwd=ROOT)
-        if done.returncode != 0:
-            print(f"run {i + 1} failed (exit {done.returncode})", file=sys.stderr)
-            return done.returncode
+        code = run_to_its_end(command, cwd=ROOT)
+        if code != 0:
+            print(f"run {i + 1} failed (exit {code})", file=sys.stderr)
+            return code
         with open(os.path.join(folder, "results.json")) as f:
             runs.append(json.load(f)["rows"])
         print(f"run {i + 1} took {time.monotonic() - started:.0f} s", file=sys.stderr)
@@ -128,4 +130,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with signals_end_the_run():  # TERM or HUP: the bench it runs is asked to stop
+        sys.exit(main())

@@ -166,4 +166,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from switchml.testbed.core import signals_end_the_run
+
+    with signals_end_the_run():  # TERM or HUP: the testbed goes, as on Ctrl-C
+        sys.exit(main())

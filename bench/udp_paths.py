@@ -158,4 +158,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from switchml.testbed.core import signals_end_the_run
+
+    with signals_end_the_run():  # TERM or HUP: the testbed goes, as on Ctrl-C
+        main()

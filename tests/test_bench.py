@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import needs_root
@@ -83,6 +84,55 @@ def test_plots_are_written_for_the_data_there_is(tmp_path):
     alone = [dict(rows[0], speedup_over_gloo=None)]
     assert [os.path.basename(p) for p in write_plots(alone, None, str(tmp_path))] == [
         "time_vs_size.png"]
+    # every system the bench runs has a style (and one it would not know is drawn)
+    others = [dict(rows[0], system=s) for s in ("switchml-dense16", "gloo-fp16", "other")]
+    assert [os.path.basename(p) for p in write_plots(others, None, str(tmp_path))] == [
+        "time_vs_size.png"]
+
+
+def test_what_the_bench_cannot_measure_as_asked_is_refused_at_once(tmp_path):
+    for extra, said in ((["--repeats", "0"], "--repeats takes 1 or more"),
+                        (["--testbed", "--loss", "0.01", "--data-plane", "xdp"],
+                         "--loss goes without --data-plane xdp")):
+        done = subprocess.run(CLI + extra + ["--out", str(tmp_path / "out")],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert done.returncode != 0 and said in done.stderr, (extra, done.stderr)
+    assert not (tmp_path / "out").exists()
+
+
+def role_processes(parent: int) -> list:
+    """The pids of the bench role processes whose parent is ``parent``."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            status = open(f"/proc/{pid}/status").read()
+            argv = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if f"\nPPid:\t{parent}\n" in status and b"switchml.bench.roles" in argv:
+            found.append(int(pid))
+    return found
+
+
+def test_a_bench_stopped_by_sigterm_leaves_no_rank_running(tmp_path):
+    """TERM (a scheduler's stop, ``kill``) ends a bench as Ctrl-C does: its ranks go
+    with it, not on waiting out their timeout."""
+    bench = subprocess.Popen(CLI + ["--workers", "2", "--sizes", "16", "--repeats", "1000",
+                                    "--systems", "dense", "--no-plots", "--out", str(tmp_path)],
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    deadline = time.monotonic() + 60
+    while len(ranks := role_processes(bench.pid)) < 3:  # the switch and two ranks
+        assert bench.poll() is None and time.monotonic() < deadline, bench.stderr.read()
+        time.sleep(0.1)
+    time.sleep(1.0)  # at work
+    bench.terminate()
+    assert bench.wait(timeout=30) == 128 + 15
+    deadline = time.monotonic() + 10
+    while alive := [pid for pid in ranks if os.path.exists(f"/proc/{pid}")
+                    and "zombie" not in open(f"/proc/{pid}/status").read()]:
+        assert time.monotonic() < deadline, f"ranks left running: {alive}"
+        time.sleep(0.1)
 
 
 def check_results(out, systems):

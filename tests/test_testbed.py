@@ -31,6 +31,7 @@ from switchml.testbed import (
     ToolMissingError,
     netns,
     parse_rate,
+    teardown,
 )
 
 HELPERS = os.path.join(os.path.dirname(__file__), "testbed_helpers.py")
@@ -222,6 +223,94 @@ def test_a_signal_removes_everything(sig):
     proc.wait(timeout=20)
     assert proc.returncode != 0
     assert_gone(p)
+
+
+@needs_root
+def test_a_killed_runs_testbed_is_removed_by_the_next_run_of_its_prefix():
+    """A bench's testbed lives in its ``with`` block: SIGKILLed, nothing can clean
+    up, and the next run of the prefix finds the testbed of a process that is
+    gone and removes it (only a testbed ``switchml testbed up`` left, which
+    outlives its command, is refused until ``down``)."""
+    p = prefix("k")
+    proc = subprocess.Popen([sys.executable, "-c", SCRIPT.format(root=ROOT, p=p)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "up", proc.stderr.read()
+        proc.kill()
+        proc.wait(timeout=20)
+        assert f"{p}-h1" in netns.list_namespaces()  # left behind
+        with Testbed(hosts=2, prefix=p) as tb:  # taken over, not refused
+            assert tb.hosts == 2
+    finally:
+        teardown(p)
+    assert_gone(p)
+    # one that outlives the command that made it stays until `down`
+    up = subprocess.run(CLI + ["testbed", "up", "--hosts", "2", "--link", "none", "--prefix", p],
+                        capture_output=True, text=True, timeout=60)
+    try:
+        assert up.returncode == 0, up.stderr
+        with pytest.raises(TestbedExistsError):
+            Testbed(hosts=2, prefix=p).__enter__()
+    finally:
+        teardown(p)
+    assert_gone(p)
+
+
+RACER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from switchml.testbed import Testbed, TestbedExistsError
+time.sleep(max(0.0, {start} - time.time()))
+try:
+    with Testbed(hosts=2, prefix={p!r}) as tb:
+        print("up", flush=True)
+        sys.stdin.readline()  # until the test has looked
+except TestbedExistsError:
+    print("exists", flush=True)
+"""
+
+
+@needs_root
+def test_two_runs_of_one_prefix_at_once_one_is_refused_and_the_other_is_whole():
+    """The look for a testbed of the prefix and the making are one step: the
+    second run is refused, and its failure does not take the first's away."""
+    p = prefix("r")
+    start = time.time() + 1.5
+    racers = [subprocess.Popen([sys.executable, "-c", RACER.format(root=ROOT, p=p, start=start)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        said = sorted(r.stdout.readline().strip() for r in racers)
+        assert said == ["exists", "up"], [r.stderr.read() for r in racers]
+        assert {f"{p}-h0", f"{p}-h1", f"{p}-sw"} <= set(netns.list_namespaces())
+        for r in racers:
+            r.communicate("\n", timeout=30)
+    finally:
+        for r in racers:
+            if r.poll() is None:
+                r.kill()
+        teardown(p)
+    assert_gone(p)
+
+
+@needs_root
+def test_a_testbed_interrupted_while_its_switch_starts_leaves_nothing():
+    p = prefix("w")
+    up = subprocess.Popen(CLI + ["testbed", "up", "--hosts", "2", "--link", "none", "--switch",
+                                 "--prefix", p],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"/run/switchml-testbed/{p}.json"):  # up, switch starting
+            assert up.poll() is None and time.monotonic() < deadline, up.stderr.read()
+            time.sleep(0.01)
+        up.terminate()
+        assert up.wait(timeout=30) != 0
+        assert_gone(p)  # by the interrupted command itself, switch and all
+    finally:
+        if up.poll() is None:
+            up.kill()
+        teardown(p)
 
 
 @needs_root

@@ -7,14 +7,17 @@ process that fails ends the run with its stderr in the message.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
+from typing import Any
 
 #: The folder the switchml package is in (a source checkout's root, or
 #: site-packages): the role processes import it from there, installed or not.
@@ -28,6 +31,42 @@ def _pythonpath() -> str:
 
 class BenchError(RuntimeError):
     """A benchmark process failed or stopped answering; the message says which and why."""
+
+
+#: linux/prctl.h
+PR_SET_PDEATHSIG = 1
+_prctl: Any
+try:  # looked up here: the forked child only calls it
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+
+
+def die_with_parent() -> None:
+    """In a role's process, before its program runs: SIGTERM when the bench that
+    started it dies (PR_SET_PDEATHSIG, kept across exec, ``ip netns exec``'s
+    too), so that a bench killed or stopped by a signal leaves no rank waiting
+    out its timeout."""
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
+def run_to_its_end(argv: list, cwd: str | None = None) -> int:
+    """``argv`` (a bench of its own) to completion; its exit status.  Interrupted
+    here (Ctrl-C, or TERM under ``signals_end_the_run``), it is asked to stop
+    with TERM and given a minute to take its processes and testbed away, rather
+    than killed with them in place."""
+    proc = subprocess.Popen(argv, cwd=cwd)
+    try:
+        return proc.wait()
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
 
 
 def role_argv(role: str, spec: dict) -> list:
@@ -144,7 +183,7 @@ class Roles:
         err = tempfile.TemporaryFile(mode="w+")
         proc = self.cluster.popen(where, role_argv(role, spec), stdout=subprocess.PIPE,
                                   stderr=err, stdin=subprocess.PIPE if stdin else None,
-                                  text=True)
+                                  text=True, preexec_fn=die_with_parent)
         self.procs[name], self._stderr[name] = proc, err
         threading.Thread(target=self._read, args=(name, proc), daemon=True).start()
         return proc

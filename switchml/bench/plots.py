@@ -16,7 +16,10 @@ import os
 from .common import lower_bound_s
 
 STYLE = {"switchml-dense": ("tab:blue", "o"), "gloo": ("tab:orange", "s"),
-         "switchml-sparse": ("tab:green", "^")}
+         "switchml-sparse": ("tab:green", "^"), "switchml-dense16": ("tab:purple", "D"),
+         "gloo-fp16": ("tab:red", "v")}
+#: A system the table above does not name: drawn all the same.
+OTHER_STYLE = ("tab:gray", "x")
 
 
 def _pyplot():
@@ -48,7 +51,7 @@ def time_vs_size(plt, rows, link_bps, path):
         for system, density in series:
             pts = sorted((r["size_mib"], r["median_s"]) for r in mine
                          if r["system"] == system and r["density"] == density)
-            color, marker = STYLE[system]
+            color, marker = STYLE.get(system, OTHER_STYLE)
             label = system if density is None else f"{system} d={density:g}"
             ax.plot(*zip(*pts), marker=marker, color=color, label=label,
                     linestyle="-" if density is None else ":")
@@ -102,7 +105,7 @@ def time_vs_density(plt, rows, link_bps, path):
                 label="switchml sparse")
         for r in rows:
             if r["workers"] == n and r["size_bytes"] == size and r["system"] != "switchml-sparse":
-                ax.axhline(r["median_s"], color=STYLE[r["system"]][0],
+                ax.axhline(r["median_s"], color=STYLE.get(r["system"], OTHER_STYLE)[0],
                            label=f"{r['system']} (dense tensor)")
         if link_bps:
             ax.axhline(lower_bound_s("switchml-dense", n, size, link_bps), color="k",

@@ -42,7 +42,7 @@ import sys
 import time
 
 from ..config import DEFAULT_BLOCK_ELEMENTS
-from ..testbed.core import OFFLOAD, add_host_queue_argument
+from ..testbed.core import OFFLOAD, add_host_queue_argument, signals_end_the_run
 from .common import lower_bound_s, ring_bytes, summarize
 from .launch import BenchError, Loopback, OnTestbed, Roles
 from .roles import RECOVERY
@@ -435,6 +435,12 @@ def _preflight(args) -> None:
                          "switch runs the Python data plane)")
     if args.testbed and not 0.0 <= args.loss < 1.0:
         raise SystemExit("bench: --loss must be in [0, 1)")
+    if xdp and args.testbed and args.loss:
+        raise SystemExit("switchml bench: --loss goes without --data-plane xdp: the testbed "
+                         "loses the workers' datagrams at the switch's input hook, which "
+                         "the XDP program runs before (the uplinks would lose nothing)")
+    if args.repeats < 1:
+        raise SystemExit("switchml bench: --repeats takes 1 or more")
 
 
 #: What runs on torch tensors (--device): the dense path and gloo.
@@ -573,28 +579,29 @@ def main(args, argv_text: str = "", prog: str = "switchml bench") -> int:
                            **_device_description(args.device)},
                "settings": {k: v for k, v in vars(args).items() if k != "func"}}
     try:
-        if args.testbed:
-            from ..testbed import Testbed, TestbedError
+        with signals_end_the_run():  # TERM or HUP: processes and testbed go, as on Ctrl-C
+            if args.testbed:
+                from ..testbed import Testbed, TestbedError
 
-            try:
-                hosts = -(-max(args.workers) // args.ranks_per_host)
-                with Testbed(hosts, args.link, mtu=args.mtu, loss=args.loss,
-                             udp_offload=OFFLOAD[args.udp_offload], switches=args.switches,
-                             racks=args.racks, oversubscription=args.oversubscription,
-                             prefix=args.prefix, queue=args.queue,
-                             host_queue=args.host_queue,
-                             ranks_per_host=args.ranks_per_host) as tb:
-                    cluster: OnTestbed | Loopback = OnTestbed(tb)
-                    results["cluster"] = cluster.describe()
-                    results.update(run(args, cluster))
-                    results["loss_drops"] = tb.loss_drops() if args.loss else None
-            except TestbedError as exc:
-                print(f"bench: {exc}", file=sys.stderr)
-                return 2
-        else:
-            cluster = Loopback()
-            results["cluster"] = cluster.describe()
-            results.update(run(args, cluster))
+                try:
+                    hosts = -(-max(args.workers) // args.ranks_per_host)
+                    with Testbed(hosts, args.link, mtu=args.mtu, loss=args.loss,
+                                 udp_offload=OFFLOAD[args.udp_offload], switches=args.switches,
+                                 racks=args.racks, oversubscription=args.oversubscription,
+                                 prefix=args.prefix, queue=args.queue,
+                                 host_queue=args.host_queue,
+                                 ranks_per_host=args.ranks_per_host) as tb:
+                        cluster: OnTestbed | Loopback = OnTestbed(tb)
+                        results["cluster"] = cluster.describe()
+                        results.update(run(args, cluster))
+                        results["loss_drops"] = tb.loss_drops() if args.loss else None
+                except TestbedError as exc:
+                    print(f"bench: {exc}", file=sys.stderr)
+                    return 2
+            else:
+                cluster = Loopback()
+                results["cluster"] = cluster.describe()
+                results.update(run(args, cluster))
     except BenchError as exc:
         print(f"bench: {exc}", file=sys.stderr)
         return 1
@@ -603,14 +610,21 @@ def main(args, argv_text: str = "", prog: str = "switchml bench") -> int:
         return 130
     link_bps = results["cluster"].get("link_bps")
     print(format_table(results["rows"], link_bps))
+    path = os.path.join(out, "results.json")
+    with open(path, "w") as f:  # first: what was measured is kept whatever follows
+        json.dump(results, f, indent=2)
+    print(f"wrote {path}")
     if args.plots:
         from .plots import write_plots
 
-        results["plots"] = write_plots(results["rows"], link_bps, out)
-    path = os.path.join(out, "results.json")
-    with open(path, "w") as f:
-        json.dump(results, f, indent=2)
-    print(f"wrote {path}" + "".join(f"\nwrote {p}" for p in results.get("plots", [])))
+        try:
+            results["plots"] = write_plots(results["rows"], link_bps, out)
+        except Exception as exc:  # a figure that cannot be drawn: the results stand
+            print(f"bench: the plots could not be drawn: {exc!r}", file=sys.stderr)
+        else:
+            with open(path, "w") as f:
+                json.dump(results, f, indent=2)
+            print("".join(f"wrote {p}\n" for p in results["plots"]), end="")
     failed = [r for r in results["rows"] if r["checked"] is False or not r["ranks_bit_identical"]]
     if failed:
         print(f"bench: {len(failed)} result(s) FAILED their check", file=sys.stderr)

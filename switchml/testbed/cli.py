@@ -26,6 +26,11 @@ def _testbed_up(args) -> int:
         print("switchml testbed: --data-plane goes with --switch (the switch it starts)",
               file=sys.stderr)
         return 2
+    if args.data_plane == "xdp" and args.loss:
+        print("switchml testbed: --loss goes without --data-plane xdp: the testbed loses the "
+              "workers' datagrams at the switch's input hook, which the XDP program runs "
+              "before (the uplinks would lose nothing)", file=sys.stderr)
+        return 2
     try:
         tb = Testbed(args.hosts, None if args.link == "none" else args.link, mtu=args.mtu,
                      loss=args.loss, prefix=args.prefix, subnet=args.subnet, burst=args.burst,
@@ -72,12 +77,13 @@ def _testbed_up(args) -> int:
                     print(f"switchml testbed: the switch in {node} did not start; its log:\n"
                           f"{open(log).read()}", file=sys.stderr)
                     return 1
-    except TestbedError as exc:
+    except (TestbedError, ValueError) as exc:
+        tb.down()  # (up() removed what it made already where it failed itself)
         print(f"switchml testbed: {exc}", file=sys.stderr)
         return 2
-    except ValueError as exc:
-        print(f"switchml testbed: {exc}", file=sys.stderr)
-        return 2
+    except BaseException:  # Ctrl-C, TERM or HUP while its switch starts: nothing left
+        tb.down()
+        raise
     finally:
         tb._restore_signals()
     print(_describe(tb, running_switch=args.switch))

@@ -34,6 +34,8 @@ not whole runs.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import ipaddress
 import json
 import os
@@ -157,6 +159,21 @@ def read_state(prefix: str = DEFAULT_PREFIX) -> dict | None:
         return None
 
 
+def _owner_gone(prefix: str) -> bool:
+    """Whether testbed ``prefix`` lived in a process's ``with`` block (a bench's)
+    and that process is gone: killed, its testbed left behind."""
+    owner = (read_state(prefix) or {}).get("owner")
+    if not isinstance(owner, int):
+        return False
+    try:
+        os.kill(owner, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
 #: ``--udp-offload`` (the CLI's and the bench's) as ``Testbed(udp_offload=...)``.
 OFFLOAD = {"auto": None, "on": True, "off": False}
 
@@ -266,6 +283,10 @@ class Testbed:
         self.udp_offload = self.loss == 0 if udp_offload is None else bool(udp_offload)
         self._procs: list = []
         self._up = False
+        #: The process whose ``with`` block the testbed lives in (None: it outlives
+        #: the process that made it, as ``switchml testbed up``'s): a testbed whose
+        #: owner is gone (SIGKILLed) is removed by the next ``up`` of its prefix.
+        self._owner: int | None = None
         self._saved_handlers: dict = {}
 
     # ------------------------------------------------------------------ names
@@ -442,6 +463,7 @@ class Testbed:
     # ------------------------------------------------------------------ life cycle
     def __enter__(self) -> Testbed:
         self._catch_signals()
+        self._owner = os.getpid()
         try:
             return self.up()
         except BaseException:
@@ -462,17 +484,29 @@ class Testbed:
             netns.require_tool("tc")
         if self.loss > 0:
             netns.ensure_nft(self.install_nft)
-        if self.prefix in find_testbeds():
-            raise TestbedExistsError(
-                f"a testbed with prefix '{self.prefix}' is already up (or left over from a "
-                f"crash): remove it with `switchml testbed down --prefix {self.prefix}` or "
-                f"choose another prefix")
-        self._up = True  # from here on, down() has something to remove
-        try:
-            self._create()
-        except BaseException:
-            self.down()
-            raise
+        # Held from the look for one of this prefix to the end of the making (one
+        # file for every prefix, which stays): two runs of one prefix at once, the
+        # second finds the first's, and its failure, which removes every namespace
+        # of the prefix, cannot take the first's.
+        os.makedirs(STATE_DIR, exist_ok=True)
+        with open(os.path.join(STATE_DIR, "up.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if self.prefix in find_testbeds() and _owner_gone(self.prefix):
+                print(f"testbed: removing testbed '{self.prefix}', left by process "
+                      f"{(read_state(self.prefix) or {}).get('owner')}, which is gone",
+                      file=sys.stderr)
+                teardown(self.prefix)
+            if self.prefix in find_testbeds():
+                raise TestbedExistsError(
+                    f"a testbed with prefix '{self.prefix}' is already up (or left over from "
+                    f"a crash): remove it with `switchml testbed down --prefix {self.prefix}` "
+                    f"or choose another prefix")
+            self._up = True  # from here on, down() has something to remove
+            try:
+                self._create()
+            except BaseException:
+                self.down()
+                raise
         return self
 
     def down(self) -> None:
@@ -593,7 +627,7 @@ class Testbed:
                  "udp_offload": self.udp_offload, "switches": self.switches,
                  "racks": self.racks, "oversubscription": self.oversubscription,
                  "ranks_per_host": self.ranks_per_host, "host_queue": self.host_queue,
-                 "switch": self.switch,
+                 "switch": self.switch, "owner": self._owner,
                  "created": time.time()}
         with open(os.path.join(STATE_DIR, f"{self.prefix}.json"), "w") as f:
             json.dump(state, f, indent=2)
@@ -643,3 +677,20 @@ class Testbed:
 
 def _exit_on_signal(signum, _frame):
     raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def signals_end_the_run():
+    """TERM and HUP end what runs inside as Ctrl-C does: SystemExit in the main
+    thread, so that ``with`` blocks (processes, a testbed) undo what they made.
+    Handlers that are not the default are left as they are."""
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                saved[sig] = signal.signal(sig, _exit_on_signal)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
