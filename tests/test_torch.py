@@ -166,6 +166,10 @@ def test_every_collective_works_through_the_backend():
         assert out["functional_reduce_scatter"] == world * rank
         assert out["functional_all_to_all"] == [float(r) for r in range(world)]
         assert out["allreduce_coalesced"] == [6.0, 3]
+        assert out["broadcast_view"] and out["reduce_view"] and out["reduce_scatter_view"]
+        assert "expand()ed view" in out["broadcast_overlapping"]
+        assert out["summed_at_barrier"]
+        assert out["hook_float64_grad"] == 3 * (world + 1) / 2
 
 
 def test_ddp_comm_hook_on_a_gloo_group_matches_gloo():

@@ -271,6 +271,49 @@ def collectives():
     t = torch.full((3,), 2.0)
     dist.all_reduce(t, group=sub)
     out["new_group"] = t[0].item()
+    out.update(strided_views(rank, size))
+    # a barrier waits for the allreduces before it, as gloo's does
+    t = torch.full((1 << 22,), float(rank + 1))
+    dist.all_reduce(t, async_op=True)
+    dist.barrier()
+    out["summed_at_barrier"] = bool((t == size * (size + 1) / 2).all())
+    # a bucket the switch does not sum (float64) goes as torch's own hook sends it
+    model = torch.nn.Linear(4, 2).double()
+    hooked = torch.nn.parallel.DistributedDataParallel(model)
+    state = switchml.torch.HookState()
+    hooked.register_comm_hook(state, switchml.torch.allreduce_hook)
+    hooked(torch.full((3, 4), float(rank + 1), dtype=torch.float64)).sum().backward()
+    out["hook_float64_grad"] = model.weight.grad[0, 0].item()
+    state.close()
+    return out
+
+
+def strided_views(rank: int, size: int) -> dict:
+    """Collectives gloo serves, on views that are not contiguous (every other
+    column): each as on a contiguous tensor, the columns between untouched; an
+    output that overlaps itself refused."""
+    def base(r):
+        return torch.arange(24, dtype=torch.float32).reshape(4, 6) * (r + 1) + 100 * r
+
+    out = {}
+    b = base(rank)
+    dist.broadcast(b[:, ::2], src=size - 1)
+    out["broadcast_view"] = torch.equal(b[:, ::2], base(size - 1)[:, ::2]) and torch.equal(
+        b[:, 1::2], base(rank)[:, 1::2])
+    b = base(rank)
+    dist.reduce(b[:, ::2], dst=0)
+    out["reduce_view"] = torch.equal(b[:, 1::2], base(rank)[:, 1::2]) and (
+        rank != 0 or torch.equal(b[:, ::2], sum(base(r) for r in range(size))[:, ::2]))
+    b = torch.zeros(4, 6)
+    dist.reduce_scatter(b[:, ::2], [torch.full((4, 3), float(r + i)) for i in range(size)
+                                    for r in [rank]])
+    out["reduce_scatter_view"] = torch.equal(b[:, ::2], torch.full(
+        (4, 3), float(sum(r + rank for r in range(size))))) and not b[:, 1::2].any()
+    try:
+        dist.broadcast(torch.zeros(1).expand(1000), src=0)
+        out["broadcast_overlapping"] = "taken"
+    except ValueError as exc:
+        out["broadcast_overlapping"] = str(exc)
     return out
 
 

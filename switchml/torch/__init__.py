@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .. import auth
 from ..config import SwitchConfiguration, env, local_stage_on
@@ -252,6 +253,62 @@ class _SwitchWork(dist._Work):
         return self._future.value()
 
 
+class _CopiedBack(dist._Work):
+    """A gloo Work whose results are copied into the caller's tensors once it is
+    done: ``copies``, (caller's tensor, the contiguous copy gloo wrote) pairs.
+    (Some of gloo's Works have no future: the copy is made in ``wait``.)"""
+
+    def __init__(self, work, copies: list):
+        super().__init__()
+        self._work = work
+        self._copies = copies
+        self._lock = threading.Lock()
+
+    def _copy_back(self) -> None:
+        with self._lock:
+            copies, self._copies = self._copies, []
+        for original, copy in copies:
+            with writable(original):  # (a future's thread: as the caller could write it)
+                original.copy_(copy)
+
+    def wait(self, timeout=None) -> bool:
+        done = self._work.wait(timeout) if timeout else self._work.wait()
+        self._copy_back()
+        return done
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def get_future(self) -> torch.futures.Future:
+        def copied(fut):
+            fut.value()  # raises gloo's error
+            self._copy_back()
+            return fut.value()
+
+        return self._work.get_future().then(copied)
+
+
+class _AfterCall(dist._Work):
+    """A gloo Work that counts as done only once ``future`` (an earlier call's) is:
+    ``wait()`` waits for both (the call's own error is its Work's to raise)."""
+
+    def __init__(self, future: torch.futures.Future, work):
+        super().__init__()
+        self._future = future
+        self._work = work
+
+    def wait(self, timeout=None) -> bool:
+        ended = threading.Event()
+        self._future.add_done_callback(lambda _: ended.set())
+        if not ended.wait(timeout.total_seconds() if timeout else None):
+            raise RuntimeError(f"switchml: the barrier's earlier allreduce did not complete "
+                               f"within {timeout.total_seconds():g}s (Work.wait's timeout)")
+        return self._work.wait(timeout) if timeout else self._work.wait()
+
+    def is_completed(self) -> bool:
+        return self._future.done() and self._work.is_completed()
+
+
 class _AllWorks(dist._Work):
     """One Work over several gloo Works (some of gloo's have no future to combine)."""
 
@@ -272,16 +329,46 @@ class _AllWorks(dist._Work):
 
 
 def _to_gloo(name: str, tensor_args: int, options):
-    """A collective that runs on the group's inner gloo, with default options if none."""
+    """A collective that runs on the group's inner gloo, with default options if none.
+
+    gloo takes a tensor as its first numel() elements of storage: a strided tensor
+    that is not contiguous (a slice's view) would be read and written wrong, with
+    no error.  Each goes as a contiguous copy, and the copies of the first
+    argument (the output, or the tensor itself) are copied back once the call is
+    done; an output whose elements share memory (an expand()ed view) cannot hold
+    a result and is refused."""
 
     def collective(self, *args, opts=None):
         tensors, rest = args[:tensor_args], args[tensor_args:]
         if rest:
             opts = rest[0]
-        return getattr(self._gloo, name)(*tensors, opts if opts is not None else options())
+        copies: list = []
+        tensors = tuple(_contiguous(arg, copies if i == 0 else None, name)
+                        for i, arg in enumerate(tensors))
+        work = getattr(self._gloo, name)(*tensors, opts if opts is not None else options())
+        return _CopiedBack(work, copies) if copies else work
 
     collective.__name__ = name
     return collective
+
+
+def _contiguous(arg, copies: list | None, name: str):
+    """``arg`` (a tensor, or lists of them) with each strided tensor that is not
+    contiguous as a contiguous copy; ``copies``: where (original, copy) pairs go
+    for the caller to copy back (None: an input, read only)."""
+    if isinstance(arg, (list, tuple)):
+        return type(arg)(_contiguous(a, copies, name) for a in arg)
+    if not isinstance(arg, torch.Tensor) or arg.layout != torch.strided or arg.is_contiguous():
+        return arg
+    if copies is None:
+        return arg.detach().contiguous()
+    if any(stride == 0 and size > 1 for stride, size in zip(arg.stride(), arg.shape)):
+        raise ValueError(f"switchml: {name}'s tensor of shape {tuple(arg.shape)} has elements "
+                         f"that share memory (an expand()ed view): it cannot hold the result; "
+                         f"pass a tensor of its own (.clone())")
+    copy = arg.detach().contiguous()
+    copies.append((arg, copy))
+    return copy
 
 
 def _to_gloo_pairwise(name: str, options):
@@ -350,18 +437,27 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
 
     def _switched(self, tensors, opts) -> bool:
         """Whether the switch sums this call; anything else goes to gloo as it is."""
-        if len(tensors) != 1:
-            return False
-        t = tensors[0]
+        return len(tensors) == 1 and tensors[0].numel() > 0 and \
+            self._switched_kind(tensors[0], opts)
+
+    @staticmethod
+    def _switched_kind(t, opts) -> bool:
+        """Whether the switch sums tensors of ``t``'s device, dtype, layout and op."""
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         return (t.device.type in _DEVICES and t.dtype in _SWITCHED_DTYPES
-                and t.layout == torch.strided and t.numel() > 0
+                and t.layout == torch.strided
                 # ==, not `in`: RedOpType == ReduceOp is False the other way round
                 and (op == dist.ReduceOp.SUM or op == dist.ReduceOp.AVG))
 
     def allreduce(self, tensors, opts=None):  # type: ignore[override]  # the trampoline's form
         if opts is None:
             opts = dist.AllreduceOptions()
+        if len(tensors) == 1 and tensors[0].numel() == 0 and self._switched_kind(tensors[0], opts):
+            # nothing to sum: as a call of values would, whatever the dtype (gloo
+            # refuses an integer AVG, which the switch takes)
+            done: torch.futures.Future = torch.futures.Future()
+            done.set_result(tensors)
+            return _SwitchWork(done)
         if not self._switched(tensors, opts):
             if (len(tensors) == 1 and tensors[0].layout == torch.strided
                     and not tensors[0].is_contiguous()):
@@ -398,7 +494,16 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
     # a Python method it calls gloo holding the GIL, and gloo's worker, freeing a
     # finished Work whose tensors Python owns, waits for the GIL while holding the
     # queue lock that call needs: a deadlock (FSDP2's full_tensor(), 1 run in 12).
-    barrier = _to_gloo("barrier", 0, c10d.BarrierOptions)
+    def barrier(self, opts=None):
+        """gloo's barrier, after this rank's allreduces through the switch: a barrier
+        waits for the work its group was given before it (gloo's does), so that an
+        async allreduce's tensor holds its sum once the barrier is passed."""
+        work = self._gloo.barrier(opts if opts is not None else c10d.BarrierOptions())
+        last = self._path.last_call
+        if last is None or last.future.done():
+            return work
+        return _AfterCall(last.future, work)
+
     broadcast = _to_gloo("broadcast", 1, c10d.BroadcastOptions)
     allgather = _to_gloo("allgather", 2, c10d.AllgatherOptions)
     _allgather_base = _to_gloo("_allgather_base", 2, c10d.AllgatherOptions)
@@ -561,8 +666,12 @@ class HookState:
 
 
 def allreduce_hook(state: HookState, bucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: average the bucket through the switch (dense, sparse or auto)."""
+    """DDP comm hook: average the bucket through the switch (dense, sparse or auto);
+    a bucket the switch does not sum (float64, sparse gradients) as torch's own
+    hook does, over ``state.process_group``."""
     buffer = bucket.buffer()
+    if not ProcessGroupSwitchML._switched_kind(buffer, None) or buffer.numel() == 0:
+        return default_hooks.allreduce_hook(state.process_group, bucket)
     path = state._joined_path()
     call = Call(buffer, state.world_size, state.sparse, state.bits, lambda: buffer,
                 copies=path.copy_mode(buffer))

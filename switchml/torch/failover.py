@@ -180,6 +180,8 @@ class SwitchPath:
         self.counters = {"calls_on_gloo": 0, "fallbacks": 0, "returns": 0, "calls_settled": 0}
         self._lock = threading.Condition()
         self._issued = 0  # calls numbered in call order, the same on every rank
+        #: The call submitted last (a barrier waits for it: calls end in call order).
+        self.last_call: Call | None = None
         self._direct = True  # calls go straight to the worker
         self._pending: dict[int, Call] = {}  # call index -> a call for the recovery thread
         self._next = 0  # the recovery thread's next call
@@ -248,17 +250,25 @@ class SwitchPath:
 
     # ------------------------------------------------------------ the caller's side
     def submit(self, call: Call) -> None:
-        """Run ``call`` (the caller's thread, in call order)."""
+        """Run ``call`` (the caller's thread, in call order).  A call the worker
+        refuses at once (its arguments) fails and takes no number: the numbers
+        are those a failover settles, one after the other."""
         with self._lock:
             index = self._issued
-            self._issued += 1
             if self._broken is not None:
                 call.fail(self._broken)
-            elif self._direct:
-                self._on_switch(index, call)
+                return
+            if self._direct:
+                try:
+                    self._on_switch(index, call)
+                except BaseException as exc:  # refused by the worker: the caller's error
+                    call.fail(exc)
+                    raise
             else:
                 self._pending[index] = call
                 self._lock.notify_all()
+            self._issued += 1
+            self.last_call = call
 
     def copy_mode(self, tensor: torch.Tensor) -> tuple[str, int]:
         """How a call of ``tensor`` made now moves between its GPU and the worker
