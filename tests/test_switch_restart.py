@@ -33,13 +33,16 @@ def start_switch(port=0, drop_rate=0.0):
     return proc, line.split("SWITCHML_SWITCH=")[1].strip()
 
 
-def data(rank, size=SIZE):
-    """Values of many magnitudes (every chunk its own exponent), some chunks zero."""
+def data(rank, size=SIZE, infs=False):
+    """Values of many magnitudes (every chunk its own exponent), some chunks zero;
+    ``infs``: on rank 0 an inf every 50 000 values (chunks of a follow-up exchange)."""
     rng = np.random.default_rng(rank)
     exponents = rng.integers(-40, 40, size // 1024 + 1)
     scale = np.ldexp(np.float32(1), exponents).astype(np.float32).repeat(1024)[:size]
     a = rng.standard_normal(size, dtype=np.float32) * scale
     a[5 * 1024:7 * 1024] = 0
+    if infs and rank == 0:
+        a[::50_000] = np.inf
     return a
 
 
@@ -47,12 +50,12 @@ def digest(array):
     return hashlib.sha256(array.tobytes()).hexdigest()
 
 
-def _rank(address, rank, world, in_place, started, results):
+def _rank(address, rank, world, in_place, infs, started, results):
     """One big call cut by the switch's restart, then the same call undisturbed."""
     with switchml.Worker(address, rank, world, job="restart", timeout=8.0,
                          local_stage=False) as w:
         w.allreduce(np.ones(16, np.float32))
-        a = data(rank)
+        a = data(rank, infs=infs)
         same = a.copy()  # the undisturbed call's input (made once: 1 s of CPU a rank)
         started.put(rank)
         out = w.allreduce(a, out=a if in_place else None)
@@ -63,13 +66,18 @@ def _rank(address, rank, world, in_place, started, results):
                      counters["calls_resumed"]))
 
 
-@pytest.mark.parametrize("in_place,drop_rate", [(True, 0.0), (False, 0.0), (True, 0.01)])
-def test_a_call_cut_by_a_switch_restart_ends_bit_identical(in_place, drop_rate):
+@pytest.mark.parametrize("in_place,drop_rate,infs", [
+    (True, 0.0, False), (False, 0.0, False), (True, 0.01, False),
+    # chunks with an inf left for their follow-up exchange, the call's output its
+    # input: the chunks summed again must leave them as they were (they came back
+    # as the re-sum's unwritten buffer: zeros where the infs' sums belong)
+    (True, 0.0, True)], ids=["in-place", "apart", "in-place-with-loss", "in-place-with-infs"])
+def test_a_call_cut_by_a_switch_restart_ends_bit_identical(in_place, drop_rate, infs):
     proc, address = start_switch(drop_rate=drop_rate)
     port = int(address.rsplit(":", 1)[1])
     ctx = mp.get_context("spawn")
     started, results = ctx.Queue(), ctx.Queue()
-    ranks = [ctx.Process(target=_rank, args=(address, r, 3, in_place, started, results),
+    ranks = [ctx.Process(target=_rank, args=(address, r, 3, in_place, infs, started, results),
                          daemon=True) for r in range(3)]
     try:
         for p in ranks:
@@ -187,3 +195,51 @@ def test_a_rank_killed_while_the_others_rejoin_is_named():
         proc.kill()
         proc.wait(10)
         doomed.kill()
+
+
+def _rank_of_two_switches(address, rank, started, results):
+    with switchml.Worker(address, rank, 3, job="two", timeout=12.0, local_stage=False) as w:
+        w.allreduce(np.ones(16, np.float32))
+        started.put(rank)
+        while True:
+            try:
+                w.allreduce(np.ones(4_000_000, np.float32))
+            except switchml.SwitchMLError as exc:
+                results.put((rank, time.monotonic(), str(exc)))
+                return
+
+
+def test_a_part_that_fails_ends_the_rejoin_of_the_other_part_at_once():
+    """A call over two switches: one restarts, and its part rejoins, waiting for
+    every rank there; meanwhile a rank dies, and the other switch fails the job.
+    The rejoin's wait ends with that failure at once, not at its deadline."""
+    first, first_address = start_switch()
+    second, second_address = start_switch()
+    ctx = mp.get_context("spawn")
+    started, results = ctx.Queue(), ctx.Queue()
+    ranks = [ctx.Process(target=_rank_of_two_switches, daemon=True,
+                         args=(f"{first_address},{second_address}", r, started, results))
+             for r in range(3)]
+    try:
+        for p in ranks:
+            p.start()
+        for _ in ranks:
+            started.get(timeout=60)
+        time.sleep(0.3)
+        os.kill(ranks[2].pid, signal.SIGSTOP)  # it cannot rejoin
+        second.kill()
+        second.wait(10)
+        second, _ = start_switch(int(second_address.rsplit(":", 1)[1]))
+        time.sleep(2.0)  # ranks 0 and 1 wait in the second switch's rejoin
+        os.kill(ranks[2].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        for _ in range(2):
+            rank, at, error = results.get(timeout=30)
+            assert "rank 2" in error and "disconnected" in error, error
+            assert at - killed < 4.0, (rank, at - killed)  # its deadline: 12 s
+    finally:
+        for proc in (first, second):
+            proc.kill()
+            proc.wait(10)
+        for p in ranks:
+            p.kill()

@@ -442,7 +442,7 @@ class Worker(RejoinMixin):
         self.gso = ready.gso or runs_leave_cut(self._udp.getsockname()[0],
                                                self._data_address[0])
 
-    def _join(self, slots, rejoin: bool = False):
+    def _join(self, slots, rejoin: bool = False, stop=None):
         host, port = self.switch_address
         where = f"switch at {host}:{port}"
         keepalive = env("KEEPALIVE", DEFAULT_KEEPALIVE, float)
@@ -485,7 +485,7 @@ class Worker(RejoinMixin):
                     raise SwitchUnreachableError(f"cannot reach the {where}: {exc}") from None
                 enable_keepalive(control, keepalive)
                 try:
-                    self._await_ready(control)
+                    self._await_ready(control, stop)
                     break
                 except SwitchUnreachableError as exc:
                     # Closed before a word: the lobby let the connection go before its
@@ -504,10 +504,11 @@ class Worker(RejoinMixin):
         control.setblocking(False)
         return control, udp
 
-    def _await_ready(self, control) -> None:
-        """Read the switch's answers until the job is ready; its refusal raises."""
+    def _await_ready(self, control, stop=None) -> None:
+        """Read the switch's answers until the job is ready; its refusal raises, and
+        what ``stop()`` returns (a rejoin's abort)."""
         proto = self._protocol
-        for events in control_events(control, proto, lambda: proto.ready is not None):
+        for events in control_events(control, proto, lambda: proto.ready is not None, stop):
             for i, event in enumerate(events):
                 if proto.ready is event:  # what came with it is the I/O thread's
                     self._early_events = events[i + 1:]

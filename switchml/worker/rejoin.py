@@ -83,7 +83,7 @@ class RejoinMixin:
 
     if TYPE_CHECKING:  # Worker's own
         def _new_protocol(self) -> Any: ...
-        def _join(self, slots, rejoin: bool = False) -> Any: ...
+        def _join(self, slots, rejoin: bool = False, stop=None) -> Any: ...
         def _take_ready(self, previous=None) -> None: ...
         def _control_events(self, events: list) -> None: ...
         def _run_once(self, src, out, sparse, bits, resumable: bool = True) -> Any: ...
@@ -153,7 +153,7 @@ class RejoinMixin:
             flat_src, flat_out = src.reshape(-1), out.reshape(-1)
             spans = [ledger.span(c) for c in left]
             part = np.concatenate([flat_src[s] for s in spans])
-            part_out = np.empty_like(part)
+            part_out = part.copy()  # flagged (inf, NaN) chunks: left as they were, as in place
             sub = self._run_once(part, part_out, False, bits)
             at = 0
             for span in spans:
@@ -204,7 +204,10 @@ class RejoinMixin:
                 raise self._abort_request
             self._protocol = self._new_protocol()
             try:
-                self._control, self._udp = self._join(self._slots, rejoin=True)
+                # (an abort, a part failed on another switch, ends the wait for
+                # the other ranks there at once, not at the join's deadline)
+                self._control, self._udp = self._join(self._slots, rejoin=True,
+                                                      stop=lambda: self._abort_request)
                 break
             except SwitchUnreachableError:
                 now = time.monotonic()

@@ -23,12 +23,19 @@ from .local.hosts import HostRecord, Hosts, host_record
 __all__ = ["exchange_through_switch", "control_events"]
 
 
-def control_events(conn, client: ControlClient, done):
+#: Seconds between looks at ``control_events``'s ``stop`` while nothing comes.
+STOP_LOOK_S = 0.02
+
+
+def control_events(conn, client: ControlClient, done, stop=None):
     """Feed what ``conn`` brings to ``client`` (its timers too) until ``done()``:
-    each read's events, as a batch; the client's error raises."""
+    each read's events, as a batch; the client's error raises, and so does what
+    ``stop()`` returns (looked at every ``STOP_LOOK_S``; None: go on)."""
     while not done():
         if client.error is not None:
             raise client.error
+        if stop is not None and (reason := stop()) is not None:
+            raise reason
         answer = client.data_to_send()  # a challenge's proof
         if answer:
             try:
@@ -41,7 +48,7 @@ def control_events(conn, client: ControlClient, done):
         if left <= 0:
             yield client.handle_timer(time.monotonic())
             continue
-        conn.settimeout(left)
+        conn.settimeout(left if stop is None else min(left, STOP_LOOK_S))
         try:
             data = conn.recv(65536)
         except TimeoutError:
