@@ -812,3 +812,23 @@ def test_calls_made_after_an_abort_end_after_the_calls_before():
             w.close()
     finally:
         sw.stop()
+
+
+def test_a_part_a_channel_refuses_at_once_fails_the_call_and_the_next_one_ends(switches,
+                                                                              monkeypatch):
+    """A channel that raises as a part is queued (closed under the call by another
+    thread): the part fails the call as a part's failure does, and the calls after
+    it end (they waited for it, a call that could never complete: a hang)."""
+    addresses = [address(sw) for sw in switches[:2]]
+    with switchml.Worker(addresses, 0, 1, job=f"job-{next(_jobs)}", timeout=5.0) as w:
+        values = np.arange(4 * PACKET, dtype=np.int32)
+        assert np.array_equal(w.allreduce(values), values)
+        refuse = switchml.SwitchMLError("this worker is closed")
+        monkeypatch.setattr(w.channels[1], "allreduce_async",
+                            lambda *args, **kwargs: (_ for _ in ()).throw(refuse))
+        with pytest.raises(switchml.SwitchMLError, match="closed"):
+            w.allreduce_async(values).wait(10)
+        assert len(w.parts(PACKET)) == 1  # the next call: on the first switch alone
+        with pytest.raises(switchml.SwitchMLError):
+            w.allreduce_async(values[:PACKET]).wait(10)  # ends: waits for no part that
+            # never ran

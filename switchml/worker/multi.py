@@ -264,8 +264,14 @@ class MultiSwitchWorker:
         if not parts:  # an empty array: nothing to sum, as on one switch
             gather.parts_done()
         for k, start, stop in parts:
-            handle = self.channels[k].allreduce_async(flat_src[start:stop], flat_out[start:stop],
-                                                      sparse, bits, ready)
+            try:
+                handle = self.channels[k].allreduce_async(flat_src[start:stop],
+                                                          flat_out[start:stop], sparse, bits,
+                                                          ready)
+            except BaseException as exc:  # refused at once (closed meanwhile): that part
+                failed: Future = Future()  # fails as any, and the call with it, never
+                failed.set_exception(exc)  # left waiting for a part that never ran
+                handle = AllreduceHandle(failed)
             handle.add_done_callback(
                 lambda h, k=k, start=start, stop=stop: gather.part_done(h, k, start, stop))
         return AllreduceHandle(future)
