@@ -8,7 +8,13 @@ duplication, reordering, a bottleneck queue, and hostile or stale datagrams.
 
 from __future__ import annotations
 
+import errno
+import json
+import os
 import random
+import shutil
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -514,3 +520,53 @@ def test_results_that_arrive_as_one_gro_run_are_cut_into_their_datagrams():
             assert all(p.returncode == 0 for p in ranks) and outs[0] == outs[1]
             sums[gro] = outs[0]
     assert len(sums["1"]) == 4 * 300_000 and sums["1"] == sums["0"]
+
+
+PATH_MTU_FALLS = """
+import json, subprocess, threading, time
+import numpy as np
+subprocess.run(["ip", "link", "set", "lo", "up", "mtu", "1500"], check=True)
+import switchml
+from switchml.worker.engine import compiled
+x = np.arange(20_000, dtype=np.float32)
+results = {}
+with switchml.Switch("127.0.0.1", 0) as switch:
+    barrier = threading.Barrier(2)
+    def body(rank):
+        with switchml.Worker(switch.address, rank, 2, job="mtu", timeout=6,
+                             local_stage=False) as w:
+            w.allreduce(x)
+            barrier.wait()
+            if rank == 0:  # the route's MTU falls under the job's packets
+                subprocess.run(["ip", "link", "set", "lo", "mtu", "1000"], check=True)
+            barrier.wait()
+            started = time.monotonic()
+            try:
+                w.allreduce(x)
+                results[rank] = ["ok", 0]
+            except OSError as exc:
+                results[rank] = [exc.errno, time.monotonic() - started]
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+print(json.dumps({"compiled": compiled.enabled(), "results": results}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare(1) for a network namespace of its own")
+@pytest.mark.parametrize("pure_python", ["0", "1"], ids=["c-loop", "python"])
+def test_a_datagram_too_big_for_the_path_fails_the_call_at_once_in_both_engines(pure_python):
+    """The route's MTU falls under the job's packets between two calls (DF set:
+    every datagram refused, EMSGSIZE): both engines fail the call at once with
+    that error.  (The C loop left each to the retransmission timer, which sent it
+    again and again until the timeout blamed the ranks.)"""
+    done = subprocess.run(["unshare", "-n", sys.executable, "-c", PATH_MTU_FALLS],
+                          env=dict(os.environ, SWITCHML_MTU="1500",
+                                   SWITCHML_PURE_PYTHON=pure_python),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["compiled"] == (pure_python == "0")
+    for errno_, seconds in report["results"].values():
+        assert errno_ == errno.EMSGSIZE and seconds < 2.0, report

@@ -33,10 +33,15 @@ static double monotonic_now(void) { /* time.monotonic()'s clock */
 }
 
 enum { IO_DONE = 0, IO_STALLED = 1, IO_CONTROL = 2, IO_SLICE = 3 };
+/* stream_run_io's failures: out of memory; a datagram larger than the path takes
+ * (EMSGSIZE: client.py's send_waiting raises it, as no retransmission would
+ * get it through). */
+enum { IO_NO_MEMORY = -1, IO_TOO_BIG = -2 };
 
 typedef struct {
     StreamCore *core;
     int socket_waits; /* full socket buffer waits of this flush */
+    int too_big;      /* a datagram was larger than the path allows */
 } send_wait;
 
 /* This host's queue toward the network refused a datagram (ENOBUFS, which the
@@ -67,17 +72,25 @@ static void lost_to_timers(void *ctx, uint32_t datagrams, int error) {
     (void)ctx, (void)datagrams, (void)error; /* the retransmission timer resends them */
 }
 
+/* A datagram larger than the path takes (its MTU fell under the job's packets):
+ * noted, for the call to fail with EMSGSIZE, as the Python engine's does. */
+static int path_too_small(void *ctx, int fd, const struct msghdr *one) {
+    (void)fd, (void)one;
+    ((send_wait *)ctx)->too_big = 1;
+    return 0;
+}
+
 /* Send the outbox in batches of udp_batch.h: runs of one size as UDP GSO
  * messages (unless `gso` is 0: the switch asked for datagrams apart), the same
- * datagrams in the same order. */
-static void flush_outbox(StreamCore *c, int fd, struct sockaddr_in *dst, int gso) {
+ * datagrams in the same order.  1 where a datagram was larger than the path. */
+static int flush_outbox(StreamCore *c, int fd, struct sockaddr_in *dst, int gso) {
     struct mmsghdr msgs[64];
     struct sockaddr_in addrs[64];
     udp_control control[64];
     uint32_t segments[64];
     struct iovec iov[1024];
-    send_wait waits = {c, 0};
-    const udp_policy policy = {wait_for_socket, NULL, lost_to_timers, &waits};
+    send_wait waits = {c, 0, 0};
+    const udp_policy policy = {wait_for_socket, path_too_small, lost_to_timers, &waits};
     udp_batch batch = {.msgs = msgs, .addrs = addrs, .control = control,
                        .segments = segments, .iov = iov, .max_messages = 64,
                        .max_datagrams = 1024};
@@ -93,6 +106,7 @@ static void flush_outbox(StreamCore *c, int fd, struct sockaddr_in *dst, int gso
     udp_batch_send(&batch, fd, 0, &policy, &gso_refused, &bytes);
     c->counters[COUNTER_BYTES_SENT] += bytes;
     c->outbox_len = 0;
+    return waits.too_big;
 }
 
 
@@ -118,7 +132,7 @@ static int receive_run(StreamCore *c, struct mmsghdr *msg, const uint8_t *data,
 
 /* Drive the call on the non-blocking UDP socket `fd` towards `dst` for up to
  * `slice` seconds: IO_DONE, IO_STALLED, IO_CONTROL (control_fd readable) or
- * IO_SLICE, or -1 out of memory.  `gso`: whether the switch takes GSO runs.
+ * IO_SLICE; IO_NO_MEMORY, or IO_TOO_BIG where a datagram was larger than the path.  `gso`: whether the switch takes GSO runs.
  * Called without the GIL. */
 static int stream_run_io(StreamCore *c, int fd, struct sockaddr_in dst, int control_fd,
                          double slice, int gso) {
@@ -144,8 +158,8 @@ static int stream_run_io(StreamCore *c, int fd, struct sockaddr_in dst, int cont
     struct mmsghdr msgs[RECV_BATCH];
     struct iovec iov[RECV_BATCH];
     char control[GRO_BATCH][CMSG_SPACE(sizeof(int))];
-    flush_outbox(c, fd, &dst, gso);
-    for (;;) {
+    int too_big = flush_outbox(c, fd, &dst, gso);
+    while (!too_big) {
         if (c->remaining == 0) {
             status = IO_DONE;
             break;
@@ -171,8 +185,8 @@ static int stream_run_io(StreamCore *c, int fd, struct sockaddr_in dst, int cont
             if (receive_run(c, &msgs[i], iov[i].iov_base, buffer_size) < 0)
                 oom = 1;
         }
-        flush_outbox(c, fd, &dst, gso);
-        if (oom)
+        too_big = flush_outbox(c, fd, &dst, gso);
+        if (oom || too_big)
             break;
         if (c->remaining == 0) {
             status = IO_DONE;
@@ -189,7 +203,8 @@ static int stream_run_io(StreamCore *c, int fd, struct sockaddr_in dst, int cont
                 status = IO_STALLED;
                 break;
             }
-            flush_outbox(c, fd, &dst, gso);
+            if ((too_big = flush_outbox(c, fd, &dst, gso)))
+                break;
             timer = get_timer(c);
         }
         if (now >= until) {
@@ -215,5 +230,5 @@ static int stream_run_io(StreamCore *c, int fd, struct sockaddr_in dst, int cont
         on = 0;
         setsockopt(fd, SOL_UDP, UDP_GRO, &on, sizeof(on));
     }
-    return oom ? -1 : status;
+    return oom ? IO_NO_MEMORY : too_big ? IO_TOO_BIG : status;
 }
