@@ -139,19 +139,19 @@ static int stream_run_io(StreamCore *c, int fd, struct sockaddr_in dst, int cont
     /* Longer datagrams cannot be results of ours: MSG_TRUNC gives their real
      * length, and receive() reads no more than their header to drop them. */
     size_t buffer_size = c->packet_size + 64;
-    int on = 1, gro = gro_wanted && setsockopt(fd, SOL_UDP, UDP_GRO, &on, sizeof(on)) == 0;
-    int batch = RECV_BATCH;
-    if (gro) {
-        buffer_size = GRO_BUFFER > buffer_size ? GRO_BUFFER : buffer_size;
-        batch = GRO_BATCH;
-    }
-    if (!c->recv_buffers) {
+    if (!c->recv_buffers) { /* before GRO goes on: nothing to undo where it fails */
         size_t plain = (c->packet_size + 64) * RECV_BATCH;
         size_t grouped = (GRO_BUFFER > c->packet_size + 64 ? GRO_BUFFER : c->packet_size + 64)
                          * GRO_BATCH;
         c->recv_buffers = block_take(plain > grouped ? plain : grouped, &c->recv_bytes);
         if (!c->recv_buffers)
-            return -1;
+            return IO_NO_MEMORY;
+    }
+    int on = 1, gro = gro_wanted && setsockopt(fd, SOL_UDP, UDP_GRO, &on, sizeof(on)) == 0;
+    int batch = RECV_BATCH;
+    if (gro) {
+        buffer_size = GRO_BUFFER > buffer_size ? GRO_BUFFER : buffer_size;
+        batch = GRO_BATCH;
     }
     int status = IO_SLICE, oom = 0;
     double until = monotonic_now() + slice;
