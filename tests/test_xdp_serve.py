@@ -648,6 +648,45 @@ def test_a_port_past_the_programs_limit_is_left_to_the_socket(bridged):
     assert err.count("is not served in driver mode (the switch serves 1 ports at most)") == 1
 
 
+ADOPT_A_TAKEN_PORT = """
+import subprocess, sys, time
+import switchml
+first = switchml.Switch("10.97.1.1", 7450, data_plane="xdp").start()   # the bridge's
+second = switchml.Switch("10.97.2.1", 7450, data_plane="xdp").start()  # a veth's, same port
+subprocess.run(["ip", "link", "set", "Y0", "master", "br0"], check=True)  # re-plugged
+time.sleep(2.5)  # two sweeps
+print(first._thread.is_alive(), first.failure, second._thread.is_alive(), flush=True)
+first.stop()
+second.stop()
+"""
+
+
+@needs_xdp
+def test_a_port_another_live_switch_serves_that_joins_the_bridge_is_left_to_it():
+    """A veth that another XDP switch serves, on the same UDP port, moves into the
+    bridge a switch serves: that switch's sweep finds the port taken, leaves it
+    (logged), and serves on (its serving thread ended with InterfaceTaken)."""
+    ns = f"smlxa{os.getpid() % 100000}"
+    sh("ip", "netns", "add", ns)
+    try:
+        for argv in (["link", "add", "br0", "type", "bridge"],
+                     ["link", "add", "X0", "type", "veth", "peer", "name", "X1"],
+                     ["link", "add", "Y0", "type", "veth", "peer", "name", "Y1"],
+                     ["link", "set", "X0", "master", "br0"],
+                     ["addr", "add", "10.97.1.1/24", "dev", "br0"],
+                     ["addr", "add", "10.97.2.1/24", "dev", "Y0"],
+                     *[["link", "set", dev, "up"] for dev in ("lo", "br0", "X0", "X1", "Y0",
+                                                                "Y1")]):
+            sh("ip", "-n", ns, *argv)
+        run = in_ns(ns, ADOPT_A_TAKEN_PORT)
+        out, err = run.communicate(timeout=60)
+        assert run.returncode == 0, err
+        assert out.split() == ["True", "None", "True"], err
+        assert "port Y0 of the bridge is not served in driver mode" in err
+    finally:
+        remove(ns, "none")
+
+
 @needs_xdp
 def test_a_bridge_port_without_driver_mode_leaves_the_bridge_in_generic_mode(bridged):
     """A port with no driver mode (a VXLAN device, after the veth in the
@@ -696,6 +735,45 @@ def test_a_switch_on_loopback_falls_back_to_generic_mode_and_says_why():
             p.serve(("127.0.0.1", 7350), mode="native")
     finally:
         p.close()
+
+
+@needs_xdp
+def test_a_port_another_switchs_sweep_took_out_is_put_back():
+    """Maps have no compare-and-delete: another switch's sweep, having looked at a
+    killed switch's entry of this port just before this switch took the port,
+    removes this switch's.  Its own sweep puts it back within a second."""
+    p = xdp.XdpPipeline(8, 16, block_elements=16, port=7352, switch_ip="127.0.0.1")
+    other = None
+    try:
+        p.serve(("127.0.0.1", 7352))
+        [mine] = p._dispatches
+        other = xdp_loader.Dispatcher(mine.ifindex)  # a second switch's hold on it
+        other._remove(7352)  # what its sweep did
+        assert mine._owner(7352) is None
+        p.sweep_gone_switches()
+        owner = mine._owner(7352)
+        assert owner is not None and (owner.pid, owner.prog_id) == (os.getpid(),
+                                                                     p._prog.prog_id)
+        assert not mine.reclaim()  # held: nothing to do
+    finally:
+        if other is not None:
+            other._close_fds()
+        p.close()
+    assert "prog/xdp" not in sh("ip", "link", "show", "dev", "lo")
+
+
+def test_a_cached_object_cut_short_is_built_again(tmp_path, monkeypatch):
+    """The object cache names an object by what it was built from: one cut short
+    or overwritten (a crash, a full disk) is built again, not loaded and refused
+    by libbpf on every start until someone deletes it."""
+    if shutil.which("clang") is None:
+        pytest.skip("no clang")
+    monkeypatch.setenv("SWITCHML_XDP_CACHE", str(tmp_path))
+    built = xdp_loader.build_object(64)
+    whole = built.read_bytes()
+    for damaged in (b"", whole[:1000], b"garbage" * 100):
+        built.write_bytes(damaged)
+        assert xdp_loader.build_object(64) == built and built.read_bytes() == whole
 
 
 @needs_xdp

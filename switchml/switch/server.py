@@ -383,11 +383,7 @@ class Switch(ControlConnections):
                     self._log_drops()
                 if self.data_plane == "xdp" and now >= next_sweep:
                     next_sweep = now + XDP_SWEEP_INTERVAL
-                    for port in self._xdp.sweep_gone_switches():
-                        log.info("the XDP switch of port %d on this interface is gone: its "
-                                 "program is out of the dispatcher", port)
-                    for name in self._xdp.adopt_new_ports():
-                        log.info("port %s joined the bridge: served in driver mode", name)
+                    self._sweep_xdp()
                 self._expire_lobby(now)
                 if self._uplinks is not None:  # a rack switch's connects to its spine
                     self._uplinks.expire(now)
@@ -441,6 +437,20 @@ class Switch(ControlConnections):
                 conn.sock.close()
             self._conns.clear()
             sel.close()
+
+    def _sweep_xdp(self) -> None:
+        """The XDP switch's look around its interface, once a second: switches gone
+        from it, ports new on its bridge.  A failure there is logged and counted
+        (``internal_errors``): the datagrams are served all the same."""
+        try:
+            for port in self._xdp.sweep_gone_switches():
+                log.info("the XDP switch of port %d on this interface is gone: its "
+                         "program is out of the dispatcher", port)
+            for name in self._xdp.adopt_new_ports():
+                log.info("port %s joined the bridge: served in driver mode", name)
+        except Exception:  # a bug must not take the switch down
+            self.pipeline.counters["internal_errors"] += 1
+            log.exception("the XDP switch's look at its interface failed")
 
     def _drain(self, buf: bytearray, view: memoryview) -> bool:
         """The Python data plane: up to DRAIN_BATCH datagrams; True when there may be more.

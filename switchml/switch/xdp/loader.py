@@ -112,7 +112,7 @@ def _build(source: pathlib.Path, stem: str, defines: list[str],
         digest.update(b"\0")
     cache = _cache_dir()
     target = cache / f"{stem}-{digest.hexdigest()[:16]}.o"
-    if target.exists():
+    if _whole_object(target):
         return target
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=cache, suffix=".o.tmp")
@@ -122,11 +122,30 @@ def _build(source: pathlib.Path, stem: str, defines: list[str],
                               capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"clang failed on {source.name}:\n{done.stderr}")
+        with open(tmp, "rb") as built:  # on disk before its name: a crash leaves no
+            os.fsync(built.fileno())    # empty object under it
         os.replace(tmp, target)  # atomic: a concurrent build finds a whole object
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _whole_object(path: pathlib.Path) -> bool:
+    """Whether ``path`` is a whole 64-bit ELF object (its section headers, which
+    clang writes last, within the file): a cached one cut short or overwritten
+    (a crash, a full disk) is built again, not loaded and refused."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return False
+    if len(head) < 64 or head[:5] != b"\x7fELF\x02":
+        return False
+    shoff, = struct.unpack_from("<Q", head, 0x28)
+    shentsize, shnum = struct.unpack_from("<HH", head, 0x3A)
+    return 0 < shoff and shoff + shentsize * shnum <= size
 
 
 # ---------------------------------------------------------------- libbpf
@@ -558,6 +577,7 @@ class Dispatcher:
         self.link_fd = self.progs_fd = self.owners_fd = -1
         self.port: int | None = None
         self._prog_id = 0  # register's
+        self._mine: tuple = (None, -1)  # register's: its owner entry and program fd
         self._driver = driver
         self.mode = "driver" if driver else "generic"  # _join's, where it joined one
         try:
@@ -706,12 +726,29 @@ class Dispatcher:
                                                ctypes.byref(mine), BPF_ANY)
         _check(rc, f"registering port {port} with the XDP dispatcher")
         self.port, self._prog_id = port, prog_id
+        self._mine = (mine, prog_fd)
         rc = self._lib.bpf_map_update_elem(self.progs_fd, ctypes.byref(key),
                                            ctypes.byref(ctypes.c_uint32(prog_fd)), BPF_ANY)
         if rc < 0:
             self._remove(port)
             self.port = None
             _check(rc, f"putting the switch's program in the XDP dispatcher at port {port}")
+
+    def reclaim(self) -> bool:
+        """This switch's port, taken out by another switch's sweep (which looked at
+        a killed switch's entry of the port just before this switch took it,
+        then removed this one's: maps have no compare-and-delete), put back;
+        whether it had to be.  A port another switch holds now is left to it."""
+        if self.port is None or self.owners_fd < 0 or self._owner(self.port) is not None:
+            return False
+        mine, prog_fd = self._mine
+        key = ctypes.c_uint32(self.port)
+        if self._lib.bpf_map_update_elem(self.owners_fd, ctypes.byref(key), ctypes.byref(mine),
+                                         BPF_NOEXIST) < 0:
+            return False
+        self._lib.bpf_map_update_elem(self.progs_fd, ctypes.byref(key),
+                                      ctypes.byref(ctypes.c_uint32(prog_fd)), BPF_ANY)
+        return True
 
     def mark_gro_turned_on(self) -> None:
         """Say, in the dispatcher's maps, that a switch turned GRO on for this

@@ -353,10 +353,19 @@ class InterfaceServing:
                             "ranks' frames reach the switch's socket", device, exc)
                 self._ports_refused.add(device)  # not tried again
                 continue
-            self._dispatches.append(dispatch)
             try:
+                if dispatch.mode != "driver":
+                    raise InterfaceTaken("its dispatcher runs in generic mode")
                 dispatch.register(self.port, self._prog.prog_fd, self._prog.prog_id,
                                   self._prog.fan_out_id)
+            except (OSError, InterfaceTaken) as exc:  # another switch serves the port there
+                dispatch.close()
+                log.warning("port %s of the bridge is not served in driver mode (%s): its "
+                            "ranks' frames reach the switch's socket", name, exc)
+                self._ports_refused.add(device)
+                continue
+            self._dispatches.append(dispatch)
+            try:
                 self._attach_fan_out([device], required=False)
                 if self.merges_results:  # results go in runs: merged where they arrive
                     features = ethtool.features(name)
@@ -375,4 +384,10 @@ class InterfaceServing:
         """Take the ports of the XDP switches gone from this interface (killed,
         not closed) out of its dispatchers, which frees their programs and maps;
         the ports taken out (``Dispatcher.sweep``)."""
-        return sorted({port for d in self._dispatches for port in d.sweep()})
+        gone = sorted({port for d in self._dispatches for port in d.sweep()})
+        for dispatch in self._dispatches:  # another's sweep may have taken ours meanwhile
+            if dispatch.reclaim():
+                log.warning("this switch's port %s on %s was taken out of the XDP dispatcher "
+                            "by another switch's sweep: put back", self.port,
+                            socket.if_indextoname(dispatch.ifindex))
+        return gone
