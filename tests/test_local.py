@@ -2,15 +2,18 @@
 interleaves them every way, a model switch between the hosts; the shared-memory
 operations' C twin against the reference; the placement of ranks on hosts."""
 
+import os
+import struct
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from switchml.errors import CallMismatchError, JoinRefusedError
+from switchml.errors import CallMismatchError, JoinRefusedError, SwitchMLError
 from switchml.worker.local import memory
 from switchml.worker.local.hosts import HostRecord, Placement, auto_segment
-from switchml.worker.local.memory import R_STATE, Layout
+from switchml.worker.local.memory import R_CALL, R_ELEMENTS, R_KIND, R_STATE, Layout
 from switchml.worker.local.stage import SHARD_ALIGN, Finished, Launch, LocalStage, Wait, call_kind
 
 SEGMENT = 2048  # elements: small, so that calls span several segments and slots
@@ -320,6 +323,37 @@ def test_ranks_that_disagree_raise_call_mismatch():
         next(steps[1])  # both copied in: the check
 
 
+def test_a_peer_that_moves_on_during_the_check_is_no_mismatch(monkeypatch):
+    """A rank checks call k against a peer that, done with call k (a shard's
+    owner), writes its call k+1 of another size meanwhile: the look that read
+    the peer's call number before the size finds it changed after, and the peer
+    is left out (it checked call k itself).  The peer marks its number 0 while
+    it writes the size and kind, so the look sees it change whenever they do."""
+    host = Host(2, 2, switched=False)
+    kind = call_kind(np.float32, False, 32)
+    first = host.stages[0]
+    first.calls = 1  # checking call 1, of 100 values
+    host.stages[1].calls = 1
+    peer = host.stages[1].allreduce(np.ones(200, np.float32), np.ones(200, np.float32), kind)
+    original, moved = LocalStage._counter, []
+
+    def counter(self, index, field):  # the peer writes its call 2 between two looks
+        if field == R_ELEMENTS and index == 1 and not moved:
+            moved.append(next(peer))  # its size, kind and number: 200 values, call 2
+        return original(self, index, field)
+
+    offset = host.layout.record(1, R_CALL)
+    host.buf[offset:offset + 8].view(np.uint64)[0] = 1
+    for field, value in ((R_ELEMENTS, 100), (R_KIND, kind)):
+        at = host.layout.record(1, field)
+        host.buf[at:at + 8].view(np.uint64)[0] = value
+    monkeypatch.setattr(LocalStage, "_counter", counter)
+    first._check_calls(1, 100, kind)  # no CallMismatchError
+    assert host.counter(1, R_CALL) == 2 and host.counter(1, R_ELEMENTS) == 200
+    with pytest.raises(CallMismatchError):  # a peer at call 2 of another size: checked
+        first._check_calls(2, 100, kind)
+
+
 # ---------------------------------------------------------------- the operations' C twin
 needs_c = pytest.mark.skipif(memory.OPS is None, reason="the C twin (_memory) is not built")
 REF = memory.REFERENCE
@@ -355,6 +389,20 @@ def test_reduce_into_c_equals_reference(count, n, dtype, seed, specials, kernel,
     nan = np.isnan(ours) if dtype == "f" else np.zeros(n, bool)
     np.testing.assert_array_equal(nan, np.isnan(theirs) if dtype == "f" else nan)
     np.testing.assert_array_equal(ours.view(np.uint32)[~nan], theirs.view(np.uint32)[~nan])
+
+
+@needs_c
+@pytest.mark.parametrize("ops", [REF, memory.OPS], ids=["reference", "c"])
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_a_destination_that_overlaps_a_source_in_part_is_refused(ops, dtype):
+    """In place (the destination a source) or apart: a destination two elements
+    into a source, whose sum the C kernels read after writing it, is refused by
+    both twins alike (they gave different sums)."""
+    a = np.arange(1, 41, dtype=dtype)
+    with pytest.raises(ValueError, match="overlaps"):
+        ops.reduce_into(a[2:], [a[:-2], np.ones(38, dtype)])
+    ops.reduce_into(a, [a, np.ones(40, dtype)])  # in place: taken
+    assert a[0] == 2
 
 
 @needs_c
@@ -428,6 +476,19 @@ def test_local_threads_follow_the_cores_over_the_ranks(monkeypatch):
 def _header(ranks=3):
     layout = Layout(ranks, 1, 1, 1024)
     return layout, np.zeros(layout.header_bytes, np.uint8)
+
+
+@needs_c
+@pytest.mark.parametrize("ops", [REF, memory.OPS], ids=["reference", "c"])
+def test_a_counter_past_the_header_is_refused_whatever_its_offset(ops):
+    """An offset whose end wraps around (2**63 - 8 + 8): refused as any offset past
+    the header, by the C twin as by the reference (it wrote past the memory)."""
+    _, header = _header()
+    for offset in (len(header), 2**63 - 8):
+        with pytest.raises(ValueError):
+            ops.publish(header, offset, 1)
+        with pytest.raises(ValueError):
+            ops.wait_for(header, [offset], 0, 1, 0.01, [])
 
 
 @needs_c
@@ -607,3 +668,24 @@ def test_a_host_overlaps_device_copies_with_its_sums_and_never_races_them(lazy):
             expected = two_stage_sum(call)
             for array in out[0]:
                 np.testing.assert_array_equal(array, expected, err_msg=f"seed {seed}")
+
+
+@pytest.mark.parametrize("content", [
+    b"", b"x" * 10,
+    struct.pack("<QIIIIQ", memory.MAGIC, memory.VERSION, 0, 1, 2, 1024) + bytes(4096),
+    struct.pack("<QIIIIQ", memory.MAGIC, memory.VERSION, 2, 1, 2, 0) + bytes(4096),
+    struct.pack("<QIIIIQ", memory.MAGIC, memory.VERSION, 2, 0, 0, 1024) + bytes(4096),
+    struct.pack("<QIIIIQ", memory.MAGIC, memory.VERSION - 1, 2, 1, 2, 1024) + bytes(4096),
+], ids=["empty", "short", "no-ranks", "no-segment", "no-slots", "old-version"])
+def test_a_segment_file_no_rank_wrote_is_a_clear_error(content):
+    """A file under a segment's name that is not one of this layout (cut short, a
+    header no rank writes): SwitchMLError saying so, not mmap's or struct's."""
+    name = f"switchml-test-foreign-{os.getpid()}"
+    path = os.path.join(memory.SHM_DIR, name)
+    with open(path, "wb") as f:
+        f.write(content)
+    try:
+        with pytest.raises(SwitchMLError, match="shared memory"):
+            memory.Segment.open(name)
+    finally:
+        os.unlink(path)

@@ -468,6 +468,15 @@ static PyObject *reduce_into(PyObject *self, PyObject *args) {
             goto out_views;
         }
         ptrs[held] = views[held].buf;
+        /* the destination a source or apart from it: the kernels read and write in
+           steps, which a partial overlap would read after they wrote (memory.py) */
+        const char *d = dst.buf, *v = views[held].buf;
+        if (v != d && v < d + dst.len && d < v + dst.len) {
+            held++;
+            PyErr_SetString(PyExc_ValueError, "reduce_into: the destination overlaps a "
+                                              "source without being it");
+            goto out_views;
+        }
     }
     Py_ssize_t n = dst.len / 4;
     Job job = {is_float ? JOB_FLOAT : JOB_INT, dst.buf, ptrs, count, n, 1,
@@ -495,13 +504,12 @@ static PyObject *publish(PyObject *self, PyObject *args) {
     unsigned long long value;
     if (!PyArg_ParseTuple(args, "OnK:publish", &header_obj, &offset, &value))
         return NULL;
+    /* checked before any sum with it: offset + 8 must not wrap */
+    if (offset < 0 || offset % 8 || offset > PY_SSIZE_T_MAX - 8)
+        return PyErr_Format(PyExc_ValueError, "publish: offset %zd is not a counter's", offset);
     Py_buffer header;
     if (writable_header(header_obj, &header, offset + 8) < 0)
         return NULL;
-    if (offset < 0 || offset % 8) {
-        PyBuffer_Release(&header);
-        return PyErr_Format(PyExc_ValueError, "publish: offset %zd is not a counter's", offset);
-    }
     /* a counter only grows: an owner's last, empty shard is published by its serving
        thread while the switch worker's callbacks may still publish earlier segments */
     uint64_t *word = word64(header.buf, offset);
@@ -606,7 +614,8 @@ static PyObject *wait_for(PyObject *self, PyObject *args) {
             Py_DECREF(seq);
             return NULL;
         }
-        if (records[i] < 0 || (records[i] + field) % 8 || field < 0) {
+        if (records[i] < 0 || field < 0 || records[i] > PY_SSIZE_T_MAX - 8 - field ||
+            records[i] > PY_SSIZE_T_MAX - 8 - R_STATE || (records[i] + field) % 8) {
             Py_DECREF(seq);
             return PyErr_Format(PyExc_ValueError, "wait_for: bad record offset %zd", records[i]);
         }

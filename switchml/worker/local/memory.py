@@ -42,6 +42,9 @@ __all__ = ["Layout", "Segment", "reduce_into", "copy_into", "publish", "wait_for
 
 MAGIC = 0x314C4D4C4D575328  # "(SWMLML1" little-endian: a segment of this layout
 VERSION = 1
+#: The header's fields (magic, version, ranks, shards, slots, segment) and their bytes.
+HEADER_FIELDS = "<QIIIIQ"
+HEADER_FIELDS_BYTES = struct.calcsize(HEADER_FIELDS)
 SHM_DIR = "/dev/shm"
 PREFIX = "switchml-"
 #: Most ranks a host group holds (a header of one page and a bit).
@@ -77,6 +80,9 @@ class Layout:
         if segment < 1 or segment % 1024:
             raise ValueError(f"segment must be a positive multiple of 1024 elements, "
                              f"not {segment}")
+        if shards < 1 or slots < 1:
+            raise ValueError(f"a host group has a shard and a slot at least, not {shards} "
+                             f"and {slots}")
         self.ranks, self.shards, self.slots, self.segment = ranks, shards, slots, segment
         self.header_bytes = -(-(RECORDS + ranks * RECORD_BYTES) // PAGE) * PAGE
         self.area_bytes = segment * 4
@@ -94,17 +100,21 @@ class Layout:
         return self.header_bytes + slot * self.slot_bytes + self.ranks * self.area_bytes
 
     def write_header(self, buf) -> None:
-        struct.pack_into("<QIIIIQ", buf, 0, MAGIC, VERSION, self.ranks, self.shards,
+        struct.pack_into(HEADER_FIELDS, buf, 0, MAGIC, VERSION, self.ranks, self.shards,
                          self.slots, self.segment)
 
     @classmethod
     def read_header(cls, buf) -> Layout:
-        magic, version, ranks, shards, slots, segment = struct.unpack_from("<QIIIIQ", buf, 0)
+        magic, version, ranks, shards, slots, segment = struct.unpack_from(HEADER_FIELDS, buf, 0)
         if magic != MAGIC or version != VERSION:
             raise SwitchMLError("the local stage's shared memory has another layout "
                                 f"(magic {magic:#x}, version {version}): every rank of a "
                                 "host must run the same switchml release")
-        return cls(ranks, shards, slots, segment)
+        try:
+            return cls(ranks, shards, slots, segment)
+        except ValueError as exc:  # a header no rank writes
+            raise SwitchMLError(f"the local stage's shared memory has a header no rank "
+                                f"writes: {exc}") from None
 
 
 # ---------------------------------------------------------------- the operations (reference)
@@ -112,7 +122,13 @@ def reduce_into(dst: np.ndarray, srcs, threads: int = 1, kernel: str | None = No
     """``dst`` = the sum of ``srcs`` element by element, in their order: float32
     arrays summed in float64 and rounded once, int32 ones modulo 2**32.  The C
     twin cuts the work over up to ``threads`` threads and sums float32 with the
-    fastest of its kernels, or ``kernel`` (the same result every way)."""
+    fastest of its kernels, or ``kernel`` (the same result every way).  ``dst``
+    may be one of ``srcs``, or apart from each: a partial overlap is refused."""
+    for src in srcs:
+        if np.may_share_memory(dst, src) and not (
+                src.__array_interface__["data"][0] == dst.__array_interface__["data"][0]
+                and src.nbytes == dst.nbytes):
+            raise ValueError("reduce_into: the destination overlaps a source without being it")
     if dst.dtype == np.float32:
         acc = srcs[0].astype(np.float64)
         for src in srcs[1:]:
@@ -347,10 +363,17 @@ class Segment:
             return None
         try:
             size = os.fstat(fd).st_size
+            if size < HEADER_FIELDS_BYTES:  # not one of ours (or cut short)
+                raise SwitchMLError(f"the local stage's shared memory {path} has {size} "
+                                    f"bytes, less than its header")
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         finally:
             os.close(fd)
-        layout = Layout.read_header(mapping)
+        try:
+            layout = Layout.read_header(mapping)
+        except SwitchMLError:
+            mapping.close()
+            raise
         if layout.size != size:
             mapping.close()
             raise SwitchMLError(f"the local stage's shared memory {path} has {size} bytes, "

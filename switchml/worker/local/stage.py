@@ -232,8 +232,10 @@ class LocalStage:
         if self._tail is not None and np.may_share_memory(self._tail[0], src):
             yield from self.finish()  # this call reads what the last one writes
         self.copied_out[out.ctypes.data] = 0
-        # What this rank asks for, read by its peers once it copied in the first segment.
-        for field, value in ((R_ELEMENTS, n), (R_KIND, kind), (R_CALL, call)):
+        # What this rank asks for, read by its peers once it copied in the first
+        # segment: the call's number 0 while its size and kind change (a peer still
+        # checking the call before sees them change under it: _check_calls).
+        for field, value in ((R_CALL, 0), (R_ELEMENTS, n), (R_KIND, kind), (R_CALL, call)):
             self.buf[self.record(self.index, field):][:8].view(np.uint64)[0] = value
         for t in range(count):
             segment = base + t
@@ -384,6 +386,10 @@ class LocalStage:
             if self._counter(j, R_CALL) != call:
                 continue
             theirs = (self._counter(j, R_ELEMENTS), self._counter(j, R_KIND))
+            # read again: a peer that moved on to its next call meanwhile (a shard's
+            # owner, done with this one) may have changed them under this look
+            if self._counter(j, R_CALL) != call:
+                continue
             if theirs != mine:
                 raise CallMismatchError(
                     f"ranks of one host disagree on allreduce #{call}: rank "
