@@ -5,13 +5,16 @@ Checked in README.md, CHANGELOG.md and docs/*.md:
 - a relative link ``[text](path)`` or ``[text](path#anchor)`` names a file of
   the repository, and the anchor a heading of that file (GitHub's slugs);
 - a repository path written as code (```switchml/config.py```, ```bench/x.py```)
-  names a file or folder that exists: a pointer left behind by a move fails.
+  names a file or folder that exists: a pointer left behind by a move fails;
+- a test named as ``tests/test_x.py::test_name`` (a guarantee's proof) is a
+  function of that file: a test renamed or removed leaves no claim unproven.
 
     python docs/check_links.py            # exit status 1 and one line a problem
 """
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
 import sys
@@ -22,6 +25,7 @@ TOP = ("switchml/", "bench/", "docs/", "examples/", "tests/")
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
 CODE_PATH = re.compile(r"`((?:%s)[\w./-]*)`" % "|".join(re.escape(t) for t in TOP))
 FENCE = re.compile(r"^(```|~~~)")
+TEST_ID = re.compile(r"(tests/[\w/]+\.py)::(\w+)")
 
 
 def documents(root: pathlib.Path = ROOT) -> list:
@@ -46,6 +50,13 @@ def anchors(path: pathlib.Path) -> set:
                 found.add(slug(line.lstrip("#")))
             found.update(re.findall(r'<a (?:id|name)="([^"]+)"', line))
     return found
+
+
+def test_names(path: pathlib.Path) -> set:
+    """The names of the functions (and classes) a test file defines."""
+    tree = ast.parse(path.read_text())
+    return {node.name for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
 
 
 def problems(path: pathlib.Path, root: pathlib.Path = ROOT) -> list:
@@ -74,6 +85,11 @@ def problems(path: pathlib.Path, root: pathlib.Path = ROOT) -> list:
                 continue  # a pattern or a placeholder (bench/results/NAME/...)
             if not (root / name).exists():
                 out.append(f"{where}: names a path that does not exist: {name}")
+        for match in TEST_ID.finditer(line):
+            file, test = root / match.group(1), match.group(2)
+            if file.exists() and test not in test_names(file):
+                out.append(f"{where}: names a test that {match.group(1)} does not have: "
+                           f"{test}")
     return out
 
 
