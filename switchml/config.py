@@ -272,7 +272,7 @@ def check_keepalive(seconds: float) -> float:
 def pure_python() -> bool:
     """SWITCHML_PURE_PYTHON=1: the Python data plane and engine even where the C
     ones are built."""
-    return env("PURE_PYTHON", "0") == "1"
+    return env("PURE_PYTHON", False, parse_flag)
 
 
 def env(name: str, default, cast=str, environ=None):
@@ -284,6 +284,26 @@ def env(name: str, default, cast=str, environ=None):
         return cast(raw)
     except ValueError:
         raise ValueError(f"SWITCHML_{name}={raw!r} is not a valid {cast.__name__}") from None
+
+
+def positive_seconds(text) -> float:
+    """``env``'s cast of a time that must pass: a finite number of seconds above 0."""
+    value = float(text)
+    if not 0.0 < value < math.inf:
+        raise ValueError(text)
+    return value
+
+
+def some_seconds(text) -> float:
+    """``env``'s cast of a time that may be none: a finite number of seconds, 0 or more."""
+    value = float(text)
+    if not 0.0 <= value < math.inf:
+        raise ValueError(text)
+    return value
+
+
+positive_seconds.__name__ = "finite number of seconds above 0"
+some_seconds.__name__ = "finite number of seconds, 0 or more"
 
 
 def parse_flag(text: str) -> bool:
@@ -313,12 +333,16 @@ def _disagree(fastpath: bool, data_plane: str) -> bool:
 def parse_address(address) -> tuple[str, int]:
     """'host:port' or (host, port) to a (host, port) tuple, with a clear error."""
     if isinstance(address, (tuple, list)) and len(address) == 2:
-        return str(address[0]), int(address[1])
-    if isinstance(address, str) and ":" in address:
-        host, _, port = address.rpartition(":")
-        if port.isdigit() and host:
-            return host.strip("[]"), int(port)
-    raise ValueError(f"switch address must be 'host:port' or (host, port), got {address!r}")
+        host, port = str(address[0]), int(address[1])
+    elif isinstance(address, str) and ":" in address and address.rpartition(":")[2].isdigit() \
+            and address.rpartition(":")[0]:
+        host, _, digits = address.rpartition(":")
+        host, port = host.strip("[]"), int(digits)
+    else:
+        raise ValueError(f"switch address must be 'host:port' or (host, port), got {address!r}")
+    if not 0 <= port <= 65535:  # (the resolver would take it modulo 65536: another switch)
+        raise ValueError(f"switch address {address!r}: a port is 0 to 65535")
+    return host, port
 
 
 def _is_pair(address) -> bool:
@@ -461,6 +485,15 @@ class SwitchConfiguration:
     def __post_init__(self):
         # Checked here, so that a switch started in a child process (SwitchProcess)
         # fails in its parent, with the parent's traceback.
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"{name} must be 0 to 65535, got {value}")
+        for name in ("host", "metrics_host", "upstream", "token_file"):
+            # empty: a flag given an unset variable (--token-file "$UNSET"), never
+            # what it would mean if left out (a switch open to anyone)
+            if getattr(self, name) == "":
+                raise ValueError(f"{name} is empty: give it a value, or leave it out")
         if not 0.0 <= self.drop_rate < 1.0:
             raise ValueError(f"drop_rate must be in [0, 1), got {self.drop_rate}")
         if self.slots_per_job < 1:

@@ -41,6 +41,17 @@ def test_bad_settings_are_named():
         SwitchConfiguration(drop_rate=1.5)
     with pytest.raises(ValueError, match="keepalive"):
         SwitchConfiguration.from_env(environ={"SWITCHML_KEEPALIVE": "0"})
+    for setting, value in (("port", 70000), ("port", -1), ("metrics_port", 65536)):
+        with pytest.raises(ValueError, match=f"{setting} must be 0 to 65535"):
+            SwitchConfiguration(**{setting: value})
+    # empty: an unset variable passed as a flag; --token-file "" ran a switch open
+    # to anyone
+    for setting in ("token_file", "host", "metrics_host", "upstream"):
+        with pytest.raises(ValueError, match=f"{setting} is empty"):
+            SwitchConfiguration(**{setting: ""})
+    for address in ("127.0.0.1:103267", ("127.0.0.1", 70000)):  # (a resolver wraps it)
+        with pytest.raises(ValueError, match="a port is 0 to 65535"):
+            config.parse_address(address)
 
 
 def test_switch_reads_the_environment(small_env):
@@ -131,3 +142,25 @@ def test_a_given_data_plane_choice_wins_over_the_environments_other_one():
     assert rack.data_plane is None and rack.upstream == "127.0.0.1:7300"
     with pytest.raises(ValueError, match="rack switch"):
         SwitchConfiguration.from_env(environ={}, upstream="127.0.0.1:7300", data_plane="xdp")
+
+
+@pytest.mark.parametrize("variable, value", [
+    ("SWITCHML_TIMEOUT", "-1"), ("SWITCHML_TIMEOUT", "nan"), ("SWITCHML_TIMEOUT", "0"),
+    ("SWITCHML_WAIT_FOR_SLOTS", "inf"), ("SWITCHML_WAIT_FOR_SLOTS", "-1"),
+    ("SWITCHML_PURE_PYTHON", "maybe")])
+def test_a_workers_setting_out_of_its_range_is_named_at_once(variable, value, monkeypatch):
+    """A timeout of 0, a negative or NaN failed deep in the sockets (blaming the
+    switch); an infinite wait for slots overflowed a timestamp; a flag's unknown
+    word was taken as off.  Each is now the variable's own error."""
+    import switchml
+    from switchml.config import pure_python
+
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ValueError, match=f"{variable}={value!r} is not a valid"):
+        if variable == "SWITCHML_PURE_PYTHON":
+            pure_python()
+        else:
+            switchml.Worker("127.0.0.1:9", 0, 1, local_stage=False)
+    monkeypatch.delenv(variable)
+    with pytest.raises(ValueError, match="timeout must be a finite number of seconds"):
+        switchml.Worker("127.0.0.1:9", 0, 1, timeout=-1.0, local_stage=False)

@@ -159,3 +159,68 @@ def test_logs_joins_leaves_failures_and_summarises_drops(caplog):
     assert all(level == logging.DEBUG for level, m in records if "unknown_source" in m)
     assert 1 <= len(summaries) <= 5
     assert sum(int(re.search(r"unknown_source (\d+)", m).group(1)) for m in summaries) == 200
+
+
+def test_idle_metrics_clients_take_no_more_than_their_share(monkeypatch):
+    """Scrapers that connect and send nothing (or a byte a minute) are served
+    MAX_METRICS_CLIENTS at a time, each let go after METRICS_CLIENT_S; the rest
+    are closed at once.  (Unbounded, they took every descriptor of the switch's
+    process, and no job could join.)"""
+    from switchml.switch import metrics
+
+    monkeypatch.setattr(metrics._Handler, "timeout", 0.5)
+    with switchml.Switch(metrics_port=0) as sw:
+        idle = [socket.create_connection(sw.metrics_address) for _ in range(40)]
+        try:
+            for conn in idle:
+                conn.sendall(b"GET /met")  # part of a request, never the rest
+                conn.settimeout(3.0)
+            closed_at_once = 0
+            for conn in idle:
+                conn.settimeout(0.2)
+                try:
+                    closed_at_once += conn.recv(1) == b""
+                except TimeoutError:
+                    pass
+            assert closed_at_once >= 40 - metrics.MAX_METRICS_CLIENTS
+            time.sleep(1.0)  # the ones served: let go at their timeout
+            scrape = urllib.request.urlopen("http://%s:%d/metrics" % sw.metrics_address,
+                                            timeout=5).read().decode()
+            assert "switchml_uptime_seconds" in scrape
+            with switchml.Worker(sw.address, 0, 1, job="after", timeout=5) as w:
+                assert w.allreduce(np.ones(3, np.float32)).tolist() == [1.0, 1.0, 1.0]
+        finally:
+            for conn in idle:
+                conn.close()
+
+
+def test_stats_from_a_peer_that_is_no_switch_fail_within_the_timeout():
+    """A peer that talks and never answers (a line a while), or answers stats that
+    are no switch's: ``fetch_stats`` (``switchml stats``) fails within its timeout
+    or says so (it waited forever, or raised KeyError from the table)."""
+    import threading
+
+    from switchml.worker.client import fetch_stats
+
+    def peer(lines):
+        listener = socket.create_server(("127.0.0.1", 0))
+
+        def serve():
+            conn, _ = listener.accept()
+            with conn:
+                for line in lines:
+                    conn.sendall(line)
+                    time.sleep(0.3)
+        threading.Thread(target=serve, daemon=True).start()
+        return listener
+
+    chatter = peer([b'{"event": "news"}\n'] * 20)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        fetch_stats("127.0.0.1:%d" % chatter.getsockname()[1], timeout=1.0)
+    assert time.monotonic() - started < 2.0
+    other = peer([b'{"event": "stats", "stats": {"version": 2}}\n'])
+    with pytest.raises(ValueError, match="not a switchml switch"):
+        fetch_stats("127.0.0.1:%d" % other.getsockname()[1], timeout=2.0)
+    chatter.close()
+    other.close()

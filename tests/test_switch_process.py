@@ -64,7 +64,9 @@ def test_a_switch_that_cannot_listen_is_a_clear_error():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        with pytest.raises(switchml.SwitchMLError, match="exited with status"):
+        # the child's own reason, in the parent's error (not only on a stderr that a
+        # notebook or a redirected rank log loses)
+        with pytest.raises(switchml.SwitchMLError, match="exited with status.*in use"):
             SwitchProcess(port=taken.getsockname()[1]).start()
 
 
@@ -78,14 +80,19 @@ def gone(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] == "Z"
 
 
-def test_the_switch_process_dies_with_a_killed_parent():
+@pytest.mark.parametrize("helper", [False, True], ids=["alone", "with-a-forked-helper"])
+def test_the_switch_process_dies_with_a_killed_parent(helper):
+    """(A helper the parent forked after, a data loader's worker, holds the pipe
+    open: the switch also looks at its parent.)"""
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
-        import time
+        import multiprocessing, sys, time
         from switchml.switch.process import SwitchProcess
         sp = SwitchProcess().start()
+        if sys.argv[1] == "True":
+            multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,)).start()
         print(sp._proc.pid, flush=True)
         time.sleep(60)
-    """)], stdout=subprocess.PIPE, text=True)
+    """), str(helper)], stdout=subprocess.PIPE, text=True, start_new_session=True)
     child = int(parent.stdout.readline())
     assert not gone(child)
     parent.send_signal(signal.SIGKILL)
@@ -93,4 +100,7 @@ def test_the_switch_process_dies_with_a_killed_parent():
     deadline = time.monotonic() + 10
     while not gone(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert gone(child)
+    try:
+        assert gone(child)
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)  # the helper

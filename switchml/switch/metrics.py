@@ -45,6 +45,10 @@ the switch-wide totals never go down.
 
 from __future__ import annotations
 
+import socketserver
+import threading
+import wsgiref.simple_server
+
 from ..errors import MetricsUnavailableError
 
 #: Per-job counters with a family of their own (the rest go to generic families).
@@ -184,6 +188,51 @@ class SwitchCollector:
                                   value=stats.get("cpu_s", 0.0))
 
 
+#: Scrapes served at once; one more is closed at once.  Each holds a descriptor
+#: and a thread of the switch's process (descriptors.RESERVED_DESCRIPTORS counts
+#: them): idle clients must not take what the switch's members need.
+MAX_METRICS_CLIENTS = 16
+#: Seconds a scrape's client has to send its request and take the answer.
+METRICS_CLIENT_S = 5.0
+
+
+class _Server(socketserver.ThreadingMixIn, wsgiref.simple_server.WSGIServer):
+    """prometheus_client's threaded WSGI server, with a cap on the clients served
+    at once and none of wsgiref's tracebacks for a client that went away."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler):
+        self._slots = threading.BoundedSemaphore(MAX_METRICS_CLIENTS)
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # past the cap: closed at once
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request, client_address):
+        pass  # a slow, gone or malformed client: its connection is closed, that is all
+
+
+class _Handler(wsgiref.simple_server.WSGIRequestHandler):
+    timeout = METRICS_CLIENT_S  # a client that sends a byte a minute is let go
+
+    def log_message(self, *args):
+        pass
+
+
 class MetricsServer:
     """The HTTP endpoint (``/metrics``) on a thread of its own; ``close()`` stops it."""
 
@@ -191,9 +240,12 @@ class MetricsServer:
         prometheus_client = require_prometheus_client()
         self.registry = prometheus_client.CollectorRegistry(auto_describe=False)
         self.registry.register(SwitchCollector(stats))
-        self._server, self._thread = prometheus_client.start_http_server(
-            port, addr=host, registry=self.registry)
-        self.address = (host, self._server.server_address[1])
+        server = self._server = wsgiref.simple_server.make_server(
+            host, port, prometheus_client.make_wsgi_app(self.registry), _Server, _Handler)
+        self._thread = threading.Thread(target=server.serve_forever, daemon=True,
+                                        name="switchml-metrics")
+        self._thread.start()
+        self.address = (host, server.server_address[1])
 
     def close(self) -> None:
         self._server.shutdown()

@@ -41,7 +41,7 @@ from torch._C import _distributed_c10d as c10d
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .. import auth
-from ..config import SwitchConfiguration, env, local_stage_on
+from ..config import SwitchConfiguration, env, local_stage_on, positive_seconds
 from ..errors import SwitchMLError
 from ..switch.process import SwitchProcess
 from ..worker.client import Worker
@@ -169,7 +169,7 @@ def _fallback_settings(address) -> tuple[bool, float]:
     """(whether calls fall back to gloo, seconds between probes of a switch that went
     away): ``SWITCHML_FALLBACK`` (on) and ``SWITCHML_RETRY_S``; never without a switch."""
     return (address is not None and fallback_on(env("FALLBACK", None)),
-            env("RETRY_S", DEFAULT_RETRY_S, float))
+            env("RETRY_S", DEFAULT_RETRY_S, positive_seconds))
 
 
 def _rejoin_within(fallback: bool, retry_s: float) -> float | None:
@@ -392,7 +392,7 @@ class ProcessGroupSwitchML(dist.ProcessGroup):
         seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
         # The group's timeout (init_process_group(timeout=...)), unless SWITCHML_TIMEOUT
         # asks for a shorter wait before naming a silent rank or switch.
-        seconds = env("TIMEOUT", seconds, float)
+        seconds = env("TIMEOUT", seconds, positive_seconds)
         # Any: torch's stubs lack the collectives the C++ class has
         self._gloo: Any = dist.ProcessGroupGloo(dist.PrefixStore("switchml-gloo", store), rank,
                                                 size, timeout)

@@ -38,6 +38,8 @@ from ..config import (
     env,
     local_stage_on,
     parse_address,
+    positive_seconds,
+    some_seconds,
     switch_addresses,
     switch_answer_within,
 )
@@ -139,19 +141,47 @@ def worker_threads(addresses: list, senders: int = 1) -> int:
     return auto_worker_threads(route_link_mbit(addresses[0]), senders)
 
 
+def _checked(cast, value, name: str):
+    """``value`` through ``cast`` (config's checked readers), or a ValueError naming
+    ``name`` and what it takes."""
+    try:
+        return cast(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a {cast.__name__}, not {value!r}") from None
+
+
+def _timeout(given) -> float:
+    """The seconds a call may go without progress: ``given``, else SWITCHML_TIMEOUT,
+    else the default; a finite number above 0 (0, a negative or NaN failed deep in
+    the sockets, blaming the switch)."""
+    if given is None:
+        return env("TIMEOUT", DEFAULT_TIMEOUT, positive_seconds)
+    return _checked(positive_seconds, given, "timeout")
+
+
 def fetch_stats(address, timeout: float = 5.0) -> dict:
-    """Ask a running switch for its counters over its control port (``timeout``:
-    for the connect and for each read of the answer)."""
+    """Ask a running switch for its counters over its control port, within
+    ``timeout`` seconds in all (a peer that talks but never answers is no
+    switch: TimeoutError); a reply without a switch's counters is a ValueError."""
+    deadline = time.monotonic() + timeout
     with socket.create_connection(parse_address(address), timeout=timeout) as conn:
         conn.sendall(StatsQuery().encode())
         reader = LineReader()
         while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no switch's stats from {address} within {timeout:g}s")
+            conn.settimeout(left)
             data = conn.recv(65536)
             if not data:
                 raise ConnectionError("switch closed the connection")
             for msg in reader.feed(data):
                 event = decode_event(msg)  # a malformed one: ValueError
                 if isinstance(event, StatsReply):
+                    if not isinstance(event.stats, dict) or not {
+                            "counters", "jobs", "totals"} <= event.stats.keys():
+                        raise ValueError(f"{address} answered stats without a switch's "
+                                         f"counters: not a switchml switch of this version")
                     return event.stats
 
 
@@ -212,7 +242,7 @@ class Worker(RejoinMixin):
         # switch keeps exactly this class; ranks that share hosts, or K switches, get
         # the class that runs them, whose parts are instances of this one.
         job = job if job is not None else env("JOB", "default")
-        timeout = float(timeout if timeout is not None else env("TIMEOUT", DEFAULT_TIMEOUT, float))
+        timeout = _timeout(timeout)
         secret = secret if secret is not None else env("JOB_SECRET", None)
         if world_size > 1 and local_stage_on(local_stage):
             if hosts is None:
@@ -256,8 +286,7 @@ class Worker(RejoinMixin):
         if len(self.job) > MAX_NAME:  # the switch would cut it: two jobs could become one
             raise ValueError(f"a job's name is at most {MAX_NAME} characters; this one has "
                              f"{len(self.job)}: {self.job[:40]}...")
-        self.timeout = float(timeout if timeout is not None
-                             else env("TIMEOUT", DEFAULT_TIMEOUT, float))
+        self.timeout = _timeout(timeout)
         self.link_share = link_share
         #: Seconds a switch that went away has to take the job again (``timeout``
         #: unless given: the torch backend, which has gloo to go to, waits less).
@@ -279,8 +308,9 @@ class Worker(RejoinMixin):
         if self._wire_bits not in (16, 32):
             raise ValueError(f"SWITCHML_WIRE_BITS={self._wire_bits}: use 32 or 16")
         self._auto_choices: dict = {}
-        self.wait_for_slots = float(wait_for_slots if wait_for_slots is not None
-                                    else env("WAIT_FOR_SLOTS", 0.0, float))
+        self.wait_for_slots = (env("WAIT_FOR_SLOTS", 0.0, some_seconds)
+                               if wait_for_slots is None else _checked(
+                                   some_seconds, wait_for_slots, "wait_for_slots"))
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
         #: Queueing a call and closing, one at a time: no call lands behind the end.
