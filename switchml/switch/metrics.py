@@ -45,6 +45,7 @@ the switch-wide totals never go down.
 
 from __future__ import annotations
 
+import socket
 import socketserver
 import threading
 import wsgiref.simple_server
@@ -204,6 +205,8 @@ class _Server(socketserver.ThreadingMixIn, wsgiref.simple_server.WSGIServer):
 
     def __init__(self, address, handler):
         self._slots = threading.BoundedSemaphore(MAX_METRICS_CLIENTS)
+        if ":" in address[0]:  # an IPv6 address ("::", "::1")
+            self.address_family = socket.AF_INET6
         super().__init__(address, handler)
 
     def process_request(self, request, client_address):
