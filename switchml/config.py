@@ -332,11 +332,10 @@ def _disagree(fastpath: bool, data_plane: str) -> bool:
 
 def parse_address(address) -> tuple[str, int]:
     """'host:port' or (host, port) to a (host, port) tuple, with a clear error."""
+    host, digits = (address.rpartition(":")[::2] if isinstance(address, str) else ("", ""))
     if isinstance(address, (tuple, list)) and len(address) == 2:
         host, port = str(address[0]), int(address[1])
-    elif isinstance(address, str) and ":" in address and address.rpartition(":")[2].isdigit() \
-            and address.rpartition(":")[0]:
-        host, _, digits = address.rpartition(":")
+    elif host and digits.isdigit():
         host, port = host.strip("[]"), int(digits)
     else:
         raise ValueError(f"switch address must be 'host:port' or (host, port), got {address!r}")

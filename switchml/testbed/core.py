@@ -287,7 +287,7 @@ class Testbed:
         #: the process that made it, as ``switchml testbed up``'s): a testbed whose
         #: owner is gone (SIGKILLed) is removed by the next ``up`` of its prefix.
         self._owner: int | None = None
-        self._saved_handlers: dict = {}
+        self._signals = contextlib.ExitStack()  # _catch_signals' signals_end_the_run
 
     # ------------------------------------------------------------------ names
     @property
@@ -650,17 +650,12 @@ class Testbed:
 
     # ------------------------------------------------------------------ signals
     def _catch_signals(self) -> None:
-        """TERM and HUP clean up like Ctrl-C does: they raise SystemExit in the main thread."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(sig) is signal.SIG_DFL:
-                self._saved_handlers[sig] = signal.signal(sig, _exit_on_signal)
+        """TERM and HUP clean up like Ctrl-C does (``signals_end_the_run``), until
+        ``_restore_signals``."""
+        self._signals.enter_context(signals_end_the_run())
 
     def _restore_signals(self) -> None:
-        for sig, handler in self._saved_handlers.items():
-            signal.signal(sig, handler)
-        self._saved_handlers.clear()
+        self._signals.close()
 
     @staticmethod
     def _ignore_signals() -> dict:

@@ -210,6 +210,17 @@ def _connect(store, rank: int, size: int, timeout: float):
     return address, job, join, shared
 
 
+def _until_done(future: torch.futures.Future, timeout, what: str) -> None:
+    """Until ``future`` is done (its error not raised), or ``timeout`` (a timedelta;
+    0 or None: none) passes: then a RuntimeError naming ``what``, as gloo's
+    ``wait`` raises."""
+    ended = threading.Event()
+    future.add_done_callback(lambda _: ended.set())
+    if not ended.wait(timeout.total_seconds() if timeout else None):
+        raise RuntimeError(f"switchml: {what} did not complete within "
+                           f"{timeout.total_seconds():g}s (Work.wait's timeout)")
+
+
 class _SwitchWork(dist._Work):
     """A torch Work over a switchml call: ``wait()`` raises what the call raised.
 
@@ -228,12 +239,7 @@ class _SwitchWork(dist._Work):
     def wait(self, timeout=None) -> bool:
         """Until the call ends (its error raised), or ``timeout`` (a timedelta; 0 or
         None: none) passes: then a RuntimeError, as gloo's ``wait`` raises."""
-        if timeout:
-            ended = threading.Event()
-            self._future.add_done_callback(lambda _: ended.set())
-            if not ended.wait(timeout.total_seconds()):
-                raise RuntimeError(f"switchml: the collective did not complete within "
-                                   f"{timeout.total_seconds():g}s (Work.wait's timeout)")
+        _until_done(self._future, timeout, "the collective")
         if self._settled is not None:
             outcome = self._settled.wait()
             if isinstance(outcome, Failed):
@@ -298,11 +304,7 @@ class _AfterCall(dist._Work):
         self._work = work
 
     def wait(self, timeout=None) -> bool:
-        ended = threading.Event()
-        self._future.add_done_callback(lambda _: ended.set())
-        if not ended.wait(timeout.total_seconds() if timeout else None):
-            raise RuntimeError(f"switchml: the barrier's earlier allreduce did not complete "
-                               f"within {timeout.total_seconds():g}s (Work.wait's timeout)")
+        _until_done(self._future, timeout, "the barrier's earlier allreduce")
         return self._work.wait(timeout) if timeout else self._work.wait()
 
     def is_completed(self) -> bool:
