@@ -124,8 +124,8 @@ def test_switch_stopping_mid_job_fails_the_workers():
 def quick_switch_checks(monkeypatch):
     """The switch asked after 0.3 s without a result, 1 s to answer (not 5 and 10)."""
     from switchml import config
-    from switchml.worker import client
-    monkeypatch.setattr(client, "SWITCH_SILENCE_S", 0.3)
+    from switchml.worker import driver
+    monkeypatch.setattr(driver, "SWITCH_SILENCE_S", 0.3)
     monkeypatch.setattr(config, "SWITCH_ANSWER_S", 1.0)
     return config
 

@@ -540,8 +540,8 @@ def test_a_hung_spine_is_named_by_every_rank_as_the_switchs_failure(monkeypatch)
     answer, the rack 3.)"""
     from switchml import config
     from switchml.switch.racks import control as rack_control
-    from switchml.worker import client
-    monkeypatch.setattr(client, "SWITCH_SILENCE_S", 0.3)
+    from switchml.worker import driver
+    monkeypatch.setattr(driver, "SWITCH_SILENCE_S", 0.3)
     monkeypatch.setattr(config, "SWITCH_ANSWER_S", 3.0)
     monkeypatch.setattr(rack_control, "SPINE_ANSWER_S", 1.0)
     stack, spine, racks = rack_switches()

@@ -12,7 +12,7 @@ from conftest import run_ranks
 import switchml
 from switchml import netutil
 from switchml.quant import error_bound
-from switchml.worker.client import send_waiting
+from switchml.worker.driver import send_waiting
 
 K = 1024  # packet_elements of the test switch
 SIZES = [0, 1, K - 1, K + 1, 16 * K * 3 + 5]

@@ -386,7 +386,7 @@ static PyObject *core_run_io(DenseCore *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     status = stream_run_io(c, fd, dst, control_fd, slice, gso);
     Py_END_ALLOW_THREADS
-    if (status == IO_TOO_BIG) { /* as client.send_waiting raises it */
+    if (status == IO_TOO_BIG) { /* as driver.send_waiting raises it */
         errno = EMSGSIZE;
         return PyErr_SetFromErrno(PyExc_OSError);
     }

@@ -34,7 +34,7 @@ static double monotonic_now(void) { /* time.monotonic()'s clock */
 
 enum { IO_DONE = 0, IO_STALLED = 1, IO_CONTROL = 2, IO_SLICE = 3 };
 /* stream_run_io's failures: out of memory; a datagram larger than the path takes
- * (EMSGSIZE: client.py's send_waiting raises it, as no retransmission would
+ * (EMSGSIZE: driver.py's send_waiting raises it, as no retransmission would
  * get it through). */
 enum { IO_NO_MEMORY = -1, IO_TOO_BIG = -2 };
 
