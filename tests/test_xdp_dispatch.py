@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from switchml import wire
+from switchml.switch.xdp import dispatch as xdp_dispatch
 from switchml.switch.xdp import loader as xdp_loader
 from switchml.switch.xdp import pipeline as xdp
 
@@ -29,10 +30,10 @@ def dispatcher():
     """Two switches' pipelines (ports 7400 and 7401, one job of two ranks each)
     in a dispatcher loaded, not attached: (its program's fd, the pipelines)."""
     lib = xdp_loader.libbpf()
-    obj, prog = xdp_loader.load_dispatcher()
+    obj, prog = xdp_dispatch.load_dispatcher()
     pipelines = []
     try:
-        progs = xdp_loader.dispatcher_map_fd(obj, "switchml_progs")
+        progs = xdp_dispatch.dispatcher_map_fd(obj, "switchml_progs")
         for i, port in enumerate((7400, 7401)):
             p = xdp.XdpPipeline(8, 352, block_elements=352, port=port, switch_ip=SWITCH)
             pipelines.append(p)

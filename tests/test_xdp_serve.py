@@ -29,6 +29,7 @@ import switchml
 from switchml import config, wire
 from switchml.errors import DataPlaneUnavailableError
 from switchml.switch.dataplane.pipeline import Pipeline
+from switchml.switch.xdp import dispatch as xdp_dispatch
 from switchml.switch.xdp import loader as xdp_loader
 from switchml.switch.xdp import pipeline as xdp
 from switchml.switch.xdp import serving as xdp_serving
@@ -747,7 +748,7 @@ def test_a_port_another_switchs_sweep_took_out_is_put_back():
     try:
         p.serve(("127.0.0.1", 7352))
         [mine] = p._dispatches
-        other = xdp_loader.Dispatcher(mine.ifindex)  # a second switch's hold on it
+        other = xdp_dispatch.Dispatcher(mine.ifindex)  # a second switch's hold on it
         other._remove(7352)  # what its sweep did
         assert mine._owner(7352) is None
         p.sweep_gone_switches()
@@ -1512,7 +1513,7 @@ def test_a_switch_that_loses_the_race_to_attach_joins_the_winner(veth, monkeypat
     failing.  Here the second switch is made to see no program twice (before
     joining, and before attaching), as if the first had attached just after."""
     _, _, _, here, me = veth
-    real, stale = xdp_loader.xdp_attached, [2]
+    real, stale = xdp_dispatch.xdp_attached, [2]
 
     def looked_too_early(ifindex):
         got = real(ifindex)
@@ -1525,7 +1526,7 @@ def test_a_switch_that_loses_the_race_to_attach_joins_the_winner(veth, monkeypat
     second = xdp.XdpPipeline(8, 352, block_elements=352, port=7341, switch_ip=me)
     try:
         first.serve((me, 7340))
-        monkeypatch.setattr(xdp_loader, "xdp_attached", looked_too_early)
+        monkeypatch.setattr(xdp_dispatch, "xdp_attached", looked_too_early)
         second.serve((me, 7341))
         assert stale == [0]
         assert len(second._dispatches) == 1 and second._dispatches[0]._obj is None  # joined

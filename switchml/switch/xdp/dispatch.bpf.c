@@ -1,5 +1,5 @@
 /* The dispatcher that lets several XDP switches share one interface: an
- * interface runs one XDP program, so switch/loader.py attaches this one
+ * interface runs one XDP program, so switch/xdp/dispatch.py attaches this one
  * (a BPF link; in the driver's native mode where it has one, else generic)
  * once per interface, and each switch serving there
  * (each its own process or not, each with its own xdp_pipeline object and
@@ -38,7 +38,7 @@
  *    closes with the process.
  *
  * `switchml_owners` (port -> the registering switch) is user space's:
- * loader.py tells from it whether a port's program belongs to a switch
+ * dispatch.py tells from it whether a port's program belongs to a switch
  * still running (a SIGKILLed switch's port is taken out by the next switch
  * that joins or leaves the interface); at port 0, which no switch serves, a
  * mark that the switches turned the interface's GRO on, for the last to turn
@@ -55,7 +55,7 @@
 #include <bpf/bpf_endian.h>
 #include <bpf/bpf_helpers.h>
 
-/* what user space keeps of a registered switch (loader.py's Dispatcher) */
+/* what user space keeps of a registered switch (dispatch.py's Dispatcher) */
 struct switchml_owner {
     __u32 pid;      /* the process serving the port (as it sees itself: for messages) */
     __u32 prog_id;  /* its xdp_pipeline program, as put in switchml_progs */

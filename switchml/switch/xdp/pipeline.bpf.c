@@ -1,7 +1,7 @@
 /* The switch's per-packet pipeline as an XDP program: the dense path of
  * switch/dataplane/pipeline.py (the reference model: read its docstring for the rules),
  * step by step, in the same order, with the same drop reasons and counter
- * names.  switch/loader.py builds it (clang) and loads it (libbpf through
+ * names.  switch/xdp/loader.py builds it (clang) and loads it (libbpf through
  * ctypes); switch/xdp/pipeline.py fills its maps from the Python control plane, serves
  * the switch's interface with it (through the dispatcher that the XDP
  * switches on one interface share, dispatch.bpf.c, which tail-calls it for

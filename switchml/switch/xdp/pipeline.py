@@ -134,10 +134,10 @@ import numpy as np
 from ... import wire
 from ...config import DEFAULT_PACKET_ELEMENTS, DEFAULT_PORT, DEFAULT_SLOTS
 from ..dataplane.pipeline import MAX_WORKERS, Job, Mismatch, Pipeline
+from .dispatch import Dispatcher
 from .loader import (
     HERE,
     SOURCE,
-    Dispatcher,
     build_object,
     libbpf,
     load,

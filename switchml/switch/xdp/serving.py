@@ -26,7 +26,7 @@ docs/benchmarks.md).
 An interface runs one XDP program, and several XDP switches may serve one
 (other ports, of one process or several: several ``Switch(data_plane="xdp")``
 on 127.0.0.1): the interface's program is a dispatcher
-(``dispatch.bpf.c``, ``loader.Dispatcher``), which the first switch
+(``dispatch.bpf.c``, ``dispatch.Dispatcher``), which the first switch
 attaches through a BPF link and the later ones join (their own file
 descriptors of its link and maps, found from the attached program's id).  It
 tail-calls, for each UDP datagram, the program of the switch that serves its
@@ -60,7 +60,8 @@ from typing import Any
 
 from ... import ethtool, netutil
 from ...errors import DataPlaneUnavailableError
-from .loader import Dispatcher, InterfaceTaken, bridge_ports, is_virtual, xdp_attached
+from .dispatch import Dispatcher, InterfaceTaken
+from .loader import bridge_ports, is_virtual, xdp_attached
 
 log = logging.getLogger("switchml.switch")
 
