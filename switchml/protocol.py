@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from . import wire
 from .auth import ADMISSION_HEX, KEY_HEX, SIGNATURE_HEX
 from .netutil import encode_line, is_ipv4
 
@@ -621,6 +622,29 @@ def _text(value) -> bool:
     return isinstance(value, str)
 
 
+def _is_u32(value) -> bool:
+    return _is_int(value) and 0 <= value < 1 << 32
+
+
+def _geometry(msg: dict) -> tuple[int, int, int, int, int, int]:
+    """A ready's (session, slot_base, slot_count, packet_elements, block_elements,
+    data_port), each in the range the wire's header fields and a datagram hold: a
+    switch's out of range (none, or a foreign peer) would make calls return
+    untouched arrays or fail deep in the engine."""
+    session = _field(msg, "session", lambda v: _is_u32(v) and v > 0, "an integer 1 to 2**32-1")
+    base = _field(msg, "slot_base", lambda v: _is_int(v) and 0 <= v < 1 << 16,
+                  "an integer 0 to 65535")
+    count = _field(msg, "slot_count", lambda v: _is_int(v) and 1 <= v <= (1 << 16) - base,
+                   f"an integer 1 to {(1 << 16) - base}")
+    block = _field(msg, "block_elements", lambda v: _is_int(v) and v >= 1, "an integer from 1")
+    packet = _field(msg, "packet_elements", lambda v: _is_int(v) and v % block == 0
+                    and 1 <= v <= wire.max_packet_elements(block),
+                    f"whole blocks of {block}, at most {wire.max_packet_elements(block)}")
+    port = _field(msg, "data_port", lambda v: _is_int(v) and 1 <= v <= 65535,
+                  "a port 1 to 65535")
+    return session, base, count, packet, block, port
+
+
 def decode_event(msg) -> Event | None:
     """A decoded JSON line from the switch as an event; None for an event this code
     does not know (a newer switch's news), MalformedMessage for a known one with
@@ -631,12 +655,10 @@ def decode_event(msg) -> Event | None:
     if name == "joined":
         return Joined(str(msg.get("job", "")), tuple(_field(msg, "present", _ints, "ranks")))
     if name == "ready":
-        return Ready(*(_field(msg, key, _is_int, "an integer") for key in (
-            "session", "slot_base", "slot_count", "packet_elements", "block_elements",
-            "data_port")), link_window=_field(msg, "link_window",
-                                               lambda v: v is None or _is_int(v),
-                                               "an integer", None),
-            token=_field(msg, "token", _is_int, "an integer", 0),
+        return Ready(*_geometry(msg), link_window=_field(
+            msg, "link_window", lambda v: v is None or (_is_int(v) and v >= 1),
+            "an integer from 1", None),
+            token=_field(msg, "token", _is_u32, "an integer 0 to 2**32-1", 0),
             gso=_field(msg, "gso", lambda v: isinstance(v, bool), "true or false", True),
             threads=_field(msg, "threads",
                            lambda v: _is_int(v) and 1 <= v <= MAX_WORKER_THREADS,
@@ -645,13 +667,12 @@ def decode_event(msg) -> Event | None:
                                 lambda v: _is_int(v) and 1 <= v <= MAX_DATA_THREADS,
                                 f"an integer 1 to {MAX_DATA_THREADS}", 1))
     if name == "rack_ready":
-        session, base, count, packet, block, port, member, members = (
-            _field(msg, key, _is_int, "an integer") for key in (
-                "session", "slot_base", "slot_count", "packet_elements", "block_elements",
-                "data_port", "member", "members"))
-        return RackReady(session, base, count, packet, block, port, member, members,
+        members = _field(msg, "members", lambda v: _is_int(v) and v >= 1, "an integer from 1")
+        member = _field(msg, "member", lambda v: _is_int(v) and 0 <= v < members,
+                        f"an integer 0 to {members - 1}")
+        return RackReady(*_geometry(msg), member, members,
                          tuple(_field(msg, "ranks", _ints, "ranks")),
-                         token=_field(msg, "token", _is_int, "an integer", 0))
+                         token=_field(msg, "token", _is_u32, "an integer 0 to 2**32-1", 0))
     if name == "waiting":
         return Waiting(str(msg.get("job", "")), str(msg.get("limit")),
                        _field(msg, "message", _text, "text"))

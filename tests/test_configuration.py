@@ -164,3 +164,17 @@ def test_a_workers_setting_out_of_its_range_is_named_at_once(variable, value, mo
     monkeypatch.delenv(variable)
     with pytest.raises(ValueError, match="timeout must be a finite number of seconds"):
         switchml.Worker("127.0.0.1:9", 0, 1, timeout=-1.0, local_stage=False)
+
+
+@pytest.mark.parametrize("argument, value, error", [
+    ("rejoin_within", float("nan"), ValueError), ("rejoin_within", -1.0, ValueError),
+    ("threads", 0, ValueError), ("threads", -1, ValueError), ("threads", 65, ValueError),
+    ("job", 5, TypeError),
+])
+def test_a_workers_argument_out_of_its_range_is_named_at_once(argument, value, error):
+    """rejoin_within=NaN waited for a dead switch for ever, threads=0 or -1 ran one
+    thread unsaid, a job named 5 raised len()'s TypeError."""
+    import switchml
+
+    with pytest.raises(error, match=argument if argument != "job" else "job's name"):
+        switchml.Worker("127.0.0.1:9", 0, 1, local_stage=False, **{argument: value})

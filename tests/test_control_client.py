@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 import switchml
-from switchml.config import SWITCH_ANSWER_S
+from switchml.config import SWITCH_ANSWER_S, SWITCH_SILENCE_S
 from switchml.netutil import LineReader, encode_line
 from switchml.protocol import PROTOCOL_VERSION, Joined, Left, Ready, StatusReply, Waiting
 from switchml.switch.control import Controller
@@ -108,7 +108,8 @@ def test_an_address_that_never_answers_the_join_is_the_switchs_fault(heard):
 def test_a_switch_that_does_not_answer_fails_the_join_long_before_a_long_timeout():
     """A switch answers a join at once (who is there so far): one that says nothing
     for SWITCH_ANSWER_S is stopped or hung, however long the job would wait for its
-    ranks (a torch group's timeout is 30 minutes); one that answered waits that long."""
+    ranks (a torch group's timeout is 30 minutes); one that answered, and answers a
+    status query after each SWITCH_SILENCE_S without a word, waits that long."""
     silent = joining(0, world=3, now=100.0, timeout=1800.0)
     assert silent.get_timer() == 100.0 + SWITCH_ANSWER_S
     assert silent.handle_timer(100.0 + SWITCH_ANSWER_S - 0.01) == []
@@ -118,11 +119,35 @@ def test_a_switch_that_does_not_answer_fails_the_join_long_before_a_long_timeout
     assert silent.unanswered
     answered = joining(0, world=3, now=100.0, timeout=1800.0)
     answered.receive_data(encode_line({"event": "joined", "job": "j", "present": [0]}), 101.0)
-    assert answered.get_timer() == 1900.0
-    assert answered.handle_timer(1899.0) == []
+    answered.data_to_send()  # (the join)
+    now, asked = 101.0, 0
+    while (timer := answered.get_timer()) < 1900.0:
+        assert timer == now + SWITCH_SILENCE_S
+        assert answered.handle_timer(timer) == []
+        assert json.loads(answered.data_to_send()) == {"op": "status", "slots": []}
+        now, asked = timer + 0.5, asked + 1
+        answered.receive_data(encode_line({"event": "status", "slots": []}), now)
+    assert asked > 300 and answered.handle_timer(1899.0) == []
     [late] = answered.handle_timer(1900.0)
     assert isinstance(late.error, switchml.SwitchMLTimeoutError)
     assert late.error.missing_ranks == [1, 2]
+
+
+def test_a_switch_that_answered_the_join_and_then_hangs_is_named_not_the_ranks_awaited():
+    """A switch stopped (or hung) after it answered the join: the rank asks whether
+    it is there after SWITCH_SILENCE_S without a word, and names it unreachable
+    SWITCH_ANSWER_S later, not the ranks it awaited after the whole timeout."""
+    c = joining(0, world=3, now=100.0, timeout=1800.0)
+    c.receive_data(encode_line({"event": "joined", "job": "j", "present": [0]}), 101.0)
+    c.data_to_send()
+    assert c.handle_timer(101.0 + SWITCH_SILENCE_S) == []
+    assert json.loads(c.data_to_send()) == {"op": "status", "slots": []}
+    assert c.get_timer() == 101.0 + SWITCH_SILENCE_S + SWITCH_ANSWER_S
+    assert c.handle_timer(101.0 + SWITCH_SILENCE_S + SWITCH_ANSWER_S - 0.01) == []
+    [failed] = c.handle_timer(101.0 + SWITCH_SILENCE_S + SWITCH_ANSWER_S)
+    assert isinstance(failed.error, switchml.SwitchUnreachableError)
+    assert "answered the join, then did not answer a status query within 10s" in str(
+        failed.error) and "ranks [1, 2] were awaited" in str(failed.error)
 
 
 def test_a_job_waiting_for_room_fails_after_wait_for_slots_naming_the_limit():
@@ -141,7 +166,10 @@ def test_back_to_gathering_restores_the_join_deadline():
     c.receive_data(encode_line({"event": "waiting", "job": "j", "limit": "slots",
                                 "message": "x"}), 1.0)
     c.receive_data(encode_line({"event": "joined", "job": "j", "present": [0]}), 2.0)
-    assert c.get_timer() == 10.0
+    assert c.get_timer() == 2.0 + SWITCH_SILENCE_S  # (whether the switch is still there)
+    c.handle_timer(2.0 + SWITCH_SILENCE_S)
+    c.receive_data(encode_line({"event": "status", "slots": []}), 7.5)
+    assert c.get_timer() == 10.0  # the join's deadline, not wait_for_slots'
 
 
 @pytest.mark.parametrize("reply, error", [

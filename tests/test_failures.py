@@ -124,10 +124,46 @@ def test_switch_stopping_mid_job_fails_the_workers():
 def quick_switch_checks(monkeypatch):
     """The switch asked after 0.3 s without a result, 1 s to answer (not 5 and 10)."""
     from switchml import config
-    from switchml.worker import driver
+    from switchml.worker import control, driver
     monkeypatch.setattr(driver, "SWITCH_SILENCE_S", 0.3)
+    monkeypatch.setattr(control, "SWITCH_SILENCE_S", 0.3)
     monkeypatch.setattr(config, "SWITCH_ANSWER_S", 1.0)
     return config
+
+
+def test_a_switch_that_hangs_while_a_rank_awaits_the_others_at_join_is_named(
+        quick_switch_checks):
+    """The switch answered rank 0's join, then stopped (SIGSTOP) while rank 0 waits
+    for rank 1: rank 0 asks it whether it is there and, unanswered, raises
+    SwitchUnreachableError naming it within 0.3 s + 1 s, not a SwitchMLTimeoutError
+    blaming rank 1 after the 60 s timeout."""
+    with SwitchProcess() as sw:
+        stopper = threading.Timer(0.5, os.kill, (sw._proc.pid, signal.SIGSTOP))
+        stopper.start()
+        start = time.monotonic()
+        try:
+            with pytest.raises(switchml.SwitchUnreachableError,
+                               match="answered the join, then did not answer") as info:
+                switchml.Worker(sw.address, 0, 2, timeout=60.0)
+        finally:
+            stopper.join()
+            os.kill(sw._proc.pid, signal.SIGCONT)
+        assert "%s:%d" % sw.address in str(info.value)
+        assert time.monotonic() - start < 10.0
+
+
+def test_a_rank_late_to_join_is_waited_for_while_the_switch_answers(quick_switch_checks):
+    """Rank 1 joins 3 s after rank 0, past the 0.3 s + 1 s a hung switch would get:
+    the switch answers rank 0's queries meanwhile, and the job starts and sums."""
+    with SwitchProcess() as sw:
+        def body(rank):
+            if rank == 1:
+                time.sleep(3.0)
+            with switchml.Worker(sw.address, rank, 2, timeout=60.0) as w:
+                return w.allreduce(np.full(10, rank + 1.0, np.float32))
+
+        for out in run_ranks(2, body):
+            assert (out == 3.0).all()
 
 
 def test_a_hung_switch_fails_the_call_as_the_switchs_long_before_the_timeout(
@@ -177,6 +213,66 @@ def test_a_rank_that_is_late_is_waited_for_while_the_switch_answers(quick_switch
 
         for out in run_ranks(2, body):
             assert (out == 3.0).all()
+
+
+def test_an_abort_while_the_stall_waits_for_its_diagnosis_is_honoured_at_once():
+    """Rank 0's call stalls (rank 1 never calls) while the switch is stopped: the
+    diagnosis waits up to SWITCH_ANSWER_S for the switch's answer, and an abort()
+    from another thread meanwhile ends the call with the abort's error at once, not
+    with the diagnosis's 10 s later."""
+    with SwitchProcess() as sw:
+        joined, ended = threading.Barrier(2), threading.Event()
+
+        def body(rank):
+            with switchml.Worker(sw.address, rank, 2, timeout=1.0) as w:
+                joined.wait(10)
+                if rank == 1:
+                    ended.wait(30)
+                    return None
+                reason = switchml.SwitchMLError("given up by the caller")
+                stopper = threading.Timer(0.5, os.kill, (sw._proc.pid, signal.SIGSTOP))
+                aborter = threading.Timer(2.0, w.abort, (reason,))
+                try:
+                    stopper.start(), aborter.start()
+                    with pytest.raises(switchml.SwitchMLError) as info:
+                        w.allreduce(np.ones(1000, np.float32))
+                    return info.value, time.monotonic()
+                finally:
+                    stopper.join(), aborter.join()
+                    os.kill(sw._proc.pid, signal.SIGCONT)
+                    ended.set()
+
+        start = time.monotonic()
+        (error, at), _ = run_ranks(2, body)
+        assert str(error) == "given up by the caller", error
+        assert at - start < 6.0  # 2 s, on a busy machine; not 1 s + 10 s
+
+
+def test_a_stall_after_a_rank_left_names_the_silent_rank_not_the_caller(switch):
+    """Rank 0 leaves after a call, rank 2 stays and never calls, rank 1 calls and
+    stalls: the switch's answer names ranks 0 and 2 (its bitmaps are of the members
+    as the job started; with rank 0's connection gone it read them as a rack's
+    and named rank 1, the caller, and not rank 2)."""
+    ended = threading.Event()
+
+    def body(rank):
+        with switchml.Worker(switch.address, rank, 3, timeout=1.0) as w:
+            w.allreduce(np.ones(4, np.float32))
+            if rank == 0:
+                return None
+            if rank == 2:
+                ended.wait(30)
+                return None
+            time.sleep(0.3)
+            try:
+                with pytest.raises(switchml.SwitchMLTimeoutError) as info:
+                    w.allreduce(np.ones(4, np.float32))
+            finally:
+                ended.set()
+            return info.value
+
+    _, error, _ = run_ranks(3, body)
+    assert error.missing_ranks == [0, 2], error
 
 
 def test_a_switch_slow_to_answer_the_diagnosis_still_names_the_missing_rank():

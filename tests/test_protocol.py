@@ -81,6 +81,26 @@ def test_ready_says_data_threads_only_where_the_switch_has_several():
             protocol.decode_event(line)
 
 
+@pytest.mark.parametrize("field, bad", [
+    ("session", 0), ("session", 1 << 32), ("slot_base", -1), ("slot_base", 1 << 16),
+    ("slot_count", 0), ("slot_count", -1), ("slot_count", (1 << 16) + 1),
+    ("packet_elements", 0), ("packet_elements", 300), ("packet_elements", 2 ** 40),
+    ("block_elements", 0), ("data_port", 0), ("data_port", 65536), ("token", -1),
+    ("link_window", 0),
+])
+def test_a_ready_out_of_the_wires_ranges_is_malformed(field, bad):
+    """Slots, packet geometry, port, session and token as the wire's header fields
+    and a datagram hold them: a ready of 0 slots made every call return its output
+    untouched, a packet of 0 values raised ZeroDivisionError in Worker()."""
+    line = Ready(1, 0, 4, 16128, 256, 7300, token=5).to_dict() | {field: bad}
+    with pytest.raises(protocol.MalformedMessage, match=field):
+        protocol.decode_event(line)
+    rack = line | {"event": "rack_ready", "member": 0, "members": 1, "ranks": [0]}
+    if field != "link_window":
+        with pytest.raises(protocol.MalformedMessage, match=field):
+            protocol.decode_event(rack)
+
+
 def test_ready_says_gso_only_when_the_switch_wants_datagrams_apart():
     assert "gso" not in Ready(1, 0, 4, 16128, 256, 7300).to_dict()
     assert Ready(1, 0, 4, 16128, 256, 7300, gso=False).to_dict()["gso"] is False

@@ -4,6 +4,7 @@ import errno
 import os
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -179,6 +180,75 @@ def test_bad_arguments_raise(switch):
             w.allreduce(np.ones(3, dtype=np.float64))
         with pytest.raises(ValueError):
             w.allreduce(np.ones(3, np.float32), out=np.ones(4, np.float32))
+
+
+@pytest.mark.parametrize("case", ["read-only", "read-only-float16", "partial-overlap"])
+def test_an_output_no_sum_can_go_to_is_refused_by_the_caller_and_the_job_goes_on(
+        switch, case):
+    """A read-only ``out`` (a float16 one hung its wait() for ever and ended the I/O
+    thread), or one that partly overlaps the input, is refused on the caller's
+    thread before anything is queued: the job does not fail for the other rank,
+    whose next call sums with this rank's next one."""
+    def body(rank):
+        with switchml.Worker(switch.address, rank, 2, timeout=10) as w:
+            if rank == 0:
+                dtype = np.float16 if case.endswith("float16") else np.float32
+                if case == "partial-overlap":
+                    both = np.ones(8, dtype)
+                    array, out = both[:6], both[2:]
+                else:
+                    array, out = np.ones(6, dtype), np.ones(6, dtype)
+                    out.flags.writeable = False
+                with pytest.raises(ValueError, match="read-only|not overlap"):
+                    w.allreduce_async(array, out=out)
+            return w.allreduce(np.full(6, rank + 1.0, np.float32))
+
+    for out in run_ranks(2, body):
+        assert (out == 3.0).all()
+
+
+def seen_first(seen: list, seconds: float = 10.0):
+    deadline = time.monotonic() + seconds
+    while not seen:
+        assert time.monotonic() < deadline, "the callback did not run"
+        time.sleep(0.01)
+    return seen[0]
+
+
+def test_a_done_callback_may_queue_calls_and_close_but_not_wait(switch):
+    """A done callback runs on the worker's thread: a call it waited for would wait
+    for that thread (a deadlock, and close at exit with it), so allreduce() and
+    wait() there raise; one it queues runs, and a close there leaves the job as a
+    close elsewhere does (it closed the sockets under the thread, and the switch
+    failed the job for the others)."""
+    def body(rank):
+        w = switchml.Worker(switch.address, rank, 2, timeout=10)
+        seen = []
+
+        def callback(handle):
+            with pytest.raises(switchml.SwitchMLError, match="wait for itself"):
+                w.allreduce(np.ones(4, np.float32))
+            queued = w.allreduce_async(np.full(4, 2.0, np.float32))
+            with pytest.raises(switchml.SwitchMLError, match="wait for itself"):
+                queued.wait()
+            seen.append(queued)
+            if rank == 0:
+                w.close()
+
+        first = w.allreduce_async(np.ones(4, np.float32))
+        first.add_done_callback(callback)
+        assert (first.wait(10) == 2.0).all()
+        result = seen_first(seen).wait(10)
+        if rank == 0:  # closed by the callback: the thread leaves after the queued call
+            w._thread.join(10)
+            assert not w._thread.is_alive() and w._udp.fileno() == -1
+        w.close()
+        return result
+
+    before = switch.stats()["counters"].get("jobs_failed", 0)
+    for out in run_ranks(2, body):
+        assert (out == 4.0).all()
+    assert switch.stats()["counters"].get("jobs_failed", 0) == before
 
 
 def test_switch_address_from_environment(switch, monkeypatch):

@@ -123,6 +123,7 @@ class JobEntry:
     waiting: bool = False                         # complete, queued for room
     rejoined: bool = False                        # a rank said it ran on a switch here before
     threads: int = 1                              # I/O threads a rank: the least asked for
+    member_ranks: list = field(default_factory=list)  # each pipeline member's ranks, from start
 
     @property
     def ident(self) -> tuple:
@@ -521,6 +522,8 @@ class Controller:
         except ValueError as exc:  # the data plane cannot hold it: this job alone fails
             return self._refuse_job(job, "bad_request", f"the data plane cannot take it: {exc}")
         job.session = session
+        # what the slots' bitmaps are of, for status answers after a rank has left
+        job.member_ranks = [_ranks_of(job, c) for c in conns]
         self.pipeline.counters["jobs_started"] += 1
         if job.rejoined:  # its ranks ran it on a switch here that went away
             self.pipeline.counters["jobs_rejoined"] += 1
@@ -684,15 +687,13 @@ class Controller:
         rows = []
         installed = self.pipeline.jobs[job.session]
         low, high = installed.slot_base, installed.slot_base + installed.slot_count
-        # Bitmaps are of the pipeline's members: with rack switches, of racks, which
-        # the answer gives as the ranks behind them.
-        members = [_ranks_of(job, c) for c in _members(job)]
+        # Bitmaps are of the pipeline's members as the job started (with rack
+        # switches, racks), which the answer gives as the ranks behind them.
         for slot, number in query.slots:
             if low <= slot < high:
                 holds, bitmap = self.pipeline.slot_state(slot, number)
-                if len(members) < job.world_size:
-                    bitmap = sum(1 << g for i, ranks in enumerate(members)
-                                 if bitmap >> i & 1 for g in ranks)
+                bitmap = sum(1 << g for i, ranks in enumerate(job.member_ranks)
+                             if bitmap >> i & 1 for g in ranks)
                 rows.append((slot, number, holds, bitmap))
         return [(conn, StatusReply(tuple(rows)))]
 

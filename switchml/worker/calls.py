@@ -7,15 +7,36 @@ before anything is queued.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 
 import numpy as np
 
 from ..buffers import BufferPool
+from ..errors import SwitchMLError
 from .engine.stream import SUPPORTED_DTYPES
 
 #: The float32 copies float16 calls are summed in, reused from call to call.
 _WIDE = BufferPool()
+
+
+#: Marks the threads that serve a worker's calls (``serving_calls``).
+_here = threading.local()
+
+
+def serving_calls() -> None:
+    """Mark this thread as one that serves a worker's calls and runs its handles'
+    done callbacks: a wait for a call here would wait for the thread itself."""
+    _here.serves_calls = True
+
+
+def refuse_waiting_here() -> None:
+    """A SwitchMLError on a thread that serves calls (a done callback's): the call
+    waited for could never end, and the worker's other calls and its close with it."""
+    if getattr(_here, "serves_calls", False):
+        raise SwitchMLError("a call cannot be waited for on a worker's own thread (a done "
+                            "callback runs there): it would wait for itself; queue it with "
+                            "allreduce_async and wait for it elsewhere")
 
 
 class AllreduceHandle:
@@ -25,13 +46,17 @@ class AllreduceHandle:
         self._future = future
 
     def wait(self, timeout: float | None = None) -> np.ndarray:
+        if not self._future.done():
+            refuse_waiting_here()
         return self._future.result(timeout)
 
     def done(self) -> bool:
         return self._future.done()
 
     def add_done_callback(self, fn) -> None:
-        """Call ``fn(handle)`` when the allreduce finishes (on the worker's I/O thread)."""
+        """Call ``fn(handle)`` when the allreduce finishes: on the worker's I/O thread,
+        or at once on this one where it has.  ``fn`` may queue calls, not wait for
+        them."""
         self._future.add_done_callback(lambda _: fn(self))
 
 
@@ -64,6 +89,13 @@ def check_call(array, out, sparse, bits: int, ready) -> tuple[np.ndarray, np.nda
           or not out.flags.c_contiguous):
         raise ValueError(f"out must be a C-contiguous array of the input's shape {src.shape} "
                          f"and dtype {src.dtype}")
+    elif not out.flags.writeable:
+        raise ValueError("out is read-only: the sum cannot be written there")
+    elif np.may_share_memory(src, out) and not (
+            src.ctypes.data == out.ctypes.data and src.nbytes == out.nbytes):
+        # refused here, on the caller's thread: the I/O thread's refusal failed the
+        # job for every rank
+        raise ValueError("out must be the input itself or not overlap it")
     if bits == 16:
         if src.dtype == np.int32:
             raise ValueError("the 16-bit wire carries float arrays, not int32")

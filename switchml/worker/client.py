@@ -60,7 +60,14 @@ from ..protocol import (
     StatusReply,
     decode_event,
 )
-from .calls import AllreduceHandle, check_call, narrow_result, widen
+from .calls import (
+    AllreduceHandle,
+    check_call,
+    narrow_result,
+    refuse_waiting_here,
+    serving_calls,
+    widen,
+)
 from .control import ControlClient, JobFailed
 from .driver import CallDriver
 from .engine import compiled
@@ -200,7 +207,14 @@ class Worker(RejoinMixin, CallDriver):
         # switch keeps exactly this class; ranks that share hosts, or K switches, get
         # the class that runs them, whose parts are instances of this one.
         job = job if job is not None else env("JOB", "default")
+        if not isinstance(job, str):
+            raise TypeError(f"a job's name is a str, not {job!r}")
         timeout = _timeout(timeout)
+        if rejoin_within is not None:  # (NaN waited for a dead switch forever)
+            rejoin_within = _checked(some_seconds, rejoin_within, "rejoin_within")
+        if threads is not None and not (isinstance(threads, int)
+                                        and 1 <= threads <= MAX_WORKER_THREADS):
+            raise ValueError(f"threads must be 1 to {MAX_WORKER_THREADS}, not {threads!r}")
         secret = secret if secret is not None else env("JOB_SECRET", None)
         if world_size > 1 and local_stage_on(local_stage):
             if hosts is None:
@@ -331,6 +345,7 @@ class Worker(RejoinMixin, CallDriver):
         ``quant.error_bound16`` (docs/protocol.md).  ``sparse="auto"`` stays dense
         with it; ``sparse=True`` and int32 arrays refuse it.
         """
+        refuse_waiting_here()  # before the call is queued: it would run, unwaited for
         return self.allreduce_async(array, out, sparse, bits).wait()
 
     def allreduce_async(self, array, out=None, sparse=False, bits=None,
@@ -366,8 +381,12 @@ class Worker(RejoinMixin, CallDriver):
             self._queue.put(None)
         atexit.unregister(self.close)
         self._wake()
-        if self._thread is not threading.current_thread():  # (a call's done callback)
-            self._thread.join()
+        if self._thread is threading.current_thread():
+            return  # (a call's done callback) the thread closes them once it has left
+        self._thread.join()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
         for s in (self._control, self._udp, self._wake_r, self._wake_w):
             s.close()
 
@@ -512,6 +531,7 @@ class Worker(RejoinMixin, CallDriver):
             pass
 
     def _serve(self) -> None:
+        serving_calls()
         sel = selectors.DefaultSelector()
         sel.register(self._udp, selectors.EVENT_READ)
         sel.register(self._control, selectors.EVENT_READ)
@@ -538,6 +558,8 @@ class Worker(RejoinMixin, CallDriver):
                     item[3].set_exception(self._failure)
         finally:
             sel.close()
+            if self._closed:  # (closed from a done callback, this thread's own)
+                self._close_sockets()
 
     def _serve_calls(self) -> None:
         """The I/O thread's loop: the queued calls in order, the control connection

@@ -36,7 +36,7 @@ import logging
 from dataclasses import dataclass
 
 from .. import auth, protocol
-from ..config import switch_answer_within
+from ..config import SWITCH_SILENCE_S, switch_answer_within
 from ..errors import (
     AuthenticationError,
     CallMismatchError,
@@ -138,6 +138,11 @@ class ControlClient:
         #: until when: a switch answers at once, so silence this long is no slow rank.
         self._answer_within = switch_answer_within(timeout)
         self._answer_by: float | None = None
+        #: Once it answered, while the other ranks are awaited: when to ask the
+        #: switch whether it is still there (a status query, after
+        #: ``SWITCH_SILENCE_S`` without a word), which it then has ``_answer_within``
+        #: to answer (``_answer_by`` again): a switch that hangs is no late rank.
+        self._ask_at: float | None = None
         #: Whether the join failed for want of any answer in that time (the
         #: connection left open: no lobby closed it, so a retry would wait again).
         self.unanswered = False
@@ -231,6 +236,8 @@ class ControlClient:
             return self._fail(SwitchUnreachableError(
                 f"the {self.where} sent a malformed control message: {exc}"))
         self._understood = self._understood or bool(events)
+        if events and self.state == JOINING:  # the switch is there: ask again after silence
+            self._answer_by, self._ask_at = None, now + SWITCH_SILENCE_S
         out: list = []
         for event in events:
             if self.state == CLOSED:
@@ -261,9 +268,9 @@ class ControlClient:
         answer), None once running."""
         if self.state != JOINING:
             return None
-        answer_by = self._answer_by if not self._understood else None
-        deadlines = [d for d in (self._deadline, self._other_secret_deadline, answer_by)
-                     if d is not None]
+        ask_at = self._ask_at if self._answer_by is None else None
+        deadlines = [d for d in (self._deadline, self._other_secret_deadline, self._answer_by,
+                                 ask_at) if d is not None]
         return min(deadlines, default=None)
 
     def handle_timer(self, now: float) -> list:
@@ -284,6 +291,14 @@ class ControlClient:
                 f"job '{self.job}' rank {self.rank}: the {self.where} did not answer the "
                 f"join within {self._answer_within:g}s (is a switchml switch listening "
                 f"there, and running?)"))
+        if self._answer_by is not None and now >= self._answer_by:
+            return self._fail(SwitchUnreachableError(
+                f"job '{self.job}' rank {self.rank}: the {self.where} answered the join, "
+                f"then did not answer a status query within {self._answer_within:g}s "
+                f"(stopped or hung?) while ranks {self._missing()} were awaited"))
+        if self._answer_by is None and self._ask_at is not None and now >= self._ask_at:
+            self.query_status(())
+            self._answer_by = now + self._answer_within
         if self._deadline is None or now < self._deadline:
             return []
         waiting = self._waiting
@@ -291,13 +306,16 @@ class ControlClient:
             return self._fail(LimitExceededError(
                 f"job '{self.job}' waited {self.wait_for_slots:g}s for room in the "
                 f"{self.where}: {waiting.message} (limit: {waiting.limit})", waiting.limit))
-        missing = sorted(set(range(self.world_size)) - set(self._present))
+        missing = self._missing()
         other = ("; a rank joined under this job's name with another secret (or none) "
                  "meanwhile: every rank of a job needs the same secret (secret=, "
                  "SWITCHML_JOB_SECRET)" if self._other_secret_seen else "")
         return self._fail(SwitchMLTimeoutError(
             f"job '{self.job}': ranks {missing} did not join within {self.timeout:g}s"
             f"{other}", missing))
+
+    def _missing(self) -> list[int]:
+        return sorted(set(range(self.world_size)) - set(self._present))
 
     def _on_event(self, event, now: float) -> list:
         if isinstance(event, Failed):

@@ -334,6 +334,7 @@ class CallDriver:
             self._control.sendall(self._protocol.data_to_send())
             deadline = (time.monotonic() if asked is None else asked) + within
             while time.monotonic() < deadline:
+                self._honour_abort()  # the abort's error, not the diagnosis's, at once
                 for event in self._wait(deadline - time.monotonic()):
                     if isinstance(event, StatusReply):
                         return self._protocol.stall_error(event, self.timeout)

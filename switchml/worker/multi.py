@@ -72,7 +72,7 @@ from ..errors import (
     SwitchUnreachableError,
 )
 from ..protocol import MAX_NAME
-from .calls import AllreduceHandle, check_call
+from .calls import AllreduceHandle, check_call, refuse_waiting_here
 
 __all__ = ["MultiSwitchWorker", "PartState", "part_bounds", "thread_job"]
 
@@ -229,6 +229,7 @@ class MultiSwitchWorker:
     # -------------------------------------------------------------- public API
     def allreduce(self, array, out=None, sparse=False, bits=None) -> np.ndarray:
         """``client.Worker.allreduce``, over every switch: the same result, bit for bit."""
+        refuse_waiting_here()
         return self.allreduce_async(array, out, sparse, bits).wait()
 
     def allreduce_async(self, array, out=None, sparse=False, bits=None,

@@ -45,7 +45,14 @@ from ...errors import (
     SwitchMLTimeoutError,
     SwitchUnreachableError,
 )
-from ..calls import AllreduceHandle, check_call, narrow_result, widen
+from ..calls import (
+    AllreduceHandle,
+    check_call,
+    narrow_result,
+    refuse_waiting_here,
+    serving_calls,
+    widen,
+)
 from ..multi import renamed
 from . import memory
 from .hosts import Hosts, Placement, shard_job
@@ -262,6 +269,7 @@ class LocalStageWorker:
     # ------------------------------------------------------------------ public API
     def allreduce(self, array, out=None, sparse=False, bits=None) -> np.ndarray:
         """``Worker.allreduce``: the sum over every rank of every host."""
+        refuse_waiting_here()
         with self._order:
             inline = self._pending == 0 and not self._closed
             if inline:
@@ -372,6 +380,7 @@ class LocalStageWorker:
 
     # ------------------------------------------------------------------ the calls
     def _serve(self) -> None:
+        serving_calls()
         while True:
             try:
                 item = self._queue.get(timeout=IDLE_WATCH)
