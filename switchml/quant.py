@@ -15,7 +15,9 @@ that per worker) and the final rounding of the exact integer sum to float32:
 
 Values that are multiples of ``2**(E - B)`` (for instance integers when
 ``E <= B``) are summed exactly.  A chunk containing inf or NaN on any worker
-carries the exponent ``EXP_NONFINITE`` and comes back as NaN on every worker.
+carries the exponent ``EXP_NONFINITE``; its finite values are scaled as if the
+specials were 0, and the specials are summed element by element in a follow-up
+exchange (worker/engine/nonfinite.py), so every element gets IEEE's sum.
 
 The sparse path sends single blocks, from many chunks in one packet; it scales
 each with its chunk's exponent through ``quantize_blocks``, whose arithmetic is
@@ -353,15 +355,17 @@ def _bound(inputs: list, chunk: int, bits: int, any_cut: bool = False) -> np.nda
     return np.where(overflow | ~np.isfinite(exact), np.inf, quantisation + rounding)
 
 
-def error_bound_two_stage(hosts: list, chunk: int) -> np.ndarray:
+def error_bound_two_stage(hosts: list, chunk: int, wire_bits: int = 32) -> np.ndarray:
     """``error_bound`` for a job whose hosts combine their ranks first (the local
     stage): ``hosts`` holds each host's ranks' float32 arrays.  Each host's sum is
     taken in float64 and rounded to float32 once (at most half its ulp, plus
     float64's own rounding, (k-1)·2**-53 of the sum of magnitudes), and the
     switch then sums the hosts' partial sums within ``error_bound`` of their
-    exact sum, for packets cut at the shards' starts rather than the array's
-    (so each element's bound takes the largest exponent within ``chunk - 1``
-    places of it); the two add up, against the exact sum of every rank's input."""
+    exact sum (``error_bound16`` with ``wire_bits=16``, whose packets carry
+    ``chunk`` = twice ``packet_elements`` values), for packets cut at the
+    shards' starts rather than the array's (so each element's bound takes the
+    largest exponent within ``chunk - 1`` places of it); the two add up, against
+    the exact sum of every rank's input."""
     partials, local = [], []
     for arrays in hosts:
         wide = [np.asarray(a, np.float32).reshape(-1).astype(np.float64) for a in arrays]
@@ -373,7 +377,8 @@ def error_bound_two_stage(hosts: list, chunk: int) -> np.ndarray:
         partials.append(partial)
         local.append(np.where(np.isfinite(partial), half_ulp
                               + (len(wide) - 1) * 2.0**-53 * magnitude, np.inf))
-    switch = _bound(partials, chunk, scale_bits(len(partials)), any_cut=True)
+    scale = scale_bits16 if wire_bits == 16 else scale_bits
+    switch = _bound(partials, chunk, scale(len(partials)), any_cut=True)
     return np.where(np.isfinite(switch), switch + np.sum(local, axis=0), np.inf)
 
 

@@ -142,7 +142,9 @@ def main():
                 report["sparse"] = digest(w.allreduce(floats, sparse=True))
                 report["auto"] = digest(w.allreduce(floats, sparse="auto"))
                 report["float16"] = digest(w.allreduce(floats.astype(np.float16)))
-                report["wire16"] = digest(w.allreduce(floats, bits=16))
+                wire16 = w.allreduce(floats, bits=16)
+                report["wire16"] = digest(wire16)
+                np.save(os.environ["OUT"] + f"/{rank}-wire16.npy", wire16)
                 np.save(os.environ["OUT"] + f"/{rank}.npy", w.allreduce(floats))
                 # queued back to back: each call's last copy-out left to the next
                 handles = [w.allreduce_async(ints + np.int32(i)) for i in range(4)]

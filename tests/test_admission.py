@@ -289,10 +289,13 @@ def test_switch_help_states_the_limits():
     assert "--max-jobs" in text and "--metrics-port" in text
 
 
-def test_too_many_elements_per_packet_names_the_limit():
+@pytest.mark.parametrize("elements", ["16384", "20000"])
+def test_too_many_elements_per_packet_names_the_limit(elements):
+    """Also a count that is no whole number of the default blocks (a packet of one
+    block then): the limit named is the default blocks' (it said 0)."""
     result = subprocess.run([sys.executable, "-m", "switchml.cli", "switch", "--port", "0",
-                             "--packet-elements", "16384"], capture_output=True, text=True,
+                             "--packet-elements", elements], capture_output=True, text=True,
                             timeout=30)
     assert result.returncode == 2
-    assert "packet_elements 16384 exceeds the limit of 16128 elements per packet" in \
-        result.stderr
+    assert f"packet_elements {elements} exceeds the limit of 16128 elements per packet " \
+           "with 256-value blocks" in result.stderr

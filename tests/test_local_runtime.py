@@ -97,6 +97,12 @@ def test_hosts_of_ranks_agree_bit_for_bit_and_leave_nothing(big_switch, groups, 
     got = np.load(tmp_path / "0.npy")
     assert np.all(np.abs(got - exact) <= bound)
     assert results[0][1]["float32"] == digest(got)
+    # the same on the 16-bit wire, within its own bound (the 32-bit one's is tighter)
+    bound16 = switchml.quant.error_bound_two_stage(
+        list(hosts.values()), 2 * big_switch.pipeline.packet_elements, wire_bits=16)
+    got16 = np.load(tmp_path / "0-wire16.npy")
+    assert np.all(np.abs(got16 - exact) <= bound16)
+    assert results[0][1]["wire16"] == digest(got16)
     # arrays on a device move segment by segment on a job of one host only
     assert all("only on a job of one host" in r["device"] for _, r, _ in results)
     # only the owners of shards sent through the switch, each its shard

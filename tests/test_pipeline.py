@@ -770,3 +770,19 @@ def test_a_resend_posing_as_a_contribution_is_dropped():
     resend = wire.answer_of(wire.probe_of(contrib(0, SA, 0, [1] * K)), wire.KIND_RESEND)
     assert send(p, resend, A[0]) == []
     assert job.counters["dropped_bad_kind"] == 1
+
+
+@pytest.mark.parametrize("cls", [Pipeline, fastpipeline.FastPipeline])
+def test_the_job_that_ended_last_is_kept_though_its_name_ended_before(cls):
+    """Stats keep the last ended job of each name, ENDED_JOBS_KEPT in all, the oldest
+    going first: a name that ended before kept its old place, and the job that had
+    just ended under it was the first to go."""
+    if cls is fastpipeline.FastPipeline and not fastpipeline.available():
+        pytest.skip("the C data plane is not built")
+    p = cls(slots=8, packet_elements=K)
+    names = ["a"] + [f"j{i}" for i in range(pipeline_module.ENDED_JOBS_KEPT - 1)] + ["a", "new"]
+    for session, name in enumerate(names, start=1):
+        p.install_job(name, session, [("10.0.0.1", 1)], 0, 1)
+        p.remove_job(session, "failed" if name == "a" else "ended")
+    assert len(p.ended_jobs) == pipeline_module.ENDED_JOBS_KEPT
+    assert "a" in p.ended_jobs and "j0" not in p.ended_jobs

@@ -176,7 +176,8 @@ class Worker(RejoinMixin, CallDriver):
     ranks find out who shares a host at join, through the switch (or ``hosts``,
     the records exchanged already); ``local_stage=False`` (or
     ``SWITCHML_LOCAL_STAGE=0``) sends every rank's array through the switch.
-    A job on one host needs no switch at all (``switch`` may be None there).
+    A job on one host sends nothing through a switch; given ``hosts``, it needs
+    none at all (``switch`` may then be None).
     ``link_share``: how many of this host's ranks send through its one link at
     once (the local stage passes its shard count): the job asks the switch for
     that share of a window.

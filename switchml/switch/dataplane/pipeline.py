@@ -152,6 +152,7 @@ class Pipeline:
     def __init__(self, slots: int = DEFAULT_SLOTS, packet_elements: int = DEFAULT_PACKET_ELEMENTS,
                  *, block_elements: int | None = None, drop_rate: float = 0.0,
                  egress_drop_rate: float | None = None, seed: int | None = None):
+        limit_blocks = block_elements or DEFAULT_BLOCK_ELEMENTS  # what a refusal names
         if block_elements is None:
             block_elements = DEFAULT_BLOCK_ELEMENTS
             if packet_elements % block_elements:
@@ -164,8 +165,8 @@ class Pipeline:
         if packet_elements > wire.max_packet_elements(block_elements):
             raise ValueError(
                 f"packet_elements {packet_elements} exceeds the limit of "
-                f"{wire.max_packet_elements(block_elements)} elements per packet with "
-                f"{block_elements}-value blocks (one UDP datagram)")
+                f"{wire.max_packet_elements(limit_blocks)} elements per packet with "
+                f"{limit_blocks}-value blocks (one UDP datagram)")
         self.slots = slots
         self.packet_elements = packet_elements
         self.block_elements = block_elements
@@ -292,6 +293,7 @@ class Pipeline:
             self._owner[s] = 0
         for addr in job.members:
             self._members.pop(addr, None)
+        self.ended_jobs.pop(job.name, None)  # the newest last: the oldest goes first
         self.ended_jobs[job.name] = job.summary()
         while len(self.ended_jobs) > ENDED_JOBS_KEPT:
             self.ended_jobs.pop(next(iter(self.ended_jobs)))

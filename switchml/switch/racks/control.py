@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 from ... import protocol
 from ...protocol import UNREACHABLE, Error, Failed, Joined, Ready, StatsReply, StatusReply
-from ..control import describe_mismatch, new_tokens
+from ..control import RECENT_SESSIONS_KEPT, describe_mismatch, new_tokens
 from ..dataplane.pipeline import MAX_WORKERS, SlotPoolExhausted
 from .pipeline import RackPipeline, Uplink
 
@@ -131,6 +131,9 @@ class RackController:
         # to the spine on a connection of its own, named by _gather_name.
         self._gathers: dict = {}  # relay name -> worker connection
         self._conn_gather: dict = {}  # worker connection -> relay name
+        # the sessions of the last jobs that ended here, none of which a new one gets
+        # (an old job's late datagram is then no new job's), as the flat switch's
+        self._recent: deque[int] = deque(maxlen=RECENT_SESSIONS_KEPT)
 
     def admission(self) -> dict:
         """The jobs of this rack: running (with their spine) and gathering."""
@@ -464,7 +467,7 @@ class RackController:
                       f"of {ready.slot_count} slots ({exc})")
             return self._fail(job, Failed((), reason), up=protocol.Abort(reason))
         session = 0
-        while session == 0 or session in self.pipeline.jobs:
+        while session == 0 or session in self.pipeline.jobs or session in self._recent:
             session = secrets.randbits(32)
         uplink = Uplink((self.spine[0], ready.data_port), job.uplink_addr, ready.session,
                         ready.slot_base, ready.member, ready.token)
@@ -507,6 +510,7 @@ class RackController:
     def _end(self, job: RackJob, state: str) -> None:
         if job.session:
             self.pipeline.remove_job(job.session, state)
+            self._recent.append(job.session)
         self.jobs.pop(job.relay, None)
         for c in job.conns.values():
             self._conn_job.pop(c, None)
