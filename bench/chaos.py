@@ -29,6 +29,9 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from switchml.bench.common import at_least  # noqa: E402
 
 
 def start_switch(tb):
@@ -152,7 +155,7 @@ def main() -> None:
     p.add_argument("--retry", type=float, default=1.0, help="SWITCHML_RETRY_S")
     p.add_argument("--loss-tolerance", type=float, default=1e-3,
                    help="relative difference of the final loss allowed")
-    p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--runs", type=at_least(1), default=1)
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a job may take before it counts as a hang")
     p.add_argument("--out", default=None)

@@ -29,6 +29,12 @@ import time
 
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+
+from switchml.bench.common import at_least, within  # noqa: E402
+from switchml.bench.launch import die_with_parent  # noqa: E402
+from switchml.testbed.core import signals_end_the_run  # noqa: E402
+
 CLI = [sys.executable, "-m", "switchml.cli"]
 BATCH = 8
 
@@ -39,9 +45,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_file(path: str, seconds: float = 120.0) -> None:
+def _wait_file(path: str, procs: list | tuple = (), seconds: float = 120.0) -> None:
+    """Until the ranks write ``path``; a rank that ended meanwhile fails the run at
+    once, naming it (the others wait for it, and would for the whole time)."""
     deadline = time.monotonic() + seconds
     while not os.path.exists(path):
+        for rank, proc in enumerate(procs):
+            if proc.poll() is not None:
+                raise SystemExit(f"rank {rank} ended (exit status {proc.returncode}) before "
+                                 f"it wrote {os.path.basename(path)}")
         if time.monotonic() > deadline:
             raise SystemExit(f"no {path} within {seconds:g}s")
         time.sleep(0.01)
@@ -123,7 +135,16 @@ def _job(args, backend: str, switch=None) -> list:
     port = _free_port()
     control = os.path.join(args.control_root, backend)
     os.makedirs(control, exist_ok=True)
-    procs = []
+    procs: list = []
+    try:
+        return _run_ranks(args, backend, switch, port, control, procs)
+    finally:  # (a failure, or TERM under signals_end_the_run) no rank waits on
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def _run_ranks(args, backend: str, switch, port: int, control: str, procs: list) -> list:
     for rank in range(args.world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(args.world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
@@ -134,24 +155,26 @@ def _job(args, backend: str, switch=None) -> list:
         procs.append(subprocess.Popen(
             [sys.executable, HERE, "--role", "rank", "--backend", backend, "--control", control,
              "--mib", str(args.mib), "--steps", str(args.steps)],
-            env=env, stdout=subprocess.PIPE, text=True))
+            env=env, stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent))
     if switch is not None:
-        _wait_file(os.path.join(control, "kill"))
+        _wait_file(os.path.join(control, "kill"), procs)
         switch["proc"].kill()
         switch["proc"].wait(10)
         open(os.path.join(control, "killed"), "w").close()
-        _wait_file(os.path.join(control, "restart"))
+        _wait_file(os.path.join(control, "restart"), procs)
         switch["proc"] = _start_switch(switch["port"])[0]
         open(os.path.join(control, "restarted"), "w").close()
-    reports = [json.loads(p.communicate(timeout=600)[0].splitlines()[-1]) for p in procs]
-    if any(p.returncode for p in procs):
-        raise SystemExit(f"a rank of the {backend} job failed")
-    return reports
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    for rank, (proc, output) in enumerate(zip(procs, outputs)):
+        if proc.returncode or not output.strip():
+            raise SystemExit(f"rank {rank} of the {backend} job failed (exit status "
+                             f"{proc.returncode})")
+    return [json.loads(output.splitlines()[-1]) for output in outputs]
 
 
 def _start_switch(port: int = 0):
     proc = subprocess.Popen(CLI + ["switch", "--port", str(port), "--log-level", "error"],
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     if "listening on" not in line:
@@ -192,10 +215,12 @@ def run(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world", type=int, default=3)
-    p.add_argument("--mib", type=float, default=16.0, help="the model's parameters, MiB")
-    p.add_argument("--steps", type=int, default=20, help="timed steps of each phase")
-    p.add_argument("--retry", type=float, default=1.0, help="SWITCHML_RETRY_S")
+    p.add_argument("--world", type=at_least(2), default=3)
+    p.add_argument("--mib", type=within(0, above_low=True), default=16.0,
+                   help="the model's parameters, MiB")
+    p.add_argument("--steps", type=at_least(1), default=20, help="timed steps of each phase")
+    p.add_argument("--retry", type=within(0, above_low=True), default=1.0,
+                   help="SWITCHML_RETRY_S")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     p.add_argument("--role", help=argparse.SUPPRESS)
     p.add_argument("--backend", default="switchml", help=argparse.SUPPRESS)
@@ -205,7 +230,7 @@ def main() -> None:
         return rank_main(args)
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="switchml-failover-") as root:
+    with signals_end_the_run(), tempfile.TemporaryDirectory(prefix="switchml-failover-") as root:
         args.control_root = root
         result = run(args)
     s = result["step_s"]

@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from switchml.bench.common import make_tensor  # noqa: E402
+from switchml.bench.common import at_least, make_tensor, within  # noqa: E402
 
 
 def first_send_s(args, values, sparse: bool) -> list:
@@ -68,13 +68,13 @@ def peak_s(values, build: str, repeats: int) -> float | None:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mib", type=float, default=64)
-    parser.add_argument("--density", type=float, default=0.1)
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--slots", type=int, default=32)
-    parser.add_argument("--packet-elements", type=int, default=2048)
-    parser.add_argument("--block-elements", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--mib", type=within(0, above_low=True), default=64)
+    parser.add_argument("--density", type=within(0, 1), default=0.1)
+    parser.add_argument("--workers", type=at_least(1), default=4)
+    parser.add_argument("--slots", type=at_least(1), default=32)
+    parser.add_argument("--packet-elements", type=at_least(1), default=2048)
+    parser.add_argument("--block-elements", type=at_least(1), default=256)
+    parser.add_argument("--repeats", type=at_least(1), default=20)
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
     from switchml.worker.engine.compiled import _fastengine

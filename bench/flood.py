@@ -32,6 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from bench.soak import call_values, exact_sum, open_descriptors, rss_kib  # noqa: E402
+from switchml.bench.common import at_least, within  # noqa: E402
 from switchml.testbed.core import add_host_queue_argument  # noqa: E402
 
 #: Elements of a probe's call and of the member's.
@@ -201,11 +202,12 @@ def show(result: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--connections", type=int, default=10_000,
+    p.add_argument("--connections", type=at_least(0), default=10_000,
                    help="flood connections from host 2 (0: none)")
-    p.add_argument("--seconds", type=float, default=60.0, help="how long the probes run")
-    p.add_argument("--quiet", type=float, default=15.0,
-                   help="seconds of probes before the flood starts")
+    p.add_argument("--seconds", type=within(0, above_low=True), default=60.0,
+                   help="how long the probes run")
+    p.add_argument("--quiet", type=within(0), default=15.0,
+                   help="seconds of probes before the flood starts (less than --seconds)")
     p.add_argument("--max-jobs", type=int, default=8,
                    help="the switch's --max-jobs (its default does not fit 1024 descriptors)")
     p.add_argument("--link", default="1gbit")
@@ -215,6 +217,8 @@ def main() -> None:
     p.add_argument("--role", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.role is None and args.quiet >= args.seconds:
+        p.error("--quiet: less than --seconds (the flood starts after it)")
     if args.role == "probe":
         return probe(args)
     if args.role == "member":
@@ -226,6 +230,15 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
+    # a run whose checks failed is a failed run, whatever its figures
+    failed = [what for what, bad in (
+        ("probes failed", result["probe_failures"]), ("probes inexact", result["probes_inexact"]),
+        ("member sums wrong", result["member"]["wrong"]),
+        ("member errors", result["member"]["errors"]),
+        ("no jobs while quiet", not result["join_and_call_quiet"]["count"]),
+        ("no jobs under the flood", not result["join_and_call_flooded"]["count"])) if bad]
+    if failed:
+        raise SystemExit("FAILED: " + ", ".join(failed))
 
 
 if __name__ == "__main__":

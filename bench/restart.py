@@ -30,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, ROOT)
 
 from bench.chaos import report_runs, start_switch  # noqa: E402
+from switchml.bench.common import at_least  # noqa: E402
 
 
 def values(rank: int, elements: int):
@@ -124,7 +125,7 @@ def main() -> None:
                    help="seconds into the big call the switch is killed")
     p.add_argument("--down", type=float, default=0.3, help="seconds it stays dead")
     p.add_argument("--timeout", type=float, default=20.0, help="the workers' timeout")
-    p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--runs", type=at_least(1), default=1)
     p.add_argument("--out", default=None)
     p.add_argument("--role", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, help=argparse.SUPPRESS)

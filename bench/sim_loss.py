@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from switchml.bench.common import at_least, within  # noqa: E402
 from switchml.sim.network import Bottleneck, Faults, Simulation  # noqa: E402
 
 WORLD, SLOTS, K, BLOCK = 4, 32, 2048, 256
@@ -54,15 +55,19 @@ def calls(loss: float, seed: int, n_calls: int, mib: float, compiled: bool, late
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--loss", type=float, nargs="+", default=[0.0, 0.01])
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--calls", type=int, default=3)
-    p.add_argument("--mib", type=float, default=64)
+    p.add_argument("--loss", type=within(0, 0.99), nargs="+", default=[0.0, 0.01],
+                   help="loss rates; the loss-free run, the reference, goes first whether "
+                        "given or not")
+    p.add_argument("--seeds", type=at_least(1), default=3)
+    p.add_argument("--calls", type=at_least(1), default=3)
+    p.add_argument("--mib", type=within(0, above_low=True), default=64)
     p.add_argument("--latency", type=float, default=50e-6, help="one way, seconds")
     p.add_argument("--jitter", type=float, default=0.0,
                    help="extra uniform delay of each datagram, seconds: reorders them")
     p.add_argument("--compiled", action="store_true")
     args = p.parse_args()
+    # goodput and results are against the loss-free run: it comes first
+    args.loss = [0.0] + [loss for loss in args.loss if loss != 0.0]
     free_time, expected = None, {}
     print(f"{'loss':>6} {'s/call':>8} {'goodput':>8} {'retx':>7} {'fast':>7} {'probe':>7} "
           f"{'timer':>7} {'spur':>7}  (per worker and call)")

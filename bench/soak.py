@@ -27,6 +27,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from switchml.bench.common import within  # noqa: E402
+
 #: Seconds of samples left out of the growth figures: imports, first joins, buffers;
 #: and at the end, while the jobs close.
 WARMUP_S = 20.0
@@ -47,18 +49,20 @@ def exact_sum(world: int, call: int, elements: int):
 
 
 def steady(args) -> None:
-    """A rank of job ``steady``: a checked call every ``--every`` s until the end."""
+    """A rank of job ``steady``: a checked call every ``--every`` s, as many as the
+    run's minutes hold (a count, the same on every rank: a deadline of each rank's
+    own left one rank's last call waiting for the others for the timeout)."""
     import numpy as np
 
     import switchml
 
     calls = wrong = 0
     slowest = 0.0
-    end = time.monotonic() + args.minutes * 60
+    total = max(1, round(args.minutes * 60 / args.every))
     with switchml.Worker(None, args.rank, args.hosts, job="steady", timeout=30) as w:
         print(json.dumps({"event": "joined", "pid": os.getpid()}), flush=True)
         next_call = time.monotonic()
-        while time.monotonic() < end:
+        while calls < total:
             start = time.monotonic()
             out = w.allreduce(call_values(args.rank, calls, args.elements))
             slowest = max(slowest, time.monotonic() - start)
@@ -71,7 +75,8 @@ def steady(args) -> None:
 
 
 def churn(args) -> None:
-    """A rank of job ``churn``: join, one checked call, leave, every ``--churn-every`` s."""
+    """A rank of job ``churn``: join, one checked call, leave, every ``--churn-every`` s,
+    as many times as the run's minutes hold (the same count on every rank)."""
     import numpy as np
 
     import switchml
@@ -79,8 +84,8 @@ def churn(args) -> None:
     print(json.dumps({"event": "joined", "pid": os.getpid()}), flush=True)
     cycles = wrong = 0
     failures: list = []
-    end = time.monotonic() + args.minutes * 60
-    while time.monotonic() < end:
+    total = max(1, round(args.minutes * 60 / args.churn_every))
+    while cycles < total:
         start = time.monotonic()
         try:
             with switchml.Worker(None, args.rank, args.hosts, job="churn", timeout=30) as w:
@@ -146,7 +151,13 @@ def run(args) -> dict:
                     pass  # ended
             samples.append(sample)
             time.sleep(args.sample)
-        done = {name: json.loads(proc.stdout.readlines()[-1]) for name, proc in roles.items()}
+        done = {}
+        for name, proc in roles.items():
+            lines = proc.stdout.readlines()
+            if proc.returncode or not lines:
+                raise SystemExit(f"the {name} role failed (exit status {proc.returncode}); "
+                                 f"its last output: {lines[-1:] or 'none'}")
+            done[name] = json.loads(lines[-1])
         stats = json.loads(tb.run(0, [sys.executable, "-m", "switchml.cli", "stats", "--json"],
                                   capture_output=True, text=True).stdout)
         switch.terminate()
@@ -155,7 +166,10 @@ def run(args) -> dict:
     end = args.minutes * 60 - WINDDOWN_S
     kept = [s for s in samples if WARMUP_S <= s["t"] <= end
             and all(f"{n}_rss_kib" in s for n in pids)]
-    kept = kept or [s for s in samples if all(f"{n}_rss_kib" in s for n in pids)]
+    window = [WARMUP_S, end]
+    if not kept:  # a run too short for the window: every sample, start-up's too
+        kept = [s for s in samples if all(f"{n}_rss_kib" in s for n in pids)]
+        window = [0.0, args.minutes * 60]
     return {
         "command": "python bench/soak.py " + " ".join(sys.argv[1:]),
         "settings": {k: v for k, v in vars(args).items() if k not in ("role", "rank")},
@@ -174,23 +188,24 @@ def run(args) -> dict:
                                           "fds": _growth(kept, f"{name}_fds")}
                                    for name in pids},
         "switch_jobs_started": stats["totals"].get("jobs_started", 0),
-        "switch_retransmissions_answered": sum(
-            j["counters"].get("retransmissions_answered", 0)
-            for j in list(stats["jobs"].values()) + list(stats["ended_jobs"].values())),
+        # the switch's lifetime total (ended jobs keep only the last of each name)
+        "switch_retransmissions_answered": stats["totals"].get("retransmissions_answered", 0),
+        "samples_window_s": window,
         "samples": samples,
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--minutes", type=within(0, above_low=True), default=30.0)
     p.add_argument("--hosts", type=int, default=2, help="ranks of each job, one a host")
     p.add_argument("--link", default="1gbit")
     p.add_argument("--loss", type=float, default=0.01)
     p.add_argument("--elements", type=int, default=100_000,
                    help="int32 values of each call of job steady")
-    p.add_argument("--every", type=float, default=0.1, help="seconds between its calls")
-    p.add_argument("--churn-every", type=float, default=3.0,
+    p.add_argument("--every", type=within(0, above_low=True), default=0.1,
+                   help="seconds between its calls")
+    p.add_argument("--churn-every", type=within(0, above_low=True), default=3.0,
                    help="seconds between the joins of job churn")
     p.add_argument("--sample", type=float, default=10.0, help="seconds between samples")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
@@ -209,7 +224,8 @@ def main() -> None:
           f"{result['churn']['failures']}")
     print(f"switch: {result['switch_jobs_started']} jobs started, "
           f"{result['switch_retransmissions_answered']} retransmissions answered")
-    print(f"from {WARMUP_S:g} s to {WINDDOWN_S:g} s before the end:")
+    first, last = result["samples_window_s"]
+    print(f"from {first:g} s to {last:g} s in:")
     for name, figures in result["memory_and_descriptors"].items():
         rss, fds = figures["rss_kib"], figures["fds"]
         print(f"  {name:8} RSS {rss['first'] / 1024:7.1f} -> {rss['last'] / 1024:7.1f} MiB "

@@ -20,6 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from switchml.bench.common import at_least, within  # noqa: E402
 from switchml.bench.launch import OnTestbed, Roles  # noqa: E402
 from switchml.testbed.core import add_host_queue_argument  # noqa: E402
 
@@ -80,13 +81,13 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--hosts", type=at_least(2), default=4)
     p.add_argument("--link", default="1gbit")
     p.add_argument("--mtu", type=int, default=None)
     p.add_argument("--queue", default="256kb")
     add_host_queue_argument(p)
-    p.add_argument("--mib", type=float, default=64.0)
-    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--mib", type=within(0, above_low=True), default=64.0)
+    p.add_argument("--repeats", type=at_least(1), default=8)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import math
 import statistics
 
 import numpy as np
@@ -87,3 +89,29 @@ def lower_bound_s(system, world, nbytes, link_bps, density=None, switch_servers=
     else:
         busiest = nbytes  # in-network aggregation: S up and S down
     return busiest * 8 / link_bps
+
+
+def at_least(low: int):
+    """An argparse ``type``: an integer of ``low`` or more (0 runs, -3 ranks and
+    the like ran, and printed figures of nothing)."""
+    def cast(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text}: give {low} or more")
+        return value
+    cast.__name__ = "integer"
+    return cast
+
+
+def within(low: float, high: float = math.inf, *, above_low: bool = False):
+    """An argparse ``type``: a number from ``low`` (above it, with ``above_low``) to
+    ``high`` (a density or a loss past its range, 0 MiB, ...)."""
+    def cast(text: str) -> float:
+        value = float(text)
+        if not (value > low if above_low else value >= low) or not value <= high:
+            raise argparse.ArgumentTypeError(
+                f"{text}: give a number {'above' if above_low else 'from'} {low:g}"
+                + (f" to {high:g}" if high < math.inf else ""))
+        return value
+    cast.__name__ = "number"
+    return cast
