@@ -161,6 +161,16 @@ def main():
                         report[name] = digest(handle.wait())
                     except Exception as exc:  # noqa: BLE001 - reported
                         report[name] = f"{type(exc).__name__}: {exc}"
+            elif mode == "close-from-callback":  # rank 0 closes in its call's callback
+                handle = w.allreduce_async(floats)
+                if rank == 0:
+                    handle.add_done_callback(lambda _: w.close())
+                report["float32"] = digest(handle.wait())
+                if rank == 0:  # then exits at once; an abort after the close is a no-op
+                    w.abort(switchml.SwitchMLError("after the close"))
+                else:
+                    time.sleep(1.0)
+                    report["failure"] = str(w._failure()) if w._failure() else None
             elif mode == "close-early":  # rank 0 leaves and exits, the others idle a while
                 w.allreduce(floats)
                 if rank != 0:

@@ -542,6 +542,28 @@ def test_wait_for_says_why_it_returned(ops):
     assert ops.wait_for(header, records, field, 6, 1.0, []) == (memory.FAILED, 0)
 
 
+@needs_c
+@pytest.mark.parametrize("ops", [REF, memory.OPS], ids=["reference", "c"])
+def test_ctrl_c_ends_a_wait_at_once(ops):
+    """SIGINT in the main thread while it waits for its peers: KeyboardInterrupt at
+    once, as the reference's sleep lets through (the C wait slept on to its
+    timeout, 30 s by default, before Ctrl-C took)."""
+    import signal
+    import threading
+    import time
+    layout, header = _header()
+    records = [layout.record(j, 0) for j in range(2)]
+    timer = threading.Timer(0.2, signal.raise_signal, (signal.SIGINT,))
+    start = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ops.wait_for(header, records, memory.R_COPIED_IN, 1, 10.0, [])
+    finally:
+        timer.join()
+    assert time.monotonic() - start < 3.0
+
+
 # ---------------------------------------------------------------- who shares a host
 def record(memory, machine="m", pid=1, segment=SEGMENT):
     return HostRecord(memory, machine, pid, segment)

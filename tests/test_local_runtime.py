@@ -201,6 +201,22 @@ def test_a_rank_that_closes_and_exits_first_is_no_failure(big_switch):
     assert big_switch.stats()["counters"].get("jobs_failed", 0) == 0
 
 
+def test_a_rank_that_closes_in_a_done_callback_and_exits_leaves_as_one_that_closes(
+        big_switch):
+    """Rank 0 closes its worker in its call's done callback (on the worker's own
+    thread: close raised "cannot join current thread" and released nothing), then
+    aborts (a no-op once closed; it raised TypeError) and exits at once: it leaves
+    the host and its switch job before it goes, so its peers record no death."""
+    procs = start_ranks(big_switch, [0, 0, 1, 1], mode="close-from-callback", n=10_000)
+    results = reports(procs)
+    for code, report, stderr in results:
+        assert code == 0 and report is not None and "error" not in report, (report, stderr)
+        assert report.get("failure") is None, report
+    assert len({report["float32"] for _, report, _ in results}) == 1
+    assert big_switch.stats()["counters"].get("jobs_failed", 0) == 0
+    assert files_of(procs) == set()
+
+
 @pytest.mark.parametrize("fault", ["creator-dies-sizing", "creator-dies-made",
                                    "last-dies-before-unlink"])
 @pytest.mark.parametrize("late", ["0", "0.5"])

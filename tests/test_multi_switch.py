@@ -832,3 +832,43 @@ def test_a_part_a_channel_refuses_at_once_fails_the_call_and_the_next_one_ends(s
         with pytest.raises(switchml.SwitchMLError):
             w.allreduce_async(values[:PACKET]).wait(10)  # ends: waits for no part that
             # never ran
+
+
+def test_a_close_in_a_done_callback_waits_for_no_channel(switches):
+    """A job over two switches: rank 0 closes in its first call's done callback,
+    which runs on one channel's thread, while its second call is queued and rank 1
+    makes its second call 1 s later.  The close returns at once (it joined the
+    other channel's thread, which waited on rank 1: two ranks doing so, each on
+    another channel, waited for each other until the timeout), and both calls
+    sum on both ranks."""
+    addresses = [address(sw) for sw in switches]
+
+    def body(rank):
+        w = switchml.Worker(addresses, rank, 2, job="cb-close", timeout=10)
+        closing: dict = {}
+
+        def close(_):
+            start = time.monotonic()
+            w.close()
+            closing["s"] = time.monotonic() - start
+
+        x = np.ones(64 * 1024, np.float32)
+        first = w.allreduce_async(x)
+        if rank == 0:
+            first.add_done_callback(close)
+            second = w.allreduce_async(2 * x)
+        else:
+            first.wait(10)
+            time.sleep(1.0)
+            second = w.allreduce_async(2 * x)
+        results = (first.wait(10), second.wait(10))
+        if rank == 1:
+            w.close()
+        for channel in w.channels:
+            channel._thread.join(10)
+        return results, closing.get("s")
+
+    (ours, took), (theirs, _) = run_ranks(2, body)
+    assert took is not None and took < 0.5, took
+    for results in (ours, theirs):
+        assert (results[0] == 2.0).all() and (results[1] == 4.0).all()

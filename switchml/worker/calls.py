@@ -30,10 +30,15 @@ def serving_calls() -> None:
     _here.serves_calls = True
 
 
+def serving_calls_here() -> bool:
+    """Whether this thread serves a worker's calls (``serving_calls``)."""
+    return getattr(_here, "serves_calls", False)
+
+
 def refuse_waiting_here() -> None:
     """A SwitchMLError on a thread that serves calls (a done callback's): the call
     waited for could never end, and the worker's other calls and its close with it."""
-    if getattr(_here, "serves_calls", False):
+    if serving_calls_here():
         raise SwitchMLError("a call cannot be waited for on a worker's own thread (a done "
                             "callback runs there): it would wait for itself; queue it with "
                             "allreduce_async and wait for it elsewhere")

@@ -66,6 +66,7 @@ from .calls import (
     narrow_result,
     refuse_waiting_here,
     serving_calls,
+    serving_calls_here,
     widen,
 )
 from .control import ControlClient, JobFailed
@@ -382,8 +383,12 @@ class Worker(RejoinMixin, CallDriver):
             self._queue.put(None)
         atexit.unregister(self.close)
         self._wake()
-        if self._thread is threading.current_thread():
-            return  # (a call's done callback) the thread closes them once it has left
+        if self._thread is threading.current_thread() or serving_calls_here():
+            # (a done callback's) joining could wait for a thread that waits for this
+            # one (a job over several channels); the thread closes them once it left,
+            # and an exit meanwhile waits for that (it would vanish, not leave)
+            atexit.register(self._thread.join)
+            return
         self._thread.join()
         self._close_sockets()
 
@@ -561,6 +566,7 @@ class Worker(RejoinMixin, CallDriver):
             sel.close()
             if self._closed:  # (closed from a done callback, this thread's own)
                 self._close_sockets()
+                atexit.unregister(self._thread.join)
 
     def _serve_calls(self) -> None:
         """The I/O thread's loop: the queued calls in order, the control connection

@@ -40,8 +40,9 @@
 #define REASON_BYTES 256
 #define R_STATE 8
 #define STATE_LEFT 2
-/* wait_for's answers: memory.py's REACHED ... TIMED_OUT. */
-enum { REACHED, FAILED, EXITED, CLOSED, TIMED_OUT };
+/* wait_for's answers: memory.py's REACHED ... TIMED_OUT; INTERRUPTED: a signal's
+ * handler raised (Ctrl-C), which the Python twin's sleep lets through. */
+enum { REACHED, FAILED, EXITED, CLOSED, TIMED_OUT, INTERRUPTED };
 /* Most peers a wait watches: memory.MAX_RANKS. */
 #define MAX_RANKS 256
 /* Seconds a futex sleep lasts before the peers' processes are looked at. */
@@ -684,11 +685,22 @@ static PyObject *wait_for(PyObject *self, PyObject *args) {
         __atomic_fetch_add(word32(base, H_WAITERS), 1, __ATOMIC_SEQ_CST);
         syscall(SYS_futex, word32(base, H_GENERATION), FUTEX_WAIT, generation, &ts, NULL, 0);
         __atomic_fetch_sub(word32(base, H_WAITERS), 1, __ATOMIC_SEQ_CST);
+        /* a signal (it cut the futex's sleep short) whose handler raises: at once,
+         * not at the timeout (a no-op off the main thread, where none are run) */
+        Py_BLOCK_THREADS
+        int interrupted = PyErr_CheckSignals();
+        Py_UNBLOCK_THREADS
+        if (interrupted < 0) {
+            status = INTERRUPTED;
+            break;
+        }
     }
     Py_END_ALLOW_THREADS
+    PyBuffer_Release(&header);
+    if (status == INTERRUPTED)
+        return NULL;
     if (status == CLOSED)
         index = left_index;
-    PyBuffer_Release(&header);
     return Py_BuildValue("(in)", status, index);
 }
 

@@ -27,6 +27,7 @@ names the rank at fault:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
@@ -51,6 +52,7 @@ from ..calls import (
     narrow_result,
     refuse_waiting_here,
     serving_calls,
+    serving_calls_here,
     widen,
 )
 from ..multi import renamed
@@ -120,6 +122,9 @@ class LocalStageWorker:
                  *, slots: int | None = None, wait_for_slots: float | None = None,
                  channel=None, secret: str | bytes | None = None,
                  rejoin_within: float | None = None, threads: int | None = None):
+        self._wire_bits = env("WIRE_BITS", 32, int)  # (checked here, as client.Worker does)
+        if self._wire_bits not in (16, 32):
+            raise ValueError(f"SWITCHML_WIRE_BITS={self._wire_bits}: use 32 or 16")
         self._secret = secret  # the job's: each shard job derives its key from it
         # the shard job's worker's (client.Worker)
         self._rejoin_within = rejoin_within
@@ -165,6 +170,7 @@ class LocalStageWorker:
         self._order = threading.Lock()  # guards _pending
         self._pending = 0  # calls queued and not yet done
         self._running = threading.Lock()  # held by the call that runs
+        self._leave_when_served = False  # close's, on a thread that serves calls
         #: A queued call whose last copy-out the next call does: (future, narrow, out).
         self._deferred: tuple | None = None
         self._thread = threading.Thread(target=self._serve, name=f"switchml-local-{self.rank}",
@@ -277,7 +283,7 @@ class LocalStageWorker:
         if not inline:
             return self.allreduce_async(array, out, sparse, bits).wait()
         try:
-            bits = env("WIRE_BITS", 32, int) if bits is None else bits
+            bits = self._wire_bits if bits is None else bits
             src, out, sparse = check_call(array, out, sparse, bits, None)
             src, out, narrow = widen(src, out)
             self._run(src.reshape(-1), out.reshape(-1), sparse, bits)
@@ -297,7 +303,7 @@ class LocalStageWorker:
         straight (``array`` then only gives the call's size and dtype, and is
         neither read nor written), a ``stage.DevicePipeline`` through ``array``
         and ``out``, segment by segment (``local_segment`` elements)."""
-        bits = env("WIRE_BITS", 32, int) if bits is None else bits
+        bits = self._wire_bits if bits is None else bits
         src, out, sparse = check_call(array, out, sparse, bits, ready)
         src, out, narrow = widen(src, out)
         if self._closed:
@@ -337,11 +343,24 @@ class LocalStageWorker:
 
     def close(self) -> None:
         """Finish the queued calls, leave the host's shared memory and the switch job."""
-        if self._closed:
+        # On a thread that serves calls (a done callback's, this worker's own): this
+        # thread leaves once it reads the end, as joining could wait for itself.
+        here = self._thread is threading.current_thread() or serving_calls_here()
+        with self._order:  # no blocking call starts on another thread after this
+            if self._closed:
+                return
+            self._closed = True
+            self._leave_when_served = here
+            self._queue.put(None)
+        if here:  # an exit meanwhile waits for the thread to leave (it would vanish)
+            atexit.register(self._thread.join)
             return
-        self._closed = True
-        self._queue.put(None)
         self._thread.join()
+        with self._running:  # a blocking call that runs on another thread ends first
+            self._leave()
+
+    def _leave(self) -> None:
+        """Say this rank left the host's shared memory, and let it and the switch go."""
         if self._segment is not None:
             memory.publish(self._segment.buf, self.stage.record(self._index, R_STATE), LEFT)
         self._release()
@@ -353,7 +372,12 @@ class LocalStageWorker:
         self.close()
 
     def abort(self, error: SwitchMLError) -> None:
-        """Give up on the job from any thread: every rank of it raises ``error``."""
+        """Give up on the job from any thread: every rank of it raises ``error``.
+        Once closed with no call left to run, there is no job of this rank's to give
+        up: nothing happens."""
+        with self._order:
+            if self._closed and self._pending == 0:
+                return
         self._fail(error, self.rank)
 
     @property
@@ -388,6 +412,9 @@ class LocalStageWorker:
                 self._watch()
                 continue
             if item is None:
+                if self._leave_when_served:  # (closed from this thread, by a callback)
+                    self._leave()
+                    atexit.unregister(self._thread.join)
                 return
             src, out, sparse, bits, ready, narrow, future, copies = item
             try:
@@ -549,7 +576,7 @@ class LocalStageWorker:
             culprit = error.missing_ranks[0]  # type: ignore[attr-defined]
         if isinstance(error, LimitExceededError):  # a switch full at a rejoin: the switch's
             culprit = _LIMITS.index(error.limit) if error.limit in _LIMITS else -1
-        if self._segment is not None:
+        if self._segment is not None and self._segment.buf is not None:  # (not closed)
             code = next((c for t, c in _CODES if isinstance(error, t)), memory.FAILED_OTHER)
             memory.fail(self._segment.buf, code, culprit, str(error).encode()[:256])
             error = self._failure() or error
