@@ -439,3 +439,52 @@ def test_a_job_striped_over_switches_gets_one_switchs_bits(switches, faults):
             assert same_bits(out, expected), kind
     busy = [part.job.counters["packets_in"] > 0 for part in sim.parts]
     assert all(busy)  # every switch carried its part
+
+
+def test_a_timer_that_does_not_move_on_is_an_error_not_a_hang(monkeypatch):
+    """An engine whose timer fires and stays due (a broken handle_timer) held the
+    virtual clock at one instant for ever; the simulation now says so."""
+    from switchml.sim.network import StalledSimulation
+    from switchml.worker.engine import stream
+    monkeypatch.setattr(stream.Stream, "handle_timer", lambda self, now: None)
+    sim = Simulation(2, slots=4, packet_elements=K, faults=Faults(loss=0.2), seed=1)
+    with pytest.raises(StalledSimulation, match="does not move on"):
+        sim.allreduce([np.arange(40 * K, dtype=np.int32)] * 2, max_time=100.0)
+
+
+def test_a_queue_of_q_packets_holds_q_whatever_the_rounding():
+    """A bottleneck's backlog is a sum of floats: a queue of q packets dropped the
+    q-th where rounding put it a hair over, and a one-packet queue fed at exactly
+    its rate dropped a fifth of what came."""
+    from switchml.sim.network import Bottleneck, Network
+    for rate in (3e6, 5e6, 7.3e6):
+        for q in range(1, 9):
+            network = Network(bottleneck=Bottleneck(rate=rate, queue_bytes=q * 1000))
+            network.now = 0.1234567
+            for _ in range(q):
+                network.send(b"x" * 1000, "a", ("switch", 0))
+            assert network.bottleneck_drops == 0, (rate, q)
+    network = Network(bottleneck=Bottleneck(rate=3e6, queue_bytes=1000))
+    for i in range(1000):
+        network.now = i * 1000 / 3e6
+        network.send(b"x" * 1000, "a", ("switch", 0))
+    assert network.bottleneck_drops == 0
+
+
+def test_settings_the_simulation_would_ignore_or_misread_are_refused():
+    from switchml.sim.network import Bottleneck, Network, StalledSimulation
+    with pytest.raises(ValueError):
+        Faults(latency=-1e-3)  # the clock ran backwards
+    with pytest.raises(ValueError):
+        Faults(loss=1.5)
+    with pytest.raises(ValueError):
+        Bottleneck(rate=0, queue_bytes=1000)  # ZeroDivisionError, later
+    network = Network(Faults(loss=0.1), seed=3)
+    with pytest.raises(ValueError, match="the network's"):  # they were ignored
+        Simulation(2, network=network, faults=Faults(loss=0.5))
+    with pytest.raises(ValueError, match="would not cross it"):  # it went around it
+        Simulation(2, network=Network(bottleneck=Bottleneck(rate=1e6, queue_bytes=10_000)),
+                   switch_address=("switch", 1))
+    sim = Simulation(2, packet_elements=K)
+    with pytest.raises(StalledSimulation, match="nothing scheduled"):
+        sim.step()  # no call running: no datagram in flight, no timer

@@ -340,7 +340,7 @@ def beside_a_tcp_like_flow(seed, refuse, compiled, until=2.0):
     half, as shares of what the link could carry, and the network."""
     network = Network(Faults(latency=500e-6, jitter=100e-6), seed=seed,
                       bottleneck=Bottleneck(rate=3e6, queue_bytes=32 * PACKET, refuse=refuse))
-    job = Simulation(1, slots=2 * SLOTS, packet_elements=K, network=network, seed=seed,
+    job = Simulation(1, slots=2 * SLOTS, packet_elements=K, network=network,
                      compiled=compiled)
     flow = TcpLikeFlow(network, segment=PACKET)
     run_concurrently([job], [ints(1, K * 1024, seed)], until=until, flows=[flow])

@@ -11,6 +11,7 @@ behaviour quickly.
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from dataclasses import dataclass
 
@@ -37,14 +38,20 @@ class Faults:
     jitter: float = 0.0      # extra uniform delay in seconds: reorders datagrams
     latency: float = 50e-6   # one-way base delay in seconds
 
+    def __post_init__(self):
+        # (a negative delay ran the clock backwards)
+        if not (0.0 <= self.loss <= 1.0 and 0.0 <= self.duplicate <= 1.0
+                and 0.0 <= self.jitter < math.inf and 0.0 <= self.latency < math.inf):
+            raise ValueError(f"{self}: probabilities 0 to 1, delays finite and 0 or more")
+
 
 @dataclass
 class Bottleneck:
     """The link into the switch, shared by every worker of every job on the network.
 
-    Datagrams leave it one after another at ``rate`` bytes per second; those that
-    find more than ``queue_bytes`` waiting are dropped (tail drop), as in a
-    switch port's buffer.  With ``refuse``, the queue is the senders' own (a
+    Datagrams leave it one after another at ``rate`` bytes per second; one that
+    would make the bytes waiting more than ``queue_bytes`` is dropped (tail drop),
+    as in a switch port's buffer.  With ``refuse``, the queue is the senders' own (a
     host's queue toward its link, where the uplink is the bottleneck): a
     datagram that does not fit is refused instead (the sender's call hears
     ``send_refused``) and enters as soon as there is room, as a sender does that
@@ -54,9 +61,21 @@ class Bottleneck:
     queue_bytes: int
     refuse: bool = False
 
+    def __post_init__(self):
+        if not (0.0 < self.rate < math.inf and self.queue_bytes >= 0):
+            raise ValueError(f"{self}: a rate above 0 and a queue of 0 bytes or more")
+
 
 class StalledSimulation(RuntimeError):
     pass
+
+
+#: Timer events at one virtual instant, in a row, past which a worker's timer is
+#: taken to be stuck (fired, and due again at once: a broken engine), not busy.
+MAX_EVENTS_AT_ONE_INSTANT = 10_000
+#: The slack of the bottleneck's queue test: its backlog is a sum of floats, and
+#: a queue of q packets kept q - 1 where rounding put a hair over the bound.
+QUEUE_SLACK_BYTES = 1e-6
 
 
 class Network:
@@ -71,6 +90,7 @@ class Network:
         self._order = 0
         self._queue: list = []
         self._link_free_at = 0.0  # when the bottleneck has sent all it holds
+        self.timers_at_this_instant = 0  # next_event's: timer events at ``now`` in a row
         self.datagrams = 0
         self.bottleneck_drops = 0
         #: (time it left the bottleneck, sender, bytes) of each datagram that crossed it.
@@ -94,7 +114,8 @@ class Network:
             if shaped and self.bottleneck is not None:
                 link = self.bottleneck
                 start = max(self.now, self._link_free_at)
-                if (start - self.now) * link.rate + len(data) > link.queue_bytes:
+                if ((start - self.now) * link.rate + len(data)
+                        > link.queue_bytes + QUEUE_SLACK_BYTES):
                     if not link.refuse:
                         self.bottleneck_drops += 1
                         continue
@@ -230,7 +251,15 @@ class Simulation(CallDriver):
         ``data_threads``: the switch's data threads the workers are told of
         (``protocol.Ready.data_threads``)."""
         self.switch_address = switch_address
+        if network is not None and (faults is not None or bottleneck is not None or seed):
+            # (they were ignored: the network's own hold)
+            raise ValueError("faults, bottleneck and seed are the network's: give them to "
+                             "Network(...), not beside network=")
         self.network = network or Network(faults, seed, bottleneck)
+        if self.network.bottleneck is not None and switch_address != SWITCH:
+            # (its traffic went around the bottleneck, unsaid)
+            raise ValueError(f"the bottleneck is the link into the switch at {SWITCH}: a job "
+                             f"on {switch_address} would not cross it")
         self.faults = self.network.faults
         if pipeline is None:
             pipeline = Pipeline(slots=slots, packet_elements=packet_elements or 64,
@@ -270,11 +299,23 @@ def next_event(network: Network, ops: list, give_up: float, max_time: float):
     timers = [t for t in (op.get_timer() for op in ops) if t is not None]
     next_timer = min(timers, default=float("inf"))
     next_packet = network.next_arrival()
+    if min(next_timer, next_packet) == math.inf:
+        raise StalledSimulation(f"nothing scheduled at t={network.now:.6f}: no datagram "
+                                f"in flight and no timer set, the calls unfinished")
     if min(next_timer, next_packet) > give_up:
         raise StalledSimulation(f"not finished after {max_time} virtual seconds")
     if next_packet <= next_timer:
+        network.timers_at_this_instant = 0
         return network.pop()
-    network.now = next_timer
+    if next_timer <= network.now:  # due now again, right after they fired
+        network.timers_at_this_instant += 1
+        if network.timers_at_this_instant > MAX_EVENTS_AT_ONE_INSTANT:
+            raise StalledSimulation(
+                f"a timer fired {MAX_EVENTS_AT_ONE_INSTANT} times at t={network.now:.6f} "
+                f"and is due again: it does not move on (the engine's handle_timer)")
+    else:
+        network.timers_at_this_instant = 0
+        network.now = next_timer
     return None
 
 
