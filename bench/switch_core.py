@@ -35,6 +35,7 @@ import argparse
 import ctypes
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import platform
 import socket
@@ -143,6 +144,21 @@ def _sender(ranks, world, switch_addr, slots, packet_elements, block, conn):
 
 
 # ---------------------------------------------------------------- one measurement
+def _recv(conn, proc, name: str, timeout: float | None = None):
+    """What sender ``proc`` sends on ``conn``; RuntimeError naming it and its exit
+    code once it died (a pipe whose other end the parent closed reads EOF then)."""
+    ready = multiprocessing.connection.wait([conn, proc.sentinel], timeout)
+    if conn in ready:
+        try:
+            return conn.recv()
+        except EOFError:
+            pass
+    elif not ready:
+        raise RuntimeError(f"{name} sent nothing in {timeout:g} s")
+    proc.join(1)
+    raise RuntimeError(f"{name} died (exit code {proc.exitcode})")
+
+
 def measure(path: str, mtu: int, workers: int, senders: int, slots: int, block: int,
             seconds: float, warmup: float, threads: int = 1) -> dict:
     """One row: ``path`` is "python", "c" (with UDP GSO for the results) or "c-nogso";
@@ -154,31 +170,44 @@ def measure(path: str, mtu: int, workers: int, senders: int, slots: int, block: 
     ctx = multiprocessing.get_context("spawn")
     sw = Switch(slots=slots, fastpath=fastpath, threads=threads)
     sw.udp_gso = path == "c"  # before start(): data threads take it when they start
+    pipes, procs, names = [], [], []
     with sw:
-        groups = [list(range(workers))[i::senders] for i in range(senders)]
-        pipes, procs, addrs = [], [], [None] * workers
-        for ranks in groups:
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_sender, args=(ranks, workers, sw.address, slots,
-                                                     packet_elements, block, child),
-                               daemon=True)
-            proc.start()
-            for rank, addr in zip(ranks, parent.recv()):
-                addrs[rank] = tuple(addr)
-            pipes.append(parent)
-            procs.append(proc)
-        with sw._lock:
-            sw.pipeline.install_job("bench", SESSION, addrs, 0, slots, packet_elements, block)
-        start_at = time.monotonic() + 0.2
-        for parent in pipes:
-            parent.send(start_at + warmup + seconds)
-        time.sleep(max(0.0, start_at + warmup - time.monotonic()))
-        before, t0 = sw.stats(), time.monotonic()
-        time.sleep(seconds)
-        after, t1 = sw.stats(), time.monotonic()
-        sent = sum(parent.recv() for parent in pipes)
-        for proc in procs:
-            proc.join(10)
+        try:
+            groups = [list(range(workers))[i::senders] for i in range(senders)]
+            addrs = [None] * workers
+            for ranks in groups:
+                parent, child = ctx.Pipe()
+                proc = ctx.Process(target=_sender, args=(ranks, workers, sw.address, slots,
+                                                         packet_elements, block, child),
+                                   daemon=True)
+                proc.start()
+                child.close()  # the sender's end is the sender's alone: EOF when it dies
+                pipes.append(parent)
+                procs.append(proc)
+                names.append(f"sender {len(procs) - 1} (ranks {ranks}, pid {proc.pid})")
+                for rank, addr in zip(ranks, _recv(parent, proc, names[-1], 60)):
+                    addrs[rank] = tuple(addr)
+            with sw._lock:
+                sw.pipeline.install_job("bench", SESSION, addrs, 0, slots, packet_elements,
+                                        block)
+            start_at = time.monotonic() + 0.2
+            for parent in pipes:
+                parent.send(start_at + warmup + seconds)
+            time.sleep(max(0.0, start_at + warmup - time.monotonic()))
+            before, t0 = sw.stats(), time.monotonic()
+            time.sleep(seconds)
+            after, t1 = sw.stats(), time.monotonic()
+            sent = sum(_recv(parent, proc, name, 30)
+                       for parent, proc, name in zip(pipes, procs, names))
+            for proc in procs:
+                proc.join(10)
+        finally:  # (a failure, a dead sender, TERM or Ctrl-C) no sender outlives the row
+            for proc in procs:
+                if proc.is_alive():
+                    proc.terminate()
+                proc.join(5)
+            for parent in pipes:
+                parent.close()
     wall = t1 - t0
     cpu = after["cpu_s"] - before["cpu_s"]
 
@@ -249,4 +278,9 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    from switchml.testbed.core import signals_end_the_run
+    with signals_end_the_run():  # TERM or HUP: the senders go, as on Ctrl-C
+        try:
+            main()
+        except RuntimeError as e:  # a sender died: say which, no traceback
+            sys.exit(f"switch_core: {e}")
