@@ -251,9 +251,9 @@ def median_table(paths: list) -> str:
                ("offered_gbit_s", "Gbit/s offered", "{:.2f}")]
     header = ["MTU", "datagram B", "CPUs"] + [c[1] for c in columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for i, row in enumerate(runs[0]):
+    for row in runs[0]:
         cells = [str(row["mtu"]), str(row["packet_bytes"]), str(row["cpus"])]
-        lines.append("| " + " | ".join(cells + median_cells(runs, i, columns)) + " |")
+        lines.append("| " + " | ".join(cells + median_cells(runs, row, columns)) + " |")
     return "\n".join(lines)
 
 

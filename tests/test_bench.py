@@ -302,6 +302,8 @@ def test_xdp_core_bench_runs_with_tiny_settings(tmp_path):
         assert 0 <= r["contributions_added"] - 4 * r["results_completed"] <= 2 * r["slots"] * 3
         if r["share"] != "same":  # nothing stale, duplicate or dropped
             assert r["dropped"] == {} and r["contributions_added"] == r["runs"], r
+        # the first pass's results were checked against the exact sums: every slot's two
+        assert r["results_checked"] == 2 * r["slots"], r
     assert rows[3]["packet_bytes"] == 8320 and rows[0]["packet_bytes"] == 1068
     table = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "xdp_core.py"),
                             "--median", str(out), str(out), str(out)], check=True,
@@ -367,6 +369,82 @@ def test_switch_core_bench_runs_with_tiny_settings(tmp_path):
     for r in rows:
         assert r["packet_bytes"] <= 1500 - 28 and r["packets_in"] > 0
         assert r["results_completed"] > 0 and r["gbit_per_core_s"] > 0
+
+
+def _exits(code):
+    os._exit(code)
+
+
+def test_a_core_bench_names_a_process_that_died_instead_of_waiting_for_it():
+    """switch_core waited forever on a dead sender's pipe, worker_core 600 s on a
+    dead worker's report: both now fail at once, naming it and its exit code."""
+    import multiprocessing
+
+    from bench import switch_core, worker_core
+
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_exits, args=(3,))
+    proc.start()
+    child.close()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"sender 0 died \(exit code 3\)"):
+        switch_core._recv(parent, proc, "sender 0", 30)
+    here, there = ctx.Pipe(duplex=False)
+    worker = ctx.Process(target=_exits, args=(9,))
+    worker.start()
+    there.close()
+    with pytest.raises(worker_core.BenchFailed, match="worker 1 .* exited with code 9"):
+        worker_core.wait_for({"worker 1": here}, {"worker 1": worker}, timeout=30)
+    assert time.monotonic() - t0 < 10
+
+
+def test_worker_core_checks_each_ranks_sum_and_refuses_unknown_engines(tmp_path):
+    """bench/worker_core.py compares each rank's result with the exact sum: right
+    sums pass; a switch whose every result is off by one fails the bench (it
+    printed its rates and exited 0).  A misspelt engine is refused (it ran C)."""
+    bench = [sys.executable, os.path.join(ROOT, "bench", "worker_core.py"), "--mib", "0.06",
+             "--workers", "2", "--repeats", "1", "--warmup", "0", "--engines", "c",
+             "--json", str(tmp_path / "wc.json")]
+    env = {**os.environ, "PYTHONPATH": ROOT, "SWITCHML_PURE_PYTHON": "1"}
+    done = subprocess.run(bench, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    [row] = json.loads((tmp_path / "wc.json").read_text())["results"]
+    assert row["sums_ok"] == [True, True]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "sitecustomize.py").write_text(
+        "from switchml.switch.dataplane import pipeline as p\n"
+        "_complete = p.Pipeline._complete\n"
+        "def wrong(self, job, v, slot):\n"
+        "    job.values[v, slot] += 1\n"
+        "    return _complete(self, job, v, slot)\n"
+        "p.Pipeline._complete = wrong\n")
+    done = subprocess.run(bench, capture_output=True, text=True, timeout=120,
+                          env={**env, "PYTHONPATH": f"{broken}{os.pathsep}{ROOT}"})
+    assert done.returncode != 0 and "wrong sums: c rank 0" in done.stderr, done.stderr
+    done = subprocess.run(bench[:-4] + ["--engines", "c,pyhton"], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert done.returncode == 2 and "--engines: c,pyhton" in done.stderr, done.stderr
+
+
+def test_xdp_medians_match_rows_by_case_and_average_the_middle_two(tmp_path):
+    """--median of xdp_core.py and xdp_driver.py: an even count's median is the
+    mean of the middle two (it was the upper one), and rows are matched by MTU,
+    CPUs and share, wherever they lie in each file (row i of every file was taken)."""
+    from bench import xdp_core, xdp_driver
+
+    def row(mtu, ns, cpus=1, share="-"):
+        return {"mtu": mtu, "cpus": cpus, "share": share, "packet_bytes": mtu - 400,
+                "slots": 4, "program_ns_per_frame": ns}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"rows": [row(1500, 500), row(9000, 2000)]}))
+    b.write_text(json.dumps({"rows": [row(9000, 3000), row(1500, 700)]}))
+    for table in (xdp_core.median_table([str(a), str(b)]),
+                  xdp_driver.median_table([str(a), str(b)])):
+        lines = table.splitlines()
+        assert "| **600** (500, 700) |" in lines[2] and lines[2].startswith("| 1500 |")
+        assert "| **2500** (2000, 3000) |" in lines[3] and lines[3].startswith("| 9000 |")
 
 
 def test_port_rates_finds_the_idle_stretches_and_the_links_shares(tmp_path):
