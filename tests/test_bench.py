@@ -334,6 +334,8 @@ def test_xdp_driver_bench_runs_with_tiny_settings(tmp_path):
     assert [(r["mtu"], r["cpus"]) for r in rows] == [(m, c) for m in (1500, 9000) for c in cpus]
     for r in rows:
         assert r["contributions_added"] > 0, r
+        # the results the ranks' sockets held were read and were the exact sums
+        assert r["results_checked"] > 0, r
         # A frame the veth's ring dropped leaves its slot's round open: the sender,
         # which never retransmits, goes on to the next round, stale to the program.
         assert set(r["dropped"]) <= {"dropped_stale"}, json.dumps(r)
