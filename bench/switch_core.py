@@ -9,9 +9,10 @@ A switch runs in this process (its serving thread); ``--senders`` processes play
 the ``--workers`` ranks of one job: each rank has its own UDP socket, and its
 contributions, built once, go out with ``sendmmsg`` (libc through ctypes), every
 slot's message m from every rank before message m+1, so each one is aggregated,
-as fast as the senders can. Results go back to the ranks' sockets, which nobody
-reads (the kernel drops them once their buffers are full): the switch pays for
-sending them, as it would for real workers.
+as fast as the senders can. Results go back to the ranks' sockets, which are
+read only at the end (the kernel drops them once their small buffers are full):
+the switch pays for sending them, as it would for real workers, and the few each
+socket holds are checked against the exact sums (a wrong one fails the bench).
 
 Per switch core means per second of the switch's CPU time (``cpu_s`` in the
 switch's stats: its serving thread's and its data threads', user and system,
@@ -104,11 +105,10 @@ def _sender(ranks, world, switch_addr, slots, packet_elements, block, conn):
     size = wire.packet_size(lanes, packet_elements)
     rounds = 2  # messages built ahead per slot; then their numbers move on
     packets = np.zeros((rounds, len(ranks), slots, size), np.uint8)
-    rng = np.random.default_rng(1)
     for r in range(rounds):
-        for i in range(len(ranks)):
+        for i, rank in enumerate(ranks):
             for slot in range(slots):
-                values = rng.integers(-1000, 1000, packet_elements).astype(np.int32)
+                values = _values(r, rank, slot, packet_elements)
                 packets[r, i, slot] = np.frombuffer(wire.encode(
                     wire.KIND_CONTRIBUTION, wire.DTYPE_INT32, slot, SESSION, r, 0, slot,
                     np.zeros(lanes, wire.LANE), values), np.uint8)
@@ -138,12 +138,56 @@ def _sender(ranks, world, switch_addr, slots, packet_elements, block, conn):
                 done += n
             sent += done
         msgs += rounds  # the next messages of every slot
-    conn.send(sent)
+    conn.send((sent,) + _check_results(socks, world, slots, packet_elements))
     for s in socks:
         s.close()
 
 
+def _values(r: int, rank: int, slot: int, packet_elements: int) -> np.ndarray:
+    """Rank ``rank``'s values for ``slot`` in the messages of round ``r`` (any
+    sender can rebuild every rank's, to check a result)."""
+    return np.random.default_rng([r, rank, slot]).integers(
+        -1000, 1000, packet_elements).astype(np.int32)
+
+
+def _check_results(socks, world: int, slots: int, packet_elements: int) -> tuple:
+    """(results read, what was wrong with them): the results left in the ranks'
+    sockets (a few: their buffers are small and unread) against the exact sums
+    (message m of a slot holds round m % 2's values)."""
+    time.sleep(0.05)  # the last results on their way
+    exact = {}
+    checked, wrong = 0, []
+    for s in socks:
+        s.setblocking(False)
+        while True:
+            try:
+                data = s.recv(65536)
+            except BlockingIOError:
+                break
+            checked += 1
+            try:
+                h = wire.decode_header(data)
+            except wire.MalformedPacket as exc:
+                wrong.append(f"a malformed datagram ({exc})")
+                continue
+            key = (h.msg % 2, h.slot)
+            if h.kind != wire.KIND_RESULT or h.slot >= slots:
+                wrong.append(f"kind {h.kind} slot {h.slot}")
+                continue
+            if key not in exact:
+                exact[key] = np.sum([_values(key[0], rank, key[1], packet_elements)
+                                     for rank in range(world)], axis=0).astype(np.int32)
+            got = wire.values(data, h.lanes, h.count)
+            if not np.array_equal(got, exact[key]):
+                wrong.append(f"slot {h.slot} msg {h.msg}: not the sum")
+    return checked, wrong[:5]
+
+
 # ---------------------------------------------------------------- one measurement
+class WrongSums(RuntimeError):
+    """A result the ranks' sockets held is not the sum of their contributions."""
+
+
 def _recv(conn, proc, name: str, timeout: float | None = None):
     """What sender ``proc`` sends on ``conn``; RuntimeError naming it and its exit
     code once it died (a pipe whose other end the parent closed reads EOF then)."""
@@ -197,8 +241,8 @@ def measure(path: str, mtu: int, workers: int, senders: int, slots: int, block: 
             before, t0 = sw.stats(), time.monotonic()
             time.sleep(seconds)
             after, t1 = sw.stats(), time.monotonic()
-            sent = sum(_recv(parent, proc, name, 30)
-                       for parent, proc, name in zip(pipes, procs, names))
+            answers = [_recv(parent, proc, name, 30)
+                       for parent, proc, name in zip(pipes, procs, names)]
             for proc in procs:
                 proc.join(10)
         finally:  # (a failure, a dead sender, TERM or Ctrl-C) no sender outlives the row
@@ -210,6 +254,15 @@ def measure(path: str, mtu: int, workers: int, senders: int, slots: int, block: 
                 parent.close()
     wall = t1 - t0
     cpu = after["cpu_s"] - before["cpu_s"]
+    sent = sum(a[0] for a in answers)
+    checked = sum(a[1] for a in answers)
+    wrong = [w for a in answers for w in a[2]]
+    # (none read is wrong only where the switch sent some: with several senders the
+    # ranks' messages can drift apart so that no slot completes)
+    if wrong or not checked and after["totals"].get("results_out", 0):
+        raise WrongSums(f"wrong sums: {path}, MTU {mtu}: " + (
+            "results that are not the sums: " + "; ".join(wrong) if wrong
+            else "the ranks' sockets held no result"))
 
     def delta(key):
         return after["totals"].get(key, 0) - before["totals"].get(key, 0)
@@ -226,6 +279,7 @@ def measure(path: str, mtu: int, workers: int, senders: int, slots: int, block: 
         "packets_in": delta("packets_in"), "contributions_added": packets,
         "results_completed": delta("results_completed"),
         "results_out": delta("results_out"), "sent_by_senders": sent,
+        "results_checked": checked,
         "dropped": {k: delta(k) for k in after["totals"] if k.startswith("dropped_")
                     and delta(k)},
         "packets_per_core_s": packets / cpu if cpu else 0.0,

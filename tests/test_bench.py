@@ -371,6 +371,27 @@ def test_switch_core_bench_runs_with_tiny_settings(tmp_path):
     for r in rows:
         assert r["packet_bytes"] <= 1500 - 28 and r["packets_in"] > 0
         assert r["results_completed"] > 0 and r["gbit_per_core_s"] > 0
+        assert r["results_checked"] > 0  # the results the ranks' sockets held: the sums
+    # a switch whose every result is off by one fails the bench (it exited 0)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "sitecustomize.py").write_text(BROKEN_SWITCH)
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "switch_core.py"),
+                           "--mtu", "1500", "--workers", "2", "--slots", "4", "--seconds", "0.2",
+                           "--warmup", "0.1", "--paths", "python"], capture_output=True,
+                          text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": f"{broken}{os.pathsep}{ROOT}"})
+    assert done.returncode == 1 and "not the sum" in done.stderr, done.stderr
+
+
+#: A sitecustomize.py that breaks the Python data plane: every result off by one.
+BROKEN_SWITCH = """from switchml.switch.dataplane import pipeline as p
+_complete = p.Pipeline._complete
+def wrong(self, job, v, slot):
+    job.values[v, slot] += 1
+    return _complete(self, job, v, slot)
+p.Pipeline._complete = wrong
+"""
 
 
 def _exits(code):
@@ -415,13 +436,7 @@ def test_worker_core_checks_each_ranks_sum_and_refuses_unknown_engines(tmp_path)
     assert row["sums_ok"] == [True, True]
     broken = tmp_path / "broken"
     broken.mkdir()
-    (broken / "sitecustomize.py").write_text(
-        "from switchml.switch.dataplane import pipeline as p\n"
-        "_complete = p.Pipeline._complete\n"
-        "def wrong(self, job, v, slot):\n"
-        "    job.values[v, slot] += 1\n"
-        "    return _complete(self, job, v, slot)\n"
-        "p.Pipeline._complete = wrong\n")
+    (broken / "sitecustomize.py").write_text(BROKEN_SWITCH)
     done = subprocess.run(bench, capture_output=True, text=True, timeout=120,
                           env={**env, "PYTHONPATH": f"{broken}{os.pathsep}{ROOT}"})
     assert done.returncode != 0 and "wrong sums: c rank 0" in done.stderr, done.stderr
