@@ -245,6 +245,11 @@ def test_invocations_take_the_median_of_the_runs_and_gloo_from_the_same():
     assert rows["switchml-dense"]["speedup_over_gloo"] == pytest.approx(1.0 / 0.6)
     assert rows["gloo"]["of_bound"] == pytest.approx(0.75)
     assert "1.67x" in format_summary(list(rows.values()))
+    # the check column: ok only where some run's sums were checked (--no-check: "-")
+    for checked, cell in (([True, None, None], " ok"), ([None, None, None], " -"),
+                          ([True, False, None], " FAIL")):
+        unchecked = [[dict(row("gloo", 1.0), checked=c)] for c in checked]
+        assert format_summary(summarize_runs(unchecked)).splitlines()[1].endswith(cell)
 
 
 @pytest.mark.alone  # a testbed or the XDP program: measured, not beside other tests
