@@ -50,6 +50,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from switchml import wire  # noqa: E402
+from switchml.bench.common import at_least, within  # noqa: E402
 from switchml.switch.server import Switch  # noqa: E402
 
 #: IPv4 and UDP headers: what a frame holds beside the datagram.
@@ -291,19 +292,25 @@ def measure(path: str, mtu: int, workers: int, senders: int, slots: int, block: 
 
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mtu", type=int, nargs="+", default=[1500, 9000])
+    parser.add_argument("--mtu", type=at_least(68), nargs="+", default=[1500, 9000])
     parser.add_argument("--paths", nargs="+", choices=["python", "c", "c-nogso"],
                         default=["python", "c", "c-nogso"])
-    parser.add_argument("--threads", type=int, nargs="+", default=[1],
+    parser.add_argument("--threads", type=at_least(1), nargs="+", default=[1],
                         help="data threads of the C data plane (rows for each)")
-    parser.add_argument("--workers", type=int, default=4, help="ranks of the job")
-    parser.add_argument("--senders", type=int, default=1, help="sender processes")
-    parser.add_argument("--slots", type=int, default=64, help="the job's window")
-    parser.add_argument("--block", type=int, default=256, help="values per block")
-    parser.add_argument("--seconds", type=float, default=3.0, help="measured, per row")
-    parser.add_argument("--warmup", type=float, default=0.5)
+    parser.add_argument("--workers", type=at_least(1), default=4, help="ranks of the job")
+    parser.add_argument("--senders", type=at_least(1), default=1, help="sender processes")
+    parser.add_argument("--slots", type=at_least(1), default=64, help="the job's window")
+    parser.add_argument("--block", type=at_least(1), default=256, help="values per block")
+    parser.add_argument("--seconds", type=within(0, above_low=True), default=3.0,
+                        help="measured, per row")
+    parser.add_argument("--warmup", type=within(0), default=0.5)
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
+    for mtu in args.mtu:
+        try:
+            packet_elements_for(mtu, args.block)
+        except ValueError as e:
+            parser.error(str(e))
     rows = []
     for mtu in args.mtu:
         for path in args.paths:

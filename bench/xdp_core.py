@@ -63,6 +63,7 @@ if ROOT not in sys.path:
 
 from bench.switch_core import packet_elements_for, write_rows  # noqa: E402
 from switchml import wire  # noqa: E402
+from switchml.bench.common import at_least, within  # noqa: E402
 from switchml.switch.xdp import loader as xdp_loader  # noqa: E402
 from switchml.switch.xdp import pipeline as xdp  # noqa: E402
 
@@ -399,15 +400,26 @@ def median_table(paths: list) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser, cpus_help: str | None = None) -> None:
     """The arguments the XDP benches share (this one and xdp_driver.py)."""
-    parser.add_argument("--mtu", type=int, nargs="+", default=[1500, 9000])
-    parser.add_argument("--cpus", type=int, nargs="+", default=[1, 2], help=cpus_help)
-    parser.add_argument("--workers", type=int, default=4, help="ranks of the job")
-    parser.add_argument("--slots", type=int, default=64, help="the job's window")
-    parser.add_argument("--block", type=int, default=256, help="values per block")
-    parser.add_argument("--seconds", type=float, default=3.0, help="measured, per row")
+    parser.add_argument("--mtu", type=at_least(68), nargs="+", default=[1500, 9000])
+    parser.add_argument("--cpus", type=at_least(1), nargs="+", default=[1, 2], help=cpus_help)
+    parser.add_argument("--workers", type=at_least(1), default=4, help="ranks of the job")
+    parser.add_argument("--slots", type=at_least(1), default=64, help="the job's window")
+    parser.add_argument("--block", type=at_least(1), default=256, help="values per block")
+    parser.add_argument("--seconds", type=within(0, above_low=True), default=3.0,
+                        help="measured, per row")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--median", nargs="+", metavar="JSON",
                         help="print the medians of these invocations' files; nothing run")
+
+
+def check_frames(parser: argparse.ArgumentParser, args) -> None:
+    """A parser error for an MTU whose frame holds no block of ``--block`` values
+    (it was a traceback in the first row that met it)."""
+    for mtu in args.mtu:
+        try:
+            packet_elements_for(mtu, args.block)
+        except ValueError as e:
+            parser.error(str(e))
 
 
 def main(argv=None) -> list[dict]:
@@ -416,6 +428,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--share", nargs="+", choices=["disjoint", "same"],
                         default=["disjoint", "same"], help="two CPUs: whose slots")
     args = parser.parse_args(argv)
+    check_frames(parser, args)
     if not set(args.cpus) <= {1, 2}:
         parser.error("--cpus: 1 or 2 (bench/xdp_driver.py takes more)")
     if args.median:

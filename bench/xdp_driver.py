@@ -53,7 +53,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench.switch_core import packet_elements_for, write_rows  # noqa: E402
-from bench.xdp_core import add_arguments, median_cells, read_runs  # noqa: E402
+from bench.xdp_core import add_arguments, check_frames, median_cells, read_runs  # noqa: E402
 from switchml import wire  # noqa: E402
 from switchml.switch.xdp import loader as xdp_loader  # noqa: E402
 from switchml.switch.xdp import pipeline as xdp  # noqa: E402
@@ -339,8 +339,7 @@ def main(argv=None) -> list[dict]:
     add_arguments(parser, "CPUs running the program at once, each on slots of its own "
                           "(each count a row)")
     args = parser.parse_args(argv)
-    if min(args.cpus) < 1:
-        parser.error("--cpus: counts of 1 or more")
+    check_frames(parser, args)
     if args.median:
         print(median_table(args.median))
         return []

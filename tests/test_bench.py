@@ -469,6 +469,29 @@ def test_xdp_medians_match_rows_by_case_and_average_the_middle_two(tmp_path):
         assert "| **2500** (2000, 3000) |" in lines[3] and lines[3].startswith("| 9000 |")
 
 
+@pytest.mark.parametrize("bench, flags", [
+    ("switch_core.py", ["--senders", "0"]), ("switch_core.py", ["--seconds", "-1"]),
+    ("switch_core.py", ["--mtu", "100"]), ("worker_core.py", ["--mib", "0"]),
+    ("worker_core.py", ["--workers", "0"]), ("worker_core.py", ["--repeats", "0"]),
+    ("worker_core.py", ["--threads", "0"]), ("worker_core.py", ["--density", "1.5"]),
+    ("udp_paths.py", ["--modes", "foo"]), ("udp_paths.py", ["--mtu", "70000"]),
+    ("udp_paths.py", ["--mib", "0"]), ("multicast.py", ["--size", "0"]),
+    ("multicast.py", ["--mib", "0.001"]), ("multicast.py", ["--receivers", "0"]),
+    ("xdp_core.py", ["--block", "0"]), ("xdp_core.py", ["--mtu", "100"]),
+    ("xdp_driver.py", ["--seconds", "0"]), ("xdp_driver.py", ["--mtu", "100"]),
+    ("port_rates.py", ["--ports", "lo", "--seconds", "0"]),
+    ("port_rates.py", ["--ports", "no-such-port"])])
+def test_the_core_benches_refuse_flags_that_measure_nothing(bench, flags):
+    """Counts, sizes, seconds and densities out of their range are argparse errors
+    naming the flag, before anything runs (they ran and printed zeros, or ended
+    in a traceback)."""
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", bench), *flags],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 2 and "error:" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_port_rates_finds_the_idle_stretches_and_the_links_shares(tmp_path):
     """Byte counters of two ports, 1 ms apart: both move at the link rate (1 Gbit/s
     up, half that down) for 10 ms, stand still for 6 ms (a pass over the input
@@ -484,6 +507,9 @@ def test_port_rates_finds_the_idle_stretches_and_the_links_shares(tmp_path):
     assert len(gaps) == 1
     assert gaps[0][0] == pytest.approx(0.010) and gaps[0][1] == pytest.approx(0.006)
     assert port_rates.idle_gaps(rows, 0.007) == []
+    # a stretch that lasts to the end of the sampling counts too (it was never reported)
+    assert port_rates.idle_gaps(rows[:16], 0.002) == [(pytest.approx(0.010),
+                                                       pytest.approx(0.005))]
     for uplink, downlink in port_rates.shares(rows, 1e9):
         assert uplink == pytest.approx(14 / 20) and downlink == pytest.approx(7 / 20)
     # the real counters of this namespace's loopback, for a moment
