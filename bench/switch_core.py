@@ -20,9 +20,10 @@ recvmmsg and sendmmsg included), so the figures do not depend on how many other
 processes share the machine; the wall clock rates are given too.  With
 ``--threads``, the C data plane runs that many data threads (the switch's
 ``threads``), and each row gives its rates against the same path's row of one
-thread: ``wall_ratio`` (contributions a wall-clock second: what several cores
-buy, where the machine has cores to spare for them and the senders) and
-``core_ratio`` (a CPU second: what threading costs each core).
+thread (of the first count given where 1 is not among them): ``wall_ratio``
+(contributions a wall-clock second: what several cores buy, where the machine
+has cores to spare for them and the senders) and ``core_ratio`` (a CPU second:
+what threading costs each core).
 
 Only contributions added to a sum count: not those the kernel dropped before
 the switch read them (its buffer full), nor those the switch admitted and then
@@ -314,11 +315,12 @@ def main(argv=None) -> list[dict]:
     rows = []
     for mtu in args.mtu:
         for path in args.paths:
-            one = None
-            for threads in args.threads if path != "python" else [1]:
-                row = measure(path, mtu, args.workers, min(args.senders, args.workers),
-                              args.slots, args.block, args.seconds, args.warmup, threads)
-                one = one or row  # the first count given is the reference
+            mine = [measure(path, mtu, args.workers, min(args.senders, args.workers),
+                            args.slots, args.block, args.seconds, args.warmup, threads)
+                    for threads in (args.threads if path != "python" else [1])]
+            # the reference: the row of one thread, else the first count given
+            one = next((r for r in mine if r["threads"] == 1), mine[0])
+            for row in mine:
                 row["wall_ratio"] = (row["packets_per_wall_s"] / one["packets_per_wall_s"]
                                      if one["packets_per_wall_s"] else 0.0)
                 row["core_ratio"] = (row["packets_per_core_s"] / one["packets_per_core_s"]

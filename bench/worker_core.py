@@ -3,9 +3,11 @@
 A switch in its own process, ``--workers`` worker processes on loopback; each
 runs ``--warmup`` then ``--repeats`` allreduces of ``--mib`` MiB of float32 (or
 int32), once with ``SWITCHML_PURE_PYTHON=1`` and once on the C engine.  Per
-engine it reports the slowest rank's median time per call and the workers' CPU
+engine it reports the slowest rank's median time per call and a worker's CPU
 (user + sys, of the whole worker process: the I/O thread is where the work is)
-per MiB summed, and writes everything as JSON.  With ``--density`` the calls are
+per MiB summed: each worker's median per call, the mean over the workers, over
+the MiB of a call; it checks each rank's last result against the exact sum
+(failing on a wrong one) and writes everything as JSON.  With ``--density`` the calls are
 sparse (OmniReduce) on block-sparse tensors of that block density.  With
 ``--threads N`` each rank sends with N I/O threads (``Worker(threads=N)``; the
 switch's data threads: ``--switch-threads``); goodput is each rank's, in MiB/s

@@ -531,6 +531,13 @@ def test_report_prints_a_training_run_as_its_table(tmp_path):
                           text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "| 4 | digits switchml | 316 (319, 313, 316) | 1.33x | 202.5 | 92% |" in done.stdout
+    # a core bench's JSON, or none: refused in a sentence (KeyError, IndexError before)
+    core = tmp_path / "core.json"
+    core.write_text(json.dumps({"machine": {}, "args": {}, "rows": [{"mtu": 1500}]}))
+    for argv in ([str(core)], []):
+        done = subprocess.run([sys.executable, "bench/report.py", *argv], capture_output=True,
+                              text=True, timeout=60, cwd=ROOT)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
 
 
 def test_first_send_bench_times_both_calls_and_each_build(tmp_path):
