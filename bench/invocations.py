@@ -53,7 +53,9 @@ def summarize_runs(runs: list) -> list:
                     "run_medians_s": times, "of_bound": bound / median if bound else None,
                     "retransmissions_per_worker": statistics.median(
                         [r["retransmissions_per_worker"] or 0 for r in rows]),
-                    "checked": all(r["checked"] is not False for r in rows),
+                    # False: a run's sums failed the check; None: no run's was checked
+                    "checked": (False if any(r["checked"] is False for r in rows) else
+                                True if any(r["checked"] for r in rows) else None),
                     "ranks_bit_identical": all(r["ranks_bit_identical"] for r in rows)})
     def medians(system):
         return {(r["workers"], r["size_mib"], r["device"]): r["median_s"] for r in out
@@ -67,6 +69,14 @@ def summarize_runs(runs: list) -> list:
             r["speedup_over_gloo_fp16"] = h / r["median_s"]
     return sorted(out, key=lambda r: (r["device"], r["workers"], r["size_mib"], r["system"],
                                       r["density"] or 0))
+
+
+def check_cell(row: dict) -> str:
+    """FAIL where a run's sums failed their check or the ranks' results differed;
+    ``-`` where no run's sums were checked (--no-check); ok otherwise."""
+    if row["checked"] is False or not row["ranks_bit_identical"]:
+        return "FAIL"
+    return "-" if row["checked"] is None else "ok"
 
 
 def format_summary(rows: list) -> str:
@@ -86,7 +96,7 @@ def format_summary(rows: list) -> str:
             f"{speedup:>8} "
             f"{r['retransmissions_per_worker']:>6.1f} "
             f"{faults:>6} "
-            f"{'ok' if r['checked'] and r['ranks_bit_identical'] else 'FAIL'}"
+            f"{check_cell(r)}"
             + (f"  {r['speedup_over_gloo_fp16']:.2f}x gloo-fp16"
                if r.get("speedup_over_gloo_fp16") else ""))
     return "\n".join(lines)

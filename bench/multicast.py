@@ -17,11 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import struct
 import subprocess
 import sys
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from switchml.bench.common import at_least, within  # noqa: E402
 
 GROUP = "239.77.0.1"
 PORT = 7399
@@ -81,12 +88,13 @@ def sender(mode: str, targets: list, size: int, count: int, iface_ip: str | None
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--receivers", type=int, default=4)
-    p.add_argument("--mib", type=float, default=64.0, help="data each receiver gets")
-    p.add_argument("--size", type=int, default=8320, help="datagram bytes")
+    p.add_argument("--receivers", type=at_least(1), default=4)
+    p.add_argument("--mib", type=within(0, above_low=True), default=64.0,
+                   help="data each receiver gets")
+    p.add_argument("--size", type=at_least(1), default=8320, help="datagram bytes")
     p.add_argument("--testbed", action="store_true", help="receivers in host namespaces")
     p.add_argument("--link", default="1gbit")
-    p.add_argument("--mtu", type=int, default=None)
+    p.add_argument("--mtu", type=at_least(68), default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--role", choices=["receiver", "sender"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
@@ -101,7 +109,11 @@ def main(argv=None) -> int:
                                 spec["size"], spec["count"], spec["iface"])), flush=True)
         return 0
 
+    if args.size > 65507:
+        p.error(f"--size {args.size}: a UDP datagram holds 65507 bytes at most")
     count = int(args.mib * 2**20) // args.size
+    if count < 1:
+        p.error(f"--mib {args.mib:g}: less than one datagram of {args.size} bytes")
     rows = []
     if args.testbed:
         from switchml.testbed import Testbed

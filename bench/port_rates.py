@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 
+from switchml.bench.common import within
 from switchml.testbed.netns import parse_rate
 
 
@@ -74,6 +75,8 @@ def idle_gaps(rows: list[list[float]], min_gap: float) -> list[tuple[float, floa
         if idle_since is not None and still_at - idle_since >= min_gap:
             gaps.append((idle_since - rows[0][0], still_at - idle_since))
         idle_since = None
+    if idle_since is not None and still_at - idle_since >= min_gap:  # idle to the end
+        gaps.append((idle_since - rows[0][0], still_at - idle_since))
     return gaps
 
 
@@ -91,17 +94,27 @@ def main(argv=None) -> None:
     p.add_argument("--netns", help="sample inside this network namespace (ip netns exec)")
     p.add_argument("--ports", nargs="+", required=True)
     p.add_argument("--link", default="1gbit", help="the ports' rate (tc's units)")
-    p.add_argument("--seconds", type=float, default=8.0)
-    p.add_argument("--gap", type=float, default=2.0, help="least idle stretch shown, ms")
+    p.add_argument("--seconds", type=within(0, above_low=True), default=8.0)
+    p.add_argument("--gap", type=within(0), default=2.0, help="least idle stretch shown, ms")
     p.add_argument("--out", help="write the samples and the summary as JSON")
     args = p.parse_args(argv)
-    if args.netns:
-        rest = [a for a in (argv if argv is not None else sys.argv[1:])]
-        i = rest.index("--netns")
-        del rest[i:i + 2]
+    if args.netns:  # the same arguments but --netns NS (or --netns=NS), inside NS
+        rest = list(argv if argv is not None else sys.argv[1:])
+        for i, a in enumerate(rest):
+            if a == "--netns":
+                del rest[i:i + 2]
+                break
+            if a.startswith("--netns="):
+                del rest[i]
+                break
         sys.exit(subprocess.call(["ip", "netns", "exec", args.netns, sys.executable,
                                   os.path.abspath(__file__), *rest]))
+    missing = [port for port in args.ports if not os.path.isdir(f"/sys/class/net/{port}")]
+    if missing:
+        p.error(f"--ports: no such interface here: {' '.join(missing)}")
     rows = sample(args.ports, args.seconds)
+    if len(rows) < 2:
+        sys.exit(f"port_rates: {len(rows)} sample(s) in {args.seconds:g} s: nothing to compare")
     gaps = idle_gaps(rows, args.gap / 1e3)
     loads = shares(rows, parse_rate(args.link))
     for port, (up, down) in zip(args.ports, loads):

@@ -59,6 +59,12 @@ def density_table(data: dict) -> str:
 def main(path: str) -> None:
     with open(path) as f:
         data = json.load(f)
+    known = isinstance(data, dict) and "command" in data and (
+        "cluster" in data or "network" in data or "runs" in data and "elements" in data
+        or data.get("runs") and "backend" in data["runs"][0])
+    if not known:  # the core benches' and the probes' JSON: KeyError before
+        sys.exit(f"report.py: {path} is not a JSON it reads (those of switchml bench, "
+                 "bench/allreduce.py, bench/train.py and bench/ddp_resnet.py)")
     if "rows" in data:  # from `switchml bench` (switchml/bench/suite.py)
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
         from switchml.bench.suite import format_table
@@ -89,4 +95,6 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
+        sys.exit(__doc__)
     main(sys.argv[1])

@@ -32,6 +32,7 @@ import sys
 import time
 
 from switchml import wire
+from switchml.bench.common import at_least, within
 from switchml.netutil import enlarge_buffers
 
 SOL_UDP = 17
@@ -93,26 +94,38 @@ def send(dest: str, mode: str, total: int, mtu: int) -> None:
 
 def run_pair(receiver_cmd, sender_cmd) -> tuple[dict, dict]:
     rx = subprocess.Popen(receiver_cmd, stdout=subprocess.PIPE, text=True)
-    assert rx.stdout.readline().strip() == "ready"
-    tx = json.loads(subprocess.run(sender_cmd, capture_output=True, text=True,
-                                   check=True).stdout)
-    got = json.loads(rx.stdout.readline())
-    rx.wait(timeout=30)
+    try:
+        if rx.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the receiver failed (exit code {rx.wait(30)})")
+        done = subprocess.run(sender_cmd, capture_output=True, text=True)
+        if done.returncode:  # its own error, not a CalledProcessError that hides it
+            raise RuntimeError(f"the sender failed (exit code {done.returncode}): "
+                               f"{done.stderr.strip()[-2000:]}")
+        tx = json.loads(done.stdout)
+        got = json.loads(rx.stdout.readline())
+        rx.wait(timeout=30)
+    finally:  # (a failure, TERM or Ctrl-C) the receiver does not wait on
+        if rx.poll() is None:
+            rx.kill()
+            rx.wait()
     return tx, got
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mib", type=float, default=256)
-    p.add_argument("--modes", nargs="+", default=["datagram", "mtu", "gso"])
+    p.add_argument("--mib", type=within(0, above_low=True), default=256)
+    p.add_argument("--modes", nargs="+", choices=["datagram", "mtu", "gso"],
+                   default=["datagram", "mtu", "gso"])
     p.add_argument("--testbed", action="store_true", help="two namespaces over a veth pair")
-    p.add_argument("--mtu", type=int, default=None,
+    p.add_argument("--mtu", type=at_least(68), default=None,
                    help="MTU (testbed: the links'; loopback: the segment size; default 9000)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=at_least(1), default=3)
     p.add_argument("--out", default=None)
     p.add_argument("--role", choices=["send", "receive"], help=argparse.SUPPRESS)
     p.add_argument("--peer", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.mtu and args.mtu > 65535:
+        p.error(f"--mtu {args.mtu}: give 68 to 65535")
     total = int(args.mib * 2**20)
     mtu = args.mtu or 9000
     here = [sys.executable, os.path.abspath(__file__)]

@@ -48,8 +48,10 @@ import argparse
 import ctypes
 import json
 import multiprocessing
+import multiprocessing.connection
 import os
 import resource
+import statistics
 import sys
 import time
 
@@ -61,6 +63,7 @@ if ROOT not in sys.path:
 
 from bench.switch_core import packet_elements_for, write_rows  # noqa: E402
 from switchml import wire  # noqa: E402
+from switchml.bench.common import at_least, within  # noqa: E402
 from switchml.switch.xdp import loader as xdp_loader  # noqa: E402
 from switchml.switch.xdp import pipeline as xdp  # noqa: E402
 
@@ -115,7 +118,8 @@ def _runner(prog_fd, cpu, me, frames, start, deadline, meeting, conn):
     """One process on CPU ``cpu``: passes over ``frames`` until ``deadline``
     (with a ``meeting``: every pass meeting the other process's, until the pass
     at whose end process 0, the leader, is past the deadline).  Sends back
-    (passes, runs, program ns, CPU s, wall s, actions)."""
+    (passes, runs, program ns, CPU s, wall s, actions, the first pass's results:
+    the frames the program passed up)."""
     try:
         os.sched_setaffinity(0, {cpu})
         lib = xdp_loader.libbpf()
@@ -132,6 +136,7 @@ def _runner(prog_fd, cpu, me, frames, start, deadline, meeting, conn):
         refs = [ctypes.byref(o) for o in opts]
         msgs = frames[:, MSG_AT:MSG_AT + 4].view(np.uint32)
         actions = [0] * 5
+        results = []  # the first pass's, for the parent to check
         passes = runs = ns = 0
         where = "before the first pass"
         time.sleep(max(0.0, start - time.monotonic()))
@@ -146,6 +151,8 @@ def _runner(prog_fd, cpu, me, frames, start, deadline, meeting, conn):
                     raise OSError(-rc, "BPF_PROG_TEST_RUN")
                 ns += o.duration
                 actions[o.retval] += 1
+                if not passes and o.retval == xdp.XDP_PASS:
+                    results.append(out.raw[:o.data_size_out])
             runs += len(opts)
             passes += 1
             where = f"after pass {passes}, {time.monotonic() - t0:.3f} s in"
@@ -161,7 +168,7 @@ def _runner(prog_fd, cpu, me, frames, start, deadline, meeting, conn):
                     break
         t1, usage1 = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
         cpu_s = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
-        conn.send((passes, runs, ns, cpu_s, t1 - t0, actions))
+        conn.send((passes, runs, ns, cpu_s, t1 - t0, actions, results))
     except BaseException as exc:  # the parent reports it, and where it came
         if meeting is not None:  # the other process must not wait its 30 s for this one
             meeting.failed.value = 1
@@ -169,6 +176,46 @@ def _runner(prog_fd, cpu, me, frames, start, deadline, meeting, conn):
 
 
 _AFFINITY = set(os.sched_getaffinity(0))
+
+
+def exact_sums(frames) -> dict:
+    """(slot, msg): the int32 sum of the contributions among ``frames`` (every
+    process's frames, as built: the values of their first pass)."""
+    sums: dict = {}
+    for frame in frames:
+        _, _, payload = xdp.parse_udp_frame(bytes(frame))
+        h = wire.decode_header(payload)
+        values = wire.values(payload, h.lanes, h.count).astype(np.int64)
+        key = (h.slot, h.msg)
+        sums[key] = sums[key] + values if key in sums else values
+    return {k: v.astype(np.int32) for k, v in sums.items()}
+
+
+def check_results(results: list, sums: dict) -> list:
+    """What is wrong with the result frames ``results`` of a first pass that
+    completed every (slot, msg) of ``sums`` once: an empty list when each is there,
+    once, with the exact sum."""
+    wrong, seen = [], set()
+    for frame in results:
+        _, _, payload = xdp.parse_udp_frame(frame)
+        try:
+            h = wire.decode_header(payload)
+        except wire.MalformedPacket as exc:
+            wrong.append(f"a malformed result ({exc})")
+            continue
+        key = (h.slot, h.msg)
+        if h.kind != wire.KIND_RESULT or key not in sums or key in seen:
+            wrong.append(f"an unexpected frame (kind {h.kind}, slot {h.slot}, msg {h.msg})")
+            continue
+        seen.add(key)
+        got = wire.values(payload, h.lanes, h.count)
+        if got.shape != sums[key].shape or not np.array_equal(got, sums[key]):
+            wrong.append(f"slot {h.slot} msg {h.msg}: not the sum")
+    missing = sorted(set(sums) - seen)
+    if missing:
+        wrong.append(f"no result for {len(missing)} of {len(sums)} (slot, msg), "
+                     f"first {missing[0]}")
+    return wrong
 
 
 def _duration(p, frame: bytes, repeat: int) -> int:
@@ -182,6 +229,21 @@ def _duration(p, frame: bytes, repeat: int) -> int:
     if rc:
         raise OSError(-rc, "BPF_PROG_TEST_RUN")
     return opts.duration
+
+
+class WrongSums(RuntimeError):
+    """The program's results are not the sums of the contributions."""
+
+
+def _answer(pipe, child, cpu):
+    """A runner's answer, or RuntimeError naming it and its exit code once it died."""
+    multiprocessing.connection.wait([pipe, child.sentinel])
+    try:
+        return pipe.recv()
+    except EOFError:
+        child.join(1)
+        raise RuntimeError(f"the runner on CPU {cpu} (pid {child.pid}) died "
+                           f"(exit code {child.exitcode})") from None
 
 
 def measure(mtu: int, cpus: int, share: str, workers: int, slots: int, block: int,
@@ -209,32 +271,48 @@ def measure(mtu: int, cpus: int, share: str, workers: int, slots: int, block: in
             plans = [(list(range(slots))[i::2], list(range(workers))) for i in range(2)]
         else:
             plans = [(list(range(slots)), list(range(workers))[i::2]) for i in range(2)]
+        pipes, children = [], []
         ctx = multiprocessing.get_context("fork")  # the children use the loaded program's fd
         meeting = PassMeeting(ctx) if cpus > 1 and share == "same" else None
         start = time.monotonic() + 0.3
-        pipes, children = [], []
-        for me, (cpu, (slots_of, ranks)) in enumerate(zip(mine, plans)):
-            frames = _frames(p, addresses, slots_of, ranks, packet_elements, block)
-            here, there = ctx.Pipe(duplex=False)
-            child = ctx.Process(target=_runner, args=(
-                p._prog.prog_fd, cpu, me, frames, start, start + seconds, meeting, there))
-            child.start()
-            pipes.append(here)
-            children.append(child)
-        answers = [pipe.recv() for pipe in pipes]
-        for child in children:
-            child.join(timeout=30)
+        every = [_frames(p, addresses, slots_of, ranks, packet_elements, block)
+                 for slots_of, ranks in plans]
+        sums = exact_sums(np.concatenate(every))
+        try:
+            for me, (cpu, frames) in enumerate(zip(mine, every)):
+                here, there = ctx.Pipe(duplex=False)
+                child = ctx.Process(target=_runner, args=(
+                    p._prog.prog_fd, cpu, me, frames, start, start + seconds, meeting, there))
+                child.start()
+                there.close()  # the runner's alone: EOF once it dies
+                pipes.append(here)
+                children.append(child)
+            answers = [_answer(pipe, child, cpu) for pipe, child, cpu
+                       in zip(pipes, children, mine)]
+            for child in children:
+                child.join(timeout=30)
+        finally:  # (a failure, TERM or Ctrl-C) no runner goes on spinning the program
+            for child in children:
+                if child.is_alive():
+                    child.terminate()
+                child.join(5)
+            for pipe in pipes:
+                pipe.close()
         failures = [a for a in answers if isinstance(a[0], BaseException)]
         if failures:  # the cause first, not the failed meeting it left the other process
             failures.sort(key=lambda f: "the other process failed" in str(f[0]))
             raise RuntimeError("; ".join(f"{where}: {exc!r}" for exc, where in failures)) \
                 from failures[0][0]
+        wrong = check_results([f for a in answers for f in a[6]], sums)
+        if wrong:
+            raise WrongSums(f"MTU {mtu}, {cpus} CPU(s) {share}: the first pass's results: "
+                            + "; ".join(wrong[:5]) + (" ..." if len(wrong) > 5 else ""))
         p.sync_counters()
         c = p.jobs[SESSION].counters
         if cpus == 1:  # the per-call cost: a frame (stale by now: its set moved on), alone or
             # repeated
             os.sched_setaffinity(0, {mine[0]})
-            last = bytes(frames[-1])
+            last = bytes(every[-1][-1])
             alone = sorted(_duration(p, last, 1) for _ in range(2001))[1000]
             row["stale_ns_alone"] = alone
             row["stale_ns_repeated"] = _duration(p, last, 100_000)
@@ -257,6 +335,7 @@ def measure(mtu: int, cpus: int, share: str, workers: int, slots: int, block: in
         gbit_per_harness_core_s=bits / cpu_s / 1e9 if cpu_s else 0.0,
         gbit_per_wall_s=bits / wall / 1e9 if wall else 0.0,
         contributions_per_wall_s=added / wall if wall else 0.0,
+        results_checked=sum(len(a[6]) for a in answers),
         per_cpu=[dict(zip(("passes", "runs", "program_ns", "cpu_s", "wall_s"), a[:5]),
                       actions=dict(zip(xdp.ACTIONS.values(), a[5]))) for a in answers])
 
@@ -280,16 +359,24 @@ def read_runs(paths: list) -> list:
     return runs
 
 
-def median_cells(runs: list, i: int, columns: list) -> list:
-    """Row ``i``'s cells for ``columns`` (key, title, format): each the median of
-    the invocations' figures in bold, theirs beside it; "-" where one lacks it."""
+def row_key(row: dict) -> tuple:
+    """What makes a row the same case in every invocation: its MTU, CPUs and share."""
+    return row["mtu"], row["cpus"], row.get("share", "-")
+
+
+def median_cells(runs: list, row: dict, columns: list) -> list:
+    """The cells of ``row``'s case (``row_key``: its row in each invocation, wherever
+    it lies there) for ``columns`` (key, title, format): each the median of the
+    invocations' figures (the mean of the middle two for an even count) in bold,
+    theirs beside it; "-" where one lacks it."""
+    same = [next((r for r in run if row_key(r) == row_key(row)), {}) for run in runs]
     cells = []
     for key, _, fmt in columns:
-        values = [r[i].get(key) for r in runs]
+        values = [r.get(key) for r in same]
         if any(v is None for v in values):
             cells.append("-")
             continue
-        mid = sorted(values)[len(values) // 2]
+        mid = statistics.median(values)
         cells.append(f"**{fmt.format(mid)}** ({', '.join(fmt.format(v) for v in values)})")
     return cells
 
@@ -300,28 +387,39 @@ def median_table(paths: list) -> str:
     runs = read_runs(paths)
     header = ["MTU", "datagram B", "CPUs", "slots"] + [c[1] for c in MEDIAN_COLUMNS]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for i, row in enumerate(runs[0]):
+    for row in runs[0]:
         cells = [str(row["mtu"]), str(row["packet_bytes"]),
                  f"{row['cpus']}" + (f" ({row['share']})" if row["cpus"] > 1 else ""),
                  str(row["slots"])]
         if "refused" in row:
             lines.append("| " + " | ".join(cells + ["refused"] + [""] * (len(header) - 5)) + " |")
             continue
-        lines.append("| " + " | ".join(cells + median_cells(runs, i, MEDIAN_COLUMNS)) + " |")
+        lines.append("| " + " | ".join(cells + median_cells(runs, row, MEDIAN_COLUMNS)) + " |")
     return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser, cpus_help: str | None = None) -> None:
     """The arguments the XDP benches share (this one and xdp_driver.py)."""
-    parser.add_argument("--mtu", type=int, nargs="+", default=[1500, 9000])
-    parser.add_argument("--cpus", type=int, nargs="+", default=[1, 2], help=cpus_help)
-    parser.add_argument("--workers", type=int, default=4, help="ranks of the job")
-    parser.add_argument("--slots", type=int, default=64, help="the job's window")
-    parser.add_argument("--block", type=int, default=256, help="values per block")
-    parser.add_argument("--seconds", type=float, default=3.0, help="measured, per row")
+    parser.add_argument("--mtu", type=at_least(68), nargs="+", default=[1500, 9000])
+    parser.add_argument("--cpus", type=at_least(1), nargs="+", default=[1, 2], help=cpus_help)
+    parser.add_argument("--workers", type=at_least(1), default=4, help="ranks of the job")
+    parser.add_argument("--slots", type=at_least(1), default=64, help="the job's window")
+    parser.add_argument("--block", type=at_least(1), default=256, help="values per block")
+    parser.add_argument("--seconds", type=within(0, above_low=True), default=3.0,
+                        help="measured, per row")
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--median", nargs="+", metavar="JSON",
                         help="print the medians of these invocations' files; nothing run")
+
+
+def check_frames(parser: argparse.ArgumentParser, args) -> None:
+    """A parser error for an MTU whose frame holds no block of ``--block`` values
+    (it was a traceback in the first row that met it)."""
+    for mtu in args.mtu:
+        try:
+            packet_elements_for(mtu, args.block)
+        except ValueError as e:
+            parser.error(str(e))
 
 
 def main(argv=None) -> list[dict]:
@@ -330,6 +428,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--share", nargs="+", choices=["disjoint", "same"],
                         default=["disjoint", "same"], help="two CPUs: whose slots")
     args = parser.parse_args(argv)
+    check_frames(parser, args)
     if not set(args.cpus) <= {1, 2}:
         parser.error("--cpus: 1 or 2 (bench/xdp_driver.py takes more)")
     if args.median:
@@ -372,4 +471,9 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    from switchml.testbed.core import signals_end_the_run
+    with signals_end_the_run():  # TERM or HUP: the runners go, as on Ctrl-C
+        try:
+            main()
+        except WrongSums as e:
+            sys.exit(f"xdp_core: wrong sums: {e}")

@@ -53,7 +53,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from bench.switch_core import packet_elements_for, write_rows  # noqa: E402
-from bench.xdp_core import add_arguments, median_cells, read_runs  # noqa: E402
+from bench.xdp_core import add_arguments, check_frames, median_cells, read_runs  # noqa: E402
 from switchml import wire  # noqa: E402
 from switchml.switch.xdp import loader as xdp_loader  # noqa: E402
 from switchml.switch.xdp import pipeline as xdp  # noqa: E402
@@ -88,7 +88,10 @@ def send(index: int, port: int, workers: int, slots: int, packet_elements: int, 
          seconds: float) -> None:
     """Sender ``index``, in its namespace, on the CPU it was started on: passes over
     the slots of job ``index``, every rank's message to each, the message number
-    one more each pass; prints the datagrams sent."""
+    one more each pass; prints the datagrams sent, the seconds it sent them in (its
+    own: not its interpreter's start), and the results its ranks' sockets hold
+    then, checked against the exact sums (every message of a slot has the same
+    values, so every result of a slot the same sum)."""
     size = wire.packet_size(packet_elements // block, packet_elements)
     per_send = max(1, min(64, 65000 // size))  # a GSO run's datagrams
     socks, bodies = [], []
@@ -103,7 +106,8 @@ def send(index: int, port: int, workers: int, slots: int, packet_elements: int, 
     msg_fields = [np.frombuffer(b, np.uint8).reshape(slots, size)[:, 12:16] for b in bodies]
     segment = [(socket.SOL_UDP, UDP_SEGMENT, size.to_bytes(2, sys.byteorder))]
     sent = msg = refused = 0
-    end = time.monotonic() + seconds
+    start = time.monotonic()
+    end = start + seconds
     while time.monotonic() < end:
         for s, body, field in zip(socks, bodies, msg_fields):
             field[:] = np.frombuffer(np.uint32(msg).tobytes(), np.uint8)  # header.msg
@@ -119,7 +123,37 @@ def send(index: int, port: int, workers: int, slots: int, packet_elements: int, 
                         time.sleep(0.0001)
                 sent += n
         msg += 1
-    print(json.dumps({"sent": sent, "passes": msg, "refused": refused}), flush=True)
+    sending_s = time.monotonic() - start
+    lanes = packet_elements // block
+    exact = np.sum([[wire.values(bytes(b[i * size:(i + 1) * size]), lanes, packet_elements)
+                     for i in range(slots)] for b in bodies], axis=0, dtype=np.int64)
+    exact = exact.astype(np.int32)
+    checked, wrong = 0, []
+    time.sleep(0.05)  # the last results on their way
+    for s in socks:
+        s.setblocking(False)
+        while True:
+            try:
+                data = s.recv(65536)
+            except BlockingIOError:
+                break
+            checked += 1
+            try:
+                h = wire.decode_header(data)
+            except wire.MalformedPacket as exc:
+                wrong.append(f"a malformed datagram ({exc})")
+                continue
+            j = h.slot - index * slots
+            if h.kind != wire.KIND_RESULT or not 0 <= j < slots or not np.array_equal(
+                    wire.values(data, h.lanes, h.count), exact[j]):
+                wrong.append(f"slot {h.slot} msg {h.msg} (kind {h.kind})")
+    print(json.dumps({"sent": sent, "passes": msg, "refused": refused, "seconds": sending_s,
+                      "results_checked": checked, "results_wrong": wrong[:5],
+                      "results_wrong_count": len(wrong)}), flush=True)
+
+
+class WrongSums(RuntimeError):
+    """The results the ranks read are not the sums of their contributions."""
 
 
 def inside(mtu: int, dev: str, cpus: list, workers: int, slots: int, block: int,
@@ -153,16 +187,21 @@ def inside(mtu: int, dev: str, cpus: list, workers: int, slots: int, block: int,
                 before.update(p.jobs[session].counters)
             ns0, runs0 = xdp_loader.run_time(prog_fd)
             t0 = time.monotonic()
-            senders = [subprocess.Popen(
-                ["ip", "netns", "exec", f"{PREFIX}-w", "taskset", "-c", str(cpu),
-                 sys.executable, __file__, "--send", str(i), str(p.port), str(workers),
-                 str(slots), str(packet_elements), str(block), str(seconds)],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                for i, cpu in enumerate(cpus)]
+            senders = []
+            for i, cpu in enumerate(cpus):
+                senders.append(subprocess.Popen(
+                    ["ip", "netns", "exec", f"{PREFIX}-w", "taskset", "-c", str(cpu),
+                     sys.executable, __file__, "--send", str(i), str(p.port), str(workers),
+                     str(slots), str(packet_elements), str(block), str(seconds)],
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
             answers = [sender.communicate(timeout=seconds + 60) for sender in senders]
             wall = time.monotonic() - t0
             ns1, runs1 = xdp_loader.run_time(prog_fd)
-        finally:
+        finally:  # (a failure, TERM or Ctrl-C) no sender goes on
+            for sender in senders if "senders" in locals() else []:
+                if sender.poll() is None:
+                    sender.terminate()
+                    sender.wait()
             os.close(stats_fd)
         for sender, (_, err) in zip(senders, answers):
             if sender.returncode:
@@ -182,15 +221,24 @@ def inside(mtu: int, dev: str, cpus: list, workers: int, slots: int, block: int,
         "dropped_stale", "dropped_mismatch", "duplicates", "retransmissions_answered"))
     ns, runs = ns1 - ns0, runs1 - runs0
     bits = added * size * 8
-    offered = sum(json.loads(out)["sent"] for out, _ in answers)
+    sent = [json.loads(out) for out, _ in answers]
+    wrong = [w for a in sent for w in a["results_wrong"]]
+    if wrong or not sum(a["results_checked"] for a in sent):
+        raise WrongSums(f"MTU {mtu}, {len(cpus)} CPU(s): "
+                        + (f"{sum(a['results_wrong_count'] for a in sent)} of the results the "
+                           f"ranks read are not the sums ({', '.join(wrong)})" if wrong
+                           else "the ranks read no result"))
     return dict(row, runs=runs, contributions_added=added,
                 admitted_per_cpu=per_cpu, results_completed=c["results_completed"],
                 dropped={k: v for k, v in c.items() if k.startswith("dropped_") and v},
                 program_s=ns / 1e9, wall_s=wall,
                 program_ns_per_frame=ns / runs if runs else 0.0,
                 gbit_per_program_core_s=bits / ns if ns else 0.0,
-                offered_gbit_s=offered * size * 8 / wall / 1e9,
-                sends_refused=sum(json.loads(out)["refused"] for out, _ in answers))
+                # each sender's datagrams over its own sending time (the wall time
+                # included the senders' interpreters starting)
+                offered_gbit_s=sum(a["sent"] / a["seconds"] for a in sent) * size * 8 / 1e9,
+                results_checked=sum(a["results_checked"] for a in sent),
+                sends_refused=sum(a["refused"] for a in sent))
 
 
 def measure(mtu: int, cpus: int, workers: int, slots: int, block: int,
@@ -225,10 +273,26 @@ def measure(mtu: int, cpus: int, workers: int, slots: int, block: int,
         for queue, cpu in enumerate(mine if cpus > 1 else []):
             netns.sh(["ip", "netns", "exec", snd, "sh", "-c",
                       f"echo {1 << cpu:x} > /sys/class/net/xw/queues/tx-{queue}/xps_cpus"])
-        done = netns.sh(["ip", "netns", "exec", sw, sys.executable, __file__, "--inside",
-                         str(mtu), "xs", ",".join(map(str, mine)), str(workers), str(slots),
-                         str(block), str(seconds)], timeout=seconds + 120)
-        row = json.loads(done.stdout.strip().splitlines()[-1])
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", sw, sys.executable, __file__, "--inside", str(mtu), "xs",
+             ",".join(map(str, mine)), str(workers), str(slots), str(block), str(seconds)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = proc.communicate(timeout=seconds + 120)
+        finally:  # (TERM, Ctrl-C, a timeout) it detaches its programs and ends its senders
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.communicate(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        if proc.returncode:
+            last = err.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+            if last[0].startswith("xdp_driver: wrong sums"):
+                raise WrongSums(last[0].split(": ", 2)[-1])
+            raise RuntimeError(f"the measurement in {sw} failed: {err[-2000:]}")
+        row = json.loads(out.strip().splitlines()[-1])
         # frames the veth dropped before the program saw them (its ring full), and
         # datagrams the senders' own stack dropped (a send the kernel answered with
         # ENOBUFS, which a socket without IP_RECVERR counts and does not report)
@@ -251,9 +315,9 @@ def median_table(paths: list) -> str:
                ("offered_gbit_s", "Gbit/s offered", "{:.2f}")]
     header = ["MTU", "datagram B", "CPUs"] + [c[1] for c in columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for i, row in enumerate(runs[0]):
+    for row in runs[0]:
         cells = [str(row["mtu"]), str(row["packet_bytes"]), str(row["cpus"])]
-        lines.append("| " + " | ".join(cells + median_cells(runs, i, columns)) + " |")
+        lines.append("| " + " | ".join(cells + median_cells(runs, row, columns)) + " |")
     return "\n".join(lines)
 
 
@@ -266,14 +330,16 @@ def main(argv=None) -> list[dict]:
     if argv[:1] == ["--inside"]:
         mtu, dev, cpus = int(argv[1]), argv[2], [int(c) for c in argv[3].split(",")]
         workers, slots, block = map(int, argv[4:7])
-        print(json.dumps(inside(mtu, dev, cpus, workers, slots, block, float(argv[7]))))
+        try:
+            print(json.dumps(inside(mtu, dev, cpus, workers, slots, block, float(argv[7]))))
+        except WrongSums as e:
+            sys.exit(f"xdp_driver: wrong sums: {e}")
         return []
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_arguments(parser, "CPUs running the program at once, each on slots of its own "
                           "(each count a row)")
     args = parser.parse_args(argv)
-    if min(args.cpus) < 1:
-        parser.error("--cpus: counts of 1 or more")
+    check_frames(parser, args)
     if args.median:
         print(median_table(args.median))
         return []
@@ -300,4 +366,9 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    from switchml.testbed.core import signals_end_the_run
+    with signals_end_the_run():  # TERM or HUP: namespaces, programs, senders go, as on Ctrl-C
+        try:
+            main()
+        except WrongSums as e:
+            sys.exit(f"xdp_driver: wrong sums: {e}")

@@ -245,6 +245,11 @@ def test_invocations_take_the_median_of_the_runs_and_gloo_from_the_same():
     assert rows["switchml-dense"]["speedup_over_gloo"] == pytest.approx(1.0 / 0.6)
     assert rows["gloo"]["of_bound"] == pytest.approx(0.75)
     assert "1.67x" in format_summary(list(rows.values()))
+    # the check column: ok only where some run's sums were checked (--no-check: "-")
+    for checked, cell in (([True, None, None], " ok"), ([None, None, None], " -"),
+                          ([True, False, None], " FAIL")):
+        unchecked = [[dict(row("gloo", 1.0), checked=c)] for c in checked]
+        assert format_summary(summarize_runs(unchecked)).splitlines()[1].endswith(cell)
 
 
 @pytest.mark.alone  # a testbed or the XDP program: measured, not beside other tests
@@ -302,6 +307,8 @@ def test_xdp_core_bench_runs_with_tiny_settings(tmp_path):
         assert 0 <= r["contributions_added"] - 4 * r["results_completed"] <= 2 * r["slots"] * 3
         if r["share"] != "same":  # nothing stale, duplicate or dropped
             assert r["dropped"] == {} and r["contributions_added"] == r["runs"], r
+        # the first pass's results were checked against the exact sums: every slot's two
+        assert r["results_checked"] == 2 * r["slots"], r
     assert rows[3]["packet_bytes"] == 8320 and rows[0]["packet_bytes"] == 1068
     table = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "xdp_core.py"),
                             "--median", str(out), str(out), str(out)], check=True,
@@ -332,6 +339,8 @@ def test_xdp_driver_bench_runs_with_tiny_settings(tmp_path):
     assert [(r["mtu"], r["cpus"]) for r in rows] == [(m, c) for m in (1500, 9000) for c in cpus]
     for r in rows:
         assert r["contributions_added"] > 0, r
+        # the results the ranks' sockets held were read and were the exact sums
+        assert r["results_checked"] > 0, r
         # A frame the veth's ring dropped leaves its slot's round open: the sender,
         # which never retransmits, goes on to the next round, stale to the program.
         assert set(r["dropped"]) <= {"dropped_stale"}, json.dumps(r)
@@ -367,6 +376,120 @@ def test_switch_core_bench_runs_with_tiny_settings(tmp_path):
     for r in rows:
         assert r["packet_bytes"] <= 1500 - 28 and r["packets_in"] > 0
         assert r["results_completed"] > 0 and r["gbit_per_core_s"] > 0
+        assert r["results_checked"] > 0  # the results the ranks' sockets held: the sums
+    # a switch whose every result is off by one fails the bench (it exited 0)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "sitecustomize.py").write_text(BROKEN_SWITCH)
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "switch_core.py"),
+                           "--mtu", "1500", "--workers", "2", "--slots", "4", "--seconds", "0.2",
+                           "--warmup", "0.1", "--paths", "python"], capture_output=True,
+                          text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": f"{broken}{os.pathsep}{ROOT}"})
+    assert done.returncode == 1 and "not the sum" in done.stderr, done.stderr
+
+
+#: A sitecustomize.py that breaks the Python data plane: every result off by one.
+BROKEN_SWITCH = """from switchml.switch.dataplane import pipeline as p
+_complete = p.Pipeline._complete
+def wrong(self, job, v, slot):
+    job.values[v, slot] += 1
+    return _complete(self, job, v, slot)
+p.Pipeline._complete = wrong
+"""
+
+
+def _exits(code):
+    os._exit(code)
+
+
+def test_a_core_bench_names_a_process_that_died_instead_of_waiting_for_it():
+    """switch_core waited forever on a dead sender's pipe, worker_core 600 s on a
+    dead worker's report: both now fail at once, naming it and its exit code."""
+    import multiprocessing
+
+    from bench import switch_core, worker_core
+
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_exits, args=(3,))
+    proc.start()
+    child.close()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"sender 0 died \(exit code 3\)"):
+        switch_core._recv(parent, proc, "sender 0", 30)
+    here, there = ctx.Pipe(duplex=False)
+    worker = ctx.Process(target=_exits, args=(9,))
+    worker.start()
+    there.close()
+    with pytest.raises(worker_core.BenchFailed, match="worker 1 .* exited with code 9"):
+        worker_core.wait_for({"worker 1": here}, {"worker 1": worker}, timeout=30)
+    assert time.monotonic() - t0 < 10
+
+
+def test_worker_core_checks_each_ranks_sum_and_refuses_unknown_engines(tmp_path):
+    """bench/worker_core.py compares each rank's result with the exact sum: right
+    sums pass; a switch whose every result is off by one fails the bench (it
+    printed its rates and exited 0).  A misspelt engine is refused (it ran C)."""
+    bench = [sys.executable, os.path.join(ROOT, "bench", "worker_core.py"), "--mib", "0.06",
+             "--workers", "2", "--repeats", "1", "--warmup", "0", "--engines", "c",
+             "--json", str(tmp_path / "wc.json")]
+    env = {**os.environ, "PYTHONPATH": ROOT, "SWITCHML_PURE_PYTHON": "1"}
+    done = subprocess.run(bench, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    [row] = json.loads((tmp_path / "wc.json").read_text())["results"]
+    assert row["sums_ok"] == [True, True]
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "sitecustomize.py").write_text(BROKEN_SWITCH)
+    done = subprocess.run(bench, capture_output=True, text=True, timeout=120,
+                          env={**env, "PYTHONPATH": f"{broken}{os.pathsep}{ROOT}"})
+    assert done.returncode != 0 and "wrong sums: c rank 0" in done.stderr, done.stderr
+    done = subprocess.run(bench[:-4] + ["--engines", "c,pyhton"], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert done.returncode == 2 and "--engines: c,pyhton" in done.stderr, done.stderr
+
+
+def test_xdp_medians_match_rows_by_case_and_average_the_middle_two(tmp_path):
+    """--median of xdp_core.py and xdp_driver.py: an even count's median is the
+    mean of the middle two (it was the upper one), and rows are matched by MTU,
+    CPUs and share, wherever they lie in each file (row i of every file was taken)."""
+    from bench import xdp_core, xdp_driver
+
+    def row(mtu, ns, cpus=1, share="-"):
+        return {"mtu": mtu, "cpus": cpus, "share": share, "packet_bytes": mtu - 400,
+                "slots": 4, "program_ns_per_frame": ns}
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"rows": [row(1500, 500), row(9000, 2000)]}))
+    b.write_text(json.dumps({"rows": [row(9000, 3000), row(1500, 700)]}))
+    for table in (xdp_core.median_table([str(a), str(b)]),
+                  xdp_driver.median_table([str(a), str(b)])):
+        lines = table.splitlines()
+        assert "| **600** (500, 700) |" in lines[2] and lines[2].startswith("| 1500 |")
+        assert "| **2500** (2000, 3000) |" in lines[3] and lines[3].startswith("| 9000 |")
+
+
+@pytest.mark.parametrize("bench, flags", [
+    ("switch_core.py", ["--senders", "0"]), ("switch_core.py", ["--seconds", "-1"]),
+    ("switch_core.py", ["--mtu", "100"]), ("worker_core.py", ["--mib", "0"]),
+    ("worker_core.py", ["--workers", "0"]), ("worker_core.py", ["--repeats", "0"]),
+    ("worker_core.py", ["--threads", "0"]), ("worker_core.py", ["--density", "1.5"]),
+    ("udp_paths.py", ["--modes", "foo"]), ("udp_paths.py", ["--mtu", "70000"]),
+    ("udp_paths.py", ["--mib", "0"]), ("multicast.py", ["--size", "0"]),
+    ("multicast.py", ["--mib", "0.001"]), ("multicast.py", ["--receivers", "0"]),
+    ("xdp_core.py", ["--block", "0"]), ("xdp_core.py", ["--mtu", "100"]),
+    ("xdp_driver.py", ["--seconds", "0"]), ("xdp_driver.py", ["--mtu", "100"]),
+    ("port_rates.py", ["--ports", "lo", "--seconds", "0"]),
+    ("port_rates.py", ["--ports", "no-such-port"])])
+def test_the_core_benches_refuse_flags_that_measure_nothing(bench, flags):
+    """Counts, sizes, seconds and densities out of their range are argparse errors
+    naming the flag, before anything runs (they ran and printed zeros, or ended
+    in a traceback)."""
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", bench), *flags],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert done.returncode == 2 and "error:" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_port_rates_finds_the_idle_stretches_and_the_links_shares(tmp_path):
@@ -384,6 +507,9 @@ def test_port_rates_finds_the_idle_stretches_and_the_links_shares(tmp_path):
     assert len(gaps) == 1
     assert gaps[0][0] == pytest.approx(0.010) and gaps[0][1] == pytest.approx(0.006)
     assert port_rates.idle_gaps(rows, 0.007) == []
+    # a stretch that lasts to the end of the sampling counts too (it was never reported)
+    assert port_rates.idle_gaps(rows[:16], 0.002) == [(pytest.approx(0.010),
+                                                       pytest.approx(0.005))]
     for uplink, downlink in port_rates.shares(rows, 1e9):
         assert uplink == pytest.approx(14 / 20) and downlink == pytest.approx(7 / 20)
     # the real counters of this namespace's loopback, for a moment
@@ -405,6 +531,13 @@ def test_report_prints_a_training_run_as_its_table(tmp_path):
                           text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert "| 4 | digits switchml | 316 (319, 313, 316) | 1.33x | 202.5 | 92% |" in done.stdout
+    # a core bench's JSON, or none: refused in a sentence (KeyError, IndexError before)
+    core = tmp_path / "core.json"
+    core.write_text(json.dumps({"machine": {}, "args": {}, "rows": [{"mtu": 1500}]}))
+    for argv in ([str(core)], []):
+        done = subprocess.run([sys.executable, "bench/report.py", *argv], capture_output=True,
+                              text=True, timeout=60, cwd=ROOT)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
 
 
 def test_first_send_bench_times_both_calls_and_each_build(tmp_path):
