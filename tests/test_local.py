@@ -549,6 +549,9 @@ import signal, sys, threading, time
 from switchml.worker.local import memory
 from test_local import _header
 ops = memory.OPS if sys.argv[1] == "c" else memory.REFERENCE
+# Ctrl-C's own handler, whatever this process inherited (a background job's shell
+# starts its children with SIGINT ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 layout, header = _header()
 records = [layout.record(j, 0) for j in range(2)]
 threading.Timer(0.2, signal.raise_signal, (signal.SIGINT,)).start()

@@ -235,8 +235,10 @@ def test_a_done_callback_may_queue_calls_and_close_but_not_wait(switch):
             if rank == 0:
                 w.close()
 
-        first = w.allreduce_async(np.ones(4, np.float32))
+        registered = threading.Event()  # the call waits for its callback to be set
+        first = w.allreduce_async(np.ones(4, np.float32), ready=registered.wait)
         first.add_done_callback(callback)
+        registered.set()
         assert (first.wait(10) == 2.0).all()
         result = seen_first(seen).wait(10)
         if rank == 0:  # closed by the callback: the thread leaves after the queued call
