@@ -853,9 +853,11 @@ def test_a_close_in_a_done_callback_waits_for_no_channel(switches):
             closing["s"] = time.monotonic() - start
 
         x = np.ones(64 * 1024, np.float32)
-        first = w.allreduce_async(x)
+        registered = threading.Event()  # rank 0's call waits for its callback to be set
+        first = w.allreduce_async(x, ready=registered.wait if rank == 0 else None)
         if rank == 0:
             first.add_done_callback(close)
+            registered.set()
             second = w.allreduce_async(2 * x)
         else:
             first.wait(10)
