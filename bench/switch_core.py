@@ -52,6 +52,7 @@ if ROOT not in sys.path:
 
 from switchml import wire  # noqa: E402
 from switchml.bench.common import at_least, within  # noqa: E402
+from switchml.bench.launch import end_processes  # noqa: E402
 from switchml.switch.server import Switch  # noqa: E402
 
 #: IPv4 and UDP headers: what a frame holds beside the datagram.
@@ -152,13 +153,12 @@ def _values(r: int, rank: int, slot: int, packet_elements: int) -> np.ndarray:
         -1000, 1000, packet_elements).astype(np.int32)
 
 
-def _check_results(socks, world: int, slots: int, packet_elements: int) -> tuple:
-    """(results read, what was wrong with them): the results left in the ranks'
-    sockets (a few: their buffers are small and unread) against the exact sums
-    (message m of a slot holds round m % 2's values)."""
+def results_left(socks) -> tuple[list, list]:
+    """The datagrams left in the ranks' sockets once the last results are on their
+    way (a few: the buffers are small and unread): [(datagram, header)] of those
+    that decode, and what was wrong with the others."""
     time.sleep(0.05)  # the last results on their way
-    exact = {}
-    checked, wrong = 0, []
+    results, wrong = [], []
     for s in socks:
         s.setblocking(False)
         while True:
@@ -166,23 +166,32 @@ def _check_results(socks, world: int, slots: int, packet_elements: int) -> tuple
                 data = s.recv(65536)
             except BlockingIOError:
                 break
-            checked += 1
             try:
-                h = wire.decode_header(data)
+                results.append((data, wire.decode_header(data)))
             except wire.MalformedPacket as exc:
                 wrong.append(f"a malformed datagram ({exc})")
-                continue
-            key = (h.msg % 2, h.slot)
-            if h.kind != wire.KIND_RESULT or h.slot >= slots:
-                wrong.append(f"kind {h.kind} slot {h.slot}")
-                continue
-            if key not in exact:
-                exact[key] = np.sum([_values(key[0], rank, key[1], packet_elements)
-                                     for rank in range(world)], axis=0).astype(np.int32)
-            got = wire.values(data, h.lanes, h.count)
-            if not np.array_equal(got, exact[key]):
-                wrong.append(f"slot {h.slot} msg {h.msg}: not the sum")
-    return checked, wrong[:5]
+    return results, wrong
+
+
+def _check_results(socks, world: int, slots: int, packet_elements: int) -> tuple:
+    """(results read, what was wrong with them): the results left in the ranks'
+    sockets against the exact sums (message m of a slot holds round m % 2's
+    values)."""
+    exact = {}
+    results, wrong = results_left(socks)
+    read = len(results) + len(wrong)
+    for data, h in results:
+        key = (h.msg % 2, h.slot)
+        if h.kind != wire.KIND_RESULT or h.slot >= slots:
+            wrong.append(f"kind {h.kind} slot {h.slot}")
+            continue
+        if key not in exact:
+            exact[key] = np.sum([_values(key[0], rank, key[1], packet_elements)
+                                 for rank in range(world)], axis=0).astype(np.int32)
+        got = wire.values(data, h.lanes, h.count)
+        if not np.array_equal(got, exact[key]):
+            wrong.append(f"slot {h.slot} msg {h.msg}: not the sum")
+    return read, wrong[:5]
 
 
 # ---------------------------------------------------------------- one measurement
@@ -248,12 +257,7 @@ def measure(path: str, mtu: int, workers: int, senders: int, slots: int, block: 
             for proc in procs:
                 proc.join(10)
         finally:  # (a failure, a dead sender, TERM or Ctrl-C) no sender outlives the row
-            for proc in procs:
-                if proc.is_alive():
-                    proc.terminate()
-                proc.join(5)
-            for parent in pipes:
-                parent.close()
+            end_processes(procs, pipes)
     wall = t1 - t0
     cpu = after["cpu_s"] - before["cpu_s"]
     sent = sum(a[0] for a in answers)

@@ -64,6 +64,7 @@ if ROOT not in sys.path:
 from bench.switch_core import packet_elements_for, write_rows  # noqa: E402
 from switchml import wire  # noqa: E402
 from switchml.bench.common import at_least, within  # noqa: E402
+from switchml.bench.launch import end_processes  # noqa: E402
 from switchml.switch.xdp import loader as xdp_loader  # noqa: E402
 from switchml.switch.xdp import pipeline as xdp  # noqa: E402
 
@@ -292,12 +293,7 @@ def measure(mtu: int, cpus: int, share: str, workers: int, slots: int, block: in
             for child in children:
                 child.join(timeout=30)
         finally:  # (a failure, TERM or Ctrl-C) no runner goes on spinning the program
-            for child in children:
-                if child.is_alive():
-                    child.terminate()
-                child.join(5)
-            for pipe in pipes:
-                pipe.close()
+            end_processes(children, pipes)
         failures = [a for a in answers if isinstance(a[0], BaseException)]
         if failures:  # the cause first, not the failed meeting it left the other process
             failures.sort(key=lambda f: "the other process failed" in str(f[0]))

@@ -52,9 +52,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from bench.switch_core import packet_elements_for, write_rows  # noqa: E402
+from bench.switch_core import packet_elements_for, results_left, write_rows  # noqa: E402
 from bench.xdp_core import add_arguments, check_frames, median_cells, read_runs  # noqa: E402
 from switchml import wire  # noqa: E402
+from switchml.bench.launch import ask_to_stop  # noqa: E402
 from switchml.switch.xdp import loader as xdp_loader  # noqa: E402
 from switchml.switch.xdp import pipeline as xdp  # noqa: E402
 
@@ -128,25 +129,13 @@ def send(index: int, port: int, workers: int, slots: int, packet_elements: int, 
     exact = np.sum([[wire.values(bytes(b[i * size:(i + 1) * size]), lanes, packet_elements)
                      for i in range(slots)] for b in bodies], axis=0, dtype=np.int64)
     exact = exact.astype(np.int32)
-    checked, wrong = 0, []
-    time.sleep(0.05)  # the last results on their way
-    for s in socks:
-        s.setblocking(False)
-        while True:
-            try:
-                data = s.recv(65536)
-            except BlockingIOError:
-                break
-            checked += 1
-            try:
-                h = wire.decode_header(data)
-            except wire.MalformedPacket as exc:
-                wrong.append(f"a malformed datagram ({exc})")
-                continue
-            j = h.slot - index * slots
-            if h.kind != wire.KIND_RESULT or not 0 <= j < slots or not np.array_equal(
-                    wire.values(data, h.lanes, h.count), exact[j]):
-                wrong.append(f"slot {h.slot} msg {h.msg} (kind {h.kind})")
+    results, wrong = results_left(socks)
+    checked = len(results) + len(wrong)
+    for data, h in results:
+        j = h.slot - index * slots
+        if h.kind != wire.KIND_RESULT or not 0 <= j < slots or not np.array_equal(
+                wire.values(data, h.lanes, h.count), exact[j]):
+            wrong.append(f"slot {h.slot} msg {h.msg} (kind {h.kind})")
     print(json.dumps({"sent": sent, "passes": msg, "refused": refused, "seconds": sending_s,
                       "results_checked": checked, "results_wrong": wrong[:5],
                       "results_wrong_count": len(wrong)}), flush=True)
@@ -281,12 +270,7 @@ def measure(mtu: int, cpus: int, workers: int, slots: int, block: int,
             out, err = proc.communicate(timeout=seconds + 120)
         finally:  # (TERM, Ctrl-C, a timeout) it detaches its programs and ends its senders
             if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.communicate(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+                ask_to_stop(proc, 15)
         if proc.returncode:
             last = err.strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
             if last[0].startswith("xdp_driver: wrong sums"):

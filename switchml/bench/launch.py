@@ -60,13 +60,30 @@ def run_to_its_end(argv: list, cwd: str | None = None) -> int:
     try:
         return proc.wait()
     except BaseException:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        ask_to_stop(proc, 60)
         raise
+
+
+def end_processes(procs, pipes=()) -> None:
+    """TERM to the ``multiprocessing`` processes ``procs`` still running, 5 s each
+    to end; then this side's ends of their ``pipes`` closed."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+        proc.join(5)
+    for pipe in pipes:
+        pipe.close()
+
+
+def ask_to_stop(proc: subprocess.Popen, seconds: float) -> tuple:
+    """Stop ``proc`` with TERM, giving it ``seconds`` to take away what it made,
+    then kill it; what it wrote to the pipes it has (``communicate``'s answer)."""
+    proc.terminate()
+    try:
+        return proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()
 
 
 def role_argv(role: str, spec: dict) -> list:
