@@ -239,17 +239,15 @@ def test_a_racks_new_job_never_gets_a_recent_session(monkeypatch):
     """A rack switch's jobs, as the flat switch's: a session is never one of the
     last jobs' that ended there (it only avoided the running ones'), so an old
     job's late datagram is no new job's."""
-    import types
-
-    from switchml.switch.racks import control as racks_control
+    from switchml.switch import control
     relay = joined_cluster()
     [first] = relay.racks[0].pipeline.jobs
     for rank, rack in enumerate((0, 0, 1, 1)):
         relay.worker(rack, ("j", rank), {"op": "leave"})
     assert relay.racks[0].pipeline.jobs == {}
-    draws = iter([first, first, 12345])
-    monkeypatch.setattr(racks_control, "secrets",
-                        types.SimpleNamespace(randbits=lambda bits: next(draws)))
+    # the spine's session and its token, then the rack's session, then its ranks' tokens
+    draws = iter([5555, 6666, first, first, 12345, 777, 778])
+    monkeypatch.setattr(control.secrets, "randbits", lambda bits: next(draws))
     for rank in (0, 1):
         relay.worker(0, ("k", rank), join(rank, 2, "k"))
     assert list(relay.racks[0].pipeline.jobs) == [12345]

@@ -505,9 +505,7 @@ class Controller:
 
     def _start(self, job: JobEntry) -> list:
         base = self.pipeline.allocate(job.slot_count)
-        session = 0
-        while session == 0 or session in self.pipeline.jobs or session in self._recent:
-            session = secrets.randbits(32)
+        session = new_session(lambda s: s in self.pipeline.jobs or s in self._recent)
         # The pipeline's members: a worker, or a rack switch for the ranks behind it
         # (their partial sum), in the order of their lowest rank.
         conns = _members(job)
@@ -696,6 +694,15 @@ class Controller:
                              if bitmap >> i & 1 for g in ranks)
                 rows.append((slot, number, holds, bitmap))
         return [(conn, StatusReply(tuple(rows)))]
+
+
+def new_session(taken) -> int:
+    """A new job's session: 32 random bits, never 0 nor one that ``taken`` says a
+    running or recently ended job has (an old job's late datagram is no new job's)."""
+    session = 0
+    while session == 0 or taken(session):
+        session = secrets.randbits(32)
+    return session
 
 
 def new_tokens(count: int, session: int) -> list[int]:

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..buffers import BufferPool
 from ..errors import SwitchMLError
-from .engine.stream import SUPPORTED_DTYPES
+from .engine.stream import SUPPORTED_DTYPES, check_apart
 
 #: The float32 copies float16 calls are summed in, reused from call to call.
 _WIDE = BufferPool()
@@ -96,11 +96,8 @@ def check_call(array, out, sparse, bits: int, ready) -> tuple[np.ndarray, np.nda
                          f"and dtype {src.dtype}")
     elif not out.flags.writeable:
         raise ValueError("out is read-only: the sum cannot be written there")
-    elif np.may_share_memory(src, out) and not (
-            src.ctypes.data == out.ctypes.data and src.nbytes == out.nbytes):
-        # refused here, on the caller's thread: the I/O thread's refusal failed the
-        # job for every rank
-        raise ValueError("out must be the input itself or not overlap it")
+    else:  # on the caller's thread: the I/O thread's refusal failed the job for all
+        check_apart(src, out)
     if bits == 16:
         if src.dtype == np.int32:
             raise ValueError("the 16-bit wire carries float arrays, not int32")

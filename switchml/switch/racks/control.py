@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import logging
-import secrets
 import time
 from collections import deque
 from collections.abc import Callable
@@ -47,7 +46,7 @@ from dataclasses import dataclass, field
 
 from ... import protocol
 from ...protocol import UNREACHABLE, Error, Failed, Joined, Ready, StatsReply, StatusReply
-from ..control import RECENT_SESSIONS_KEPT, describe_mismatch, new_tokens
+from ..control import RECENT_SESSIONS_KEPT, describe_mismatch, new_session, new_tokens
 from ..dataplane.pipeline import MAX_WORKERS, SlotPoolExhausted
 from .pipeline import RackPipeline, Uplink
 
@@ -466,9 +465,7 @@ class RackController:
             reason = (f"job '{job.name}': the rack switch has no room for the spine's window "
                       f"of {ready.slot_count} slots ({exc})")
             return self._fail(job, Failed((), reason), up=protocol.Abort(reason))
-        session = 0
-        while session == 0 or session in self.pipeline.jobs or session in self._recent:
-            session = secrets.randbits(32)
+        session = new_session(lambda s: s in self.pipeline.jobs or s in self._recent)
         uplink = Uplink((self.spine[0], ready.data_port), job.uplink_addr, ready.session,
                         ready.slot_base, ready.member, ready.token)
         tokens = new_tokens(len(job.ranks), session)

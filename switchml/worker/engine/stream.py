@@ -102,6 +102,11 @@ def check_arrays(array: np.ndarray, out: np.ndarray) -> None:
     """Raise unless ``array`` is of a summed dtype and ``out`` is it or apart from it."""
     if array.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"switchml sums float32 and int32 arrays, not {array.dtype}")
+    check_apart(array, out)
+
+
+def check_apart(array: np.ndarray, out: np.ndarray) -> None:
+    """Raise unless ``out`` is ``array`` itself or does not overlap it."""
     src, dst = array.reshape(-1), out.reshape(-1)
     if np.may_share_memory(src, dst) and not (
             src.ctypes.data == dst.ctypes.data and src.size == dst.size):
